@@ -1,0 +1,1 @@
+"""clover.export: see DESIGN.md (filled in by later issues)."""

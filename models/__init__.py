@@ -1,0 +1,1 @@
+"""clover.models: the base decoder (Llama family), draft heads and their checkpoints."""

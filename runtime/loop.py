@@ -1,0 +1,102 @@
+"""The speculate -> verify loop. numpy only: backends adapt engines to the Runner interface.
+
+One step: draft a tree from the heads (depth by depth), verify it with one base forward, accept the
+longest valid path (greedy) or run recursive rejection sampling (sampling), commit the accepted
+path's KV, and carry the bonus token to the next step as the new root. Plain decoding is the same
+loop with the root-only tree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
+from clover.runtime.backend import Runner
+from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_without_replacement, topk_tokens
+from clover.runtime.tree import Tree, compile_tree
+
+PLAIN = compile_tree([], name="plain")
+
+
+@dataclass
+class Step:
+    """What one model step emitted (the prefill is step 0) and where its time went."""
+
+    tokens: list[int]
+    tree_nodes: int  # nodes verified (1 for plain steps and the prefill)
+    seconds: dict[str, float] = field(default_factory=dict)  # draft / verify / accept / commit
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: np.ndarray  # [T] int64, node 0 = root
+    valid: np.ndarray  # [T] bool: a node (and its subtree) is invalid when its draft had too few tokens
+    probs: np.ndarray | None  # [T, V] draft law each node's children were sampled from (sampling only)
+
+
+def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingParams, rng: np.random.Generator) -> Draft:
+    """Fill the tree depth by depth: greedy takes each node's top-k, sampling draws without replacement."""
+    T = tree.num_nodes
+    tokens = np.full(T, root_token, dtype=np.int64)
+    valid = np.ones(T, dtype=bool)
+    probs = None if sampling.greedy or T == 1 else np.zeros((T, runner.info.vocab_size))
+    rows, logits = np.zeros(1, dtype=np.int64), None  # rows: nodes whose children are drafted next
+    for depth in range(1, tree.max_depth + 1):
+        logits = runner.draft_begin()[None] if depth == 1 else logits
+        if sampling.greedy:
+            top = topk_tokens(logits, tree.max_children)  # [n, k]
+        for r, node in enumerate(rows):
+            kids = tree.children[node]
+            if sampling.greedy:
+                tokens[kids] = top[r, : len(kids)]
+                continue
+            probs[node] = probs_from_logits(logits[r : r + 1], sampling)[0]
+            drawn = sample_without_replacement(probs[node], len(kids), rng)
+            tokens[kids[: len(drawn)]] = drawn
+            valid[kids[len(drawn):]] = False
+        valid[tree.levels[depth]] &= valid[tree.parent[tree.levels[depth]]]
+        rows = np.array([n for n in tree.levels[depth] if len(tree.children[n])], dtype=np.int64)
+        if depth == tree.max_depth or len(rows) == 0:
+            break
+        logits = runner.draft_step(depth, rows, tree.parent[rows].astype(np.int64), tokens[rows])
+    return Draft(tokens, valid, probs)
+
+
+def accept(tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> Acceptance:
+    if sampling.greedy:
+        return accept_greedy(tree, draft.tokens, logits)
+    target = probs_from_logits(logits, sampling)
+    draft_probs = draft.probs if draft.probs is not None else np.zeros_like(target)
+    return accept_sampling(tree, draft.tokens, draft.valid, target, draft_probs, rng)
+
+
+def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: SamplingParams,
+                      rng: np.random.Generator, capacity: int) -> Iterator[Step]:
+    """Yield the tokens of each step until the sequence is full; the caller stops iterating when done."""
+    clock = time.perf_counter
+    runner.reset(capacity)
+    t0 = clock()
+    P = len(prompt)
+    logits = runner.forward(prompt, np.arange(P), np.tri(P, dtype=bool), last_only=True)
+    first = accept(PLAIN, Draft(prompt[-1:], np.ones(1, bool), None), logits, sampling, rng).bonus_token
+    runner.commit(np.arange(P), np.append(prompt[1:], first))
+    yield Step([first], 1, {"prefill": clock() - t0})
+    root = first
+    while runner.past_length + 1 <= runner.capacity:
+        step_tree = tree if runner.past_length + tree.num_nodes <= runner.capacity else PLAIN
+        t0 = clock()
+        draft = draft_tree(runner, step_tree, root, sampling, rng)                          # 1. draft
+        t1 = clock()
+        logits = runner.forward(draft.tokens, step_tree.depth, step_tree.ancestor_mask)     # 2. verify
+        t2 = clock()
+        acc = accept(step_tree, draft, logits, sampling, rng)                               # 3. accept
+        emitted = [int(t) for t in draft.tokens[acc.accepted_nodes]] + [acc.bonus_token]
+        t3 = clock()
+        runner.commit(acc.path, np.array(emitted, dtype=np.int64))                          # 4. commit KV
+        yield Step(emitted, step_tree.num_nodes,
+                   {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3})
+        root = acc.bonus_token

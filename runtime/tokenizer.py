@@ -1,0 +1,359 @@
+"""Tokenizer and chat template of a Hugging Face model folder, without transformers.
+
+Reads the files transformers writes (`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja`,
+`generation_config.json`, `config.json`) and reproduces what `AutoTokenizer` does with them for
+decoder LLMs: encoding, decoding, EOS ids and chat-template rendering. Needs only `tokenizers` and
+`jinja2`, so the CPU serving path stays free of torch and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import processors
+
+from clover.errors import CloverError
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+GENERATION_CONFIG_FILE = "generation_config.json"
+MODEL_CONFIG_FILE = "config.json"
+
+# Special-token names transformers passes to chat templates (its `special_tokens_map`).
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` plus the special tokens, EOS ids and chat template of a model folder.
+
+    Build it with `Tokenizer.from_dir`; `save` writes the files back so that `from_dir` round-trips.
+    """
+
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        special_tokens: dict[str, str] | None = None,
+        eos_token_ids: Sequence[int] = (),
+        chat_template: str | None = None,
+        config: dict[str, Any] | None = None,
+        source: str = "<memory>",
+    ) -> None:
+        """Args:
+        backend: the tokenizer (its post-processor decides which special tokens `encode` adds).
+        special_tokens: `bos_token`, `eos_token`, `unk_token`, `pad_token` strings, where known.
+        eos_token_ids: every id that ends generation.
+        chat_template: Jinja chat template, or None.
+        config: the raw `tokenizer_config.json` contents, kept so that `save` preserves them.
+        source: where it was loaded from, for error messages.
+        """
+        self._backend = backend
+        self._special_tokens = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+        self._eos_token_ids = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self._chat_template = chat_template
+        self._config = dict(config or {})
+        self._source = source
+        self._compiled_template: jinja2.Template | None = None
+
+    # ----------------------------------------------------------------------------------- loading
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load the tokenizer of a Hugging Face model folder.
+
+        Args:
+            path: folder holding `tokenizer.json` (required) and optionally `tokenizer_config.json`,
+                `chat_template.jinja`, `generation_config.json` and `config.json`.
+
+        Returns:
+            The tokenizer; `eos_token_ids` is the union of the EOS ids of all those files.
+
+        Raises:
+            CloverError: the folder or `tokenizer.json` is missing, or a file is not valid.
+        """
+        folder = Path(path)
+        if not folder.is_dir():
+            raise CloverError(f"model folder {folder} does not exist or is not a directory")
+        tokenizer_file = folder / TOKENIZER_FILE
+        if not tokenizer_file.is_file():
+            found = sorted(p.name for p in folder.iterdir())
+            raise CloverError(
+                f"model folder {folder} has no {TOKENIZER_FILE} (a Hugging Face fast-tokenizer file is "
+                f"required); found: {', '.join(found) if found else 'nothing'}"
+            )
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # tokenizers raises a bare Exception on bad files
+            raise CloverError(f"cannot read {tokenizer_file}: {e}") from e
+
+        config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+        special_tokens = {key: _token_content(config.get(key), key, folder) for key in _SPECIAL_TOKEN_KEYS}
+        _apply_bos_eos_flags(backend, config, special_tokens, folder)
+
+        chat_template = _chat_template_from_config(config.get("chat_template"), folder)
+        template_file = folder / CHAT_TEMPLATE_FILE
+        if template_file.is_file():
+            chat_template = template_file.read_text(encoding="utf-8")
+
+        eos_ids: list[int] = []
+        eos_token = special_tokens.get("eos_token")
+        if eos_token is not None and (eos_id := backend.token_to_id(eos_token)) is not None:
+            eos_ids.append(eos_id)
+        for name in (GENERATION_CONFIG_FILE, MODEL_CONFIG_FILE):
+            eos_ids.extend(_eos_ids(_read_json(folder / name).get("eos_token_id"), folder / name))
+
+        return cls(
+            backend,
+            special_tokens=special_tokens,
+            eos_token_ids=eos_ids,
+            chat_template=chat_template,
+            config=config,
+            source=str(folder),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write `tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja` (if any) and the EOS ids.
+
+        The EOS ids go to `generation_config.json` as `eos_token_id`; other keys of an existing
+        `generation_config.json` there are kept. `Tokenizer.from_dir(path)` gives back an equal tokenizer.
+        """
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(folder / TOKENIZER_FILE))
+        config = dict(self._config)
+        config.update(self._special_tokens)
+        if self._chat_template is not None:
+            config.pop("chat_template", None)
+            (folder / CHAT_TEMPLATE_FILE).write_text(self._chat_template, encoding="utf-8")
+        _write_json(folder / TOKENIZER_CONFIG_FILE, config)
+        generation_config = _read_json(folder / GENERATION_CONFIG_FILE)
+        generation_config["eos_token_id"] = list(self._eos_token_ids)
+        _write_json(folder / GENERATION_CONFIG_FILE, generation_config)
+
+    # -------------------------------------------------------------------------------- properties
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation: the `eos_token` first, then generation_config / config ids."""
+        return self._eos_token_ids
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._special_tokens.get("bos_token")
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._special_tokens.get("eos_token")
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._backend.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The wrapped `tokenizers.Tokenizer`."""
+        return self._backend
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._backend.id_to_token(token_id)
+
+    # ------------------------------------------------------------------------ encoding, decoding
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; `add_special_tokens` adds what the post-processor adds (e.g. BOS)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids` (no `clean_up_tokenization_spaces`: decoder LLMs' BPE tokenizers never want it)."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # ----------------------------------------------------------------------------- chat template
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render `messages` with the model's chat template, as transformers' `apply_chat_template`.
+
+        Args:
+            messages: `[{"role": ..., "content": ...}, ...]`; keys whose value is None are dropped.
+            add_generation_prompt: append the header that starts the assistant's reply.
+
+        Returns:
+            The prompt text, special tokens included as text.
+
+        Raises:
+            CloverError: the model has no chat template, or the template rejected the messages.
+        """
+        template = self._template()
+        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+            raise CloverError(f"chat messages must be a list of dicts, got {messages!r}")
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
+        except CloverError:
+            raise
+        except jinja2.TemplateError as e:
+            raise CloverError(f"chat template of {self._source} failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of the rendered chat; no special tokens are added (the template holds them)."""
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    def _template(self) -> jinja2.Template:
+        if self._chat_template is None:
+            names = self._config.get("chat_template")
+            detail = ""
+            if isinstance(names, list):
+                found = sorted(str(t.get("name")) for t in names if isinstance(t, dict))
+                detail = f" named 'default' (it has {found})"
+            raise CloverError(f"model folder {self._source} has no chat template{detail}; run without --chat")
+        if self._compiled_template is None:
+            try:
+                self._compiled_template = _jinja_environment().from_string(self._chat_template)
+            except jinja2.TemplateSyntaxError as e:
+                raise CloverError(f"chat template of {self._source} is not valid Jinja: {e}") from e
+        return self._compiled_template
+
+    def __repr__(self) -> str:
+        return (
+            f"Tokenizer(source={self._source!r}, vocab_size={self.vocab_size}, "
+            f"eos_token_ids={self._eos_token_ids}, has_chat_template={self.has_chat_template})"
+        )
+
+
+# --------------------------------------------------------------------------------------- helpers
+
+
+def _jinja_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """The sandboxed environment transformers renders chat templates in."""
+
+    def raise_exception(message: str) -> None:
+        raise CloverError(f"chat template rejected the messages: {message}")
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        # Jinja's own tojson escapes HTML characters; transformers overrides it the same way.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    """Contents of an optional JSON object file; {} when absent."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CloverError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CloverError(f"{path} should hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _token_content(value: Any, key: str, folder: Path) -> str | None:
+    """A special token from tokenizer_config.json: a string or an AddedToken dict with "content"."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise CloverError(
+        f"{folder / TOKENIZER_CONFIG_FILE}: {key} should be a string or a dict with a 'content' string, "
+        f"found {value!r}"
+    )
+
+
+def _chat_template_from_config(value: Any, folder: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (take "default")."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        for entry in value:
+            if isinstance(entry, dict) and entry.get("name") == "default" and isinstance(entry.get("template"), str):
+                return entry["template"]
+        return None
+    raise CloverError(
+        f"{folder / TOKENIZER_CONFIG_FILE}: chat_template should be a string or a list of "
+        f"{{name, template}} dicts, found {type(value).__name__}"
+    )
+
+
+def _eos_ids(value: Any, path: Path) -> list[int]:
+    """An `eos_token_id` entry: absent, an int, or a list of ints."""
+    if value is None:
+        return []
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise CloverError(f"{path}: eos_token_id should be an int or a list of ints, found {value!r}")
+    return list(values)
+
+
+def _apply_bos_eos_flags(
+    backend: tokenizers.Tokenizer, config: dict[str, Any], special_tokens: dict[str, str | None], folder: Path
+) -> None:
+    """Honour explicit `add_bos_token` / `add_eos_token` flags as transformers does.
+
+    When tokenizer_config.json sets either flag, transformers replaces tokenizer.json's post-processor
+    with one that adds exactly the flagged tokens; without the flags, tokenizer.json's post-processor
+    is used as is.
+    """
+    if "add_bos_token" not in config and "add_eos_token" not in config:
+        return
+    pieces: list[tuple[str, str]] = []  # (token, position) with position "before" / "after"
+    if config.get("add_bos_token") and special_tokens.get("bos_token") is not None:
+        pieces.append((special_tokens["bos_token"], "before"))
+    if config.get("add_eos_token") and special_tokens.get("eos_token") is not None:
+        pieces.append((special_tokens["eos_token"], "after"))
+    ids: list[tuple[str, int]] = []
+    for token, _ in pieces:
+        token_id = backend.token_to_id(token)
+        if token_id is None:
+            raise CloverError(
+                f"{folder / TOKENIZER_CONFIG_FILE} asks to add {token!r} to every sequence, but "
+                f"{folder / TOKENIZER_FILE} has no such token"
+            )
+        ids.append((token, token_id))
+    bos = "".join(f"{t}:0 " for t, where in pieces if where == "before")
+    eos = "".join(f" {t}:0" for t, where in pieces if where == "after")
+    bos1 = "".join(f" {t}:1" for t, where in pieces if where == "before")
+    eos1 = "".join(f" {t}:1" for t, where in pieces if where == "after")
+    single = f"{bos}$A:0{eos}"
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=f"{single}{bos1} $B:1{eos1}", special_tokens=list(dict.fromkeys(ids))
+    )

@@ -1,0 +1,74 @@
+"""Shared test fixtures: tiny random base models, a tiny tokenizer, and the oracle draft runner."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from clover.models.config import BaseConfig, RopeConfig
+from clover.models.decoder import Decoder
+from clover.runtime.backend import RunnerInfo
+from clover.runtime.torch_backend import TorchRunner
+
+
+def tiny_config(vocab: int = 96, family: str = "LlamaForCausalLM", max_context: int = 256, **kw) -> BaseConfig:
+    base = dict(architecture=family, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
+                num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
+                max_position_embeddings=max_context, tie_word_embeddings=True)
+    base.update(kw)
+    return BaseConfig(**base)
+
+
+def tiny_base(seed: int = 0, scale: float = 1.0, **kw) -> Decoder:
+    """A random-init decoder; `scale` multiplies the embedding (smaller = flatter next-token laws)."""
+    torch.manual_seed(seed)
+    model = Decoder(tiny_config(**kw))
+    for name, p in model.named_parameters():
+        if p.ndim == 2:
+            torch.nn.init.normal_(p, std=0.02 if "embed" not in name else 1.0 * scale)
+    return model.eval().requires_grad_(False)
+
+
+def tiny_tokenizer_dir(path: Path, vocab: int = 96, eos: int = 1) -> Path:
+    """A word-level tokenizer over words w0..w{vocab-1} (w1 = EOS) with a trivial chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = {f"w{i}": i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": f"w{eos}", "bos_token": "w2",
+        "chat_template": "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5{% endif %}",
+    }))
+    return path
+
+
+class OracleRunner(TorchRunner):
+    """A draft that proposes the base model's own greedy continuation (`reference`) at rank 0 of every
+    node, and arbitrary distinct tokens at other ranks. With greedy decoding every drafted path along
+    rank 0 is accepted, which exercises long accepted paths and their KV compaction."""
+
+    def __init__(self, base: Decoder, reference: list[int], seed: int = 0):
+        super().__init__(base, None)
+        self.reference = reference
+        self.rng = np.random.default_rng(seed)
+        self.info = RunnerInfo("torch", base.config.vocab_size, base.config.max_position_embeddings, "oracle", None, "oracle")
+
+    def _logits_for(self, index: int, n: int) -> np.ndarray:
+        logits = self.rng.standard_normal((n, self.info.vocab_size)).astype(np.float32)
+        if index < len(self.reference):
+            logits[:, self.reference[index]] = 100.0
+        return logits
+
+    def _draft_begin(self):
+        # the root is sequence index past_length; its children are index past_length + 1
+        return self._logits_for(self.past_length + 1, 1)[0]
+
+    def _draft_step(self, depth, nodes, parents, tokens):
+        return self._logits_for(self.past_length + depth + 1, len(nodes))

@@ -1,0 +1,184 @@
+"""Greedy identity: speculative output equals plain output token for token (tiny random models).
+
+Every head type, several trees, and an oracle draft (the base's own greedy continuation) that makes
+long accepted paths and so exercises KV compaction. A mismatch names the first diverging index and
+the top-2 logit margin of the plain run there.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from clover.errors import CloverError
+from clover.models.head_io import random_heads
+from clover.runtime.generator import Generator
+from clover.runtime.loop import speculative_steps
+from clover.runtime.sampling import SamplingParams
+from clover.runtime.tokenizer import Tokenizer
+from clover.runtime.torch_backend import TorchRunner
+from clover.runtime.tree import resolve_tree
+from helpers import OracleRunner, tiny_base, tiny_tokenizer_dir
+
+GREEDY = SamplingParams()
+PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 3, 90, 12, 13, 14, 15, 16, 17, 18]]
+
+
+def run_tokens(runner, prompt, tree, n, sampling=GREEDY, seed=0):
+    rng = np.random.default_rng(seed)
+    out, steps = [], []
+    capacity = min(runner.info.max_context, len(prompt) + n + tree.num_nodes)
+    for i, step in enumerate(speculative_steps(runner, np.array(prompt), tree, sampling, rng, capacity)):
+        out += step.tokens
+        if i:
+            steps.append(len(step.tokens))
+        if len(out) >= n:
+            break
+    return out[:n], steps
+
+
+def assert_same(base, prompt, got, want):
+    if got == want:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
+    with torch.no_grad():
+        ids = torch.tensor([prompt + want[:i]])
+        from clover.models.decoder import causal_mask
+
+        T = ids.shape[1]
+        cache = base.empty_cache(1, 0)
+        logits = base(ids, torch.arange(T)[None], causal_mask(T), torch.tensor([0]), *cache).logits[0, -1]
+    top2 = torch.topk(logits, 2).values
+    pytest.fail(f"speculative output diverges from plain at index {i}: {got[i]} vs {want[i]}, "
+                f"plain top-2 logit margin there {float(top2[0] - top2[1]):.3g}")
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base(seed=3)
+
+
+@pytest.fixture(scope="module")
+def plain(base):
+    return {tuple(p): run_tokens(TorchRunner(base), p, resolve_tree("plain"), 40)[0] for p in PROMPTS}
+
+
+@pytest.mark.parametrize("arch,trees", [
+    ("medusa", ["chain-1", "chain-4", "small", "mc26-d4"]),
+    ("clover", ["chain-3", "mc26-d3", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"]),
+    ("clover2", ["chain-1", "chain-6", "small", "mc26"]),
+])
+def test_greedy_identity_every_head_and_tree(base, plain, arch, trees):
+    for seed in (0, 1):
+        runner = TorchRunner(base, random_heads(base, arch, seed))
+        for spec in trees:
+            tree = prune(spec, runner.info.heads_max_depth)
+            for p in PROMPTS:
+                got, _ = run_tokens(runner, p, tree, 40)
+                assert_same(base, p, got, plain[tuple(p)])
+
+
+def prune(spec, depth):
+    from clover.runtime.tree import compile_tree
+
+    if spec.startswith("mc26-d"):
+        d = int(spec.split("-d")[1])
+        return compile_tree([c for c in resolve_tree("mc26").choices if len(c) <= d], spec)
+    return resolve_tree(spec)
+
+
+@pytest.mark.parametrize("tree", ["chain-4", "mc26", "small"])
+def test_oracle_draft_accepts_long_paths_and_stays_identical(base, plain, tree):
+    t = resolve_tree(tree)
+    for p in PROMPTS:
+        want = plain[tuple(p)]
+        runner = OracleRunner(base, p + want)
+        got, steps = run_tokens(runner, p, t, 40)
+        assert_same(base, p, got, want)
+        # every step but the last accepts the whole rank-0 chain: depth + bonus
+        assert np.mean(steps) > 3, steps
+        assert steps[0] == t.max_depth + 1
+
+
+def test_kv_compaction_matches_sequential_cache(base):
+    """After a step that accepts a non-contiguous path, the cache equals a plain run's cache."""
+    prompt = PROMPTS[1]
+    plain_runner = TorchRunner(base)
+    want, _ = run_tokens(plain_runner, prompt, resolve_tree("plain"), 12)
+    oracle = OracleRunner(base, prompt + want)
+    run_tokens(oracle, prompt, resolve_tree("mc26"), 12)
+    n = min(oracle.past_length, plain_runner.past_length)
+    assert n > len(prompt) + 5
+    for a, b in zip(oracle.cache[0] + oracle.cache[1], plain_runner.cache[0] + plain_runner.cache[1]):
+        assert torch.allclose(a[:, :, :n], b[:, :, :n], atol=1e-5)
+
+
+def test_sequence_near_context_end_falls_back_to_plain_steps():
+    base = tiny_base(seed=3, max_context=40)
+    runner = TorchRunner(base, random_heads(base, "clover2"))
+    prompt = list(range(10, 30))
+    out, _ = run_tokens(runner, prompt, resolve_tree("mc26"), 100)
+    assert runner.past_length <= 40
+    plain, _ = run_tokens(TorchRunner(base), prompt, resolve_tree("plain"), 100)
+    # positions 0..39 fit the context; the token predicted at position 39 is the last one
+    assert out == plain and len(out) == 40 - len(prompt) + 1
+
+
+# -- Generator-level behaviour ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path_factory.mktemp("tok")))
+
+
+def test_generator_rejects_bad_inputs(base, tokenizer):
+    gen = Generator(TorchRunner(base), tokenizer)
+    with pytest.raises(CloverError, match="prompt is empty"):
+        gen.generate("   ")
+    with pytest.raises(CloverError, match="prompt has 300 tokens but the model's context is 256"):
+        gen.generate(" ".join(["w9"] * 300))
+    with pytest.raises(CloverError, match="needs draft heads"):
+        Generator(TorchRunner(base), tokenizer, tree="mc26")
+    with pytest.raises(CloverError, match="tree mc26 has depth 5 but medusa heads draft at most 4"):
+        Generator(TorchRunner(base, random_heads(base, "medusa")), tokenizer, tree="mc26")
+    with pytest.raises(CloverError, match="malformed|parent|rank|prefix"):
+        Generator(TorchRunner(base, random_heads(base, "clover2")), tokenizer, tree="[[1]]")
+
+
+def test_max_new_tokens_is_exact_and_stats_are_consistent(base, tokenizer):
+    gen = Generator(OracleRunner(base, []), tokenizer, tree="chain-4")
+    plain = Generator(TorchRunner(base), tokenizer).generate("w7 w8 w9", max_new_tokens=200, ignore_eos=True)
+    for n in (1, 2, 5, 13):
+        gen.runner.reference = tokenizer.encode("w7 w8 w9") + plain.token_ids
+        r = gen.generate("w7 w8 w9", max_new_tokens=n, ignore_eos=True)
+        assert r.new_tokens == n and r.token_ids == plain.token_ids[:n] and r.finish_reason == "length"
+        assert r.steps == len(r.accepted_per_step)
+
+
+def test_eos_ends_generation_exactly(base, tokenizer):
+    plain = Generator(TorchRunner(base), tokenizer).generate("w7 w8 w9", max_new_tokens=30, ignore_eos=True)
+    eos_at = 6
+    eos = plain.token_ids[eos_at]
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tokenizer_path := __import__("pathlib").Path(
+        __import__("tempfile").mkdtemp()) / "t", eos=eos))
+    ref = tok.encode("w7 w8 w9") + plain.token_ids
+    first = plain.token_ids.index(eos)
+    for runner in (TorchRunner(base), OracleRunner(base, ref)):
+        r = Generator(runner, tok, tree="chain-4" if runner.info.heads else None).generate("w7 w8 w9", max_new_tokens=30)
+        assert r.finish_reason == "stop"
+        assert r.token_ids == plain.token_ids[: first + 1]
+        assert f"w{eos}" not in r.text.split()
+
+
+def test_stop_string_cuts_text_and_stream_never_shows_it(base, tokenizer):
+    plain = Generator(TorchRunner(base), tokenizer).generate("w7 w8 w9", max_new_tokens=30, ignore_eos=True)
+    words = plain.text.split()
+    stop = " ".join(words[4:6])
+    ref = tokenizer.encode("w7 w8 w9") + plain.token_ids
+    gen = Generator(OracleRunner(base, ref), tokenizer, tree="mc26")
+    stream = gen.stream("w7 w8 w9", max_new_tokens=30, stop=[stop], ignore_eos=True)
+    deltas = list(stream)
+    r = stream.result
+    assert r.finish_reason == "stop"
+    assert "".join(deltas) == r.text
+    assert stop not in r.text and plain.text.startswith(r.text)
+    assert r.text == plain.text[: plain.text.index(stop)]

@@ -1,0 +1,1 @@
+"""clover.tools: command-line entry points."""

@@ -1,0 +1,88 @@
+"""clover-generate: generate text with a base model and (optionally) Clover draft heads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from clover.errors import CloverError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="clover-generate",
+        description="Generate text with speculative decoding (greedy output equals plain decoding).",
+    )
+    p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
+    p.add_argument("--heads", default="none", help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), or none")
+    p.add_argument("--backend", default="torch", help="engine backend (torch)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="file holding the prompt text ('-' for stdin)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--tree", default=None, help="plain, chain-N, small, mc26, a JSON file or inline JSON list (default: mc26 with heads)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--stream", action="store_true", help="print text as it is generated")
+    out.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and statistics")
+    return p
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if str(args.prompt_file) == "-":
+        return sys.stdin.read()
+    if not args.prompt_file.is_file():
+        raise CloverError(f"prompt file {args.prompt_file} does not exist")
+    return args.prompt_file.read_text()
+
+
+def run(args: argparse.Namespace) -> int:
+    from clover.runtime.generator import Generator
+    from clover.runtime.sampling import SamplingParams
+
+    if args.max_new_tokens < 1:
+        raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    prompt = read_prompt(args)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    gen = Generator.load(args.base, args.heads, args.backend, args.tree, args.dtype)
+    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=args.chat)
+    if args.stream:
+        stream = gen.stream(prompt, **kwargs)
+        for delta in stream:
+            print(delta, end="", flush=True)
+        result = stream.result
+        print()
+        print(f"[{result.new_tokens} tokens, {result.tokens_per_second:.1f} tok/s, "
+              f"{result.tokens_per_step:.2f} tokens/step (bonus included), finish: {result.finish_reason}]",
+              file=sys.stderr)
+    else:
+        result = gen.generate(prompt, **kwargs)
+        if args.json:
+            doc = result.to_dict()
+            doc["sampling"] = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+            print(json.dumps(doc))
+        else:
+            print(result.text)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except CloverError as e:
+        print(f"clover-generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

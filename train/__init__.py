@@ -1,0 +1,1 @@
+"""clover.train: see DESIGN.md (filled in by later issues)."""
