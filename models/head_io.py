@@ -64,9 +64,16 @@ def save_heads(heads: DraftHeads, path: str | Path, dtype: torch.dtype = torch.f
         cfg = dataclasses.asdict(heads.config)
         doc = {"format_version": FORMAT_VERSION, "dtype": str(dtype).removeprefix("torch."), **cfg}
         (tmp / CONFIG_FILE).write_text(json.dumps(doc, indent=1))
-        if path.exists():
-            shutil.rmtree(path)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a saved checkpoint is for everyone
+        # Move any old checkpoint aside first, so a crash never leaves no checkpoint at all.
+        old = path.parent / f".old-{path.name}-{os.getpid()}" if path.exists() else None
+        if old is not None:
+            os.replace(path, old)
         os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -77,16 +84,23 @@ def read_head_config(path: str | Path) -> HeadConfig:
     cfg_file = path / CONFIG_FILE
     if not cfg_file.is_file():
         raise CloverError(f"{path} is not a head checkpoint: no {CONFIG_FILE} in it (make one with clover-train)")
-    doc = json.loads(cfg_file.read_text())
+    try:
+        doc = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CloverError(f"{cfg_file} is not valid JSON ({e}): the checkpoint is corrupt, save it again") from e
     if doc.get("format_version") != FORMAT_VERSION:
         raise CloverError(
             f"{cfg_file} has format version {doc.get('format_version')}, this clover-deploy reads version "
             f"{FORMAT_VERSION}: re-save the heads with a matching clover-deploy"
         )
-    return HeadConfig(
-        arch=doc["arch"], base=BaseFingerprint(**doc["base"]), base_config=BaseConfig.from_dict(doc["base_config"]),
-        num_heads=doc["num_heads"], num_layers=doc["num_layers"], own_lm_head=doc.get("own_lm_head", False),
-    )
+    try:
+        base = dict(doc["base"], lm_head_probe=tuple(doc["base"].get("lm_head_probe", ())))
+        return HeadConfig(
+            arch=doc["arch"], base=BaseFingerprint(**base), base_config=BaseConfig.from_dict(doc["base_config"]),
+            num_heads=doc["num_heads"], num_layers=doc["num_layers"], own_lm_head=doc.get("own_lm_head", False),
+        )
+    except (KeyError, TypeError) as e:
+        raise CloverError(f"{cfg_file} is incomplete or malformed ({e!r}): save the heads again") from e
 
 
 def load_heads(path: str | Path, base: Decoder) -> DraftHeads:
@@ -110,7 +124,7 @@ def resolve_heads(spec: str, base: Decoder) -> DraftHeads | None:
         return None
     if spec.startswith("random:"):
         parts = spec.split(":")
-        if len(parts) not in (2, 3) or parts[1] not in CLASSES or (len(parts) == 3 and not parts[2].isdigit()):
+        if len(parts) not in (2, 3) or parts[1] not in CLASSES or (len(parts) == 3 and not parts[2].isdecimal()):
             raise CloverError(f"bad heads spec {spec!r}: expected random:ARCH[:SEED] with ARCH one of {', '.join(ARCHITECTURES)}")
         return random_heads(base, parts[1], int(parts[2]) if len(parts) == 3 else 0)
     if not Path(spec).is_dir():

