@@ -42,6 +42,10 @@ def main() -> None:
     path = base_dir(args.base)
     gen = Generator.load(args.base, "none", "torch")
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # Exactly N tokens on both sides without changing the argmax: drop EOS instead of min_new_tokens,
+    # which would suppress the EOS logit and so change transformers' greedy choice.
+    hf.generation_config.eos_token_id = None
+    hf.config.eos_token_id = None
     prompts = [gen.encode_prompt(p, chat=True) for p in PROMPTS]
     N = args.new_tokens
 
@@ -53,13 +57,19 @@ def main() -> None:
     def theirs(ids):
         t = time.perf_counter()
         with torch.inference_mode():
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=N, min_new_tokens=N, do_sample=False,
-                              pad_token_id=0)
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, pad_token_id=0)
         return out[0, len(ids):].tolist(), time.perf_counter() - t
 
     ours(prompts[0][:8]), theirs(prompts[0][:8])  # warm-up
+    def margin_at_divergence(ids, a, b):
+        """First index where the outputs differ and transformers' top-2 logit margin there."""
+        i = next(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
+        with torch.inference_mode():
+            top = hf(torch.tensor([ids + b[:i]])).logits[0, -1].topk(2).values
+        return {"index": i, "top2_margin": float(top[0] - top[1])}
+
     totals = {"clover-torch": 0.0, "transformers": 0.0}
-    same = 0
+    same, mismatches = 0, []
     runs = [(r, i) for r in range(args.repeats) for i in range(len(prompts))]
     for _, i in tqdm(runs, desc="plain decoding", unit="prompt"):
         a, ta = ours(prompts[i])
@@ -67,6 +77,8 @@ def main() -> None:
         totals["clover-torch"] += ta
         totals["transformers"] += tb
         same += a == b
+        if a != b:
+            mismatches.append(margin_at_divergence(prompts[i], a, b))
     tokens = N * len(runs)
     rows = {k: {"seconds": v, "tokens": tokens, "tokens_per_second": tokens / v} for k, v in totals.items()}
     ratio = rows["clover-torch"]["tokens_per_second"] / rows["transformers"]["tokens_per_second"]
@@ -76,9 +88,11 @@ def main() -> None:
     for k, v in rows.items():
         print(f"{k:<16}{v['tokens_per_second']:>10.2f}{v['seconds']:>10.2f}")
     print(f"clover / transformers speed ratio: {ratio:.2f}x; identical token ids: {same}/{len(runs)}")
+    for m in mismatches:
+        print(f"  outputs diverge at token {m['index']}: transformers' top-2 logit margin there {m['top2_margin']:.2e}")
     doc = {"benchmark": "plain_decoding", "base": args.base, "new_tokens": N, "generations": len(runs),
            "threads": torch.get_num_threads(), "dtype": "float32", "results": rows, "speed_ratio": ratio,
-           "identical_outputs": same, "torch": torch.__version__, "transformers": transformers.__version__,
+           "identical_outputs": same, "mismatches": mismatches, "torch": torch.__version__, "transformers": transformers.__version__,
            "machine": platform.machine(), "python": platform.python_version()}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1))

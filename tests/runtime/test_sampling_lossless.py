@@ -1,0 +1,269 @@
+"""Speculative sampling is lossless end to end: the real loop emits the base model's own sampling law.
+
+`speculative_steps` is driven with real (random-init) draft heads - Clover-2 on the 26-node `mc26` tree,
+Medusa on the depth-4 `small` tree - at temperature 0.9, with and without top-p, on a tiny random base
+with a 12-token vocabulary. The first generated token x1 comes from the prefill; x2 and x3 come from
+speculative steps, i.e. from drafting, verification, recursive rejection sampling over siblings,
+bonus tokens and KV compaction. The exact reference law is computed with plain base forwards of
+prompt + prefix (no cache, no tree) through the same `probs_from_logits`:
+
+    joint law of (x1, x2): V * V cells;  marginal law of x3: sum over (x1, x2) of P(x1, x2) p(x3 | x1, x2).
+
+N independent generations (one numpy generator per run, spawned from one fixed master seed) are
+compared with it by Pearson chi-square goodness of fit (cells with expected count < 5 merged into
+one), at significance level ALPHA = 1e-3 per check. Zero-probability cells (outside the top-p
+nucleus) must be empty, checked exactly.
+
+The seeds are fixed, so the test is deterministic: it passes or fails the same way on every run. If
+the loop were exact, a given seed would fail a check only with probability 1e-3 (that is how the seed
+was vetted: every check passes with p-values far from ALPHA); so a failure after a code change means,
+with high probability, that the emitted tokens no longer follow the base model's law - a real bias.
+
+The test is not vacuous: the same counts are rejected against plausible wrong laws (the draft heads'
+own law, a law that forgets x1), a textbook broken verifier (rejection without the residual update)
+run through the same loop is rejected, and every case asserts that draft tokens were both accepted
+and rejected, so the rejection-sampling path, not only the bonus-token path, is what was measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+import clover.runtime.acceptance as acceptance
+from clover.models.decoder import causal_mask
+from clover.models.head_io import random_heads
+from clover.runtime.loop import speculative_steps
+from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_token
+from clover.runtime.torch_backend import TorchRunner
+from clover.runtime.tree import resolve_tree
+from helpers import tiny_base
+
+ALPHA = 1e-3
+V = 12  # vocabulary: V * V joint cells stay cheap to enumerate exactly
+# Embedding scale 0.035 on seed 0: next-token laws have max probability ~0.3-0.65 at temperature 0.9
+# (neither near-uniform nor near-one-hot; see test_reference_laws_are_informative).
+BASE_SEED, BASE_SCALE = 0, 0.035
+PROMPT = [3, 7, 1, 9]
+TEMPERATURE = 0.9
+NUM_TOKENS = 3  # x1 (prefill), x2, x3 (speculative steps)
+N = 1000  # generations per case
+N_BROKEN = 400  # generations for the broken-verifier power check (its bias is large)
+MASTER_SEED = 20_240_805
+
+CASES = [("clover2", "mc26", 1.0), ("clover2", "mc26", 0.8), ("medusa", "small", 1.0)]
+CASE_IDS = [f"{a}-{t}-top_p{p}" for a, t, p in CASES]
+
+
+def sampling_params(top_p: float) -> SamplingParams:
+    return SamplingParams(temperature=TEMPERATURE, top_p=top_p)
+
+
+# -- exact reference ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base(seed=BASE_SEED, scale=BASE_SCALE, vocab=V)
+
+
+@pytest.fixture(scope="module")
+def base_logits(base):
+    """Plain base logits: l1 [V] after the prompt, l2 [V, V] after prompt + x1, l3 [V, V, V] after
+    prompt + x1 + x2. One uncached forward of prompt + [x1, x2] per pair (a causal chain, empty cache)."""
+    P = len(PROMPT)
+    l2 = np.zeros((V, V))
+    l3 = np.zeros((V, V, V))
+    T = P + 2
+    with torch.inference_mode():
+        for x1 in range(V):
+            for x2 in range(V):
+                ids = torch.tensor([PROMPT + [x1, x2]])
+                out = base(ids, torch.arange(T)[None], causal_mask(T), torch.tensor([0]), *base.empty_cache(1, 0))
+                logits = out.logits[0].double().numpy()  # [T, V]
+                l1 = logits[P - 1]
+                l2[x1] = logits[P]
+                l3[x1, x2] = logits[P + 1]
+    return l1, l2, l3
+
+
+def exact_laws(base_logits, sampling: SamplingParams) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(joint [V, V] law of (x1, x2), marginal [V] law of x3, conditional [V, V, V] p(x3 | x1, x2))."""
+    l1, l2, l3 = base_logits
+    p1 = probs_from_logits(l1[None], sampling)[0]  # [V]
+    p2 = probs_from_logits(l2, sampling)  # [V(x1), V]
+    p3 = probs_from_logits(l3.reshape(V * V, V), sampling).reshape(V, V, V)
+    joint = p1[:, None] * p2
+    return joint, np.einsum("ab,abc->c", joint, p3), p3
+
+
+# -- sampling through the real loop ------------------------------------------------------------------
+
+
+def first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n: int, seed: int):
+    """n generations of the first NUM_TOKENS tokens; returns (tokens [n, 3], per-step emitted counts of
+    the speculative steps, number of steps that verified the full tree)."""
+    prompt = np.array(PROMPT, dtype=np.int64)
+    capacity = len(PROMPT) + NUM_TOKENS + tree.num_nodes
+    tokens = np.zeros((n, NUM_TOKENS), dtype=np.int64)
+    lengths, full_tree_steps = [], 0
+    for i, child in enumerate(np.random.SeedSequence(seed).spawn(n)):
+        rng = np.random.default_rng(child)
+        out: list[int] = []
+        for k, step in enumerate(speculative_steps(runner, prompt, tree, sampling, rng, capacity)):
+            out += step.tokens
+            if k:
+                lengths.append(len(step.tokens))
+                full_tree_steps += step.tree_nodes == tree.num_nodes
+            if len(out) >= NUM_TOKENS:
+                break
+        tokens[i] = out[:NUM_TOKENS]
+    return tokens, np.array(lengths), full_tree_steps
+
+
+@pytest.fixture(scope="module")
+def samples(base):
+    """Lazily computed, cached per case: (tokens [N, 3], step lengths, full-tree step count, runner)."""
+    cache = {}
+
+    def get(arch: str, tree: str, top_p: float):
+        key = (arch, tree, top_p)
+        if key not in cache:
+            runner = TorchRunner(base, random_heads(base, arch, seed=0))  # reset by every speculative_steps
+            t = resolve_tree(tree)
+            assert runner.info.heads_max_depth is None or t.max_depth <= runner.info.heads_max_depth
+            cache[key] = (*first_tokens(runner, t, sampling_params(top_p), N, MASTER_SEED), runner)
+        return cache[key]
+
+    return get
+
+
+# -- goodness of fit ---------------------------------------------------------------------------------
+
+
+def counts_of(tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(counts [V, V] of (x1, x2), counts [V] of x3)."""
+    joint = np.zeros((V, V), dtype=np.int64)
+    np.add.at(joint, (tokens[:, 0], tokens[:, 1]), 1)
+    return joint, np.bincount(tokens[:, 2], minlength=V)
+
+
+def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square p-value of counts against n * probs; cells expecting < 5 are merged into one
+    (and that cell into the smallest other one if it still expects < 5). Zero-probability cells must be
+    empty (asserted: such a token is a bias no matter how rare)."""
+    counts, probs = counts.ravel(), probs.ravel()
+    bad = np.flatnonzero((probs == 0) & (counts > 0))
+    assert bad.size == 0, f"emitted zero-probability cells {bad.tolist()} (counts {counts[bad].tolist()})"
+    n = counts.sum()
+    expected = n * probs
+    small = expected < 5
+    obs, exp = list(counts[~small].astype(float)), list(expected[~small])
+    if small.any() and expected[small].sum() > 0:
+        lumped_obs, lumped_exp = float(counts[small].sum()), float(expected[small].sum())
+        if lumped_exp < 5:
+            j = int(np.argmin(exp))
+            obs[j] += lumped_obs
+            exp[j] += lumped_exp
+        else:
+            obs.append(lumped_obs)
+            exp.append(lumped_exp)
+    obs_a, exp_a = np.array(obs), np.array(exp)
+    assert obs_a.size >= 2, "too few cells for a chi-square test"
+    return float(stats.chisquare(obs_a, exp_a * obs_a.sum() / exp_a.sum()).pvalue)
+
+
+# -- tests -------------------------------------------------------------------------------------------
+
+
+def test_reference_laws_are_informative(base_logits):
+    """The tiny base is in the regime the test needs: laws neither flat nor one-hot; top-p truncates."""
+    l1, l2, _ = base_logits
+    p = probs_from_logits(np.vstack([l1[None], l2]), sampling_params(1.0))  # [1 + V, V]
+    top = p.max(axis=1)
+    assert 0.2 < top.min() and top.max() < 0.8, top
+    entropy = -(p * np.log(p)).sum(axis=1)
+    assert np.all(entropy > 0.5) and np.all(entropy < 0.95 * np.log(V)), entropy
+    kept = (probs_from_logits(np.vstack([l1[None], l2]), sampling_params(0.8)) > 0).sum(axis=1)
+    assert kept.min() >= 2 and kept.max() < V, kept  # top-p removes tokens but leaves a choice
+    joint, marginal, _ = exact_laws(base_logits, sampling_params(1.0))
+    assert np.isclose(joint.sum(), 1.0) and np.isclose(marginal.sum(), 1.0)
+
+
+@pytest.mark.parametrize("arch,tree,top_p", CASES, ids=CASE_IDS)
+def test_speculative_sampling_matches_base_law(base_logits, samples, arch, tree, top_p):
+    tokens, lengths, full_tree_steps, _ = samples(arch, tree, top_p)
+    joint, marginal, _ = exact_laws(base_logits, sampling_params(top_p))
+    c12, c3 = counts_of(tokens)
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    # The speculative path was really exercised: the first speculative step of every run verified the
+    # whole tree; draft tokens were accepted (steps emitting > 1 token, some >= 3: depth-2 acceptance)
+    # and every root candidate was rejected in other steps (1 token: the bonus from the residual).
+    assert full_tree_steps >= N
+    assert np.mean(lengths > 1) > 0.5, np.bincount(lengths)
+    assert np.mean(lengths >= 3) > 0.2, np.bincount(lengths)
+    assert np.mean(lengths == 1) > 0.1, np.bincount(lengths)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's: chi-square p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the base's: chi-square p = {p3:.2e}"
+
+
+def draft_law(runner: TorchRunner, sampling: SamplingParams) -> np.ndarray:
+    """[V(x1), V] the draft heads' law for the root's children after prompt + x1 (what rank 0 draws)."""
+    P = len(PROMPT)
+    q = np.zeros((V, V))
+    for x1 in range(V):
+        runner.reset(P + 1)
+        runner.forward(np.array(PROMPT), np.arange(P), np.tri(P, dtype=bool), last_only=True)
+        runner.commit(np.arange(P), np.array(PROMPT[1:] + [x1]))
+        q[x1] = probs_from_logits(runner.draft_begin()[None], sampling)[0]
+    return q
+
+
+def test_goodness_of_fit_rejects_wrong_laws(base_logits, samples):
+    """Power: the very counts that pass against the base law fail against plausible wrong laws."""
+    tokens, _, _, runner = samples(*CASES[0])
+    sampling = sampling_params(CASES[0][2])
+    joint, _, _ = exact_laws(base_logits, sampling)
+    c12, _ = counts_of(tokens)
+    p1 = joint.sum(axis=1)
+    # (a) x2 from the draft heads (a verifier that always accepted the first candidate);
+    # (b) x2 from its marginal, independent of x1 (a cache / position mix-up that loses x1).
+    wrong = {"draft-head law": p1[:, None] * draft_law(runner, sampling),
+             "x2 independent of x1": np.outer(p1, joint.sum(axis=0))}
+    assert chi2_pvalue(c12, joint) > ALPHA
+    for name, law in wrong.items():
+        p = chi2_pvalue(c12, law)
+        assert p < ALPHA, f"chi-square failed to reject the {name}: p = {p:.2e}"
+
+
+def verify_node_without_residual(p, q, candidates, rng):
+    """A classic broken verifier: after a rejection it keeps the target p instead of moving to the
+    residual normalize(max(p - q, 0)), so tokens the draft favours are over-emitted."""
+    p = np.asarray(p, dtype=np.float64) / np.sum(p)
+    if len(candidates) == 0:  # the prefill and plain steps: nothing to verify
+        return -1, sample_token(p, rng)
+    q_j = np.asarray(q, dtype=np.float64) / np.sum(q)
+    for j, x in enumerate(candidates):
+        x = int(x)
+        if rng.random() * q_j[x] < p[x]:
+            return j, x
+        q_j = q_j.copy()
+        q_j[x] = 0.0
+        q_j /= q_j.sum()
+    return -1, sample_token(p, rng)
+
+
+def test_broken_verifier_is_detected(base, base_logits, monkeypatch):
+    """Power through the real loop: the same harness, with the residual step removed, fails."""
+    arch, tree, top_p = CASES[0]
+    sampling = sampling_params(top_p)
+    monkeypatch.setattr(acceptance, "verify_node", verify_node_without_residual)
+    runner = TorchRunner(base, random_heads(base, arch, seed=0))
+    tokens, lengths, _ = first_tokens(runner, resolve_tree(tree), sampling, N_BROKEN, MASTER_SEED + 1)
+    assert np.mean(lengths > 1) > 0.5
+    joint, _, _ = exact_laws(base_logits, sampling)
+    c12, _ = counts_of(tokens)
+    p = chi2_pvalue(c12, joint)
+    assert p < ALPHA, f"a verifier without the residual update went undetected: p = {p:.2e}"
