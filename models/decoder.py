@@ -55,9 +55,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 def attention_mask(
     tree_mask: torch.Tensor, past_lengths: torch.Tensor, past_len: int, position_ids: torch.Tensor,
-    sliding_window: int | None = None,
+    sliding_window: int | None = None, dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Boolean mask [B, 1, 1, T, P + T] over (past keys, new keys), True = attend.
+    """Additive mask [B, 1, 1, T, P + T] over (past keys, new keys): 0 = attend, -inf = masked.
 
     Past slot j of sequence b is valid iff j < past_lengths[b]. The cache is compacted, so slot j holds
     position j; the sliding-window rule (q_pos - k_pos < window, as transformers' Mistral) uses that.
@@ -68,7 +68,8 @@ def attention_mask(
     if sliding_window is not None:
         key_pos = torch.cat((slots[None].expand(position_ids.shape[0], -1), position_ids), dim=-1)  # [B, P + T]
         mask = mask & (position_ids[:, :, None] - key_pos[:, None, :] < sliding_window)
-    return mask[:, None, None]
+    zero = torch.zeros((), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, float("-inf"))[:, None, None]
 
 
 class RMSNorm(nn.Module):
@@ -78,19 +79,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # Normalise in fp32, scale in the input dtype (transformers' order); one fused op for fp32.
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
+    """GQA self-attention; q, k, v come from one fused projection (one matmul, one RoPE call)."""
+
     def __init__(self, cfg: BaseConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
+        qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, qkv, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
 
     def forward(
@@ -98,32 +98,34 @@ class Attention(nn.Module):
         past_k: torch.Tensor, past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
-        Hkv, D = self.num_kv_heads, self.head_dim
-        G = self.num_heads // Hkv
-        q = apply_rope(self.q_proj(x).view(B, T, self.num_heads, D).transpose(1, 2), cos, sin)  # [B, H, T, D]
-        k = apply_rope(self.k_proj(x).view(B, T, Hkv, D).transpose(1, 2), cos, sin)  # [B, Hkv, T, D]
-        v = self.v_proj(x).view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        G = H // Hkv
+        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2Hkv, T, D]
+        qk = apply_rope(qkv[:, : H + Hkv], cos, sin)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # [B, H, T, D], [B, Hkv, T, D] x 2
 
         # GQA without repeating K/V: query heads h*G..h*G+G-1 share kv head h (transformers' repeat_kv order).
         qg = q.reshape(B, Hkv, G * T, D) * (D**-0.5)
         scores = torch.cat((qg @ past_k.transpose(-1, -2), qg @ k.transpose(-1, -2)), dim=-1)  # [B, Hkv, G*T, P+T]
-        scores = scores.view(B, Hkv, G, T, -1).masked_fill(~mask, float("-inf"))
+        scores = scores.view(B, Hkv, G, T, -1) + mask
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, Hkv, G * T, -1)
         P = past_k.shape[2]
         out = probs[..., :P] @ past_v + probs[..., P:] @ v  # [B, Hkv, G*T, D]
-        out = out.view(B, self.num_heads, T, D).transpose(1, 2).reshape(B, T, self.num_heads * D)
+        out = out.view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
         return self.o_proj(out), k, v
 
 
 class MLP(nn.Module):
+    """SwiGLU with gate and up projections fused into one matmul."""
+
     def __init__(self, cfg: BaseConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -176,7 +178,8 @@ class Decoder(nn.Module):
     ) -> DecoderOutput:
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
-        mask = attention_mask(tree_mask, past_lengths, past_keys[0].shape[2], position_ids, self.config.sliding_window)
+        mask = attention_mask(tree_mask, past_lengths, past_keys[0].shape[2], position_ids, self.config.sliding_window,
+                              x.dtype)
         new_keys, new_values = [], []
         for layer, pk, pv in zip(self.layers, past_keys, past_values):
             x, k, v = layer(x, cos, sin, mask, pk, pv)

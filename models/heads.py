@@ -198,7 +198,7 @@ class AugmentingBlock(nn.Module):
         B, N, _ = x.shape
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
         mask = attention_mask(causal_mask(N, B, x.device), past_lengths, past_keys[0].shape[2], position_ids,
-                              self.sliding_window)
+                              self.sliding_window, x.dtype)
         new_keys, new_values = [], []
         for layer, pk, pv in zip(self.layers, past_keys, past_values):
             x, k, v = layer(x, cos, sin, mask, pk, pv)

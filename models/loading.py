@@ -49,6 +49,19 @@ def _our_name(hf_name: str) -> str | None:
     return None
 
 
+def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """HF's separate q/k/v and gate/up projections -> our fused qkv_proj and gate_up_proj (in place)."""
+    for i in range(num_layers):
+        for fused, parts in ((f"layers.{i}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+                             (f"layers.{i}.mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+            prefix = fused.rsplit(".", 1)[0]
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}.{p}.{kind}" for p in parts]
+                if all(n in state for n in names):
+                    state[f"{fused}.{kind}"] = torch.cat([state.pop(n) for n in names])
+    return state
+
+
 def load_base(path: str | Path, dtype: str | torch.dtype = "float32") -> Decoder:
     """Build a Decoder from an HF folder; every weight must be present and used."""
     path = Path(path)
@@ -69,6 +82,7 @@ def load_base(path: str | Path, dtype: str | torch.dtype = "float32") -> Decoder
                 state[ours] = f.get_tensor(name).to(torch_dtype)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    fuse_projections(state, cfg.num_layers)
     missing = sorted(expected - state.keys())
     unexpected = sorted(state.keys() - expected)
     if missing or unexpected:
