@@ -1,0 +1,37 @@
+"""The runtime core imports neither torch nor model code (DESIGN.md: a CPU service runs it with numpy +
+onnxruntime only); importing `clover` has no side effects."""
+
+import subprocess
+import sys
+
+CORE = ["clover", "clover.runtime.tree", "clover.runtime.sampling", "clover.runtime.acceptance",
+        "clover.runtime.output", "clover.runtime.tokenizer", "clover.runtime.backend", "clover.runtime.loop",
+        "clover.runtime.generator"]
+
+
+def test_runtime_core_imports_without_torch_or_models():
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'transformers', 'onnxruntime', 'tensorrt'):\n"
+        "    sys.modules[name] = None  # any import of them now raises ImportError\n"
+        f"for m in {CORE!r}:\n"
+        "    __import__(m)\n"
+        "bad = [m for m in sys.modules if m.startswith('clover.models')]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_torch_backend_is_loaded_lazily_by_name():
+    from clover.errors import CloverError
+    from clover.runtime.backend import backend_module
+
+    assert backend_module("torch").__name__ == "clover.runtime.torch_backend"
+    try:
+        backend_module("tensorrt-llm")
+    except CloverError as e:
+        assert "available backends are torch" in str(e)
+    else:
+        raise AssertionError("unknown backend accepted")
