@@ -41,6 +41,7 @@ class GenerationResult:
     steps: int
     tokens_per_step: float
     accepted_per_step: list[int]
+    step_seconds: list[float]  # wall time of each verify step (draft + verify + accept + commit)
     seconds: float
     tokens_per_second: float
     timings: dict[str, float] = field(default_factory=dict)
@@ -145,12 +146,14 @@ class GenerationStream:
         rng = np.random.default_rng(self._sampling.seed)
         capacity = min(runner.info.max_context, len(self._ids) + self._stop.max_new_tokens + gen.tree.num_nodes)
         accepted: list[int] = []
+        step_seconds: list[float] = []
         timings: dict[str, float] = {}
         start = time.perf_counter()
         for i, step in enumerate(speculative_steps(runner, np.array(self._ids, dtype=np.int64), gen.tree,
                                                    self._sampling, rng, capacity)):
             if i > 0:
                 accepted.append(len(step.tokens))
+                step_seconds.append(sum(step.seconds.values()))
             for k, v in step.seconds.items():
                 timings[k] = timings.get(k, 0.0) + v
             delta = tracker.add(step.tokens)
@@ -168,6 +171,6 @@ class GenerationStream:
             token_ids=list(tracker.token_ids), text=tracker.text, finish_reason=tracker.finish_reason or "length",
             prompt_tokens=len(self._ids), new_tokens=n, steps=len(accepted),
             tokens_per_step=float(np.mean(accepted)) if accepted else 0.0, accepted_per_step=accepted,
-            seconds=seconds, tokens_per_second=n / seconds if seconds > 0 else 0.0, timings=timings,
+            step_seconds=step_seconds, seconds=seconds, tokens_per_second=n / seconds if seconds > 0 else 0.0, timings=timings,
             backend=runner.info.backend, heads=runner.info.heads_name, tree=gen.tree.name,
         )

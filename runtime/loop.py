@@ -44,20 +44,21 @@ def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingPa
     tokens = np.full(T, root_token, dtype=np.int64)
     valid = np.ones(T, dtype=bool)
     probs = None if sampling.greedy or T == 1 else np.zeros((T, runner.info.vocab_size))
-    rows, logits = np.zeros(1, dtype=np.int64), None  # rows: nodes whose children are drafted next
+    rows = np.zeros(1, dtype=np.int64)  # nodes whose children are drafted next: the root first
+    logits = runner.draft_begin()[None] if tree.max_depth else None  # [n, V], row r for node rows[r]
     for depth in range(1, tree.max_depth + 1):
-        logits = runner.draft_begin()[None] if depth == 1 else logits
         if sampling.greedy:
             top = topk_tokens(logits, tree.max_children)  # [n, k]
+        else:
+            probs[rows] = probs_from_logits(logits, sampling)
         for r, node in enumerate(rows):
             kids = tree.children[node]
             if sampling.greedy:
                 tokens[kids] = top[r, : len(kids)]
-                continue
-            probs[node] = probs_from_logits(logits[r : r + 1], sampling)[0]
-            drawn = sample_without_replacement(probs[node], len(kids), rng)
-            tokens[kids[: len(drawn)]] = drawn
-            valid[kids[len(drawn):]] = False
+            else:
+                drawn = sample_without_replacement(probs[node], len(kids), rng)
+                tokens[kids[: len(drawn)]] = drawn
+                valid[kids[len(drawn):]] = False
         valid[tree.levels[depth]] &= valid[tree.parent[tree.levels[depth]]]
         rows = np.array([n for n in tree.levels[depth] if len(tree.children[n])], dtype=np.int64)
         if depth == tree.max_depth or len(rows) == 0:

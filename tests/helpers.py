@@ -14,6 +14,14 @@ from clover.runtime.backend import RunnerInfo
 from clover.runtime.torch_backend import TorchRunner
 
 
+# A few sentences to train throw-away BPE tokenizers on.
+TOKENIZER_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "speculative decoding drafts tokens and verifies them",
+    "clover heads predict several tokens per step",
+] * 10
+
+
 def tiny_config(vocab: int = 96, family: str = "LlamaForCausalLM", max_context: int = 256, **kw) -> BaseConfig:
     base = dict(architecture=family, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
                 num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),

@@ -12,6 +12,7 @@ import pytest
 from clover.errors import CloverError
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.tokenizer import Tokenizer
+from helpers import TOKENIZER_CORPUS
 
 @pytest.fixture(scope="session")
 def tok(smollm2_path: Path) -> Tokenizer:
@@ -32,11 +33,7 @@ def sp_tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
     backend = HFTokenizer(models.BPE(unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
     trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
-    corpus = [
-        "the quick brown fox jumps over the lazy dog",
-        "speculative decoding drafts tokens and verifies them",
-        "clover heads predict several tokens per step",
-    ] * 10
+    corpus = TOKENIZER_CORPUS
     backend.train_from_iterator(corpus, trainer=trainer)
     spec = json.loads(backend.to_str())
     vocab = spec["model"]["vocab"]

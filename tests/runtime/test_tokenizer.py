@@ -11,6 +11,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from clover.errors import CloverError
 from clover.runtime.tokenizer import Tokenizer
+from helpers import TOKENIZER_CORPUS
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_path: Path) -> Path:
@@ -146,11 +147,7 @@ def tiny_backend() -> HFTokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    corpus = [
-        "the quick brown fox jumps over the lazy dog",
-        "speculative decoding drafts tokens and verifies them",
-        "clover heads predict several tokens per step",
-    ] * 10
+    corpus = TOKENIZER_CORPUS
     backend.train_from_iterator(corpus, trainer=trainer)
     return backend
 
