@@ -155,3 +155,18 @@ def test_smollm2_matches_transformers(smollm2_path):
         a = ours_step(ours, ids[:30], 0, cache).logits[0]
         b = ours_step(ours, ids[30:], 30, cache).logits[0]
     assert (torch.cat([a, b]) - ref).abs().max().item() < TOL
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    """A checkpoint saved in several safetensors shards (with its index) loads and matches."""
+    hf = save_random(FAMILIES["llama"](), tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="50KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    ids = [1, 2, 3, 4, 5]
+    ours = load_base(tmp_path / "sharded")
+    with torch.no_grad():
+        got = ours_step(ours, ids, 0, ours.empty_cache(1, 8)).logits[0]
+    assert (got - hf_logits(hf, ids)).abs().max().item() < TOL
+    next(p for p in (tmp_path / "sharded").glob("model-0000*.safetensors")).unlink()
+    with pytest.raises(CloverError, match="missing checkpoint shards"):
+        load_base(tmp_path / "sharded")

@@ -112,3 +112,16 @@ def test_smollm2_chat_is_coherent_and_identical_for_every_head(capsys):
     for heads in ("random:medusa", "random:clover", "random:clover2"):
         doc = json.loads(run_cli(capsys, *common, "--heads", heads)[1])
         assert doc["token_ids"] == plain["token_ids"], heads
+
+
+def test_prompt_file_and_stop_string(base_dir, tmp_path, capsys):
+    (tmp_path / "p.txt").write_text("w7 w8 w9 w10")
+    args = ["--base", str(base_dir), "--prompt-file", str(tmp_path / "p.txt"), "--max-new-tokens", "24", "--json"]
+    full = json.loads(run_cli(capsys, *args)[1])
+    words = full["text"].split()
+    assert len(words) > 4
+    stop = " ".join(words[2:4])
+    cut = json.loads(run_cli(capsys, *args, "--heads", "random:clover2", "--stop", stop)[1])
+    assert cut["finish_reason"] == "stop" and cut["text"] == full["text"][: full["text"].index(stop)]
+    code, _, err = run_cli(capsys, "--base", str(base_dir), "--prompt-file", str(tmp_path / "none.txt"))
+    assert code == 2 and "does not exist" in err
