@@ -188,12 +188,14 @@ class Decoder(nn.Module):
         out = x if logit_rows is None else x[:, logit_rows]
         return DecoderOutput(self.lm_head(self.norm(out)), x, new_keys, new_values)
 
-    def empty_cache(self, batch: int = 1, length: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Zero-filled per-layer K and V tensors [B, Hkv, length, D] on the model's device and dtype."""
+    def empty_cache(self, batch: int = 1, length: int = 0, layers: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Zero-filled per-layer K and V tensors [B, Hkv, length, D] on the model's device and dtype
+        (`layers` defaults to this model's; draft heads' augmenting blocks use the same shapes)."""
         c = self.config
         w = self.embed_tokens.weight
+        n = c.num_layers if layers is None else layers
         make = lambda: torch.zeros(batch, c.num_kv_heads, length, c.head_dim, dtype=w.dtype, device=w.device)
-        return [make() for _ in range(c.num_layers)], [make() for _ in range(c.num_layers)]
+        return [make() for _ in range(n)], [make() for _ in range(n)]
 
 
 def causal_mask(length: int, batch: int = 1, device: torch.device | None = None) -> torch.Tensor:

@@ -32,9 +32,7 @@ class TorchRunner(Runner):
 
     def _reset(self, capacity: int) -> None:
         self.cache = self.base.empty_cache(1, capacity)
-        n = self.heads.num_cache_layers if self.heads is not None else 0
-        h = self.base.empty_cache(1, capacity)
-        self.head_cache = (h[0][:n], h[1][:n])
+        self.head_cache = self.base.empty_cache(1, capacity, self.heads.num_cache_layers if self.heads else 0)
         self._states = torch.zeros(0, self.base.config.hidden_size, dtype=self.base.lm_head.weight.dtype)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
