@@ -57,6 +57,18 @@ def tiny_tokenizer_dir(path: Path, vocab: int = 96, eos: int = 1) -> Path:
     return path
 
 
+def tiny_hf_folder(path: Path, seed: int = 0) -> Path:
+    """A random-init transformers Llama saved as an HF folder, with the tiny tokenizer: a --base for CLI tests."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   tie_word_embeddings=True)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+    return tiny_tokenizer_dir(path)
+
+
 class OracleRunner(TorchRunner):
     """A draft that proposes the base model's own greedy continuation (`reference`) at rank 0 of every
     node, and arbitrary distinct tokens at other ranks. With greedy decoding every drafted path along

@@ -1,7 +1,7 @@
 """`make demo`'s tool on a tiny base: streams, checks identity with plain decoding, exits 0."""
 
 from clover.tools.demo import main
-from test_generate_cli import make_base
+from helpers import tiny_hf_folder as make_base
 
 
 def test_demo_runs_and_reports_identity(tmp_path, capsys):

@@ -5,27 +5,16 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from clover.models.head_io import random_heads, save_heads
 from clover.models.loading import load_base
 from clover.tools.generate import main
-from helpers import tiny_tokenizer_dir
+from helpers import tiny_hf_folder as make_base
 
 transformers = pytest.importorskip("transformers")
 
 JSON_KEYS = {"token_ids", "text", "new_tokens", "steps", "tokens_per_step", "seconds", "tokens_per_second",
              "finish_reason", "backend", "heads", "tree"}
-
-
-def make_base(path, seed=0, hidden=64):
-    torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=True)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    tiny_tokenizer_dir(path)
-    return path
 
 
 @pytest.fixture(scope="module")
