@@ -18,7 +18,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from clover.models.decoder import Decoder
-from clover.models.heads import AugmentingBlock, BeginOutput, DraftHeads, HeadConfig, ResBlock
+from clover.models.heads import AugmentingBlock, BeginOutput, DraftHeads, HeadConfig, ResBlock, shifted
 
 
 class CloverHeads(DraftHeads):
@@ -48,6 +48,14 @@ class CloverHeads(DraftHeads):
 
     def step(self, depth, parent_state, tokens):
         return self._advance(depth, parent_state, tokens)
+
+    def teacher_forced(self, hidden, tokens, depths):
+        h = self.augment.over_sequence(hidden)
+        outs = []
+        for d in range(1, depths + 1):
+            h = h + self.attn_o(self.attn_v(self._embed(shifted(tokens, d))))
+            outs.append(self.heads[d - 1](h))
+        return outs
 
     def init_weights(self, base: Decoder, generator: torch.Generator) -> None:
         self.augment.init_from_base(base)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from clover.models.config import BaseConfig
 from clover.models.decoder import Decoder
-from clover.models.heads import AugmentingBlock, BeginOutput, DraftHeads, HeadConfig, new_norm
+from clover.models.heads import AugmentingBlock, BeginOutput, DraftHeads, HeadConfig, new_norm, shifted
 
 
 class GatedAttentionDecoder(nn.Module):
@@ -43,6 +43,15 @@ class GatedAttentionDecoder(nn.Module):
         k = self.k(y).view(shape)
         gate = F.cosine_similarity(q, k, dim=-1, eps=self.eps)[..., None]  # [..., nh, 1]
         return x + (self.v(y).view(shape) * gate).flatten(-2)
+
+    def teacher_forced(self, hidden, tokens, depths):
+        state = self.augment.over_sequence(self.fuse(hidden, self.lm_weight[shifted(tokens, 1)]))
+        outs = [self.head_norm(self.fc0(state))]
+        for d in range(2, depths + 1):
+            e = self.lm_weight[shifted(tokens, d)]
+            state = self.rnn(state, e)
+            outs.append(self.head_norm(self.fc(torch.cat((state, e), dim=-1))))
+        return outs
 
     def init_weights(self, generator: torch.Generator) -> None:
         for lin in (self.q, self.k):
@@ -86,6 +95,15 @@ class Clover2Heads(DraftHeads):
         e = self.lm_weight[tokens]  # [n, H]
         h = self.rnn(parent_state, e)
         return h, self.lm(self.head_norm(self.fc(torch.cat((h, e), dim=-1))))
+
+    def teacher_forced(self, hidden, tokens, depths):
+        state = self.augment.over_sequence(self.fuse(hidden, self.lm_weight[shifted(tokens, 1)]))
+        outs = [self.head_norm(self.fc0(state))]
+        for d in range(2, depths + 1):
+            e = self.lm_weight[shifted(tokens, d)]
+            state = self.rnn(state, e)
+            outs.append(self.head_norm(self.fc(torch.cat((state, e), dim=-1))))
+        return outs
 
     def init_weights(self, base: Decoder, generator: torch.Generator) -> None:
         self.augment.init_from_base(base)

@@ -54,7 +54,8 @@ def random_heads(base: Decoder, arch: str, seed: int = 0) -> DraftHeads:
 
 
 def save_heads(heads: DraftHeads, path: str | Path, dtype: torch.dtype = torch.float16) -> None:
-    """Write heads.safetensors then heads.json into `path`, atomically (the folder appears whole)."""
+    """Write heads.safetensors then heads.json into `path`, atomically (the folder appears whole).
+    Other entries of an existing `path` (checkpoints, training.json) are kept."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-heads-", dir=path.parent))
@@ -67,6 +68,10 @@ def save_heads(heads: DraftHeads, path: str | Path, dtype: torch.dtype = torch.f
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a saved checkpoint is for everyone
+        # Anything else in an existing folder (training checkpoints, provenance) moves into the new one.
+        carried = [e for e in path.iterdir() if e.name not in (WEIGHTS_FILE, CONFIG_FILE)] if path.is_dir() else []
+        for entry in carried:
+            os.replace(entry, tmp / entry.name)
         # Move any old checkpoint aside first, so a crash never leaves no checkpoint at all.
         old = path.parent / f".old-{path.name}-{os.getpid()}" if path.exists() else None
         if old is not None:
@@ -75,6 +80,10 @@ def save_heads(heads: DraftHeads, path: str | Path, dtype: torch.dtype = torch.f
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
+        if tmp.exists() and path.is_dir():
+            for entry in tmp.iterdir():
+                if entry.name not in (WEIGHTS_FILE, CONFIG_FILE) and not (path / entry.name).exists():
+                    os.replace(entry, path / entry.name)
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
@@ -118,15 +127,30 @@ def load_heads(path: str | Path, base: Decoder) -> DraftHeads:
     return heads.eval().requires_grad_(False)
 
 
+# Trained heads shipped with the package, loadable by name (e.g. `--heads smollm2-clover2`).
+PRETRAINED_DIR = Path(__file__).resolve().parent / "pretrained"
+
+
+def pretrained_names() -> list[str]:
+    if not PRETRAINED_DIR.is_dir():
+        return []
+    return sorted(p.name for p in PRETRAINED_DIR.iterdir() if (p / CONFIG_FILE).is_file())
+
+
 def resolve_heads(spec: str, base: Decoder) -> DraftHeads | None:
-    """`none` -> None (plain decoding); `random:ARCH[:SEED]` -> untrained heads; else a checkpoint folder."""
+    """`none` -> None (plain decoding); a shipped name (`smollm2-clover2`) -> trained heads;
+    `random:ARCH[:SEED]` -> untrained heads; else a checkpoint folder."""
     if spec in ("none", ""):
         return None
+    if spec in pretrained_names():
+        return load_heads(PRETRAINED_DIR / spec, base)
     if spec.startswith("random:"):
         parts = spec.split(":")
         if len(parts) not in (2, 3) or parts[1] not in CLASSES or (len(parts) == 3 and not parts[2].isdecimal()):
             raise CloverError(f"bad heads spec {spec!r}: expected random:ARCH[:SEED] with ARCH one of {', '.join(ARCHITECTURES)}")
         return random_heads(base, parts[1], int(parts[2]) if len(parts) == 3 else 0)
     if not Path(spec).is_dir():
-        raise CloverError(f"heads {spec!r} not found: pass a head checkpoint folder, random:ARCH[:SEED] or none")
+        names = ", ".join(pretrained_names()) or "none shipped"
+        raise CloverError(f"heads {spec!r} not found: pass a shipped name ({names}), a head checkpoint folder, "
+                          "random:ARCH[:SEED] or none")
     return load_heads(spec, base)

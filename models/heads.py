@@ -158,6 +158,26 @@ class DraftHeads(nn.Module):
         """Training-start initialisation (from the base where the method says so)."""
         raise NotImplementedError
 
+    def teacher_forced(self, hidden: torch.Tensor, tokens: torch.Tensor, depths: int) -> list[torch.Tensor]:
+        """Training: every position of whole sequences at once, drafting along the true continuation.
+
+        hidden [B, L, H] (base, pre-norm) and tokens [B, L]. Returns, for depth d = 1..depths, the
+        vectors [B, L, H] the LM head turns into draft logits (`head_logits(d, .)`): row t drafts token
+        x_{t+1+d} having been fed x_{t+1} .. x_{t+d}, exactly as begin/step would after accepting x_<=t.
+        Rows whose continuation runs past the sequence end see padding; the caller masks them.
+        """
+        raise NotImplementedError
+
+    def head_logits(self, depth: int, x: torch.Tensor) -> torch.Tensor:
+        """Draft logits of the vectors `teacher_forced` returns for `depth` (1-based)."""
+        return self.lm(x)
+
+
+def shifted(tokens: torch.Tensor, j: int) -> torch.Tensor:
+    """tokens[:, t + j] at row t, zero-padded past the end: [B, L]."""
+    return torch.nn.functional.pad(tokens[:, j:], (0, j)) if j else tokens
+
+
 
 class ResBlock(nn.Module):
     """Medusa's residual block: x + SiLU(W x + b), zero-initialised so a new head starts as the identity."""
@@ -205,6 +225,13 @@ class AugmentingBlock(nn.Module):
             new_keys.append(k)
             new_values.append(v)
         return self.norm(x), new_keys, new_values
+
+    def over_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """Causal pass over whole sequences [B, L, H] from position 0, no cache (training)."""
+        B, L, _ = x.shape
+        empty = [x.new_zeros(B, self.layers[0].self_attn.num_kv_heads, 0, self.layers[0].self_attn.head_dim)] * len(self.layers)
+        positions = torch.arange(L, device=x.device).expand(B, L)
+        return self.forward(x, positions, torch.zeros(B, dtype=torch.long, device=x.device), empty, empty)[0]
 
     def init_from_base(self, base: Decoder) -> None:
         for layer in self.layers:

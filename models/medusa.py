@@ -39,6 +39,13 @@ class MedusaHeads(DraftHeads):
         logits = self._logits(depth, parent_state[:1]).expand(parent_state.shape[0], -1)
         return parent_state, logits
 
+    def teacher_forced(self, hidden, tokens, depths):
+        state = self.base_norm(hidden)
+        return [self.heads[d - 1](state) for d in range(1, depths + 1)]
+
+    def head_logits(self, depth, x):
+        return self.lm_heads[depth - 1](x) if self.lm_heads is not None else self.lm(x)
+
     def init_weights(self, base: Decoder, generator: torch.Generator) -> None:
         for block in self.modules():
             if isinstance(block, ResBlock):

@@ -189,10 +189,10 @@ def test_save_replaces_folder_atomically(base, tmp_path, monkeypatch):
     folder = tmp_path / "heads"
     first, second = trained_like(base, "clover2", seed=1), trained_like(base, "clover2", seed=2)
     save_heads(first, folder, dtype=torch.float32)
-    (folder / "stale.txt").write_text("from an older save")
+    (folder / "training.json").write_text("provenance of the run")  # other files survive a new save
     save_heads(second, folder, dtype=torch.float32)
     assert sorted(os.listdir(tmp_path)) == ["heads"]  # no temporary folder left behind
-    assert sorted(os.listdir(folder)) == [CONFIG_FILE, WEIGHTS_FILE]
+    assert sorted(os.listdir(folder)) == [CONFIG_FILE, WEIGHTS_FILE, "training.json"]
     assert_all_equal(run(load_heads(folder, base), base), run(second, base))
 
     # A save that fails half-way leaves the previous checkpoint as it was, and no temporary folder.
@@ -203,6 +203,7 @@ def test_save_replaces_folder_atomically(base, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         save_heads(first, folder)
     assert sorted(os.listdir(tmp_path)) == ["heads"]
+    assert (folder / "training.json").is_file()
     assert_all_equal(run(load_heads(folder, base), base), run(second, base))
 
 

@@ -1,0 +1,88 @@
+"""clover-train end to end on a tiny random base: every architecture, determinism, resume, errors."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from clover.runtime.generator import Generator
+from clover.tools.train import main as train_main
+from helpers import tiny_hf_folder
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    base = tiny_hf_folder(root / "base", seed=0)
+    rng = np.random.default_rng(0)
+    data = root / "chats.jsonl"
+    with data.open("w") as f:
+        for i in range(40):
+            user = " ".join(f"w{x}" for x in rng.integers(6, 96, size=rng.integers(2, 8)))
+            if i % 2:
+                f.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                                 {"role": "assistant", "content": "w10 w11"}]}) + "\n")
+            else:
+                f.write(json.dumps({"conversations": [{"from": "human", "value": user},
+                                                      {"from": "gpt", "value": "w12"}]}) + "\n")
+    return root, base, data
+
+
+def _train(setup, out, *extra):
+    root, base, data = setup
+    return train_main(["--base", str(base), "--data", str(data), "--out", str(out), "--cache-dir", str(root / "features"),
+                       "--max-tokens", "400", "--max-new-tokens", "12", "--max-length", "40", "--gen-batch", "8",
+                       "--batch-tokens", "256", "--topk", "8", *extra])
+
+
+@pytest.mark.parametrize("arch", ["medusa", "clover", "clover2"])
+def test_each_architecture_trains_and_stays_lossless(setup, arch, capsys):
+    root, base, _ = setup
+    out = root / f"heads-{arch}"
+    assert _train(setup, out, "--arch", arch, "--num-heads", "3", "--epochs", "2") == 0
+    err = capsys.readouterr().err
+    assert "epoch 2:" in err and "val top-1 per depth" in err
+    prov = json.loads((out / "training.json").read_text())
+    assert prov["command"].startswith("clover-train --base ") and f"--arch {arch}" in prov["command"]
+    assert len(prov["epochs"]) == 2 and prov["data"]["responses"] == "base" and prov["data"]["seed"] == 0
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch-0.pt", "epoch-1.pt"]
+    plain = Generator.load(base, "none").generate([3, 20, 21, 4, 5], max_new_tokens=20, ignore_eos=True)
+    fast = Generator.load(base, str(out), tree="chain-3").generate([3, 20, 21, 4, 5], max_new_tokens=20, ignore_eos=True)
+    assert fast.token_ids == plain.token_ids
+
+
+def test_same_seed_same_heads_and_resume_continues_exactly(setup):
+    root, _, _ = setup
+    a, b, c = root / "a", root / "b", root / "c"
+    assert _train(setup, a, "--arch", "clover2", "--epochs", "2", "--num-heads", "2") == 0
+    assert _train(setup, b, "--arch", "clover2", "--epochs", "2", "--num-heads", "2") == 0
+    wa, wb = load_file(str(a / "heads.safetensors")), load_file(str(b / "heads.safetensors"))
+    assert all(np.array_equal(wa[k], wb[k]) for k in wa)
+    # c was interrupted after epoch 1: resuming must reproduce the uninterrupted run
+    (c / "checkpoints").mkdir(parents=True)
+    shutil.copy(a / "checkpoints" / "epoch-0.pt", c / "checkpoints" / "epoch-0.pt")
+    assert _train(setup, c, "--arch", "clover2", "--epochs", "2", "--num-heads", "2", "--resume") == 0
+    wc = load_file(str(c / "heads.safetensors"))
+    assert all(np.array_equal(wa[k], wc[k]) for k in wa)
+
+
+def test_errors_are_one_line_with_exit_code_2(setup, capsys):
+    root, base, data = setup
+    busy = root / "a-busy"
+    (busy / "checkpoints").mkdir(parents=True)
+    assert _train(setup, busy, "--arch", "medusa") == 2
+    assert "pass --resume" in capsys.readouterr().err
+    assert _train(setup, root / "fresh", "--arch", "medusa", "--resume") == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    other = root / "not-heads"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert _train(setup, other, "--arch", "medusa") == 2
+    assert "not a heads folder" in capsys.readouterr().err
+    assert train_main(["--base", str(base), "--data", str(root / "nope.jsonl"), "--out", str(root / "x"),
+                       "--cache-dir", str(root / "features")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not found" in err[0]
+    assert not (root / "x").exists()

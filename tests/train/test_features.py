@@ -1,0 +1,86 @@
+"""The feature cache holds exactly what the base computes, and generated answers are its greedy ones."""
+
+import numpy as np
+import pytest
+import torch
+
+from clover.errors import CloverError
+from clover.models.decoder import causal_mask
+from clover.runtime.generator import Generator
+from clover.runtime.tokenizer import Tokenizer
+from clover.runtime.torch_backend import TorchRunner
+from clover.train.features import FeatureCache, FeatureSpec, FeatureWriter, features_from_dataset, features_from_generation
+from helpers import tiny_base, tiny_tokenizer_dir
+
+
+def _spec(**kw):
+    args = dict(base_sha256="x", data="test", responses="base", max_tokens=10_000, seed=0, max_length=60,
+                max_new_tokens=20, topk=4)
+    args.update(kw)
+    return FeatureSpec(**args)
+
+
+def _reference(base, ids, k):
+    keys, values = base.empty_cache(1, 0)
+    out = base(torch.tensor([ids]), torch.arange(len(ids))[None], causal_mask(len(ids)), torch.zeros(1, dtype=torch.long),
+               keys, values)
+    p, top = torch.topk(torch.softmax(out.logits[0], -1), k)
+    return out.hidden_states[0], top, p
+
+
+def test_continuous_batch_generation_is_greedy_and_features_match_a_full_pass(tmp_path):
+    base = tiny_base(seed=3, scale=4.0)  # peaked laws: greedy answers with some structure
+    rng = np.random.default_rng(0)
+    prompts = [list(map(int, rng.integers(3, 96, size=n))) for n in (5, 9, 3, 12, 7, 4, 6)]
+    spec = _spec()
+    writer = FeatureWriter(tmp_path / "cache", spec, base.config.hidden_size)
+    # batch 3 < 7 prompts: rows are refilled as sequences finish; EOS ids chosen so some stop early
+    features_from_generation(base, iter([(p, i == 0) for i, p in enumerate(prompts)]), writer, (10_000, 10_000),
+                             eos_ids=(1, 7), batch_size=3)
+    cache = writer.finish({})
+    assert not (tmp_path / "cache").with_name("cache.partial").exists()
+    assert cache.meta["num_sequences"] == len(prompts)
+    tok_dir = tiny_tokenizer_dir(tmp_path / "tok")
+    gen = Generator(TorchRunner(base), Tokenizer.from_dir(tok_dir))
+    found = 0
+    for i in range(len(prompts)):
+        s, e = cache.offsets[i], cache.offsets[i + 1]
+        ids = cache.arrays["tokens"][s:e].tolist()
+        prompt = next(p for p in prompts if ids[: len(p)] == p)
+        found += 1
+        answer = ids[len(prompt):]
+        ref = gen.generate(prompt, max_new_tokens=spec.max_new_tokens, ignore_eos=True).token_ids
+        stop = next((j + 1 for j, t in enumerate(ref) if t in (1, 7)), len(ref))
+        assert answer == ref[:stop]  # greedy, cut at the first EOS or the length cap
+        hidden, top, p = _reference(base, ids, spec.topk)
+        n = len(ids) - 1  # the final token is never fed: its row is zero
+        np.testing.assert_allclose(cache.arrays["hidden"][s:s + n].astype(np.float32), hidden[:n].numpy(), atol=2e-2, rtol=2e-3)
+        assert (cache.arrays["topk_ids"][s:s + n] == top[:n].numpy()).mean() > 0.99  # near-ties may swap
+        np.testing.assert_allclose(cache.arrays["topk_probs"][s:s + n].astype(np.float32), p[:n].numpy(), atol=2e-3)
+        mask = cache.arrays["loss_mask"][s:e]
+        assert mask.tolist() == [False] * (len(prompt) - 1) + [True] * len(answer) + [False]
+        assert bool(cache.validation[i]) == (prompt == prompts[0])
+    assert found == len(prompts)
+
+
+def test_dataset_features_align_loss_mask_with_next_token(tmp_path):
+    base = tiny_base()
+    spec = _spec(responses="dataset")
+    writer = FeatureWriter(tmp_path / "c", spec, base.config.hidden_size)
+    ids = [3, 10, 11, 4, 5, 20, 21, 4]
+    assistant = [False] * 5 + [True] * 3
+    features_from_dataset(base, iter([(ids, assistant, False), (ids, assistant, True)]), writer, (100, 100))
+    cache = writer.finish({})
+    b = cache.batch(cache.sequences(validation=False))
+    assert b["loss_mask"][0].tolist() == [False] * 4 + [True] * 3 + [False]  # p_t predicts an assistant token
+    hidden, top, _ = _reference(base, ids, spec.topk)
+    torch.testing.assert_close(b["hidden"][0, :-1].float(), hidden[:-1], atol=2e-2, rtol=2e-3)
+
+
+def test_unfinished_build_is_never_a_cache(tmp_path):
+    base = tiny_base()
+    writer = FeatureWriter(tmp_path / "c", _spec(), base.config.hidden_size)
+    writer.abort()
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(CloverError, match="not a feature cache"):
+        FeatureCache(tmp_path / "c")

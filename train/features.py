@@ -1,0 +1,330 @@
+"""Base-model features for head training, computed once and cached on disk.
+
+Per token position t of every sequence the cache keeps:
+- `tokens`     int32 [N]      x_t
+- `hidden`     float16 [N, H] the base's last-layer hidden state h_t, before the final norm
+- `topk_ids`   int32 [N, K]   the K most likely next tokens under the base, p_t = p(x_{t+1} | x_<=t)
+- `topk_probs` float16 [N, K] their probabilities (not renormalised: the tail mass is left out)
+- `loss_mask`  bool [N]       p_t is a distribution over an assistant token (x_{t+1} is one)
+and per sequence its [start, end) offsets and whether it is held out for validation.
+The last position of a sequence has no next token: zero features, loss_mask False.
+
+Arrays are raw little-endian files appended while building (so a build never holds the data set in
+memory) and memory-mapped for training. A cache is built in a `.partial` sibling and renamed into
+place when complete, so an interrupted build is never read as a cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from clover.errors import CloverError
+from clover.models.decoder import Decoder, causal_mask
+
+FORMAT_VERSION = 1
+_ARRAYS = {"tokens": np.int32, "hidden": np.float16, "topk_ids": np.int32, "topk_probs": np.float16,
+           "loss_mask": np.bool_}
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Everything that determines a feature cache's content; its hash names the cache folder."""
+
+    base_sha256: str  # BaseFingerprint.lm_head_sha256 of the base the features come from
+    data: str  # 'sharegpt' or the JSONL path
+    responses: str  # 'dataset': the data's assistant turns; 'base': the base's own greedy answers
+    max_tokens: int  # training loss tokens to collect (validation gets validation_fraction of it on top)
+    seed: int  # conversation shuffle / split
+    max_length: int  # tokens per sequence (prompt + response)
+    max_new_tokens: int  # 'base' responses: longest answer generated
+    topk: int
+    validation_fraction: float = 0.02
+
+    def key(self) -> str:
+        blob = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class FeatureWriter:
+    """Appends sequences' features to a `.partial` folder; `finish()` makes it a cache."""
+
+    def __init__(self, path: Path, spec: FeatureSpec, hidden_size: int):
+        self.path, self.spec, self.hidden_size = path, spec, hidden_size
+        self.tmp = path.with_name(path.name + f".partial-{os.getpid()}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        self.files = {name: open(self.tmp / f"{name}.bin", "wb") for name in _ARRAYS}
+        self.offsets = [0]
+        self.validation: list[bool] = []
+        self.loss_tokens = [0, 0]  # train, validation
+        self.started = time.time()
+
+    def add(self, tokens: np.ndarray, hidden: np.ndarray, topk_ids: np.ndarray, topk_probs: np.ndarray,
+            loss_mask: np.ndarray, validation: bool) -> None:
+        n = len(tokens)
+        assert hidden.shape == (n, self.hidden_size) and topk_ids.shape == topk_probs.shape == (n, self.spec.topk)
+        assert not loss_mask[-1], "the last position has no next token"
+        for name, arr in (("tokens", tokens), ("hidden", hidden), ("topk_ids", topk_ids),
+                          ("topk_probs", topk_probs), ("loss_mask", loss_mask)):
+            self.files[name].write(np.ascontiguousarray(arr, dtype=_ARRAYS[name]).tobytes())
+        self.offsets.append(self.offsets[-1] + n)
+        self.validation.append(validation)
+        self.loss_tokens[validation] += int(loss_mask.sum())
+
+    def finish(self, extra: dict) -> "FeatureCache":
+        for f in self.files.values():
+            f.close()
+        np.save(self.tmp / "offsets.npy", np.array(self.offsets, dtype=np.int64))
+        np.save(self.tmp / "validation.npy", np.array(self.validation, dtype=np.bool_))
+        meta = {"format_version": FORMAT_VERSION, "spec": asdict(self.spec), "hidden_size": self.hidden_size,
+                "num_tokens": self.offsets[-1], "num_sequences": len(self.validation),
+                "train_loss_tokens": self.loss_tokens[0], "validation_loss_tokens": self.loss_tokens[1],
+                "build_seconds": round(time.time() - self.started, 1), **extra}
+        (self.tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.replace(self.tmp, self.path)
+        return FeatureCache(self.path)
+
+    def abort(self) -> None:
+        for f in self.files.values():
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class FeatureCache:
+    """A finished cache, memory-mapped."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        meta_path = self.path / "meta.json"
+        if not meta_path.is_file():
+            raise CloverError(f"{self.path} is not a feature cache (no meta.json): delete it and rebuild")
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("format_version") != FORMAT_VERSION:
+            raise CloverError(f"feature cache {self.path} has format {self.meta.get('format_version')}, this version "
+                              f"reads {FORMAT_VERSION}: delete it and rebuild")
+        self.spec = FeatureSpec(**self.meta["spec"])
+        n, H, K = self.meta["num_tokens"], self.meta["hidden_size"], self.spec.topk
+        shapes = {"tokens": (n,), "hidden": (n, H), "topk_ids": (n, K), "topk_probs": (n, K), "loss_mask": (n,)}
+        self.arrays = {name: np.memmap(self.path / f"{name}.bin", dtype=_ARRAYS[name], mode="r", shape=shapes[name])
+                       for name in _ARRAYS}
+        self.offsets = np.load(self.path / "offsets.npy")
+        self.validation = np.load(self.path / "validation.npy")
+
+    def sequences(self, validation: bool) -> list[int]:
+        return [i for i, v in enumerate(self.validation) if bool(v) == validation]
+
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def batch(self, seq_ids: list[int]) -> dict[str, torch.Tensor]:
+        """Right-padded tensors [B, L, ...] for sequences `seq_ids`; padding has loss_mask False."""
+        L = max(self.length(i) for i in seq_ids)
+        out: dict[str, torch.Tensor] = {}
+        for name, arr in self.arrays.items():
+            pad = np.zeros((len(seq_ids), L, *arr.shape[1:]), dtype=arr.dtype)
+            for b, i in enumerate(seq_ids):
+                s, e = self.offsets[i], self.offsets[i + 1]
+                pad[b, : e - s] = arr[s:e]
+            out[name] = torch.from_numpy(pad)
+        out["length"] = torch.tensor([self.length(i) for i in seq_ids])
+        return out
+
+
+# -- building --------------------------------------------------------------------------------------
+
+Progress = Callable[[int, int], None]  # (loss tokens so far, budget)
+
+
+@torch.inference_mode()
+def _topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    probs, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
+    return ids.to(torch.int32).numpy(), probs.to(torch.float16).numpy()
+
+
+@torch.inference_mode()
+def prefill(base: Decoder, ids: list[int], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[torch.Tensor], list[torch.Tensor]]:
+    """One sequence through the base: hidden [T, H] fp16, top-k of every position, and its K/V."""
+    T = len(ids)
+    keys, values = base.empty_cache(1, 0)
+    out = base(torch.tensor([ids]), torch.arange(T)[None], causal_mask(T), torch.zeros(1, dtype=torch.long), keys, values)
+    tk_ids, tk_p = _topk(out.logits[0], k)
+    return out.hidden_states[0].to(torch.float16).numpy(), tk_ids, tk_p, out.new_keys, out.new_values
+
+
+def features_from_dataset(base: Decoder, sequences: Iterable[tuple[list[int], list[bool], bool]], writer: FeatureWriter,
+                          budgets: tuple[int, int], progress: Progress | None = None) -> None:
+    """Teacher-forced pass over tokenised conversations: (ids, assistant mask, is_validation) each."""
+    k = writer.spec.topk
+    for ids, assistant, is_val in sequences:
+        if writer.loss_tokens[is_val] >= budgets[is_val] or len(ids) < 2:
+            continue
+        hidden, tk_ids, tk_p, _, _ = prefill(base, ids, k)
+        loss_mask = np.zeros(len(ids), dtype=np.bool_)
+        loss_mask[:-1] = assistant[1:]
+        hidden[-1], tk_ids[-1], tk_p[-1] = 0, 0, 0
+        writer.add(np.array(ids), hidden, tk_ids, tk_p, loss_mask, is_val)
+        if progress:
+            progress(writer.loss_tokens[0], budgets[0])
+        if all(writer.loss_tokens[v] >= budgets[v] for v in (0, 1)):
+            break
+
+
+class _Slot:
+    """One sequence being generated in the continuous batch."""
+
+    def __init__(self, prompt: list[int], is_val: bool, hidden: np.ndarray, tk_ids: np.ndarray, tk_p: np.ndarray):
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.is_val = is_val
+        self.hidden, self.tk_ids, self.tk_p = [hidden], [tk_ids], [tk_p]
+
+
+@torch.inference_mode()
+def features_from_generation(base: Decoder, prompts: Iterator[tuple[list[int], bool]], writer: FeatureWriter,
+                             budgets: tuple[int, int], eos_ids: tuple[int, ...], batch_size: int = 64,
+                             progress: Progress | None = None) -> None:
+    """The base answers each prompt greedily (Medusa-2's self-distillation data); the features come
+    from the same forward passes. Continuous batching: a finished sequence's row is refilled at once.
+
+    Each row has its own past length (the decoder masks cache slots beyond it), so rows of different
+    lengths decode together without padding tokens.
+    """
+    spec = writer.spec
+    k, max_new = spec.topk, spec.max_new_tokens
+    capacity = spec.max_length
+    keys, values = base.empty_cache(batch_size, capacity)
+    lengths = torch.zeros(batch_size, dtype=torch.long)  # cached tokens per row
+    current = torch.zeros(batch_size, dtype=torch.long)  # the token each row feeds next
+    slots: list[_Slot | None] = [None] * batch_size
+    exhausted = False
+    rows = torch.arange(batch_size)
+
+    def want(is_val: bool) -> bool:
+        return writer.loss_tokens[is_val] < budgets[is_val]
+
+    def finish(b: int) -> None:
+        s = slots[b]
+        n = len(s.tokens)
+        hidden = np.concatenate(s.hidden)[: n]
+        tk_ids, tk_p = np.concatenate(s.tk_ids)[: n], np.concatenate(s.tk_p)[: n]
+        if hidden.shape[0] < n:  # the final token was never fed (EOS or length cap): no features of its own
+            pad = n - hidden.shape[0]
+            hidden = np.concatenate((hidden, np.zeros((pad, hidden.shape[1]), hidden.dtype)))
+            tk_ids = np.concatenate((tk_ids, np.zeros((pad, k), tk_ids.dtype)))
+            tk_p = np.concatenate((tk_p, np.zeros((pad, k), tk_p.dtype)))
+        loss_mask = np.zeros(n, dtype=np.bool_)
+        loss_mask[s.prompt_len - 1: n - 1] = True  # p_t for t >= prompt_len - 1 predicts a generated token
+        writer.add(np.array(s.tokens), hidden, tk_ids, tk_p, loss_mask, s.is_val)
+        slots[b] = None
+        lengths[b], current[b] = 0, 0  # an idle row decodes a dummy token at slot 0 until refilled
+        if progress:
+            progress(writer.loss_tokens[0], budgets[0])
+
+    while True:
+        for b in range(batch_size):
+            while slots[b] is None and not exhausted:
+                if not (want(False) or want(True)):
+                    exhausted = True
+                    break
+                try:
+                    prompt, is_val = next(prompts)
+                except StopIteration:
+                    exhausted = True
+                    break
+                if not want(is_val) or len(prompt) + 2 > capacity:
+                    continue
+                hidden, tk_ids, tk_p, new_k, new_v = prefill(base, prompt, k)
+                for store, new in zip(keys + values, new_k + new_v):
+                    store[b, :, : len(prompt)] = new[0]
+                slots[b] = _Slot(prompt, is_val, hidden, tk_ids, tk_p)
+                first = int(tk_ids[-1, 0])
+                slots[b].tokens.append(first)
+                lengths[b], current[b] = len(prompt), first
+                if first in eos_ids:
+                    finish(b)
+        active = [b for b in range(batch_size) if slots[b] is not None]
+        if not active:
+            break
+        P = int(lengths[active].max())
+        out = base(current[:, None], lengths[:, None], torch.ones(batch_size, 1, 1, dtype=torch.bool), lengths,
+                   [kk[:, :, :P] for kk in keys], [vv[:, :, :P] for vv in values])
+        for store, new in zip(keys + values, out.new_keys + out.new_values):
+            store[rows, :, lengths] = new[:, :, 0]
+        hidden = out.hidden_states[:, 0].to(torch.float16).numpy()
+        tk_ids, tk_p = _topk(out.logits[:, 0], k)
+        for b in active:
+            lengths[b] += 1
+            s = slots[b]
+            s.hidden.append(hidden[b: b + 1])
+            s.tk_ids.append(tk_ids[b: b + 1])
+            s.tk_p.append(tk_p[b: b + 1])
+            nxt = int(tk_ids[b, 0])
+            s.tokens.append(nxt)
+            current[b] = nxt
+            if nxt in eos_ids or len(s.tokens) - s.prompt_len >= max_new or len(s.tokens) >= capacity:
+                finish(b)
+
+
+def interleave(train: list, validation: list) -> Iterator[tuple[object, bool]]:
+    """Training items with validation items spread evenly among them, so both budgets fill together."""
+    every = max(1, len(train) // max(1, len(validation)))
+    v = iter(validation)
+    for i, item in enumerate(train):
+        if i % every == 0:
+            val = next(v, None)
+            if val is not None:
+                yield val, True
+        yield item, False
+    for val in v:
+        yield val, True
+
+
+def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, batch_size: int = 64,
+                     progress: Progress | None = None) -> FeatureCache:
+    """The cache for `spec` under `root`, built first if missing (the base model runs only here)."""
+    from clover.train.data import first_turn_prompt, load_conversations, split, tokenize_conversation
+
+    path = Path(root) / spec.key()
+    if (path / "meta.json").is_file():
+        return FeatureCache(path)
+    parts = split(load_conversations(spec.data), spec.seed, spec.validation_fraction)
+    budgets = (spec.max_tokens, max(1, round(spec.max_tokens * spec.validation_fraction)))
+    writer = FeatureWriter(path, spec, base.config.hidden_size)
+    try:
+        if spec.responses == "base":
+            max_prompt = spec.max_length - spec.max_new_tokens
+
+            def prompts() -> Iterator[tuple[list[int], bool]]:
+                for messages, is_val in interleave(parts.train, parts.validation):
+                    ids = first_turn_prompt(tokenizer, messages)
+                    if len(ids) <= max_prompt:
+                        yield ids, is_val
+
+            features_from_generation(base, prompts(), writer, budgets, tokenizer.eos_token_ids, batch_size, progress)
+        elif spec.responses == "dataset":
+            def sequences() -> Iterator[tuple[list[int], list[bool], bool]]:
+                for messages, is_val in interleave(parts.train, parts.validation):
+                    ids, mask = tokenize_conversation(tokenizer, messages, spec.max_length)
+                    yield ids, mask, is_val
+
+            features_from_dataset(base, sequences(), writer, budgets, progress)
+        else:
+            raise CloverError(f"unknown --responses {spec.responses!r}: use 'base' or 'dataset'")
+        if writer.loss_tokens[0] == 0 or writer.loss_tokens[1] == 0:
+            raise CloverError(f"{spec.data} gave no usable {'training' if not writer.loss_tokens[0] else 'validation'} "
+                              "tokens: use more conversations or a larger --max-length")
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish({"base_architecture": base.config.architecture})

@@ -1,0 +1,111 @@
+"""Self-distillation losses: per draft depth, the head's distribution against the base's own.
+
+Targets are the base's next-token distributions p_{t+d} (top-k, from the feature cache), never the
+data's tokens. Per recipe:
+- clover2 (paper and official code, main_clover2.py): per depth d, KL(p || q) + 10 x SmoothL1 between
+  the head's pre-LM-head vector and the base's final-norm hidden state at t+d, weighted 0.7^(d-1).
+  As in the official code, depth d at row t is trained only while the fed continuation x_{t+1..t+d}
+  is what the base itself would have produced (its argmax), since only such paths are ever drafted
+  from at inference.
+- medusa: Medusa-2's self-distillation, KL(p || q) per head, weighted 0.8^(d-1). Medusa-1 used the
+  data's tokens with cross-entropy; soft labels are what this tool's issue asks for.
+- clover: the Clover paper trains with Medusa's recipe; so do we (KL, 0.8^(d-1)).
+KL(p || q) is computed as -sum_k p_k log q_k over the cached top-k tokens (the entropy of p is a
+constant); the tail mass beyond top-k is left out.
+
+The LM-head matmul over the 49k vocabulary dominates training time on CPU; it runs in bfloat16
+(forward and backward), which affects the draft only, never what the base verifies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from clover.models.heads import DraftHeads, shifted
+
+
+@dataclass(frozen=True)
+class Recipe:
+    decay: float  # loss weight of depth d is decay ** (d - 1)
+    hidden_weight: float  # weight of the SmoothL1 hidden-state term (0: none)
+    greedy_paths_only: bool  # train depth d only where x_{t+1..t+d} are the base's argmax tokens
+    lr: float  # default peak learning rate
+
+
+RECIPES = {
+    "medusa": Recipe(decay=0.8, hidden_weight=0.0, greedy_paths_only=False, lr=1e-3),
+    "clover": Recipe(decay=0.8, hidden_weight=0.0, greedy_paths_only=False, lr=5e-4),
+    "clover2": Recipe(decay=0.7, hidden_weight=10.0, greedy_paths_only=True, lr=5e-4),
+}
+
+
+@dataclass
+class DepthStats:
+    """Sums over a batch for one depth (divide by count for means)."""
+
+    loss: float = 0.0
+    kl: float = 0.0
+    hidden: float = 0.0
+    correct: float = 0.0  # head argmax == base argmax
+    count: int = 0
+
+
+def depth_masks(batch: dict[str, torch.Tensor], depths: int, greedy_paths_only: bool) -> list[torch.Tensor]:
+    """valid[d-1] [B, L]: row t has a target for depth d (p_{t+d} exists, is an assistant position and,
+    if asked, the fed path is the base's greedy one)."""
+    loss_mask = batch["loss_mask"]
+    greedy = batch["topk_ids"][..., 0].long() == shifted(batch["tokens"].long(), 1)  # x_{t+1} == argmax p_t
+    valid, path_ok = [], torch.ones_like(loss_mask)
+    for d in range(1, depths + 1):
+        path_ok = path_ok & shifted(greedy, d - 1) if greedy_paths_only else path_ok
+        valid.append(shifted(loss_mask, d) & path_ok)
+    return valid
+
+
+def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int, recipe: Recipe,
+                 base_norm: torch.nn.Module, lm_bf16: torch.Tensor) -> tuple[torch.Tensor, list[DepthStats]]:
+    """Weighted training loss of one batch and per-depth statistics."""
+    hidden = batch["hidden"].float()
+    tokens = batch["tokens"].long()
+    outs = heads.teacher_forced(hidden, tokens, depths)
+    total = hidden.new_zeros(())
+    stats = []
+    for d, (out, valid) in enumerate(zip(outs, depth_masks(batch, depths, recipe.greedy_paths_only)), start=1):
+        st = DepthStats()
+        n = int(valid.sum())
+        if n == 0:
+            stats.append(st)
+            continue
+        x = out[valid]  # [n, H]
+        target_rows = shifted_rows(valid, d)
+        p = batch["topk_probs"][target_rows].float()  # [n, K]
+        ids = batch["topk_ids"][target_rows].long()
+        logits = head_logits_bf16(heads, d, x, lm_bf16)
+        logq = torch.log_softmax(logits, dim=-1)
+        kl = -(p * logq.gather(-1, ids)).sum(-1).mean()
+        loss = kl
+        if recipe.hidden_weight:
+            target_h = base_norm(hidden[target_rows])
+            h_loss = F.smooth_l1_loss(x.float(), target_h)
+            loss = loss + recipe.hidden_weight * h_loss
+            st.hidden = float(h_loss.detach()) * n
+        total = total + recipe.decay ** (d - 1) * loss
+        st.loss, st.kl, st.count = float(loss.detach()) * n, float(kl.detach()) * n, n
+        st.correct = float((logits.argmax(-1) == ids[:, 0]).sum())
+        stats.append(st)
+    return total, stats
+
+
+def shifted_rows(valid: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Index of position t + d for every valid row t (batch index, position index)."""
+    b, t = valid.nonzero(as_tuple=True)
+    return b, t + d
+
+
+def head_logits_bf16(heads: DraftHeads, depth: int, x: torch.Tensor, lm_bf16: torch.Tensor) -> torch.Tensor:
+    if getattr(heads, "lm_heads", None) is not None:  # medusa with its own (trainable) LM heads
+        return heads.head_logits(depth, x)
+    return F.linear(x.to(torch.bfloat16), lm_bf16).float()
