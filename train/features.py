@@ -49,6 +49,7 @@ class FeatureSpec:
     max_new_tokens: int  # 'base' responses: longest answer generated
     topk: int
     validation_fraction: float = 0.02
+    dtype: str = "float32"  # precision the base runs in while building (bfloat16: ~2x faster on CPU)
 
     def key(self) -> str:
         blob = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True)
@@ -153,12 +154,20 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @torch.inference_mode()
-def prefill(base: Decoder, ids: list[int], k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[torch.Tensor], list[torch.Tensor]]:
-    """One sequence through the base: hidden [T, H] fp16, top-k of every position, and its K/V."""
+def prefill(base: Decoder, ids: list[int], k: int, last_only: bool = False
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[torch.Tensor], list[torch.Tensor]]:
+    """One sequence through the base: hidden [T, H] fp16, top-k per position, and its K/V.
+    `last_only`: the distribution of the last position only (the rows before it get zeros), for
+    prompts whose own positions carry no loss: it skips most of the LM-head work."""
     T = len(ids)
     keys, values = base.empty_cache(1, 0)
-    out = base(torch.tensor([ids]), torch.arange(T)[None], causal_mask(T), torch.zeros(1, dtype=torch.long), keys, values)
+    rows = torch.tensor([T - 1]) if last_only else None
+    out = base(torch.tensor([ids]), torch.arange(T)[None], causal_mask(T), torch.zeros(1, dtype=torch.long), keys, values,
+               logit_rows=rows)
     tk_ids, tk_p = _topk(out.logits[0], k)
+    if last_only:
+        tk_ids = np.concatenate((np.zeros((T - 1, k), tk_ids.dtype), tk_ids))
+        tk_p = np.concatenate((np.zeros((T - 1, k), tk_p.dtype), tk_p))
     return out.hidden_states[0].to(torch.float16).numpy(), tk_ids, tk_p, out.new_keys, out.new_values
 
 
@@ -244,7 +253,7 @@ def features_from_generation(base: Decoder, prompts: Iterator[tuple[list[int], b
                     break
                 if not want(is_val) or len(prompt) + 2 > capacity:
                     continue
-                hidden, tk_ids, tk_p, new_k, new_v = prefill(base, prompt, k)
+                hidden, tk_ids, tk_p, new_k, new_v = prefill(base, prompt, k, last_only=True)
                 for store, new in zip(keys + values, new_k + new_v):
                     store[b, :, : len(prompt)] = new[0]
                 slots[b] = _Slot(prompt, is_val, hidden, tk_ids, tk_p)
@@ -301,6 +310,11 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
     parts = split(load_conversations(spec.data), spec.seed, spec.validation_fraction)
     budgets = (spec.max_tokens, max(1, round(spec.max_tokens * spec.validation_fraction)))
     writer = FeatureWriter(path, spec, base.config.hidden_size)
+    if spec.dtype != str(base.lm_head.weight.dtype).removeprefix("torch."):
+        import copy
+
+        from clover.models.loading import parse_dtype
+        base = copy.deepcopy(base).to(parse_dtype(spec.dtype))  # the caller's base keeps its precision
     try:
         if spec.responses == "base":
             max_prompt = spec.max_length - spec.max_new_tokens

@@ -13,8 +13,13 @@ data's tokens. Per recipe:
 KL(p || q) is computed as -sum_k p_k log q_k over the cached top-k tokens (the entropy of p is a
 constant); the tail mass beyond top-k is left out.
 
-The LM-head matmul over the 49k vocabulary dominates training time on CPU; it runs in bfloat16
-(forward and backward), which affects the draft only, never what the base verifies.
+The LM-head matmul over the 49k vocabulary dominates training time on CPU. Two economies, both
+affecting the draft only, never what the base verifies:
+- it runs in bfloat16 (forward and backward);
+- during training the softmax runs over the "active vocabulary": every token that appears in the
+  base's top-k anywhere in the training features (a fixed candidate set, as in sampled softmax).
+  Every target lies in it by construction; tokens outside it are ones the base never ranks in its
+  top-k on this data. Validation metrics use the full vocabulary.
 """
 
 from __future__ import annotations
@@ -65,9 +70,26 @@ def depth_masks(batch: dict[str, torch.Tensor], depths: int, greedy_paths_only: 
     return valid
 
 
+@dataclass(frozen=True)
+class Vocab:
+    """The candidate set of the training softmax: `ids` [n] and `index` [V] (position in ids, -1 if absent)."""
+
+    ids: torch.Tensor
+    index: torch.Tensor
+    lm_bf16: torch.Tensor  # LM-head rows of `ids`, bfloat16 [n, H]
+
+    @classmethod
+    def of(cls, ids: torch.Tensor, lm_weight: torch.Tensor) -> "Vocab":
+        ids = torch.unique(ids.long())
+        index = torch.full((lm_weight.shape[0],), -1, dtype=torch.long, device=ids.device)
+        index[ids] = torch.arange(len(ids), device=ids.device)
+        return cls(ids, index, lm_weight.detach()[ids].to(torch.bfloat16))
+
+
 def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int, recipe: Recipe,
-                 base_norm: torch.nn.Module, lm_bf16: torch.Tensor) -> tuple[torch.Tensor, list[DepthStats]]:
-    """Weighted training loss of one batch and per-depth statistics."""
+                 base_norm: torch.nn.Module, lm_bf16: torch.Tensor, vocab: Vocab | None = None
+                 ) -> tuple[torch.Tensor, list[DepthStats]]:
+    """Weighted training loss of one batch and per-depth statistics (softmax over `vocab` if given)."""
     hidden = batch["hidden"].float()
     tokens = batch["tokens"].long()
     outs = heads.teacher_forced(hidden, tokens, depths)
@@ -83,9 +105,17 @@ def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int,
         target_rows = shifted_rows(valid, d)
         p = batch["topk_probs"][target_rows].float()  # [n, K]
         ids = batch["topk_ids"][target_rows].long()
-        logits = head_logits_bf16(heads, d, x, lm_bf16)
+        if vocab is not None and getattr(heads, "lm_heads", None) is None:
+            logits = F.linear(x.to(torch.bfloat16), vocab.lm_bf16).float()
+            cols = vocab.index[ids]
+            assert bool((cols >= 0).all()), "a target outside the active vocabulary"
+            predicted = vocab.ids[logits.argmax(-1)]
+        else:
+            logits = head_logits_bf16(heads, d, x, lm_bf16)
+            cols = ids
+            predicted = logits.argmax(-1)
         logq = torch.log_softmax(logits, dim=-1)
-        kl = -(p * logq.gather(-1, ids)).sum(-1).mean()
+        kl = -(p * logq.gather(-1, cols)).sum(-1).mean()
         loss = kl
         if recipe.hidden_weight:
             target_h = base_norm(hidden[target_rows])
@@ -94,7 +124,7 @@ def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int,
             st.hidden = float(h_loss.detach()) * n
         total = total + recipe.decay ** (d - 1) * loss
         st.loss, st.kl, st.count = float(loss.detach()) * n, float(kl.detach()) * n, n
-        st.correct = float((logits.argmax(-1) == ids[:, 0]).sum())
+        st.correct = float((predicted == ids[:, 0]).sum())
         stats.append(st)
     return total, stats
 

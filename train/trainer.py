@@ -19,7 +19,7 @@ from clover.errors import CloverError
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
 from clover.train.features import FeatureCache
-from clover.train.objectives import RECIPES, DepthStats, distill_loss
+from clover.train.objectives import RECIPES, DepthStats, Vocab, distill_loss
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     betas: tuple[float, float] = (0.9, 0.95)
+    active_vocab: bool = True  # training softmax over the tokens in the base's top-k (see objectives.py)
 
     @property
     def peak_lr(self) -> float:
@@ -97,6 +98,10 @@ class Trainer:
         probe = make_batches(cache, self.train_ids, cfg.batch_tokens, random.Random(0))
         self.steps_per_epoch = len(probe)
         self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.vocab = None
+        if cfg.active_vocab:
+            ids = torch.from_numpy(active_vocab(cache)).to(device)
+            self.vocab = Vocab.of(ids, base.lm_head.weight)
         self.history = History()
         self.start_epoch = 0
 
@@ -151,7 +156,8 @@ class Trainer:
                 for group in self.opt.param_groups:
                     group["lr"] = lr_at(step, self.total_steps, cfg)
                 batch = self.to_device(self.cache.batch(seq_ids))
-                loss, stats = distill_loss(self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16)
+                loss, stats = distill_loss(self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16,
+                                           self.vocab)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.heads.parameters(), cfg.grad_clip)
@@ -189,6 +195,17 @@ class Trainer:
             run_total, rows = run_total + r, rows + c
         self.heads.train()
         return loss_sum / max(1, n), [a.correct / max(1, a.count) for a in sums], 1 + run_total / max(1, rows)
+
+
+def active_vocab(cache: FeatureCache) -> "np.ndarray":
+    """Every token id in the base's top-k at any position of the cache (training and validation)."""
+    import numpy as np
+
+    ids = cache.arrays["topk_ids"]
+    seen = np.zeros(int(ids.max()) + 1 if len(ids) else 1, dtype=bool)
+    for start in range(0, len(ids), 1 << 16):
+        seen[np.asarray(ids[start: start + (1 << 16)]).ravel()] = True
+    return np.flatnonzero(seen)
 
 
 @torch.no_grad()

@@ -1,0 +1,52 @@
+"""clover-bench on a tiny random base: the table, the JSON, identity to plain decoding, errors."""
+
+import json
+
+import pytest
+
+from clover.tools.bench import load_prompts, main as bench_main
+from helpers import tiny_hf_folder
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    return tiny_hf_folder(tmp_path_factory.mktemp("bench") / "base")
+
+
+def test_bench_table_and_json(base, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"w{10 + i} w{20 + i} w30"}) for i in range(3)) + "\n")
+    out = tmp_path / "r" / "bench.json"
+    rc = bench_main(["--base", str(base), "--heads", "random:medusa,random:clover2", "--tree", "chain-3",
+                     "--prompts", str(prompts), "--max-new-tokens", "12", "--no-chat", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "accept len" in table and "random:clover2" in table and "bonus token included" in table
+    doc = json.loads(out.read_text())
+    assert doc["num_prompts"] == 3
+    rows = {r["heads"]: r for r in doc["results"]}
+    assert set(rows) == {"none", "random:medusa", "random:clover2"}
+    assert rows["none"]["acceptance_length"] == 1.0 and rows["none"]["speedup"] == 1.0
+    for r in rows.values():
+        assert r["identical_to_plain"] == "3/3" and not r["mismatches"]
+        assert len(r["acceptance_rate_per_depth"]) == 3
+        assert r["latency_p95_ms"] >= r["latency_p50_ms"] > 0
+        rates = r["acceptance_rate_per_depth"]
+        assert all(a >= b for a, b in zip(rates, rates[1:]))  # accepting d tokens implies accepting d-1
+
+
+def test_mtbench_prompts_are_the_80_first_turns():
+    prompts = load_prompts("mtbench", None)
+    assert len(prompts) == 80 and prompts[0].startswith("Compose an engaging travel blog post")
+    assert len(load_prompts("mtbench", 5)) == 5
+
+
+def test_bench_errors(base, tmp_path, capsys):
+    assert bench_main(["--base", str(base), "--heads", "random:medusa", "--prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert "not found" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "x"}\n')
+    assert bench_main(["--base", str(base), "--prompts", str(bad)]) == 2
+    assert "no 'prompt' string" in capsys.readouterr().err
+    assert bench_main(["--base", str(base), "--heads", "nope-heads", "--prompts", "mtbench", "--num-prompts", "1"]) == 2
+    assert "not found" in capsys.readouterr().err
