@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="precision of the base model while it builds the features (bfloat16: ~2x faster on CPU; "
                    "the heads still draft for the float32 base)")
     p.add_argument("--full-vocab", action="store_true", help="train with the softmax over the whole vocabulary "
-                   "(default: over the tokens in the base's top-k anywhere in the data; ~2x faster on CPU)")
+                   "(default: over the batch's candidates, the base's top-k tokens; several times faster on CPU)")
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimiser step")
     p.add_argument("--gen-batch", type=int, default=64, help="sequences generated together (--responses base)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     heads = heads.to(device=device, dtype=torch.float32)
     depths = heads.config.num_heads
     cfg = TrainConfig(arch=args.arch, depths=depths, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                      batch_tokens=args.batch_tokens, active_vocab=not args.full_vocab)
+                      batch_tokens=args.batch_tokens, batch_softmax=not args.full_vocab)
     args.out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(base, heads, cache, cfg, args.out, device)
     if args.resume:

