@@ -37,7 +37,8 @@ def mtbench_questions() -> Path:
 
 
 def load_prompts(source: str, limit: int | None) -> list[str]:
-    """First turns of MT-Bench, or the `prompt` field of each line of a JSONL file."""
+    """First turns of MT-Bench, or the `prompt` field of each line of a JSONL file; `limit` of them,
+    evenly spaced."""
     path = mtbench_questions() if source == "mtbench" else Path(source)
     if not path.is_file():
         raise CloverError(f"prompts file {source} not found: pass --prompts mtbench or a JSONL file with a 'prompt' field per line")
@@ -55,7 +56,10 @@ def load_prompts(source: str, limit: int | None) -> list[str]:
         prompts.append(text)
     if not prompts:
         raise CloverError(f"{path} holds no prompts")
-    return prompts[:limit] if limit else prompts
+    if not limit or limit >= len(prompts):
+        return prompts
+    # evenly spaced, so a subset still spans every category (MT-Bench is ordered by category)
+    return [prompts[i * len(prompts) // limit] for i in range(limit)]
 
 
 @dataclass
@@ -113,9 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
     p.add_argument("--heads", default="smollm2-clover2", help="comma-separated head sets (names, folders, random:ARCH)")
     p.add_argument("--backend", default="torch", help="comma-separated backends (torch)")
+    p.add_argument("--artifact", type=Path, default=None, help="an exported artifact (clover-export): ort runs its "
+                   "graphs (plain and with its heads); torch runs the base and heads it was exported from")
     p.add_argument("--tree", default=None, help="token tree for every head set (default: mc26, pruned to a head set's depth)")
     p.add_argument("--prompts", default="mtbench", help="'mtbench' (first turns, chat template) or a JSONL file with 'prompt'")
-    p.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts (default: all)")
+    p.add_argument("--num-prompts", type=int, default=None, help="use N prompts evenly spaced over the set (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch / ORT intra-op threads")
@@ -142,12 +148,7 @@ def run(args: argparse.Namespace) -> int:
             pass
     prompts = load_prompts(args.prompts, args.num_prompts)
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    head_sets = [h.strip() for h in args.heads.split(",") if h.strip() and h.strip() != "none"]
-    configs: list[tuple[str, str, Generator]] = []
-    for backend in backends:
-        configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
-        for heads in head_sets:
-            configs.append((backend, heads, Generator.load(args.base, heads, backend, args.tree, args.dtype)))
+    configs = load_configs(args, backends)
     rows = {(b, h): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
     for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
         g.generate("Hello", max_new_tokens=4, chat=not args.no_chat)
@@ -181,6 +182,47 @@ def run(args: argparse.Namespace) -> int:
     for s in bad:
         print(f"clover-bench: {s['heads']} on {s['backend']} differs from plain decoding: {s['mismatches']}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def load_configs(args: argparse.Namespace, backends: list[str]) -> list[tuple[str, str, "Generator"]]:
+    """(backend, heads name, generator) for plain decoding and each head set, on each backend."""
+    from clover.runtime.generator import Generator
+
+    configs = []
+    if args.artifact is None:
+        if "ort" in backends:
+            raise CloverError("--backend ort runs exported graphs: pass --artifact DIR (make one with clover-export)")
+        head_sets = [h.strip() for h in args.heads.split(",") if h.strip() and h.strip() != "none"]
+        for backend in backends:
+            configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
+            for heads in head_sets:
+                configs.append((backend, heads, Generator.load(args.base, heads, backend, args.tree, args.dtype)))
+        return configs
+    from clover.runtime import ort_backend
+    from clover.runtime.artifact import read_manifest
+    from clover.runtime.tokenizer import Tokenizer
+    from clover.runtime.tree import compile_tree
+
+    manifest = read_manifest(args.artifact)
+    heads = manifest.heads.name if manifest.heads is not None else None
+    for backend in backends:
+        if backend == "ort":
+            tok = Tokenizer.from_dir(ort_backend.base_dir(args.artifact))
+            for spec in ("none", heads) if heads else ("none",):
+                runner = ort_backend.load_runner(args.artifact, heads="none" if spec == "none" else ort_backend.ARTIFACT_HEADS,
+                                                 threads=args.threads or 0)
+                configs.append(("ort", spec, Generator(runner, tok, None if spec == "none" else args.tree)))
+        else:  # the same base and heads through another backend, from the artifact's sources
+            source_base = manifest.sources.get("base")
+            if not source_base:
+                raise CloverError(f"artifact {args.artifact} does not record its source model: export it again")
+            configs.append((backend, "none", Generator.load(source_base, "none", backend, None, manifest.dtype)))
+            if heads:
+                exported = manifest.tree
+                tree = args.tree or (compile_tree(exported["choices"], exported["name"]) if exported else None)
+                configs.append((backend, heads, Generator.load(source_base, manifest.sources["heads"], backend, tree,
+                                                               manifest.dtype)))
+    return configs
 
 
 def print_table(summaries: list[dict], depth: int) -> None:

@@ -15,7 +15,7 @@ from clover.errors import CloverError
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="clover-demo", description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="smollm2")
-    ap.add_argument("--heads", default="random:clover2")
+    ap.add_argument("--heads", default="smollm2-clover2")
     ap.add_argument("--tree", default=None)
     ap.add_argument("--prompt", default="Give me three tips for staying healthy.")
     ap.add_argument("--max-new-tokens", type=int, default=96)

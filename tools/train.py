@@ -155,8 +155,8 @@ def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: flo
                  "validation_loss_tokens": cache.meta["validation_loss_tokens"],
                  "feature_build_seconds": cache.meta["build_seconds"]},
         "wall_seconds": round(seconds, 1),  # this invocation (a --resume run counts its own time)
-        "hardware": {"device": str(device), "cpu": platform.processor() or platform.machine(),
-                     "cpu_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(device)
+        "hardware": {"device": str(device), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
+                     "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(device)
                      if device.type == "cuda" else None},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "epochs": [asdict(m) for m in history.epochs],
@@ -164,6 +164,16 @@ def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: flo
     tmp = args.out / "training.json.partial"
     tmp.write_text(json.dumps(prov, indent=2) + "\n")
     os.replace(tmp, args.out / "training.json")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def main(argv: list[str] | None = None) -> int:

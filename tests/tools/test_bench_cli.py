@@ -38,7 +38,8 @@ def test_bench_table_and_json(base, tmp_path, capsys):
 def test_mtbench_prompts_are_the_80_first_turns():
     prompts = load_prompts("mtbench", None)
     assert len(prompts) == 80 and prompts[0].startswith("Compose an engaging travel blog post")
-    assert len(load_prompts("mtbench", 5)) == 5
+    five = load_prompts("mtbench", 5)
+    assert len(five) == 5 and five[0] == prompts[0] and five[1] == prompts[16]  # spread over the categories
 
 
 def test_bench_errors(base, tmp_path, capsys):
