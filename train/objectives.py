@@ -17,8 +17,8 @@ The LM-head matmul over the 49k vocabulary dominates training time on CPU. Two e
 affecting the draft only, never what the base verifies:
 - it runs in bfloat16 (forward and backward);
 - during training the softmax runs over the batch's candidate set: every token in the base's top-k
-  at any loss position of the batch (a few thousand of the 49k; sampled softmax with the base's own
-  likely tokens as negatives). Every target lies in it by construction, and a token that the base
+  at any loss position of the batch, plus the 4096 tokens most often ranked first in the data (a few
+  thousand of the 49k; sampled softmax with the base's own likely tokens as negatives). Every target lies in it by construction, and a token that the base
   ranks in its top-k anywhere in the data is a candidate in many batches; validation metrics use the
   full vocabulary. `--full-vocab` turns this off.
 """
@@ -80,9 +80,11 @@ class Vocab:
     lm_bf16: torch.Tensor  # LM-head rows of `ids`, bfloat16 [n, H]
 
     @classmethod
-    def of_batch(cls, batch: dict[str, torch.Tensor], lm_weight: torch.Tensor) -> "Vocab":
-        """The batch's candidate set: the base's top-k tokens at its loss positions."""
-        return cls.of(batch["topk_ids"][batch["loss_mask"]].reshape(-1), lm_weight)
+    def of_batch(cls, batch: dict[str, torch.Tensor], lm_weight: torch.Tensor, always: torch.Tensor | None = None) -> "Vocab":
+        """The batch's candidate set: the base's top-k tokens at its loss positions, plus `always`
+        (the data's most frequent tokens, so small batches still see the usual confusions)."""
+        ids = batch["topk_ids"][batch["loss_mask"]].reshape(-1)
+        return cls.of(ids if always is None else torch.cat((ids, always.to(ids))), lm_weight)
 
     @classmethod
     def of(cls, ids: torch.Tensor, lm_weight: torch.Tensor) -> "Vocab":

@@ -98,6 +98,7 @@ class Trainer:
         probe = make_batches(cache, self.train_ids, cfg.batch_tokens, random.Random(0))
         self.steps_per_epoch = len(probe)
         self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.frequent = frequent_tokens(cache, self.train_ids).to(device) if cfg.batch_softmax else None
         self.history = History()
         self.start_epoch = 0
 
@@ -152,7 +153,7 @@ class Trainer:
                 for group in self.opt.param_groups:
                     group["lr"] = lr_at(step, self.total_steps, cfg)
                 batch = self.to_device(self.cache.batch(seq_ids))
-                vocab = Vocab.of_batch(batch, self.base.lm_head.weight) if cfg.batch_softmax else None
+                vocab = Vocab.of_batch(batch, self.base.lm_head.weight, self.frequent) if cfg.batch_softmax else None
                 loss, stats = distill_loss(self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16,
                                            vocab)
                 self.opt.zero_grad(set_to_none=True)
@@ -192,6 +193,22 @@ class Trainer:
             run_total, rows = run_total + r, rows + c
         self.heads.train()
         return loss_sum / max(1, n), [a.correct / max(1, a.count) for a in sums], 1 + run_total / max(1, rows)
+
+
+def frequent_tokens(cache: FeatureCache, seq_ids: list[int], count: int = 4096) -> torch.Tensor:
+    """The `count` token ids most often ranked first by the base at the loss positions of `seq_ids`."""
+    import numpy as np
+
+    hist = np.zeros(1, dtype=np.int64)
+    for i in seq_ids:
+        s, e = cache.offsets[i], cache.offsets[i + 1]
+        top = np.asarray(cache.arrays["topk_ids"][s:e, 0])[np.asarray(cache.arrays["loss_mask"][s:e])]
+        counts = np.bincount(top)
+        if len(counts) > len(hist):
+            hist = np.pad(hist, (0, len(counts) - len(hist)))
+        hist[: len(counts)] += counts
+    order = np.argsort(-hist, kind="stable")[:count]
+    return torch.from_numpy(order[hist[order] > 0])
 
 
 @torch.no_grad()
