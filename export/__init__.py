@@ -1,1 +1,11 @@
-"""clover.export: see DESIGN.md (filled in by later issues)."""
+"""clover.export: torch -> ONNX graphs and the artifact directory (DESIGN.md "Exported artifact").
+
+Small loaders, composed by `clover-export` (STYLE.md 6):
+    config.ExportConfig                    what to make (backend, dtype, opset, tree, max context)
+    graphs.base_graph / draft_graphs       flat-signature torch modules + example inputs per graph
+    onnx_graph.onnx_from_torch             GraphDef -> <name>.onnx (+ external data), via dynamo
+    onnx_graph.check_onnx / parity_with_torch
+    artifact.artifact_from_modules         modules -> artifact folder (atomic, manifest last)
+    artifact.export_artifact               CLI specs (--base, --heads) -> artifact folder
+The manifest schema and its validation live in clover.runtime.artifact (no torch), which reads it.
+"""

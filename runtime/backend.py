@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from clover.errors import CloverError
+from clover.runtime.tree import Tree
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class RunnerInfo:
     heads: str | None  # head architecture, None for plain decoding
     heads_max_depth: int | None  # deepest tree the heads can draft (None: any)
     heads_name: str = "none"  # what --heads named, for reports
+    default_tree: Tree | None = None  # the tree an exported artifact was built for (used when none is asked)
 
 
 class Runner(abc.ABC):
@@ -108,7 +110,7 @@ class Runner(abc.ABC):
     def _draft_step(self, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray: ...
 
 
-BACKENDS = {"torch": "clover.runtime.torch_backend"}
+BACKENDS = {"torch": "clover.runtime.torch_backend", "ort": "clover.runtime.ort_backend"}
 
 
 def backend_module(name: str):

@@ -70,7 +70,7 @@ class Generator:
                 raise CloverError("a token tree needs draft heads: pass --heads (e.g. random:clover2) or --tree plain")
             self.tree = PLAIN
         elif tree is None:
-            self.tree = default_tree(info.heads_max_depth)
+            self.tree = info.default_tree or default_tree(info.heads_max_depth)
         else:
             self.tree = resolve_tree(tree) if isinstance(tree, str) else tree
         if info.heads_max_depth is not None and self.tree.max_depth > info.heads_max_depth:
@@ -81,11 +81,14 @@ class Generator:
             )
 
     @classmethod
-    def load(cls, base: str | Path, heads: str = "none", backend: str = "torch", tree: str | None = None,
-             dtype: str = "float32") -> "Generator":
-        """Build the backend's runner and the base's tokenizer from CLI-style specs."""
+    def load(cls, base: str | Path, heads: str | None = None, backend: str = "torch", tree: str | None = None,
+             dtype: str | None = None) -> "Generator":
+        """Build the backend's runner and the base's tokenizer from CLI-style specs. `base` is an HF folder
+        or 'smollm2' for torch, an artifact folder for ort; heads and dtype left None take the backend's
+        defaults (torch: none, float32; ort: the artifact's)."""
         module = backend_module(backend)
-        runner = module.load_runner(base, heads, dtype)
+        given = {k: v for k, v in (("heads", heads), ("dtype", dtype)) if v is not None}
+        runner = module.load_runner(base, **given)
         return cls(runner, Tokenizer.from_dir(module.base_dir(base)), tree)
 
     # -- public API -----------------------------------------------------------------------------

@@ -15,9 +15,12 @@ def build_parser() -> argparse.ArgumentParser:
         prog="clover-generate",
         description="Generate text with speculative decoding (greedy output equals plain decoding).",
     )
-    p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
-    p.add_argument("--heads", default="none", help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), or none")
-    p.add_argument("--backend", default="torch", help="engine backend (torch)")
+    p.add_argument("--base", default=None, help="Hugging Face model folder, or 'smollm2' (embedded default; torch backend)")
+    p.add_argument("--heads", default=None,
+                   help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), or none (default: none; "
+                        "with --artifact: the artifact's heads, or none for plain decoding)")
+    p.add_argument("--artifact", type=Path, default=None, help="artifact folder written by clover-export (ort backend)")
+    p.add_argument("--backend", default=None, help="torch (default) or ort (default with --artifact)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt text ('-' for stdin)")
@@ -26,9 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--tree", default=None, help="plain, chain-N, small, mc26, a JSON file or inline JSON list (default: mc26 with heads)")
+    p.add_argument("--tree", default=None,
+                   help="plain, chain-N, small, mc26, a JSON file or inline JSON list (default: mc26 with heads; "
+                        "an artifact's own tree with --artifact)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--dtype", default="float32", help="float32, float16 or bfloat16")
+    p.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16; an artifact has its own")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print text as it is generated")
     out.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and statistics")
@@ -45,6 +50,29 @@ def read_prompt(args: argparse.Namespace) -> str:
     return args.prompt_file.read_text()
 
 
+ARTIFACT_BACKENDS = ("ort",)  # backends that run an exported artifact instead of --base / --heads
+
+
+def backend_name(args: argparse.Namespace) -> str:
+    return args.backend or ("ort" if args.artifact is not None else "torch")
+
+
+def model_source(args: argparse.Namespace) -> str | Path:
+    """--artifact for the artifact backends, --base (default smollm2) for the others; never a mix."""
+    backend = backend_name(args)
+    if backend in ARTIFACT_BACKENDS:
+        if args.artifact is None:
+            raise CloverError(f"--backend {backend} runs an exported artifact: pass --artifact DIR "
+                              "(make one with clover-export)")
+        if args.base is not None:
+            raise CloverError("--base is for the torch backend: an artifact carries its base model, pass --artifact alone")
+        return args.artifact
+    if args.artifact is not None:
+        raise CloverError(f"--artifact runs on ONNX Runtime: pass --backend ort "
+                          f"(the {backend} backend loads --base and --heads)")
+    return args.base or "smollm2"
+
+
 def run(args: argparse.Namespace) -> int:
     from clover.runtime.generator import Generator
     from clover.runtime.sampling import SamplingParams
@@ -53,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     prompt = read_prompt(args)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    gen = Generator.load(args.base, args.heads, args.backend, args.tree, args.dtype)
+    gen = Generator.load(model_source(args), args.heads, backend_name(args), args.tree, args.dtype)
     kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=args.chat)
     if args.stream:
         stream = gen.stream(prompt, **kwargs)

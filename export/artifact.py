@@ -1,0 +1,226 @@
+"""Build an artifact directory (DESIGN.md "Exported artifact") from a base model and draft heads.
+
+    export_artifact("smollm2", "heads/", "out/", ExportConfig())        # from CLI-style specs
+    artifact_from_modules(base, heads, tokenizer_dir, "out/", config)    # from loaded modules
+
+Everything is written into a hidden temporary sibling of the target (`.tmp-<name>-*`); the manifest is
+written last, then the folder is moved into place with renames. So a crash never leaves a directory
+that looks like an artifact, and re-exporting into an existing artifact replaces it whole. A target
+that exists, is not empty and is not an artifact is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+
+from clover.errors import CloverError
+from clover.export.config import ExportConfig
+from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
+from clover.export.onnx_graph import check_onnx, onnx_from_torch, parity_with_torch
+from clover.models.decoder import Decoder
+from clover.models.heads import BaseFingerprint, DraftHeads
+from clover.runtime.artifact import (
+    TOKENIZER_DIR, GraphSpec, HeadsSpec, Manifest, file_entries, is_artifact, write_manifest,
+)
+from clover.runtime.tree import Tree, resolve_tree, tree_to_dict
+
+Progress = Callable[[str], None]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+                   "special_tokens_map.json", "config.json")
+# Export-time parity check: an edge case (no past, one new token) and a small tree over a past.
+VERIFY_SIZES: list[Sizes] = [
+    {"batch": 1, "new": 1, "past": 0, "rows": 1, "accepted": 1, "candidates": 1},
+    {"batch": 1, "new": 6, "past": 5, "rows": 6, "accepted": 3, "candidates": 4},
+]
+# Relative error (max |ONNX - torch| / max(1, max |torch|)) above which an export is broken, not noisy.
+BROKEN_RELATIVE_ERROR = {"float32": 1e-3, "float16": 5e-2}
+TOOLS = ("clover-deploy", "torch", "onnx", "onnxscript", "onnxruntime")
+
+
+def export_artifact(base: str | Path, heads: str, out: str | Path, config: ExportConfig,
+                    progress: Progress | None = None) -> Path:
+    """Load `base` (an HF folder or 'smollm2') and `heads` (a folder, random:ARCH[:SEED] or none) in
+    config.dtype and export them to the artifact directory `out`."""
+    from clover.models.head_io import pretrained_names, resolve_heads
+    from clover.models.loading import load_base
+    from clover.models.smollm2 import resolve_base
+
+    say = progress or (lambda _: None)
+    check_target(Path(out))
+    base_path = resolve_base(base)
+    say(f"loading base {base} ({config.dtype}) and heads {heads}")
+    model = load_base(base_path, config.dtype)
+    head_set = resolve_heads(heads, model)
+    # Folders as absolute paths: the artifact may be used from elsewhere (e.g. to compare with torch).
+    named = heads in ("none", "") or heads.startswith("random:") or heads in pretrained_names()
+    sources = {"base": str(base) if str(base) == "smollm2" else str(base_path.resolve()),
+               "heads": heads if named else str(Path(heads).resolve())}
+    return artifact_from_modules(model, head_set, base_path, out, config, heads_name=heads, sources=sources,
+                                 progress=progress)
+
+
+def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir: Path, out: str | Path,
+                          config: ExportConfig, heads_name: str = "none", sources: dict[str, str] | None = None,
+                          progress: Progress | None = None) -> Path:
+    """Export `base` (+ `heads`) with the tokenizer files of `tokenizer_dir` into the artifact `out`."""
+    say = progress or (lambda _: None)
+    out = Path(out)
+    check_target(out)
+    dtype = str(base.lm_head.weight.dtype).removeprefix("torch.")
+    if dtype != config.dtype:
+        raise CloverError(f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}")
+    tree = default_tree(heads, config.tree)
+    max_context = resolve_max_context(base, config.max_context)
+    graphs = [base_graph(base)] + (draft_graphs(heads) if heads is not None else [])
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
+    try:
+        copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)  # first: fail fast, before minutes of export
+        specs, parity = {}, {}
+        for i, graph in enumerate(graphs, 1):
+            t0 = time.perf_counter()
+            say(f"[{i}/{len(graphs) + 1}] {graph.name}: exporting {graph.name}.onnx")
+            specs[graph.name], errors = checked_onnx_from_torch(graph, tmp, config)
+            if errors is not None:
+                parity[graph.name] = errors
+            say(f"      {progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)")
+        say(f"[{len(graphs) + 1}/{len(graphs) + 1}] checksums and manifest")
+        manifest = Manifest(
+            backend=config.backend, dtype=config.dtype, attention=config.attention, opset=config.opset,
+            max_context=max_context, base_config=base.config.to_dict(),
+            base_fingerprint=dataclasses.asdict(BaseFingerprint.of(base)), sources=dict(sources or {}),
+            heads=heads_spec(heads, heads_name) if heads is not None else None,
+            tree=tree_to_dict(tree) if tree is not None else None,
+            graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files=file_entries(tmp),
+        )
+        write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
+        install(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    say(f"artifact written to {out}")
+    return out
+
+
+# -- steps ---------------------------------------------------------------------------------------------
+
+def checked_onnx_from_torch(graph: GraphDef, out_dir: Path,
+                            config: ExportConfig) -> tuple[GraphSpec, dict[str, float] | None]:
+    """Export one graph, run the ONNX checker on it, and (config.verify) its parity check."""
+    spec = onnx_from_torch(graph, out_dir, config.opset)
+    check_onnx(out_dir / spec.file)
+    return spec, verified_parity(graph, out_dir / spec.file, config.dtype) if config.verify else None
+
+
+def progress_note(errors: dict[str, float] | None, dtype: str) -> str:
+    if errors is None:
+        return "checker ok"
+    against = "PyTorch" if dtype == "float32" else "PyTorch fp32"
+    shown = ", ".join(f"{k} {v:.1e}" for k, v in errors.items() if not k.startswith("present."))
+    return f"checker ok, max |ONNX - {against}| {shown}"
+
+
+def check_target(out: Path) -> None:
+    """The target may be absent, an empty folder, or an artifact (replaced whole); nothing else."""
+    if out.exists() and not out.is_dir():
+        raise CloverError(f"--out {out} is a file: pass a folder path for the artifact")
+    if out.is_dir() and any(out.iterdir()) and not is_artifact(out):
+        raise CloverError(
+            f"--out {out} is a non-empty folder that is not a clover artifact (no manifest.json from clover-export): "
+            "choose a new folder or empty this one; clover-export only ever replaces artifacts"
+        )
+
+
+def default_tree(heads: DraftHeads | None, spec: str | None) -> Tree | None:
+    """The tree recorded as the artifact's default: --tree, else mc26 pruned to the heads' depth."""
+    if heads is None:
+        if spec not in (None, "plain"):
+            raise CloverError("a token tree needs draft heads: pass --heads (e.g. random:clover2) or drop --tree")
+        return None
+    from clover.runtime.generator import default_tree as generator_default
+
+    depth = heads.config.max_depth
+    tree = resolve_tree(spec) if spec is not None else generator_default(depth)
+    if depth is not None and tree.max_depth > depth:
+        raise CloverError(
+            f"tree {tree.name} has depth {tree.max_depth} but {heads.config.arch} heads draft at most {depth} "
+            f"tokens: choose a shallower tree (e.g. chain-{depth})"
+        )
+    return tree
+
+
+def resolve_max_context(base: Decoder, requested: int | None) -> int:
+    limit = base.config.max_position_embeddings
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise CloverError(f"--max-context {requested} exceeds the base model's max_position_embeddings ({limit})")
+    return requested
+
+
+def verified_parity(graph: GraphDef, path: Path, dtype: str) -> dict[str, float]:
+    """Max abs errors vs PyTorch (in float32 for a float16 export); an error beyond numerical noise
+    fails the export."""
+    reference = float32_twin(graph) if dtype != "float32" else None
+    errors, scales = parity_with_torch(graph, path, VERIFY_SIZES, reference=reference)
+    limit = BROKEN_RELATIVE_ERROR[dtype]
+    for name, err in errors.items():
+        relative = err / max(1.0, scales[name])
+        if not relative <= limit:  # NaN included
+            raise CloverError(
+                f"{path.name} does not match PyTorch: output {name} differs by {err:.3g} (relative {relative:.2g} > "
+                f"{limit}): this is a clover-export bug, please report it"
+            )
+    return errors
+
+
+def heads_spec(heads: DraftHeads, name: str) -> HeadsSpec:
+    c = heads.config
+    return HeadsSpec(name=name, arch=c.arch, num_heads=c.num_heads, num_layers=c.num_layers, own_lm_head=c.own_lm_head,
+                     max_depth=c.max_depth, base=dataclasses.asdict(c.base))
+
+
+def copy_tokenizer(src: Path, dst: Path) -> None:
+    """Copy the files clover.runtime.tokenizer.Tokenizer.from_dir reads, and check that they load."""
+    from clover.runtime.tokenizer import Tokenizer
+
+    if not (src / "tokenizer.json").is_file():
+        raise CloverError(f"base folder {src} has no tokenizer.json: the artifact needs the base's fast tokenizer file")
+    dst.mkdir()
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    Tokenizer.from_dir(dst)
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {"python": platform.python_version()}
+    for name in TOOLS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def install(tmp: Path, out: Path) -> None:
+    """Move the finished folder to `out`; an old artifact there is moved aside first, then deleted."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; an artifact is for everyone
+    check_target(out)  # again: the target may have changed during a long export
+    old = out.parent / f".old-{out.name}-{os.getpid()}" if out.exists() else None
+    if old is not None:
+        os.replace(out, old)
+    os.replace(tmp, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

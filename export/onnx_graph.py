@@ -1,0 +1,117 @@
+"""Loaders for one graph: ONNX from a torch GraphDef, its checks, and its parity with PyTorch.
+
+    spec = onnx_from_torch(graph, out_dir, opset)      # <name>.onnx + <name>.onnx.data
+    check_onnx(out_dir / spec.file)                    # onnx.checker (by path) + strict shape inference
+    errors = parity_with_torch(graph, out_dir / spec.file, [sizes, ...])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from clover.errors import CloverError
+from clover.export.graphs import EXPORT_SIZES, GraphDef, Sizes, reference_outputs
+from clover.runtime.artifact import GraphSpec, TensorSpec
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """torch.onnx prints progress lines and warns about optional packages (torchvision) and about dim
+    names shared by several inputs (intended here); clover-export prints its own progress."""
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def onnx_from_torch(graph: GraphDef, out_dir: Path, opset: int) -> GraphSpec:
+    """Export `graph` with torch.onnx.export(dynamo=True) to out_dir/<name>.onnx, weights as external data."""
+    path = out_dir / f"{graph.name}.onnx"
+    args = graph.example(EXPORT_SIZES, torch.Generator().manual_seed(0))
+    try:
+        with _quiet_exporter(), torch.inference_mode(False), torch.no_grad():
+            torch.onnx.export(
+                graph.module, args, str(path), input_names=list(graph.inputs), output_names=list(graph.outputs),
+                dynamic_shapes=graph.dynamic_shapes(), opset_version=opset, dynamo=True, external_data=True,
+                verbose=False,
+            )
+    except Exception as e:  # the exporter raises many types; keep the first line of its summary
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CloverError(f"torch.onnx.export failed for the {graph.name} graph: {first}") from e
+    return graph_spec(path)
+
+
+def graph_spec(path: Path) -> GraphSpec:
+    """File names and I/O (names, dtypes, dims) of an exported graph, read from the ONNX file itself."""
+    import onnx
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    model = onnx.load(str(path), load_external_data=False)
+
+    def specs(values) -> tuple[TensorSpec, ...]:
+        out = []
+        for v in values:
+            t = v.type.tensor_type
+            dims = tuple(d.dim_param if d.dim_param else int(d.dim_value) for d in t.shape.dim)
+            out.append(TensorSpec(v.name, np.dtype(tensor_dtype_to_np_dtype(t.elem_type)).name, dims))
+        return tuple(out)
+
+    data = sorted({e.value for init in model.graph.initializer for e in init.external_data if e.key == "location"})
+    return GraphSpec(path.name, tuple(data), specs(model.graph.input), specs(model.graph.output))
+
+
+def check_onnx(path: Path) -> None:
+    """onnx.checker with full_check (strict shape inference), by path so external data and >2 GB work."""
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise CloverError(f"{path.name} fails the ONNX checker: {str(e).strip().splitlines()[0]}") from e
+
+
+class Parity(NamedTuple):
+    errors: dict[str, float]  # per output: max |ONNX Runtime - PyTorch| over all sizes
+    scales: dict[str, float]  # per output: max |PyTorch|, to judge the errors by
+
+
+def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int = 0,
+                      reference: GraphDef | None = None) -> Parity:
+    """ONNX Runtime (CPU) against PyTorch on random inputs of each of `sizes`. The PyTorch side runs
+    `reference` (default: `graph` itself; for float16 graphs pass graphs.float32_twin(graph))."""
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        raise CloverError("checking graphs against PyTorch needs onnxruntime: pip install onnxruntime, "
+                          "or pass --no-verify") from e
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    errors = dict.fromkeys(graph.outputs, 0.0)
+    scales = dict.fromkeys(graph.outputs, 0.0)
+    g = torch.Generator().manual_seed(seed)
+    for s in sizes:
+        inputs = graph.example(s, g)
+        ref_inputs = inputs if reference is None else tuple(t.float() if t.is_floating_point() else t for t in inputs)
+        want = reference_outputs(reference or graph, ref_inputs)
+        got = session.run(list(graph.outputs), {n: t.numpy() for n, t in zip(graph.inputs, inputs)})
+        for name, a, b in zip(graph.outputs, got, want):
+            if a.shape != tuple(b.shape):
+                raise CloverError(f"{path.name}: output {name} has shape {a.shape}, PyTorch gives {tuple(b.shape)}")
+            err = float(np.abs(a.astype(np.float64) - b.double().numpy()).max()) if a.size else 0.0
+            errors[name] = max(errors[name], err)
+            scales[name] = max(scales[name], float(b.abs().max()) if b.numel() else 0.0)
+    return Parity(errors, scales)

@@ -1,0 +1,243 @@
+"""The exported artifact: `manifest.json` schema, reading and validation (json + hashlib, no torch).
+
+`clover-export` writes an artifact directory and the runtime rebuilds everything from its manifest,
+never from file names (STYLE.md 2). The manifest is written last and atomically, so a directory
+without one is never mistaken for an artifact; every file in it is listed with its sha256.
+
+    manifest.json      format_version, base config and fingerprint, heads, tree, graphs, files
+    base.onnx(.data)   the base decoder (prefill and tree verification)
+    draft_*.onnx       the draft graphs of the heads (see clover.export.graphs)
+    tokenizer/         the base model's tokenizer files
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from clover.errors import CloverError
+
+FORMAT_VERSION = 1
+KIND = "clover-artifact"
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_DIR = "tokenizer"
+PROBE_RTOL = 5e-3  # as clover.models.heads.BaseFingerprint.matches
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One graph input or output: dims are ints (static) or names (dynamic: batch, new, past, ...)."""
+
+    name: str
+    dtype: str  # numpy name: float32, float16, int64, bool
+    shape: tuple[int | str, ...]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TensorSpec":
+        return cls(d["name"], d["dtype"], tuple(d["shape"]))
+
+
+@dataclass(frozen=True)
+class GraphSpec:
+    """One ONNX graph of the artifact: its file, its external-data files and its I/O."""
+
+    file: str
+    external_data: tuple[str, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+
+    def input(self, name: str) -> TensorSpec:
+        return next(t for t in self.inputs if t.name == name)
+
+    def output(self, name: str) -> TensorSpec:
+        return next(t for t in self.outputs if t.name == name)
+
+    def has_input(self, name: str) -> bool:
+        return any(t.name == name for t in self.inputs)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GraphSpec":
+        return cls(d["file"], tuple(d.get("external_data", ())), tuple(map(TensorSpec.from_dict, d["inputs"])),
+                   tuple(map(TensorSpec.from_dict, d["outputs"])))
+
+
+@dataclass(frozen=True)
+class HeadsSpec:
+    """The draft heads exported into the artifact (clover.models.heads.HeadConfig, minus the base config)."""
+
+    name: str  # what --heads named at export (a folder or random:ARCH[:SEED])
+    arch: str  # medusa | clover | clover2
+    num_heads: int
+    num_layers: int
+    own_lm_head: bool
+    max_depth: int | None  # deepest tree they draft (None: any)
+    base: dict[str, Any]  # BaseFingerprint of the base they were trained for
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HeadsSpec":
+        return cls(d["name"], d["arch"], d["num_heads"], d["num_layers"], d["own_lm_head"], d["max_depth"], d["base"])
+
+
+@dataclass(frozen=True)
+class Manifest:
+    backend: str  # "onnx" (issue 5 adds "trt")
+    dtype: str  # float32 | float16
+    attention: str  # portable
+    opset: int
+    max_context: int  # longest sequence the artifact serves
+    base_config: dict[str, Any]  # clover.models.config.BaseConfig.to_dict()
+    base_fingerprint: dict[str, Any]  # clover.models.heads.BaseFingerprint of the exported base
+    sources: dict[str, str]  # what --base / --heads named at export, for provenance and torch comparisons
+    heads: HeadsSpec | None
+    tree: dict[str, Any] | None  # clover.runtime.tree.tree_to_dict of the default tree
+    graphs: dict[str, GraphSpec]  # "base", "draft_begin", "draft_step", "medusa_heads"
+    tokenizer: str  # folder inside the artifact
+    tools: dict[str, str]  # package versions that made it
+    parity: dict[str, dict[str, float]]  # export-time max abs error per graph output vs PyTorch
+    files: dict[str, dict[str, Any]]  # relative path -> {"sha256", "bytes"}
+    format_version: int = FORMAT_VERSION
+    kind: str = KIND
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+        return cls(
+            backend=d["backend"], dtype=d["dtype"], attention=d["attention"], opset=int(d["opset"]),
+            max_context=int(d["max_context"]), base_config=dict(d["base_config"]),
+            base_fingerprint=dict(d["base_fingerprint"]), sources=dict(d.get("sources", {})),
+            heads=HeadsSpec.from_dict(d["heads"]) if d.get("heads") else None, tree=d.get("tree"),
+            graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()}, tokenizer=d["tokenizer"],
+            tools=dict(d.get("tools", {})), parity=dict(d.get("parity", {})), files=dict(d["files"]),
+            format_version=d["format_version"], kind=d["kind"],
+        )
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entries(root: Path) -> dict[str, dict[str, Any]]:
+    """sha256 and size of every file under `root` (the manifest excluded), by POSIX relative path."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel != MANIFEST_FILE:
+            out[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    return out
+
+
+def write_manifest(root: Path, manifest: Manifest) -> None:
+    """Write manifest.json atomically (temp file + os.replace): it is the artifact's commit record."""
+    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=root)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest.to_dict(), f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, root / MANIFEST_FILE)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def is_artifact(path: Path) -> bool:
+    """True when `path` holds a manifest written by clover-export (of any format version)."""
+    try:
+        doc = json.loads((Path(path) / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and doc.get("kind") == KIND
+
+
+def read_manifest(path: str | Path) -> Manifest:
+    """Parse and version-check `path/manifest.json` (files are not checked: see `verify_files`)."""
+    root = Path(path)
+    if not root.is_dir():
+        raise CloverError(f"artifact {root} does not exist: make one with clover-export --base B --heads H --out {root}")
+    mfile = root / MANIFEST_FILE
+    if not mfile.is_file():
+        raise CloverError(
+            f"{root} is not a clover artifact: it has no {MANIFEST_FILE} (make one with clover-export; an "
+            "interrupted export leaves none)"
+        )
+    try:
+        doc = json.loads(mfile.read_text())
+    except ValueError as e:
+        raise CloverError(f"{mfile} is not valid JSON ({e}): the artifact is corrupt, export it again") from e
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise CloverError(f"{mfile} was not written by clover-export (no \"kind\": \"{KIND}\"): pass an artifact folder")
+    version = doc.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CloverError(
+            f"artifact {root} has manifest format version {version}, this clover-deploy reads version "
+            f"{FORMAT_VERSION}: export it again with this clover-deploy's clover-export"
+        )
+    try:
+        return Manifest.from_dict(doc)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CloverError(f"{mfile} is incomplete or malformed ({e!r}): export the artifact again") from e
+
+
+def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None:
+    """Every graph's files are listed; every listed file exists, with its size and (optionally) sha256."""
+    for name, graph in manifest.graphs.items():
+        for f in (graph.file, *graph.external_data):
+            if f not in manifest.files:
+                raise CloverError(f"artifact {root}: graph {name} needs {f}, which {MANIFEST_FILE} does not list: "
+                                  "export it again")
+    for rel, entry in manifest.files.items():
+        p = root / rel
+        if not p.is_file():
+            raise CloverError(f"artifact {root} is missing {rel} (listed in {MANIFEST_FILE}): the artifact is incomplete, "
+                              "export it again")
+        if p.stat().st_size != entry["bytes"] or (checksums and sha256_file(p) != entry["sha256"]):
+            raise CloverError(
+                f"artifact {root}: {rel} does not match its checksum in {MANIFEST_FILE} (changed or corrupted "
+                "since export): export the artifact again"
+            )
+
+
+def fingerprints_match(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The rule of clover.models.heads.BaseFingerprint.matches, on its JSON form (no torch here)."""
+    keys = ("architecture", "hidden_size", "vocab_size")
+    if any(a.get(k) != b.get(k) for k in keys):
+        return False
+    if a.get("lm_head_sha256") == b.get("lm_head_sha256"):
+        return True
+    pa, pb = list(a.get("lm_head_probe", ())), list(b.get("lm_head_probe", ()))
+    return len(pa) == len(pb) > 0 and all(math.isclose(x, y, rel_tol=PROBE_RTOL, abs_tol=0) for x, y in zip(pa, pb))
+
+
+def check_heads_match_base(root: Path, manifest: Manifest) -> None:
+    heads = manifest.heads
+    if heads is None or fingerprints_match(heads.base, manifest.base_fingerprint):
+        return
+    h, b = heads.base, manifest.base_fingerprint
+    raise CloverError(
+        f"artifact {root}: its {heads.arch} heads ({heads.name}) were trained for another base model (theirs: "
+        f"{h.get('architecture')}, hidden {h.get('hidden_size')}, vocab {h.get('vocab_size')}, lm_head "
+        f"{h.get('lm_head_sha256')}; the artifact's base: {b.get('architecture')}, hidden {b.get('hidden_size')}, "
+        f"vocab {b.get('vocab_size')}, lm_head {b.get('lm_head_sha256')}): export heads trained for this base"
+    )
+
+
+def open_artifact(path: str | Path, checksums: bool = True) -> Manifest:
+    """Read and fully validate an artifact: manifest version, files and checksums, heads vs base."""
+    root = Path(path)
+    manifest = read_manifest(root)
+    verify_files(root, manifest, checksums)
+    check_heads_match_base(root, manifest)
+    return manifest

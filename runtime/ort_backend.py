@@ -1,0 +1,289 @@
+"""ONNX Runtime backend: runs an exported artifact with numpy + onnxruntime only (no torch, no model code).
+
+KV cache. Each layer's K and V live in one preallocated numpy buffer [1, Hkv, slots, D], bound as the
+graph's past inputs through IOBinding; on the CPU an OrtValue over a numpy array shares its memory, so
+the graph reads the cache where it lies and nothing is copied per step. `past_lengths` masks the slots
+not yet filled. The graph returns only the new tokens' K/V; `commit` writes the accepted rows of those
+into the next slots in place (m rows per layer, never the whole cache). The heads' augmenting-block
+cache works the same way.
+
+Attention also reads the masked slots, so the buffers are not sized to the sequence capacity up front
+(a 4,000-token budget would make every early step read 4,000 slots): they start at `cache_block` slots
+and double when full, capped at the capacity. Growing copies the valid prefix once per doubling, so
+the copies add up to less than one extra write per token, and a step reads at most ~2x the slots it
+needs (or `cache_block`).
+
+Outputs are bound to numpy arrays allocated per run (np.empty: no page is touched before ONNX Runtime
+writes it), so the logits handed to the loop are never overwritten by a later step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from clover.errors import CloverError
+from clover.runtime.artifact import GraphSpec, Manifest, open_artifact, read_manifest
+from clover.runtime.backend import Runner, RunnerInfo
+from clover.runtime.tree import compile_tree
+
+ARTIFACT_HEADS = "artifact"  # heads spec meaning "the heads exported into the artifact"
+PAST, PRESENT = "past_key_values", "present"
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError as e:
+        raise CloverError("the ort backend needs onnxruntime: pip install onnxruntime (or clover-deploy[onnx])") from e
+    return onnxruntime
+
+
+@dataclass(frozen=True)
+class OrtOptions:
+    """threads: intra-op threads per session, 0 = onnxruntime's default (one per physical core).
+    spin: let idle intra-op threads busy-wait for the next op. Off by default: a runner has up to three
+      sessions, each with its own pool, and spinning pools of the idle sessions steal the cores of the
+      running one (measured 1.7x slower plain decoding on 2 shared cores with it on).
+    checksums: verify every file's sha256 on load (sizes are always checked).
+    cache_block: KV cache slots allocated at the start of a sequence (doubled when full)."""
+
+    threads: int = 0
+    spin: bool = False
+    checksums: bool = True
+    cache_block: int = 256
+
+    def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise CloverError(f"threads must be >= 0 (0 = onnxruntime's default), got {self.threads}")
+        if self.cache_block < 1:
+            raise CloverError(f"cache_block must be >= 1 slot, got {self.cache_block}")
+
+
+def session_options(opts: OrtOptions):
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # one request, one op at a time: no inter-op pool
+    so.intra_op_num_threads = opts.threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3  # errors only: optimizer notes are not actionable for a user
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if opts.spin else "0")
+    return so
+
+
+class Graph:
+    """One InferenceSession and its IOBinding, driven by the I/O names and dtypes of the manifest."""
+
+    def __init__(self, root: Path, spec: GraphSpec, so) -> None:
+        ort = _ort()
+        self.spec = spec
+        try:
+            self.session = ort.InferenceSession(str(root / spec.file), so, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own Fail / InvalidGraph types
+            raise CloverError(f"onnxruntime cannot load {root / spec.file}: {str(e).splitlines()[0]}") from e
+        self.binding = self.session.io_binding()
+        self._ortvalue = ort.OrtValue.ortvalue_from_numpy
+        self._keep: dict[str, np.ndarray] = {}  # bound arrays must outlive the run
+        self.out_dtypes = {t.name: np.dtype(t.dtype) for t in spec.outputs}
+
+    def bind(self, name: str, array: np.ndarray) -> None:
+        """Bind a host array as an input without copying it (it must stay alive and unchanged until run)."""
+        array = np.ascontiguousarray(array)
+        self._keep[name] = array
+        self.binding.bind_ortvalue_input(name, self._ortvalue(array))
+
+    def run(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
+        """Run with every output written straight into a new array of the given shape."""
+        outs = {name: np.empty(shape, self.out_dtypes[name]) for name, shape in shapes.items()}
+        for name, array in outs.items():
+            self.binding.bind_ortvalue_output(name, self._ortvalue(array))
+        self.session.run_with_iobinding(self.binding)
+        return outs
+
+
+class KVCache:
+    """Per-layer K and V buffers [1, Hkv, slots, D] bound as a graph's past inputs; slots grow by doubling."""
+
+    def __init__(self, spec: GraphSpec, slots: int) -> None:
+        self.names = [t.name for t in spec.inputs if t.name.startswith(PAST + ".")]
+        first = spec.input(self.names[0]) if self.names else None
+        self.kv_heads, self.head_dim = (first.shape[1], first.shape[3]) if first else (0, 0)
+        self.dtype = np.dtype(first.dtype) if first else np.dtype(np.float32)
+        self.buffers = self._allocate(slots)
+        self.graph: Graph | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.buffers[0].shape[2] if self.buffers else 0
+
+    def _allocate(self, slots: int) -> list[np.ndarray]:
+        # Zeroed (calloc: pages appear on first write): masked slots meet exact-zero attention weights,
+        # and 0 * NaN from uninitialised memory would not be zero.
+        return [np.zeros((1, self.kv_heads, slots, self.head_dim), self.dtype) for _ in self.names]
+
+    def bind(self, graph: Graph) -> None:
+        self.graph = graph
+        for name, buf in zip(self.names, self.buffers):
+            graph.bind(name, buf)
+
+    def ensure(self, needed: int, filled: int, limit: int) -> None:
+        """Make room for `needed` slots (at most `limit`), keeping the first `filled`."""
+        if needed <= self.slots:
+            return
+        old, self.buffers = self.buffers, self._allocate(min(limit, max(needed, 2 * self.slots)))
+        for new, buf in zip(self.buffers, old):
+            new[:, :, :filled] = buf[:, :, :filled]
+        if self.graph is not None:
+            self.bind(self.graph)
+
+    def present_shapes(self, rows: int) -> dict[str, tuple[int, ...]]:
+        return {PRESENT + n[len(PAST):]: (1, self.kv_heads, rows, self.head_dim) for n in self.names}
+
+    def write(self, start: int, outputs: dict[str, np.ndarray], rows: np.ndarray | None, count: int) -> None:
+        """Copy `count` new rows (the rows `rows` of `present`, or its first `count`) to slots start.."""
+        for name, buf in zip(self.names, self.buffers):
+            new = outputs[PRESENT + name[len(PAST):]][0]  # [Hkv, T, D]
+            buf[0, :, start:start + count] = new[:, :count] if rows is None else new[:, rows]
+
+
+class OrtRunner(Runner):
+    """A Runner over an artifact's ONNX graphs; use `load_runner` to build one from a folder."""
+
+    def __init__(self, root: str | Path, manifest: Manifest, use_heads: bool = True, options: OrtOptions = OrtOptions()):
+        super().__init__()
+        root = Path(root)
+        so = session_options(options)
+        self.manifest, self.options = manifest, options
+        self.base = Graph(root, manifest.graphs["base"], so)
+        self.vocab_size = int(self.base.spec.output("logits").shape[-1])
+        self.hidden_size = int(self.base.spec.output("hidden_states").shape[-1])
+        heads = manifest.heads if use_heads else None
+        self.arch = heads.arch if heads is not None else None
+        self.begin = self.step = self.medusa = None
+        if self.arch == "medusa":
+            self.medusa = Graph(root, manifest.graphs["medusa_heads"], so)
+        elif self.arch is not None:
+            self.begin = Graph(root, manifest.graphs["draft_begin"], so)
+            self.step = Graph(root, manifest.graphs["draft_step"], so)
+        tree = manifest.tree if heads is not None else None
+        self.info = RunnerInfo(
+            backend="ort", vocab_size=self.vocab_size, max_context=manifest.max_context, heads=self.arch,
+            heads_max_depth=heads.max_depth if heads is not None else None,
+            heads_name=heads.name if heads is not None else "none",
+            default_tree=compile_tree(tree["choices"], tree["name"]) if tree else None,
+        )
+        self.cache: KVCache | None = None
+        self.head_cache: KVCache | None = None
+
+    def close(self) -> None:
+        self.base = self.begin = self.step = self.medusa = None
+        self.cache = self.head_cache = None
+
+    def _reset(self, capacity: int) -> None:
+        slots = min(capacity, self.options.cache_block)
+        if self.cache is None or self.cache.slots != slots:
+            self.cache = KVCache(self.base.spec, slots)
+            self.cache.bind(self.base)
+            if self.begin is not None:
+                self.head_cache = KVCache(self.begin.spec, slots)
+                self.head_cache.bind(self.begin)
+        # A reused buffer keeps the last sequence's K/V in its slots: finite values, masked by past_lengths.
+        self._states = np.zeros((0, self.hidden_size), self.base.out_dtypes["hidden_states"])
+
+    def _forward(self, tokens, depths, mask, last_only):
+        P, T = self._past, tokens.shape[0]
+        rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
+        self.cache.ensure(P + T, P, self._capacity)
+        g = self.base
+        g.bind("input_ids", tokens.astype(np.int64, copy=False)[None])
+        g.bind("position_ids", (P + depths.astype(np.int64))[None])
+        g.bind("tree_mask", mask.astype(bool, copy=False)[None])
+        g.bind("past_lengths", np.array([P], dtype=np.int64))
+        g.bind("logit_rows", rows)
+        self._last = g.run({"logits": (1, len(rows), self.vocab_size), "hidden_states": (1, T, self.hidden_size),
+                            **self.cache.present_shapes(T)})
+        return self._last["logits"][0].astype(np.float32, copy=False)
+
+    def _commit(self, path, next_tokens):
+        P, m = self._past, len(path)
+        contiguous = bool(path[0] == 0 and path[-1] == m - 1)  # prefill / plain step: no gather
+        rows = None if contiguous else path
+        self.cache.write(P, self._last, rows, m)
+        hidden = self._last["hidden_states"][:, :m] if contiguous else self._last["hidden_states"][:, path]  # [1, m, H]
+        if self.medusa is not None:
+            self._medusa_hidden = hidden[:, -1:]  # its heads only read the last accepted token's state
+        elif self.begin is not None:
+            self.head_cache.ensure(P + m, P, self._capacity)
+            g = self.begin
+            g.bind("hidden_states", hidden)
+            g.bind("next_tokens", next_tokens[None])
+            g.bind("position_ids", np.arange(P, P + m, dtype=np.int64)[None])
+            g.bind("past_lengths", np.array([P], dtype=np.int64))
+            out = g.run({"state": (1, self.hidden_size), "logits": (1, self.vocab_size),
+                         **self.head_cache.present_shapes(m)})
+            self.head_cache.write(P, out, None, m)
+            self._root_state, self._root_logits = out["state"], out["logits"][0]
+
+    def _draft_begin(self):
+        if self.medusa is not None:
+            self.medusa.bind("hidden_states", self._medusa_hidden)
+            heads = self.manifest.heads.num_heads
+            self._medusa_logits = self.medusa.run({"logits": (1, heads, self.vocab_size)})["logits"][0]  # [K, V]
+            return self._medusa_logits[0].astype(np.float32)
+        self._states = self._root_state.copy()  # row i = state of tree node i (grown as drafted)
+        return self._root_logits.astype(np.float32)
+
+    def _draft_step(self, depth, nodes, parents, tokens):
+        if self.medusa is not None:  # every node at a depth gets the same draft
+            return np.repeat(self._medusa_logits[depth][None].astype(np.float32), len(nodes), axis=0)
+        need = int(nodes.max()) + 1
+        if self._states.shape[0] < need:
+            grown = np.zeros((need, self.hidden_size), self._states.dtype)
+            grown[: self._states.shape[0]] = self._states
+            self._states = grown
+        g = self.step
+        if g.spec.has_input("depth"):
+            g.bind("depth", np.array(depth, dtype=np.int64))
+        g.bind("parent_state", self._states[parents])
+        g.bind("tokens", tokens.astype(np.int64, copy=False))
+        out = g.run({"state": (len(nodes), self.hidden_size), "logits": (len(nodes), self.vocab_size)})
+        self._states[nodes] = out["state"]
+        return out["logits"].astype(np.float32, copy=False)
+
+
+def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | None = None,
+                threads: int = 0, spin: bool = False, checksums: bool = True, cache_block: int = 256) -> OrtRunner:
+    """Open and validate an artifact folder and build its runner.
+
+    Args:
+        artifact: folder written by clover-export.
+        heads: "artifact" (default) or the name the heads were exported from: the artifact's heads;
+            "none": plain decoding on the artifact's base graph.
+        dtype: None, or the precision the caller expects (must be the artifact's).
+        threads, spin, checksums, cache_block: see OrtOptions.
+    """
+    options = OrtOptions(threads=threads, spin=spin, checksums=checksums, cache_block=cache_block)
+    manifest = open_artifact(artifact, checksums=options.checksums)
+    if dtype is not None and dtype != manifest.dtype:
+        raise CloverError(f"artifact {artifact} holds {manifest.dtype} graphs, not {dtype}: omit --dtype, or export "
+                          f"again with clover-export --dtype {dtype}")
+    exported = manifest.heads
+    if heads == "none":
+        use_heads = False
+    elif heads == ARTIFACT_HEADS or (exported is not None and heads == exported.name):
+        use_heads = exported is not None
+    else:
+        have = f"{exported.arch} heads from {exported.name}" if exported else "no heads"
+        raise CloverError(
+            f"artifact {artifact} carries {have}; --heads {heads} cannot be added to an exported artifact: "
+            "omit --heads to use the artifact's, pass --heads none for plain decoding, or export these heads"
+        )
+    return OrtRunner(artifact, manifest, use_heads=use_heads, options=options)
+
+
+def base_dir(artifact: str | Path) -> Path:
+    """The folder of the artifact's tokenizer files."""
+    return Path(artifact) / read_manifest(artifact).tokenizer

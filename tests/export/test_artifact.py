@@ -1,0 +1,206 @@
+"""The artifact directory: manifest contents and checksums, atomic writes, overwrite rules, and the
+validation errors a runtime raises on a damaged or mismatched artifact."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from clover.errors import CloverError
+from clover.export import artifact as export_artifact_module
+from clover.export.artifact import artifact_from_modules, check_target
+from clover.export.config import ExportConfig
+from clover.models.config import BaseConfig
+from clover.models.heads import BaseFingerprint
+from clover.runtime.artifact import (
+    FORMAT_VERSION, MANIFEST_FILE, is_artifact, open_artifact, read_manifest, sha256_file,
+)
+from clover.runtime.tokenizer import Tokenizer
+from helpers import tiny_base, tiny_tokenizer_dir
+from ort_helpers import tiny_artifact, tiny_modules
+
+
+@pytest.fixture(scope="module")
+def clover2(tmp_path_factory):
+    return tiny_artifact(tmp_path_factory.getbasetemp(), "clover2")
+
+
+@pytest.fixture
+def copy(clover2, tmp_path):
+    """A private copy of the clover2 artifact to damage."""
+    return shutil.copytree(clover2, tmp_path / "art")
+
+
+def edit_manifest(root, change):
+    doc = json.loads((root / MANIFEST_FILE).read_text())
+    change(doc)
+    (root / MANIFEST_FILE).write_text(json.dumps(doc))
+
+
+# -- what export writes --------------------------------------------------------------------------------
+
+def test_manifest_describes_everything(clover2):
+    m = read_manifest(clover2)
+    base, heads = tiny_modules("clover2")
+    assert m.format_version == FORMAT_VERSION and m.backend == "onnx" and m.dtype == "float32"
+    assert m.attention == "portable" and m.opset == 20 and m.max_context == base.config.max_position_embeddings
+    assert BaseConfig.from_dict(m.base_config) == base.config  # the artifact carries its config
+    fp = m.base_fingerprint
+    assert BaseFingerprint(**dict(fp, lm_head_probe=tuple(fp["lm_head_probe"]))) == BaseFingerprint.of(base)
+    assert m.heads.arch == "clover2" and m.heads.name == "random:clover2:0" and m.heads.max_depth is None
+    assert m.heads.num_layers == heads.config.num_layers
+    assert m.tree["name"] == "mc26" and len(m.tree["choices"]) == 25
+    assert set(m.graphs) == {"base", "draft_begin", "draft_step"}
+    assert {"torch", "onnx", "onnxscript", "clover-deploy", "python"} <= m.tools.keys()
+    assert all(err < 1e-3 for g in m.parity.values() for err in g.values()), m.parity
+    # every file but the manifest is listed with its checksum, and nothing else is there
+    on_disk = {p.relative_to(clover2).as_posix() for p in clover2.rglob("*") if p.is_file()} - {MANIFEST_FILE}
+    assert set(m.files) == on_disk
+    assert {"base.onnx", "base.onnx.data", "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"} <= on_disk
+    for rel, entry in m.files.items():
+        assert entry["sha256"] == sha256_file(clover2 / rel) and entry["bytes"] == (clover2 / rel).stat().st_size
+    tok = Tokenizer.from_dir(clover2 / m.tokenizer)
+    assert tok.encode("w7 w8") == [7, 8] and tok.eos_token_ids == (1,)
+    open_artifact(clover2)  # validates
+
+
+def test_plain_artifact_and_options(tmp_path):
+    base, _ = tiny_modules("none")
+    tok = tiny_tokenizer_dir(tmp_path / "tok")
+    out = artifact_from_modules(base, None, tok, tmp_path / "plain", ExportConfig(max_context=64, opset=18, verify=False))
+    m = open_artifact(out)
+    assert m.heads is None and m.tree is None and set(m.graphs) == {"base"} and m.parity == {}
+    assert m.max_context == 64 and m.opset == 18
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"backend": "trt"}, "TensorRT engines are not supported"),
+    ({"backend": "tflite"}, "unknown export backend"),
+    ({"dtype": "bfloat16"}, "unsupported export dtype"),
+    ({"attention": "plugin"}, "unknown attention variant"),
+    ({"opset": 13}, "opset 13 is not supported"),
+    ({"max_context": 1}, "at least 2"),
+])
+def test_export_config_rejects(kwargs, message):
+    with pytest.raises(CloverError, match=message):
+        ExportConfig(**kwargs)
+
+
+def test_export_rejects_inconsistent_requests(tmp_path):
+    base, heads = tiny_modules("clover")
+    tok = tiny_tokenizer_dir(tmp_path / "tok")
+    cases = [
+        (base, heads, ExportConfig(tree="mc26"), "tree mc26 has depth 5 but clover heads draft at most 3"),
+        (base, None, ExportConfig(tree="small"), "needs draft heads"),
+        (base, None, ExportConfig(max_context=100_000), "exceeds the base model's max_position_embeddings"),
+        (base, None, ExportConfig(dtype="float16"), "base model is float32"),
+    ]
+    for b, h, cfg, message in cases:
+        with pytest.raises(CloverError, match=message):
+            artifact_from_modules(b, h, tok, tmp_path / "out", cfg)
+    with pytest.raises(CloverError, match="no tokenizer.json"):
+        artifact_from_modules(base, None, tmp_path, tmp_path / "out", ExportConfig(verify=False))
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+
+
+# -- atomic writes and overwrite rules ------------------------------------------------------------------
+
+def test_refuses_to_overwrite_a_folder_that_is_not_an_artifact(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "notes.txt").write_text("keep me")
+    (tmp_path / "data" / MANIFEST_FILE).write_text('{"kind": "something else"}')
+    base, _ = tiny_modules("none")
+    with pytest.raises(CloverError, match="not a clover artifact"):
+        artifact_from_modules(base, None, tiny_tokenizer_dir(tmp_path / "tok"), tmp_path / "data", ExportConfig())
+    assert (tmp_path / "data" / "notes.txt").read_text() == "keep me"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CloverError, match="is a file"):
+        check_target(tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    check_target(tmp_path / "empty")  # an empty folder is fine
+
+
+def test_reexport_replaces_an_artifact_whole_and_a_failed_export_leaves_it_intact(tmp_path, monkeypatch):
+    base, _ = tiny_modules("none")
+    tok = tiny_tokenizer_dir(tmp_path / "tok")
+    out = tmp_path / "art"
+    artifact_from_modules(base, None, tok, out, ExportConfig(verify=False))
+    (out / "stale.txt").write_text("from an older export")
+    first = read_manifest(out)
+
+    other, _ = tiny_modules("none", base_seed=4)
+    artifact_from_modules(other, None, tok, out, ExportConfig(verify=False, max_context=100))
+    m = open_artifact(out)
+    assert m.max_context == 100 and m.base_fingerprint != first.base_fingerprint
+    assert not (out / "stale.txt").exists()
+
+    def fail(*args, **kwargs):
+        raise CloverError("simulated failure in the middle of an export")
+
+    monkeypatch.setattr(export_artifact_module, "file_entries", fail)  # after the graphs are written
+    with pytest.raises(CloverError, match="simulated"):
+        artifact_from_modules(base, None, tok, out, ExportConfig(verify=False))
+    assert open_artifact(out).max_context == 100  # the previous artifact, untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "tok"]  # no temp folders left behind
+
+
+def test_a_folder_without_manifest_is_never_an_artifact(copy):
+    (copy / MANIFEST_FILE).unlink()
+    assert not is_artifact(copy)
+    with pytest.raises(CloverError, match="is not a clover artifact: it has no manifest.json"):
+        open_artifact(copy)
+
+
+# -- validation on load ---------------------------------------------------------------------------------
+
+def test_missing_file(copy):
+    (copy / "draft_step.onnx.data").unlink()
+    with pytest.raises(CloverError, match="is missing draft_step.onnx.data"):
+        open_artifact(copy)
+
+
+def test_checksum_mismatch(copy):
+    data = bytearray((copy / "base.onnx.data").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, one byte differs
+    (copy / "base.onnx.data").write_bytes(bytes(data))
+    with pytest.raises(CloverError, match="base.onnx.data does not match its checksum"):
+        open_artifact(copy)
+    open_artifact(copy, checksums=False)  # sizes only: for fast loads of trusted files
+    with open(copy / "tokenizer" / "tokenizer.json", "a") as f:
+        f.write(" ")
+    with pytest.raises(CloverError, match="tokenizer/tokenizer.json does not match"):
+        open_artifact(copy, checksums=False)
+
+
+def test_unknown_manifest_version(copy):
+    edit_manifest(copy, lambda d: d.update(format_version=99))
+    with pytest.raises(CloverError, match=f"manifest format version 99, this clover-deploy reads version {FORMAT_VERSION}"):
+        open_artifact(copy)
+
+
+def test_heads_for_another_base(copy):
+    other = dataclasses.asdict(BaseFingerprint.of(tiny_base(seed=11)))
+    edit_manifest(copy, lambda d: d["heads"].update(base=other))
+    with pytest.raises(CloverError, match="clover2 heads .* were trained for another base model"):
+        open_artifact(copy)
+
+
+@pytest.mark.parametrize("damage,message", [
+    (lambda root: (root / MANIFEST_FILE).write_text("{not json"), "not valid JSON"),
+    (lambda root: edit_manifest(root, lambda d: d.pop("graphs")), "incomplete or malformed"),
+    (lambda root: edit_manifest(root, lambda d: d["files"].pop("draft_begin.onnx")), "which manifest.json does not list"),
+])
+def test_corrupt_manifest(copy, damage, message):
+    damage(copy)
+    with pytest.raises(CloverError, match=message):
+        open_artifact(copy)
+
+
+def test_errors_are_one_line(copy, tmp_path):
+    (copy / "base.onnx").unlink()
+    for path in (copy, tmp_path / "nope", tmp_path):
+        with pytest.raises(CloverError) as e:
+            open_artifact(path)
+        assert "\n" not in str(e.value)

@@ -1,0 +1,228 @@
+"""ONNX Runtime backend on tiny exported artifacts: greedy token identity (ORT speculative == ORT plain ==
+torch plain, for every head type), the same drafts as PyTorch, in-place KV compaction, and running
+with torch blocked."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from clover.errors import CloverError
+from clover.runtime.backend import RunnerInfo, backend_module
+from clover.runtime.generator import Generator
+from clover.runtime.ort_backend import OrtRunner, load_runner
+from clover.runtime.torch_backend import TorchRunner
+from clover.runtime.tree import compile_tree, resolve_tree
+from ort_helpers import PROMPTS, assert_same_tokens, run_tokens, tiny_artifact, tiny_modules
+
+N = 40
+TREES = {"medusa": ["chain-1", "small", "mc26-d4"], "clover": ["chain-3", "mc26-d3"],
+         "clover2": ["chain-6", "small", "mc26"]}
+
+
+def tree(spec):
+    if spec.startswith("mc26-d"):
+        d = int(spec.split("-d")[1])
+        return compile_tree([c for c in resolve_tree("mc26").choices if len(c) <= d], spec)
+    return resolve_tree(spec)
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_modules("none")[0]
+
+
+@pytest.fixture(scope="module")
+def torch_plain(base):
+    return {tuple(p): run_tokens(TorchRunner(base), p, resolve_tree("plain"), N)[0] for p in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp()
+    return {arch: tiny_artifact(root, arch) for arch in TREES}
+
+
+@pytest.mark.parametrize("arch", list(TREES))
+def test_greedy_identity_ort_speculative_ort_plain_torch_plain(base, torch_plain, artifacts, arch):
+    plain = load_runner(artifacts[arch], heads="none")
+    spec = load_runner(artifacts[arch])
+    assert plain.info.heads is None and spec.info.heads == arch
+    reference = TorchRunner(*tiny_modules(arch)[:2])
+    for p in PROMPTS:
+        want = torch_plain[tuple(p)]
+        got_plain, _ = run_tokens(plain, p, resolve_tree("plain"), N)
+        assert_same_tokens(got_plain, want, f"ORT plain {arch}")
+        for spec_tree in TREES[arch]:
+            t = tree(spec_tree)
+            got, steps = run_tokens(spec, p, t, N)
+            assert_same_tokens(got, want, f"ORT {arch} {spec_tree}")
+            # same drafts as the PyTorch heads: the same tokens accepted at every step
+            _, torch_steps = run_tokens(reference, p, t, N)
+            assert steps == torch_steps, (spec_tree, steps, torch_steps)
+
+
+class OracleOrtRunner(OrtRunner):
+    """Drafts the known greedy continuation at rank 0 (as helpers.OracleRunner): long accepted paths."""
+
+    def __init__(self, root, reference):
+        from clover.runtime.artifact import open_artifact
+
+        super().__init__(root, open_artifact(root), use_heads=False)
+        self.reference = reference
+        self.rng = np.random.default_rng(0)
+        self.info = RunnerInfo("ort", self.vocab_size, self.info.max_context, "oracle", None, "oracle")
+
+    def _logits_for(self, index, n):
+        logits = self.rng.standard_normal((n, self.info.vocab_size)).astype(np.float32)
+        if index < len(self.reference):
+            logits[:, self.reference[index]] = 100.0
+        return logits
+
+    def _draft_begin(self):
+        return self._logits_for(self.past_length + 1, 1)[0]
+
+    def _draft_step(self, depth, nodes, parents, tokens):
+        return self._logits_for(self.past_length + depth + 1, len(nodes))
+
+
+def test_kv_compaction_in_place_matches_plain_cache(base, torch_plain, artifacts):
+    """Long non-contiguous accepted paths: the compacted cache equals the cache of plain decoding,
+    written into the same buffers the graph reads (never reallocated during a sequence)."""
+    prompt = PROMPTS[1]
+    want = torch_plain[tuple(prompt)]
+    oracle = OracleOrtRunner(artifacts["clover2"], prompt + want)
+    t = resolve_tree("mc26")
+    oracle.reset(len(prompt) + N + t.num_nodes)
+    buffers = [id(b) for b in oracle.cache.buffers]
+    got, steps = run_tokens(oracle, prompt, t, N)
+    assert got == want and np.mean(steps) > 3 and steps[0] == t.max_depth + 1
+    assert [id(b) for b in oracle.cache.buffers] == buffers  # same capacity: buffers reused, bound once
+    torch_runner = TorchRunner(base)
+    run_tokens(torch_runner, prompt, resolve_tree("plain"), N)
+    n = min(oracle.past_length, torch_runner.past_length)
+    assert n > len(prompt) + 20
+    theirs = [c.numpy() for c in torch_runner.cache[0] + torch_runner.cache[1]]
+    ours = oracle.cache.buffers[0::2] + oracle.cache.buffers[1::2]  # bound in key, value order per layer
+    for a, b in zip(ours, theirs):
+        np.testing.assert_allclose(a[:, :, :n], b[:, :, :n], atol=1e-5)
+
+
+def test_cache_grows_by_doubling_and_stays_exact(artifacts, torch_plain):
+    """Buffers start at cache_block slots and double (capped at the capacity) without changing a token."""
+    for heads, block in (("artifact", 4), ("none", 1)):
+        runner = load_runner(artifacts["clover2"], heads=heads, cache_block=block)
+        for p in PROMPTS:
+            got, _ = run_tokens(runner, p, resolve_tree("mc26" if heads == "artifact" else "plain"), N)
+            assert_same_tokens(got, torch_plain[tuple(p)], f"cache_block {block}")
+            assert runner.past_length <= runner.cache.slots <= runner.capacity
+            assert runner.cache.slots < 2 * runner.past_length + 26
+        if heads == "artifact":
+            assert runner.head_cache.slots >= runner.past_length
+
+
+def test_forward_outputs_and_edge_sizes(base, artifacts):
+    """Logits of one new token after an empty cache and of a full tree match PyTorch; returned arrays
+    belong to the caller (a later step does not overwrite them)."""
+    runner = load_runner(artifacts["clover"], heads="none")
+    ref = TorchRunner(base)
+    t = resolve_tree("mc26")
+    for r in (runner, ref):
+        r.reset(64)
+    first = runner.forward(np.array([5]), np.array([0]), np.ones((1, 1), bool))
+    first_copy = first.copy()
+    np.testing.assert_allclose(first, ref.forward(np.array([5]), np.array([0]), np.ones((1, 1), bool)), atol=1e-4)
+    for r in (runner, ref):
+        r.commit(np.array([0]), np.array([9]))
+    tokens = np.arange(t.num_nodes) % 90 + 3
+    got = runner.forward(tokens, t.depth, t.ancestor_mask)
+    assert got.shape == (t.num_nodes, 96) and got.dtype == np.float32
+    np.testing.assert_allclose(got, ref.forward(tokens, t.depth, t.ancestor_mask), atol=1e-4)
+    np.testing.assert_array_equal(first, first_copy)
+
+
+def test_draft_logits_match_torch_runner(artifacts):
+    """draft_begin / draft_step of the ORT runner against the torch runner, node by node."""
+    for arch in TREES:
+        b, h = tiny_modules(arch)
+        ort_runner, torch_runner = load_runner(artifacts[arch]), TorchRunner(b, h)
+        prompt = np.array(PROMPTS[1])
+        for r in (ort_runner, torch_runner):
+            r.reset(64)
+            r.forward(prompt, np.arange(len(prompt)), np.tri(len(prompt), dtype=bool))
+            r.commit(np.arange(len(prompt)), np.append(prompt[1:], 7))
+        np.testing.assert_allclose(ort_runner.draft_begin(), torch_runner.draft_begin(), atol=1e-4)
+        nodes, parents, tokens = np.array([1, 2, 3]), np.array([0, 0, 0]), np.array([7, 8, 9])
+        for depth in (1, 2):
+            a = ort_runner.draft_step(depth, nodes, parents, tokens)
+            b_ = torch_runner.draft_step(depth, nodes, parents, tokens)
+            np.testing.assert_allclose(a, b_, atol=1e-4, err_msg=f"{arch} depth {depth}")
+            nodes, parents = nodes + 3, nodes
+
+
+def test_load_runner_options_and_errors(artifacts):
+    path = artifacts["clover2"]
+    assert backend_module("ort").load_runner is load_runner
+    runner = load_runner(path, heads="random:clover2:0", dtype="float32", threads=1, checksums=False)
+    assert runner.info.backend == "ort" and runner.info.heads_name == "random:clover2:0"
+    assert runner.info.default_tree.name == "mc26" and runner.info.max_context == 256
+    with runner:
+        pass
+    assert runner.base is None  # closed
+    with pytest.raises(CloverError, match="holds float32 graphs, not float16"):
+        load_runner(path, dtype="float16")
+    with pytest.raises(CloverError, match="carries clover2 heads from random:clover2:0; --heads random:medusa cannot"):
+        load_runner(path, heads="random:medusa")
+    with pytest.raises(CloverError, match="threads must be >= 0"):
+        load_runner(path, threads=-1)
+    with pytest.raises(CloverError, match="exceed the sequence capacity"):
+        r = load_runner(path)
+        r.reset(4)
+        r.forward(np.arange(5), np.arange(5), np.tri(5, dtype=bool))
+
+
+def test_generator_uses_the_artifact_tree_and_tokenizer(artifacts, base):
+    gen = Generator.load(artifacts["clover"], backend="ort")
+    assert gen.tree.name == "mc26-d3" and gen.runner.info.heads == "clover"
+    plain = Generator.load(artifacts["clover"], heads="none", backend="ort")
+    assert plain.tree.num_nodes == 1
+    a = gen.generate("w7 w8 w9 w40", max_new_tokens=16, ignore_eos=True)
+    b = plain.generate("w7 w8 w9 w40", max_new_tokens=16, ignore_eos=True)
+    assert a.token_ids == b.token_ids and a.backend == "ort" and a.heads == "random:clover:0"
+
+
+def test_runs_without_torch(artifacts, torch_plain):
+    """The ORT backend, the loop and the Generator with torch (and transformers) impossible to import."""
+    prompt = PROMPTS[0]
+    code = (
+        "import json, sys\n"
+        "for name in ('torch', 'transformers', 'tensorrt'):\n"
+        "    sys.modules[name] = None  # any import of them now raises ImportError\n"
+        "from clover.runtime.generator import Generator\n"
+        "out = {}\n"
+        "for heads in ('artifact', 'none'):\n"
+        f"    gen = Generator.load({str(artifacts['clover2'])!r}, heads=heads, backend='ort')\n"
+        f"    out[heads] = gen.generate({prompt!r}, max_new_tokens={N}, ignore_eos=True).token_ids\n"
+        "bad = [m for m in sys.modules if m.startswith(('clover.models', 'clover.export'))]\n"
+        "assert not bad, bad\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["artifact"] == out["none"] == torch_plain[tuple(prompt)]
+
+
+def test_fp16_artifact_speculative_equals_plain(tmp_path_factory):
+    """DESIGN.md ground truth holds per backend and precision: ORT fp16 speculative == ORT fp16 plain."""
+    path = tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", "float16")
+    plain, spec = load_runner(path, heads="none"), load_runner(path)
+    assert plain.cache is None and spec.info.default_tree.name == "mc26"
+    for p in PROMPTS:
+        want, _ = run_tokens(plain, p, resolve_tree("plain"), N)
+        assert plain.cache.buffers[0].dtype == np.float16
+        for t in ("mc26", "chain-6"):
+            got, _ = run_tokens(spec, p, resolve_tree(t), N)
+            assert_same_tokens(got, want, f"ORT fp16 clover2 {t}")

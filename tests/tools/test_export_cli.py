@@ -1,0 +1,125 @@
+"""clover-export then clover-generate --artifact DIR --backend ort, end to end through the CLIs."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from clover.runtime.artifact import open_artifact
+from clover.tools.export import main as export_main
+from clover.tools.generate import main as generate_main
+from helpers import tiny_hf_folder
+
+pytest.importorskip("transformers")
+PROMPT = ["--prompt", "w7 w8 w9 w10", "--max-new-tokens", "24", "--json"]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    return tiny_hf_folder(tmp_path_factory.mktemp("base"))
+
+
+@pytest.fixture(scope="module")
+def artifact(base_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("exports") / "clover2"
+    code = export_main(["--base", str(base_dir), "--heads", "random:clover2", "--out", str(out), "--tree", "small"])
+    assert code == 0
+    return out
+
+
+def cli(capsys, main, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_export_progress_and_artifact(base_dir, tmp_path, capsys):
+    out = tmp_path / "plain"
+    code, stdout, stderr = cli(capsys, export_main, "--base", base_dir, "--out", out, "--max-context", 100)
+    assert code == 0 and stdout.strip() == str(out)
+    assert "[1/2] base: exporting base.onnx" in stderr and "checker ok" in stderr and "logits" in stderr
+    m = open_artifact(out)
+    assert m.heads is None and m.max_context == 100 and m.sources == {"base": str(base_dir), "heads": "none"}
+    # exporting again into the same artifact is safe
+    code, _, _ = cli(capsys, export_main, "--base", base_dir, "--out", out, "--no-verify")
+    assert code == 0 and open_artifact(out).max_context == 128 and open_artifact(out).parity == {}
+
+
+def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys):
+    code, out, err = cli(capsys, generate_main, "--base", base_dir, *PROMPT)
+    assert code == 0, err
+    torch_plain = json.loads(out)
+    code, out, err = cli(capsys, generate_main, "--artifact", artifact, "--backend", "ort", *PROMPT)
+    assert code == 0, err
+    spec = json.loads(out)
+    assert spec["token_ids"] == torch_plain["token_ids"]
+    assert spec["backend"] == "ort" and spec["heads"] == "random:clover2" and spec["tree"] == "small"
+    assert spec.keys() == torch_plain.keys()  # same JSON as the torch backend
+    code, out, _ = cli(capsys, generate_main, "--artifact", artifact, "--heads", "none", *PROMPT)  # --backend ort implied
+    plain = json.loads(out)
+    assert code == 0 and plain["token_ids"] == torch_plain["token_ids"] and plain["tree"] == "plain"
+    code, out, err = cli(capsys, generate_main, "--artifact", artifact, "--tree", "chain-2", "--prompt", "w7 w8",
+                         "--max-new-tokens", "8", "--stream")
+    assert code == 0 and out.strip() and "tokens/step" in err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--backend", "trt"], "TensorRT engines are not supported by clover-export yet"),
+    (["--dtype", "bfloat16"], "unsupported export dtype"),
+    (["--heads", "random:gpt"], "random:ARCH"),
+    (["--tree", "mc26", "--heads", "random:clover"], "tree mc26 has depth 5"),
+    (["--max-context", "100000"], "exceeds the base model's max_position_embeddings"),
+])
+def test_export_user_errors_are_one_line(base_dir, tmp_path, capsys, args, message):
+    code, out, err = cli(capsys, export_main, "--base", base_dir, "--out", tmp_path / "a", *args)
+    assert code == 2 and out == ""
+    last = err.splitlines()[-1]  # progress lines may come first; the error is the last line, alone
+    assert last.startswith("clover-export: error:") and message in last and err.count("error:") == 1, err
+    assert not (tmp_path / "a").exists()
+
+
+def test_export_refuses_a_folder_that_is_not_an_artifact(base_dir, tmp_path, capsys):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("precious")
+    code, _, err = cli(capsys, export_main, "--base", base_dir, "--out", tmp_path / "mine")
+    assert code == 2 and "is a non-empty folder that is not a clover artifact" in err
+    assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--backend", "ort"], "pass --artifact DIR"),
+    (["--artifact", "{art}", "--backend", "torch"], "pass --backend ort"),
+    (["--artifact", "{art}", "--base", "{base}"], "pass --artifact alone"),
+    (["--artifact", "{art}", "--heads", "random:medusa"], "cannot be added to an exported artifact"),
+    (["--artifact", "{art}", "--dtype", "float16"], "holds float32 graphs"),
+    (["--artifact", "{base}"], "is not a clover artifact"),
+])
+def test_generate_artifact_errors(base_dir, artifact, capsys, args, message):
+    args = [a.format(art=artifact, base=base_dir) for a in args]
+    code, out, err = cli(capsys, generate_main, *args, "--prompt", "w7")
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
+def test_console_entry_point_exit_code(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "clover.tools.export", "--out", str(tmp_path / "x"), "--backend", "trt"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "TensorRT" in proc.stderr
+
+
+def test_bench_compares_ort_and_torch_from_one_artifact(artifact, tmp_path, capsys):
+    from clover.tools.bench import main as bench_main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "w7 w8 w9"}\n{"prompt": "w20 w21"}\n')
+    out = tmp_path / "bench.json"
+    code, table, err = cli(capsys, bench_main, "--artifact", artifact, "--backend", "ort,torch", "--prompts", prompts,
+                           "--no-chat", "--max-new-tokens", 10, "--json", out)
+    assert code == 0, err
+    rows = {(r["backend"], r["heads"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {("ort", "none"), ("ort", "random:clover2"), ("torch", "none"), ("torch", "random:clover2")}
+    assert all(r["identical_to_plain"] == "2/2" for r in rows.values())
+    assert rows[("ort", "random:clover2")]["tree"] == rows[("torch", "random:clover2")]["tree"] == "small"
+    assert "p95 ms" in table
+    code, _, err = cli(capsys, bench_main, "--backend", "ort", "--prompts", prompts)
+    assert code == 2 and "--artifact" in err
