@@ -79,7 +79,7 @@ def test_distillation_loss_decreases(arch):
     first = None
     for _ in range(30):
         loss, stats = distill_loss(heads, batch, 2, RECIPES[arch], base.norm, lm)
-        first = first if first is not None else float(loss)
+        first = first if first is not None else float(loss.detach())
         opt.zero_grad()
         loss.backward()
         opt.step()
