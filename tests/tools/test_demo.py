@@ -1,15 +1,25 @@
-"""`make demo`'s tool on a tiny base: streams, checks identity with plain decoding, exits 0."""
+"""`make demo`'s tool on a tiny base: exports once (cached), streams, checks identity with plain decoding."""
+
+import pytest
 
 from clover.tools.demo import main
 from helpers import tiny_hf_folder as make_base
 
 
-def test_demo_runs_and_reports_identity(tmp_path, capsys):
+@pytest.mark.parametrize("backend", ["ort", "torch"])
+def test_demo_runs_and_reports_identity(tmp_path, capsys, monkeypatch, backend):
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
     base = make_base(tmp_path / "base")
-    code = main(["--base", str(base), "--heads", "random:clover2", "--prompt", "w7 w8", "--max-new-tokens", "8"])
-    out = capsys.readouterr().out
+    args = ["--base", str(base), "--heads", "random:clover2", "--prompt", "w7 w8", "--max-new-tokens", "8",
+            "--backend", backend]
+    code = main(args)
+    out, err = capsys.readouterr()
     assert code == 0
-    assert "identical to plain greedy decoding" in out and "acceptance length" in out
+    assert "identical to plain greedy decoding" in out and "acceptance length" in out and f"{backend} backend" in out
+    if backend == "ort":
+        assert "exporting" in err and list((tmp_path / "cache" / "artifacts").iterdir())
+        assert main(args) == 0  # the second run reuses the exported artifact
+        assert "(cached)" in capsys.readouterr().err
 
 
 def test_demo_error_is_one_line(tmp_path, capsys):
