@@ -44,15 +44,6 @@ class GatedAttentionDecoder(nn.Module):
         gate = F.cosine_similarity(q, k, dim=-1, eps=self.eps)[..., None]  # [..., nh, 1]
         return x + (self.v(y).view(shape) * gate).flatten(-2)
 
-    def teacher_forced(self, hidden, tokens, depths):
-        state = self.augment.over_sequence(self.fuse(hidden, self.lm_weight[shifted(tokens, 1)]))
-        outs = [self.head_norm(self.fc0(state))]
-        for d in range(2, depths + 1):
-            e = self.lm_weight[shifted(tokens, d)]
-            state = self.rnn(state, e)
-            outs.append(self.head_norm(self.fc(torch.cat((state, e), dim=-1))))
-        return outs
-
     def init_weights(self, generator: torch.Generator) -> None:
         for lin in (self.q, self.k):
             eye_plus_uniform(lin.weight, generator)

@@ -92,3 +92,20 @@ class OracleRunner(TorchRunner):
 
     def _draft_step(self, depth, nodes, parents, tokens):
         return self._logits_for(self.past_length + depth + 1, len(nodes))
+
+
+def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int = 0) -> tuple[list[int], list[int]]:
+    """The first n tokens the loop emits, and the tokens emitted by each verify step (greedy by default)."""
+    from clover.runtime.loop import speculative_steps
+    from clover.runtime.sampling import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    out, steps = [], []
+    capacity = min(runner.info.max_context, len(prompt) + n + tree.num_nodes)
+    for i, step in enumerate(speculative_steps(runner, np.array(prompt), tree, sampling or SamplingParams(), rng, capacity)):
+        out += step.tokens
+        if i:
+            steps.append(len(step.tokens))
+        if len(out) >= n:
+            break
+    return out[:n], steps

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 
 from clover.export.artifact import artifact_from_modules
 from clover.export.config import ExportConfig
@@ -17,10 +16,6 @@ from clover.models.decoder import Decoder, rope_inv_freq
 from clover.models.head_io import random_heads
 from clover.models.heads import DraftHeads
 from clover.runtime.artifact import MANIFEST_FILE
-from clover.runtime.backend import Runner
-from clover.runtime.loop import speculative_steps
-from clover.runtime.sampling import SamplingParams
-from clover.runtime.tree import Tree
 from helpers import tiny_base, tiny_tokenizer_dir
 
 BASE_SEED = 3  # as tests/runtime/test_loop.py: peaked enough next-token laws for stable greedy identity
@@ -49,21 +44,7 @@ def tiny_artifact(root: Path, arch: str, dtype: str = "float32", tree: str | Non
     return artifact_from_modules(base, heads, tokenizer, out, ExportConfig(dtype=dtype, tree=tree), heads_name=name)
 
 
-GREEDY = SamplingParams()
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 3, 90, 12, 13, 14, 15, 16, 17, 18]]  # as tests/runtime/test_loop.py
-
-
-def run_tokens(runner: Runner, prompt: list[int], tree: Tree, n: int) -> tuple[list[int], list[int]]:
-    """Greedy: the first n tokens, and the tokens emitted by each verify step."""
-    out, steps = [], []
-    capacity = min(runner.info.max_context, len(prompt) + n + tree.num_nodes)
-    for i, step in enumerate(speculative_steps(runner, np.array(prompt), tree, GREEDY, np.random.default_rng(0), capacity)):
-        out += step.tokens
-        if i:
-            steps.append(len(step.tokens))
-        if len(out) >= n:
-            break
-    return out[:n], steps
 
 
 def assert_same_tokens(got: list[int], want: list[int], what: str = "") -> None:

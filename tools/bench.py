@@ -18,12 +18,16 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from clover.errors import CloverError
+
+if TYPE_CHECKING:
+    from clover.runtime.generator import Generator
 
 
 def mtbench_questions() -> Path:
@@ -132,8 +136,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-
-    from clover.runtime.generator import Generator
 
     if args.max_new_tokens < 1:
         raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")

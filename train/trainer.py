@@ -4,7 +4,6 @@ validation, checkpoints each epoch and resume. The base model never runs here (f
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random

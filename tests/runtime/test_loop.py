@@ -12,28 +12,12 @@ import torch
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
 from clover.runtime.generator import Generator
-from clover.runtime.loop import speculative_steps
-from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
-from helpers import OracleRunner, tiny_base, tiny_tokenizer_dir
+from helpers import OracleRunner, run_tokens, tiny_base, tiny_tokenizer_dir
 
-GREEDY = SamplingParams()
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 3, 90, 12, 13, 14, 15, 16, 17, 18]]
-
-
-def run_tokens(runner, prompt, tree, n, sampling=GREEDY, seed=0):
-    rng = np.random.default_rng(seed)
-    out, steps = [], []
-    capacity = min(runner.info.max_context, len(prompt) + n + tree.num_nodes)
-    for i, step in enumerate(speculative_steps(runner, np.array(prompt), tree, sampling, rng, capacity)):
-        out += step.tokens
-        if i:
-            steps.append(len(step.tokens))
-        if len(out) >= n:
-            break
-    return out[:n], steps
 
 
 def assert_same(base, prompt, got, want):

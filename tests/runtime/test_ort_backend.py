@@ -15,7 +15,8 @@ from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import OrtRunner, load_runner
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import compile_tree, resolve_tree
-from ort_helpers import PROMPTS, assert_same_tokens, run_tokens, tiny_artifact, tiny_modules
+from helpers import run_tokens
+from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact, tiny_modules
 
 N = 40
 TREES = {"medusa": ["chain-1", "small", "mc26-d4"], "clover": ["chain-3", "mc26-d3"],
