@@ -69,16 +69,14 @@ def tiny_hf_folder(path: Path, seed: int = 0) -> Path:
     return tiny_tokenizer_dir(path)
 
 
-class OracleRunner(TorchRunner):
+class OracleDraft:
     """A draft that proposes the base model's own greedy continuation (`reference`) at rank 0 of every
     node, and arbitrary distinct tokens at other ranks. With greedy decoding every drafted path along
-    rank 0 is accepted, which exercises long accepted paths and their KV compaction."""
+    rank 0 is accepted, which exercises long accepted paths and their KV compaction. Mixed into a
+    backend's runner (before it), so any backend can run with it."""
 
-    def __init__(self, base: Decoder, reference: list[int], seed: int = 0):
-        super().__init__(base, None)
-        self.reference = reference
-        self.rng = np.random.default_rng(seed)
-        self.info = RunnerInfo("torch", base.config.vocab_size, base.config.max_position_embeddings, "oracle", None, "oracle")
+    reference: list[int]
+    rng: np.random.Generator
 
     def _logits_for(self, index: int, n: int) -> np.ndarray:
         logits = self.rng.standard_normal((n, self.info.vocab_size)).astype(np.float32)
@@ -92,6 +90,16 @@ class OracleRunner(TorchRunner):
 
     def _draft_step(self, depth, nodes, parents, tokens):
         return self._logits_for(self.past_length + depth + 1, len(nodes))
+
+
+class OracleRunner(OracleDraft, TorchRunner):
+    """The oracle draft on the torch backend."""
+
+    def __init__(self, base: Decoder, reference: list[int], seed: int = 0):
+        super().__init__(base, None)
+        self.reference = reference
+        self.rng = np.random.default_rng(seed)
+        self.info = RunnerInfo("torch", base.config.vocab_size, base.config.max_position_embeddings, "oracle", None, "oracle")
 
 
 def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int = 0) -> tuple[list[int], list[int]]:

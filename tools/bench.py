@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from clover.errors import CloverError
+from clover.tools.cli import run_cli
 
 if TYPE_CHECKING:
     from clover.runtime.generator import Generator
@@ -241,12 +242,7 @@ def print_table(summaries: list[dict], depth: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except CloverError as e:
-        print(f"clover-bench: error: {e}", file=sys.stderr)
-        return 2
+    return run_cli("clover-bench", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

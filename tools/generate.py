@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from clover.errors import CloverError
+from clover.tools.cli import run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,12 +105,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except CloverError as e:
-        print(f"clover-generate: error: {e}", file=sys.stderr)
-        return 2
+    return run_cli("clover-generate", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

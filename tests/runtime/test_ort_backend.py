@@ -15,7 +15,7 @@ from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import OrtRunner, load_runner
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import compile_tree, resolve_tree
-from helpers import run_tokens
+from helpers import OracleDraft, run_tokens
 from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact, tiny_modules
 
 N = 40
@@ -65,7 +65,7 @@ def test_greedy_identity_ort_speculative_ort_plain_torch_plain(base, torch_plain
             assert steps == torch_steps, (spec_tree, steps, torch_steps)
 
 
-class OracleOrtRunner(OrtRunner):
+class OracleOrtRunner(OracleDraft, OrtRunner):
     """Drafts the known greedy continuation at rank 0 (as helpers.OracleRunner): long accepted paths."""
 
     def __init__(self, root, reference):
@@ -75,18 +75,6 @@ class OracleOrtRunner(OrtRunner):
         self.reference = reference
         self.rng = np.random.default_rng(0)
         self.info = RunnerInfo("ort", self.vocab_size, self.info.max_context, "oracle", None, "oracle")
-
-    def _logits_for(self, index, n):
-        logits = self.rng.standard_normal((n, self.info.vocab_size)).astype(np.float32)
-        if index < len(self.reference):
-            logits[:, self.reference[index]] = 100.0
-        return logits
-
-    def _draft_begin(self):
-        return self._logits_for(self.past_length + 1, 1)[0]
-
-    def _draft_step(self, depth, nodes, parents, tokens):
-        return self._logits_for(self.past_length + depth + 1, len(nodes))
 
 
 def test_kv_compaction_in_place_matches_plain_cache(base, torch_plain, artifacts):
