@@ -12,7 +12,6 @@ that exists, is not empty and is not an artifact is refused.
 from __future__ import annotations
 
 import dataclasses
-import os
 import platform
 import shutil
 import tempfile
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+from clover.atomic import publish_folder
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
@@ -214,13 +214,5 @@ def tool_versions() -> dict[str, str]:
 
 def install(tmp: Path, out: Path) -> None:
     """Move the finished folder to `out`; an old artifact there is moved aside first, then deleted."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; an artifact is for everyone
     check_target(out)  # again: the target may have changed during a long export
-    old = out.parent / f".old-{out.name}-{os.getpid()}" if out.exists() else None
-    if old is not None:
-        os.replace(out, old)
-    os.replace(tmp, out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    publish_folder(tmp, out)

@@ -131,7 +131,6 @@ class BaseGraph(nn.Module):
 def base_graph(base: Decoder) -> GraphDef:
     cfg = base.config
     L = cfg.num_layers
-    dtype = _float_dtype(base)
 
     def example(s: Sizes, g: torch.Generator) -> tuple[torch.Tensor, ...]:
         B, T, P, R = s["batch"], s["new"], s["past"], s["rows"]

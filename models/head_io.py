@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from clover.atomic import publish_folder
 from clover.errors import CloverError
 from clover.models.clover import CloverHeads
 from clover.models.clover2 import Clover2Heads
@@ -65,20 +66,11 @@ def save_heads(heads: DraftHeads, path: str | Path, dtype: torch.dtype = torch.f
         cfg = dataclasses.asdict(heads.config)
         doc = {"format_version": FORMAT_VERSION, "dtype": str(dtype).removeprefix("torch."), **cfg}
         (tmp / CONFIG_FILE).write_text(json.dumps(doc, indent=1))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; a saved checkpoint is for everyone
         # Anything else in an existing folder (training checkpoints, provenance) moves into the new one.
         carried = [e for e in path.iterdir() if e.name not in (WEIGHTS_FILE, CONFIG_FILE)] if path.is_dir() else []
         for entry in carried:
             os.replace(entry, tmp / entry.name)
-        # Move any old checkpoint aside first, so a crash never leaves no checkpoint at all.
-        old = path.parent / f".old-{path.name}-{os.getpid()}" if path.exists() else None
-        if old is not None:
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        publish_folder(tmp, path)
     except BaseException:
         if tmp.exists() and path.is_dir():
             for entry in tmp.iterdir():

@@ -95,13 +95,12 @@ class Vocab:
 
 
 def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int, recipe: Recipe,
-                 base_norm: torch.nn.Module, lm_bf16: torch.Tensor, vocab: Vocab | None = None
-                 ) -> tuple[torch.Tensor, list[DepthStats]]:
-    """Weighted training loss of one batch and per-depth statistics (softmax over `vocab` if given)."""
+                 base_norm: torch.nn.Module, lm_bf16: torch.Tensor, vocab: Vocab | None = None,
+                 outs: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[DepthStats]]:
+    """Weighted training loss of one batch and per-depth statistics (softmax over `vocab` if given;
+    `outs`: the batch's `head_outputs`, if already computed)."""
     hidden = batch["hidden"].float()
-    tokens = batch["tokens"].long()
-    with mixed_precision(hidden.device):
-        outs = [o.float() for o in heads.teacher_forced(hidden, tokens, depths)]
+    outs = head_outputs(heads, batch, depths) if outs is None else outs
     total = hidden.new_zeros(())
     stats = []
     for d, (out, valid) in enumerate(zip(outs, depth_masks(batch, depths, recipe.greedy_paths_only)), start=1):
@@ -136,6 +135,13 @@ def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int,
         st.correct = float((predicted == ids[:, 0]).sum())
         stats.append(st)
     return total, stats
+
+
+def head_outputs(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int) -> list[torch.Tensor]:
+    """The heads' teacher-forced pre-LM-head vectors per depth (float32), bf16 matmuls inside."""
+    hidden = batch["hidden"].float()
+    with mixed_precision(hidden.device):
+        return [o.float() for o in heads.teacher_forced(hidden, batch["tokens"].long(), depths)]
 
 
 def mixed_precision(device: torch.device):

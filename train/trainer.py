@@ -18,7 +18,7 @@ from clover.errors import CloverError
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
 from clover.train.features import FeatureCache
-from clover.train.objectives import RECIPES, DepthStats, Vocab, distill_loss
+from clover.train.objectives import RECIPES, DepthStats, Vocab, distill_loss, head_outputs
 
 
 @dataclass(frozen=True)
@@ -184,11 +184,13 @@ class Trainer:
         run_total, rows = 0.0, 0
         for seq_ids in make_batches(self.cache, self.val_ids, self.cfg.batch_tokens, random.Random(0)):
             batch = self.to_device(self.cache.batch(seq_ids))
-            loss, stats = distill_loss(self.heads, batch, self.cfg.depths, self.recipe, self.base.norm, self.lm_bf16)
+            outs = head_outputs(self.heads, batch, self.cfg.depths)  # shared by the loss and the chain estimate
+            loss, stats = distill_loss(self.heads, batch, self.cfg.depths, self.recipe, self.base.norm, self.lm_bf16,
+                                       outs=outs)
             loss_sum, n = loss_sum + float(loss), n + 1
             for acc, st in zip(sums, stats):
                 acc.correct, acc.count = acc.correct + st.correct, acc.count + st.count
-            r, c = chain_runs(self.heads, batch, self.cfg.depths, self.lm_bf16)
+            r, c = chain_runs(self.heads, batch, outs, self.lm_bf16)
             run_total, rows = run_total + r, rows + c
         self.heads.train()
         return loss_sum / max(1, n), [a.correct / max(1, a.count) for a in sums], 1 + run_total / max(1, rows)
@@ -211,15 +213,14 @@ def frequent_tokens(cache: FeatureCache, seq_ids: list[int], count: int = 4096) 
 
 
 @torch.no_grad()
-def chain_runs(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int, lm_bf16: torch.Tensor) -> tuple[float, int]:
+def chain_runs(heads: DraftHeads, batch: dict[str, torch.Tensor], outs: list[torch.Tensor], lm_bf16: torch.Tensor
+               ) -> tuple[float, int]:
     """Sum over greedy response rows of how many consecutive depths the heads' argmax gets right, and the
-    number of rows: with a chain tree of `depths` nodes, 1 + mean run is the expected tokens/step."""
-    from clover.train.objectives import depth_masks, head_logits_bf16, mixed_precision
+    number of rows (`outs`: the batch's head_outputs): with a chain tree of len(outs) nodes, 1 + mean
+    run is the expected tokens/step."""
+    from clover.train.objectives import depth_masks, head_logits_bf16
 
-    hidden, tokens = batch["hidden"].float(), batch["tokens"].long()
-    with mixed_precision(hidden.device):
-        outs = [o.float() for o in heads.teacher_forced(hidden, tokens, depths)]
-    masks = depth_masks(batch, depths, greedy_paths_only=True)
+    masks = depth_masks(batch, len(outs), greedy_paths_only=True)
     rows = masks[0]  # rows with at least a depth-1 target on a greedy path
     alive = rows.clone()
     run = torch.zeros_like(rows, dtype=torch.float32)
