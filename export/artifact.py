@@ -40,6 +40,7 @@ VERIFY_SIZES: list[Sizes] = [
     {"batch": 1, "new": 1, "past": 0, "rows": 1, "accepted": 1, "candidates": 1},
     {"batch": 1, "new": 6, "past": 5, "rows": 6, "accepted": 3, "candidates": 4},
 ]
+DEFAULT_MAX_PROMPT = 2048  # TensorRT prefill profile when --max-prompt is not given
 # Relative error (max |ONNX - torch| / max(1, max |torch|)) above which an export is broken, not noisy.
 BROKEN_RELATIVE_ERROR = {"float32": 1e-3, "float16": 5e-2}
 TOOLS = ("clover-deploy", "torch", "onnx", "onnxscript", "onnxruntime")
@@ -79,7 +80,8 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
         raise CloverError(f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}")
     tree = default_tree(heads, config.tree)
     max_context = resolve_max_context(base, config.max_context)
-    graphs = [base_graph(base)] + (draft_graphs(heads) if heads is not None else [])
+    graphs = [base_graph(base, config.attention)] + (draft_graphs(heads) if heads is not None else [])
+    steps = len(graphs) + 1 + (config.backend == "trt")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
@@ -88,12 +90,19 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
         specs, parity = {}, {}
         for i, graph in enumerate(graphs, 1):
             t0 = time.perf_counter()
-            say(f"[{i}/{len(graphs) + 1}] {graph.name}: exporting {graph.name}.onnx")
+            say(f"[{i}/{steps}] {graph.name}: exporting {graph.name}.onnx")
             specs[graph.name], errors = checked_onnx_from_torch(graph, tmp, config)
             if errors is not None:
                 parity[graph.name] = errors
             say(f"      {progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)")
-        say(f"[{len(graphs) + 1}/{len(graphs) + 1}] checksums and manifest")
+        engines = {}
+        if config.backend == "trt":
+            from clover.export.engines import build_engines
+
+            say(f"[{steps - 1}/{steps}] TensorRT engines")
+            engines = build_engines(tmp, specs, config.dtype, engine_limits(config, tree, max_context),
+                                    timing_cache_path(config), say)
+        say(f"[{steps}/{steps}] checksums and manifest")
         manifest = Manifest(
             backend=config.backend, dtype=config.dtype, attention=config.attention, opset=config.opset,
             max_context=max_context, base_config=base.config.to_dict(),
@@ -101,6 +110,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             heads=heads_spec(heads, heads_name) if heads is not None else None,
             tree=tree_to_dict(tree) if tree is not None else None,
             graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files=file_entries(tmp),
+            engines=engines,
         )
         write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
         install(tmp, out)
@@ -115,10 +125,32 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
 
 def checked_onnx_from_torch(graph: GraphDef, out_dir: Path,
                             config: ExportConfig) -> tuple[GraphSpec, dict[str, float] | None]:
-    """Export one graph, run the ONNX checker on it, and (config.verify) its parity check."""
+    """Export one graph, run the ONNX checker on it, and (config.verify) its parity check. bfloat16
+    graphs get the checker only: ONNX Runtime's CPU provider has no bf16 kernels for most ops."""
     spec = onnx_from_torch(graph, out_dir, config.opset)
     check_onnx(out_dir / spec.file)
-    return spec, verified_parity(graph, out_dir / spec.file, config.dtype) if config.verify else None
+    verify = config.verify and config.dtype != "bfloat16"
+    return spec, verified_parity(graph, out_dir / spec.file, config.dtype) if verify else None
+
+
+def engine_limits(config: ExportConfig, tree: Tree | None, max_context: int):
+    """The shapes TensorRT's optimization profiles must cover: prompts up to --max-prompt, verify steps
+    up to the artifact's tree (any tree with at most that many nodes and that depth runs)."""
+    from clover.export.engines import EngineLimits
+
+    nodes = tree.num_nodes if tree is not None else 1
+    return EngineLimits(max_batch=1, max_prompt=config.max_prompt or min(max_context, DEFAULT_MAX_PROMPT),
+                        max_tree=nodes, max_context=max_context,
+                        max_accepted=(tree.max_depth + 1) if tree is not None else 1, max_candidates=nodes)
+
+
+def timing_cache_path(config: ExportConfig) -> Path:
+    """--timing-cache, else one shared file in the user cache: kernel timings carry across exports."""
+    if config.timing_cache:
+        return Path(config.timing_cache)
+    from clover.models.smollm2 import cache_dir
+
+    return cache_dir() / "tensorrt" / "timing.cache"
 
 
 def progress_note(errors: dict[str, float] | None, dtype: str) -> str:

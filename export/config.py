@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from clover.errors import CloverError
 
-BACKENDS = ("onnx",)
-DTYPES = ("float32", "float16")
-ATTENTION = ("portable",)
+BACKENDS = ("onnx", "trt")
+DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION = ("portable", "plugin")
 OPSETS = range(18, 24)  # torchlib implements 18+; 23 is the newest torch.onnx targets
 DEFAULT_OPSET = 20  # torch.onnx's default; TensorRT 10's parser and onnxruntime >= 1.17 read it
 
@@ -16,14 +16,20 @@ DEFAULT_OPSET = 20  # torch.onnx's default; TensorRT 10's parser and onnxruntime
 @dataclass(frozen=True)
 class ExportConfig:
     """Args:
-    backend: "onnx" (TensorRT engines come later).
-    dtype: precision of the weights, activations and KV cache in the graphs.
-    attention: "portable": standard ONNX ops with an explicit mask (DESIGN.md).
+    backend: "onnx": ONNX graphs (ONNX Runtime runs them); "trt": the same graphs plus TensorRT engines
+      built from them (needs TensorRT and a CUDA GPU at export time).
+    dtype: precision of the weights, activations and KV cache in the graphs; TensorRT builds strongly
+      typed engines in this precision. bfloat16 is for TensorRT (ONNX Runtime's CPU provider lacks
+      bf16 kernels, so its export-time check is the ONNX checker only).
+    attention: "portable": standard ONNX ops with an explicit mask; "plugin": one tree-attention node
+      per decoder layer for the TensorRT plugin (DESIGN.md). Same graph inputs and outputs.
     opset: default-domain ONNX opset.
     tree: default token tree recorded in the manifest (any tree runs on ONNX Runtime: the tree dims are
       dynamic); None: mc26, pruned to the heads' depth.
     max_context: longest sequence (prompt + generated) the artifact serves; None: the base's
       max_position_embeddings.
+    max_prompt: longest prompt the TensorRT prefill profile accepts; None: min(max_context, 2048).
+    timing_cache: TensorRT timing cache file reused across builds (None: the user cache folder).
     verify: run every graph once on ONNX Runtime against PyTorch and record the max abs error.
     """
 
@@ -33,14 +39,11 @@ class ExportConfig:
     opset: int = DEFAULT_OPSET
     tree: str | None = None
     max_context: int | None = None
+    max_prompt: int | None = None
+    timing_cache: str | None = None
     verify: bool = True
 
     def __post_init__(self) -> None:
-        if self.backend in ("trt", "tensorrt"):
-            raise CloverError(
-                "TensorRT engines are not supported by clover-export yet: use --backend onnx and run the "
-                "artifact with ONNX Runtime (clover-generate --artifact DIR --backend ort)"
-            )
         if self.backend not in BACKENDS:
             raise CloverError(f"unknown export backend {self.backend!r}: use one of {', '.join(BACKENDS)}")
         if self.dtype not in DTYPES:
@@ -52,3 +55,8 @@ class ExportConfig:
         if self.max_context is not None and self.max_context < 2:
             raise CloverError(
                 f"--max-context must be at least 2 (one prompt and one generated token), got {self.max_context}")
+        if self.max_prompt is not None and self.max_prompt < 1:
+            raise CloverError(f"--max-prompt must be at least 1 token, got {self.max_prompt}")
+        if self.backend == "onnx" and self.max_prompt is not None:
+            raise CloverError("--max-prompt sizes TensorRT's prefill profile: use it with --backend trt "
+                              "(ONNX Runtime takes any prompt length up to --max-context)")

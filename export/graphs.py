@@ -40,7 +40,7 @@ from torch import nn
 
 from clover.models.clover import CloverHeads
 from clover.models.clover2 import Clover2Heads
-from clover.models.decoder import Decoder, causal_mask
+from clover.models.decoder import Decoder, causal_mask, with_attention
 from clover.models.heads import DraftHeads
 from clover.models.medusa import MedusaHeads
 
@@ -128,7 +128,9 @@ class BaseGraph(nn.Module):
         return (out.logits, out.hidden_states, *interleave(out.new_keys, out.new_values))
 
 
-def base_graph(base: Decoder) -> GraphDef:
+def base_graph(base: Decoder, attention: str = "portable") -> GraphDef:
+    """The base decoder's graph; `attention` "plugin": one tree-attention node per layer (same I/O)."""
+    base = with_attention(base, attention)
     cfg = base.config
     L = cfg.num_layers
 

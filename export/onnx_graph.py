@@ -51,7 +51,30 @@ def onnx_from_torch(graph: GraphDef, out_dir: Path, opset: int) -> GraphSpec:
     except Exception as e:  # the exporter raises many types; keep the first line of its summary
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CloverError(f"torch.onnx.export failed for the {graph.name} graph: {first}") from e
+    name_plugin_nodes(path)
     return graph_spec(path)
+
+
+def plugin_nodes(model) -> list:
+    """The tree-attention plugin nodes of an ONNX model, in graph (= layer) order."""
+    from clover.plugins.onnx_node import DOMAIN, OP_TYPE
+
+    return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
+
+
+def name_plugin_nodes(path: Path) -> None:
+    """Give each tree-attention node a unique, readable name (`layers.{i}.self_attn.tree_attention`):
+    the exporter names them all after the symbolic op, and TensorRT reports errors by node name.
+    Only the graph proto is rewritten; the external weight files stay as they are."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    nodes = plugin_nodes(model)
+    if not nodes:
+        return
+    for i, node in enumerate(nodes):
+        node.name = f"layers.{i}.self_attn.tree_attention"
+    onnx.save(model, str(path))
 
 
 def graph_spec(path: Path) -> GraphSpec:
@@ -88,6 +111,27 @@ class Parity(NamedTuple):
     scales: dict[str, float]  # per output: max |PyTorch|, to judge the errors by
 
 
+@contextlib.contextmanager
+def runnable_by_ort(path: Path):
+    """`path`, or for a plugin-variant graph a temporary copy of its graph proto with the plugin's ONNX
+    reference function attached (ONNX Runtime has no kernel for the custom node). The copy sits next
+    to `path`, so its external-data locations resolve; it is deleted on exit."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    if not plugin_nodes(model):
+        yield path
+        return
+    from clover.plugins.onnx_reference import with_reference_function
+
+    tmp = path.with_name(f".{path.stem}.reference.onnx")
+    try:
+        onnx.save(with_reference_function(model), str(tmp))
+        yield tmp
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int = 0,
                       reference: GraphDef | None = None) -> Parity:
     """ONNX Runtime (CPU) against PyTorch on random inputs of each of `sizes`. The PyTorch side runs
@@ -99,7 +143,8 @@ def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int
                           "or pass --no-verify") from e
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
-    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    with runnable_by_ort(path) as runnable:
+        session = ort.InferenceSession(str(runnable), opts, providers=["CPUExecutionProvider"])
     errors = dict.fromkeys(graph.outputs, 0.0)
     scales = dict.fromkeys(graph.outputs, 0.0)
     g = torch.Generator().manual_seed(seed)

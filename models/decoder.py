@@ -8,10 +8,16 @@ lets a backend keep its cache wherever it likes.
 
 Attention is computed in two parts (past keys, new keys) joined by one softmax, so the past cache is
 never concatenated (copied) per step: cost is O(past) reads, not O(past) copies.
+
+Two attention variants with the same inputs and outputs (DESIGN.md): `portable` builds an additive
+mask from standard ops; `plugin` packs the tree mask into int32 bit rows once and calls the
+tree-attention op (clover.plugins), one custom ONNX node per layer when exported. `with_attention`
+gives a decoder sharing all weights that uses the other variant.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import NamedTuple
 
@@ -19,7 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clover.errors import CloverError
 from clover.models.config import BaseConfig, RopeConfig
+from clover.plugins.onnx_node import tree_attention_node
+
+ATTENTION_VARIANTS = ("portable", "plugin")
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -72,6 +82,19 @@ def attention_mask(
     return torch.where(mask, zero, float("-inf"))[:, None, None]
 
 
+class PluginMask(NamedTuple):
+    """The tree and cache masks in the form the tree-attention op takes (built once per forward)."""
+
+    packed: torch.Tensor  # [B, T, ceil(T/32)] int32 packed tree mask
+    past_lengths: torch.Tensor  # [B] int32
+
+
+def plugin_mask(tree_mask: torch.Tensor, past_lengths: torch.Tensor) -> PluginMask:
+    from clover.plugins.tree_attention import pack_tree_mask
+
+    return PluginMask(pack_tree_mask(tree_mask), past_lengths.to(torch.int32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -94,7 +117,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | PluginMask,
         past_k: torch.Tensor, past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
@@ -103,6 +126,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2Hkv, T, D]
         qk = apply_rope(qkv[:, : H + Hkv], cos, sin)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # [B, H, T, D], [B, Hkv, T, D] x 2
+        if isinstance(mask, PluginMask):
+            out = tree_attention_node(q, k, v, past_k, past_v, mask.past_lengths, mask.packed, D**-0.5)  # [B, H, T, D]
+            return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D)), k, v
 
         # GQA without repeating K/V: query heads h*G..h*G+G-1 share kv head h (transformers' repeat_kv order).
         qg = q.reshape(B, Hkv, G * T, D) * (D**-0.5)
@@ -165,6 +191,7 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.attention = "portable"  # see with_attention
 
     def forward(
         self,
@@ -178,8 +205,11 @@ class Decoder(nn.Module):
     ) -> DecoderOutput:
         x = self.embed_tokens(input_ids)
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
-        mask = attention_mask(tree_mask, past_lengths, past_keys[0].shape[2], position_ids, self.config.sliding_window,
-                              x.dtype)
+        if self.attention == "plugin":
+            mask: torch.Tensor | PluginMask = plugin_mask(tree_mask, past_lengths)
+        else:
+            mask = attention_mask(tree_mask, past_lengths, past_keys[0].shape[2], position_ids,
+                                  self.config.sliding_window, x.dtype)
         new_keys, new_values = [], []
         for layer, pk, pv in zip(self.layers, past_keys, past_values):
             x, k, v = layer(x, cos, sin, mask, pk, pv)
@@ -196,6 +226,21 @@ class Decoder(nn.Module):
         n = c.num_layers if layers is None else layers
         make = lambda: torch.zeros(batch, c.num_kv_heads, length, c.head_dim, dtype=w.dtype, device=w.device)
         return [make() for _ in range(n)], [make() for _ in range(n)]
+
+
+def with_attention(base: Decoder, variant: str) -> Decoder:
+    """`base` computing attention the `variant` way; all parameters and buffers are shared."""
+    if variant not in ATTENTION_VARIANTS:
+        raise CloverError(f"unknown attention variant {variant!r}: use one of {', '.join(ATTENTION_VARIANTS)}")
+    if variant == "plugin" and base.config.sliding_window is not None:
+        raise CloverError(
+            f"the plugin attention variant has no sliding window, but this {base.config.architecture} uses a "
+            f"{base.config.sliding_window}-token window: export it with --attention portable")
+    if variant == base.attention:
+        return base
+    clone = copy.copy(base)  # shallow: modules, parameters and buffers are shared
+    clone.attention = variant
+    return clone
 
 
 def causal_mask(length: int, batch: int = 1, device: torch.device | None = None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,10 +85,41 @@ class HeadsSpec:
 
 
 @dataclass(frozen=True)
+class ProfileSpec:
+    """One TensorRT optimization profile: per dynamic input, its (min, opt, max) shape."""
+
+    name: str  # "prefill" / "verify" for the base; "draft" for the head graphs
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ProfileSpec":
+        return cls(d["name"], {k: tuple(tuple(int(x) for x in s) for s in v) for k, v in d["shapes"].items()})
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """A TensorRT engine built from one graph of the artifact. An engine only runs on the GPU model and
+    TensorRT version it was built with: the runtime compares these before deserializing."""
+
+    graph: str  # the graph (key of Manifest.graphs) it was built from
+    file: str  # relative path, e.g. engines/base.engine
+    profiles: tuple[ProfileSpec, ...]  # in the engine's profile index order
+    precision: str  # float32 | float16 | bfloat16
+    tensorrt_version: str
+    device_name: str  # e.g. "NVIDIA H100 80GB HBM3"
+    compute_capability: str  # e.g. "9.0"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineSpec":
+        return cls(d["graph"], d["file"], tuple(map(ProfileSpec.from_dict, d["profiles"])), d["precision"],
+                   d["tensorrt_version"], d["device_name"], d["compute_capability"])
+
+
+@dataclass(frozen=True)
 class Manifest:
-    backend: str  # "onnx" (issue 5 adds "trt")
-    dtype: str  # float32 | float16
-    attention: str  # portable
+    backend: str  # "onnx" | "trt" (ONNX graphs plus TensorRT engines built from them)
+    dtype: str  # float32 | float16 | bfloat16
+    attention: str  # portable | plugin
     opset: int
     max_context: int  # longest sequence the artifact serves
     base_config: dict[str, Any]  # clover.models.config.BaseConfig.to_dict()
@@ -101,6 +132,7 @@ class Manifest:
     tools: dict[str, str]  # package versions that made it
     parity: dict[str, dict[str, float]]  # export-time max abs error per graph output vs PyTorch
     files: dict[str, dict[str, Any]]  # relative path -> {"sha256", "bytes"}
+    engines: dict[str, EngineSpec] = field(default_factory=dict)  # graph name -> engine (backend "trt")
     format_version: int = FORMAT_VERSION
     kind: str = KIND
 
@@ -116,6 +148,7 @@ class Manifest:
             heads=HeadsSpec.from_dict(d["heads"]) if d.get("heads") else None, tree=d.get("tree"),
             graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()}, tokenizer=d["tokenizer"],
             tools=dict(d.get("tools", {})), parity=dict(d.get("parity", {})), files=dict(d["files"]),
+            engines={k: EngineSpec.from_dict(e) for k, e in d.get("engines", {}).items()},
             format_version=d["format_version"], kind=d["kind"],
         )
 
@@ -198,6 +231,10 @@ def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None
             if f not in manifest.files:
                 raise CloverError(f"artifact {root}: graph {name} needs {f}, which {MANIFEST_FILE} does not list: "
                                   "export it again")
+    for name, engine in manifest.engines.items():
+        if engine.file not in manifest.files:
+            raise CloverError(f"artifact {root}: engine {name} ({engine.file}) is not listed in {MANIFEST_FILE}: "
+                              "export it again")
     for rel, entry in manifest.files.items():
         p = root / rel
         if not p.is_file():

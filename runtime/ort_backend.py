@@ -267,6 +267,10 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
     """
     options = OrtOptions(threads=threads, spin=spin, checksums=checksums, cache_block=cache_block)
     manifest = open_artifact(artifact, checksums=options.checksums)
+    if manifest.attention != "portable":
+        raise CloverError(
+            f"artifact {artifact} was exported with --attention {manifest.attention}: its tree-attention nodes are "
+            "TensorRT plugins that ONNX Runtime cannot run; use --backend trt, or export with --attention portable")
     if dtype is not None and dtype != manifest.dtype:
         raise CloverError(f"artifact {artifact} holds {manifest.dtype} graphs, not {dtype}: omit --dtype, or export "
                           f"again with clover-export --dtype {dtype}")

@@ -1,4 +1,5 @@
-"""clover-export: export a base model and draft heads to an artifact directory (ONNX graphs + manifest)."""
+"""clover-export: export a base model and draft heads to an artifact directory (ONNX graphs + manifest,
+plus TensorRT engines with --backend trt)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="clover-export",
         description="Export a base model and Clover draft heads to ONNX graphs in one artifact directory "
-                    "(run it with clover-generate --artifact DIR --backend ort).",
+                    "(run it with clover-generate --artifact DIR --backend ort), and with --backend trt build "
+                    "TensorRT engines from them (--backend trt at run time).",
     )
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
     p.add_argument("--heads", default="none",
                    help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), or none (plain decoding)")
     p.add_argument("--out", required=True, type=Path,
                    help="artifact folder to write (new, empty, or an artifact to replace)")
-    p.add_argument("--backend", default="onnx", help="onnx (TensorRT engines are not supported yet)")
+    p.add_argument("--backend", default="onnx",
+                   help="onnx: ONNX graphs for ONNX Runtime; trt: the graphs plus TensorRT engines (needs TensorRT "
+                        "10.x/11.x and a CUDA GPU)")
+    p.add_argument("--attention", default="portable",
+                   help="portable: standard ONNX ops (ONNX Runtime, TensorRT); plugin: one CloverTreeAttention node "
+                        "per layer for the TensorRT plugin (the graph is checked on ONNX Runtime through the node's "
+                        "ONNX reference function)")
     p.add_argument("--tree", default=None,
                    help="default token tree recorded in the artifact (default: mc26, pruned to the heads' depth)")
-    p.add_argument("--dtype", default="float32", help="float32 or float16")
+    p.add_argument("--dtype", default="float32", help="float32, float16, or bfloat16 (TensorRT)")
     p.add_argument("--max-context", type=int, default=None,
                    help="longest sequence the artifact serves (default: the base's max_position_embeddings)")
+    p.add_argument("--max-prompt", type=int, default=None,
+                   help="--backend trt: longest prompt of the prefill optimization profile (default min(context, 2048))")
+    p.add_argument("--timing-cache", default=None,
+                   help="--backend trt: TensorRT timing cache file (default: shared in the clover-deploy cache)")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 20)")
     p.add_argument("--no-verify", action="store_true", help="skip the export-time ONNX Runtime vs PyTorch parity check")
     return p
@@ -35,15 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from clover.export.config import DEFAULT_OPSET, ExportConfig
 
-    config = ExportConfig(backend=args.backend, dtype=args.dtype, opset=args.opset or DEFAULT_OPSET, tree=args.tree,
-                          max_context=args.max_context, verify=not args.no_verify)
+    config = ExportConfig(backend=args.backend, dtype=args.dtype, attention=args.attention,
+                          opset=args.opset or DEFAULT_OPSET, tree=args.tree, max_context=args.max_context,
+                          max_prompt=args.max_prompt, timing_cache=args.timing_cache, verify=not args.no_verify)
+    if config.backend == "trt":  # at once: before minutes of loading and exporting
+        from clover.runtime.tensorrt import require_tensorrt
+
+        require_tensorrt()
     from clover.export.artifact import export_artifact  # imports torch: after the cheap checks
 
     start = time.perf_counter()
     out = export_artifact(args.base, args.heads, args.out, config,
                           progress=lambda msg: print(f"clover-export: {msg}", file=sys.stderr, flush=True))
+    backend = "trt" if config.backend == "trt" else "ort"
     print(f"clover-export: done in {time.perf_counter() - start:.0f} s; run it with: clover-generate --artifact {out} "
-          "--backend ort --prompt ...", file=sys.stderr)
+          f"--backend {backend} --prompt ...", file=sys.stderr)
     print(out)
     return 0
 
