@@ -82,12 +82,15 @@ class Generator:
 
     @classmethod
     def load(cls, base: str | Path, heads: str | None = None, backend: str = "torch", tree: str | None = None,
-             dtype: str | None = None) -> "Generator":
+             dtype: str | None = None, threads: int | None = None) -> "Generator":
         """Build the backend's runner and the base's tokenizer from CLI-style specs. `base` is an HF folder
-        or 'smollm2' for torch, an artifact folder for ort; heads and dtype left None take the backend's
-        defaults (torch: none, float32; ort: the artifact's)."""
+        or 'smollm2' for torch, an artifact folder for ort and trt; heads and dtype left None take the
+        backend's defaults (torch: none, float32; ort, trt: the artifact's). `threads`: CPU threads of the
+        torch and ort backends (None: their defaults)."""
         module = backend_module(backend)
         given = {k: v for k, v in (("heads", heads), ("dtype", dtype)) if v is not None}
+        if threads is not None and backend in ("torch", "ort"):
+            given["threads"] = threads
         runner = module.load_runner(base, **given)
         return cls(runner, Tokenizer.from_dir(module.base_dir(base)), tree)
 

@@ -92,11 +92,14 @@ def base_dir(base: str | Path) -> Path:
     return resolve_base(base)
 
 
-def load_runner(base: str | Path, heads: str = "none", dtype: str = "float32") -> TorchRunner:
-    """Build a runner from CLI-style specs: base = folder or 'smollm2'; heads = folder, random:ARCH[:SEED] or none."""
+def load_runner(base: str | Path, heads: str = "none", dtype: str = "float32", threads: int | None = None) -> TorchRunner:
+    """Build a runner from CLI-style specs: base = folder or 'smollm2'; heads = folder, random:ARCH[:SEED] or none;
+    threads: torch's intra-op threads (process-wide; None leaves torch's default)."""
     from clover.models.head_io import resolve_heads
     from clover.models.loading import load_base
     from clover.models.smollm2 import resolve_base
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     model = load_base(resolve_base(base), dtype)
     return TorchRunner(model, resolve_heads(heads, model), heads_name=heads)

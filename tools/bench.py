@@ -121,9 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clover-bench", description="Acceptance length and speedup of draft heads vs plain decoding.")
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
     p.add_argument("--heads", default="smollm2-clover2", help="comma-separated head sets (names, folders, random:ARCH)")
-    p.add_argument("--backend", default="torch", help="comma-separated backends (torch)")
+    p.add_argument("--backend", default="torch", help="comma-separated backends: torch, ort, trt (e.g. trt,ort)")
     p.add_argument("--artifact", type=Path, default=None, help="an exported artifact (clover-export): ort runs its "
-                   "graphs (plain and with its heads); torch runs the base and heads it was exported from")
+                   "graphs and trt its TensorRT engines (plain and with its heads); torch runs the base and heads it "
+                   "was exported from")
     p.add_argument("--tree", default=None, help="token tree for every head set (default: mc26, pruned to a head set's depth)")
     p.add_argument("--prompts", default="mtbench", help="'mtbench' (first turns, chat template) or a JSONL file with 'prompt'")
     p.add_argument("--num-prompts", type=int, default=None, help="use N prompts evenly spaced over the set (default: all)")
@@ -187,34 +188,39 @@ def run(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+ARTIFACT_BACKENDS = ("ort", "trt")  # run an artifact's graphs / engines; torch runs the modules it came from
+
+
 def load_configs(args: argparse.Namespace, backends: list[str]) -> list[tuple[str, str, "Generator"]]:
     """(backend, heads name, generator) for plain decoding and each head set, on each backend."""
     from clover.runtime.generator import Generator
 
     configs = []
     if args.artifact is None:
-        if "ort" in backends:
-            raise CloverError("--backend ort runs exported graphs: pass --artifact DIR (make one with clover-export)")
+        for backend in set(backends) & set(ARTIFACT_BACKENDS):
+            raise CloverError(f"--backend {backend} runs an exported artifact: pass --artifact DIR "
+                              "(make one with clover-export)")
         head_sets = [h.strip() for h in args.heads.split(",") if h.strip() and h.strip() != "none"]
         for backend in backends:
             configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
             for heads in head_sets:
                 configs.append((backend, heads, Generator.load(args.base, heads, backend, args.tree, args.dtype)))
         return configs
-    from clover.runtime import ort_backend
     from clover.runtime.artifact import read_manifest
+    from clover.runtime.backend import backend_module
     from clover.runtime.tokenizer import Tokenizer
     from clover.runtime.tree import compile_tree
 
     manifest = read_manifest(args.artifact)
     heads = manifest.heads.name if manifest.heads is not None else None
     for backend in backends:
-        if backend == "ort":
-            tok = Tokenizer.from_dir(ort_backend.base_dir(args.artifact))
+        if backend in ARTIFACT_BACKENDS:  # the artifact's own graphs / engines, plain and with its heads
+            module = backend_module(backend)
+            tok = Tokenizer.from_dir(module.base_dir(args.artifact))
+            threads = {"threads": args.threads or 0} if backend == "ort" else {}
             for spec in ("none", heads) if heads else ("none",):
-                runner = ort_backend.load_runner(args.artifact, heads="none" if spec == "none" else ort_backend.ARTIFACT_HEADS,
-                                                 threads=args.threads or 0)
-                configs.append(("ort", spec, Generator(runner, tok, None if spec == "none" else args.tree)))
+                runner = module.load_runner(args.artifact, heads="none" if spec == "none" else "artifact", **threads)
+                configs.append((backend, spec, Generator(runner, tok, None if spec == "none" else args.tree)))
         else:  # the same base and heads through another backend, from the artifact's sources
             source_base = manifest.sources.get("base")
             if not source_base:

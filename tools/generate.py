@@ -20,8 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", default=None,
                    help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), or none (default: none; "
                         "with --artifact: the artifact's heads, or none for plain decoding)")
-    p.add_argument("--artifact", type=Path, default=None, help="artifact folder written by clover-export (ort backend)")
-    p.add_argument("--backend", default=None, help="torch (default) or ort (default with --artifact)")
+    p.add_argument("--artifact", type=Path, default=None,
+                   help="artifact folder written by clover-export (ort and trt backends)")
+    p.add_argument("--backend", default=None,
+                   help="torch (default), ort (default with --artifact), or trt (default with an artifact exported "
+                        "with --backend trt)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt text ('-' for stdin)")
@@ -35,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "an artifact's own tree with --artifact)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16; an artifact has its own")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (torch intra-op / ONNX Runtime intra-op)")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print text as it is generated")
     out.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and statistics")
@@ -51,11 +55,18 @@ def read_prompt(args: argparse.Namespace) -> str:
     return args.prompt_file.read_text()
 
 
-ARTIFACT_BACKENDS = ("ort",)  # backends that run an exported artifact instead of --base / --heads
+ARTIFACT_BACKENDS = ("ort", "trt")  # backends that run an exported artifact instead of --base / --heads
 
 
 def backend_name(args: argparse.Namespace) -> str:
-    return args.backend or ("ort" if args.artifact is not None else "torch")
+    """--backend, else trt for an artifact with TensorRT engines, ort for another artifact, torch without one."""
+    if args.backend:
+        return args.backend
+    if args.artifact is None:
+        return "torch"
+    from clover.runtime.artifact import read_manifest
+
+    return "trt" if read_manifest(args.artifact).backend == "trt" else "ort"
 
 
 def model_source(args: argparse.Namespace) -> str | Path:
@@ -69,7 +80,7 @@ def model_source(args: argparse.Namespace) -> str | Path:
             raise CloverError("--base is for the torch backend: an artifact carries its base model, pass --artifact alone")
         return args.artifact
     if args.artifact is not None:
-        raise CloverError(f"--artifact runs on ONNX Runtime: pass --backend ort "
+        raise CloverError(f"--artifact runs on ONNX Runtime or TensorRT: pass --backend ort or trt "
                           f"(the {backend} backend loads --base and --heads)")
     return args.base or "smollm2"
 
@@ -82,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
         raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     prompt = read_prompt(args)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    gen = Generator.load(model_source(args), args.heads, backend_name(args), args.tree, args.dtype)
+    if args.threads is not None and args.threads < 1:
+        raise CloverError(f"--threads must be at least 1, got {args.threads}")
+    gen = Generator.load(model_source(args), args.heads, backend_name(args), args.tree, args.dtype, threads=args.threads)
     kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=args.chat)
     if args.stream:
         stream = gen.stream(prompt, **kwargs)

@@ -1,5 +1,6 @@
 """clover-export then clover-generate --artifact DIR --backend ort, end to end through the CLIs."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys
     assert spec["token_ids"] == torch_plain["token_ids"]
     assert spec["backend"] == "ort" and spec["heads"] == "random:clover2" and spec["tree"] == "small"
     assert spec.keys() == torch_plain.keys()  # same JSON as the torch backend
-    code, out, _ = cli(capsys, generate_main, "--artifact", artifact, "--heads", "none", *PROMPT)  # --backend ort implied
+    code, out, _ = cli(capsys, generate_main, "--artifact", artifact, "--heads", "none", "--threads", 1,
+                       *PROMPT)  # --backend ort implied
     plain = json.loads(out)
     assert code == 0 and plain["token_ids"] == torch_plain["token_ids"] and plain["tree"] == "plain"
     code, out, err = cli(capsys, generate_main, "--artifact", artifact, "--tree", "chain-2", "--prompt", "w7 w8",
@@ -65,13 +67,18 @@ def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--backend", "trt"], "TensorRT engines are not supported by clover-export yet"),
-    (["--dtype", "bfloat16"], "unsupported export dtype"),
+    (["--backend", "trt"], "TensorRT is not installed"),
+    (["--backend", "trt", "--attention", "plugin", "--dtype", "float16"], "TensorRT is not installed"),
+    (["--dtype", "int8"], "unsupported export dtype"),
+    (["--attention", "flash"], "unknown attention variant"),
+    (["--max-prompt", "64"], "--max-prompt sizes TensorRT's prefill profile"),
     (["--heads", "random:gpt"], "random:ARCH"),
     (["--tree", "mc26", "--heads", "random:clover"], "tree mc26 has depth 5"),
     (["--max-context", "100000"], "exceeds the base model's max_position_embeddings"),
 ])
 def test_export_user_errors_are_one_line(base_dir, tmp_path, capsys, args, message):
+    if "TensorRT is not installed" in message and importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("TensorRT is installed here")
     code, out, err = cli(capsys, export_main, "--base", base_dir, "--out", tmp_path / "a", *args)
     assert code == 2 and out == ""
     last = err.splitlines()[-1]  # progress lines may come first; the error is the last line, alone
@@ -94,6 +101,8 @@ def test_export_refuses_a_folder_that_is_not_an_artifact(base_dir, tmp_path, cap
     (["--artifact", "{art}", "--heads", "random:medusa"], "cannot be added to an exported artifact"),
     (["--artifact", "{art}", "--dtype", "float16"], "holds float32 graphs"),
     (["--artifact", "{base}"], "is not a clover artifact"),
+    (["--artifact", "{art}", "--backend", "trt"], "TensorRT"),  # not installed here, and no engines in this artifact
+    (["--artifact", "{art}", "--threads", "0"], "--threads must be at least 1"),
 ])
 def test_generate_artifact_errors(base_dir, artifact, capsys, args, message):
     args = [a.format(art=artifact, base=base_dir) for a in args]
@@ -123,3 +132,17 @@ def test_bench_compares_ort_and_torch_from_one_artifact(artifact, tmp_path, caps
     assert "p95 ms" in table
     code, _, err = cli(capsys, bench_main, "--backend", "ort", "--prompts", prompts)
     assert code == 2 and "--artifact" in err
+
+
+def test_plugin_attention_export_through_the_cli(base_dir, tmp_path, capsys):
+    """--attention plugin: checked against PyTorch on ONNX Runtime through the node's reference function;
+    the ONNX Runtime backend then refuses the artifact (its nodes are TensorRT plugins)."""
+    out = tmp_path / "plugin"
+    code, stdout, stderr = cli(capsys, export_main, "--base", base_dir, "--heads", "random:clover2", "--out", out,
+                               "--attention", "plugin", "--tree", "small")
+    assert code == 0, stderr
+    m = open_artifact(out)
+    assert m.attention == "plugin" and m.parity["base"]["logits"] < 1e-3 and m.engines == {}
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no reference copy left behind
+    code, stdout, err = cli(capsys, generate_main, "--artifact", out, "--backend", "ort", "--prompt", "w7")
+    assert code == 2 and "--attention plugin" in err and "--backend trt" in err
