@@ -14,7 +14,8 @@ from clover.export.config import ExportConfig
 from clover.models.config import BaseConfig
 from clover.models.heads import BaseFingerprint
 from clover.runtime.artifact import (
-    FORMAT_VERSION, MANIFEST_FILE, is_artifact, open_artifact, read_manifest, sha256_file,
+    FORMAT_VERSION, MANIFEST_FILE, EngineSpec, ProfileSpec, file_entries, is_artifact, open_artifact, read_manifest,
+    sha256_file, write_manifest,
 )
 from clover.runtime.tokenizer import Tokenizer
 from helpers import tiny_base, tiny_tokenizer_dir
@@ -75,10 +76,11 @@ def test_plain_artifact_and_options(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    ({"backend": "trt"}, "TensorRT engines are not supported"),
     ({"backend": "tflite"}, "unknown export backend"),
-    ({"dtype": "bfloat16"}, "unsupported export dtype"),
-    ({"attention": "plugin"}, "unknown attention variant"),
+    ({"dtype": "int8"}, "unsupported export dtype"),
+    ({"attention": "flash"}, "unknown attention variant"),
+    ({"max_prompt": 64}, "use it with --backend trt"),
+    ({"backend": "trt", "max_prompt": 0}, "at least 1 token"),
     ({"opset": 13}, "opset 13 is not supported"),
     ({"max_context": 1}, "at least 2"),
 ])
@@ -204,3 +206,24 @@ def test_errors_are_one_line(copy, tmp_path):
         with pytest.raises(CloverError) as e:
             open_artifact(path)
         assert "\n" not in str(e.value)
+
+
+def test_engine_entries_round_trip_and_are_checked(copy):
+    """A TensorRT artifact lists its engines with the profiles, precision, TensorRT version and GPU they were
+    built for; an engine file must be listed (and checksummed) like every other file."""
+    (copy / "engines").mkdir()
+    (copy / "engines" / "base.engine").write_bytes(b"serialized engine")
+    profiles = (ProfileSpec("prefill", {"input_ids": ((1, 1), (1, 64), (1, 512))}),
+                ProfileSpec("verify", {"input_ids": ((1, 1), (1, 26), (1, 26))}))
+    engine = EngineSpec("base", "engines/base.engine", profiles, "float16", "10.13.0", "NVIDIA H100 80GB HBM3", "9.0")
+    manifest = dataclasses.replace(read_manifest(copy), backend="trt", engines={"base": engine},
+                                   files=file_entries(copy))
+    write_manifest(copy, manifest)
+    assert open_artifact(copy).engines == {"base": engine}
+    doc = json.loads((copy / MANIFEST_FILE).read_text())
+    assert doc["engines"]["base"]["profiles"][1]["shapes"]["input_ids"] == [[1, 1], [1, 26], [1, 26]]
+    unlisted = dict(manifest.files)
+    del unlisted["engines/base.engine"]
+    write_manifest(copy, dataclasses.replace(manifest, files=unlisted))
+    with pytest.raises(CloverError, match="engine base .engines/base.engine. is not listed"):
+        open_artifact(copy)
