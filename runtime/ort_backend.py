@@ -26,10 +26,9 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.artifact import GraphSpec, Manifest, open_artifact, read_manifest
-from clover.runtime.backend import Runner, RunnerInfo
+from clover.runtime.backend import ARTIFACT_HEADS, Runner, RunnerInfo, artifact_uses_heads
 from clover.runtime.tree import compile_tree
 
-ARTIFACT_HEADS = "artifact"  # heads spec meaning "the heads exported into the artifact"
 PAST, PRESENT = "past_key_values", "present"
 
 
@@ -275,16 +274,7 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
         raise CloverError(f"artifact {artifact} holds {manifest.dtype} graphs, not {dtype}: omit --dtype, or export "
                           f"again with clover-export --dtype {dtype}")
     exported = manifest.heads
-    if heads == "none":
-        use_heads = False
-    elif heads == ARTIFACT_HEADS or (exported is not None and heads == exported.name):
-        use_heads = exported is not None
-    else:
-        have = f"{exported.arch} heads from {exported.name}" if exported else "no heads"
-        raise CloverError(
-            f"artifact {artifact} carries {have}; --heads {heads} cannot be added to an exported artifact: "
-            "omit --heads to use the artifact's, pass --heads none for plain decoding, or export these heads"
-        )
+    use_heads = artifact_uses_heads(artifact, exported and exported.name, exported and exported.arch, heads)
     return OrtRunner(artifact, manifest, use_heads=use_heads, options=options)
 
 

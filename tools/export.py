@@ -59,9 +59,12 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     out = export_artifact(args.base, args.heads, args.out, config,
                           progress=lambda msg: print(f"clover-export: {msg}", file=sys.stderr, flush=True))
-    backend = "trt" if config.backend == "trt" else "ort"
-    print(f"clover-export: done in {time.perf_counter() - start:.0f} s; run it with: clover-generate --artifact {out} "
-          f"--backend {backend} --prompt ...", file=sys.stderr)
+    took = f"clover-export: done in {time.perf_counter() - start:.0f} s"
+    if config.backend == "onnx" and config.attention == "plugin":  # ONNX Runtime has no kernel for the plugin nodes
+        print(f"{took}; its tree-attention nodes run on TensorRT: build engines with --backend trt", file=sys.stderr)
+    else:
+        backend = "trt" if config.backend == "trt" else "ort"
+        print(f"{took}; run it with: clover-generate --artifact {out} --backend {backend} --prompt ...", file=sys.stderr)
     print(out)
     return 0
 
