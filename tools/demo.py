@@ -16,6 +16,16 @@ from pathlib import Path
 from clover.errors import CloverError
 
 
+def heads_digest(heads: str) -> str:
+    """sha256 of a head checkpoint's weights (shipped name or folder), so retrained heads get a new artifact;
+    '' for none / random:ARCH (fully named by the spec)."""
+    from clover.models.head_io import PRETRAINED_DIR, pretrained_names
+
+    folder = PRETRAINED_DIR / heads if heads in pretrained_names() else Path(heads)
+    weights = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    return hashlib.sha256(b"".join(w.read_bytes() for w in weights)).hexdigest() if weights else ""
+
+
 def cached_artifact(base: str, heads: str) -> Path:
     """The artifact for (base, heads) in the cache, exported first if it is missing or invalid."""
     from clover.export.artifact import export_artifact
@@ -24,7 +34,7 @@ def cached_artifact(base: str, heads: str) -> Path:
     from clover.runtime.artifact import open_artifact
 
     base_path = resolve_base(base).resolve()
-    key = hashlib.sha256(f"{base_path}|{heads}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}".encode()).hexdigest()[:12]
     out = cache_dir() / "artifacts" / f"{base_path.name}-{heads.replace(':', '-').replace('/', '_')}-{key}"
     try:
         open_artifact(out)
