@@ -271,6 +271,27 @@ def check_heads_match_base(root: Path, manifest: Manifest) -> None:
     )
 
 
+ARTIFACT_HEADS = "artifact"  # --heads value meaning "the heads exported into the artifact"
+
+
+def uses_exported_heads(root: str | Path, manifest: Manifest, heads: str) -> bool:
+    """The artifact backends' --heads rule: "artifact" (or the name the heads were exported from) drafts
+    with the artifact's heads, "none" decodes plainly; any other heads cannot be added after export."""
+    exported = manifest.heads
+    if heads == "none":
+        return False
+    if heads == ARTIFACT_HEADS or (exported is not None and heads == exported.name):
+        return exported is not None
+    have = f"{exported.arch} heads from {exported.name}" if exported else "no heads"
+    raise CloverError(f"artifact {root} carries {have}; --heads {heads} cannot be added to an exported artifact: "
+                      "omit --heads to use the artifact's, pass --heads none for plain decoding, or export these heads")
+
+
+def tokenizer_dir(root: str | Path) -> Path:
+    """The folder of the artifact's tokenizer files (the artifact backends' `base_dir`)."""
+    return Path(root) / read_manifest(root).tokenizer
+
+
 def open_artifact(path: str | Path, checksums: bool = True) -> Manifest:
     """Read and fully validate an artifact: manifest version, files and checksums, heads vs base."""
     root = Path(path)

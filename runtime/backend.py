@@ -110,21 +110,6 @@ class Runner(abc.ABC):
     def _draft_step(self, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray: ...
 
 
-ARTIFACT_HEADS = "artifact"  # --heads value meaning "the heads exported into the artifact"
-
-
-def artifact_uses_heads(artifact: object, exported_name: str | None, exported_arch: str | None, heads: str) -> bool:
-    """The artifact backends' --heads rule: "artifact" (or the name the heads were exported from) drafts
-    with the artifact's heads, "none" decodes plainly; any other heads cannot be added after export."""
-    if heads == "none":
-        return False
-    if heads == ARTIFACT_HEADS or (exported_name is not None and heads == exported_name):
-        return exported_name is not None
-    have = f"{exported_arch} heads from {exported_name}" if exported_name else "no heads"
-    raise CloverError(f"artifact {artifact} carries {have}; --heads {heads} cannot be added to an exported artifact: "
-                      "omit --heads to use the artifact's, pass --heads none for plain decoding, or export these heads")
-
-
 BACKENDS = {"torch": "clover.runtime.torch_backend", "ort": "clover.runtime.ort_backend", "trt": "clover.runtime.trt_backend"}
 
 

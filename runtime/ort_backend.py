@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from clover.errors import CloverError
-from clover.runtime.artifact import GraphSpec, Manifest, open_artifact, read_manifest
-from clover.runtime.backend import ARTIFACT_HEADS, Runner, RunnerInfo, artifact_uses_heads
+from clover.runtime.artifact import ARTIFACT_HEADS, GraphSpec, Manifest, open_artifact, uses_exported_heads
+from clover.runtime.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
+from clover.runtime.backend import Runner, RunnerInfo
 from clover.runtime.tree import compile_tree
 
 PAST, PRESENT = "past_key_values", "present"
@@ -273,11 +274,5 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
     if dtype is not None and dtype != manifest.dtype:
         raise CloverError(f"artifact {artifact} holds {manifest.dtype} graphs, not {dtype}: omit --dtype, or export "
                           f"again with clover-export --dtype {dtype}")
-    exported = manifest.heads
-    use_heads = artifact_uses_heads(artifact, exported and exported.name, exported and exported.arch, heads)
+    use_heads = uses_exported_heads(artifact, manifest, heads)
     return OrtRunner(artifact, manifest, use_heads=use_heads, options=options)
-
-
-def base_dir(artifact: str | Path) -> Path:
-    """The folder of the artifact's tokenizer files."""
-    return Path(artifact) / read_manifest(artifact).tokenizer

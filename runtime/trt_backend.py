@@ -35,8 +35,11 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime import tensorrt as rt
-from clover.runtime.artifact import EngineSpec, GraphSpec, Manifest, ProfileSpec, open_artifact, read_manifest
-from clover.runtime.backend import ARTIFACT_HEADS, Runner, RunnerInfo, artifact_uses_heads
+from clover.runtime.artifact import (
+    ARTIFACT_HEADS, EngineSpec, GraphSpec, Manifest, ProfileSpec, open_artifact, uses_exported_heads,
+)
+from clover.runtime.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
+from clover.runtime.backend import Runner, RunnerInfo
 from clover.runtime.tree import compile_tree
 
 PAST, PRESENT = "past_key_values", "present"
@@ -142,12 +145,6 @@ def graphs_used(manifest: Manifest, use_heads: bool) -> tuple[str, ...]:
     if heads is None:
         return ("base",)
     return ("base", "medusa_heads") if heads.arch == "medusa" else ("base", "draft_begin", "draft_step")
-
-
-def select_heads(artifact: str | Path, manifest: Manifest, heads: str) -> bool:
-    """Whether to draft with the artifact's heads (the rule shared with ort_backend)."""
-    exported = manifest.heads
-    return artifact_uses_heads(artifact, exported and exported.name, exported and exported.arch, heads)
 
 
 # -- the GPU side --------------------------------------------------------------------------------------------
@@ -425,13 +422,8 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
     if dtype is not None and dtype != manifest.dtype:
         raise CloverError(f"artifact {artifact} holds {manifest.dtype} engines, not {dtype}: omit --dtype, or export "
                           f"again with clover-export --backend trt --dtype {dtype}")
-    use_heads = select_heads(artifact, manifest, heads)
+    use_heads = uses_exported_heads(artifact, manifest, heads)
     if not manifest.engines:
         raise CloverError(f"artifact {artifact} has no TensorRT engines (exported with --backend {manifest.backend}): "
                           "export it with clover-export --backend trt on this GPU machine, or run it with --backend ort")
     return TrtRunner(artifact, manifest, use_heads=use_heads, device=device, cache_block=cache_block)
-
-
-def base_dir(artifact: str | Path) -> Path:
-    """The folder of the artifact's tokenizer files."""
-    return Path(artifact) / read_manifest(artifact).tokenizer

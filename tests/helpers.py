@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -117,3 +119,10 @@ def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int
         if len(out) >= n:
             break
     return out[:n], steps
+
+
+def run_python(code: str) -> str:
+    """Run `code` in a fresh interpreter (imports blocked there stay blocked); its stdout, after exit code 0."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout

@@ -12,6 +12,7 @@ from clover.plugins.trt_plugin import (
     threads_per_block,
 )
 from clover.runtime.tensorrt import MISSING
+from helpers import run_python
 
 
 def test_plugin_id_matches_the_onnx_node():
@@ -88,9 +89,6 @@ def test_cuda_array_interface_for_bfloat16_views():
 
 
 def test_module_imports_without_tensorrt_torch_or_triton():
-    import subprocess
-
     code = ("import sys\nsys.modules['tensorrt'] = None\nimport clover.plugins.trt_plugin\n"
             "assert not [m for m in ('torch', 'triton') if m in sys.modules]\nprint('ok')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert run_python(code).strip() == "ok"

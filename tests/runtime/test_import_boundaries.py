@@ -1,8 +1,7 @@
 """The runtime core imports neither torch nor model code (DESIGN.md: a CPU service runs it with numpy +
 onnxruntime only); importing `clover` has no side effects."""
 
-import subprocess
-import sys
+from helpers import run_python
 
 CORE = ["clover", "clover.runtime.tree", "clover.runtime.sampling", "clover.runtime.acceptance",
         "clover.runtime.output", "clover.runtime.tokenizer", "clover.runtime.backend", "clover.runtime.loop",
@@ -20,8 +19,7 @@ def test_runtime_core_imports_without_torch_or_models():
         "assert not bad, bad\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert run_python(code).strip() == "ok"
 
 
 def test_torch_backend_is_loaded_lazily_by_name():

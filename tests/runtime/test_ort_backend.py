@@ -3,8 +3,6 @@ torch plain, for every head type), the same drafts as PyTorch, in-place KV compa
 with torch blocked."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import OrtRunner, load_runner
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import compile_tree, resolve_tree
-from helpers import OracleDraft, run_tokens
+from helpers import OracleDraft, run_python, run_tokens
 from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact, tiny_modules
 
 N = 40
@@ -198,9 +196,7 @@ def test_runs_without_torch(artifacts, torch_plain):
         "assert not bad, bad\n"
         "print(json.dumps(out))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    out = json.loads(proc.stdout)
+    out = json.loads(run_python(code))
     assert out["artifact"] == out["none"] == torch_plain[tuple(prompt)]
 
 

@@ -5,20 +5,20 @@ of engines built from a tiny artifact against ONNX Runtime."""
 import argparse
 import dataclasses
 import shutil
-import subprocess
 import sys
 
 import pytest
 
 from clover.errors import CloverError
 from clover.export.engines import EngineLimits, profiles_for
-from clover.runtime.artifact import EngineSpec, read_manifest
+from clover.runtime.artifact import EngineSpec, read_manifest, uses_exported_heads
 from clover.runtime.backend import backend_module
 from clover.runtime.tensorrt import MISSING
 from clover.runtime.trt_backend import (
-    BindingTable, check_engine_io, graphs_used, load_runner, max_slots, select_heads,
+    BindingTable, check_engine_io, graphs_used, load_runner, max_slots,
 )
 from clover.tools.cli import run_cli
+from helpers import run_python, run_tokens
 from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact
 
 LIMITS = EngineLimits(max_prompt=48, max_tree=26, max_context=128, max_accepted=5, max_candidates=10)
@@ -92,10 +92,10 @@ def test_graphs_used_and_heads_selection(artifacts):
     assert graphs_used(clover, True) == ("base", "draft_begin", "draft_step")
     assert graphs_used(medusa, True) == ("base", "medusa_heads")
     assert graphs_used(clover, False) == ("base",)
-    assert select_heads("a", clover, "artifact") and not select_heads("a", clover, "none")
-    assert select_heads("a", clover, clover.heads.name)
+    assert uses_exported_heads("a", clover, "artifact") and not uses_exported_heads("a", clover, "none")
+    assert uses_exported_heads("a", clover, clover.heads.name)
     with pytest.raises(CloverError, match="cannot be added to an exported artifact"):
-        select_heads("a", clover, "random:medusa")
+        uses_exported_heads("a", clover, "random:medusa")
 
 
 def test_engine_io_must_match_the_manifest(artifacts):
@@ -147,8 +147,7 @@ def test_importing_the_backend_needs_neither_tensorrt_nor_torch():
         "assert not bad, bad\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    assert run_python(code).strip() == "ok"
 
 
 def test_backend_is_registered():
@@ -207,8 +206,6 @@ def test_runner_bookkeeping_matches_the_ort_backend(artifacts, arch):
     prefill past, on-device compaction, and draft states of TrtRunner (small cache_block: many doublings)."""
     from clover.runtime.ort_backend import load_runner as load_ort
     from clover.runtime.tree import resolve_tree
-    from helpers import run_tokens
-
     plain, plain_engines = cpu_runner(artifacts[arch], use_heads=False)
     spec, engines = cpu_runner(artifacts[arch])
     assert spec.info.backend == "trt" and spec.info.heads == arch and spec.info.max_context == LIMITS.max_context
@@ -228,8 +225,6 @@ def test_runner_bookkeeping_matches_the_ort_backend(artifacts, arch):
 def test_runner_prefill_profile_for_a_long_prompt(artifacts):
     from clover.runtime.tree import resolve_tree
     from clover.runtime.ort_backend import load_runner as load_ort
-    from helpers import run_tokens
-
     limits = dataclasses.replace(LIMITS, max_tree=8, max_accepted=4, max_candidates=4)
     runner, engines = cpu_runner(artifacts["clover2"], limits=limits)
     prompt = list(range(10, 40))  # 30 tokens: more than max_tree, so the prefill profile
@@ -264,8 +259,6 @@ def test_trt_greedy_identity_with_onnx_runtime(artifacts, tmp_path, arch):
     from clover.runtime.artifact import file_entries, write_manifest
     from clover.runtime.ort_backend import load_runner as load_ort
     from clover.runtime.tree import resolve_tree
-    from helpers import run_tokens
-
     root = tmp_path / arch
     shutil.copytree(artifacts[arch], root)
     m = read_manifest(root)
