@@ -43,6 +43,9 @@ VERIFY_SIZES: list[Sizes] = [
 DEFAULT_MAX_PROMPT = 2048  # TensorRT prefill profile when --max-prompt is not given
 # Relative error (max |ONNX - torch| / max(1, max |torch|)) above which an export is broken, not noisy.
 BROKEN_RELATIVE_ERROR = {"float32": 1e-3, "float16": 5e-2}
+# The same for int8-weight draft graphs: per-channel int8 moves logits by a few percent of their range
+# (it changes which candidates are drafted, never what is accepted); a sign or scale bug moves them by 100%.
+BROKEN_INT8_RELATIVE_ERROR = 0.2
 TOOLS = ("clover-deploy", "torch", "onnx", "onnxscript", "onnxruntime")
 
 
@@ -95,6 +98,13 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             if errors is not None:
                 parity[graph.name] = errors
             say(f"      {progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)")
+            if config.draft_quant and graph.name != "base":
+                t0 = time.perf_counter()
+                errors = quantized(graph, tmp / specs[graph.name].file, config)
+                if errors is not None:
+                    parity[f"{graph.name}.{config.draft_quant}"] = errors
+                say(f"      {config.draft_quant} weights: {progress_note(errors, config.dtype)} "
+                    f"({time.perf_counter() - t0:.1f} s)")
         engines = {}
         if config.backend == "trt":
             from clover.export.engines import build_engines
@@ -110,7 +120,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             heads=heads_spec(heads, heads_name) if heads is not None else None,
             tree=tree_to_dict(tree) if tree is not None else None,
             graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files=file_entries(tmp),
-            engines=engines,
+            engines=engines, draft_quant=config.draft_quant,
         )
         write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
         install(tmp, out)
@@ -131,6 +141,18 @@ def checked_onnx_from_torch(graph: GraphDef, out_dir: Path,
     check_onnx(out_dir / spec.file)
     verify = config.verify and config.dtype != "bfloat16"
     return spec, verified_parity(graph, out_dir / spec.file, config.dtype) if verify else None
+
+
+def quantized(graph: GraphDef, path: Path, config: ExportConfig) -> dict[str, float] | None:
+    """--draft-quant: rewrite the checked fp32 draft graph with int8 weights, then (config.verify) measure
+    how far the quantized graph is from PyTorch."""
+    from clover.export.quantize import quantize_draft_graph
+
+    quantize_draft_graph(path)
+    check_onnx(path)
+    if not config.verify:
+        return None
+    return checked_errors(*parity_with_torch(graph, path, VERIFY_SIZES), path, BROKEN_INT8_RELATIVE_ERROR)
 
 
 def engine_limits(config: ExportConfig, tree: Tree | None, max_context: int):
@@ -204,7 +226,11 @@ def verified_parity(graph: GraphDef, path: Path, dtype: str) -> dict[str, float]
     fails the export."""
     reference = float32_twin(graph) if dtype != "float32" else None
     errors, scales = parity_with_torch(graph, path, VERIFY_SIZES, reference=reference)
-    limit = BROKEN_RELATIVE_ERROR[dtype]
+    return checked_errors(errors, scales, path, BROKEN_RELATIVE_ERROR[dtype])
+
+
+def checked_errors(errors: dict[str, float], scales: dict[str, float], path: Path, limit: float) -> dict[str, float]:
+    """`errors`, unless one is beyond `limit` relative to its output's scale (an export bug, not noise)."""
     for name, err in errors.items():
         relative = err / max(1.0, scales[name])
         if not relative <= limit:  # NaN included

@@ -9,6 +9,7 @@ from clover.errors import CloverError
 BACKENDS = ("onnx", "trt")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION = ("portable", "plugin")
+DRAFT_QUANT = ("int8",)
 OPSETS = range(18, 24)  # torchlib implements 18+; 23 is the newest torch.onnx targets
 DEFAULT_OPSET = 20  # torch.onnx's default; TensorRT 10's parser and onnxruntime >= 1.17 read it
 
@@ -30,6 +31,8 @@ class ExportConfig:
       max_position_embeddings.
     max_prompt: longest prompt the TensorRT prefill profile accepts; None: min(max_context, 2048).
     timing_cache: TensorRT timing cache file reused across builds (None: the user cache folder).
+    draft_quant: "int8": the draft graphs' matmul weights in int8 (ONNX Runtime's dynamic quantization;
+      the base graph keeps `dtype`, so the output is unchanged); None: the draft graphs in `dtype`.
     verify: run every graph once on ONNX Runtime against PyTorch and record the max abs error.
     """
 
@@ -41,6 +44,7 @@ class ExportConfig:
     max_context: int | None = None
     max_prompt: int | None = None
     timing_cache: str | None = None
+    draft_quant: str | None = None
     verify: bool = True
 
     def __post_init__(self) -> None:
@@ -57,6 +61,12 @@ class ExportConfig:
                 f"--max-context must be at least 2 (one prompt and one generated token), got {self.max_context}")
         if self.max_prompt is not None and self.max_prompt < 1:
             raise CloverError(f"--max-prompt must be at least 1 token, got {self.max_prompt}")
+        if self.draft_quant is not None:
+            if self.draft_quant not in DRAFT_QUANT:
+                raise CloverError(f"unknown --draft-quant {self.draft_quant!r}: use one of {', '.join(DRAFT_QUANT)}")
+            if self.backend != "onnx" or self.dtype != "float32":
+                raise CloverError("--draft-quant int8 quantizes float32 draft graphs for ONNX Runtime: use it with "
+                                  "--backend onnx --dtype float32 (TensorRT engines take --dtype float16/bfloat16)")
         if self.backend == "onnx" and self.max_prompt is not None:
             raise CloverError("--max-prompt sizes TensorRT's prefill profile: use it with --backend trt "
                               "(ONNX Runtime takes any prompt length up to --max-context)")

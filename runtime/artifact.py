@@ -133,6 +133,7 @@ class Manifest:
     parity: dict[str, dict[str, float]]  # export-time max abs error per graph output vs PyTorch
     files: dict[str, dict[str, Any]]  # relative path -> {"sha256", "bytes"}
     engines: dict[str, EngineSpec] = field(default_factory=dict)  # graph name -> engine (backend "trt")
+    draft_quant: str | None = None  # "int8": the draft graphs' matmul weights are int8 (clover-export --draft-quant)
     format_version: int = FORMAT_VERSION
     kind: str = KIND
 
@@ -149,6 +150,7 @@ class Manifest:
             graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()}, tokenizer=d["tokenizer"],
             tools=dict(d.get("tools", {})), parity=dict(d.get("parity", {})), files=dict(d["files"]),
             engines={k: EngineSpec.from_dict(e) for k, e in d.get("engines", {}).items()},
+            draft_quant=d.get("draft_quant"),
             format_version=d["format_version"], kind=d["kind"],
         )
 

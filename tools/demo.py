@@ -34,7 +34,8 @@ def cached_artifact(base: str, heads: str) -> Path:
     from clover.runtime.artifact import open_artifact
 
     base_path = resolve_base(base).resolve()
-    key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}".encode()).hexdigest()[:12]
+    config = ExportConfig(draft_quant="int8")  # int8 drafts: the base graph, and so the output, unchanged
+    key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}|{config}".encode()).hexdigest()[:12]
     out = cache_dir() / "artifacts" / f"{base_path.name}-{heads.replace(':', '-').replace('/', '_')}-{key}"
     try:
         open_artifact(out)
@@ -43,7 +44,7 @@ def cached_artifact(base: str, heads: str) -> Path:
     except CloverError:
         pass
     print(f"exporting {base} + {heads} to {out} (once; about 2 minutes for SmolLM2 on 2 cores)", file=sys.stderr)
-    return export_artifact(base, heads, out, ExportConfig(), progress=lambda s: print(f"  {s}", file=sys.stderr))
+    return export_artifact(base, heads, out, config, progress=lambda s: print(f"  {s}", file=sys.stderr))
 
 
 def generators(args: argparse.Namespace):
