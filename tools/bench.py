@@ -121,11 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clover-bench", description="Acceptance length and speedup of draft heads vs plain decoding.")
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
     p.add_argument("--heads", default="smollm2-clover2", help="comma-separated head sets (names, folders, random:ARCH)")
-    p.add_argument("--backend", default="torch", help="comma-separated backends: torch, ort, trt (e.g. trt,ort)")
+    p.add_argument("--backend", default="torch", help="comma-separated backends: torch, ort, trt (e.g. trt,ort); "
+                   "NAME:plain runs only plain decoding there (e.g. ort,torch:plain)")
     p.add_argument("--artifact", type=Path, default=None, help="an exported artifact (clover-export): ort runs its "
                    "graphs and trt its TensorRT engines (plain and with its heads); torch runs the base and heads it "
                    "was exported from")
-    p.add_argument("--tree", default=None, help="token tree for every head set (default: mc26, pruned to a head set's depth)")
+    p.add_argument("--tree", default=None, help="token tree for every head set; several, comma-separated (e.g. "
+                   "chain-2,small,mc26), are each measured in the same run (default: mc26, pruned to a head set's depth)")
     p.add_argument("--prompts", default="mtbench", help="'mtbench' (first turns, chat template) or a JSONL file with 'prompt'")
     p.add_argument("--num-prompts", type=int, default=None, help="use N prompts evenly spaced over the set (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -138,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
+
+    from clover.runtime.generator import Generator
 
     if args.max_new_tokens < 1:
         raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -152,8 +156,12 @@ def run(args: argparse.Namespace) -> int:
             pass
     prompts = load_prompts(args.prompts, args.num_prompts)
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    configs = load_configs(args, backends)
-    rows = {(b, h): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
+    plain_only = {b.removesuffix(":plain") for b in backends if b.endswith(":plain")}
+    backends = [b.removesuffix(":plain") for b in backends]
+    trees = tree_specs(args.tree)
+    configs = load_configs(args, backends, trees[0], plain_only)
+    configs += [(b, h, Generator(g.runner, g.tokenizer, t)) for b, h, g in list(configs) if h != "none" for t in trees[1:]]
+    rows = {key(b, h, g): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
     for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
         g.generate("Hello", max_new_tokens=4, chat=not args.no_chat)
     started = time.time()
@@ -163,20 +171,20 @@ def run(args: argparse.Namespace) -> int:
             result = g.generate(prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
             if heads == "none":
                 reference[backend] = result
-            rows[(backend, heads)].add(result, reference.get(backend) if heads != "none" else None)
+            rows[key(backend, heads, g)].add(result, reference.get(backend) if heads != "none" else None)
     depth = max(g.tree.max_depth for _, _, g in configs)
     summaries = []
-    for backend, heads, _ in configs:
-        plain = rows[(backend, "none")]
+    for backend, heads, g in configs:
+        plain = next(r for (b, h, _), r in rows.items() if b == backend and h == "none")
         plain_tps = plain.new_tokens / plain.seconds if plain.seconds else None
-        summaries.append(rows[(backend, heads)].summary(depth, plain_tps))
+        summaries.append(rows[key(backend, heads, g)].summary(depth, plain_tps))
     print_table(summaries, depth)
     doc = {"base": args.base, "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
            "dtype": args.dtype, "chat": not args.no_chat, "threads": args.threads, "seconds": round(time.time() - started, 1),
            "note": "acceptance_length = tokens emitted per verify step, bonus token included; speedup = tokens/s over "
                    "plain decoding on the same backend, measured in this run",
            "results": summaries,
-           "per_prompt": {f"{b}/{h}": rows[(b, h)].per_prompt_tokens_per_step for b, h, _ in configs}}
+           "per_prompt": {"/".join(key(b, h, g)): rows[key(b, h, g)].per_prompt_tokens_per_step for b, h, g in configs}}
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         tmp = args.json.with_name(args.json.name + ".partial")
@@ -188,11 +196,33 @@ def run(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def tree_specs(spec: str | None) -> list[str | None]:
+    """--tree as a list: specs separated by the commas outside brackets (inline JSON trees keep theirs)."""
+    if spec is None:
+        return [None]
+    trees, depth, start = [], 0, 0
+    for i, ch in enumerate(spec + ","):
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            trees.append(spec[start:i].strip())
+            start = i + 1
+    trees = [t for t in trees if t]
+    if not trees:
+        raise CloverError("--tree is empty: name a tree (e.g. mc26) or several, comma-separated")
+    return trees
+
+
+def key(backend: str, heads: str, g: "Generator") -> tuple[str, str, str]:
+    return backend, heads, g.tree.name
+
+
 ARTIFACT_BACKENDS = ("ort", "trt")  # run an artifact's graphs / engines; torch runs the modules it came from
 
 
-def load_configs(args: argparse.Namespace, backends: list[str]) -> list[tuple[str, str, "Generator"]]:
-    """(backend, heads name, generator) for plain decoding and each head set, on each backend."""
+def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None,
+                 plain_only: set[str] = frozenset()) -> list[tuple[str, str, "Generator"]]:
+    """(backend, heads name, generator on `tree`) for plain decoding and each head set, on each backend
+    (plain decoding only on the backends in `plain_only`)."""
     from clover.runtime.generator import Generator
 
     configs = []
@@ -203,8 +233,8 @@ def load_configs(args: argparse.Namespace, backends: list[str]) -> list[tuple[st
         head_sets = [h.strip() for h in args.heads.split(",") if h.strip() and h.strip() != "none"]
         for backend in backends:
             configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
-            for heads in head_sets:
-                configs.append((backend, heads, Generator.load(args.base, heads, backend, args.tree, args.dtype)))
+            for heads in head_sets if backend not in plain_only else ():
+                configs.append((backend, heads, Generator.load(args.base, heads, backend, tree, args.dtype)))
         return configs
     from clover.runtime.artifact import read_manifest
     from clover.runtime.backend import backend_module
@@ -218,18 +248,18 @@ def load_configs(args: argparse.Namespace, backends: list[str]) -> list[tuple[st
             module = backend_module(backend)
             tok = Tokenizer.from_dir(module.base_dir(args.artifact))
             threads = {"threads": args.threads or 0} if backend == "ort" else {}
-            for spec in ("none", heads) if heads else ("none",):
+            for spec in ("none", heads) if heads and backend not in plain_only else ("none",):
                 runner = module.load_runner(args.artifact, heads="none" if spec == "none" else "artifact", **threads)
-                configs.append((backend, spec, Generator(runner, tok, None if spec == "none" else args.tree)))
+                configs.append((backend, spec, Generator(runner, tok, None if spec == "none" else tree)))
         else:  # the same base and heads through another backend, from the artifact's sources
             source_base = manifest.sources.get("base")
             if not source_base:
                 raise CloverError(f"artifact {args.artifact} does not record its source model: export it again")
             configs.append((backend, "none", Generator.load(source_base, "none", backend, None, manifest.dtype)))
-            if heads:
+            if heads and backend not in plain_only:
                 exported = manifest.tree
-                tree = args.tree or (compile_tree(exported["choices"], exported["name"]) if exported else None)
-                configs.append((backend, heads, Generator.load(source_base, manifest.sources["heads"], backend, tree,
+                chosen = tree or (compile_tree(exported["choices"], exported["name"]) if exported else None)
+                configs.append((backend, heads, Generator.load(source_base, manifest.sources["heads"], backend, chosen,
                                                                manifest.dtype)))
     return configs
 

@@ -26,15 +26,16 @@ def heads_digest(heads: str) -> str:
     return hashlib.sha256(b"".join(w.read_bytes() for w in weights)).hexdigest() if weights else ""
 
 
-def cached_artifact(base: str, heads: str) -> Path:
-    """The artifact for (base, heads) in the cache, exported first if it is missing or invalid."""
+def cached_artifact(base: str, heads: str, draft_quant: str | None = "int8") -> Path:
+    """The artifact for (base, heads) in the cache, exported first if it is missing or invalid. Draft graphs
+    in int8 by default: cheaper drafting on CPU, and the base graph (so the output) is unchanged."""
     from clover.export.artifact import export_artifact
     from clover.export.config import ExportConfig
     from clover.models.smollm2 import cache_dir, resolve_base
     from clover.runtime.artifact import open_artifact
 
     base_path = resolve_base(base).resolve()
-    config = ExportConfig(draft_quant="int8")  # int8 drafts: the base graph, and so the output, unchanged
+    config = ExportConfig(draft_quant=draft_quant)
     key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}|{config}".encode()).hexdigest()[:12]
     out = cache_dir() / "artifacts" / f"{base_path.name}-{heads.replace(':', '-').replace('/', '_')}-{key}"
     try:

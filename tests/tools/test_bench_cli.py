@@ -35,6 +35,32 @@ def test_bench_table_and_json(base, tmp_path, capsys):
         assert all(a >= b for a, b in zip(rates, rates[1:]))  # accepting d tokens implies accepting d-1
 
 
+def test_several_trees_in_one_run(base, tmp_path, capsys):
+    """--tree a,b: every head set on each tree, against one plain baseline per backend."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--base", str(base), "--heads", "random:clover2", "--tree", "chain-2,small,[[0],[1]]",
+                     "--prompts", str(prompts), "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    doc = json.loads(out.read_text())
+    assert [(r["heads"], r["tree"]) for r in doc["results"]] == [
+        ("none", "plain"), ("random:clover2", "chain-2"), ("random:clover2", "small"), ("random:clover2", "custom")]
+    assert all(r["identical_to_plain"] == "1/1" for r in doc["results"])
+    assert set(doc["per_prompt"]) == {"torch/none/plain", "torch/random:clover2/chain-2", "torch/random:clover2/small",
+                                      "torch/random:clover2/custom"}
+
+
+def test_plain_only_backend(base, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--base", str(base), "--heads", "random:clover2", "--backend", "torch:plain", "--prompts",
+                     str(prompts), "--max-new-tokens", "6", "--no-chat", "--json", str(out)])
+    assert rc == 0
+    assert [(r["backend"], r["heads"]) for r in json.loads(out.read_text())["results"]] == [("torch", "none")]
+
+
 def test_mtbench_prompts_are_the_80_first_turns():
     prompts = load_prompts("mtbench", None)
     assert len(prompts) == 80 and prompts[0].startswith("Compose an engaging travel blog post")
