@@ -147,14 +147,22 @@ def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: flo
     import torch
     from dataclasses import asdict
 
+    command = "clover-train " + shlex.join(args.argv)
+    runs = [{"command": command, "wall_seconds": round(seconds, 1)}]
+    previous = args.out / "training.json"
+    if args.resume and previous.is_file():  # a resumed run keeps the invocations that made the checkpoint
+        before = json.loads(previous.read_text())
+        runs = before.get("runs", [{"command": before.get("command"), "wall_seconds": before.get("wall_seconds")}]) + runs
     prov = {
-        "command": "clover-train " + shlex.join(args.argv),
+        "command": command,
         "train_config": asdict(cfg),
         "data": {**cache.meta["spec"], "sequences": cache.meta["num_sequences"],
                  "train_loss_tokens": cache.meta["train_loss_tokens"],
                  "validation_loss_tokens": cache.meta["validation_loss_tokens"],
                  "feature_build_seconds": cache.meta["build_seconds"]},
         "wall_seconds": round(seconds, 1),  # this invocation (a --resume run counts its own time)
+        "runs": runs,  # every invocation, the first one first (several after --resume)
+        "total_wall_seconds": round(sum(r["wall_seconds"] or 0 for r in runs), 1),
         "hardware": {"device": str(device), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
                      "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(device)
                      if device.type == "cuda" else None},

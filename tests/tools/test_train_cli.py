@@ -66,6 +66,13 @@ def test_same_seed_same_heads_and_resume_continues_exactly(setup):
     assert _train(setup, c, "--arch", "clover2", "--epochs", "2", "--num-heads", "2", "--resume") == 0
     wc = load_file(str(c / "heads.safetensors"))
     assert all(np.array_equal(wa[k], wc[k]) for k in wa)
+    # a finished run resumed for more epochs: training.json keeps both invocations
+    assert len(json.loads((c / "training.json").read_text())["runs"]) == 1
+    assert _train(setup, c, "--arch", "clover2", "--epochs", "3", "--num-heads", "2", "--resume") == 0
+    prov = json.loads((c / "training.json").read_text())
+    assert [r["command"].split("--epochs ")[1][0] for r in prov["runs"]] == ["2", "3"]
+    assert prov["total_wall_seconds"] == pytest.approx(sum(r["wall_seconds"] for r in prov["runs"]), abs=0.2)
+    assert [e["epoch"] for e in prov["epochs"]] == [1, 2, 3]
 
 
 def test_errors_are_one_line_with_exit_code_2(setup, capsys):
