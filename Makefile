@@ -27,3 +27,4 @@ train-data:
 bench: install
 	$(PYTHON) benchmarks/plain_decoding.py
 	$(PYTHON) benchmarks/acceptance.py
+	$(PYTHON) benchmarks/ort_speedup.py
