@@ -159,8 +159,8 @@ def run(args: argparse.Namespace) -> int:
     plain_only = {b.removesuffix(":plain") for b in backends if b.endswith(":plain")}
     backends = [b.removesuffix(":plain") for b in backends]
     trees = tree_specs(args.tree)
-    configs = load_configs(args, backends, trees[0], plain_only)
-    configs += [(b, h, Generator(g.runner, g.tokenizer, t)) for b, h, g in list(configs) if h != "none" for t in trees[1:]]
+    configs = [config for b, h, g in load_configs(args, backends, trees[0], plain_only)  # each head set on every tree
+               for config in [(b, h, g)] + [(b, h, Generator(g.runner, g.tokenizer, t)) for t in trees[1:] if h != "none"]]
     rows = {key(b, h, g): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
     for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
         g.generate("Hello", max_new_tokens=4, chat=not args.no_chat)
