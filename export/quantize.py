@@ -55,7 +55,6 @@ def quantize_draft_graph(path: Path) -> None:
         # of SmolLM2's clover2 heads were accepted less often).
         with quiet_root_logger():  # the quantizer logs a pre-processing hint meant for CNNs on every call
             quantize_dynamic(model, out, weight_type=QuantType.QInt8, per_channel=True, use_external_data_format=True)
-        onnx.checker.check_model(str(out))
         for f in Path(scratch).iterdir():  # the graph and <name>.data: same names as the fp32 files they replace
             shutil.move(str(f), path.parent / f.name)
             (path.parent / f.name).chmod(0o644)  # the quantizer creates its data file private
