@@ -28,7 +28,7 @@ from clover.export.onnx_graph import check_onnx, onnx_from_torch, parity_with_to
 from clover.models.decoder import Decoder
 from clover.models.heads import BaseFingerprint, DraftHeads
 from clover.runtime.artifact import (
-    TOKENIZER_DIR, GraphSpec, HeadsSpec, Manifest, file_entries, is_artifact, write_manifest,
+    TOKENIZER_DIR, GraphSpec, HeadsSpec, Manifest, WeightsSpec, file_entries, is_artifact, write_manifest,
 )
 from clover.runtime.tree import Tree, resolve_tree, tree_to_dict
 
@@ -46,6 +46,15 @@ BROKEN_RELATIVE_ERROR = {"float32": 1e-3, "float16": 5e-2}
 # The same for int8-weight draft graphs: per-channel int8 moves logits by a few percent of their range
 # (it changes which candidates are drafted, never what is accepted); a sign or scale bug moves them by 100%.
 BROKEN_INT8_RELATIVE_ERROR = 0.2
+# --weights: the same test for blockwise weight-only graphs. The max over 49k logits is a blunt measure for
+# 4 bits (SmolLM2 int4: up to half the logit range on random inputs), so the greedy agreement with fp32 is
+# the real check: below BROKEN_AGREEMENT the graph is broken (a wrong block layout or zero point).
+BROKEN_WEIGHTS_RELATIVE_ERROR = {"int8": 0.2, "int4": 1.0}
+BROKEN_AGREEMENT = 0.5
+# --weights: greedy agreement with fp32 PyTorch is measured on these texts (24 generated tokens each).
+AGREEMENT_TEXTS = ("The capital of France is", "def fibonacci(n):", "Photosynthesis is the process by which",
+                   "Here are three tips for staying productive:")
+AGREEMENT_TOKENS = 24
 TOOLS = ("clover-deploy", "torch", "onnx", "onnxscript", "onnxruntime")
 
 
@@ -84,13 +93,15 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     tree = default_tree(heads, config.tree)
     max_context = resolve_max_context(base, config.max_context)
     graphs = [base_graph(base, config.attention)] + (draft_graphs(heads) if heads is not None else [])
-    steps = len(graphs) + 1 + (config.backend == "trt")
+    # No --tree: time the candidate trees on the graphs (ONNX Runtime on this machine) and keep the fastest.
+    time_trees = config.tree is None and heads is not None and config.backend == "onnx" and config.attention == "portable"
+    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
         copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)  # first: fail fast, before minutes of export
-        specs, parity = {}, {}
+        specs, parity, embedding = {}, {}, "float32"
         for i, graph in enumerate(graphs, 1):
             t0 = time.perf_counter()
             say(f"[{i}/{steps}] {graph.name}: exporting {graph.name}.onnx")
@@ -105,6 +116,29 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
                     parity[f"{graph.name}.{config.draft_quant}"] = errors
                 say(f"      {config.draft_quant} weights: {progress_note(errors, config.dtype)} "
                     f"({time.perf_counter() - t0:.1f} s)")
+            if config.weights:
+                t0 = time.perf_counter()
+                stored, errors = weights_quantized(graph, tmp / specs[graph.name].file, config)
+                embedding = stored if graph.name == "base" else embedding
+                if errors is not None:
+                    parity[f"{graph.name}.{config.weights}"] = errors
+                say(f"      {config.weights} weights (MatMulNBits, blocks of {config.block_size}): "
+                    f"{progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)")
+        weights = None
+        if config.weights:
+            agreement = {}
+            if config.verify:
+                say(f"      greedy agreement of the {config.weights} base with fp32 PyTorch")
+                agreement = weights_agreement(base, tmp, specs["base"].file)
+                say(f"      {agreement['top1']:.1%} of {agreement['positions']} greedy tokens agree")
+                if not agreement["top1"] >= BROKEN_AGREEMENT:
+                    raise CloverError(
+                        f"the {config.weights} base graph picks fp32's greedy token at only {agreement['top1']:.0%} of "
+                        f"positions (< {BROKEN_AGREEMENT:.0%}): this is a clover-export bug, please report it")
+            from clover.export.quantize import ACCURACY_LEVEL, DRAFT_ACCURACY_LEVEL, SYMMETRIC
+
+            weights = WeightsSpec(config.weights, config.block_size, SYMMETRIC, ACCURACY_LEVEL, DRAFT_ACCURACY_LEVEL,
+                                  embedding, agreement)
         engines = {}
         if config.backend == "trt":
             from clover.export.engines import build_engines
@@ -112,16 +146,23 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             say(f"[{steps - 1}/{steps}] TensorRT engines")
             engines = build_engines(tmp, specs, config.dtype, engine_limits(config, tree, max_context),
                                     timing_cache_path(config), say)
-        say(f"[{steps}/{steps}] checksums and manifest")
         manifest = Manifest(
             backend=config.backend, dtype=config.dtype, attention=config.attention, opset=config.opset,
             max_context=max_context, base_config=base.config.to_dict(),
             base_fingerprint=dataclasses.asdict(BaseFingerprint.of(base)), sources=dict(sources or {}),
             heads=heads_spec(heads, heads_name) if heads is not None else None,
             tree=tree_to_dict(tree) if tree is not None else None,
-            graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files=file_entries(tmp),
-            engines=engines, draft_quant=config.draft_quant,
+            graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files={},
+            engines=engines, draft_quant=config.draft_quant, weights=weights,
         )
+        if time_trees:
+            from clover.export.tree_timing import fastest_tree
+
+            say(f"[{steps - 1}/{steps}] default tree: timing plain and the candidate trees on these graphs")
+            tree, timing = fastest_tree(tmp, manifest, say=say)
+            manifest = dataclasses.replace(manifest, tree=tree_to_dict(tree), tree_timing=timing)
+        say(f"[{steps}/{steps}] checksums and manifest")
+        manifest = dataclasses.replace(manifest, files=file_entries(tmp))
         write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
         install(tmp, out)
     except BaseException:
@@ -153,6 +194,30 @@ def quantized(graph: GraphDef, path: Path, config: ExportConfig) -> dict[str, fl
     if not config.verify:
         return None
     return checked_errors(*parity_with_torch(graph, path, VERIFY_SIZES), path, BROKEN_INT8_RELATIVE_ERROR)
+
+
+def weights_quantized(graph: GraphDef, path: Path, config: ExportConfig) -> tuple[str, dict[str, float] | None]:
+    """--weights: rewrite the checked fp32 graph with MatMulNBits weights, then (config.verify) measure how
+    far it is from fp32 PyTorch. Returns how the token embedding is stored, and the errors."""
+    from clover.export.quantize import ACCURACY_LEVEL, DRAFT_ACCURACY_LEVEL, quantize_weights
+
+    level = ACCURACY_LEVEL if graph.name == "base" else DRAFT_ACCURACY_LEVEL
+    embedding = quantize_weights(path, config.weights, config.block_size, level)
+    check_onnx(path)
+    if not config.verify:
+        return embedding, None
+    errors = parity_with_torch(graph, path, VERIFY_SIZES)
+    return embedding, checked_errors(*errors, path, BROKEN_WEIGHTS_RELATIVE_ERROR[config.weights])
+
+
+def weights_agreement(base: Decoder, folder: Path, graph_file: str) -> dict[str, float]:
+    """Greedy top-1 agreement of the quantized base graph with fp32 PyTorch on AGREEMENT_TEXTS."""
+    from clover.export.onnx_graph import greedy_agreement
+    from clover.runtime.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(folder / TOKENIZER_DIR)
+    prompts = [ids for ids in (tokenizer.encode(t) for t in AGREEMENT_TEXTS) if ids]
+    return greedy_agreement(base, folder / graph_file, prompts, AGREEMENT_TOKENS)
 
 
 def engine_limits(config: ExportConfig, tree: Tree | None, max_context: int):
@@ -195,7 +260,8 @@ def check_target(out: Path) -> None:
 
 
 def default_tree(heads: DraftHeads | None, spec: str | None) -> Tree | None:
-    """The tree recorded as the artifact's default: --tree, else mc26 pruned to the heads' depth."""
+    """The tree recorded as the artifact's default: --tree, else mc26 pruned to the heads' depth (ONNX
+    artifacts then replace it with the fastest tree measured on their graphs: clover.export.tree_timing)."""
     if heads is None:
         if spec not in (None, "plain"):
             raise CloverError("a token tree needs draft heads: pass --heads (e.g. random:clover2) or drop --tree")

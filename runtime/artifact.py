@@ -115,6 +115,27 @@ class EngineSpec:
                    d["tensorrt_version"], d["device_name"], d["compute_capability"])
 
 
+KNOWN_WEIGHTS = ("int8", "int4")  # the weight-only schemes this runtime runs
+
+
+@dataclass(frozen=True)
+class WeightsSpec:
+    """Weight-only quantization of every graph (clover-export --weights): ONNX Runtime's MatMulNBits."""
+
+    scheme: str  # int8 | int4
+    block_size: int  # input channels per block, one scale (and zero point) each
+    symmetric: bool
+    accuracy_level: int  # the base graph's MatMulNBits accuracy_level: 0 = fp32 compute, 4 = activations in int8
+    draft_accuracy_level: int  # the draft graphs' (their rounding only changes what is proposed)
+    embedding: str  # "int4": GatherBlockQuantized, "float32": the token embedding kept as it was
+    agreement: dict[str, float]  # greedy top-1 agreement with fp32 PyTorch: prompts, positions, top1
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "WeightsSpec":
+        return cls(d["scheme"], int(d["block_size"]), bool(d["symmetric"]), int(d["accuracy_level"]),
+                   int(d["draft_accuracy_level"]), d["embedding"], dict(d.get("agreement", {})))
+
+
 @dataclass(frozen=True)
 class Manifest:
     backend: str  # "onnx" | "trt" (ONNX graphs plus TensorRT engines built from them)
@@ -134,6 +155,8 @@ class Manifest:
     files: dict[str, dict[str, Any]]  # relative path -> {"sha256", "bytes"}
     engines: dict[str, EngineSpec] = field(default_factory=dict)  # graph name -> engine (backend "trt")
     draft_quant: str | None = None  # "int8": the draft graphs' matmul weights are int8 (clover-export --draft-quant)
+    weights: WeightsSpec | None = None  # weight-only quantized graphs (clover-export --weights); None: `dtype`
+    tree_timing: dict[str, Any] | None = None  # how `tree` was chosen: tokens/s of each candidate at export
     format_version: int = FORMAT_VERSION
     kind: str = KIND
 
@@ -151,6 +174,8 @@ class Manifest:
             tools=dict(d.get("tools", {})), parity=dict(d.get("parity", {})), files=dict(d["files"]),
             engines={k: EngineSpec.from_dict(e) for k, e in d.get("engines", {}).items()},
             draft_quant=d.get("draft_quant"),
+            weights=WeightsSpec.from_dict(d["weights"]) if d.get("weights") else None,
+            tree_timing=d.get("tree_timing"),
             format_version=d["format_version"], kind=d["kind"],
         )
 
@@ -221,9 +246,14 @@ def read_manifest(path: str | Path) -> Manifest:
             f"{FORMAT_VERSION}: export it again with this clover-deploy's clover-export"
         )
     try:
-        return Manifest.from_dict(doc)
+        manifest = Manifest.from_dict(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CloverError(f"{mfile} is incomplete or malformed ({e!r}): export the artifact again") from e
+    if manifest.weights is not None and manifest.weights.scheme not in KNOWN_WEIGHTS:
+        raise CloverError(
+            f"artifact {root} stores {manifest.weights.scheme!r} weights, which this clover-deploy cannot run (it "
+            f"runs {', '.join(KNOWN_WEIGHTS)}): export it again with clover-export --weights int4 (or int8)")
+    return manifest
 
 
 def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None:

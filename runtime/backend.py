@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +30,29 @@ class RunnerInfo:
     default_tree: Tree | None = None  # the tree an exported artifact was built for (used when none is asked)
 
 
+class EngineClock:
+    """Wall time spent inside the engine's own calls (graph runs, module forwards): a step's time minus
+    this is the host's share (top-k, masks, bindings, KV bookkeeping, Python). Used as `with clock: ...`."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> "EngineClock":
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+
 class Runner(abc.ABC):
     """One sequence on one engine: forward (prefill / verify), commit, and tree drafting."""
 
     info: RunnerInfo
+    # Backends whose engine calls return when the work is done (CPU) time them here; asynchronous ones
+    # (TensorRT on a CUDA stream) leave it None: host time cannot be told apart there without syncing.
+    engine_clock: EngineClock | None = None
 
     def __init__(self) -> None:
         self._past = 0

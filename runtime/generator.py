@@ -159,7 +159,7 @@ class GenerationStream:
                                                    self._sampling, rng, capacity)):
             if i > 0:
                 accepted.append(len(step.tokens))
-                step_seconds.append(sum(step.seconds.values()))
+                step_seconds.append(step.wall)
             for k, v in step.seconds.items():
                 timings[k] = timings.get(k, 0.0) + v
             delta = tracker.add(step.tokens)

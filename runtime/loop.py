@@ -28,7 +28,14 @@ class Step:
 
     tokens: list[int]
     tree_nodes: int  # nodes verified (1 for plain steps and the prefill)
-    seconds: dict[str, float] = field(default_factory=dict)  # draft / verify / accept / commit
+    # draft / verify / accept / commit (prefill for step 0), and "engine": the part of the step spent in the
+    # engine's own calls (absent where the backend cannot tell); the rest of the step is host time.
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def wall(self) -> float:
+        """The step's wall time (its phases; "engine" is a part of them)."""
+        return sum(v for k, v in self.seconds.items() if k != "engine")
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,7 @@ def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: 
                       rng: np.random.Generator, capacity: int) -> Iterator[Step]:
     """Yield the tokens of each step until the sequence is full; the caller stops iterating when done."""
     clock = time.perf_counter
+    engine = runner.engine_clock
     runner.reset(capacity)
     t0 = clock()
     P = len(prompt)
@@ -89,7 +97,7 @@ def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: 
     root = first
     while runner.past_length + 1 <= runner.capacity:
         step_tree = tree if runner.past_length + tree.num_nodes <= runner.capacity else PLAIN
-        t0 = clock()
+        t0, e0 = clock(), engine.seconds if engine else 0.0
         draft = draft_tree(runner, step_tree, root, sampling, rng)                          # 1. draft
         t1 = clock()
         logits = runner.forward(draft.tokens, step_tree.depth, step_tree.ancestor_mask)     # 2. verify
@@ -98,6 +106,6 @@ def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: 
         emitted = [int(t) for t in draft.tokens[acc.accepted_nodes]] + [acc.bonus_token]
         t3 = clock()
         runner.commit(acc.path, np.array(emitted, dtype=np.int64))                          # 4. commit KV
-        yield Step(emitted, step_tree.num_nodes,
-                   {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3})
+        seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
+        yield Step(emitted, step_tree.num_nodes, seconds | ({"engine": engine.seconds - e0} if engine else {}))
         root = acc.bonus_token

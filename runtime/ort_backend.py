@@ -27,7 +27,7 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.artifact import ARTIFACT_HEADS, GraphSpec, Manifest, open_artifact, uses_exported_heads
 from clover.runtime.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
-from clover.runtime.backend import Runner, RunnerInfo
+from clover.runtime.backend import EngineClock, Runner, RunnerInfo
 from clover.runtime.tree import compile_tree
 
 PAST, PRESENT = "past_key_values", "present"
@@ -77,9 +77,9 @@ def session_options(opts: OrtOptions):
 class Graph:
     """One InferenceSession and its IOBinding, driven by the I/O names and dtypes of the manifest."""
 
-    def __init__(self, root: Path, spec: GraphSpec, so) -> None:
+    def __init__(self, root: Path, spec: GraphSpec, so, clock: EngineClock) -> None:
         ort = _ort()
-        self.spec = spec
+        self.spec, self.clock = spec, clock
         try:
             self.session = ort.InferenceSession(str(root / spec.file), so, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own Fail / InvalidGraph types
@@ -100,7 +100,8 @@ class Graph:
         outs = {name: np.empty(shape, self.out_dtypes[name]) for name, shape in shapes.items()}
         for name, array in outs.items():
             self.binding.bind_ortvalue_output(name, self._ortvalue(array))
-        self.session.run_with_iobinding(self.binding)
+        with self.clock:
+            self.session.run_with_iobinding(self.binding)
         return outs
 
 
@@ -157,17 +158,18 @@ class OrtRunner(Runner):
         root = Path(root)
         so = session_options(options)
         self.manifest, self.options = manifest, options
-        self.base = Graph(root, manifest.graphs["base"], so)
+        self.engine_clock = clock = EngineClock()
+        self.base = Graph(root, manifest.graphs["base"], so, clock)
         self.vocab_size = int(self.base.spec.output("logits").shape[-1])
         self.hidden_size = int(self.base.spec.output("hidden_states").shape[-1])
         heads = manifest.heads if use_heads else None
         self.arch = heads.arch if heads is not None else None
         self.begin = self.step = self.medusa = None
         if self.arch == "medusa":
-            self.medusa = Graph(root, manifest.graphs["medusa_heads"], so)
+            self.medusa = Graph(root, manifest.graphs["medusa_heads"], so, clock)
         elif self.arch is not None:
-            self.begin = Graph(root, manifest.graphs["draft_begin"], so)
-            self.step = Graph(root, manifest.graphs["draft_step"], so)
+            self.begin = Graph(root, manifest.graphs["draft_begin"], so, clock)
+            self.step = Graph(root, manifest.graphs["draft_step"], so, clock)
         tree = manifest.tree if heads is not None else None
         self.info = RunnerInfo(
             backend="ort", vocab_size=self.vocab_size, max_context=manifest.max_context, heads=self.arch,
@@ -192,6 +194,7 @@ class OrtRunner(Runner):
                 self.head_cache.bind(self.begin)
         # A reused buffer keeps the last sequence's K/V in its slots: finite values, masked by past_lengths.
         self._states = np.zeros((0, self.hidden_size), self.base.out_dtypes["hidden_states"])
+        self._behind: list[tuple[np.ndarray, np.ndarray]] = []  # accepted rows the heads have not seen yet
 
     def _forward(self, tokens, depths, mask, last_only):
         P, T = self._past, tokens.shape[0]
@@ -216,16 +219,27 @@ class OrtRunner(Runner):
         if self.medusa is not None:
             self._medusa_hidden = hidden[:, -1:]  # its heads only read the last accepted token's state
         elif self.begin is not None:
-            self.head_cache.ensure(P + m, P, self._capacity)
-            g = self.begin
-            g.bind("hidden_states", hidden)
-            g.bind("next_tokens", next_tokens[None])
-            g.bind("position_ids", np.arange(P, P + m, dtype=np.int64)[None])
-            g.bind("past_lengths", np.array([P], dtype=np.int64))
-            out = g.run({"state": (1, self.hidden_size), "logits": (1, self.vocab_size),
-                         **self.head_cache.present_shapes(m)})
-            self.head_cache.write(P, out, None, m)
-            self._root_state, self._root_logits = out["state"], out["logits"][0]
+            # The heads' augmenting block must see every accepted token, but only a drafting step needs its
+            # output: the rows wait here and draft_begin runs them all at once (none after plain steps).
+            self._behind.append((hidden, next_tokens))
+
+    def _catch_up_heads(self) -> None:
+        """Run the heads' begin graph over the accepted rows it has not seen (one call for several steps)."""
+        m = sum(len(t) for _, t in self._behind)
+        P = self._past - m  # where the first waiting row sits in the sequence
+        hidden = self._behind[0][0] if len(self._behind) == 1 else np.concatenate([h for h, _ in self._behind], axis=1)
+        tokens = np.concatenate([t for _, t in self._behind])
+        self._behind.clear()
+        self.head_cache.ensure(P + m, P, self._capacity)
+        g = self.begin
+        g.bind("hidden_states", hidden)  # [1, m, H]
+        g.bind("next_tokens", tokens[None])
+        g.bind("position_ids", np.arange(P, P + m, dtype=np.int64)[None])
+        g.bind("past_lengths", np.array([P], dtype=np.int64))
+        out = g.run({"state": (1, self.hidden_size), "logits": (1, self.vocab_size),
+                     **self.head_cache.present_shapes(m)})
+        self.head_cache.write(P, out, None, m)
+        self._root_state, self._root_logits = out["state"], out["logits"][0]
 
     def _draft_begin(self):
         if self.medusa is not None:
@@ -233,6 +247,8 @@ class OrtRunner(Runner):
             heads = self.manifest.heads.num_heads
             self._medusa_logits = self.medusa.run({"logits": (1, heads, self.vocab_size)})["logits"][0]  # [K, V]
             return self._medusa_logits[0].astype(np.float32)
+        if self._behind:
+            self._catch_up_heads()
         self._states = self._root_state.copy()  # row i = state of tree node i (grown as drafted)
         return self._root_logits.astype(np.float32)
 

@@ -14,13 +14,14 @@ import torch
 
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
-from clover.runtime.backend import Runner, RunnerInfo
+from clover.runtime.backend import EngineClock, Runner, RunnerInfo
 
 
 class TorchRunner(Runner):
     def __init__(self, base: Decoder, heads: DraftHeads | None = None, heads_name: str = "none"):
         super().__init__()
         self.base, self.heads = base, heads
+        self.engine_clock = EngineClock()
         cfg = base.config
         self.device = base.lm_head.weight.device
         self.info = RunnerInfo(
@@ -42,11 +43,12 @@ class TorchRunner(Runner):
     def _forward(self, tokens, depths, mask, last_only):
         P, T = self._past, tokens.shape[0]
         keys, values = self.cache
-        out = self.base(
-            self._t(tokens)[None], (P + self._t(depths).long())[None], self._t(mask)[None],
-            torch.tensor([P], device=self.device), [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values],
-            logit_rows=torch.tensor([T - 1], device=self.device) if last_only else None,
-        )
+        with self.engine_clock:
+            out = self.base(
+                self._t(tokens)[None], (P + self._t(depths).long())[None], self._t(mask)[None],
+                torch.tensor([P], device=self.device), [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values],
+                logit_rows=torch.tensor([T - 1], device=self.device) if last_only else None,
+            )
         self._last = out
         return out.logits[0].float().cpu().numpy()
 
@@ -62,8 +64,9 @@ class TorchRunner(Runner):
         keys, values = self.head_cache
         hidden = self._last.hidden_states.index_select(1, rows)  # [1, m, H]
         positions = torch.arange(P, P + m, device=self.device)[None]
-        out = self.heads.begin(hidden, self._t(next_tokens)[None], positions, torch.tensor([P], device=self.device),
-                               [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values])
+        with self.engine_clock:
+            out = self.heads.begin(hidden, self._t(next_tokens)[None], positions, torch.tensor([P], device=self.device),
+                                   [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values])
         for store, new in zip(keys + values, out.new_keys + out.new_values):
             store[:, :, P:P + m] = new
         self._root_state, self._root_logits = out.state, out.logits
@@ -80,7 +83,8 @@ class TorchRunner(Runner):
             grown = self._states.new_zeros(need, self._states.shape[1])
             grown[: self._states.shape[0]] = self._states
             self._states = grown
-        state, logits = self.heads.step(depth, self._states[self._t(parents)], self._t(tokens))
+        with self.engine_clock:
+            state, logits = self.heads.step(depth, self._states[self._t(parents)], self._t(tokens))
         self._states[self._t(nodes)] = state
         return logits.float().cpu().numpy()
 

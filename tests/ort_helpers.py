@@ -34,15 +34,17 @@ def tiny_modules(arch: str, dtype: str = "float32", base_seed: int = BASE_SEED) 
 
 
 def tiny_artifact(root: Path, arch: str, dtype: str = "float32", tree: str | None = None,
-                  draft_quant: str | None = None) -> Path:
-    """Export tiny_modules(arch, dtype) to root/artifacts/<arch>-<dtype>[-<tree>][-<draft_quant>] once per session."""
-    out = Path(root) / "artifacts" / "-".join(filter(None, (arch, dtype, tree, draft_quant)))
+                  draft_quant: str | None = None, weights: str | None = None) -> Path:
+    """Export tiny_modules(arch, dtype) to root/artifacts/<arch>-<dtype>[-<tree>][-<draft_quant>][-<weights>]
+    once per session."""
+    out = Path(root) / "artifacts" / "-".join(filter(None, (arch, dtype, tree, draft_quant, weights)))
     if (out / MANIFEST_FILE).is_file():
         return out
     base, heads = tiny_modules(arch, dtype)
     tokenizer = tiny_tokenizer_dir(Path(root) / "artifacts" / "tokenizer")
     name = f"random:{arch}:{HEADS_SEED}" if heads is not None else "none"
-    return artifact_from_modules(base, heads, tokenizer, out, ExportConfig(dtype=dtype, tree=tree, draft_quant=draft_quant),
+    return artifact_from_modules(base, heads, tokenizer, out, ExportConfig(dtype=dtype, tree=tree, draft_quant=draft_quant,
+                                                                            weights=weights),
                                  heads_name=name)
 
 

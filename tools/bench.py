@@ -67,6 +67,9 @@ def load_prompts(source: str, limit: int | None) -> list[str]:
     return [prompts[i * len(prompts) // limit] for i in range(limit)]
 
 
+PHASES = ("draft", "verify", "accept", "commit")  # a verify step's parts (clover.runtime.loop)
+
+
 @dataclass
 class Row:
     """Aggregates of one (backend, heads) configuration over all prompts."""
@@ -83,8 +86,11 @@ class Row:
     identical: int = 0
     mismatches: list[dict] = field(default_factory=list)
     per_prompt_tokens_per_step: list[float] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase (and engine), all prompts
 
     def add(self, result, reference) -> None:
+        for k, v in result.timings.items():
+            self.timings[k] = self.timings.get(k, 0.0) + v
         self.new_tokens += result.new_tokens
         self.steps += result.steps
         self.seconds += result.seconds
@@ -114,7 +120,19 @@ class Row:
             "new_tokens": self.new_tokens, "verify_steps": self.steps, "seconds": round(self.seconds, 2),
             "identical_to_plain": f"{self.identical}/{len(self.per_prompt_tokens_per_step)}",
             "mismatches": self.mismatches,
+            **self.step_split(),
         }
+
+    def step_split(self) -> dict:
+        """Mean ms per verify step in each phase, the engine's part of it, and the host's share of the step."""
+        if not self.steps:
+            return {"step_ms": {}, "host_share": None}
+        step_ms = {k: round(1e3 * self.timings.get(k, 0.0) / self.steps, 3) for k in PHASES}
+        total = sum(self.timings.get(k, 0.0) for k in PHASES)
+        if "engine" not in self.timings or not total:
+            return {"step_ms": step_ms, "host_share": None}
+        step_ms["engine"] = round(1e3 * self.timings["engine"] / self.steps, 3)
+        return {"step_ms": step_ms, "host_share": round(1 - self.timings["engine"] / total, 4)}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -275,6 +293,21 @@ def print_table(summaries: list[dict], depth: int) -> None:
               f"{s['speedup']:>6.2f}x {s['latency_p50_ms']:>7.1f} {s['latency_p95_ms']:>7.1f} {s['identical_to_plain']:>9}  "
               + " ".join(f"{r:>5.2f}" for r in rates))
     print("accept len = tokens per verify step, bonus token included; dN = share of steps accepting >= N drafted tokens")
+    print()
+    head = (f"{'backend':8} {'heads':18} {'tree':10} " + " ".join(f"{p + ' ms':>10}" for p in PHASES)
+            + f" {'step ms':>8} {'engine ms':>9} {'host':>6}")
+    print(head)
+    print("-" * len(head))
+    for s in summaries:
+        ms = s["step_ms"]
+        if not ms:
+            continue
+        host = f"{s['host_share']:>6.1%}" if s["host_share"] is not None else f"{'n/a':>6}"
+        engine = f"{ms['engine']:>9.2f}" if "engine" in ms else f"{'n/a':>9}"
+        print(f"{s['backend']:8} {s['heads']:18} {s['tree']:10} " + " ".join(f"{ms[p]:>10.2f}" for p in PHASES)
+              + f" {sum(ms[p] for p in PHASES):>8.2f} {engine} {host}")
+    print("per verify step; engine = time inside graph runs / module forwards, host = the rest of the step "
+          "(top-k, masks, bindings, KV bookkeeping, Python)")
 
 
 def main(argv: list[str] | None = None) -> int:

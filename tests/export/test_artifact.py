@@ -51,7 +51,11 @@ def test_manifest_describes_everything(clover2):
     assert BaseFingerprint(**dict(fp, lm_head_probe=tuple(fp["lm_head_probe"]))) == BaseFingerprint.of(base)
     assert m.heads.arch == "clover2" and m.heads.name == "random:clover2:0" and m.heads.max_depth is None
     assert m.heads.num_layers == heads.config.num_layers
-    assert m.tree["name"] == "mc26" and len(m.tree["choices"]) == 25
+    # no --tree: the fastest of plain and the candidate trees, timed on these graphs at export
+    timing = m.tree_timing
+    assert set(timing["tokens_per_second"]) == {"plain", "chain-1", "chain-2", "chain-3", "small", "mc26"}
+    assert all(tps > 0 for tps in timing["tokens_per_second"].values())
+    assert m.tree["name"] == timing["chosen"] == max(timing["tokens_per_second"], key=timing["tokens_per_second"].get)
     assert set(m.graphs) == {"base", "draft_begin", "draft_step"}
     assert {"torch", "onnx", "onnxscript", "clover-deploy", "python"} <= m.tools.keys()
     assert all(err < 1e-3 for g in m.parity.values() for err in g.values()), m.parity

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from clover.errors import CloverError
+from clover.runtime.artifact import read_manifest
 from clover.runtime.backend import RunnerInfo, backend_module
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import OrtRunner, load_runner
@@ -154,7 +155,7 @@ def test_load_runner_options_and_errors(artifacts):
     assert backend_module("ort").load_runner is load_runner
     runner = load_runner(path, heads="random:clover2:0", dtype="float32", threads=1, checksums=False)
     assert runner.info.backend == "ort" and runner.info.heads_name == "random:clover2:0"
-    assert runner.info.default_tree.name == "mc26" and runner.info.max_context == 256
+    assert runner.info.default_tree.name == read_manifest(path).tree["name"] and runner.info.max_context == 256
     with runner:
         pass
     assert runner.base is None  # closed
@@ -172,7 +173,7 @@ def test_load_runner_options_and_errors(artifacts):
 
 def test_generator_uses_the_artifact_tree_and_tokenizer(artifacts, base):
     gen = Generator.load(artifacts["clover"], backend="ort")
-    assert gen.tree.name == "mc26-d3" and gen.runner.info.heads == "clover"
+    assert gen.tree.name == read_manifest(artifacts["clover"]).tree_timing["chosen"] and gen.runner.info.heads == "clover"
     plain = Generator.load(artifacts["clover"], heads="none", backend="ort")
     assert plain.tree.num_nodes == 1
     a = gen.generate("w7 w8 w9 w40", max_new_tokens=16, ignore_eos=True)
@@ -204,7 +205,7 @@ def test_fp16_artifact_speculative_equals_plain(tmp_path_factory):
     """DESIGN.md ground truth holds per backend and precision: ORT fp16 speculative == ORT fp16 plain."""
     path = tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", "float16")
     plain, spec = load_runner(path, heads="none"), load_runner(path)
-    assert plain.cache is None and spec.info.default_tree.name == "mc26"
+    assert plain.cache is None and spec.info.default_tree.name == read_manifest(path).tree["name"]
     for p in PROMPTS:
         want, _ = run_tokens(plain, p, resolve_tree("plain"), N)
         assert plain.cache.buffers[0].dtype == np.float16
