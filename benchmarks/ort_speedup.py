@@ -18,7 +18,7 @@ if __name__ == "__main__":
     argv = sys.argv[1:]
     fp32 = "--fp32-drafts" in argv
     argv = [a for a in argv if a != "--fp32-drafts"]
-    artifact = cached_artifact("smollm2", "smollm2-clover2", draft_quant=None if fp32 else "int8")
+    artifact = cached_artifact("smollm2", "smollm2-clover2", weights=None, draft_quant=None if fp32 else "int8")
     name = "ort_speedup_fp32_drafts.json" if fp32 else "ort_speedup.json"
     defaults = ["--artifact", str(artifact), "--backend", "ort,torch:plain", "--tree", "chain-1,chain-2,chain-3,small,mc26",
                 "--prompts", "mtbench", "--num-prompts", "16", "--max-new-tokens", "128", "--threads", "2",

@@ -150,6 +150,27 @@ def test_draft_logits_match_torch_runner(artifacts):
             nodes, parents = nodes + 3, nodes
 
 
+def test_heads_catch_up_after_plain_steps(artifacts):
+    """Plain steps leave the heads' begin graph alone; the next draft_begin runs it over every accepted row at
+    once, with the same result as the torch runner, which runs it at every commit."""
+    for arch in ("clover", "clover2"):
+        b, h = tiny_modules(arch)
+        ort_runner, torch_runner = load_runner(artifacts[arch]), TorchRunner(b, h)
+        prompt = np.array(PROMPTS[1])
+        calls = []
+        ort_runner.begin.run = (lambda run: lambda shapes: calls.append(1) or run(shapes))(ort_runner.begin.run)
+        for r in (ort_runner, torch_runner):
+            r.reset(64)
+            r.forward(prompt, np.arange(len(prompt)), np.tri(len(prompt), dtype=bool))
+            r.commit(np.arange(len(prompt)), np.append(prompt[1:], 7))
+            for token, following in ((7, 8), (8, 9), (9, 10)):  # three plain steps
+                r.forward(np.array([token]), np.array([0]), np.ones((1, 1), bool))
+                r.commit(np.array([0]), np.array([following]))
+        assert calls == []  # nothing drafted yet: the heads have not run
+        np.testing.assert_allclose(ort_runner.draft_begin(), torch_runner.draft_begin(), atol=1e-4, err_msg=arch)
+        assert calls == [1]  # one run over the prompt and the three steps
+
+
 def test_load_runner_options_and_errors(artifacts):
     path = artifacts["clover2"]
     assert backend_module("ort").load_runner is load_runner

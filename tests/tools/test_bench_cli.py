@@ -33,6 +33,13 @@ def test_bench_table_and_json(base, tmp_path, capsys):
         assert r["latency_p95_ms"] >= r["latency_p50_ms"] > 0
         rates = r["acceptance_rate_per_depth"]
         assert all(a >= b for a, b in zip(rates, rates[1:]))  # accepting d tokens implies accepting d-1
+        # where a verify step's time goes: phases, the engine's part of them, and the host's share
+        ms = r["step_ms"]
+        assert set(ms) == {"draft", "verify", "accept", "commit", "engine"}
+        assert 0 < ms["engine"] < sum(ms[p] for p in ("draft", "verify", "accept", "commit"))
+        assert 0 < r["host_share"] < 1
+    assert rows["none"]["step_ms"]["draft"] < rows["random:clover2"]["step_ms"]["draft"]  # plain drafts nothing
+    assert "engine ms" in table and "host" in table
 
 
 def test_several_trees_in_one_run(base, tmp_path, capsys):
