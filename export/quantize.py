@@ -81,6 +81,7 @@ def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: i
 
     model = onnx.load(str(path))
     fold_transposed_weights(model)  # the quantizer takes MatMuls whose weight is an initializer
+    embedding_lookups_as_gather(model)  # ... and Gathers (the heads' embedding rows, 113 MB in fp32 for SmolLM2)
     ops = ("MatMul", "Gather") if scheme == "int4" else ("MatMul",)
     config = DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=SYMMETRIC, accuracy_level=accuracy_level or None, bits=BITS[scheme],
@@ -90,6 +91,31 @@ def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: i
         quantizer.process()
     replace_graph(path, lambda out: quantizer.model.save_model_to_file(str(out), use_external_data_format=True))
     return "int4" if scheme == "int4" and "GatherBlockQuantized" in quantized_ops(path) else "float32"
+
+
+def embedding_lookups_as_gather(model) -> int:
+    """Rewrite GatherND(W, Unsqueeze(ids, -1)) with W an initializer, which is how `weight[ids]` exports, as
+    the equivalent Gather(W, ids); returns how many were rewritten."""
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    producer = {o: n for n in model.graph.node for o in n.output}
+    rewritten = 0
+    for node in list(model.graph.node):
+        if node.op_type != "GatherND" or node.input[0] not in inits or any(a.i for a in node.attribute):
+            continue  # batch_dims != 0 is another lookup
+        unsqueeze = producer.get(node.input[1])
+        if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or unsqueeze.input[1] not in inits:
+            continue
+        if numpy_helper.to_array(inits[unsqueeze.input[1]]).tolist() != [-1]:
+            continue
+        gather = helper.make_node("Gather", [node.input[0], unsqueeze.input[0]], list(node.output), name=node.name, axis=0)
+        model.graph.node.insert(list(model.graph.node).index(node), gather)
+        model.graph.node.remove(node)
+        if not any(unsqueeze.output[0] in n.input for n in model.graph.node):
+            model.graph.node.remove(unsqueeze)
+        rewritten += 1
+    return rewritten
 
 
 def replace_graph(path: Path, write) -> None:

@@ -41,6 +41,9 @@ def test_every_graph_is_quantized_and_measured(artifacts, arch, weights):
         assert m.parity[f"{name}.{weights}"]["logits"] > 0  # then measured again, quantized
     base_ops = quantized_ops(root / m.graphs["base"].file)
     assert ("GatherBlockQuantized" in base_ops) == (weights == "int4")  # the embedding: 4 bits only
+    if arch != "medusa":  # the heads' token embedding too (exported as GatherND, rewritten to a Gather)
+        begin_ops = quantized_ops(root / m.graphs["draft_begin"].file)
+        assert ("GatherBlockQuantized" in begin_ops) == (weights == "int4")
     assert m.weights.embedding == ("int4" if weights == "int4" else "float32")
     agreement = m.weights.agreement
     assert agreement["positions"] > 0 and 0.0 <= agreement["top1"] <= 1.0
@@ -94,3 +97,27 @@ def test_manifest_round_trips_the_scheme(artifacts):
 def test_config_rejects(kwargs, message):
     with pytest.raises(CloverError, match=message):
         ExportConfig(**kwargs)
+
+
+def test_embedding_lookup_becomes_a_gather():
+    """weight[ids] exports as GatherND(W, Unsqueeze(ids, -1)); as Gather the quantizer can store W in 4 bits."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from clover.export.quantize import embedding_lookups_as_gather
+
+    w = np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Unsqueeze", ["ids", "axes"], ["idx"]), helper.make_node("GatherND", ["W", "idx"], ["y"])],
+        "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])],
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([-1], np.int64), "axes")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+    assert embedding_lookups_as_gather(model) == 1
+    assert [n.op_type for n in model.graph.node] == ["Gather"]
+    onnx.checker.check_model(model)
+    ids = np.array([7, 0, 7])
+    y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})[0]
+    np.testing.assert_array_equal(y, w[ids])
