@@ -171,14 +171,19 @@ class Bandwidth:
 # ------------------------------------------------------------------------------- pure functions
 
 
+def json_line(line: str, spec_name: str, when: str, expected: str) -> dict:
+    """One protocol line as JSON; an empty line means the worker exited (`when`)."""
+    if not line:
+        raise PeerError(f"{spec_name}: the worker exited {when}")
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        raise PeerError(f"{spec_name}: expected {expected}, got {line[:200]!r}")
+
+
 def parse_ready(line: str, spec_name: str) -> dict:
     """The worker's first line: {"ready": true, "modes": {mode: label}, "versions": {...}}."""
-    if not line:
-        raise PeerError(f"{spec_name}: the worker exited before it was ready")
-    try:
-        doc = json.loads(line)
-    except json.JSONDecodeError:
-        raise PeerError(f"{spec_name}: expected a JSON ready line, got {line[:200]!r}")
+    doc = json_line(line, spec_name, "before it was ready", "a JSON ready line")
     if not doc.get("ready"):
         raise PeerError(f"{spec_name}: {doc.get('error', 'the worker is not ready')}")
     if not isinstance(doc.get("modes"), dict) or not doc["modes"]:
@@ -188,12 +193,7 @@ def parse_ready(line: str, spec_name: str) -> dict:
 
 def parse_reply(line: str, max_new_tokens: int, spec_name: str) -> Reply:
     """One reply line, checked: 1..max_new_tokens token ids and non-negative times."""
-    if not line:
-        raise PeerError(f"{spec_name}: the worker exited mid-request")
-    try:
-        doc = json.loads(line)
-    except json.JSONDecodeError:
-        raise PeerError(f"{spec_name}: expected a JSON reply, got {line[:200]!r}")
+    doc = json_line(line, spec_name, "mid-request", "a JSON reply")
     if "error" in doc:
         raise PeerError(f"{spec_name}: {doc['error']}")
     ids = doc.get("token_ids")
@@ -454,24 +454,33 @@ def ensure_clover_artifact(precision: str, root: Path, reexport: bool = False) -
     return out, marker
 
 
-def ensure_genai_model(python: Path, hf_dir: Path, precision: str, root: Path) -> tuple[Path, dict]:
-    out = root / "models" / f"ort-genai-{GENAI_VERSION}-{precision}"
+def built_model(out: Path, done_file: str, build: Callable[[Path], float], info: dict) -> tuple[Path, dict]:
+    """`out` with its marker if a build finished there; else `build(tmp)` (returns seconds) into a .partial
+    sibling, a marker with `info` and the build time, then the rename that makes it count."""
     marker = read_marker(out / MARKER)
-    if marker and (out / "genai_config.json").is_file():
+    if marker and (out / done_file).is_file():
         return out, marker
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    cmd = [str(python), "-m", "onnxruntime_genai.models.builder", "-m", str(hf_dir), "-o", str(tmp), "-p", precision,
-           "-e", "cpu", "-c", str(root / "models" / "builder-cache")]
-    seconds = run_logged(cmd, root / "logs" / f"ort-genai-builder-{precision}.log",
-                         f"onnxruntime-genai model builder -p {precision}")
-    shutil.rmtree(root / "models" / "builder-cache", ignore_errors=True)
-    marker = {"source": str(hf_dir), "precision": precision, "build_seconds": round(seconds, 1),
-              "built": datetime.datetime.now().isoformat(timespec="seconds")}
+    seconds = build(tmp)
+    marker = {**info, "build_seconds": round(seconds, 1), "built": datetime.datetime.now().isoformat(timespec="seconds")}
     (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out, marker
+
+
+def ensure_genai_model(python: Path, hf_dir: Path, precision: str, root: Path) -> tuple[Path, dict]:
+    def build(tmp: Path) -> float:
+        cmd = [str(python), "-m", "onnxruntime_genai.models.builder", "-m", str(hf_dir), "-o", str(tmp), "-p", precision,
+               "-e", "cpu", "-c", str(root / "models" / "builder-cache")]
+        seconds = run_logged(cmd, root / "logs" / f"ort-genai-builder-{precision}.log",
+                             f"onnxruntime-genai model builder -p {precision}")
+        shutil.rmtree(root / "models" / "builder-cache", ignore_errors=True)
+        return seconds
+
+    return built_model(root / "models" / f"ort-genai-{GENAI_VERSION}-{precision}", "genai_config.json", build,
+                       {"source": str(hf_dir), "precision": precision})
 
 
 def genai_weight_files(model_dir: Path) -> list[Path]:
@@ -481,23 +490,14 @@ def genai_weight_files(model_dir: Path) -> list[Path]:
 
 
 def ensure_openvino_model(python: Path, hf_dir: Path, root: Path) -> tuple[Path, dict]:
-    out = root / "models" / f"openvino-{OPENVINO_GENAI_VERSION}-int8"
-    marker = read_marker(out / MARKER)
-    if marker and (out / "openvino_model.xml").is_file():
-        return out, marker
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    cli = python.parent / "optimum-cli"
-    cmd = [str(cli), "export", "openvino", "--model", str(hf_dir), "--task", "text-generation-with-past",
-           "--weight-format", "int8", str(tmp)]
-    seconds = run_logged(cmd, root / "logs" / "openvino-export.log", "optimum-cli export openvino --weight-format int8",
-                         env={**os.environ, "HF_HUB_OFFLINE": "1"})  # a local folder: never the model hub
-    marker = {"source": str(hf_dir), "precision": "int8", "build_seconds": round(seconds, 1),
-              "built": datetime.datetime.now().isoformat(timespec="seconds")}
-    (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
-    return out, marker
+    def build(tmp: Path) -> float:
+        cmd = [str(python.parent / "optimum-cli"), "export", "openvino", "--model", str(hf_dir), "--task",
+               "text-generation-with-past", "--weight-format", "int8", str(tmp)]
+        return run_logged(cmd, root / "logs" / "openvino-export.log", "optimum-cli export openvino --weight-format int8",
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})  # a local folder: never the model hub
+
+    return built_model(root / "models" / f"openvino-{OPENVINO_GENAI_VERSION}-int8", "openvino_model.xml", build,
+                       {"source": str(hf_dir), "precision": "int8"})
 
 
 # ------------------------------------------------------------------------------- systems

@@ -8,25 +8,16 @@ which plain decoding must not pay for.
 
 from __future__ import annotations
 
-import argparse
 from importlib.metadata import version
 
-from protocol import Generation, TokenClock, fail_to_start, serve
+from protocol import Generation, TokenClock, serve, worker_args
 
 MODES = ("plain", "prompt-lookup")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--modes", default="plain,prompt-lookup")
-    ap.add_argument("--num-pred-tokens", type=int, default=2)
-    ap.add_argument("--n-ctx", type=int, default=1024)  # prompt + 128 new tokens; the draft mode keeps n_ctx x vocab logits
-    args = ap.parse_args()
-    modes = args.modes.split(",")
-    if set(modes) - set(MODES):
-        fail_to_start(f"unknown modes {sorted(set(modes) - set(MODES))}: llama.cpp serves {', '.join(MODES)}")
+    args = worker_args("llama.cpp", MODES, ("--num-pred-tokens", int, 2), ("--n-ctx", int, 1024))
+    modes = args.modes
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 

@@ -7,25 +7,16 @@ Each mode gets its own pipeline: prompt lookup runs on OpenVINO GenAI's continuo
 
 from __future__ import annotations
 
-import argparse
 from importlib.metadata import version
 
-from protocol import Generation, TokenClock, fail_to_start, serve
+from protocol import Generation, TokenClock, serve, worker_args
 
 MODES = ("plain", "prompt-lookup")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--modes", default="plain,prompt-lookup")
-    ap.add_argument("--ngram-size", type=int, default=3)
-    ap.add_argument("--draft-tokens", type=int, default=4)
-    args = ap.parse_args()
-    modes = args.modes.split(",")
-    if set(modes) - set(MODES):
-        fail_to_start(f"unknown modes {sorted(set(modes) - set(MODES))}: OpenVINO GenAI serves {', '.join(MODES)}")
+    args = worker_args("OpenVINO GenAI", MODES, ("--ngram-size", int, 3), ("--draft-tokens", int, 4))
+    modes = args.modes
     import numpy as np
     import openvino as ov
     import openvino_genai as ov_genai

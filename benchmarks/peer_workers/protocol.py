@@ -14,6 +14,7 @@ generated token to the last. Anything a library prints goes to stderr: stdout ca
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -82,6 +83,23 @@ def serve(modes: dict[str, str], versions: dict[str, str],
             traceback.print_exc(file=sys.stderr)
             reply = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(reply) + "\n")
+
+
+def worker_args(system: str, modes: Sequence[str], *extra: tuple[str, type, object]) -> argparse.Namespace:
+    """The options every peer worker takes (--model, --threads, --modes) plus its own (name, type, default);
+    --modes comes back as a list, checked against `modes`."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--modes", default=",".join(modes))
+    for name, kind, default in extra:
+        ap.add_argument(name, type=kind, default=default)
+    args = ap.parse_args()
+    args.modes = args.modes.split(",")
+    unknown = sorted(set(args.modes) - set(modes))
+    if unknown:
+        fail_to_start(f"unknown modes {unknown}: {system} serves {', '.join(modes)}")
+    return args
 
 
 def fail_to_start(message: str) -> None:
