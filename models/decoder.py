@@ -102,11 +102,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, scale in the input dtype (transformers' order). Written as x / sqrt(mean(x^2) + eps):
-        # the ONNX pattern (Pow, ReduceMean, Add, Sqrt, Div) that ONNX Runtime fuses into one
-        # SimplifiedLayerNormalization; F.rms_norm exports a Reciprocal that its fusion does not match.
-        h = x.float()
-        return self.weight * (h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        # Normalise in fp32, scale in the input dtype (transformers' order); one fused op for fp32.
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):

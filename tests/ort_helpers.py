@@ -35,9 +35,10 @@ def tiny_modules(arch: str, dtype: str = "float32", base_seed: int = BASE_SEED) 
 
 def tiny_artifact(root: Path, arch: str, dtype: str = "float32", tree: str | None = None,
                   draft_quant: str | None = None, weights: str | None = None) -> Path:
-    """Export tiny_modules(arch, dtype) to root/artifacts/<arch>-<dtype>[-<tree>][-<draft_quant>][-<weights>]
+    """Export tiny_modules(arch, dtype) to root/artifacts/<arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>]
     once per session."""
-    out = Path(root) / "artifacts" / "-".join(filter(None, (arch, dtype, tree, draft_quant, weights)))
+    parts = (arch, dtype, tree, draft_quant and f"drafts-{draft_quant}", weights and f"weights-{weights}")
+    out = Path(root) / "artifacts" / "-".join(filter(None, parts))
     if (out / MANIFEST_FILE).is_file():
         return out
     base, heads = tiny_modules(arch, dtype)
