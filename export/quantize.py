@@ -76,7 +76,7 @@ def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: i
     """Rewrite the fp32 graph at `path` with MatMulNBits weights computing at `accuracy_level`; returns how
     the token embedding is stored ("int4" or "float32": onnxruntime quantizes Gather to 4 bits only)."""
     onnx, _ = _onnx_quantization()
-    with root_logger_kept():  # importing it calls logging.basicConfig(level=INFO) for the whole process
+    with quiet_root_logger():  # importing it calls logging.basicConfig(level=INFO) for the whole process
         from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     model = onnx.load(str(path))
@@ -141,26 +141,17 @@ def quantize_draft_graph(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def root_logger_kept():
-    """Undo what the body does to the root logger's level and handlers."""
+def quiet_root_logger():
+    """Errors only from the root logger during the body, and its level and handlers as they were after it
+    (onnxruntime's quantizers log hints meant for CNNs, and one module calls logging.basicConfig on import)."""
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
-    try:
-        yield
-    finally:
-        root.setLevel(level)
-        root.handlers[:] = handlers
-
-
-@contextlib.contextmanager
-def quiet_root_logger():
-    root = logging.getLogger()
-    level = root.level
     root.setLevel(logging.ERROR)
     try:
         yield
     finally:
         root.setLevel(level)
+        root.handlers[:] = handlers
 
 
 QUANTIZED_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "MatMulNBits", "GatherBlockQuantized")
