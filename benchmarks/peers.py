@@ -667,20 +667,18 @@ def measure_bandwidth(array_bytes: int, repeats: int, readers: Sequence[int] = (
     return Bandwidth(array_bytes, repeats, samples)
 
 
+def proc_field(path: str, key: str) -> str:
+    """The value of the first `key: value` line of a /proc file ("" where there is none)."""
+    try:
+        return next((line.split(":", 1)[1].strip() for line in Path(path).read_text().splitlines()
+                     if line.startswith(key)), "")
+    except OSError:
+        return ""
+
+
 def machine_info() -> dict:
-    cpu = ""
-    try:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "")
-    except OSError:
-        pass
-    mem = ""
-    try:
-        mem = next((line.split(":", 1)[1].strip() for line in Path("/proc/meminfo").read_text().splitlines()
-                    if line.startswith("MemTotal")), "")
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory": mem, "platform": platform.platform(),
+    return {"cpu": proc_field("/proc/cpuinfo", "model name"), "cores": os.cpu_count(),
+            "memory": proc_field("/proc/meminfo", "MemTotal"), "platform": platform.platform(),
             "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
 

@@ -133,10 +133,8 @@ def runnable_by_ort(path: Path):
         tmp.unlink(missing_ok=True)
 
 
-def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int = 0,
-                      reference: GraphDef | None = None) -> Parity:
-    """ONNX Runtime (CPU) against PyTorch on random inputs of each of `sizes`. The PyTorch side runs
-    `reference` (default: `graph` itself; for float16 graphs pass graphs.float32_twin(graph))."""
+def checking_session(path: Path):
+    """A CPU InferenceSession on `path` (plugin graphs through runnable_by_ort) for the export-time checks."""
     try:
         import onnxruntime as ort
     except ImportError as e:
@@ -145,7 +143,14 @@ def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     with runnable_by_ort(path) as runnable:
-        session = ort.InferenceSession(str(runnable), opts, providers=["CPUExecutionProvider"])
+        return ort.InferenceSession(str(runnable), opts, providers=["CPUExecutionProvider"])
+
+
+def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int = 0,
+                      reference: GraphDef | None = None) -> Parity:
+    """ONNX Runtime (CPU) against PyTorch on random inputs of each of `sizes`. The PyTorch side runs
+    `reference` (default: `graph` itself; for float16 graphs pass graphs.float32_twin(graph))."""
+    session = checking_session(path)
     errors = dict.fromkeys(graph.outputs, 0.0)
     scales = dict.fromkeys(graph.outputs, 0.0)
     g = torch.Generator().manual_seed(seed)
@@ -167,11 +172,7 @@ def greedy_agreement(base: Decoder, path: Path, prompts: list[list[int]], new_to
     """How often the base graph at `path` picks fp32 PyTorch's greedy token: PyTorch decodes each prompt
     greedily, then the graph reads the same sequence in one prefill (teacher forcing) and its argmax is
     compared with PyTorch's choice at every generated position."""
-    import onnxruntime as ort
-
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    session = checking_session(path)
     c = base.config
     agree = total = 0
     for prompt in prompts:

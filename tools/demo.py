@@ -28,8 +28,8 @@ def heads_digest(heads: str) -> str:
 
 def cached_artifact(base: str, heads: str, weights: str | None = "int4", draft_quant: str | None = None) -> Path:
     """The artifact for (base, heads) in the cache, exported first if it is missing or invalid. int4 weights
-    by default: on CPU the fastest artifact that keeps the heads' acceptance (SmolLM2: plain decoding 1.45x
-    the fp32 base's, acceptance within 10%); weights=None, draft_quant="int8": the fp32 base graph."""
+    by default: on CPU the fastest artifact that keeps the heads' acceptance (SmolLM2, benchmarks/peers.py:
+    plain decoding 1.74x the fp32 base's; acceptance within 4%); weights=None, draft_quant="int8": the fp32 base graph."""
     from clover.export.artifact import export_artifact
     from clover.export.config import ExportConfig
     from clover.models.smollm2 import cache_dir, resolve_base
