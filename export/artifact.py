@@ -24,7 +24,7 @@ from clover.atomic import publish_folder
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
-from clover.export.onnx_graph import check_onnx, onnx_from_torch, parity_with_torch
+from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch, parity_with_torch
 from clover.models.decoder import Decoder
 from clover.models.heads import BaseFingerprint, DraftHeads
 from clover.runtime.artifact import (
@@ -92,9 +92,12 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
         raise CloverError(f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}")
     tree = default_tree(heads, config.tree)
     max_context = resolve_max_context(base, config.max_context)
-    graphs = [base_graph(base, config.attention)] + (draft_graphs(heads) if heads is not None else [])
+    # The fused base is written from the module's weights (export/fused_graph.py); the portable GraphDef is
+    # its PyTorch reference and example maker all the same.
+    traced = "portable" if config.attention == "fused" else config.attention
+    graphs = [base_graph(base, traced)] + (draft_graphs(heads) if heads is not None else [])
     # No --tree: time the candidate trees on the graphs (ONNX Runtime on this machine) and keep the fastest.
-    time_trees = config.tree is None and heads is not None and config.backend == "onnx" and config.attention == "portable"
+    time_trees = config.tree is None and heads is not None and config.backend == "onnx" and config.attention != "plugin"
     steps = len(graphs) + 1 + (config.backend == "trt") + time_trees
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -105,7 +108,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
         for i, graph in enumerate(graphs, 1):
             t0 = time.perf_counter()
             say(f"[{i}/{steps}] {graph.name}: exporting {graph.name}.onnx")
-            specs[graph.name], errors = checked_onnx_from_torch(graph, tmp, config)
+            specs[graph.name], errors = checked_onnx_from_torch(graph, tmp, config, max_context)
             if errors is not None:
                 parity[graph.name] = errors
             say(f"      {progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)")
@@ -135,10 +138,10 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
                     raise CloverError(
                         f"the {config.weights} base graph picks fp32's greedy token at only {agreement['top1']:.0%} of "
                         f"positions (< {BROKEN_AGREEMENT:.0%}): this is a clover-export bug, please report it")
-            from clover.export.quantize import ACCURACY_LEVEL, DRAFT_ACCURACY_LEVEL, SYMMETRIC
+            from clover.export.quantize import DRAFT_ACCURACY_LEVEL, SYMMETRIC, base_accuracy_level
 
-            weights = WeightsSpec(config.weights, config.block_size, SYMMETRIC, ACCURACY_LEVEL, DRAFT_ACCURACY_LEVEL,
-                                  embedding, agreement)
+            weights = WeightsSpec(config.weights, config.block_size, SYMMETRIC, base_accuracy_level(config.attention),
+                                  DRAFT_ACCURACY_LEVEL, embedding, agreement)
         engines = {}
         if config.backend == "trt":
             from clover.export.engines import build_engines
@@ -174,11 +177,18 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
 
 # -- steps ---------------------------------------------------------------------------------------------
 
-def checked_onnx_from_torch(graph: GraphDef, out_dir: Path,
-                            config: ExportConfig) -> tuple[GraphSpec, dict[str, float] | None]:
-    """Export one graph, run the ONNX checker on it, and (config.verify) its parity check. bfloat16
-    graphs get the checker only: ONNX Runtime's CPU provider has no bf16 kernels for most ops."""
-    spec = onnx_from_torch(graph, out_dir, config.opset)
+def checked_onnx_from_torch(graph: GraphDef, out_dir: Path, config: ExportConfig,
+                            max_context: int) -> tuple[GraphSpec, dict[str, float] | None]:
+    """Export one graph (the fused base: written from its weights), run the ONNX checker on it, and
+    (config.verify) its parity check. bfloat16 graphs get the checker only: ONNX Runtime's CPU provider
+    has no bf16 kernels for most ops."""
+    if graph.name == "base" and config.attention == "fused":
+        from clover.export.fused_graph import write_fused_base
+
+        write_fused_base(graph.module.base, out_dir / "base.onnx", max_context)
+        spec = graph_spec(out_dir / "base.onnx")
+    else:
+        spec = onnx_from_torch(graph, out_dir, config.opset)
     check_onnx(out_dir / spec.file)
     verify = config.verify and config.dtype != "bfloat16"
     return spec, verified_parity(graph, out_dir / spec.file, config.dtype) if verify else None
@@ -199,9 +209,9 @@ def quantized(graph: GraphDef, path: Path, config: ExportConfig) -> dict[str, fl
 def weights_quantized(graph: GraphDef, path: Path, config: ExportConfig) -> tuple[str, dict[str, float] | None]:
     """--weights: rewrite the checked fp32 graph with MatMulNBits weights, then (config.verify) measure how
     far it is from fp32 PyTorch. Returns how the token embedding is stored, and the errors."""
-    from clover.export.quantize import ACCURACY_LEVEL, DRAFT_ACCURACY_LEVEL, quantize_weights
+    from clover.export.quantize import DRAFT_ACCURACY_LEVEL, base_accuracy_level, quantize_weights
 
-    level = ACCURACY_LEVEL if graph.name == "base" else DRAFT_ACCURACY_LEVEL
+    level = base_accuracy_level(config.attention) if graph.name == "base" else DRAFT_ACCURACY_LEVEL
     embedding = quantize_weights(path, config.weights, config.block_size, level)
     check_onnx(path)
     if not config.verify:

@@ -8,7 +8,7 @@ from clover.errors import CloverError
 
 BACKENDS = ("onnx", "trt")
 DTYPES = ("float32", "float16", "bfloat16")
-ATTENTION = ("portable", "plugin")
+ATTENTION = ("portable", "plugin", "fused")
 DRAFT_QUANT = ("int8",)
 WEIGHTS = ("int8", "int4")  # weight-only MatMulNBits schemes (clover-export --weights)
 OPSETS = range(18, 24)  # torchlib implements 18+; 23 is the newest torch.onnx targets
@@ -24,7 +24,9 @@ class ExportConfig:
       typed engines in this precision. bfloat16 is for TensorRT (ONNX Runtime's CPU provider lacks
       bf16 kernels, so its export-time check is the ONNX checker only).
     attention: "portable": standard ONNX ops with an explicit mask; "plugin": one tree-attention node
-      per decoder layer for the TensorRT plugin (DESIGN.md). Same graph inputs and outputs.
+      per decoder layer for the TensorRT plugin (DESIGN.md). Same graph inputs and outputs. "fused": the
+      base written as ONNX Runtime's fused CPU operators (GroupQueryAttention writing the KV cache in
+      place, SkipSimplifiedLayerNormalization; export/fused_graph.py): ONNX Runtime only, float32.
     opset: default-domain ONNX opset.
     tree: default token tree recorded in the manifest (any tree runs on ONNX Runtime: the tree dims are
       dynamic); None: mc26, pruned to the heads' depth.
@@ -35,7 +37,8 @@ class ExportConfig:
     draft_quant: "int8": the draft graphs' matmul weights in int8 (ONNX Runtime's dynamic quantization;
       the base graph keeps `dtype`, so the output is unchanged); None: the draft graphs in `dtype`.
     weights: "int8" | "int4": every linear of every graph (the LM head included; for int4 the token
-      embedding too) as ONNX Runtime's blockwise MatMulNBits / GatherBlockQuantized (fp32 compute). The output changes with the weights: losslessness is against plain decoding of this graph.
+      embedding too) as ONNX Runtime's blockwise MatMulNBits / GatherBlockQuantized. The output changes
+      with the weights: losslessness is against plain decoding of this graph.
     block_size: input channels per quantization block (a power of two, >= 16) with `weights`.
     verify: run every graph once on ONNX Runtime against PyTorch and record the max abs error.
     """
@@ -73,12 +76,15 @@ class ExportConfig:
             if self.backend != "onnx" or self.dtype != "float32":
                 raise CloverError("--draft-quant int8 quantizes float32 draft graphs for ONNX Runtime: use it with "
                                   "--backend onnx --dtype float32 (TensorRT engines take --dtype float16/bfloat16)")
+        if self.attention == "fused" and (self.backend != "onnx" or self.dtype != "float32"):
+            raise CloverError("--attention fused writes ONNX Runtime's CPU operators: use it with --backend onnx "
+                              "--dtype float32 (TensorRT takes --attention portable or plugin)")
         if self.weights is not None:
             if self.weights not in WEIGHTS:
                 raise CloverError(f"unknown --weights {self.weights!r}: use one of {', '.join(WEIGHTS)}")
-            if self.backend != "onnx" or self.dtype != "float32" or self.attention != "portable":
+            if self.backend != "onnx" or self.dtype != "float32" or self.attention == "plugin":
                 raise CloverError(f"--weights {self.weights} quantizes float32 graphs for ONNX Runtime: use it with "
-                                  "--backend onnx --dtype float32 --attention portable")
+                                  "--backend onnx --dtype float32 and --attention fused or portable")
             if self.draft_quant is not None:
                 raise CloverError(f"--weights {self.weights} already quantizes the draft graphs: drop --draft-quant")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):

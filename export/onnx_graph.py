@@ -146,6 +146,46 @@ def checking_session(path: Path):
         return ort.InferenceSession(str(runnable), opts, providers=["CPUExecutionProvider"])
 
 
+def shares_kv_buffers(session) -> bool:
+    """Whether a base graph writes its KV cache in place (--attention fused): its present outputs are the
+    whole [batch, Hkv, slots, D] buffers bound as the past inputs, not the new tokens' rows."""
+    return any(o.name.startswith("present.") and o.shape[2] == "slots" for o in session.get_outputs())
+
+
+def run_checked(session, outputs: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """session.run, with the portable graphs' output convention for in-place KV graphs: each past input is
+    copied into a buffer with room for the new rows, bound as both past and present, and present.* is
+    returned as the new rows of each sequence ([batch, Hkv, new, D], what the portable graph returns)."""
+    if not shares_kv_buffers(session):
+        return session.run(outputs, feeds)
+    import onnxruntime as ort
+
+    binding = session.io_binding()
+    new, lengths = feeds["input_ids"].shape[1], feeds["past_lengths"]
+    buffers = {}
+    for name, value in feeds.items():
+        if name.startswith("past_key_values."):
+            B, H, P, D = value.shape
+            buf = np.zeros((B, H, P + new, D), value.dtype)
+            buf[:, :, :P] = value
+            buffers[name] = buf
+            kv = ort.OrtValue.ortvalue_from_numpy(buf)
+            binding.bind_ortvalue_input(name, kv)
+            binding.bind_ortvalue_output("present." + name.removeprefix("past_key_values."), kv)
+        else:
+            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+    plain = [o for o in outputs if not o.startswith("present.")]
+    for name in plain:
+        binding.bind_output(name, "cpu")
+    session.run_with_iobinding(binding)
+    got = dict(zip(plain, binding.copy_outputs_to_cpu()[-len(plain):] if plain else []))
+    for name in outputs:
+        if name.startswith("present."):
+            buf = buffers["past_key_values." + name.removeprefix("present.")]
+            got[name] = np.stack([buf[b, :, int(p):int(p) + new] for b, p in enumerate(lengths)])
+    return [got[o] for o in outputs]
+
+
 def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int = 0,
                       reference: GraphDef | None = None) -> Parity:
     """ONNX Runtime (CPU) against PyTorch on random inputs of each of `sizes`. The PyTorch side runs
@@ -158,7 +198,7 @@ def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int
         inputs = graph.example(s, g)
         ref_inputs = inputs if reference is None else tuple(t.float() if t.is_floating_point() else t for t in inputs)
         want = reference_outputs(reference or graph, ref_inputs)
-        got = session.run(list(graph.outputs), {n: t.numpy() for n, t in zip(graph.inputs, inputs)})
+        got = run_checked(session, list(graph.outputs), {n: t.numpy() for n, t in zip(graph.inputs, inputs)})
         for name, a, b in zip(graph.outputs, got, want):
             if a.shape != tuple(b.shape):
                 raise CloverError(f"{path.name}: output {name} has shape {a.shape}, PyTorch gives {tuple(b.shape)}")
@@ -188,7 +228,7 @@ def greedy_agreement(base: Decoder, path: Path, prompts: list[list[int]], new_to
         feeds = {"input_ids": ids.numpy(), "position_ids": np.arange(T)[None], "tree_mask": np.tri(T, dtype=bool)[None],
                  "past_lengths": np.zeros(1, np.int64), "logit_rows": np.arange(P - 1, T - 1),
                  **{n: empty for n in kv_names("past_key_values", c.num_layers)}}
-        logits = session.run(["logits"], feeds)[0][0]  # [new_tokens, V]: the choice of each generated token
+        logits = run_checked(session, ["logits"], feeds)[0][0]  # [new_tokens, V]: the choice of each generated token
         agree += int((logits.argmax(-1) == ids[0, P:].numpy()).sum())
         total += new_tokens
     return {"prompts": len(prompts), "positions": total, "top1": agree / total if total else 1.0}

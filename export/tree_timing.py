@@ -26,10 +26,12 @@ NEW_TOKENS = 40  # per prompt and tree, prefill excluded
 ROUNDS = 2  # interleaved, so machine noise hits every tree alike
 
 
-def candidate_trees(max_depth: int | None) -> list[Tree]:
-    """Plain decoding and the named trees the heads can draft (Medusa / Clover heads have a fixed depth)."""
+def candidate_trees(max_depth: int | None, chains_only: bool = False) -> list[Tree]:
+    """Plain decoding and the named trees the heads can draft (Medusa / Clover heads have a fixed depth) and
+    the base verifies exactly (RunnerInfo.chains_only)."""
     trees = [compile_tree([], name="plain")]
-    return trees + [t for t in map(resolve_tree, CANDIDATES) if max_depth is None or t.max_depth <= max_depth]
+    return trees + [t for t in map(resolve_tree, CANDIDATES)
+                    if (max_depth is None or t.max_depth <= max_depth) and (t.is_chain or not chains_only)]
 
 
 def decode_seconds(runner, prompt: list[int], tree: Tree, new_tokens: int) -> tuple[int, float]:
@@ -59,7 +61,7 @@ def fastest_tree(root: Path, manifest: Manifest, threads: int = 0,
     tokenizer = Tokenizer.from_dir(root / manifest.tokenizer)
     prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     runner = OrtRunner(root, manifest, use_heads=True, options=OrtOptions(threads=threads, checksums=False))
-    trees = candidate_trees(manifest.heads.max_depth if manifest.heads else None)
+    trees = candidate_trees(manifest.heads.max_depth if manifest.heads else None, runner.info.chains_only)
     decode_seconds(runner, prompts[0], trees[-1], 4)  # warm-up: first-run allocations off the clock
     totals = {t.name: [0, 0.0] for t in trees}
     for r in range(ROUNDS):

@@ -140,7 +140,7 @@ class WeightsSpec:
 class Manifest:
     backend: str  # "onnx" | "trt" (ONNX graphs plus TensorRT engines built from them)
     dtype: str  # float32 | float16 | bfloat16
-    attention: str  # portable | plugin
+    attention: str  # portable | plugin | fused
     opset: int
     max_context: int  # longest sequence the artifact serves
     base_config: dict[str, Any]  # clover.models.config.BaseConfig.to_dict()

@@ -28,6 +28,16 @@ class RunnerInfo:
     heads_max_depth: int | None  # deepest tree the heads can draft (None: any)
     heads_name: str = "none"  # what --heads named, for reports
     default_tree: Tree | None = None  # the tree an exported artifact was built for (used when none is asked)
+    # The base verifies chains bit for bit like plain steps but not branching trees (a fused graph with int8
+    # compute, ort_backend.py): a branching tree could change the output, so it is refused.
+    chains_only: bool = False
+
+    def check_tree(self, tree: Tree) -> None:
+        """One-line error for a tree this runner cannot verify losslessly."""
+        if self.chains_only and not tree.is_chain:
+            raise CloverError(
+                f"tree {tree.name} branches, but this artifact's base graph (fused attention, int8 compute) verifies "
+                "only chains exactly: use plain or chain-N, or export with --attention portable for branching trees")
 
 
 class EngineClock:
@@ -90,6 +100,9 @@ class Runner(abc.ABC):
         (row i attends to new token j). Returns logits [T, V] float32 ([1, V] if last_only)."""
         T = tokens.shape[0]
         assert depths.shape == (T,) and mask.shape == (T, T), "runner.forward: inconsistent shapes"
+        if self.info.chains_only and not np.array_equal(mask, np.tri(T, dtype=bool)):
+            raise CloverError("this artifact's base graph verifies only chains exactly (fused attention, int8 compute): "
+                              "use plain or chain-N trees")
         if self._past + T > self._capacity:
             raise CloverError(f"{T} new tokens after {self._past} cached exceed the sequence capacity {self._capacity}")
         self._pending = T

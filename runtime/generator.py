@@ -73,6 +73,7 @@ class Generator:
             self.tree = info.default_tree or default_tree(info.heads_max_depth)
         else:
             self.tree = resolve_tree(tree) if isinstance(tree, str) else tree
+        info.check_tree(self.tree)
         if info.heads_max_depth is not None and self.tree.max_depth > info.heads_max_depth:
             raise CloverError(
                 f"tree {self.tree.name} has depth {self.tree.max_depth} but {info.heads} heads draft at most "

@@ -3,9 +3,17 @@
 KV cache. Each layer's K and V live in one preallocated numpy buffer [1, Hkv, slots, D], bound as the
 graph's past inputs through IOBinding; on the CPU an OrtValue over a numpy array shares its memory, so
 the graph reads the cache where it lies and nothing is copied per step. `past_lengths` masks the slots
-not yet filled. The graph returns only the new tokens' K/V; `commit` writes the accepted rows of those
-into the next slots in place (m rows per layer, never the whole cache). The heads' augmenting-block
-cache works the same way.
+not yet filled. A portable graph returns only the new tokens' K/V; `commit` writes the accepted rows of
+those into the next slots in place (m rows per layer, never the whole cache). The heads' augmenting-block
+cache works the same way. A fused graph (--attention fused) writes the new rows into the buffer itself
+(the buffers are bound as its present outputs too); `commit` then only moves an accepted tree path's rows
+to contiguous slots, and nothing for a chain.
+
+Fused graphs and 1-token steps. onnxruntime's attention kernel computes a 1-row step with other matrix
+kernels than a step of 2 or more rows, and the results differ in the last bits; int8-activation weights
+(MatMulNBits accuracy level 4) amplify that into different tokens. Every row of a step of >= 2 rows is
+computed bitwise alike, so 1-token steps (plain decoding, prefill of one token) run with a second, masked
+dummy row: a chain verify then equals plain decoding bit for bit, at ~15% of a plain step's cost.
 
 Attention also reads the masked slots, so the buffers are not sized to the sequence capacity up front
 (a 4,000-token budget would make every early step read 4,000 slots): they start at `cache_block` slots
@@ -31,6 +39,7 @@ from clover.runtime.backend import EngineClock, Runner, RunnerInfo
 from clover.runtime.tree import compile_tree
 
 PAST, PRESENT = "past_key_values", "present"
+PAD_MASK = np.tri(2, dtype=bool)  # a 1-token step and its masked dummy row
 
 
 def _ort():
@@ -89,11 +98,15 @@ class Graph:
         self._keep: dict[str, np.ndarray] = {}  # bound arrays must outlive the run
         self.out_dtypes = {t.name: np.dtype(t.dtype) for t in spec.outputs}
 
-    def bind(self, name: str, array: np.ndarray) -> None:
-        """Bind a host array as an input without copying it (it must stay alive and unchanged until run)."""
+    def bind(self, name: str, array: np.ndarray, output: str | None = None) -> None:
+        """Bind a host array as an input without copying it (it must stay alive and unchanged until run);
+        with `output`, also as that output: the graph updates it in place."""
         array = np.ascontiguousarray(array)
         self._keep[name] = array
-        self.binding.bind_ortvalue_input(name, self._ortvalue(array))
+        value = self._ortvalue(array)
+        self.binding.bind_ortvalue_input(name, value)
+        if output is not None:
+            self.binding.bind_ortvalue_output(output, value)
 
     def run(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
         """Run with every output written straight into a new array of the given shape."""
@@ -106,9 +119,11 @@ class Graph:
 
 
 class KVCache:
-    """Per-layer K and V buffers [1, Hkv, slots, D] bound as a graph's past inputs; slots grow by doubling."""
+    """Per-layer K and V buffers [1, Hkv, slots, D] bound as a graph's past inputs (and, `shared`, as its
+    present outputs); slots grow by doubling."""
 
-    def __init__(self, spec: GraphSpec, slots: int) -> None:
+    def __init__(self, spec: GraphSpec, slots: int, shared: bool = False) -> None:
+        self.shared = shared
         self.names = [t.name for t in spec.inputs if t.name.startswith(PAST + ".")]
         first = spec.input(self.names[0]) if self.names else None
         self.kv_heads, self.head_dim = (first.shape[1], first.shape[3]) if first else (0, 0)
@@ -128,7 +143,7 @@ class KVCache:
     def bind(self, graph: Graph) -> None:
         self.graph = graph
         for name, buf in zip(self.names, self.buffers):
-            graph.bind(name, buf)
+            graph.bind(name, buf, output=PRESENT + name[len(PAST):] if self.shared else None)
 
     def ensure(self, needed: int, filled: int, limit: int) -> None:
         """Make room for `needed` slots (at most `limit`), keeping the first `filled`."""
@@ -142,6 +157,11 @@ class KVCache:
 
     def present_shapes(self, rows: int) -> dict[str, tuple[int, ...]]:
         return {PRESENT + n[len(PAST):]: (1, self.kv_heads, rows, self.head_dim) for n in self.names}
+
+    def move(self, start: int, rows: np.ndarray) -> None:
+        """Shared buffers: move slots start + rows to start, start + 1, ... (an accepted tree path)."""
+        for buf in self.buffers:
+            buf[0, :, start:start + len(rows)] = buf[0][:, start + rows]  # fancy indexing reads (copies) first
 
     def write(self, start: int, outputs: dict[str, np.ndarray], rows: np.ndarray | None, count: int) -> None:
         """Copy `count` new rows (the rows `rows` of `present`, or its first `count`) to slots start.."""
@@ -160,6 +180,7 @@ class OrtRunner(Runner):
         self.manifest, self.options = manifest, options
         self.engine_clock = clock = EngineClock()
         self.base = Graph(root, manifest.graphs["base"], so, clock)
+        self.fused = manifest.attention == "fused"  # in-place KV cache, steps of >= 2 rows (module doc)
         self.vocab_size = int(self.base.spec.output("logits").shape[-1])
         self.hidden_size = int(self.base.spec.output("hidden_states").shape[-1])
         heads = manifest.heads if use_heads else None
@@ -176,6 +197,7 @@ class OrtRunner(Runner):
             heads_max_depth=heads.max_depth if heads is not None else None,
             heads_name=heads.name if heads is not None else "none",
             default_tree=compile_tree(tree["choices"], tree["name"]) if tree else None,
+            chains_only=self.fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
         )
         self.cache: KVCache | None = None
         self.head_cache: KVCache | None = None
@@ -187,7 +209,7 @@ class OrtRunner(Runner):
     def _reset(self, capacity: int) -> None:
         slots = min(capacity, self.options.cache_block)
         if self.cache is None or self.cache.slots != slots:
-            self.cache = KVCache(self.base.spec, slots)
+            self.cache = KVCache(self.base.spec, slots, shared=self.fused)
             self.cache.bind(self.base)
             if self.begin is not None:
                 self.head_cache = KVCache(self.begin.spec, slots)
@@ -199,22 +221,27 @@ class OrtRunner(Runner):
     def _forward(self, tokens, depths, mask, last_only):
         P, T = self._past, tokens.shape[0]
         rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
-        self.cache.ensure(P + T, P, self._capacity)
+        if self.fused and T == 1:  # a masked second row: see "Fused graphs and 1-token steps" above
+            tokens, depths, mask, T = np.repeat(tokens, 2), np.array([depths[0], depths[0] + 1]), PAD_MASK, 2
+        self.cache.ensure(P + T, P, self._capacity + self.fused)  # + the pad row of the last step
         g = self.base
         g.bind("input_ids", tokens.astype(np.int64, copy=False)[None])
         g.bind("position_ids", (P + depths.astype(np.int64))[None])
         g.bind("tree_mask", mask.astype(bool, copy=False)[None])
         g.bind("past_lengths", np.array([P], dtype=np.int64))
         g.bind("logit_rows", rows)
+        present = {} if self.fused else self.cache.present_shapes(T)
         self._last = g.run({"logits": (1, len(rows), self.vocab_size), "hidden_states": (1, T, self.hidden_size),
-                            **self.cache.present_shapes(T)})
+                            **present})
         return self._last["logits"][0].astype(np.float32, copy=False)
 
     def _commit(self, path, next_tokens):
         P, m = self._past, len(path)
         contiguous = bool(path[0] == 0 and path[-1] == m - 1)  # prefill / plain step: no gather
-        rows = None if contiguous else path
-        self.cache.write(P, self._last, rows, m)
+        if not self.fused:
+            self.cache.write(P, self._last, None if contiguous else path, m)
+        elif not contiguous:  # the graph wrote the rows at slots P + node: gather the path
+            self.cache.move(P, path)
         hidden = self._last["hidden_states"][:, :m] if contiguous else self._last["hidden_states"][:, path]  # [1, m, H]
         if self.medusa is not None:
             self._medusa_hidden = hidden[:, -1:]  # its heads only read the last accepted token's state
@@ -283,7 +310,7 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
     """
     options = OrtOptions(threads=threads, spin=spin, checksums=checksums, cache_block=cache_block)
     manifest = open_artifact(artifact, checksums=options.checksums)
-    if manifest.attention != "portable":
+    if manifest.attention == "plugin":
         raise CloverError(
             f"artifact {artifact} was exported with --attention {manifest.attention}: its tree-attention nodes are "
             "TensorRT plugins that ONNX Runtime cannot run; use --backend trt, or export with --attention portable")

@@ -65,6 +65,11 @@ class Tree:
     levels: tuple[np.ndarray, ...]
     max_children: int
 
+    @property
+    def is_chain(self) -> bool:
+        """No node has two children (plain decoding included): every node's ancestors precede it contiguously."""
+        return self.max_children <= 1
+
 
 def _fmt(path: Sequence[Any]) -> str:
     return "[" + ", ".join(str(x) for x in path) + "]"

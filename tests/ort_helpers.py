@@ -34,19 +34,19 @@ def tiny_modules(arch: str, dtype: str = "float32", base_seed: int = BASE_SEED) 
 
 
 def tiny_artifact(root: Path, arch: str, dtype: str = "float32", tree: str | None = None,
-                  draft_quant: str | None = None, weights: str | None = None) -> Path:
-    """Export tiny_modules(arch, dtype) to root/artifacts/<arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>]
-    once per session."""
-    parts = (arch, dtype, tree, draft_quant and f"drafts-{draft_quant}", weights and f"weights-{weights}")
+                  draft_quant: str | None = None, weights: str | None = None, attention: str = "portable") -> Path:
+    """Export tiny_modules(arch, dtype) to
+    root/artifacts/<arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>][-<attention>] once per session."""
+    parts = (arch, dtype, tree, draft_quant and f"drafts-{draft_quant}", weights and f"weights-{weights}",
+             attention if attention != "portable" else None)
     out = Path(root) / "artifacts" / "-".join(filter(None, parts))
     if (out / MANIFEST_FILE).is_file():
         return out
     base, heads = tiny_modules(arch, dtype)
     tokenizer = tiny_tokenizer_dir(Path(root) / "artifacts" / "tokenizer")
     name = f"random:{arch}:{HEADS_SEED}" if heads is not None else "none"
-    return artifact_from_modules(base, heads, tokenizer, out, ExportConfig(dtype=dtype, tree=tree, draft_quant=draft_quant,
-                                                                            weights=weights),
-                                 heads_name=name)
+    config = ExportConfig(dtype=dtype, tree=tree, draft_quant=draft_quant, weights=weights, attention=attention)
+    return artifact_from_modules(base, heads, tokenizer, out, config, heads_name=name)
 
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 3, 90, 12, 13, 14, 15, 16, 17, 18]]  # as tests/runtime/test_loop.py

@@ -1,0 +1,201 @@
+"""The base decoder as ONNX Runtime's fused CPU operators (`clover-export --attention fused`).
+
+The portable graph is what torch.onnx traces from `Decoder`: about 1,000 small nodes per step, and
+attention split into a past part and a new part. On a 2-core CPU decoding SmolLM2 int4, that structure,
+not the weights, costs most of a step. This builder writes the same decoder directly as the contrib
+operators onnxruntime-genai's graphs use, one per job:
+
+    Gather / RMSNormalization                       token embedding, first norm
+    per layer:  MatMul (q, k, v packed)  ->  GroupQueryAttention (RoPE, KV cache, tree mask)
+                MatMul (o)  ->  SkipSimplifiedLayerNormalization (residual + norm)
+                MatMul (gate), MatMul (up), SiLU * up  ->  MatMul (down)  ->  SkipSimplifiedLayerNormalization
+    Gather(logit_rows)  ->  MatMul (LM head)
+
+About 11 nodes per layer; `clover-export --weights` then turns every MatMul into MatMulNBits.
+
+KV cache. GroupQueryAttention writes the new tokens' K/V into the cache buffer itself and attends over
+that one buffer: `past_key_values.{i}.*` and `present.{i}.*` are bound to the same [batch, Hkv, slots, D]
+array (onnxruntime shares them when the pointers are equal). Row s of a step sits at slot
+past_length + s; after acceptance the runtime moves the accepted path's rows to contiguous slots
+(nothing moves for a chain). Attending over one buffer, a chain's rows see exactly the keys a 1-token
+step would, at the same slots: a chain verify and plain steps compute the same sums.
+
+Tree mask. Row s attends causally (slots <= past + s) plus the additive `attention_bias` built once per
+step from `tree_mask`: 0 for past slots and the row's ancestors, -inf for the other new rows. Positions
+(RoPE) come from `position_ids` (past length + depth), not from slots.
+
+Same inputs and outputs as the portable graph, except that present.{i}.* are the whole buffers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from clover.errors import CloverError
+from clover.models.decoder import Decoder
+
+MS = "com.microsoft"
+OPSET = 23  # RMSNormalization
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to(torch.float32).cpu().numpy()
+
+
+def check_fusable(base: Decoder) -> None:
+    """One-line errors for the decoders this builder does not write."""
+    cfg = base.config
+    if cfg.sliding_window is not None:
+        raise CloverError(f"--attention fused has no sliding window, but this {cfg.architecture} uses a "
+                          f"{cfg.sliding_window}-token window: export it with --attention portable")
+    if next(base.parameters()).dtype != torch.float32:
+        raise CloverError("--attention fused writes float32 graphs for ONNX Runtime's CPU kernels: use --dtype float32")
+
+
+def rope_caches(base: Decoder, max_context: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_context, D/2] in float32, computed as Decoder's rope_cos_sin does (same products)."""
+    positions = torch.arange(max_context, dtype=torch.int64).float()[:, None]
+    freqs = positions * base.inv_freq.float()
+    return freqs.cos().numpy(), freqs.sin().numpy()
+
+
+def fused_base_model(base: Decoder, max_context: int):
+    """The base decoder as an onnx.ModelProto of fused ONNX Runtime operators (see the module doc)."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    check_fusable(base)
+    cfg = base.config
+    H, Hq, Hkv, D, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    nodes: list = []
+    inits: list = []
+
+    def init(name: str, array: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def node(op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "", name: str = "", **attrs) -> list[str]:
+        name = name or f"{op}_{len(nodes)}"
+        outs = [f"{name}/out{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
+        nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain, **attrs))
+        return outs
+
+    def linear(x: str, layer: torch.nn.Linear, name: str) -> str:
+        # MatMul with the weight as [in, out]: the form MatMulNBitsQuantizer takes (quant axis 0).
+        y = node("MatMul", [x, init(f"{name}.weight", _np(layer.weight).T)], name=name)[0]
+        if layer.bias is not None:
+            y = node("Add", [y, init(f"{name}.bias", _np(layer.bias))], name=f"{name}.bias_add")[0]
+        return y
+
+    eps = float(cfg.rms_norm_eps)
+    cos, sin = rope_caches(base, max_context + 1)  # + the runtime's pad row after the last token
+    init("cos_cache", cos)
+    init("sin_cache", sin)
+    init("zero_i64", np.array(0, np.int64))
+    init("one_i64", np.array(1, np.int64))
+    init("axis0", np.array([0], np.int64))
+    init("axis1", np.array([1], np.int64))
+    init("neg_inf", np.array(-np.inf, np.float32))
+    init("zero_f", np.array(0.0, np.float32))
+
+    # Per-step scalars shared by every layer: seqlens_k = past + new - 1 per sequence, the total length.
+    new = node("Gather", [node("Shape", ["input_ids"], name="ids_shape")[0], "one_i64"], name="new_len", axis=0)[0]
+    total = node("Add", ["past_lengths", new], name="totals")[0]  # [B]
+    seqlens_k = node("Cast", [node("Sub", [total, "one_i64"], name="seqlens_sub")[0]], name="seqlens_k", to=TensorProto.INT32)[0]
+    total_max = node("ReduceMax", [total], name="total_max", keepdims=0)[0]
+    total_len = node("Cast", [total_max], name="total_sequence_length", to=TensorProto.INT32)[0]
+
+    # attention_bias [B, 1, new, total]: key slot j of sequence b is a past slot (j < past_b) or new row
+    # j - past_b, which row s may see iff tree_mask[b, s, j - past_b].
+    slots = node("Range", ["zero_i64", total_max, "one_i64"], name="slots")[0]  # [total]
+    rel = node("Sub", [node("Unsqueeze", [slots, "axis0"], name="slots_row")[0],
+                       node("Unsqueeze", ["past_lengths", "axis1"], name="past_col")[0]], name="rel")[0]  # [B, total]
+    last_row = node("Sub", [new, "one_i64"], name="last_row")[0]
+    index = node("Clip", [rel, "zero_i64", last_row], name="rel_clip")[0]  # [B, total]
+    mask_shape = node("Shape", ["tree_mask"], name="mask_shape")[0]  # [B, new, new]
+    index_shape = node("Concat", [node("Slice", [mask_shape, "axis0", node("Constant", [], name="two", value=numpy_helper.from_array(np.array([2], np.int64)))[0]], name="bn")[0],
+                                  node("Unsqueeze", [total_max, "axis0"], name="total_1d")[0]], name="index_shape", axis=0)[0]
+    index_rows = node("Expand", [node("Unsqueeze", [index, "axis1"], name="rel_rows")[0], index_shape], name="index_rows")[0]
+    seen = node("GatherElements", ["tree_mask", index_rows], name="tree_seen", axis=2)[0]  # [B, new, total]
+    is_past = node("Less", [rel, "zero_i64"], name="is_past")[0]  # [B, total]
+    allowed = node("Or", [node("Unsqueeze", [is_past, "axis1"], name="is_past_rows")[0], seen], name="allowed")[0]
+    bias = node("Where", [allowed, "zero_f", "neg_inf"], name="bias")[0]
+    attention_bias = node("Unsqueeze", [bias, "axis1"], name="attention_bias")[0]  # [B, 1, new, total]
+
+    x = node("Gather", [init("embed_tokens.weight", _np(base.embed_tokens.weight)), "input_ids"], name="embed_tokens", axis=0)[0]
+    residual = x
+    h = node("RMSNormalization", [x, init("layers.0.input_layernorm.weight", _np(base.layers[0].input_layernorm.weight))],
+             name="layers.0.input_layernorm", axis=-1, epsilon=eps)[0]
+    outputs_kv: list[str] = []
+    for i, layer in enumerate(base.layers):
+        p = f"layers.{i}"
+        attn = layer.self_attn
+        qkv = linear(h, attn.qkv_proj, f"{p}.self_attn.qkv_proj")
+        out, k_out, v_out = node(
+            "GroupQueryAttention",
+            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len,
+             "cos_cache", "sin_cache", "position_ids", attention_bias],
+            [f"{p}.self_attn/out", f"present.{i}.key", f"present.{i}.value"], domain=MS, name=f"{p}.self_attn",
+            num_heads=Hq, kv_num_heads=Hkv, scale=float(D**-0.5), do_rotary=1, rotary_interleaved=0,
+            local_window_size=-1)
+        outputs_kv += [k_out, v_out]
+        o = linear(out, attn.o_proj, f"{p}.self_attn.o_proj")
+        normed, _, _, residual = node(
+            "SkipSimplifiedLayerNormalization", [residual, o, init(f"{p}.post_attention_layernorm.weight", _np(layer.post_attention_layernorm.weight))],
+            4, domain=MS, name=f"{p}.post_attention_layernorm", epsilon=eps)
+        mlp = layer.mlp
+        I = cfg.intermediate_size
+        w = mlp.gate_up_proj.weight
+        b = mlp.gate_up_proj.bias
+        gate_l = torch.nn.Linear(H, I, bias=b is not None)
+        up_l = torch.nn.Linear(H, I, bias=b is not None)
+        gate_l.weight.data, up_l.weight.data = w[:I], w[I:]
+        if b is not None:
+            gate_l.bias.data, up_l.bias.data = b[:I], b[I:]
+        gate = linear(normed, gate_l, f"{p}.mlp.gate_proj")
+        up = linear(normed, up_l, f"{p}.mlp.up_proj")
+        act = node("Mul", [gate, node("Sigmoid", [gate], name=f"{p}.mlp.sigmoid")[0]], name=f"{p}.mlp.silu")[0]
+        down = linear(node("Mul", [act, up], name=f"{p}.mlp.gated")[0], mlp.down_proj, f"{p}.mlp.down_proj")
+        next_norm = base.layers[i + 1].input_layernorm if i + 1 < L else base.norm
+        next_name = f"layers.{i + 1}.input_layernorm" if i + 1 < L else "norm"
+        h, _, _, residual = node(
+            "SkipSimplifiedLayerNormalization", [residual, down, init(f"{next_name}.weight", _np(next_norm.weight))],
+            4, domain=MS, name=next_name, epsilon=eps)
+    hidden = node("Identity", [residual], ["hidden_states"], name="hidden_states")[0]
+    rows = node("Gather", [h, "logit_rows"], name="logit_rows_gather", axis=1)[0]
+    lm = torch.nn.Linear(H, cfg.vocab_size, bias=False)
+    lm.weight = base.lm_head.weight
+    node("Identity", [linear(rows, lm, "lm_head")], ["logits"], name="logits")
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    kv = lambda name: helper.make_tensor_value_info(name, f32, ["batch", Hkv, "slots", D])
+    inputs = [
+        helper.make_tensor_value_info("input_ids", i64, ["batch", "new"]),
+        helper.make_tensor_value_info("position_ids", i64, ["batch", "new"]),
+        helper.make_tensor_value_info("tree_mask", TensorProto.BOOL, ["batch", "new", "new"]),
+        helper.make_tensor_value_info("past_lengths", i64, ["batch"]),
+        helper.make_tensor_value_info("logit_rows", i64, ["rows"]),
+        *[kv(f"past_key_values.{i}.{n}") for i in range(L) for n in ("key", "value")],
+    ]
+    outputs = [
+        helper.make_tensor_value_info("logits", f32, ["batch", "rows", cfg.vocab_size]),
+        helper.make_tensor_value_info("hidden_states", f32, ["batch", "new", H]),
+        *[kv(f"present.{i}.{n}") for i in range(L) for n in ("key", "value")],
+    ]
+    graph = helper.make_graph(nodes, "base", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+                              producer_name="clover-deploy")
+    model.ir_version = 10
+    return model
+
+
+def write_fused_base(base: Decoder, path: Path, max_context: int) -> None:
+    """Write the fused base graph to `path` with its weights as external data (`<name>.data`)."""
+    import onnx
+
+    model = fused_base_model(base, max_context)
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=f"{path.name}.data", size_threshold=1024)

@@ -1,0 +1,124 @@
+"""--attention fused: the base written as ONNX Runtime's fused CPU operators, with the KV cache updated in
+place. Same I/O as the portable graph; speculative output must equal plain output of the same graph, bit
+for bit for chains (also with int8-compute int4 weights), and branching trees are refused where the graph
+cannot verify them exactly."""
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+
+from clover.errors import CloverError
+from clover.export.config import ExportConfig
+from clover.runtime.artifact import open_artifact
+from clover.runtime.generator import Generator
+from clover.runtime.ort_backend import load_runner
+from clover.runtime.tokenizer import Tokenizer
+from clover.runtime.tree import compile_tree, resolve_tree
+from helpers import run_tokens
+from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact
+
+N = 40
+ARCHS = ("medusa", "clover", "clover2")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.getbasetemp()
+
+
+def ops(path) -> collections.Counter:
+    return collections.Counter(n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node)
+
+
+def test_fused_base_is_a_few_fused_nodes_per_layer_and_matches_pytorch(root):
+    art = tiny_artifact(root, "clover2", attention="fused")
+    m = open_artifact(art)
+    assert m.attention == "fused" and m.weights is None
+    counts = ops(art / m.graphs["base"].file)
+    layers = m.base_config["num_layers"]
+    assert counts["GroupQueryAttention"] == layers
+    assert counts["SkipSimplifiedLayerNormalization"] == 2 * layers
+    assert "Softmax" not in counts  # attention is inside GroupQueryAttention
+    assert sum(counts.values()) < 12 * layers + 40  # the portable graph has ~30 nodes per layer
+    assert m.parity["base"]["logits"] < 1e-3
+    present = m.graphs["base"].output("present.0.key")
+    assert present.shape[2] == "slots"  # the whole buffer, updated in place
+
+
+@pytest.mark.parametrize("tree", ["chain-3", "mc26"])
+def test_fp32_fused_speculative_equals_plain(root, tree):
+    art = tiny_artifact(root, "clover2", attention="fused")
+    plain, speculative = load_runner(art, heads="none"), load_runner(art)
+    assert not speculative.info.chains_only  # fp32 compute: every tree runs
+    accepted = 0
+    for p in PROMPTS:
+        want, _ = run_tokens(plain, p, resolve_tree("plain"), N)
+        got, steps = run_tokens(speculative, p, resolve_tree(tree), N)
+        assert_same_tokens(got, want, f"fused fp32, {tree}")
+        accepted += sum(steps) - len(steps)
+    assert accepted > 0, "no drafted token was accepted: the tree's KV compaction went untested"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int4_fused_chains_equal_plain(root, arch):
+    art = tiny_artifact(root, arch, tree="chain-3", weights="int4", attention="fused")
+    m = open_artifact(art)
+    assert m.weights.accuracy_level == 4  # int8 compute: exact for chains thanks to the padded 1-token steps
+    plain, speculative = load_runner(art, heads="none"), load_runner(art)
+    assert speculative.info.chains_only
+    for tree in ("chain-1", "chain-3"):
+        for p in PROMPTS:
+            want, _ = run_tokens(plain, p, resolve_tree("plain"), N)
+            got, _ = run_tokens(speculative, p, resolve_tree(tree), N)
+            assert_same_tokens(got, want, f"fused int4 {arch}, {tree}")
+
+
+def test_a_chain_verify_is_bitwise_a_run_of_plain_steps(root):
+    art = tiny_artifact(root, "clover2", tree="chain-3", weights="int4", attention="fused")
+    runner = load_runner(art, heads="none")
+    prompt, chain = np.array(PROMPTS[1]), np.array([5, 17, 30, 9])
+
+    def prefilled():
+        runner.reset(64)
+        runner.forward(prompt, np.arange(len(prompt)), np.tri(len(prompt), dtype=bool), last_only=True)
+        runner.commit(np.arange(len(prompt)), np.append(prompt[1:], chain[0]))
+
+    prefilled()
+    verify = runner.forward(chain, np.arange(len(chain)), np.tri(len(chain), dtype=bool)).copy()
+    prefilled()
+    for i, token in enumerate(chain):  # the same tokens, one plain step each
+        step = runner.forward(chain[i:i + 1], np.zeros(1, np.int64), np.ones((1, 1), bool))
+        runner.commit(np.zeros(1, np.int64), chain[i + 1:i + 2] if i + 1 < len(chain) else np.array([0]))
+        np.testing.assert_array_equal(step[0], verify[i], err_msg=f"row {i} of a chain verify vs a plain step")
+
+
+def test_branching_trees_are_refused_where_only_chains_are_exact(root):
+    art = tiny_artifact(root, "clover2", tree="chain-3", weights="int4", attention="fused")
+    runner = load_runner(art)
+    tokenizer = Tokenizer.from_dir(art / open_artifact(art).tokenizer)
+    with pytest.raises(CloverError, match=r"tree mc26 branches.*only chains exactly: use plain or chain-N"):
+        Generator(runner, tokenizer, "mc26")
+    Generator(runner, tokenizer, "chain-2")  # chains are fine
+    runner.reset(32)
+    mask = resolve_tree("small").ancestor_mask
+    with pytest.raises(CloverError, match="only chains exactly"):
+        runner.forward(np.arange(len(mask)), resolve_tree("small").depth, mask)
+
+
+def test_export_time_tree_timing_keeps_to_chains(root):
+    art = tiny_artifact(root, "clover2", weights="int4", attention="fused")  # no --tree: timed at export
+    m = open_artifact(art)
+    timed = set(m.tree_timing["tokens_per_second"])
+    assert timed == {"plain", "chain-1", "chain-2", "chain-3"}
+    assert compile_tree(m.tree["choices"]).is_chain
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"backend": "trt"}, "--attention fused writes ONNX Runtime's CPU operators"),
+    ({"dtype": "float16"}, "--attention fused writes ONNX Runtime's CPU operators"),
+])
+def test_fused_config_errors(kwargs, message):
+    with pytest.raises(CloverError, match=message):
+        ExportConfig(attention="fused", **kwargs)
