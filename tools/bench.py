@@ -138,7 +138,8 @@ class Row:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clover-bench", description="Acceptance length and speedup of draft heads vs plain decoding.")
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
-    p.add_argument("--heads", default="smollm2-clover2", help="comma-separated head sets (names, folders, random:ARCH)")
+    p.add_argument("--heads", default="smollm2-clover2", help="comma-separated head sets (names, folders, random:ARCH); "
+                   "'lookup': prompt-lookup drafts on the base alone (with --artifact: beside the artifact's heads)")
     p.add_argument("--backend", default="torch", help="comma-separated backends: torch, ort, trt (e.g. trt,ort); "
                    "NAME:plain runs only plain decoding there (e.g. ort,torch:plain)")
     p.add_argument("--artifact", type=Path, default=None, help="an exported artifact (clover-export): ort runs its "
@@ -160,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from clover.runtime.generator import Generator
+    from clover.runtime.tree import resolve_tree
 
     if args.max_new_tokens < 1:
         raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -178,7 +180,8 @@ def run(args: argparse.Namespace) -> int:
     backends = [b.removesuffix(":plain") for b in backends]
     trees = tree_specs(args.tree)
     configs = [config for b, h, g in load_configs(args, backends, trees[0], plain_only)  # each head set on every tree
-               for config in [(b, h, g)] + [(b, h, Generator(g.runner, g.tokenizer, t)) for t in trees[1:] if h != "none"]]
+               for config in [(b, h, g)] + [(b, h, Generator(g.runner, g.tokenizer, t, g.drafts)) for t in trees[1:]
+                                            if h != "none" and (h != "lookup" or resolve_tree(t).is_chain)]]
     rows = {key(b, h, g): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
     for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
         g.generate("Hello", max_new_tokens=4, chat=not args.no_chat)
@@ -230,6 +233,17 @@ def tree_specs(spec: str | None) -> list[str | None]:
     return trees
 
 
+def head_names(spec: str) -> list[str]:
+    return [h.strip() for h in spec.split(",") if h.strip()]
+
+
+def lookup_tree(tree: str | None) -> bool:
+    """Whether --tree (its first spec) can cap prompt-lookup drafts: a chain."""
+    from clover.runtime.tree import resolve_tree
+
+    return tree is not None and resolve_tree(tree).is_chain
+
+
 def key(backend: str, heads: str, g: "Generator") -> tuple[str, str, str]:
     return backend, heads, g.tree.name
 
@@ -248,7 +262,7 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
         for backend in set(backends) & set(ARTIFACT_BACKENDS):
             raise CloverError(f"--backend {backend} runs an exported artifact: pass --artifact DIR "
                               "(make one with clover-export)")
-        head_sets = [h.strip() for h in args.heads.split(",") if h.strip() and h.strip() != "none"]
+        head_sets = [h for h in head_names(args.heads) if h != "none"]
         for backend in backends:
             configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
             for heads in head_sets if backend not in plain_only else ():
@@ -266,9 +280,13 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
             module = backend_module(backend)
             tok = Tokenizer.from_dir(module.base_dir(args.artifact))
             threads = {"threads": args.threads or 0} if backend == "ort" else {}
-            for spec in ("none", heads) if heads and backend not in plain_only else ("none",):
-                runner = module.load_runner(args.artifact, heads="none" if spec == "none" else "artifact", **threads)
-                configs.append((backend, spec, Generator(runner, tok, None if spec == "none" else tree)))
+            plain = module.load_runner(args.artifact, heads="none", **threads)
+            configs.append((backend, "none", Generator(plain, tok)))
+            if heads and backend not in plain_only:
+                runner = module.load_runner(args.artifact, heads="artifact", **threads)
+                configs.append((backend, heads, Generator(runner, tok, tree)))
+            if "lookup" in head_names(args.heads) and backend not in plain_only:  # prompt lookup on the base graph
+                configs.append((backend, "lookup", Generator(plain, tok, tree if lookup_tree(tree) else None, "lookup")))
         else:  # the same base and heads through another backend, from the artifact's sources
             source_base = manifest.sources.get("base")
             if not source_base:

@@ -26,17 +26,18 @@ def heads_digest(heads: str) -> str:
     return hashlib.sha256(b"".join(w.read_bytes() for w in weights)).hexdigest() if weights else ""
 
 
-def cached_artifact(base: str, heads: str, weights: str | None = "int4", draft_quant: str | None = None) -> Path:
+def cached_artifact(base: str, heads: str, weights: str | None = "int4", draft_quant: str | None = None,
+                    attention: str = "fused") -> Path:
     """The artifact for (base, heads) in the cache, exported first if it is missing or invalid. int4 weights
-    by default: on CPU the fastest artifact that keeps the heads' acceptance (SmolLM2, benchmarks/peers.py:
-    plain decoding 1.74x the fp32 base's; acceptance within 4%); weights=None, draft_quant="int8": the fp32 base graph."""
+    and the fused base graph by default: on CPU the fastest artifact that keeps the heads' acceptance
+    (SmolLM2, benchmarks/peers.py); weights=None, draft_quant="int8": the fp32 base graph."""
     from clover.export.artifact import export_artifact
     from clover.export.config import ExportConfig
     from clover.models.smollm2 import cache_dir, resolve_base
     from clover.runtime.artifact import open_artifact
 
     base_path = resolve_base(base).resolve()
-    config = ExportConfig(weights=weights, draft_quant=draft_quant)
+    config = ExportConfig(weights=weights, draft_quant=draft_quant, attention=attention)
     key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}|{config}".encode()).hexdigest()[:12]
     out = cache_dir() / "artifacts" / f"{base_path.name}-{heads.replace(':', '-').replace('/', '_')}-{key}"
     try:
@@ -68,7 +69,7 @@ def demo_tree(artifact: Path) -> str | None:
 
 
 def generators(args: argparse.Namespace):
-    """(speculative, plain) generators on the chosen backend, sharing one model."""
+    """(speculative, plain, prompt lookup) generators on the chosen backend (the last two share one model)."""
     from clover.runtime.generator import Generator
 
     if args.backend == "ort":
@@ -79,11 +80,12 @@ def generators(args: argparse.Namespace):
         tok = Tokenizer.from_dir(ort_backend.base_dir(artifact))
         spec = Generator(ort_backend.load_runner(artifact), tok, args.tree or demo_tree(artifact))
         plain = Generator(ort_backend.load_runner(artifact, heads="none", checksums=False), tok)
-        return spec, plain
+        return spec, plain, Generator(plain.runner, tok, drafts="lookup")
     from clover.runtime.torch_backend import TorchRunner
 
     spec = Generator.load(args.base, args.heads, "torch", args.tree)
-    return spec, Generator(TorchRunner(spec.runner.base), spec.tokenizer)  # same weights, no heads
+    plain = Generator(TorchRunner(spec.runner.base), spec.tokenizer)  # same weights, no heads
+    return spec, plain, Generator(plain.runner, spec.tokenizer, drafts="lookup")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args(argv)
     try:
-        spec, plain = generators(args)
+        spec, plain, lookup = generators(args)
         print(f"base {args.base}, heads {args.heads}, tree {spec.tree.name} ({spec.tree.num_nodes} nodes), "
               f"{args.backend} backend\n")
         stream = spec.stream(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
@@ -104,18 +106,21 @@ def main(argv: list[str] | None = None) -> int:
             print(delta, end="", flush=True)
         fast = stream.result
         ref = plain.generate(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
+        looked = lookup.generate(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
     except CloverError as e:
         print(f"clover-demo: error: {e}", file=sys.stderr)
         return 2
-    same = "identical to" if fast.token_ids == ref.token_ids else "DIFFERENT from"
-    print(f"\n\nspeculative output is {same} plain greedy decoding ({fast.new_tokens} tokens)")
+    same = lambda r: "identical to" if r.token_ids == ref.token_ids else "DIFFERENT from"  # noqa: E731
+    print(f"\n\nspeculative output is {same(fast)} plain greedy decoding ({fast.new_tokens} tokens)")
     print(f"acceptance length {fast.tokens_per_step:.2f} tokens/step (bonus token included)")
     print(f"speculative {fast.tokens_per_second:.1f} tok/s, plain {ref.tokens_per_second:.1f} tok/s: "
           f"{fast.tokens_per_second / ref.tokens_per_second:.2f}x ({args.backend}, measured in this run)")
+    print(f"prompt-lookup drafts ({lookup.tree.name} at most): {looked.tokens_per_second:.1f} tok/s, "
+          f"{looked.tokens_per_step:.2f} tokens/step, output {same(looked)} plain greedy decoding")
     if args.heads.startswith("random:"):
         print("(untrained heads accept almost nothing, so this shows losslessness, not speed; trained heads "
               "come with clover-train)")
-    return 0 if fast.token_ids == ref.token_ids else 1
+    return 0 if fast.token_ids == ref.token_ids == looked.token_ids else 1
 
 
 if __name__ == "__main__":

@@ -157,5 +157,5 @@ def test_worker_token_clock_stops_at_eos_or_limit(monkeypatch):
 
 
 def test_export_flags(peers):
-    assert peers.export_flags("fp32") == ["--draft-quant", "int8"]
-    assert peers.export_flags("int4") == ["--weights", "int4"]
+    assert peers.export_flags("fp32") == ["--attention", "fused", "--draft-quant", "int8"]
+    assert peers.export_flags("int4") == ["--attention", "fused", "--weights", "int4"]

@@ -102,7 +102,7 @@ def exact_laws(base_logits, sampling: SamplingParams) -> tuple[np.ndarray, np.nd
 # -- sampling through the real loop ------------------------------------------------------------------
 
 
-def first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n: int, seed: int):
+def first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n: int, seed: int, drafts: str = "heads"):
     """n generations of the first NUM_TOKENS tokens; returns (tokens [n, 3], per-step emitted counts of
     the speculative steps, number of steps that verified the full tree)."""
     prompt = np.array(PROMPT, dtype=np.int64)
@@ -112,7 +112,7 @@ def first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n: int, se
     for i, child in enumerate(np.random.SeedSequence(seed).spawn(n)):
         rng = np.random.default_rng(child)
         out: list[int] = []
-        for k, step in enumerate(speculative_steps(runner, prompt, tree, sampling, rng, capacity)):
+        for k, step in enumerate(speculative_steps(runner, prompt, tree, sampling, rng, capacity, drafts)):
             out += step.tokens
             if k:
                 lengths.append(len(step.tokens))
@@ -207,6 +207,23 @@ def test_speculative_sampling_matches_base_law(base_logits, samples, arch, tree,
     assert np.mean(lengths == 1) > 0.1, np.bincount(lengths)
     assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's: chi-square p = {p12:.2e}"
     assert p3 > ALPHA, f"x3 marginal law differs from the base's: chi-square p = {p3:.2e}"
+
+
+LOOKUP_PROMPT_NOTE = "x1 in PROMPT: its successor there is drafted (one-hot law), accepted w.p. p(x2)"
+
+
+def test_lookup_drafts_sample_the_base_law(base, base_logits):
+    """Prompt-lookup drafts (a point-mass draft law) through the same loop keep the base's law."""
+    sampling = sampling_params(1.0)
+    runner = TorchRunner(base, None)
+    tokens, lengths, _ = first_tokens(runner, resolve_tree("chain-2"), sampling, N, MASTER_SEED + 1, drafts="lookup")
+    joint, marginal, _ = exact_laws(base_logits, sampling)
+    c12, c3 = counts_of(tokens)
+    # Drafts were proposed and both accepted (> 1 token per step) and rejected (1 token) often.
+    assert np.mean(lengths > 1) > 0.05 and np.mean(lengths == 1) > 0.3, (LOOKUP_PROMPT_NOTE, np.bincount(lengths))
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with lookup drafts: p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the base's with lookup drafts: p = {p3:.2e}"
 
 
 def draft_law(runner: TorchRunner, sampling: SamplingParams) -> np.ndarray:
