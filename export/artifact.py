@@ -95,7 +95,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     # The fused base is written from the module's weights (export/fused_graph.py); the portable GraphDef is
     # its PyTorch reference and example maker all the same.
     traced = "portable" if config.attention == "fused" else config.attention
-    graphs = [base_graph(base, traced)] + (draft_graphs(heads) if heads is not None else [])
+    graphs = [base_graph(base, traced, chains=fused_chains_only(config))] + (draft_graphs(heads) if heads is not None else [])
     # No --tree: time the candidate trees on the graphs (ONNX Runtime on this machine) and keep the fastest.
     time_trees = config.tree is None and heads is not None and config.backend == "onnx" and config.attention != "plugin"
     steps = len(graphs) + 1 + (config.backend == "trt") + time_trees
@@ -177,6 +177,14 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
 
 # -- steps ---------------------------------------------------------------------------------------------
 
+def fused_chains_only(config: ExportConfig) -> bool:
+    """A fused base with int8 compute (--weights) verifies only chains exactly (quantize.py): its graph skips
+    the tree mask, and its parity check runs chains."""
+    from clover.export.quantize import base_accuracy_level
+
+    return config.attention == "fused" and config.weights is not None and base_accuracy_level(config.attention) != 0
+
+
 def checked_onnx_from_torch(graph: GraphDef, out_dir: Path, config: ExportConfig,
                             max_context: int) -> tuple[GraphSpec, dict[str, float] | None]:
     """Export one graph (the fused base: written from its weights), run the ONNX checker on it, and
@@ -185,7 +193,7 @@ def checked_onnx_from_torch(graph: GraphDef, out_dir: Path, config: ExportConfig
     if graph.name == "base" and config.attention == "fused":
         from clover.export.fused_graph import write_fused_base
 
-        write_fused_base(graph.module.base, out_dir / "base.onnx", max_context)
+        write_fused_base(graph.module.base, out_dir / "base.onnx", max_context, trees=not fused_chains_only(config))
         spec = graph_spec(out_dir / "base.onnx")
     else:
         spec = onnx_from_torch(graph, out_dir, config.opset)

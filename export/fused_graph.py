@@ -18,7 +18,9 @@ that one buffer: `past_key_values.{i}.*` and `present.{i}.*` are bound to the sa
 array (onnxruntime shares them when the pointers are equal). Row s of a step sits at slot
 past_length + s; after acceptance the runtime moves the accepted path's rows to contiguous slots
 (nothing moves for a chain). Attending over one buffer, a chain's rows see exactly the keys a 1-token
-step would, at the same slots: a chain verify and plain steps compute the same sums.
+step would, at the same slots; with attention always run on >= 2 rows (a 1-token step repeats its row,
+below) a chain verify and plain steps compute the same sums bit for bit, and so (MatMulNBits being
+row-invariant) the same logits. The buffers need one slot beyond a 1-token step for the repeat.
 
 Tree mask. Row s attends causally (slots <= past + s) plus the additive `attention_bias` built once per
 step from `tree_mask`: 0 for past slots and the row's ancestors, -inf for the other new rows. Positions
@@ -62,8 +64,10 @@ def rope_caches(base: Decoder, max_context: int) -> tuple[np.ndarray, np.ndarray
     return freqs.cos().numpy(), freqs.sin().numpy()
 
 
-def fused_base_model(base: Decoder, max_context: int):
-    """The base decoder as an onnx.ModelProto of fused ONNX Runtime operators (see the module doc)."""
+def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
+    """The base decoder as an onnx.ModelProto of fused ONNX Runtime operators (see the module doc).
+    trees=False: chains only (tree_mask and position_ids are then unused: a chain's positions are its
+    slots, which GroupQueryAttention derives itself, and causal attention is its mask)."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -74,7 +78,7 @@ def fused_base_model(base: Decoder, max_context: int):
     inits: list = []
 
     def init(name: str, array: np.ndarray) -> str:
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        inits.append(numpy_helper.from_array(np.require(array, requirements="C"), name))  # keeps 0-d scalars 0-d
         return name
 
     def node(op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "", name: str = "", **attrs) -> list[str]:
@@ -91,39 +95,57 @@ def fused_base_model(base: Decoder, max_context: int):
         return y
 
     eps = float(cfg.rms_norm_eps)
-    cos, sin = rope_caches(base, max_context + 1)  # + the runtime's pad row after the last token
+    cos, sin = rope_caches(base, max_context)
     init("cos_cache", cos)
     init("sin_cache", sin)
     init("zero_i64", np.array(0, np.int64))
+    init("zero_1d", np.array([0], np.int64))
     init("one_i64", np.array(1, np.int64))
     init("axis0", np.array([0], np.int64))
     init("axis1", np.array([1], np.int64))
     init("neg_inf", np.array(-np.inf, np.float32))
     init("zero_f", np.array(0.0, np.float32))
 
-    # Per-step scalars shared by every layer: seqlens_k = past + new - 1 per sequence, the total length.
+    # Attention runs on at least 2 rows: a 1-token step repeats its row. onnxruntime computes a 1-row
+    # attention with other matrix kernels than a multi-row one (results differ in the last bits), so without
+    # this a row of a chain verify would not equal the same row of a plain step bit for bit. The repeat
+    # writes its K/V to the slot after the step (the next step overwrites it); its output is dropped.
+    init("two_i64", np.array(2, np.int64))
     new = node("Gather", [node("Shape", ["input_ids"], name="ids_shape")[0], "one_i64"], name="new_len", axis=0)[0]
-    total = node("Add", ["past_lengths", new], name="totals")[0]  # [B]
+    rows = node("Max", [new, "two_i64"], name="attention_rows")[0]
+    last_row = node("Sub", [new, "one_i64"], name="last_row")[0]
+    row_index = node("Clip", [node("Range", ["zero_i64", rows, "one_i64"], name="row_range")[0], "zero_i64", last_row],
+                     name="row_index")[0]  # [0, 1, ..., new - 1] or [0, 0]
+    position_ids = node("Gather", ["position_ids", row_index], name="attention_positions", axis=1)[0] if trees else ""
+
+    # Per-step scalars shared by every layer: seqlens_k = past + rows - 1 per sequence, the longest total.
+    total = node("Add", ["past_lengths", rows], name="totals")[0]  # [B]
     seqlens_k = node("Cast", [node("Sub", [total, "one_i64"], name="seqlens_sub")[0]], name="seqlens_k", to=TensorProto.INT32)[0]
     total_max = node("ReduceMax", [total], name="total_max", keepdims=0)[0]
     total_len = node("Cast", [total_max], name="total_sequence_length", to=TensorProto.INT32)[0]
 
-    # attention_bias [B, 1, new, total]: key slot j of sequence b is a past slot (j < past_b) or new row
-    # j - past_b, which row s may see iff tree_mask[b, s, j - past_b].
-    slots = node("Range", ["zero_i64", total_max, "one_i64"], name="slots")[0]  # [total]
-    rel = node("Sub", [node("Unsqueeze", [slots, "axis0"], name="slots_row")[0],
-                       node("Unsqueeze", ["past_lengths", "axis1"], name="past_col")[0]], name="rel")[0]  # [B, total]
-    last_row = node("Sub", [new, "one_i64"], name="last_row")[0]
-    index = node("Clip", [rel, "zero_i64", last_row], name="rel_clip")[0]  # [B, total]
-    mask_shape = node("Shape", ["tree_mask"], name="mask_shape")[0]  # [B, new, new]
-    index_shape = node("Concat", [node("Slice", [mask_shape, "axis0", node("Constant", [], name="two", value=numpy_helper.from_array(np.array([2], np.int64)))[0]], name="bn")[0],
-                                  node("Unsqueeze", [total_max, "axis0"], name="total_1d")[0]], name="index_shape", axis=0)[0]
-    index_rows = node("Expand", [node("Unsqueeze", [index, "axis1"], name="rel_rows")[0], index_shape], name="index_rows")[0]
-    seen = node("GatherElements", ["tree_mask", index_rows], name="tree_seen", axis=2)[0]  # [B, new, total]
-    is_past = node("Less", [rel, "zero_i64"], name="is_past")[0]  # [B, total]
-    allowed = node("Or", [node("Unsqueeze", [is_past, "axis1"], name="is_past_rows")[0], seen], name="allowed")[0]
-    bias = node("Where", [allowed, "zero_f", "neg_inf"], name="bias")[0]
-    attention_bias = node("Unsqueeze", [bias, "axis1"], name="attention_bias")[0]  # [B, 1, new, total]
+    attention_bias = ""
+    if trees:
+        # attention_bias [B, 1, rows, total]: key slot j of sequence b is a past slot (j < past_b) or new row
+        # j - past_b, which row s may see iff tree_mask[b, s, j - past_b].
+        slots = node("Range", ["zero_i64", total_max, "one_i64"], name="slots")[0]  # [total]
+        rel = node("Sub", [node("Unsqueeze", [slots, "axis0"], name="slots_row")[0],
+                           node("Unsqueeze", ["past_lengths", "axis1"], name="past_col")[0]], name="rel")[0]  # [B, total]
+        index = node("Clip", [rel, "zero_i64", last_row], name="rel_clip")[0]  # [B, total]
+        mask_shape = node("Shape", ["tree_mask"], name="mask_shape")[0]  # [B, new, new]
+        two = init("two", np.array([2], np.int64))
+        index_shape = node("Concat", [node("Slice", [mask_shape, "axis0", two], name="bn")[0],
+                                      node("Unsqueeze", [total_max, "axis0"], name="total_1d")[0]], name="index_shape", axis=0)[0]
+        index_rows = node("Expand", [node("Unsqueeze", [index, "axis1"], name="rel_rows")[0], index_shape], name="index_rows")[0]
+        seen = node("GatherElements", ["tree_mask", index_rows], name="tree_seen", axis=2)[0]  # [B, new, total]
+        is_past = node("Less", [rel, "zero_i64"], name="is_past")[0]  # [B, total]
+        is_new = node("Less", [rel, new], name="is_new")[0]
+        row_cols = lambda t, name: node("Unsqueeze", [t, "axis1"], name=name)[0]  # noqa: E731 [B, total] -> [B, 1, total]
+        allowed = node("Or", [row_cols(is_past, "is_past_rows"), node("And", [seen, row_cols(is_new, "is_new_rows")], name="tree_seen_new")[0]],
+                       name="allowed")[0]
+        bias = node("Gather", [node("Where", [allowed, "zero_f", "neg_inf"], name="bias")[0], row_index], name="bias_rows", axis=1)[0]
+        attention_bias = node("Unsqueeze", [bias, "axis1"], name="attention_bias")[0]  # [B, 1, rows, total]
+    row_ends = node("Unsqueeze", [new, "axis0"], name="new_1d")[0]
 
     x = node("Gather", [init("embed_tokens.weight", _np(base.embed_tokens.weight)), "input_ids"], name="embed_tokens", axis=0)[0]
     residual = x
@@ -134,14 +156,16 @@ def fused_base_model(base: Decoder, max_context: int):
         p = f"layers.{i}"
         attn = layer.self_attn
         qkv = linear(h, attn.qkv_proj, f"{p}.self_attn.qkv_proj")
+        qkv = node("Gather", [qkv, row_index], name=f"{p}.self_attn.rows", axis=1)[0]
         out, k_out, v_out = node(
             "GroupQueryAttention",
             [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len,
-             "cos_cache", "sin_cache", "position_ids", attention_bias],
+             "cos_cache", "sin_cache", position_ids, attention_bias],
             [f"{p}.self_attn/out", f"present.{i}.key", f"present.{i}.value"], domain=MS, name=f"{p}.self_attn",
             num_heads=Hq, kv_num_heads=Hkv, scale=float(D**-0.5), do_rotary=1, rotary_interleaved=0,
             local_window_size=-1)
         outputs_kv += [k_out, v_out]
+        out = node("Slice", [out, "zero_1d", row_ends, "axis1"], name=f"{p}.self_attn.unpad")[0]
         o = linear(out, attn.o_proj, f"{p}.self_attn.o_proj")
         normed, _, _, residual = node(
             "SkipSimplifiedLayerNormalization", [residual, o, init(f"{p}.post_attention_layernorm.weight", _np(layer.post_attention_layernorm.weight))],
@@ -192,10 +216,10 @@ def fused_base_model(base: Decoder, max_context: int):
     return model
 
 
-def write_fused_base(base: Decoder, path: Path, max_context: int) -> None:
+def write_fused_base(base: Decoder, path: Path, max_context: int, trees: bool = True) -> None:
     """Write the fused base graph to `path` with its weights as external data (`<name>.data`)."""
     import onnx
 
-    model = fused_base_model(base, max_context)
+    model = fused_base_model(base, max_context, trees)
     onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
               location=f"{path.name}.data", size_threshold=1024)

@@ -128,15 +128,16 @@ class BaseGraph(nn.Module):
         return (out.logits, out.hidden_states, *interleave(out.new_keys, out.new_values))
 
 
-def base_graph(base: Decoder, attention: str = "portable") -> GraphDef:
-    """The base decoder's graph; `attention` "plugin": one tree-attention node per layer (same I/O)."""
+def base_graph(base: Decoder, attention: str = "portable", chains: bool = False) -> GraphDef:
+    """The base decoder's graph; `attention` "plugin": one tree-attention node per layer (same I/O).
+    chains: example inputs are chains (causal masks), for graphs that verify only chains."""
     base = with_attention(base, attention)
     cfg = base.config
     L = cfg.num_layers
 
     def example(s: Sizes, g: torch.Generator) -> tuple[torch.Tensor, ...]:
         B, T, P, R = s["batch"], s["new"], s["past"], s["rows"]
-        depth, mask = random_tree(T, g)
+        depth, mask = (torch.arange(T), torch.ones(T, T, dtype=torch.bool).tril()) if chains else random_tree(T, g)
         lengths = random_past_lengths(B, P, g)
         rows = torch.tensor([T - 1]) if R == 1 else torch.sort(torch.randperm(T, generator=g)[:R]).values
         return (torch.randint(0, cfg.vocab_size, (B, T), generator=g), lengths[:, None] + depth,

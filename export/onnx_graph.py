@@ -166,7 +166,7 @@ def run_checked(session, outputs: list[str], feeds: dict[str, np.ndarray]) -> li
     for name, value in feeds.items():
         if name.startswith("past_key_values."):
             B, H, P, D = value.shape
-            buf = np.zeros((B, H, P + new, D), value.dtype)
+            buf = np.zeros((B, H, P + max(new, 2), D), value.dtype)  # the fused graph attends on >= 2 rows
             buf[:, :, :P] = value
             buffers[name] = buf
             kv = ort.OrtValue.ortvalue_from_numpy(buf)

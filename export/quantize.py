@@ -55,9 +55,9 @@ BITS = {"int8": 8, "int4": 4}
 # quantization steps. Greedy speculative output then left plain decoding on 6 of 6 MT-Bench prompts
 # (top-2 margins 0.07-0.3 at the divergence); with level 0 it matched on 6 of 6.
 ACCURACY_LEVEL = 0
-# The fused base graph (--attention fused) attends over one KV buffer, and with the runtime padding 1-token
-# steps to 2 rows (runtime/ort_backend.py) every row of a chain verify is computed bitwise as the same row of
-# a plain step, int8 activations included: there level 4 keeps greedy speculation exact.
+# The fused base graph (--attention fused) attends over one KV buffer on >= 2 rows (export/fused_graph.py), and
+# MatMulNBits at level 4 is row-invariant (1 row or many, bit for bit), so every row of a chain verify is
+# computed exactly as the same row of a plain step: there level 4 keeps greedy speculation exact for chains.
 FUSED_ACCURACY_LEVEL = 4
 # The draft graphs only propose tokens (the base verifies them), so their rounding cannot change the output:
 # they take the faster int8 compute.

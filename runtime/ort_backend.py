@@ -9,20 +9,8 @@ cache works the same way. A fused graph (--attention fused) writes the new rows 
 (the buffers are bound as its present outputs too); `commit` then only moves an accepted tree path's rows
 to contiguous slots, and nothing for a chain.
 
-Fused graphs and 1-token steps. onnxruntime's attention kernel computes a 1-row step with other matrix
-kernels than a step of 2 or more rows, and the results differ in the last bits; int8-activation weights
-(MatMulNBits accuracy level 4) amplify that into different tokens. Every row of a step of >= 2 rows is
-computed bitwise alike, so 1-token steps (plain decoding, prefill of one token) run with a second, masked
-dummy row: a chain verify then equals plain decoding bit for bit, at ~15% of a plain step's cost.
-
-Attention also reads the masked slots, so the buffers are not sized to the sequence capacity up front
-(a 4,000-token budget would make every early step read 4,000 slots): they start at `cache_block` slots
-and double when full, capped at the capacity. Growing copies the valid prefix once per doubling, so
-the copies add up to less than one extra write per token, and a step reads at most ~2x the slots it
-needs (or `cache_block`).
-
-Outputs are bound to numpy arrays allocated per run (np.empty: no page is touched before ONNX Runtime
-writes it), so the logits handed to the loop are never overwritten by a later step.
+A fused graph runs attention on at least 2 rows (a 1-token step repeats its row, export/fused_graph.py),
+so its buffers keep one slot of room beyond a 1-token step.
 """
 
 from __future__ import annotations
@@ -39,7 +27,6 @@ from clover.runtime.backend import EngineClock, Runner, RunnerInfo
 from clover.runtime.tree import compile_tree
 
 PAST, PRESENT = "past_key_values", "present"
-PAD_MASK = np.tri(2, dtype=bool)  # a 1-token step and its masked dummy row
 
 
 def _ort():
@@ -180,7 +167,7 @@ class OrtRunner(Runner):
         self.manifest, self.options = manifest, options
         self.engine_clock = clock = EngineClock()
         self.base = Graph(root, manifest.graphs["base"], so, clock)
-        self.fused = manifest.attention == "fused"  # in-place KV cache, steps of >= 2 rows (module doc)
+        self.fused = manifest.attention == "fused"  # in-place KV cache, attention on >= 2 rows (module doc)
         self.vocab_size = int(self.base.spec.output("logits").shape[-1])
         self.hidden_size = int(self.base.spec.output("hidden_states").shape[-1])
         heads = manifest.heads if use_heads else None
@@ -221,9 +208,7 @@ class OrtRunner(Runner):
     def _forward(self, tokens, depths, mask, last_only):
         P, T = self._past, tokens.shape[0]
         rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
-        if self.fused and T == 1:  # a masked second row: see "Fused graphs and 1-token steps" above
-            tokens, depths, mask, T = np.repeat(tokens, 2), np.array([depths[0], depths[0] + 1]), PAD_MASK, 2
-        self.cache.ensure(P + T, P, self._capacity + self.fused)  # + the pad row of the last step
+        self.cache.ensure(P + max(T, 2 if self.fused else 1), P, self._capacity + self.fused)  # fused: 2 rows or more
         g = self.base
         g.bind("input_ids", tokens.astype(np.int64, copy=False)[None])
         g.bind("position_ids", (P + depths.astype(np.int64))[None])

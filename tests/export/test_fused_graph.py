@@ -41,7 +41,9 @@ def test_fused_base_is_a_few_fused_nodes_per_layer_and_matches_pytorch(root):
     assert counts["GroupQueryAttention"] == layers
     assert counts["SkipSimplifiedLayerNormalization"] == 2 * layers
     assert "Softmax" not in counts  # attention is inside GroupQueryAttention
-    assert sum(counts.values()) < 12 * layers + 40  # the portable graph has ~30 nodes per layer
+    names = [n.name for n in onnx.load(str(art / m.graphs["base"].file), load_external_data=False).graph.node]
+    per_layer = collections.Counter(n.split(".")[1] for n in names if n.startswith("layers."))
+    assert max(per_layer.values()) <= 14, per_layer  # the portable graph has ~30 nodes per layer
     assert m.parity["base"]["logits"] < 1e-3
     present = m.graphs["base"].output("present.0.key")
     assert present.shape[2] == "slots"  # the whole buffer, updated in place
