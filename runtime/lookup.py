@@ -38,10 +38,12 @@ class PromptLookup:
                     self._next[tuple(seq[end - n:end])] = end
 
     def propose(self, k: int) -> np.ndarray:
-        """Up to k draft tokens continuing the sequence (empty when its tail occurred nowhere before)."""
+        """Up to k draft tokens continuing the sequence (empty when its tail occurred nowhere before). A match
+        of n tokens drafts at most n: a longer matched context predicts a longer continuation, and each
+        drafted token costs a verify row whether or not it is accepted."""
         seq = self.tokens
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             start = self._next.get(tuple(seq[len(seq) - n:]))
             if start is not None:
-                return np.array(seq[start:start + k], dtype=np.int64)
+                return np.array(seq[start:start + min(k, n)], dtype=np.int64)
         return np.zeros(0, dtype=np.int64)
