@@ -40,12 +40,11 @@ def _ort():
 @dataclass(frozen=True)
 class OrtOptions:
     """threads: intra-op threads per session, 0 = onnxruntime's default (one per physical core).
-    spin: let idle intra-op threads busy-wait for the next op, in one intra-op pool shared by every session
-      of the process (the first runner sizes it; a runner asking for another size gets pools of its own).
-      A decode step runs a few hundred ops, each waking a sleeping thread otherwise: SmolLM2 int4 on 2
-      cores, 6.4 vs 9.0 ms per plain step. The pool is shared because a runner has up to three sessions and
-      spinning pools of idle sessions steal the cores of the running one (1.7x slower, measured). False:
-      per-session pools whose threads sleep between ops.
+    spin: the base graph's idle intra-op threads busy-wait for its next op. A decode step runs a few
+      hundred ops, each waking a sleeping thread otherwise: SmolLM2 int4 fused on 2 cores, 6.4 vs 9.0 ms per
+      plain step. The draft graphs then run on the calling thread alone: the base's spinning threads hold
+      the other cores (pools spinning in several sessions steal each other's cores: 1.7x slower, measured).
+      False: every session's threads sleep between ops, and every session uses `threads`.
     checksums: verify every file's sha256 on load (sizes are always checked).
     cache_block: KV cache slots allocated at the start of a sequence (doubled when full)."""
 
@@ -61,34 +60,18 @@ class OrtOptions:
             raise CloverError(f"cache_block must be >= 1 slot, got {self.cache_block}")
 
 
-_SHARED_POOL: list[int] = []  # the thread count the process-wide pool was created with (once per process)
-
-
-def shared_pool(threads: int) -> bool:
-    """Whether sessions can run on the process-wide intra-op pool of `threads` threads (0: onnxruntime's
-    default), creating it on first use. onnxruntime's global pool spins between ops."""
-    if not _SHARED_POOL:
-        try:
-            from onnxruntime.capi import _pybind_state
-            _pybind_state.set_global_thread_pool_sizes(threads, 1)
-        except Exception:  # an onnxruntime without the call, or one that refuses it now
-            return False
-        _SHARED_POOL.append(threads)
-    return _SHARED_POOL[0] == threads
-
-
-def session_options(opts: OrtOptions):
+def session_options(opts: OrtOptions, spin: bool = False):
+    """Session options; spin: this session's idle intra-op threads busy-wait for its next op (the base
+    graph's, see OrtOptions.spin); otherwise they sleep, and with spinning on elsewhere the session runs on
+    the calling thread alone."""
     ort = _ort()
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # one request, one op at a time: no inter-op pool
-    so.log_severity_level = 3  # errors only: optimizer notes are not actionable for a user
-    if opts.spin and shared_pool(opts.threads):
-        so.use_per_session_threads = False
-        return so
-    so.intra_op_num_threads = opts.threads
+    so.intra_op_num_threads = opts.threads if spin or not opts.spin else 1
     so.inter_op_num_threads = 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")  # sleeping pools: see OrtOptions.spin
+    so.log_severity_level = 3  # errors only: optimizer notes are not actionable for a user
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     return so
 
 
@@ -185,7 +168,7 @@ class OrtRunner(Runner):
     def __init__(self, root: str | Path, manifest: Manifest, use_heads: bool = True, options: OrtOptions = OrtOptions()):
         super().__init__()
         root = Path(root)
-        so = session_options(options)
+        so, draft_so = session_options(options, spin=options.spin), session_options(options)
         self.manifest, self.options = manifest, options
         self.engine_clock = clock = EngineClock()
         self.base = Graph(root, manifest.graphs["base"], so, clock)
@@ -196,10 +179,10 @@ class OrtRunner(Runner):
         self.arch = heads.arch if heads is not None else None
         self.begin = self.step = self.medusa = None
         if self.arch == "medusa":
-            self.medusa = Graph(root, manifest.graphs["medusa_heads"], so, clock)
+            self.medusa = Graph(root, manifest.graphs["medusa_heads"], draft_so, clock)
         elif self.arch is not None:
-            self.begin = Graph(root, manifest.graphs["draft_begin"], so, clock)
-            self.step = Graph(root, manifest.graphs["draft_step"], so, clock)
+            self.begin = Graph(root, manifest.graphs["draft_begin"], draft_so, clock)
+            self.step = Graph(root, manifest.graphs["draft_step"], draft_so, clock)
         tree = manifest.tree if heads is not None else None
         self.info = RunnerInfo(
             backend="ort", vocab_size=self.vocab_size, max_context=manifest.max_context, heads=self.arch,

@@ -233,3 +233,14 @@ def test_fp16_artifact_speculative_equals_plain(tmp_path_factory):
         for t in ("mc26", "chain-6"):
             got, _ = run_tokens(spec, p, resolve_tree(t), N)
             assert_same_tokens(got, want, f"ORT fp16 clover2 {t}")
+
+
+def test_the_base_session_spins_and_the_draft_sessions_stay_on_the_calling_thread():
+    from clover.runtime.ort_backend import OrtOptions, session_options
+
+    entry = lambda so: so.get_session_config_entry("session.intra_op.allow_spinning")  # noqa: E731
+    base, draft = session_options(OrtOptions(threads=2), spin=True), session_options(OrtOptions(threads=2))
+    assert entry(base) == "1" and base.intra_op_num_threads == 2
+    assert entry(draft) == "0" and draft.intra_op_num_threads == 1  # the base's spinning threads hold the cores
+    quiet = OrtOptions(threads=2, spin=False)  # nothing spins: every session uses the threads asked for
+    assert {(entry(so), so.intra_op_num_threads) for so in (session_options(quiet, spin=False), session_options(quiet))} == {("0", 2)}
