@@ -42,6 +42,13 @@ def test_json_output_and_identity_across_heads(base_dir, capsys):
         doc = json.loads(out)
         assert code == 0 and doc["token_ids"] == plain["token_ids"], heads
         assert doc["heads"] == heads and doc["tree"] == tree
+    for tree in (None, "chain-2"):  # prompt-lookup drafts (chain-3 by default)
+        code, out, _ = run_cli(capsys, *common, "--heads", "lookup", *(["--tree", tree] if tree else []))
+        doc = json.loads(out)
+        assert code == 0 and doc["token_ids"] == plain["token_ids"] and doc["heads"] == "lookup"
+        assert doc["tree"] == (tree or "chain-3")
+    code, _, err = run_cli(capsys, *common, "--heads", "lookup", "--tree", "mc26")
+    assert code != 0 and "tree mc26 branches: use chain-N" in err and len(err.strip().splitlines()) == 1
 
 
 def test_saved_heads_folder_and_stream(base_dir, tmp_path, capsys):
