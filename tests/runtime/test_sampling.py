@@ -165,6 +165,7 @@ def test_topk_order() -> None:
 
 def test_topk_ties_prefer_lower_ids() -> None:
     logits = np.array([[1.0, 2.0, 2.0, 0.0, 2.0, 2.0]])
+    assert topk_tokens(logits, 1).tolist() == [[1]]  # the argmax path keeps the rule
     assert topk_tokens(logits, 2).tolist() == [[1, 2]]
     assert topk_tokens(logits, 5).tolist() == [[1, 2, 4, 5, 0]]
     assert topk_tokens(logits, 6).tolist() == [[1, 2, 4, 5, 0, 3]]
