@@ -11,7 +11,8 @@ operators onnxruntime-genai's graphs use, one per job:
                 MatMul (gate), MatMul (up), SiLU * up  ->  MatMul (down)  ->  SkipSimplifiedLayerNormalization
     Gather(logit_rows)  ->  MatMul (LM head)
 
-About 11 nodes per layer; `clover-export --weights` then turns every MatMul into MatMulNBits.
+About 13 nodes per layer (with the row gather and slice around attention, below); `clover-export --weights`
+then turns every MatMul into MatMulNBits.
 
 KV cache. GroupQueryAttention writes the new tokens' K/V into the cache buffer itself and attends over
 that one buffer: `past_key_values.{i}.*` and `present.{i}.*` are bound to the same [batch, Hkv, slots, D]
@@ -103,8 +104,6 @@ def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
     init("one_i64", np.array(1, np.int64))
     init("axis0", np.array([0], np.int64))
     init("axis1", np.array([1], np.int64))
-    init("neg_inf", np.array(-np.inf, np.float32))
-    init("zero_f", np.array(0.0, np.float32))
 
     # Attention runs on at least 2 rows: a 1-token step repeats its row. onnxruntime computes a 1-row
     # attention with other matrix kernels than a multi-row one (results differ in the last bits), so without
@@ -134,6 +133,8 @@ def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
         index = node("Clip", [rel, "zero_i64", last_row], name="rel_clip")[0]  # [B, total]
         mask_shape = node("Shape", ["tree_mask"], name="mask_shape")[0]  # [B, new, new]
         two = init("two", np.array([2], np.int64))
+        init("neg_inf", np.array(-np.inf, np.float32))
+        init("zero_f", np.array(0.0, np.float32))
         index_shape = node("Concat", [node("Slice", [mask_shape, "axis0", two], name="bn")[0],
                                       node("Unsqueeze", [total_max, "axis0"], name="total_1d")[0]], name="index_shape", axis=0)[0]
         index_rows = node("Expand", [node("Unsqueeze", [index, "axis1"], name="rel_rows")[0], index_shape], name="index_rows")[0]

@@ -35,9 +35,11 @@ class RunnerInfo:
     def check_tree(self, tree: Tree) -> None:
         """One-line error for a tree this runner cannot verify losslessly."""
         if self.chains_only and not tree.is_chain:
-            raise CloverError(
-                f"tree {tree.name} branches, but this artifact's base graph (fused attention, int8 compute) verifies "
-                "only chains exactly: use plain or chain-N, or export with --attention portable for branching trees")
+            raise CloverError(f"tree {tree.name} branches, but {CHAINS_ONLY}")
+
+
+CHAINS_ONLY = ("this artifact's base graph (fused attention, int8 compute) verifies only chains exactly: use plain "
+               "or chain-N, or export with --attention portable for branching trees")
 
 
 class EngineClock:
@@ -101,8 +103,7 @@ class Runner(abc.ABC):
         T = tokens.shape[0]
         assert depths.shape == (T,) and mask.shape == (T, T), "runner.forward: inconsistent shapes"
         if self.info.chains_only and not np.array_equal(mask, np.tri(T, dtype=bool)):
-            raise CloverError("this artifact's base graph verifies only chains exactly (fused attention, int8 compute): "
-                              "use plain or chain-N trees")
+            raise CloverError(f"a branching tree was given, but {CHAINS_ONLY}")
         if self._past + T > self._capacity:
             raise CloverError(f"{T} new tokens after {self._past} cached exceed the sequence capacity {self._capacity}")
         self._pending = T

@@ -10,6 +10,7 @@ when nothing matches), a one-hot draft law for sampling.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,18 +21,16 @@ from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
 from clover.runtime.backend import Runner
 from clover.runtime.lookup import PromptLookup
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_without_replacement, topk_tokens
-from clover.runtime.tree import Tree, compile_tree
+from clover.runtime.tree import Tree, compile_tree, resolve_tree
 
 PLAIN = compile_tree([], name="plain")
 DRAFT_SOURCES = ("heads", "lookup")
-_CHAINS = [PLAIN]
 
 
+@functools.cache
 def chain(k: int) -> Tree:
-    """The chain of k drafted tokens (compiled once)."""
-    while len(_CHAINS) <= k:
-        _CHAINS.append(compile_tree([[0] * d for d in range(1, len(_CHAINS) + 1)], name=f"chain-{len(_CHAINS)}"))
-    return _CHAINS[k]
+    """The chain of k drafted tokens, plain for 0 (compiled once: lookup steps pick one per step)."""
+    return resolve_tree(f"chain-{k}") if k else PLAIN
 
 
 @dataclass

@@ -9,8 +9,15 @@ cache works the same way. A fused graph (--attention fused) writes the new rows 
 (the buffers are bound as its present outputs too); `commit` then only moves an accepted tree path's rows
 to contiguous slots, and nothing for a chain.
 
-A fused graph runs attention on at least 2 rows (a 1-token step repeats its row, export/fused_graph.py),
-so its buffers keep one slot of room beyond a 1-token step.
+Attention also reads the masked slots, so the buffers are not sized to the sequence capacity up front
+(a 4,000-token budget would make every early step read 4,000 slots): they start at `cache_block` slots
+and double when full, capped at the capacity. Growing copies the valid prefix once per doubling, so
+the copies add up to less than one extra write per token, and a step reads at most ~2x the slots it
+needs (or `cache_block`). A fused graph runs attention on at least 2 rows (a 1-token step repeats its
+row, export/fused_graph.py), so its buffers keep one slot of room beyond a 1-token step.
+
+Outputs are bound to numpy arrays allocated per run (np.empty: no page is touched before ONNX Runtime
+writes it), so the logits handed to the loop are never overwritten by a later step.
 """
 
 from __future__ import annotations
