@@ -414,11 +414,13 @@ def file_bytes(paths: Sequence[Path]) -> int:
 
 
 def artifact_base_weight_files(artifact: Path) -> list[Path]:
-    """The base graph's files, from the manifest (never from file names)."""
+    """The files of the base graph and of the LM head it runs (lm_head.onnx where the artifact shares one),
+    from the manifest (never from file names)."""
     from clover.runtime.artifact import read_manifest
 
-    base = read_manifest(artifact).graphs["base"]
-    return [artifact / f for f in (base.file, *base.external_data)]
+    graphs = read_manifest(artifact).graphs
+    return [artifact / f for name in ("base", "lm_head") if name in graphs
+            for f in (graphs[name].file, *graphs[name].external_data)]
 
 
 def export_flags(precision: str) -> list[str]:

@@ -98,7 +98,11 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     graphs = [base_graph(base, traced, chains=fused_chains_only(config))] + (draft_graphs(heads) if heads is not None else [])
     # No --tree: time the candidate trees on the graphs (ONNX Runtime on this machine) and keep the fastest.
     time_trees = config.tree is None and heads is not None and config.backend == "onnx" and config.attention != "plugin"
-    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees
+    # ONNX Runtime artifacts with heads: one LM head for all graphs (export/lm_head.py); TensorRT keeps one per
+    # engine. float32 only: ONNX Runtime's CPU runs float16 matmuls in float32 between Casts it elides inside a
+    # graph, so a float16 base cut before its LM head would round the rows it hands over (not bit-exact).
+    share_lm_head = config.shared_lm_head and heads is not None and config.backend == "onnx" and config.dtype == "float32"
+    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
@@ -142,6 +146,15 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
 
             weights = WeightsSpec(config.weights, config.block_size, SYMMETRIC, base_accuracy_level(config.attention),
                                   DRAFT_ACCURACY_LEVEL, embedding, agreement)
+        if share_lm_head:
+            from clover.export.lm_head import LM_HEAD, LM_INPUT, split_lm_head
+
+            t0 = time.perf_counter()
+            say(f"[{len(graphs) + 1}/{steps}] {LM_HEAD}: one LM head for the base and the draft graphs")
+            specs = split_lm_head(tmp, specs, graphs, VERIFY_SIZES[1], verify=config.verify)
+            shared = [n for n, s in specs.items() if any(o.name == LM_INPUT for o in s.outputs)]
+            say(f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)" if shared else
+                "      the draft graphs have their own LM head (--draft-quant or own heads): nothing shared")
         engines = {}
         if config.backend == "trt":
             from clover.export.engines import build_engines

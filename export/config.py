@@ -41,6 +41,9 @@ class ExportConfig:
       with the weights: losslessness is against plain decoding of this graph.
     block_size: input channels per quantization block (a power of two, >= 16) with `weights`.
     verify: run every graph once on ONNX Runtime against PyTorch and record the max abs error.
+    shared_lm_head: (backend "onnx", float32, with heads) cut the LM head out of the base and the draft graphs
+      into one lm_head.onnx, in memory once (export/lm_head.py). False: each graph keeps its own, as the graphs
+      of TensorRT artifacts do.
     """
 
     backend: str = "onnx"
@@ -55,6 +58,7 @@ class ExportConfig:
     weights: str | None = None
     block_size: int = 32
     verify: bool = True
+    shared_lm_head: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

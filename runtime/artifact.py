@@ -7,6 +7,8 @@ without one is never mistaken for an artifact; every file in it is listed with i
     manifest.json      format_version, base config and fingerprint, heads, tree, graphs, files
     base.onnx(.data)   the base decoder (prefill and tree verification)
     draft_*.onnx       the draft graphs of the heads (see clover.export.graphs)
+    lm_head.onnx       the base's LM head, run after the base and the draft graphs that output `lm_input`
+                       instead of `logits` (ONNX Runtime artifacts with heads: clover.export.lm_head)
     tokenizer/         the base model's tokenizer files
 """
 
@@ -23,7 +25,7 @@ from typing import Any
 
 from clover.errors import CloverError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the LM head may be a graph of its own (lm_head.onnx)
 KIND = "clover-artifact"
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
@@ -148,7 +150,7 @@ class Manifest:
     sources: dict[str, str]  # what --base / --heads named at export, for provenance and torch comparisons
     heads: HeadsSpec | None
     tree: dict[str, Any] | None  # clover.runtime.tree.tree_to_dict of the default tree
-    graphs: dict[str, GraphSpec]  # "base", "draft_begin", "draft_step", "medusa_heads"
+    graphs: dict[str, GraphSpec]  # "base", "draft_begin", "draft_step", "medusa_heads", "lm_head"
     tokenizer: str  # folder inside the artifact
     tools: dict[str, str]  # package versions that made it
     parity: dict[str, dict[str, float]]  # export-time max abs error per graph output vs PyTorch

@@ -18,6 +18,10 @@ row, export/fused_graph.py), so its buffers keep one slot of room beyond a 1-tok
 
 Outputs are bound to numpy arrays allocated per run (np.empty: no page is touched before ONNX Runtime
 writes it), so the logits handed to the loop are never overwritten by a later step.
+
+One LM head. In an artifact with `lm_head.onnx` the base and the draft graphs that share the base's LM head
+stop before it and output `lm_input`; `Graph.run` then runs the LM-head session on those rows, so callers
+still get `logits`, and the head's weights are in memory once (clover.export.lm_head).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from clover.runtime.backend import EngineClock, Runner, RunnerInfo
 from clover.runtime.tree import compile_tree
 
 PAST, PRESENT = "past_key_values", "present"
+LM_HEAD, LM_INPUT = "lm_head", "lm_input"  # as clover.export.lm_head (no export import here: no torch)
 
 
 def _ort():
@@ -96,6 +101,7 @@ class Graph:
         self._ortvalue = ort.OrtValue.ortvalue_from_numpy
         self._keep: dict[str, np.ndarray] = {}  # bound arrays must outlive the run
         self.out_dtypes = {t.name: np.dtype(t.dtype) for t in spec.outputs}
+        self.lm_head: Graph | None = None  # set when this graph outputs LM_INPUT (module doc)
 
     def bind(self, name: str, array: np.ndarray, output: str | None = None) -> None:
         """Bind a host array as an input without copying it (it must stay alive and unchanged until run);
@@ -108,13 +114,28 @@ class Graph:
             self.binding.bind_ortvalue_output(output, value)
 
     def run(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray]:
-        """Run with every output written straight into a new array of the given shape."""
+        """Run with every output written straight into a new array of the given shape. A graph cut before the
+        shared LM head gives `logits` all the same: its LM_INPUT rows go through `lm_head`."""
+        lm = self.lm_head is not None and "logits" in shapes
+        if lm:
+            shapes = dict(shapes)
+            *lead, _ = shapes.pop("logits")
+            shapes[LM_INPUT] = (*lead, self.spec.output(LM_INPUT).shape[-1])
         outs = {name: np.empty(shape, self.out_dtypes[name]) for name, shape in shapes.items()}
         for name, array in outs.items():
             self.binding.bind_ortvalue_output(name, self._ortvalue(array))
         with self.clock:
             self.session.run_with_iobinding(self.binding)
+        if lm:
+            rows = outs.pop(LM_INPUT)
+            self.lm_head.bind(LM_INPUT, rows.reshape(-1, rows.shape[-1]))
+            logits = self.lm_head.run({"logits": (rows.size // rows.shape[-1], self.lm_head.vocab_size)})["logits"]
+            outs["logits"] = logits.reshape(*rows.shape[:-1], -1)
         return outs
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.spec.output("logits").shape[-1])
 
 
 class KVCache:
@@ -180,7 +201,6 @@ class OrtRunner(Runner):
         self.engine_clock = clock = EngineClock()
         self.base = Graph(root, manifest.graphs["base"], so, clock)
         self.fused = manifest.attention == "fused"  # in-place KV cache, attention on >= 2 rows (module doc)
-        self.vocab_size = int(self.base.spec.output("logits").shape[-1])
         self.hidden_size = int(self.base.spec.output("hidden_states").shape[-1])
         heads = manifest.heads if use_heads else None
         self.arch = heads.arch if heads is not None else None
@@ -190,6 +210,13 @@ class OrtRunner(Runner):
         elif self.arch is not None:
             self.begin = Graph(root, manifest.graphs["draft_begin"], draft_so, clock)
             self.step = Graph(root, manifest.graphs["draft_step"], draft_so, clock)
+        self.lm_head = None
+        if LM_HEAD in manifest.graphs:  # on the base's thread settings: it computes every verified row's logits
+            self.lm_head = Graph(root, manifest.graphs[LM_HEAD], so, clock)
+            for g in (self.base, self.begin, self.step, self.medusa):
+                if g is not None and any(t.name == LM_INPUT for t in g.spec.outputs):
+                    g.lm_head = self.lm_head
+        self.vocab_size = (self.base.lm_head or self.base).vocab_size
         tree = manifest.tree if heads is not None else None
         self.info = RunnerInfo(
             backend="ort", vocab_size=self.vocab_size, max_context=manifest.max_context, heads=self.arch,
@@ -202,7 +229,7 @@ class OrtRunner(Runner):
         self.head_cache: KVCache | None = None
 
     def close(self) -> None:
-        self.base = self.begin = self.step = self.medusa = None
+        self.base = self.begin = self.step = self.medusa = self.lm_head = None
         self.cache = self.head_cache = None
 
     def _reset(self, capacity: int) -> None:

@@ -34,18 +34,21 @@ def tiny_modules(arch: str, dtype: str = "float32", base_seed: int = BASE_SEED) 
 
 
 def tiny_artifact(root: Path, arch: str, dtype: str = "float32", tree: str | None = None,
-                  draft_quant: str | None = None, weights: str | None = None, attention: str = "portable") -> Path:
+                  draft_quant: str | None = None, weights: str | None = None, attention: str = "portable",
+                  shared_lm_head: bool = True) -> Path:
     """Export tiny_modules(arch, dtype) to
-    root/artifacts/<arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>][-<attention>] once per session."""
+    root/artifacts/<arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>][-<attention>][-own-lm-heads] once per
+    session. shared_lm_head=False: every graph keeps its LM head, as in a TensorRT artifact."""
     parts = (arch, dtype, tree, draft_quant and f"drafts-{draft_quant}", weights and f"weights-{weights}",
-             attention if attention != "portable" else None)
+             attention if attention != "portable" else None, None if shared_lm_head else "own-lm-heads")
     out = Path(root) / "artifacts" / "-".join(filter(None, parts))
     if (out / MANIFEST_FILE).is_file():
         return out
     base, heads = tiny_modules(arch, dtype)
     tokenizer = tiny_tokenizer_dir(Path(root) / "artifacts" / "tokenizer")
     name = f"random:{arch}:{HEADS_SEED}" if heads is not None else "none"
-    config = ExportConfig(dtype=dtype, tree=tree, draft_quant=draft_quant, weights=weights, attention=attention)
+    config = ExportConfig(dtype=dtype, tree=tree, draft_quant=draft_quant, weights=weights, attention=attention,
+                          shared_lm_head=shared_lm_head)
     return artifact_from_modules(base, heads, tokenizer, out, config, heads_name=name)
 
 

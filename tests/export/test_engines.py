@@ -26,7 +26,9 @@ ARCHS = ("medusa", "clover", "clover2")
 @pytest.fixture(scope="module")
 def manifests(tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
-    return {arch: (tiny_artifact(root, arch), read_manifest(tiny_artifact(root, arch))) for arch in ARCHS}
+    # The graphs TensorRT builds from: each keeps its LM head (no shared lm_head.onnx in a trt artifact).
+    artifacts = {arch: tiny_artifact(root, arch, shared_lm_head=False) for arch in ARCHS}
+    return {arch: (path, read_manifest(path)) for arch, path in artifacts.items()}
 
 
 def all_graphs(manifests):

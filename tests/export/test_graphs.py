@@ -51,7 +51,7 @@ def graph_defs(base, heads):
 
 @pytest.mark.parametrize("arch", ["medusa", "clover", "clover2"])
 def test_fp32_parity_every_graph(tmp_path_factory, arch):
-    root = tiny_artifact(tmp_path_factory.getbasetemp(), arch)
+    root = tiny_artifact(tmp_path_factory.getbasetemp(), arch, shared_lm_head=False)  # the graphs as traced
     base, heads = tiny_modules(arch)
     graphs = graph_defs(base, heads)
     assert {g.name for g in graphs} == set(read_manifest(root).graphs)
@@ -97,7 +97,7 @@ def test_medusa_with_own_lm_heads(tmp_path):
 
 
 def test_graph_io_names_dims_and_checker(tmp_path_factory):
-    root = tiny_artifact(tmp_path_factory.getbasetemp(), "clover")
+    root = tiny_artifact(tmp_path_factory.getbasetemp(), "clover", shared_lm_head=False)  # the graphs as traced
     graphs = read_manifest(root).graphs
     base = graphs["base"]
     assert [t.name for t in base.inputs[:5]] == ["input_ids", "position_ids", "tree_mask", "past_lengths", "logit_rows"]

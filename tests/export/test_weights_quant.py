@@ -34,8 +34,13 @@ def test_every_graph_is_quantized_and_measured(artifacts, arch, weights):
     assert m.weights.scheme == weights and m.weights.block_size == 32
     assert m.weights.accuracy_level == 0 and m.weights.draft_accuracy_level == 4
     assert m.draft_quant is None
+    assert "lm_head" in m.graphs  # the LM head of every graph, once (test_lm_head.py)
+    lm_head_ops = quantized_ops(root / m.graphs["lm_head"].file)
+    assert lm_head_ops == ["MatMulNBits"]
     for name, graph in m.graphs.items():
-        ops = quantized_ops(root / graph.file)
+        if name == "lm_head":  # cut out of the checked base graph
+            continue
+        ops = quantized_ops(root / graph.file) + lm_head_ops  # what runs for this graph's logits
         assert "MatMulNBits" in ops, f"{name} has no MatMulNBits"
         assert m.parity[name]["logits"] < 1e-3  # the fp32 graph was checked before it was quantized
         assert m.parity[f"{name}.{weights}"]["logits"] > 0  # then measured again, quantized

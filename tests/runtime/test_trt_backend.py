@@ -27,7 +27,8 @@ LIMITS = EngineLimits(max_prompt=48, max_tree=26, max_context=128, max_accepted=
 @pytest.fixture(scope="module")
 def artifacts(tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
-    return {arch: tiny_artifact(root, arch) for arch in ("medusa", "clover", "clover2")}
+    # The graphs of a TensorRT artifact: each keeps its LM head (one engine per graph).
+    return {arch: tiny_artifact(root, arch, shared_lm_head=False) for arch in ("medusa", "clover", "clover2")}
 
 
 def table(artifact, name, limits=LIMITS):
