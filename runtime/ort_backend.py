@@ -56,6 +56,9 @@ class OrtOptions:
       hundred ops, each waking a sleeping thread otherwise: SmolLM2 int4 fused on 2 cores, 6.4 vs 9.0 ms per
       plain step. The draft graphs then run on the calling thread alone: the base's spinning threads hold
       the other cores (pools spinning in several sessions steal each other's cores: 1.7x slower, measured).
+      The LM-head session (lm_head.onnx) spins too; spinning stops when a run returns, so the two alternate
+      without stealing each other's cores (SmolLM2 int4: as fast as the base with its own LM head; a second
+      session left spinning after its run: 0.6x).
       False: every session's threads sleep between ops, and every session uses `threads`.
     checksums: verify every file's sha256 on load (sizes are always checked).
     cache_block: KV cache slots allocated at the start of a sequence (doubled when full)."""
@@ -84,6 +87,8 @@ def session_options(opts: OrtOptions, spin: bool = False):
     so.inter_op_num_threads = 1
     so.log_severity_level = 3  # errors only: optimizer notes are not actionable for a user
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    if spin:  # stop spinning when a run returns: the base and the LM-head sessions run one after the other
+        so.add_session_config_entry("session.force_spinning_stop", "1")
     return so
 
 

@@ -241,6 +241,8 @@ def test_the_base_session_spins_and_the_draft_sessions_stay_on_the_calling_threa
     entry = lambda so: so.get_session_config_entry("session.intra_op.allow_spinning")  # noqa: E731
     base, draft = session_options(OrtOptions(threads=2), spin=True), session_options(OrtOptions(threads=2))
     assert entry(base) == "1" and base.intra_op_num_threads == 2
+    # ... and stops spinning when its run returns: the LM-head session, spinning too, runs next
+    assert base.get_session_config_entry("session.force_spinning_stop") == "1"
     assert entry(draft) == "0" and draft.intra_op_num_threads == 1  # the base's spinning threads hold the cores
     quiet = OrtOptions(threads=2, spin=False)  # nothing spins: every session uses the threads asked for
     assert {(entry(so), so.intra_op_num_threads) for so in (session_options(quiet, spin=False), session_options(quiet))} == {("0", 2)}
