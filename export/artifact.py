@@ -152,7 +152,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             t0 = time.perf_counter()
             say(f"[{len(graphs) + 1}/{steps}] {LM_HEAD}: one LM head for the base and the draft graphs")
             specs = split_lm_head(tmp, specs, graphs, VERIFY_SIZES[1], verify=config.verify)
-            shared = [n for n, s in specs.items() if any(o.name == LM_INPUT for o in s.outputs)]
+            shared = [n for n, s in specs.items() if s.has_output(LM_INPUT)]
             say(f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)" if shared else
                 "      the draft graphs have their own LM head (--draft-quant or own heads): nothing shared")
         engines = {}

@@ -149,6 +149,7 @@ def cut_lm_head(model, nodes, hidden: int) -> None:
 
 
 def save_model(model, path: Path) -> None:
+    """Write `model` to `path` with its weights in `<name>.data`, replacing any old files whole."""
     import onnx
 
     replace_graph(path, lambda out: onnx.save(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
@@ -176,9 +177,7 @@ def split_lm_head(folder: Path, specs: dict[str, GraphSpec], graphs: list[GraphD
         return specs  # no draft graph shares the base's LM head: splitting would only add a call per step
     hidden = int(specs["base"].output("hidden_states").shape[-1])
     before = _logits_of(folder, specs, graphs, cut, sizes) if verify else None
-    lm = lm_head_model(models["base"], base_node, hidden)
-    onnx.save(lm, str(folder / f"{LM_HEAD}.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=f"{LM_HEAD}.onnx.data", size_threshold=1024)
+    save_model(lm_head_model(models["base"], base_node, hidden), folder / f"{LM_HEAD}.onnx")
     check_onnx(folder / f"{LM_HEAD}.onnx")
     out = dict(specs)
     out[LM_HEAD] = graph_spec(folder / f"{LM_HEAD}.onnx")
@@ -214,7 +213,7 @@ def _logits_of(folder: Path, specs: dict[str, GraphSpec], graphs: list[GraphDef]
         inputs = graph.example(sizes, torch.Generator().manual_seed(0))
         session = checking_session(folder / specs[graph.name].file)
         feeds = {n: t.numpy() for n, t in zip(graph.inputs, inputs) if n in {i.name for i in session.get_inputs()}}
-        if lm is None or not any(o.name == LM_INPUT for o in session.get_outputs()):
+        if lm is None or not specs[graph.name].has_output(LM_INPUT):
             got[graph.name] = run_checked(session, ["logits"], feeds)[0]
             continue
         x = run_checked(session, [LM_INPUT], feeds)[0]

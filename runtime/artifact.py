@@ -63,6 +63,9 @@ class GraphSpec:
     def has_input(self, name: str) -> bool:
         return any(t.name == name for t in self.inputs)
 
+    def has_output(self, name: str) -> bool:
+        return any(t.name == name for t in self.outputs)
+
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GraphSpec":
         return cls(d["file"], tuple(d.get("external_data", ())), tuple(map(TensorSpec.from_dict, d["inputs"])),

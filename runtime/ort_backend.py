@@ -106,7 +106,8 @@ class Graph:
         self._ortvalue = ort.OrtValue.ortvalue_from_numpy
         self._keep: dict[str, np.ndarray] = {}  # bound arrays must outlive the run
         self.out_dtypes = {t.name: np.dtype(t.dtype) for t in spec.outputs}
-        self.lm_head: Graph | None = None  # set when this graph outputs LM_INPUT (module doc)
+        self.lm_head: Graph | None = None  # runs after this graph when it outputs LM_INPUT (use_lm_head)
+        self._lm_width = 0
 
     def bind(self, name: str, array: np.ndarray, output: str | None = None) -> None:
         """Bind a host array as an input without copying it (it must stay alive and unchanged until run);
@@ -125,7 +126,7 @@ class Graph:
         if lm:
             shapes = dict(shapes)
             *lead, _ = shapes.pop("logits")
-            shapes[LM_INPUT] = (*lead, self.spec.output(LM_INPUT).shape[-1])
+            shapes[LM_INPUT] = (*lead, self._lm_width)
         outs = {name: np.empty(shape, self.out_dtypes[name]) for name, shape in shapes.items()}
         for name, array in outs.items():
             self.binding.bind_ortvalue_output(name, self._ortvalue(array))
@@ -137,6 +138,10 @@ class Graph:
             logits = self.lm_head.run({"logits": (rows.size // rows.shape[-1], self.lm_head.vocab_size)})["logits"]
             outs["logits"] = logits.reshape(*rows.shape[:-1], -1)
         return outs
+
+    def use_lm_head(self, lm_head: "Graph") -> None:
+        """This graph stops before the shared LM head (it outputs LM_INPUT): `run` runs `lm_head` after it."""
+        self.lm_head, self._lm_width = lm_head, int(self.spec.output(LM_INPUT).shape[-1])
 
     @property
     def vocab_size(self) -> int:
@@ -219,8 +224,8 @@ class OrtRunner(Runner):
         if LM_HEAD in manifest.graphs:  # on the base's thread settings: it computes every verified row's logits
             self.lm_head = Graph(root, manifest.graphs[LM_HEAD], so, clock)
             for g in (self.base, self.begin, self.step, self.medusa):
-                if g is not None and any(t.name == LM_INPUT for t in g.spec.outputs):
-                    g.lm_head = self.lm_head
+                if g is not None and g.spec.has_output(LM_INPUT):
+                    g.use_lm_head(self.lm_head)
         self.vocab_size = (self.base.lm_head or self.base).vocab_size
         tree = manifest.tree if heads is not None else None
         self.info = RunnerInfo(
