@@ -33,9 +33,11 @@ Same inputs and outputs as the portable graph, except that present.{i}.* are the
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
+from onnx import TensorProto
 
 from clover.errors import CloverError
 from clover.models.decoder import Decoder
@@ -46,6 +48,65 @@ OPSET = 23  # RMSNormalization
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy()
+
+GQA_ATTRIBUTES = dict(do_rotary=1, rotary_interleaved=0, local_window_size=-1)
+
+
+class AttentionRows(NamedTuple):
+    """Per-step inputs of one sequence's GroupQueryAttention nodes (shared by every layer)."""
+
+    rows: str  # [rows] int64: which packed rows attention runs on (>= 2: a 1-token step repeats its row)
+    count: str  # [1] int64: its real rows (the output keeps these)
+    seqlens_k: str  # [B] int32: past + rows - 1
+    total_len: str  # [] int32
+    position_ids: str  # [B, rows] ("" for chains: GroupQueryAttention derives them)
+    bias: str  # [B, 1, rows, total] additive tree mask ("" for chains: causal)
+
+
+def attention_rows(node, new: str, past: str, mask: str, positions: str, tag: str, offset: str = "") -> AttentionRows:
+    """The nodes that prepare one sequence's (or one batch's) attention for a step: `new` real rows ([] int64)
+    after `past` ([B]) cached, starting at packed row `offset` ([] int64, "" for 0), with tree mask `mask`
+    [B, new, new] and RoPE positions `positions` [B, new] ("" for chains).
+
+    Attention runs on at least 2 rows: a 1-token step repeats its row. onnxruntime computes a 1-row attention
+    with other matrix kernels than a multi-row one (results differ in the last bits), so without this a row
+    of a chain verify would not equal the same row of a plain step bit for bit. The repeat writes its K/V to
+    the slot after the step (the next step overwrites it); its output is dropped."""
+    rows = node("Max", [new, "two_i64"], name=f"attention_rows{tag}")[0]
+    last_row = node("Max", [node("Sub", [new, "one_i64"], name=f"last_row_sub{tag}")[0], "zero_i64"], name=f"last_row{tag}")[0]
+    index = node("Clip", [node("Range", ["zero_i64", rows, "one_i64"], name=f"row_range{tag}")[0], "zero_i64", last_row],
+                 name=f"row_index{tag}")[0]  # [0, 1, ..., new - 1] or [0, 0]
+    packed = node("Add", [index, offset], name=f"packed_rows{tag}")[0] if offset else index
+    position_ids = node("Gather", [positions, packed], name=f"attention_positions{tag}", axis=1)[0] if positions else ""
+
+    total = node("Add", [past, rows], name=f"totals{tag}")[0]  # [B]
+    seqlens_k = node("Cast", [node("Sub", [total, "one_i64"], name=f"seqlens_sub{tag}")[0]], name=f"seqlens_k{tag}", to=TensorProto.INT32)[0]
+    total_max = node("ReduceMax", [total], name=f"total_max{tag}", keepdims=0)[0]
+    total_len = node("Cast", [total_max], name=f"total_sequence_length{tag}", to=TensorProto.INT32)[0]
+    bias = ""
+    if mask:
+        # attention_bias [B, 1, rows, total]: key slot j of sequence b is a past slot (j < past_b) or new row
+        # j - past_b, which row s may see iff mask[b, s, j - past_b].
+        key_slots = node("Range", ["zero_i64", total_max, "one_i64"], name=f"key_slots{tag}")[0]  # [total]
+        rel = node("Sub", [node("Unsqueeze", [key_slots, "axis0"], name=f"slots_row{tag}")[0],
+                           node("Unsqueeze", [past, "axis1"], name=f"past_col{tag}")[0]], name=f"rel{tag}")[0]  # [B, total]
+        clipped = node("Clip", [rel, "zero_i64", last_row], name=f"rel_clip{tag}")[0]  # [B, total]
+        mask_shape = node("Shape", [mask], name=f"mask_shape{tag}")[0]  # [B, new, new]
+        index_shape = node("Concat", [node("Slice", [mask_shape, "zero_1d", "two"], name=f"bn{tag}")[0],
+                                      node("Unsqueeze", [total_max, "axis0"], name=f"total_1d{tag}")[0]], name=f"index_shape{tag}", axis=0)[0]
+        index_rows = node("Expand", [node("Unsqueeze", [clipped, "axis1"], name=f"rel_rows{tag}")[0], index_shape], name=f"index_rows{tag}")[0]
+        seen = node("GatherElements", [mask, index_rows], name=f"tree_seen{tag}", axis=2)[0]  # [B, new, total]
+        is_past = node("Less", [rel, "zero_i64"], name=f"is_past{tag}")[0]  # [B, total]
+        is_new = node("Less", [rel, new], name=f"is_new{tag}")[0]
+        row_cols = lambda t, name: node("Unsqueeze", [t, "axis1"], name=name)[0]  # noqa: E731 [B, total] -> [B, 1, total]
+        allowed = node("Or", [row_cols(is_past, f"is_past_rows{tag}"),
+                              node("And", [seen, row_cols(is_new, f"is_new_rows{tag}")], name=f"tree_seen_new{tag}")[0]],
+                       name=f"allowed{tag}")[0]
+        rows_bias = node("Gather", [node("Where", [allowed, "zero_f", "neg_inf"], name=f"bias{tag}")[0], index],
+                         name=f"bias_rows{tag}", axis=1)[0]
+        bias = node("Unsqueeze", [rows_bias, "axis1"], name=f"attention_bias{tag}")[0]  # [B, 1, rows, total]
+    count = node("Unsqueeze", [new, "axis0"], name=f"new_1d{tag}")[0]
+    return AttentionRows(packed, count, seqlens_k, total_len, position_ids, bias)
 
 
 def check_fusable(base: Decoder) -> None:
@@ -104,50 +165,12 @@ def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
     init("one_i64", np.array(1, np.int64))
     init("axis0", np.array([0], np.int64))
     init("axis1", np.array([1], np.int64))
-
-    # Attention runs on at least 2 rows: a 1-token step repeats its row. onnxruntime computes a 1-row
-    # attention with other matrix kernels than a multi-row one (results differ in the last bits), so without
-    # this a row of a chain verify would not equal the same row of a plain step bit for bit. The repeat
-    # writes its K/V to the slot after the step (the next step overwrites it); its output is dropped.
+    init("two", np.array([2], np.int64))
     init("two_i64", np.array(2, np.int64))
+    init("neg_inf", np.array(-np.inf, np.float32))
+    init("zero_f", np.array(0.0, np.float32))
     new = node("Gather", [node("Shape", ["input_ids"], name="ids_shape")[0], "one_i64"], name="new_len", axis=0)[0]
-    rows = node("Max", [new, "two_i64"], name="attention_rows")[0]
-    last_row = node("Sub", [new, "one_i64"], name="last_row")[0]
-    row_index = node("Clip", [node("Range", ["zero_i64", rows, "one_i64"], name="row_range")[0], "zero_i64", last_row],
-                     name="row_index")[0]  # [0, 1, ..., new - 1] or [0, 0]
-    position_ids = node("Gather", ["position_ids", row_index], name="attention_positions", axis=1)[0] if trees else ""
-
-    # Per-step scalars shared by every layer: seqlens_k = past + rows - 1 per sequence, the longest total.
-    total = node("Add", ["past_lengths", rows], name="totals")[0]  # [B]
-    seqlens_k = node("Cast", [node("Sub", [total, "one_i64"], name="seqlens_sub")[0]], name="seqlens_k", to=TensorProto.INT32)[0]
-    total_max = node("ReduceMax", [total], name="total_max", keepdims=0)[0]
-    total_len = node("Cast", [total_max], name="total_sequence_length", to=TensorProto.INT32)[0]
-
-    attention_bias = ""
-    if trees:
-        # attention_bias [B, 1, rows, total]: key slot j of sequence b is a past slot (j < past_b) or new row
-        # j - past_b, which row s may see iff tree_mask[b, s, j - past_b].
-        slots = node("Range", ["zero_i64", total_max, "one_i64"], name="slots")[0]  # [total]
-        rel = node("Sub", [node("Unsqueeze", [slots, "axis0"], name="slots_row")[0],
-                           node("Unsqueeze", ["past_lengths", "axis1"], name="past_col")[0]], name="rel")[0]  # [B, total]
-        index = node("Clip", [rel, "zero_i64", last_row], name="rel_clip")[0]  # [B, total]
-        mask_shape = node("Shape", ["tree_mask"], name="mask_shape")[0]  # [B, new, new]
-        two = init("two", np.array([2], np.int64))
-        init("neg_inf", np.array(-np.inf, np.float32))
-        init("zero_f", np.array(0.0, np.float32))
-        index_shape = node("Concat", [node("Slice", [mask_shape, "axis0", two], name="bn")[0],
-                                      node("Unsqueeze", [total_max, "axis0"], name="total_1d")[0]], name="index_shape", axis=0)[0]
-        index_rows = node("Expand", [node("Unsqueeze", [index, "axis1"], name="rel_rows")[0], index_shape], name="index_rows")[0]
-        seen = node("GatherElements", ["tree_mask", index_rows], name="tree_seen", axis=2)[0]  # [B, new, total]
-        is_past = node("Less", [rel, "zero_i64"], name="is_past")[0]  # [B, total]
-        is_new = node("Less", [rel, new], name="is_new")[0]
-        row_cols = lambda t, name: node("Unsqueeze", [t, "axis1"], name=name)[0]  # noqa: E731 [B, total] -> [B, 1, total]
-        allowed = node("Or", [row_cols(is_past, "is_past_rows"), node("And", [seen, row_cols(is_new, "is_new_rows")], name="tree_seen_new")[0]],
-                       name="allowed")[0]
-        bias = node("Gather", [node("Where", [allowed, "zero_f", "neg_inf"], name="bias")[0], row_index], name="bias_rows", axis=1)[0]
-        attention_bias = node("Unsqueeze", [bias, "axis1"], name="attention_bias")[0]  # [B, 1, rows, total]
-    row_ends = node("Unsqueeze", [new, "axis0"], name="new_1d")[0]
-
+    solo = attention_rows(node, new, "past_lengths", "tree_mask" if trees else "", "position_ids" if trees else "", "")
     x = node("Gather", [init("embed_tokens.weight", _np(base.embed_tokens.weight)), "input_ids"], name="embed_tokens", axis=0)[0]
     residual = x
     h = node("RMSNormalization", [x, init("layers.0.input_layernorm.weight", _np(base.layers[0].input_layernorm.weight))],
@@ -157,16 +180,15 @@ def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
         p = f"layers.{i}"
         attn = layer.self_attn
         qkv = linear(h, attn.qkv_proj, f"{p}.self_attn.qkv_proj")
-        qkv = node("Gather", [qkv, row_index], name=f"{p}.self_attn.rows", axis=1)[0]
+        qkv = node("Gather", [qkv, solo.rows], name=f"{p}.self_attn.rows", axis=1)[0]
         out, k_out, v_out = node(
             "GroupQueryAttention",
-            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", seqlens_k, total_len,
-             "cos_cache", "sin_cache", position_ids, attention_bias],
+            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", solo.seqlens_k, solo.total_len,
+             "cos_cache", "sin_cache", solo.position_ids, solo.bias],
             [f"{p}.self_attn/out", f"present.{i}.key", f"present.{i}.value"], domain=MS, name=f"{p}.self_attn",
-            num_heads=Hq, kv_num_heads=Hkv, scale=float(D**-0.5), do_rotary=1, rotary_interleaved=0,
-            local_window_size=-1)
+            **GQA_ATTRIBUTES, num_heads=Hq, kv_num_heads=Hkv, scale=float(D**-0.5))
         outputs_kv += [k_out, v_out]
-        out = node("Slice", [out, "zero_1d", row_ends, "axis1"], name=f"{p}.self_attn.unpad")[0]
+        out = node("Slice", [out, "zero_1d", solo.count, "axis1"], name=f"{p}.self_attn.unpad")[0]
         o = linear(out, attn.o_proj, f"{p}.self_attn.o_proj")
         normed, _, _, residual = node(
             "SkipSimplifiedLayerNormalization", [residual, o, init(f"{p}.post_attention_layernorm.weight", _np(layer.post_attention_layernorm.weight))],
@@ -196,7 +218,7 @@ def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
     node("Identity", [linear(rows, lm, "lm_head")], ["logits"], name="logits")
 
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
-    kv = lambda name: helper.make_tensor_value_info(name, f32, ["batch", Hkv, "slots", D])
+    kv = lambda name: helper.make_tensor_value_info(name, f32, ["batch", Hkv, "slots", D])  # noqa: E731
     inputs = [
         helper.make_tensor_value_info("input_ids", i64, ["batch", "new"]),
         helper.make_tensor_value_info("position_ids", i64, ["batch", "new"]),

@@ -1,8 +1,9 @@
 """The interface every backend implements, so one loop drives PyTorch, ONNX Runtime and TensorRT.
 
-A runner holds one base model (and optionally draft heads) and the KV caches of one sequence. All
-arrays crossing this interface are numpy; the runner keeps its tensors (cache, hidden states, head
-states) on its own device (STYLE.md 5: public methods validate, `_impl` methods do the work).
+A runner holds one base model (and optionally draft heads) and serves sequences in slots: each slot has
+its own KV caches and draft states, and one forward can run several slots' new tokens. All arrays crossing
+this interface are numpy; the runner keeps its tensors (cache, hidden states, head states) on its own
+device (STYLE.md 5: public methods validate, `_impl` methods do the work).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import abc
 import importlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ class RunnerInfo:
     # The base verifies chains bit for bit like plain steps but not branching trees (a fused graph with int8
     # compute, ort_backend.py): a branching tree could change the output, so it is refused.
     chains_only: bool = False
+    kv_bytes_per_token: int = 0  # KV cache bytes one cached token takes (base and heads), for memory plans
 
     def check_tree(self, tree: Tree) -> None:
         """One-line error for a tree this runner cannot verify losslessly."""
@@ -58,8 +61,33 @@ class EngineClock:
         self.seconds += time.perf_counter() - self._start
 
 
+@dataclass(eq=False)
+class Slot:
+    """One sequence's place in a runner: its lengths and the backend's per-sequence state (KV caches, the last
+    forward's outputs, draft states). A runner serves any number of slots; a sequence never touches another's."""
+
+    index: int  # lowest free number when opened: the row a batched graph binds this sequence to
+    capacity: int  # most cached tokens (prompt + generated + the largest tree)
+    past: int = 0  # tokens cached
+    pending: int = 0  # rows of the last forward not yet committed
+    state: Any = None  # the backend's (its own typed class)
+
+
+@dataclass(frozen=True)
+class Verify:
+    """New tokens of one slot for a forward: tokens [T] int64 at positions past + depths [T], mask [T, T] bool
+    (row i attends to new token j)."""
+
+    slot: Slot
+    tokens: np.ndarray
+    depths: np.ndarray
+    mask: np.ndarray
+
+
 class Runner(abc.ABC):
-    """One sequence on one engine: forward (prefill / verify), commit, and tree drafting."""
+    """Sequences (slots) on one engine: forward (prefill / verify, several slots in one call), commit, and
+    tree drafting, each for a slot. The single-sequence methods (`reset`, then `forward` / `commit` /
+    `draft_*` without a slot) use one solo slot: batch 1 is just one slot."""
 
     info: RunnerInfo
     # Backends whose engine calls return when the work is done (CPU) time them here; asynchronous ones
@@ -67,9 +95,8 @@ class Runner(abc.ABC):
     engine_clock: EngineClock | None = None
 
     def __init__(self) -> None:
-        self._past = 0
-        self._capacity = 0
-        self._pending = 0  # rows of the last forward not yet committed
+        self._open: dict[int, Slot] = {}
+        self._solo: Slot | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
     def __enter__(self) -> "Runner":
@@ -81,67 +108,114 @@ class Runner(abc.ABC):
     def close(self) -> None:
         """Release engine resources (idempotent)."""
 
+    def open_slot(self, capacity: int) -> Slot:
+        """A new sequence with room for `capacity` cached tokens."""
+        if not 1 <= capacity <= self.info.max_context:
+            raise CloverError(f"sequence capacity {capacity} is outside 1..{self.info.max_context} (the model's context)")
+        index = next(i for i in range(len(self._open) + 1) if i not in self._open)
+        slot = Slot(index, capacity)
+        slot.state = self._open_slot(slot)
+        self._open[index] = slot
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Free a slot (its caches go back to the runner); idempotent."""
+        if self._open.get(slot.index) is slot:
+            del self._open[slot.index]
+            self._release(slot)
+            slot.state = None
+
+    @property
+    def open_slots(self) -> int:
+        return len(self._open)
+
+    # -- the solo slot (one sequence at a time) ----------------------------------------------------
+    def reset(self, capacity: int) -> None:
+        """Start a new solo sequence with room for `capacity` cached tokens (the previous one is released)."""
+        if self._solo is not None:
+            self.release(self._solo)
+        self._solo = None
+        self._solo = self.open_slot(capacity)
+
+    @property
+    def solo(self) -> Slot:
+        assert self._solo is not None, "runner: reset() opens the solo sequence"
+        return self._solo
+
     @property
     def past_length(self) -> int:
-        return self._past
+        return self.solo.past
 
     @property
     def capacity(self) -> int:
-        return self._capacity
-
-    def reset(self, capacity: int) -> None:
-        """Start a new sequence with room for `capacity` cached tokens."""
-        if not 1 <= capacity <= self.info.max_context:
-            raise CloverError(f"sequence capacity {capacity} is outside 1..{self.info.max_context} (the model's context)")
-        self._past, self._capacity, self._pending = 0, capacity, 0
-        self._reset(capacity)
+        return self.solo.capacity
 
     # -- the step ---------------------------------------------------------------------------------
-    def forward(self, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray, last_only: bool = False) -> np.ndarray:
-        """Run new tokens over the cache: tokens [T] int64 at positions past + depths [T], mask [T, T] bool
-        (row i attends to new token j). Returns logits [T, V] float32 ([1, V] if last_only)."""
-        T = tokens.shape[0]
-        assert depths.shape == (T,) and mask.shape == (T, T), "runner.forward: inconsistent shapes"
-        if self.info.chains_only and not np.array_equal(mask, np.tri(T, dtype=bool)):
-            raise CloverError(f"a branching tree was given, but {CHAINS_ONLY}")
-        if self._past + T > self._capacity:
-            raise CloverError(f"{T} new tokens after {self._past} cached exceed the sequence capacity {self._capacity}")
-        self._pending = T
-        return self._forward(tokens, depths, mask, last_only)
+    def forward(self, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray, last_only: bool = False,
+                slot: Slot | None = None) -> np.ndarray:
+        """Run new tokens over one slot's cache (the solo one by default); see `Verify`. Returns logits
+        [T, V] float32 ([1, V] if last_only)."""
+        return self.forward_batch([Verify(slot or self.solo, tokens, depths, mask)], last_only)[0]
 
-    def commit(self, path: np.ndarray, next_tokens: np.ndarray) -> None:
-        """Keep rows `path` (increasing) of the last forward: compact their KV into the next cache slots
-        and let the heads consume them, each paired with the token that follows it."""
-        assert len(path) == len(next_tokens) and len(path) >= 1 and path[-1] < self._pending
-        self._commit(np.asarray(path, dtype=np.int64), np.asarray(next_tokens, dtype=np.int64))
-        self._past += len(path)
-        self._pending = 0
+    def forward_batch(self, batch: Sequence[Verify], last_only: bool = False) -> list[np.ndarray]:
+        """One forward over several slots' new tokens. Returns each slot's logits [T, V] float32 ([1, V] if
+        last_only), in order."""
+        for v in batch:
+            T = v.tokens.shape[0]
+            assert v.depths.shape == (T,) and v.mask.shape == (T, T), "runner.forward: inconsistent shapes"
+            assert self._open.get(v.slot.index) is v.slot, "runner.forward: slot is not open"
+            if self.info.chains_only and not np.array_equal(v.mask, np.tri(T, dtype=bool)):
+                raise CloverError(f"a branching tree was given, but {CHAINS_ONLY}")
+            if v.slot.past + T > v.slot.capacity:
+                raise CloverError(f"{T} new tokens after {v.slot.past} cached exceed the sequence capacity {v.slot.capacity}")
+        assert len({v.slot.index for v in batch}) == len(batch), "runner.forward: a slot appears twice"
+        for v in batch:
+            v.slot.pending = v.tokens.shape[0]
+        return self._forward_batch(batch, last_only)
 
-    def draft_begin(self) -> np.ndarray:
+    def commit(self, path: np.ndarray, next_tokens: np.ndarray, slot: Slot | None = None) -> None:
+        """Keep rows `path` (increasing) of the slot's last forward: compact their KV into the next cache
+        slots and let the heads consume them, each paired with the token that follows it."""
+        slot = slot or self.solo
+        assert len(path) == len(next_tokens) and len(path) >= 1 and path[-1] < slot.pending
+        self._commit(slot, np.asarray(path, dtype=np.int64), np.asarray(next_tokens, dtype=np.int64))
+        slot.past += len(path)
+        slot.pending = 0
+
+    def draft_begin(self, slot: Slot | None = None) -> np.ndarray:
         """Draft logits [V] for the children of the root (the last emitted token), after a commit."""
         if self.info.heads is None:
             raise CloverError("this runner has no draft heads: use the plain tree")
-        return self._draft_begin()
+        return self._draft_begin(slot or self.solo)
 
-    def draft_step(self, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    def draft_step(self, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray,
+                   slot: Slot | None = None) -> np.ndarray:
         """For tree nodes at `depth` with their parents and tokens: draft logits [n, V] for their children."""
-        return self._draft_step(depth, nodes, parents, tokens)
+        return self._draft_step(slot or self.solo, depth, nodes, parents, tokens)
 
     # -- implementations ------------------------------------------------------------------------
     @abc.abstractmethod
-    def _reset(self, capacity: int) -> None: ...
+    def _open_slot(self, slot: Slot) -> Any:
+        """The backend's state for a new sequence."""
+
+    def _release(self, slot: Slot) -> None:
+        """Give a slot's buffers back (default: dropped with its state)."""
+
+    def _forward_batch(self, batch: Sequence[Verify], last_only: bool) -> list[np.ndarray]:
+        """Default: one engine call per slot (backends whose graphs batch override this)."""
+        return [self._forward(v.slot, v.tokens, v.depths, v.mask, last_only) for v in batch]
+
+    def _forward(self, slot: Slot, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray, last_only: bool) -> np.ndarray:
+        raise NotImplementedError
 
     @abc.abstractmethod
-    def _forward(self, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray, last_only: bool) -> np.ndarray: ...
+    def _commit(self, slot: Slot, path: np.ndarray, next_tokens: np.ndarray) -> None: ...
 
     @abc.abstractmethod
-    def _commit(self, path: np.ndarray, next_tokens: np.ndarray) -> None: ...
+    def _draft_begin(self, slot: Slot) -> np.ndarray: ...
 
     @abc.abstractmethod
-    def _draft_begin(self) -> np.ndarray: ...
-
-    @abc.abstractmethod
-    def _draft_step(self, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray: ...
+    def _draft_step(self, slot: Slot, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray: ...
 
 
 BACKENDS = {"torch": "clover.runtime.torch_backend", "ort": "clover.runtime.ort_backend", "trt": "clover.runtime.trt_backend"}

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from clover.errors import CloverError
-from clover.runtime.backend import Runner, backend_module
-from clover.runtime.loop import DRAFT_SOURCES, PLAIN, chain, speculative_steps
+from clover.runtime.backend import Runner, RunnerInfo, backend_module
+from clover.runtime.loop import DRAFT_SOURCES, PLAIN, Step, chain, speculative_steps
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
@@ -49,6 +49,9 @@ class GenerationResult:
     backend: str = ""
     heads: str = "none"
     tree: str = "plain"
+    time_to_first_token: float = 0.0  # seconds from the request to its first token (queueing and prefill)
+    drafted_tokens: int = 0  # drafted tokens verified, over all steps
+    accepted_tokens: int = 0  # drafted tokens accepted (tokens emitted minus one bonus token per step)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -62,36 +65,99 @@ def default_tree(max_depth: int | None) -> Tree:
     return compile_tree([c for c in tree.choices if len(c) <= max_depth], name=f"{DEFAULT_TREE}-d{max_depth}")
 
 
+def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:
+    """The tree a runner speculates with, checked against its heads. drafts "lookup": a chain (default
+    chain-3) capping the prompt-lookup drafts per step; "heads": `tree`, else the artifact's, else mc26."""
+    if drafts not in DRAFT_SOURCES:
+        raise CloverError(f"unknown draft source {drafts!r}: use one of {', '.join(DRAFT_SOURCES)}")
+    if drafts == "lookup":
+        chosen = chain(DEFAULT_LOOKUP_DRAFTS) if tree is None else resolve_tree(tree) if isinstance(tree, str) else tree
+        if not chosen.is_chain:
+            raise CloverError(f"prompt lookup drafts one continuation, but tree {chosen.name} branches: use "
+                              "chain-N (N = most drafted tokens per step)")
+        return chosen
+    if info.heads is None:
+        if tree not in (None, "plain") and not (isinstance(tree, Tree) and tree.num_nodes == 1):
+            raise CloverError("a token tree needs draft heads: pass --heads (e.g. random:clover2) or --tree plain")
+        return PLAIN
+    chosen = (info.default_tree or default_tree(info.heads_max_depth)) if tree is None else (
+        resolve_tree(tree) if isinstance(tree, str) else tree)
+    info.check_tree(chosen)
+    if info.heads_max_depth is not None and chosen.max_depth > info.heads_max_depth:
+        raise CloverError(
+            f"tree {chosen.name} has depth {chosen.max_depth} but {info.heads} heads draft at most "
+            f"{info.heads_max_depth} tokens: choose a shallower tree (e.g. chain-{info.heads_max_depth}) "
+            "or heads with more depth (clover2 drafts any depth)"
+        )
+    return chosen
+
+
+def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
+    """Token ids of a prompt: chat messages (rendered with the chat template), text (`chat`: as one user
+    message), or ids."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        ids = tokenizer.encode_chat(prompt)
+    elif isinstance(prompt, str):
+        if not prompt.strip():
+            raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file")
+        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
+    else:
+        ids = [int(t) for t in prompt]
+    if not ids:
+        raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file")
+    return ids
+
+
+def check_prompt_fits(ids: Sequence[int], context: int) -> None:
+    if len(ids) >= context:
+        raise CloverError(
+            f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten the prompt "
+            "to leave room for at least one generated token"
+        )
+
+
+class Progress:
+    """Per-step bookkeeping of one generation, turned into its GenerationResult at the end."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.start = time.perf_counter()
+        self.first_token: float | None = None  # seconds from start to the first token
+        self.accepted: list[int] = []  # tokens emitted per verify step
+        self.drafted = 0  # drafted tokens verified (tree nodes but the root)
+        self.step_seconds: list[float] = []
+        self.timings: dict[str, float] = {}
+
+    def add(self, step: Step) -> None:
+        if self.first_token is None:
+            self.first_token = time.perf_counter() - self.start
+        else:
+            self.accepted.append(len(step.tokens))
+            self.drafted += step.tree_nodes - 1
+            self.step_seconds.append(step.wall)
+        for k, v in step.seconds.items():
+            self.timings[k] = self.timings.get(k, 0.0) + v
+
+    def result(self, tracker: OutputTracker, backend: str, heads: str, tree: str) -> "GenerationResult":
+        seconds = time.perf_counter() - self.start
+        n, acc = tracker.num_tokens, self.accepted
+        return GenerationResult(
+            token_ids=list(tracker.token_ids), text=tracker.text, finish_reason=tracker.finish_reason or "length",
+            prompt_tokens=self.prompt_tokens, new_tokens=n, steps=len(acc),
+            tokens_per_step=float(np.mean(acc)) if acc else 0.0, accepted_per_step=acc, step_seconds=self.step_seconds,
+            seconds=seconds, tokens_per_second=n / seconds if seconds > 0 else 0.0, timings=self.timings,
+            backend=backend, heads=heads, tree=tree, time_to_first_token=self.first_token or 0.0,
+            drafted_tokens=self.drafted, accepted_tokens=sum(acc) - len(acc),
+        )
+
+
 class Generator:
     """drafts: "heads" (the runner's draft heads fill `tree`) or "lookup" (prompt lookup, no model: `tree`
     is a chain whose depth caps the drafts per step, chain-3 by default; any runner, heads or not)."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None, drafts: str = "heads"):
         self.runner, self.tokenizer, self.drafts = runner, tokenizer, drafts
-        info = runner.info
-        if drafts not in DRAFT_SOURCES:
-            raise CloverError(f"unknown draft source {drafts!r}: use one of {', '.join(DRAFT_SOURCES)}")
-        if drafts == "lookup":
-            self.tree = chain(DEFAULT_LOOKUP_DRAFTS) if tree is None else resolve_tree(tree) if isinstance(tree, str) else tree
-            if not self.tree.is_chain:
-                raise CloverError(f"prompt lookup drafts one continuation, but tree {self.tree.name} branches: use "
-                                  "chain-N (N = most drafted tokens per step)")
-            return
-        if info.heads is None:
-            if tree not in (None, "plain") and not (isinstance(tree, Tree) and tree.num_nodes == 1):
-                raise CloverError("a token tree needs draft heads: pass --heads (e.g. random:clover2) or --tree plain")
-            self.tree = PLAIN
-        elif tree is None:
-            self.tree = info.default_tree or default_tree(info.heads_max_depth)
-        else:
-            self.tree = resolve_tree(tree) if isinstance(tree, str) else tree
-        info.check_tree(self.tree)
-        if info.heads_max_depth is not None and self.tree.max_depth > info.heads_max_depth:
-            raise CloverError(
-                f"tree {self.tree.name} has depth {self.tree.max_depth} but {info.heads} heads draft at most "
-                f"{info.heads_max_depth} tokens: choose a shallower tree (e.g. chain-{info.heads_max_depth}) "
-                "or heads with more depth (clover2 drafts any depth)"
-            )
+        self.tree = choose_tree(runner.info, tree, drafts)
 
     @classmethod
     def load(cls, base: str | Path, heads: str | None = None, backend: str = "torch", tree: str | None = None,
@@ -111,17 +177,7 @@ class Generator:
 
     # -- public API -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-            ids = self.tokenizer.encode_chat(prompt)
-        elif isinstance(prompt, str):
-            if not prompt.strip():
-                raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file")
-            ids = self.tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else self.tokenizer.encode(prompt)
-        else:
-            ids = [int(t) for t in prompt]
-        if not ids:
-            raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file")
-        return ids
+        return encode_prompt(self.tokenizer, prompt, chat)
 
     def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int = 128,
                  sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
@@ -137,12 +193,7 @@ class Generator:
                ignore_eos: bool = False) -> "GenerationStream":
         """An iterator of text deltas; its `.result` is set once it is exhausted."""
         ids = self.encode_prompt(prompt, chat)
-        context = self.runner.info.max_context
-        if len(ids) >= context:
-            raise CloverError(
-                f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten the prompt "
-                "to leave room for at least one generated token"
-            )
+        check_prompt_fits(ids, self.runner.info.max_context)
         conditions = StopConditions(max_new_tokens=max_new_tokens,
                                     eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
                                     stop_strings=tuple(stop))
@@ -164,19 +215,12 @@ class GenerationStream:
     def _run(self) -> Iterator[str]:
         gen, runner = self._gen, self._gen.runner
         tracker = OutputTracker(gen.tokenizer, self._stop)
+        progress = Progress(len(self._ids))
         rng = np.random.default_rng(self._sampling.seed)
         capacity = min(runner.info.max_context, len(self._ids) + self._stop.max_new_tokens + gen.tree.num_nodes)
-        accepted: list[int] = []
-        step_seconds: list[float] = []
-        timings: dict[str, float] = {}
-        start = time.perf_counter()
-        for i, step in enumerate(speculative_steps(runner, np.array(self._ids, dtype=np.int64), gen.tree,
-                                                   self._sampling, rng, capacity, gen.drafts)):
-            if i > 0:
-                accepted.append(len(step.tokens))
-                step_seconds.append(step.wall)
-            for k, v in step.seconds.items():
-                timings[k] = timings.get(k, 0.0) + v
+        for step in speculative_steps(runner, np.array(self._ids, dtype=np.int64), gen.tree, self._sampling, rng,
+                                      capacity, gen.drafts):
+            progress.add(step)
             delta = tracker.add(step.tokens)
             if delta:
                 yield delta
@@ -186,13 +230,5 @@ class GenerationStream:
         tail = tracker.flush()
         if tail:
             yield tail
-        seconds = time.perf_counter() - start
-        n = tracker.num_tokens
-        self.result = GenerationResult(
-            token_ids=list(tracker.token_ids), text=tracker.text, finish_reason=tracker.finish_reason or "length",
-            prompt_tokens=len(self._ids), new_tokens=n, steps=len(accepted),
-            tokens_per_step=float(np.mean(accepted)) if accepted else 0.0, accepted_per_step=accepted,
-            step_seconds=step_seconds, seconds=seconds, tokens_per_second=n / seconds if seconds > 0 else 0.0, timings=timings,
-            backend=runner.info.backend, heads="lookup" if gen.drafts == "lookup" else runner.info.heads_name,
-            tree=gen.tree.name,
-        )
+        self.result = progress.result(tracker, runner.info.backend,
+                                      "lookup" if gen.drafts == "lookup" else runner.info.heads_name, gen.tree.name)

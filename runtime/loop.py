@@ -1,6 +1,7 @@
 """The speculate -> verify loop. numpy only: backends adapt engines to the Runner interface.
 
-One step: draft a tree from the heads (depth by depth), verify it with one base forward, accept the
+One step (`step`, for a batch of sequences): draft each sequence's tree from the heads (depth by depth),
+verify all of them with one base forward, accept each one's
 longest valid path (greedy) or run recursive rejection sampling (sampling), commit the accepted
 path's KV, and carry the bonus token to the next step as the new root. Plain decoding is the same
 loop with the root-only tree. With drafts="lookup" the drafts come from prompt lookup instead of heads
@@ -12,13 +13,13 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
-from clover.runtime.backend import Runner
+from clover.runtime.backend import Runner, Slot, Verify
 from clover.runtime.lookup import PromptLookup
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_without_replacement, topk_tokens
 from clover.runtime.tree import Tree, compile_tree, resolve_tree
@@ -56,14 +57,16 @@ class Draft:
     probs: np.ndarray | None  # [T, V] draft law each node's children were sampled from (sampling only)
 
 
-def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingParams, rng: np.random.Generator) -> Draft:
-    """Fill the tree depth by depth: greedy takes each node's top-k, sampling draws without replacement."""
+def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingParams, rng: np.random.Generator,
+               slot: Slot | None = None) -> Draft:
+    """Fill the tree depth by depth (from `slot`'s heads, the solo one by default): greedy takes each node's
+    top-k, sampling draws without replacement."""
     T = tree.num_nodes
     tokens = np.full(T, root_token, dtype=np.int64)
     valid = np.ones(T, dtype=bool)
     probs = None if sampling.greedy or T == 1 else np.zeros((T, runner.info.vocab_size))
     rows = np.zeros(1, dtype=np.int64)  # nodes whose children are drafted next: the root first
-    logits = runner.draft_begin()[None] if tree.max_depth else None  # [n, V], row r for node rows[r]
+    logits = runner.draft_begin(slot)[None] if tree.max_depth else None  # [n, V], row r for node rows[r]
     for depth in range(1, tree.max_depth + 1):
         if sampling.greedy:
             top = topk_tokens(logits, tree.max_children)  # [n, k]
@@ -81,7 +84,7 @@ def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingPa
         rows = np.array([n for n in tree.levels[depth] if len(tree.children[n])], dtype=np.int64)
         if depth == tree.max_depth or len(rows) == 0:
             break
-        logits = runner.draft_step(depth, rows, tree.parent[rows].astype(np.int64), tokens[rows])
+        logits = runner.draft_step(depth, rows, tree.parent[rows].astype(np.int64), tokens[rows], slot)
     return Draft(tokens, valid, probs)
 
 
@@ -103,41 +106,90 @@ def accept(tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParam
     return accept_sampling(tree, draft.tokens, draft.valid, target, draft_probs, rng)
 
 
-def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: SamplingParams,
-                      rng: np.random.Generator, capacity: int, drafts: str = "heads") -> Iterator[Step]:
-    """Yield the tokens of each step until the sequence is full; the caller stops iterating when done.
-    drafts: "heads" (the runner's draft heads fill `tree`) or "lookup" (prompt lookup; `tree` is a chain
-    whose depth caps the drafts per step)."""
+@dataclass(eq=False)
+class Decoding:
+    """One sequence being decoded: its runner slot, its tree (the deepest it may speculate; `step` picks a
+    smaller one when the sequence is nearly full), sampling, and the token the next step starts from."""
+
+    slot: Slot
+    tree: Tree
+    sampling: SamplingParams
+    rng: np.random.Generator
+    drafts: str = "heads"
+    root: int = -1  # the last emitted token (the bonus token of the last step)
+    lookup: PromptLookup | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.slot.past + 1 > self.slot.capacity
+
+
+def prefill(runner: Runner, batch: Sequence[tuple[Decoding, np.ndarray]]) -> list[Step]:
+    """Run new sequences' prompts (one forward) and emit each one's first token."""
+    t0 = time.perf_counter()
+    logits = runner.forward_batch([Verify(d.slot, p, np.arange(len(p)), np.tri(len(p), dtype=bool)) for d, p in batch],
+                                  last_only=True)
+    steps = []
+    for (d, prompt), row in zip(batch, logits):
+        first = accept(PLAIN, Draft(prompt[-1:], np.ones(1, bool), None), row, d.sampling, d.rng).bonus_token
+        runner.commit(np.arange(len(prompt)), np.append(prompt[1:], first), slot=d.slot)
+        d.root = first
+        d.lookup = PromptLookup(list(prompt) + [first]) if d.drafts == "lookup" else None
+        steps.append(Step([first], 1))
+    seconds = time.perf_counter() - t0
+    for st in steps:
+        st.seconds["prefill"] = seconds
+    return steps
+
+
+def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None = None) -> list[Step]:
+    """One speculative step of every sequence in `batch`: draft each one's tree, verify all of them in one
+    forward, accept each one's tokens, commit each one's KV. `trees`: this step's tree per sequence (default:
+    each one's own); a sequence too full for its tree steps plain. Returns what each sequence emitted."""
     clock = time.perf_counter
     engine = runner.engine_clock
-    runner.reset(capacity)
-    t0 = clock()
-    P = len(prompt)
-    logits = runner.forward(prompt, np.arange(P), np.tri(P, dtype=bool), last_only=True)
-    first = accept(PLAIN, Draft(prompt[-1:], np.ones(1, bool), None), logits, sampling, rng).bonus_token
-    runner.commit(np.arange(P), np.append(prompt[1:], first))
-    lookup = PromptLookup(list(prompt) + [first]) if drafts == "lookup" else None
-    yield Step([first], 1, {"prefill": clock() - t0})
-    root = first
-    while runner.past_length + 1 <= runner.capacity:
-        t0, e0 = clock(), engine.seconds if engine else 0.0
-        room = runner.capacity - runner.past_length - 1  # drafted tokens that still fit
-        if lookup is not None:                                                              # 1. draft
-            proposal = lookup.propose(min(tree.max_depth, room))
-            step_tree = chain(len(proposal))
-            draft = lookup_draft(root, proposal, sampling, runner.info.vocab_size)
+    t0, e0 = clock(), engine.seconds if engine else 0.0
+    step_trees, drafts = [], []
+    for i, d in enumerate(batch):                                                                # 1. draft
+        tree = trees[i] if trees is not None else d.tree
+        room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
+        if d.lookup is not None:
+            proposal = d.lookup.propose(min(tree.max_depth, room))
+            step_trees.append(chain(len(proposal)))
+            drafts.append(lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size))
         else:
-            step_tree = tree if tree.num_nodes - 1 <= room else PLAIN
-            draft = draft_tree(runner, step_tree, root, sampling, rng)
-        t1 = clock()
-        logits = runner.forward(draft.tokens, step_tree.depth, step_tree.ancestor_mask)     # 2. verify
-        t2 = clock()
-        acc = accept(step_tree, draft, logits, sampling, rng)                               # 3. accept
-        emitted = [int(t) for t in draft.tokens[acc.accepted_nodes]] + [acc.bonus_token]
-        t3 = clock()
-        runner.commit(acc.path, np.array(emitted, dtype=np.int64))                          # 4. commit KV
-        if lookup is not None:
-            lookup.extend(emitted)
-        seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
-        yield Step(emitted, step_tree.num_nodes, seconds | ({"engine": engine.seconds - e0} if engine else {}))
-        root = acc.bonus_token
+            tree = tree if tree.num_nodes - 1 <= room else PLAIN
+            step_trees.append(tree)
+            drafts.append(draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot))
+    t1 = clock()
+    logits = runner.forward_batch([Verify(d.slot, dr.tokens, t.depth, t.ancestor_mask)             # 2. verify
+                                   for d, dr, t in zip(batch, drafts, step_trees)])
+    t2 = clock()
+    accepted = [accept(t, dr, lg, d.sampling, d.rng) for d, dr, t, lg in zip(batch, drafts, step_trees, logits)]  # 3. accept
+    t3 = clock()
+    steps = []
+    for d, dr, t, acc in zip(batch, drafts, step_trees, accepted):                                 # 4. commit KV
+        emitted = [int(x) for x in dr.tokens[acc.accepted_nodes]] + [acc.bonus_token]
+        runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
+        if d.lookup is not None:
+            d.lookup.extend(emitted)
+        d.root = acc.bonus_token
+        steps.append(Step(emitted, t.num_nodes))
+    seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
+    if engine:
+        seconds["engine"] = engine.seconds - e0
+    for st in steps:
+        st.seconds = dict(seconds)  # the batch's step: every sequence waited for all of it
+    return steps
+
+
+def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: SamplingParams,
+                      rng: np.random.Generator, capacity: int, drafts: str = "heads") -> Iterator[Step]:
+    """One sequence (the runner's solo slot): yield the tokens of each step until the sequence is full; the
+    caller stops iterating when done. drafts: "heads" (the runner's draft heads fill `tree`) or "lookup"
+    (prompt lookup; `tree` is a chain whose depth caps the drafts per step)."""
+    runner.reset(capacity)
+    d = Decoding(runner.solo, tree, sampling, rng, drafts)
+    yield from prefill(runner, [(d, prompt)])
+    while not d.full:
+        yield from step(runner, [d])

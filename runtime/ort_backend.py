@@ -26,7 +26,7 @@ still get `logits`, and the head's weights are in memory once (clover.export.lm_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -34,11 +34,12 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.artifact import ARTIFACT_HEADS, GraphSpec, Manifest, open_artifact, uses_exported_heads
 from clover.runtime.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
-from clover.runtime.backend import EngineClock, Runner, RunnerInfo
+from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot
 from clover.runtime.tree import compile_tree
 
 PAST, PRESENT = "past_key_values", "present"
 LM_HEAD, LM_INPUT = "lm_head", "lm_input"  # as clover.export.lm_head (no export import here: no torch)
+FREE_CACHES = 4  # released slots' caches kept for reuse
 
 
 def _ort():
@@ -108,6 +109,7 @@ class Graph:
         self.out_dtypes = {t.name: np.dtype(t.dtype) for t in spec.outputs}
         self.lm_head: Graph | None = None  # runs after this graph when it outputs LM_INPUT (use_lm_head)
         self._lm_width = 0
+        self.bound_cache: list[np.ndarray] | None = None  # the KV buffers bound now (KVCache.bind)
 
     def bind(self, name: str, array: np.ndarray, output: str | None = None) -> None:
         """Bind a host array as an input without copying it (it must stay alive and unchanged until run);
@@ -148,9 +150,15 @@ class Graph:
         return int(self.spec.output("logits").shape[-1])
 
 
+def kv_bytes_per_token(spec: GraphSpec) -> int:
+    """Bytes of K and V one cached token takes over a graph's past inputs [batch, Hkv, slots, D]."""
+    return sum(int(t.shape[1]) * int(t.shape[3]) * np.dtype(t.dtype).itemsize
+               for t in spec.inputs if t.name.startswith(PAST + "."))
+
+
 class KVCache:
-    """Per-layer K and V buffers [1, Hkv, slots, D] bound as a graph's past inputs (and, `shared`, as its
-    present outputs); slots grow by doubling."""
+    """One sequence's per-layer K and V buffers [1, Hkv, slots, D], bound as a graph's past inputs (and,
+    `shared`, as its present outputs) before each call that runs it; slots grow by doubling."""
 
     def __init__(self, spec: GraphSpec, slots: int, shared: bool = False) -> None:
         self.shared = shared
@@ -159,7 +167,6 @@ class KVCache:
         self.kv_heads, self.head_dim = (first.shape[1], first.shape[3]) if first else (0, 0)
         self.dtype = np.dtype(first.dtype) if first else np.dtype(np.float32)
         self.buffers = self._allocate(slots)
-        self.graph: Graph | None = None
 
     @property
     def slots(self) -> int:
@@ -171,9 +178,12 @@ class KVCache:
         return [np.zeros((1, self.kv_heads, slots, self.head_dim), self.dtype) for _ in self.names]
 
     def bind(self, graph: Graph) -> None:
-        self.graph = graph
+        """Bind the buffers to `graph` unless they are what it holds already (sequences take turns on a graph)."""
+        if graph.bound_cache is self.buffers:
+            return
         for name, buf in zip(self.names, self.buffers):
             graph.bind(name, buf, output=PRESENT + name[len(PAST):] if self.shared else None)
+        graph.bound_cache = self.buffers
 
     def ensure(self, needed: int, filled: int, limit: int) -> None:
         """Make room for `needed` slots (at most `limit`), keeping the first `filled`."""
@@ -182,8 +192,6 @@ class KVCache:
         old, self.buffers = self.buffers, self._allocate(min(limit, max(needed, 2 * self.slots)))
         for new, buf in zip(self.buffers, old):
             new[:, :, :filled] = buf[:, :, :filled]
-        if self.graph is not None:
-            self.bind(self.graph)
 
     def present_shapes(self, rows: int) -> dict[str, tuple[int, ...]]:
         return {PRESENT + n[len(PAST):]: (1, self.kv_heads, rows, self.head_dim) for n in self.names}
@@ -198,6 +206,21 @@ class KVCache:
         for name, buf in zip(self.names, self.buffers):
             new = outputs[PRESENT + name[len(PAST):]][0]  # [Hkv, T, D]
             buf[0, :, start:start + count] = new[:, :count] if rows is None else new[:, rows]
+
+
+@dataclass(eq=False)
+class OrtSequence:
+    """A slot's state in an OrtRunner: its caches, the last forward's outputs and its draft states."""
+
+    cache: KVCache
+    head_cache: KVCache | None
+    states: np.ndarray  # [n, H] draft state of tree node i (grown as drafted)
+    last: dict[str, np.ndarray] = field(default_factory=dict)  # outputs of the last forward
+    behind: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)  # accepted rows the heads have not seen
+    root_state: np.ndarray | None = None  # [1, H] the heads' state after the last accepted token
+    root_logits: np.ndarray | None = None  # [V]
+    medusa_hidden: np.ndarray | None = None  # [1, 1, H] Medusa: the last accepted token's hidden state
+    medusa_logits: np.ndarray | None = None  # [K, V]
 
 
 class OrtRunner(Runner):
@@ -234,100 +257,115 @@ class OrtRunner(Runner):
             heads_name=heads.name if heads is not None else "none",
             default_tree=compile_tree(tree["choices"], tree["name"]) if tree else None,
             chains_only=self.fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
+            kv_bytes_per_token=sum(kv_bytes_per_token(g.spec) for g in (self.base, self.begin) if g is not None),
         )
-        self.cache: KVCache | None = None
-        self.head_cache: KVCache | None = None
+        self._free: list[tuple[KVCache, KVCache | None]] = []  # released slots' caches of the initial size
 
     def close(self) -> None:
         self.base = self.begin = self.step = self.medusa = self.lm_head = None
-        self.cache = self.head_cache = None
+        self._free = []
 
-    def _reset(self, capacity: int) -> None:
-        slots = min(capacity, self.options.cache_block)
-        if self.cache is None or self.cache.slots != slots:
-            self.cache = KVCache(self.base.spec, slots, shared=self.fused)
-            self.cache.bind(self.base)
-            if self.begin is not None:
-                self.head_cache = KVCache(self.begin.spec, slots)
-                self.head_cache.bind(self.begin)
-        # A reused buffer keeps the last sequence's K/V in its slots: finite values, masked by past_lengths.
-        self._states = np.zeros((0, self.hidden_size), self.base.out_dtypes["hidden_states"])
-        self._behind: list[tuple[np.ndarray, np.ndarray]] = []  # accepted rows the heads have not seen yet
+    @property
+    def cache(self) -> KVCache:
+        return self._solo.state.cache if self._solo else None  # the solo sequence's (tests, tools)
 
-    def _forward(self, tokens, depths, mask, last_only):
-        P, T = self._past, tokens.shape[0]
+    @property
+    def head_cache(self) -> KVCache | None:
+        return self._solo.state.head_cache if self._solo else None
+
+    def _open_slot(self, slot: Slot) -> OrtSequence:
+        slots = min(slot.capacity, self.options.cache_block)
+        # A released slot's buffers of this size are reused: they keep its K/V, finite values masked by past_lengths.
+        reuse = next((i for i, (c, _) in enumerate(self._free) if c.slots == slots), None)
+        cache, head_cache = self._free.pop(reuse) if reuse is not None else (
+            KVCache(self.base.spec, slots, shared=self.fused), KVCache(self.begin.spec, slots) if self.begin is not None else None)
+        return OrtSequence(cache, head_cache, np.zeros((0, self.hidden_size), self.base.out_dtypes["hidden_states"]))
+
+    def _release(self, slot: Slot) -> None:
+        seq = slot.state
+        if seq.cache.slots == min(slot.capacity, self.options.cache_block) and len(self._free) < FREE_CACHES:
+            self._free.append((seq.cache, seq.head_cache))
+
+    def _forward(self, slot, tokens, depths, mask, last_only):
+        seq, P, T = slot.state, slot.past, tokens.shape[0]
         rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
-        self.cache.ensure(P + max(T, 2 if self.fused else 1), P, self._capacity + self.fused)  # fused: 2 rows or more
+        seq.cache.ensure(P + max(T, 2 if self.fused else 1), P, slot.capacity + self.fused)  # fused: 2 rows or more
         g = self.base
+        seq.cache.bind(g)
         g.bind("input_ids", tokens.astype(np.int64, copy=False)[None])
         g.bind("position_ids", (P + depths.astype(np.int64))[None])
         g.bind("tree_mask", mask.astype(bool, copy=False)[None])
         g.bind("past_lengths", np.array([P], dtype=np.int64))
         g.bind("logit_rows", rows)
-        present = {} if self.fused else self.cache.present_shapes(T)
-        self._last = g.run({"logits": (1, len(rows), self.vocab_size), "hidden_states": (1, T, self.hidden_size),
-                            **present})
-        return self._last["logits"][0].astype(np.float32, copy=False)
+        present = {} if self.fused else seq.cache.present_shapes(T)
+        seq.last = g.run({"logits": (1, len(rows), self.vocab_size), "hidden_states": (1, T, self.hidden_size),
+                          **present})
+        return seq.last["logits"][0].astype(np.float32, copy=False)
 
-    def _commit(self, path, next_tokens):
-        P, m = self._past, len(path)
+    def _commit(self, slot, path, next_tokens):
+        seq, P, m = slot.state, slot.past, len(path)
         contiguous = bool(path[0] == 0 and path[-1] == m - 1)  # prefill / plain step: no gather
         if not self.fused:
-            self.cache.write(P, self._last, None if contiguous else path, m)
+            seq.cache.write(P, seq.last, None if contiguous else path, m)
         elif not contiguous:  # the graph wrote the rows at slots P + node: gather the path
-            self.cache.move(P, path)
-        hidden = self._last["hidden_states"][:, :m] if contiguous else self._last["hidden_states"][:, path]  # [1, m, H]
+            seq.cache.move(P, path)
+        hidden = seq.last["hidden_states"][:, :m] if contiguous else seq.last["hidden_states"][:, path]  # [1, m, H]
+        seq.last = {}
         if self.medusa is not None:
-            self._medusa_hidden = hidden[:, -1:]  # its heads only read the last accepted token's state
+            seq.medusa_hidden = hidden[:, -1:]  # its heads only read the last accepted token's state
         elif self.begin is not None:
             # The heads' augmenting block must see every accepted token, but only a drafting step needs its
             # output: the rows wait here and draft_begin runs them all at once (none after plain steps).
-            self._behind.append((hidden, next_tokens))
+            seq.behind.append((hidden, next_tokens))
 
-    def _catch_up_heads(self) -> None:
+    def _catch_up_heads(self, slot: Slot) -> None:
         """Run the heads' begin graph over the accepted rows it has not seen (one call for several steps)."""
-        m = sum(len(t) for _, t in self._behind)
-        P = self._past - m  # where the first waiting row sits in the sequence
-        hidden = self._behind[0][0] if len(self._behind) == 1 else np.concatenate([h for h, _ in self._behind], axis=1)
-        tokens = np.concatenate([t for _, t in self._behind])
-        self._behind.clear()
-        self.head_cache.ensure(P + m, P, self._capacity)
+        seq = slot.state
+        m = sum(len(t) for _, t in seq.behind)
+        P = slot.past - m  # where the first waiting row sits in the sequence
+        hidden = seq.behind[0][0] if len(seq.behind) == 1 else np.concatenate([h for h, _ in seq.behind], axis=1)
+        tokens = np.concatenate([t for _, t in seq.behind])
+        seq.behind.clear()
+        seq.head_cache.ensure(P + m, P, slot.capacity)
         g = self.begin
+        seq.head_cache.bind(g)
         g.bind("hidden_states", hidden)  # [1, m, H]
         g.bind("next_tokens", tokens[None])
         g.bind("position_ids", np.arange(P, P + m, dtype=np.int64)[None])
         g.bind("past_lengths", np.array([P], dtype=np.int64))
         out = g.run({"state": (1, self.hidden_size), "logits": (1, self.vocab_size),
-                     **self.head_cache.present_shapes(m)})
-        self.head_cache.write(P, out, None, m)
-        self._root_state, self._root_logits = out["state"], out["logits"][0]
+                     **seq.head_cache.present_shapes(m)})
+        seq.head_cache.write(P, out, None, m)
+        seq.root_state, seq.root_logits = out["state"], out["logits"][0]
 
-    def _draft_begin(self):
+    def _draft_begin(self, slot):
+        seq = slot.state
         if self.medusa is not None:
-            self.medusa.bind("hidden_states", self._medusa_hidden)
+            self.medusa.bind("hidden_states", seq.medusa_hidden)
             heads = self.manifest.heads.num_heads
-            self._medusa_logits = self.medusa.run({"logits": (1, heads, self.vocab_size)})["logits"][0]  # [K, V]
-            return self._medusa_logits[0].astype(np.float32)
-        if self._behind:
-            self._catch_up_heads()
-        self._states = self._root_state.copy()  # row i = state of tree node i (grown as drafted)
-        return self._root_logits.astype(np.float32)
+            seq.medusa_logits = self.medusa.run({"logits": (1, heads, self.vocab_size)})["logits"][0]  # [K, V]
+            return seq.medusa_logits[0].astype(np.float32)
+        if seq.behind:
+            self._catch_up_heads(slot)
+        seq.states = seq.root_state.copy()  # row i = state of tree node i (grown as drafted)
+        return seq.root_logits.astype(np.float32)
 
-    def _draft_step(self, depth, nodes, parents, tokens):
+    def _draft_step(self, slot, depth, nodes, parents, tokens):
+        seq = slot.state
         if self.medusa is not None:  # every node at a depth gets the same draft
-            return np.repeat(self._medusa_logits[depth][None].astype(np.float32), len(nodes), axis=0)
+            return np.repeat(seq.medusa_logits[depth][None].astype(np.float32), len(nodes), axis=0)
         need = int(nodes.max()) + 1
-        if self._states.shape[0] < need:
-            grown = np.zeros((need, self.hidden_size), self._states.dtype)
-            grown[: self._states.shape[0]] = self._states
-            self._states = grown
+        if seq.states.shape[0] < need:
+            grown = np.zeros((need, self.hidden_size), seq.states.dtype)
+            grown[: seq.states.shape[0]] = seq.states
+            seq.states = grown
         g = self.step
         if g.spec.has_input("depth"):
             g.bind("depth", np.array(depth, dtype=np.int64))
-        g.bind("parent_state", self._states[parents])
+        g.bind("parent_state", seq.states[parents])
         g.bind("tokens", tokens.astype(np.int64, copy=False))
         out = g.run({"state": (len(nodes), self.hidden_size), "logits": (len(nodes), self.vocab_size)})
-        self._states[nodes] = out["state"]
+        seq.states[nodes] = out["state"]
         return out["logits"].astype(np.float32, copy=False)
 
 

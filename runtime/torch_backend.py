@@ -1,20 +1,35 @@
 """PyTorch reference backend: the base Decoder and DraftHeads modules in eager mode.
 
-The KV caches are preallocated per sequence ([1, Hkv, capacity, D] per layer) and written in place;
+The KV caches are preallocated per sequence (slot: [1, Hkv, capacity, D] per layer) and written in place;
 the decoder reads views of their valid prefix, so no step copies the whole cache. Commit copies only
 the accepted rows of the last forward into the next slots.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
-from clover.runtime.backend import EngineClock, Runner, RunnerInfo
+from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot
+
+
+@dataclass(eq=False)
+class TorchSequence:
+    """A slot's state in a TorchRunner: preallocated caches ([1, Hkv, capacity, D] per layer), the last
+    forward's output and the draft states."""
+
+    cache: tuple[list[torch.Tensor], list[torch.Tensor]]
+    head_cache: tuple[list[torch.Tensor], list[torch.Tensor]]
+    states: torch.Tensor  # [n, H] draft state of tree node i (grown as drafted)
+    last: Any = None  # DecoderOutput of the last forward
+    root_state: torch.Tensor | None = None
+    root_logits: torch.Tensor | None = None
 
 
 class TorchRunner(Runner):
@@ -29,63 +44,72 @@ class TorchRunner(Runner):
             heads=heads.config.arch if heads is not None else None,
             heads_max_depth=heads.config.max_depth if heads is not None else None,
             heads_name=heads_name if heads is not None else "none",
+            kv_bytes_per_token=2 * cfg.num_kv_heads * cfg.head_dim * base.lm_head.weight.element_size()
+            * (cfg.num_layers + (heads.num_cache_layers if heads is not None else 0)),
         )
 
-    def _reset(self, capacity: int) -> None:
-        self.cache = self.base.empty_cache(1, capacity)
-        self.head_cache = self.base.empty_cache(1, capacity, self.heads.num_cache_layers if self.heads else 0)
-        self._states = torch.zeros(0, self.base.config.hidden_size, dtype=self.base.lm_head.weight.dtype)
+    @property
+    def cache(self):
+        return self._solo.state.cache if self._solo else None  # the solo sequence's (tests, tools)
+
+    def _open_slot(self, slot: Slot) -> TorchSequence:
+        c = slot.capacity
+        return TorchSequence(self.base.empty_cache(1, c),
+                             self.base.empty_cache(1, c, self.heads.num_cache_layers if self.heads else 0),
+                             torch.zeros(0, self.base.config.hidden_size, dtype=self.base.lm_head.weight.dtype))
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.tensor(a, device=self.device)  # small index arrays; copies, so read-only inputs are fine
 
     @torch.inference_mode()
-    def _forward(self, tokens, depths, mask, last_only):
-        P, T = self._past, tokens.shape[0]
-        keys, values = self.cache
+    def _forward(self, slot, tokens, depths, mask, last_only):
+        seq, P, T = slot.state, slot.past, tokens.shape[0]
+        keys, values = seq.cache
         with self.engine_clock:
             out = self.base(
                 self._t(tokens)[None], (P + self._t(depths).long())[None], self._t(mask)[None],
                 torch.tensor([P], device=self.device), [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values],
                 logit_rows=torch.tensor([T - 1], device=self.device) if last_only else None,
             )
-        self._last = out
+        seq.last = out
         return out.logits[0].float().cpu().numpy()
 
     @torch.inference_mode()
-    def _commit(self, path, next_tokens):
-        P, m = self._past, len(path)
+    def _commit(self, slot, path, next_tokens):
+        seq, P, m = slot.state, slot.past, len(path)
         rows = self._t(path)
         contiguous = bool(path[0] == 0 and path[-1] == m - 1)  # prefill / plain step: no gather needed
-        for store, new in zip(self.cache[0] + self.cache[1], self._last.new_keys + self._last.new_values):
+        for store, new in zip(seq.cache[0] + seq.cache[1], seq.last.new_keys + seq.last.new_values):
             store[:, :, P:P + m] = new[:, :, :m] if contiguous else new.index_select(2, rows)
         if self.heads is None:
             return
-        keys, values = self.head_cache
-        hidden = self._last.hidden_states.index_select(1, rows)  # [1, m, H]
+        keys, values = seq.head_cache
+        hidden = seq.last.hidden_states.index_select(1, rows)  # [1, m, H]
         positions = torch.arange(P, P + m, device=self.device)[None]
         with self.engine_clock:
             out = self.heads.begin(hidden, self._t(next_tokens)[None], positions, torch.tensor([P], device=self.device),
                                    [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values])
         for store, new in zip(keys + values, out.new_keys + out.new_values):
             store[:, :, P:P + m] = new
-        self._root_state, self._root_logits = out.state, out.logits
+        seq.root_state, seq.root_logits = out.state, out.logits
 
     @torch.inference_mode()
-    def _draft_begin(self):
-        self._states = self._root_state.clone()  # row i = state of tree node i (grown as drafted)
-        return self._root_logits[0].float().cpu().numpy()
+    def _draft_begin(self, slot):
+        seq = slot.state
+        seq.states = seq.root_state.clone()  # row i = state of tree node i (grown as drafted)
+        return seq.root_logits[0].float().cpu().numpy()
 
     @torch.inference_mode()
-    def _draft_step(self, depth, nodes, parents, tokens):
+    def _draft_step(self, slot, depth, nodes, parents, tokens):
+        seq = slot.state
         need = int(nodes.max()) + 1
-        if self._states.shape[0] < need:
-            grown = self._states.new_zeros(need, self._states.shape[1])
-            grown[: self._states.shape[0]] = self._states
-            self._states = grown
+        if seq.states.shape[0] < need:
+            grown = seq.states.new_zeros(need, seq.states.shape[1])
+            grown[: seq.states.shape[0]] = seq.states
+            seq.states = grown
         with self.engine_clock:
-            state, logits = self.heads.step(depth, self._states[self._t(parents)], self._t(tokens))
-        self._states[self._t(nodes)] = state
+            state, logits = self.heads.step(depth, seq.states[self._t(parents)], self._t(tokens))
+        seq.states[self._t(nodes)] = state
         return logits.float().cpu().numpy()
 
 

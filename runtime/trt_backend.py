@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,7 @@ from clover.runtime.artifact import (
     ARTIFACT_HEADS, EngineSpec, GraphSpec, Manifest, ProfileSpec, open_artifact, uses_exported_heads,
 )
 from clover.runtime.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
-from clover.runtime.backend import Runner, RunnerInfo
+from clover.runtime.backend import Runner, RunnerInfo, Slot
 from clover.runtime.tree import compile_tree
 
 PAST, PRESENT = "past_key_values", "present"
@@ -245,6 +245,20 @@ class DeviceKVCache:
             buf[:, :, start:start + count].copy_(new[:, :, :count] if rows is None else new.index_select(2, rows))
 
 
+@dataclass(eq=False)
+class TrtSequence:
+    """A slot's state in a TrtRunner: its device caches, the last forward's outputs and the draft states."""
+
+    cache: DeviceKVCache
+    head_cache: DeviceKVCache | None
+    states: Any  # [n, H] device tensor: draft state of tree node i (grown as drafted)
+    last: dict[str, Any] = field(default_factory=dict)
+    root_state: Any = None  # [1, H]
+    root_logits: Any = None  # [V]
+    medusa_hidden: Any = None  # [1, 1, H]
+    medusa_logits: np.ndarray | None = None  # [K, V] on the host
+
+
 class TrtRunner(Runner):
     """A Runner over an artifact's TensorRT engines; use `load_runner` to build one from a folder."""
 
@@ -293,8 +307,6 @@ class TrtRunner(Runner):
             heads_name=heads.name if heads is not None else "none",
             default_tree=compile_tree(tree["choices"], tree["name"]) if tree else None,
         )
-        self.cache: DeviceKVCache | None = None
-        self.head_cache: DeviceKVCache | None = None
 
     # -- helpers ------------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -325,23 +337,28 @@ class TrtRunner(Runner):
         self.base = self.begin = self.step = self.medusa = None
         self.cache = self.head_cache = None
 
-    def _reset(self, capacity: int) -> None:
-        slots = min(capacity, self.cache_block)
-        with self._on_stream():
-            if self.cache is None or self.cache.slots != slots:
-                self.cache = DeviceKVCache(self.manifest.graphs["base"], slots, self.device)
-                if self.begin is not None:
-                    self.head_cache = DeviceKVCache(self.manifest.graphs["draft_begin"], slots, self.device)
-            # A reused buffer keeps the last sequence's K/V in its slots: finite values, masked by past_lengths.
-            self._states = _torch().zeros((0, self.hidden_size), dtype=self.base.out_dtypes["hidden_states"],
-                                          device=self.device)
+    @property
+    def cache(self) -> DeviceKVCache:
+        return self._solo.state.cache if self._solo else None  # the solo sequence's (tests, tools)
 
-    def _forward(self, tokens, depths, mask, last_only):
-        P, T = self._past, tokens.shape[0]
+    @property
+    def head_cache(self) -> DeviceKVCache | None:
+        return self._solo.state.head_cache if self._solo else None
+
+    def _open_slot(self, slot: Slot) -> TrtSequence:
+        slots = min(slot.capacity, self.cache_block)
+        with self._on_stream():
+            return TrtSequence(
+                DeviceKVCache(self.manifest.graphs["base"], slots, self.device),
+                DeviceKVCache(self.manifest.graphs["draft_begin"], slots, self.device) if self.begin is not None else None,
+                _torch().zeros((0, self.hidden_size), dtype=self.base.out_dtypes["hidden_states"], device=self.device))
+
+    def _forward(self, slot, tokens, depths, mask, last_only):
+        seq, P, T = slot.state, slot.past, tokens.shape[0]
         rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
         with self._on_stream():
-            self.cache.ensure(P + T, P, self._capacity)
-            past, slots = self.cache.bound(P)
+            seq.cache.ensure(P + T, P, slot.capacity)
+            past, slots = seq.cache.bound(P)
             inputs = {
                 "input_ids": self._dev(tokens.astype(np.int64, copy=False)[None]),  # [1, T]
                 "position_ids": self._dev((P + depths.astype(np.int64))[None]),  # [1, T]
@@ -350,22 +367,22 @@ class TrtRunner(Runner):
                 "logit_rows": self._dev(rows),  # [R]
                 **past,  # [1, Hkv, slots, D] each
             }
-            self._last = self.base.run(inputs, {"batch": 1, "new": T, "rows": len(rows), "past": slots})
-            return self._host(self._last["logits"][0])  # [R, V]
+            seq.last = self.base.run(inputs, {"batch": 1, "new": T, "rows": len(rows), "past": slots})
+            return self._host(seq.last["logits"][0])  # [R, V]
 
-    def _commit(self, path, next_tokens):
-        P, m = self._past, len(path)
+    def _commit(self, slot, path, next_tokens):
+        seq, P, m = slot.state, slot.past, len(path)
         contiguous = bool(path[0] == 0 and path[-1] == m - 1)  # prefill / plain step: no gather
         with self._on_stream():
             rows = None if contiguous else self._dev(path)
-            self.cache.write(P, self._last, rows, m)
-            states = self._last["hidden_states"]  # [1, T, H]
+            seq.cache.write(P, seq.last, rows, m)
+            states = seq.last["hidden_states"]  # [1, T, H]
             hidden = states[:, :m] if contiguous else states.index_select(1, rows)  # [1, m, H]
             if self.medusa is not None:
-                self._medusa_hidden = hidden[:, -1:].contiguous()  # its heads only read the last accepted token's state
+                seq.medusa_hidden = hidden[:, -1:].contiguous()  # its heads only read the last accepted token's state
             elif self.begin is not None:
-                self.head_cache.ensure(P + m, P, self._capacity)
-                past, slots = self.head_cache.bound(P)
+                seq.head_cache.ensure(P + m, P, slot.capacity)
+                past, slots = seq.head_cache.bound(P)
                 out = self.begin.run({
                     "hidden_states": hidden.contiguous(),
                     "next_tokens": self._dev(next_tokens[None]),  # [1, m]
@@ -373,34 +390,36 @@ class TrtRunner(Runner):
                     "past_lengths": self._dev(np.array([P], dtype=np.int64)),
                     **past,
                 }, {"batch": 1, "accepted": m, "past": slots})
-                self.head_cache.write(P, out, None, m)
-                self._root_state, self._root_logits = out["state"], out["logits"][0]  # [1, H], [V]
+                seq.head_cache.write(P, out, None, m)
+                seq.root_state, seq.root_logits = out["state"], out["logits"][0]  # [1, H], [V]
 
-    def _draft_begin(self):
+    def _draft_begin(self, slot):
+        seq = slot.state
         with self._on_stream():
             if self.medusa is not None:
-                out = self.medusa.run({"hidden_states": self._medusa_hidden}, {"batch": 1, "accepted": 1})
-                self._medusa_logits = self._host(out["logits"][0])  # [K, V]
-                return self._medusa_logits[0]
-            self._states = self._root_state.clone()  # row i = state of tree node i (grown as drafted)
-            return self._host(self._root_logits)
+                out = self.medusa.run({"hidden_states": seq.medusa_hidden}, {"batch": 1, "accepted": 1})
+                seq.medusa_logits = self._host(out["logits"][0])  # [K, V]
+                return seq.medusa_logits[0]
+            seq.states = seq.root_state.clone()  # row i = state of tree node i (grown as drafted)
+            return self._host(seq.root_logits)
 
-    def _draft_step(self, depth, nodes, parents, tokens):
+    def _draft_step(self, slot, depth, nodes, parents, tokens):
+        seq = slot.state
         if self.medusa is not None:  # every node at a depth gets the same draft
-            return np.repeat(self._medusa_logits[depth][None], len(nodes), axis=0)
+            return np.repeat(seq.medusa_logits[depth][None], len(nodes), axis=0)
         torch = _torch()
         with self._on_stream():
             need = int(nodes.max()) + 1
-            if self._states.shape[0] < need:
-                grown = torch.zeros((need, self.hidden_size), dtype=self._states.dtype, device=self.device)
-                grown[: self._states.shape[0]] = self._states
-                self._states = grown
-            inputs = {"parent_state": self._states.index_select(0, self._dev(parents.astype(np.int64))),  # [n, H]
+            if seq.states.shape[0] < need:
+                grown = torch.zeros((need, self.hidden_size), dtype=seq.states.dtype, device=self.device)
+                grown[: seq.states.shape[0]] = seq.states
+                seq.states = grown
+            inputs = {"parent_state": seq.states.index_select(0, self._dev(parents.astype(np.int64))),  # [n, H]
                       "tokens": self._dev(tokens.astype(np.int64, copy=False))}  # [n]
             if self.step.has_input("depth"):
                 inputs["depth"] = self._dev(np.array(depth, dtype=np.int64))  # []
             out = self.step.run(inputs, {"candidates": len(nodes)})
-            self._states.index_copy_(0, self._dev(nodes.astype(np.int64)), out["state"])
+            seq.states.index_copy_(0, self._dev(nodes.astype(np.int64)), out["state"])
             return self._host(out["logits"])  # [n, V]
 
 

@@ -86,12 +86,12 @@ class OracleDraft:
             logits[:, self.reference[index]] = 100.0
         return logits
 
-    def _draft_begin(self):
-        # the root is sequence index past_length; its children are index past_length + 1
-        return self._logits_for(self.past_length + 1, 1)[0]
+    def _draft_begin(self, slot):
+        # the root is sequence index past; its children are index past + 1
+        return self._logits_for(slot.past + 1, 1)[0]
 
-    def _draft_step(self, depth, nodes, parents, tokens):
-        return self._logits_for(self.past_length + depth + 1, len(nodes))
+    def _draft_step(self, slot, depth, nodes, parents, tokens):
+        return self._logits_for(slot.past + depth + 1, len(nodes))
 
 
 class OracleRunner(OracleDraft, TorchRunner):

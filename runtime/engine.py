@@ -1,0 +1,270 @@
+"""`Engine`: one model, many callers. A background thread runs the batched step loop; callers (threads, asyncio
+tasks, a server) submit requests and read their outputs through per-request queues. The runner is only ever
+touched by the engine's thread.
+
+    import clover
+    with clover.Engine.load("artifact/", max_batch=8) as engine:
+        print(engine.generate("Tell me a joke.", chat=True, max_new_tokens=64).text)
+        for delta in engine.stream("Tell me a joke.", chat=True):
+            print(delta.text, end="")
+
+Each step: admit waiting requests into free slots (one prefill forward for all of them), run one batched
+speculative step over the running ones (clover.runtime.loop.step), hand every request its new text, and retire
+the ones that ended (EOS, stop string, max tokens, full context, cancellation), freeing their slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clover.errors import CloverError
+from clover.runtime.backend import Runner, backend_module
+from clover.runtime.generator import (
+    GenerationResult, Progress, check_prompt_fits, choose_tree, encode_prompt,
+)
+from clover.runtime.loop import Decoding, prefill, step
+from clover.runtime.output import OutputTracker, StopConditions
+from clover.runtime.sampling import SamplingParams
+from clover.runtime.scheduler import Cancelled, QueueFull, Request, Scheduler, StreamDelta, kv_plan
+from clover.runtime.tokenizer import Tokenizer
+from clover.runtime.tree import Tree
+
+__all__ = ["Engine", "EngineStream", "QueueFull", "Cancelled", "StreamDelta"]
+
+
+class EngineStream:
+    """The output of one request, as it is produced: iterate it (sync or async) for `StreamDelta`s; `result`
+    is set once it ends. `cancel()` ends it early and frees its slot."""
+
+    def __init__(self) -> None:
+        self._items: deque[StreamDelta | GenerationResult | BaseException] = deque()
+        self._ready = threading.Condition()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._event: asyncio.Event | None = None
+        self.result: GenerationResult | None = None
+        self._request: Request | None = None
+
+    # called on the engine's thread
+    def _deliver(self, item: StreamDelta | GenerationResult | BaseException) -> None:
+        with self._ready:
+            self._items.append(item)
+            self._ready.notify_all()
+            loop, event = self._loop, self._event
+        if loop is not None:
+            loop.call_soon_threadsafe(event.set)
+
+    def cancel(self) -> None:
+        if self._request is not None:
+            self._request.cancelled.set()
+
+    def _take(self, item: StreamDelta | GenerationResult | BaseException) -> StreamDelta | None:
+        """The next delta, or None at the end (the result is kept; an error is raised)."""
+        if isinstance(item, GenerationResult):
+            self.result = item
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        while True:
+            with self._ready:
+                while not self._items:
+                    self._ready.wait()
+                item = self._items.popleft()
+            delta = self._take(item)
+            if delta is None:
+                return
+            yield delta
+
+    async def _anext(self) -> StreamDelta | None:
+        while True:
+            self._event.clear()
+            with self._ready:
+                item = self._items.popleft() if self._items else None
+            if item is not None:
+                return self._take(item)
+            await self._event.wait()
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        with self._ready:
+            self._loop, self._event = asyncio.get_running_loop(), asyncio.Event()
+        return self._agen()
+
+    async def _agen(self) -> AsyncIterator[StreamDelta]:
+        try:
+            while (delta := await self._anext()) is not None:
+                yield delta
+        finally:
+            if self.result is None:  # the caller stopped reading (a disconnect): free the slot
+                self.cancel()
+
+    def wait(self) -> GenerationResult:
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class Engine:
+    """Batched, thread-safe generation on one runner (see the module doc). `tree`: a fixed tree for every step
+    (a name or Tree; None: the artifact's default); `max_batch`: sequences decoded at once; `max_waiting`:
+    queued requests beyond those (more raise QueueFull)."""
+
+    def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None, drafts: str = "heads",
+                 max_batch: int = 8, max_waiting: int = 256, log=sys.stderr) -> None:
+        self.runner, self.tokenizer, self.drafts = runner, tokenizer, drafts
+        self.tree = choose_tree(runner.info, tree, drafts)
+        self.scheduler = Scheduler(max_batch, max_waiting)
+        self.error: BaseException | None = None  # what stopped the loop, if anything did
+        if log is not None and runner.info.kv_bytes_per_token:
+            print(kv_plan(max_batch, runner.info.max_context, runner.info.kv_bytes_per_token), file=log)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="clover-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def load(cls, base_or_artifact: str | Path, heads: str | None = None, backend: str = "ort",
+             tree: str | None = None, max_batch: int = 8, threads: int | None = None, max_waiting: int = 256,
+             log=sys.stderr) -> "Engine":
+        """Mirrors Generator.load: `base_or_artifact` is an artifact folder (ort, trt) or an HF folder /
+        'smollm2' (torch); heads "lookup": prompt-lookup drafts on the base alone."""
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise CloverError(f"max_batch must be an int >= 1 (sequences decoded at once), got {max_batch!r}")
+        module = backend_module(backend)
+        drafts = "lookup" if heads == "lookup" else "heads"
+        heads = "none" if drafts == "lookup" else heads
+        given: dict[str, Any] = {k: v for k, v in (("heads", heads),) if v is not None}
+        if threads is not None and backend in ("torch", "ort"):
+            given["threads"] = threads
+        runner = module.load_runner(base_or_artifact, **given)
+        return cls(runner, Tokenizer.from_dir(module.base_dir(base_or_artifact)), tree, drafts, max_batch,
+                   max_waiting, log)
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self, drain: bool = False) -> None:
+        """Stop the loop (idempotent). drain: finish the running and waiting requests first; otherwise they
+        end with Cancelled."""
+        with self.scheduler.lock:
+            self._stopping = True
+            if not drain:
+                for r in [*self.scheduler.waiting, *self.scheduler.running]:
+                    r.cancelled.set()
+            self.scheduler.lock.notify_all()
+        self._thread.join()
+        self.runner.close()
+
+    @property
+    def max_batch(self) -> int:
+        return self.scheduler.max_batch
+
+    # -- requests ---------------------------------------------------------------------------------
+    def stream(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int = 128,
+               sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
+               ignore_eos: bool = False) -> EngineStream:
+        """Submit a request; its output arrives through the returned stream. Raises CloverError at once for
+        bad input (an over-long prompt, bad sampling values) and QueueFull when the queue is full."""
+        if not isinstance(sampling, SamplingParams):
+            raise CloverError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        ids = encode_prompt(self.tokenizer, prompt, chat)
+        check_prompt_fits(ids, self.runner.info.max_context)
+        conditions = StopConditions(max_new_tokens=max_new_tokens,
+                                    eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
+                                    stop_strings=tuple(stop))
+        out = EngineStream()
+        request = Request(np.array(ids, dtype=np.int64), conditions, sampling, OutputTracker(self.tokenizer, conditions),
+                          out._deliver, Progress(len(ids)))
+        out._request = request
+        if self._stopping or not self._thread.is_alive():
+            raise CloverError("the engine is closed: load a new one")
+        self.scheduler.submit(request)
+        return out
+
+    def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int = 128,
+                 sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
+                 ignore_eos: bool = False) -> GenerationResult:
+        """Submit a request and wait for its result."""
+        return self.stream(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat,
+                           ignore_eos=ignore_eos).wait()
+
+    async def agenerate(self, prompt: str | Sequence[int] | list[dict[str, str]], **kwargs: Any) -> GenerationResult:
+        """generate() for asyncio callers: awaits the result without blocking the event loop."""
+        out = self.stream(prompt, **kwargs)
+        async for _ in out:
+            pass
+        assert out.result is not None
+        return out.result
+
+    # -- the loop (engine thread) -------------------------------------------------------------------
+    def _loop(self) -> None:
+        sched = self.scheduler
+        while True:
+            with sched.lock:
+                while sched.idle and not self._stopping:
+                    sched.lock.wait()
+                if sched.idle and self._stopping:
+                    return
+            try:
+                self._iteration()
+            except BaseException as e:  # a failed step fails the requests in it; the engine keeps serving
+                self._fail_running(e)
+
+    def _iteration(self) -> None:
+        sched, runner = self.scheduler, self.runner
+        for r in list(sched.running):
+            if r.cancelled.is_set():
+                self._retire(r, Cancelled("the request was cancelled"))
+        joined = sched.admit()
+        if joined:
+            for r in joined:
+                capacity = min(runner.info.max_context, len(r.prompt) + r.stop.max_new_tokens + self.tree.num_nodes)
+                slot = runner.open_slot(capacity)
+                r.decoding = Decoding(slot, self.tree, r.sampling, np.random.default_rng(r.sampling.seed), self.drafts)
+            for r, st in zip(joined, prefill(runner, [(r.decoding, r.prompt) for r in joined])):
+                self._emit(r, st)
+        batch = [r for r in sched.running if r.decoding is not None and r not in joined]
+        if batch:
+            for r, st in zip(batch, step(runner, [r.decoding for r in batch])):
+                self._emit(r, st)
+
+    def _emit(self, r: Request, st) -> None:
+        r.progress.add(st)
+        text = r.tracker.add(st.tokens)
+        ids = r.tracker.token_ids
+        done = r.tracker.finished or r.decoding.full
+        if done:
+            r.tracker.finish("length")  # only reached with the context full
+            text += r.tracker.flush()
+        if text or len(ids) > r.sent:
+            r.deliver(StreamDelta(text, tuple(ids[r.sent:])))
+            r.sent = len(ids)
+        if done:
+            info = self.runner.info
+            self._retire(r, r.progress.result(r.tracker, info.backend,
+                                              "lookup" if self.drafts == "lookup" else info.heads_name, self.tree.name))
+
+    def _retire(self, r: Request, end: GenerationResult | BaseException) -> None:
+        if r.decoding is not None:
+            self.runner.release(r.decoding.slot)
+        self.scheduler.retire(r)
+        r.deliver(end)
+
+    def _fail_running(self, error: BaseException) -> None:
+        self.error = error
+        failure = error if isinstance(error, CloverError) else CloverError(f"the engine's step failed: {error!r}")
+        for r in list(self.scheduler.running):
+            self._retire(r, failure)

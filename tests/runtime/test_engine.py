@@ -1,0 +1,157 @@
+"""clover.Engine: batched, thread-safe generation. Every request's greedy tokens equal its own solo plain
+decoding, at any concurrency, with requests joining and leaving mid-batch."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from clover.errors import CloverError
+from clover.runtime.engine import Cancelled, Engine, QueueFull
+from clover.runtime.generator import Generator
+from clover.runtime.ort_backend import load_runner
+from clover.runtime.sampling import SamplingParams
+from clover.runtime.tokenizer import Tokenizer
+from clover.runtime.torch_backend import TorchRunner
+from ort_helpers import assert_same_tokens, tiny_artifact, tiny_modules
+
+ARCHS = ("medusa", "clover", "clover2")
+# 16 prompts of different lengths, each with its own length budget: requests end at different steps
+PROMPTS = [[int(t) for t in np.random.default_rng(i).integers(6, 90, 3 + (5 * i) % 17)] for i in range(16)]
+BUDGETS = [8 + (7 * i) % 23 for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    root = tmp_path_factory.getbasetemp()
+    return {arch: tiny_artifact(root, arch) for arch in ARCHS}
+
+
+def solo_plain(runner, tokenizer) -> list[list[int]]:
+    gen = Generator(runner, tokenizer, "plain")
+    return [gen.generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in zip(PROMPTS, BUDGETS)]
+
+
+def run_concurrently(engine: Engine, concurrency: int) -> list[list[int]]:
+    """`concurrency` threads, each submitting its share of the prompts one after another."""
+    out: list[list[int] | None] = [None] * len(PROMPTS)
+
+    def worker(k: int) -> None:
+        for i in range(k, len(PROMPTS), concurrency):
+            out[i] = engine.generate(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True).token_ids
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(not t.is_alive() for t in threads), "deadlock: a caller never got its result"
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ort_engine_equals_solo_plain_at_any_concurrency(artifacts, arch):
+    tok = Tokenizer.from_dir(artifacts[arch] / "tokenizer")
+    want = solo_plain(load_runner(artifacts[arch], heads="none"), tok)
+    trees = ("plain", "chain-2", "small") if arch == "clover2" else ("plain", "chain-2")
+    for tree in trees:
+        with Engine(load_runner(artifacts[arch]), tok, tree, max_batch=4, log=None) as engine:
+            for concurrency in (1, 4, 16):
+                got = run_concurrently(engine, concurrency)
+                for i, (g, w) in enumerate(zip(got, want)):
+                    assert_same_tokens(g, w, f"ort {arch} {tree} concurrency {concurrency} prompt {i}")
+            assert engine.runner.open_slots == 0  # every slot freed
+
+
+def test_torch_engine_equals_solo_plain(tmp_path):
+    base, heads = tiny_modules("clover2")
+    from helpers import tiny_tokenizer_dir
+
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "tok"))
+    want = solo_plain(TorchRunner(base), tok)
+    with Engine(TorchRunner(base, heads, "random:clover2"), tok, "chain-3", max_batch=4, log=None) as engine:
+        got = run_concurrently(engine, 16)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same_tokens(g, w, f"torch clover2 chain-3 prompt {i}")
+
+
+def test_lookup_drafts_in_the_engine(artifacts):
+    tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
+    want = solo_plain(load_runner(artifacts["clover2"], heads="none"), tok)
+    with Engine(load_runner(artifacts["clover2"], heads="none"), tok, "chain-3", drafts="lookup", max_batch=4,
+                log=None) as engine:
+        got = run_concurrently(engine, 8)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same_tokens(g, w, f"lookup prompt {i}")
+
+
+def test_sampling_requests_are_reproducible_per_seed_at_any_batch(artifacts):
+    """A seeded sampled request gives the same tokens alone and among others (its RNG is its own)."""
+    tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
+    sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    with Engine(load_runner(artifacts["clover2"]), tok, "chain-2", max_batch=4, log=None) as engine:
+        alone = engine.generate(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True).token_ids
+        streams = [engine.stream(p, max_new_tokens=20, sampling=SamplingParams(0.8, 0.95, seed=i), ignore_eos=True)
+                   for i, p in enumerate(PROMPTS[:3])]
+        mixed = engine.stream(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True)
+        assert mixed.wait().token_ids == alone
+        for s in streams:
+            s.wait()
+
+
+def test_stream_sync_and_async_deltas_add_up(artifacts):
+    tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
+    with Engine(load_runner(artifacts["clover2"]), tok, "chain-2", max_batch=2, log=None) as engine:
+        want = engine.generate(PROMPTS[0], max_new_tokens=16, ignore_eos=True)
+        stream = engine.stream(PROMPTS[0], max_new_tokens=16, ignore_eos=True)
+        deltas = list(stream)
+        assert "".join(d.text for d in deltas) == want.text == stream.result.text
+        assert [t for d in deltas for t in d.token_ids] == want.token_ids
+
+        async def main():
+            outs = await asyncio.gather(*(engine.agenerate(p, max_new_tokens=12, ignore_eos=True) for p in PROMPTS[:6]))
+            s = engine.stream(PROMPTS[0], max_new_tokens=16, ignore_eos=True)
+            ids = [t async for d in s for t in d.token_ids]
+            return outs, ids
+
+        outs, ids = asyncio.run(main())
+        assert ids == want.token_ids
+        assert all(o.new_tokens == 12 for o in outs)
+
+
+def test_cancel_frees_the_slot_and_the_engine_keeps_serving(artifacts):
+    tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
+    with Engine(load_runner(artifacts["clover2"]), tok, "chain-2", max_batch=2, log=None) as engine:
+        s = engine.stream(PROMPTS[1], max_new_tokens=100, ignore_eos=True)
+        next(iter(s))
+        s.cancel()
+        with pytest.raises(Cancelled):
+            s.wait()
+        assert engine.generate(PROMPTS[2], max_new_tokens=5, ignore_eos=True).new_tokens == 5
+        assert engine.runner.open_slots == 0
+
+
+def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(artifacts):
+    path = artifacts["clover2"]
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    with pytest.raises(CloverError, match="max_batch"):
+        Engine(load_runner(path), tok, max_batch=0, log=None)
+    with pytest.raises(CloverError, match="unknown tree|tree"):
+        Engine(load_runner(path), tok, "no-such-tree", log=None)
+    with Engine(load_runner(path), tok, "chain-2", max_batch=2, max_waiting=1, log=None) as engine:
+        with pytest.raises(CloverError, match="context"):
+            engine.generate(list(range(5, 90)) * 4, max_new_tokens=4)
+        with pytest.raises(CloverError, match="temperature"):
+            engine.generate(PROMPTS[0], sampling=SamplingParams(temperature=-1.0))
+        with pytest.raises(CloverError, match="max_new_tokens"):
+            engine.generate(PROMPTS[0], max_new_tokens=0)
+        streams = [engine.stream(PROMPTS[0], max_new_tokens=30, ignore_eos=True)]
+        with pytest.raises(QueueFull):
+            for _ in range(8):
+                streams.append(engine.stream(PROMPTS[0], max_new_tokens=30, ignore_eos=True))
+        for s in streams:
+            s.wait()
+        assert engine.generate(PROMPTS[0], max_new_tokens=3, ignore_eos=True).new_tokens == 3
