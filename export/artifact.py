@@ -102,7 +102,9 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     # engine. float32 only: ONNX Runtime's CPU runs float16 matmuls in float32 between Casts it elides inside a
     # graph, so a float16 base cut before its LM head would round the rows it hands over (not bit-exact).
     share_lm_head = config.shared_lm_head and heads is not None and config.backend == "onnx" and config.dtype == "float32"
-    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head
+    # Fused artifacts: a batched base for several sequences per forward (export/batch_graph.py).
+    batched = config.attention == "fused" and config.max_batch > 1
+    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head + batched
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
@@ -155,6 +157,13 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             shared = [n for n, s in specs.items() if s.has_output(LM_INPUT)]
             say(f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)" if shared else
                 "      the draft graphs have their own LM head (--draft-quant or own heads): nothing shared")
+        if batched:
+            from clover.export.batch_graph import BATCH_GRAPH, write_batched_base
+
+            t0 = time.perf_counter()
+            say(f"[{len(graphs) + 1 + share_lm_head}/{steps}] {BATCH_GRAPH}: {config.max_batch} sequences per forward")
+            specs[BATCH_GRAPH] = graph_spec(write_batched_base(tmp, specs["base"].file, config.max_batch))
+            check_onnx(tmp / specs[BATCH_GRAPH].file)
         engines = {}
         if config.backend == "trt":
             from clover.export.engines import build_engines
@@ -171,6 +180,11 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files={},
             engines=engines, draft_quant=config.draft_quant, weights=weights,
         )
+        if batched and config.verify:
+            from clover.export.batch_graph import check_batched
+
+            check_batched(tmp, manifest)
+            say(f"      every sequence's logits bit for bit the base graph's ({time.perf_counter() - t0:.1f} s)")
         if time_trees:
             from clover.export.tree_timing import fastest_tree
 

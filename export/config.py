@@ -41,6 +41,8 @@ class ExportConfig:
       with the weights: losslessness is against plain decoding of this graph.
     block_size: input channels per quantization block (a power of two, >= 16) with `weights`.
     verify: run every graph once on ONNX Runtime against PyTorch and record the max abs error.
+    max_batch: (--attention fused) sequences the batched base graph (base_batch.onnx) runs in one forward, for
+      clover.Engine and clover-serve; 1: no batched graph.
     shared_lm_head: (backend "onnx", float32, with heads) cut the LM head out of the base and the draft graphs
       into one lm_head.onnx, in memory once (export/lm_head.py). False: each graph keeps its own, as the graphs
       of TensorRT artifacts do.
@@ -59,6 +61,7 @@ class ExportConfig:
     block_size: int = 32
     verify: bool = True
     shared_lm_head: bool = True
+    max_batch: int = 8
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -83,6 +86,8 @@ class ExportConfig:
         if self.attention == "fused" and (self.backend != "onnx" or self.dtype != "float32"):
             raise CloverError("--attention fused writes ONNX Runtime's CPU operators: use it with --backend onnx "
                               "--dtype float32 (TensorRT takes --attention portable or plugin)")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= 64:
+            raise CloverError(f"--max-batch must be an int in 1..64 (sequences per forward), got {self.max_batch!r}")
         if self.weights is not None:
             if self.weights not in WEIGHTS:
                 raise CloverError(f"unknown --weights {self.weights!r}: use one of {', '.join(WEIGHTS)}")

@@ -7,6 +7,8 @@ without one is never mistaken for an artifact; every file in it is listed with i
     manifest.json      format_version, base config and fingerprint, heads, tree, graphs, files
     base.onnx(.data)   the base decoder (prefill and tree verification)
     draft_*.onnx       the draft graphs of the heads (see clover.export.graphs)
+    base_batch.onnx    (--attention fused) the base for several sequences per forward, its weights in base.onnx.data
+                       (clover.export.batch_graph)
     lm_head.onnx       the base's LM head, run after the base and the draft graphs that output `lm_input`
                        instead of `logits` (ONNX Runtime artifacts with heads: clover.export.lm_head)
     tokenizer/         the base model's tokenizer files
@@ -25,7 +27,7 @@ from typing import Any
 
 from clover.errors import CloverError
 
-FORMAT_VERSION = 2  # 2: the LM head may be a graph of its own (lm_head.onnx)
+FORMAT_VERSION = 3  # 2: the LM head may be a graph of its own (lm_head.onnx); 3: fused bases get base_batch.onnx
 KIND = "clover-artifact"
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"

@@ -34,6 +34,7 @@ class RunnerInfo:
     # compute, ort_backend.py): a branching tree could change the output, so it is refused.
     chains_only: bool = False
     kv_bytes_per_token: int = 0  # KV cache bytes one cached token takes (base and heads), for memory plans
+    batch_slots: int = 1  # sequences one forward runs together (more take several engine calls)
 
     def check_tree(self, tree: Tree) -> None:
         """One-line error for a tree this runner cannot verify losslessly."""

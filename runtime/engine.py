@@ -145,6 +145,8 @@ class Engine:
         given: dict[str, Any] = {k: v for k, v in (("heads", heads),) if v is not None}
         if threads is not None and backend in ("torch", "ort"):
             given["threads"] = threads
+        if backend == "ort":
+            given["batch"] = max_batch > 1  # the artifact's batched base graph, if it has one
         runner = module.load_runner(base_or_artifact, **given)
         return cls(runner, Tokenizer.from_dir(module.base_dir(base_or_artifact)), tree, drafts, max_batch,
                    max_waiting, log)

@@ -39,6 +39,7 @@ from clover.runtime.tree import compile_tree
 
 PAST, PRESENT = "past_key_values", "present"
 LM_HEAD, LM_INPUT = "lm_head", "lm_input"  # as clover.export.lm_head (no export import here: no torch)
+BATCH_GRAPH, ROW_COUNTS = "base_batch", "row_counts"  # as clover.export.batch_graph
 FREE_CACHES = 4  # released slots' caches kept for reuse
 
 
@@ -62,12 +63,15 @@ class OrtOptions:
       session left spinning after its run: 0.6x).
       False: every session's threads sleep between ops, and every session uses `threads`.
     checksums: verify every file's sha256 on load (sizes are always checked).
-    cache_block: KV cache slots allocated at the start of a sequence (doubled when full)."""
+    cache_block: KV cache slots allocated at the start of a sequence (doubled when full).
+    batch: load the artifact's batched base graph (if it has one) to run several sequences per forward; a
+      one-sequence Generator does not need it (it holds the weights a second time)."""
 
     threads: int = 0
     spin: bool = True
     checksums: bool = True
     cache_block: int = 256
+    batch: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -109,7 +113,7 @@ class Graph:
         self.out_dtypes = {t.name: np.dtype(t.dtype) for t in spec.outputs}
         self.lm_head: Graph | None = None  # runs after this graph when it outputs LM_INPUT (use_lm_head)
         self._lm_width = 0
-        self.bound_cache: list[np.ndarray] | None = None  # the KV buffers bound now (KVCache.bind)
+        self.bound_caches: dict[int | None, list[np.ndarray]] = {}  # KV buffers bound now, per slot input (KVCache.bind)
 
     def bind(self, name: str, array: np.ndarray, output: str | None = None) -> None:
         """Bind a host array as an input without copying it (it must stay alive and unchanged until run);
@@ -150,6 +154,11 @@ class Graph:
         return int(self.spec.output("logits").shape[-1])
 
 
+def slot_name(name: str, slot: int) -> str:
+    """A batched graph's per-sequence I/O name (clover.export.batch_graph.slot_name)."""
+    return f"{name}.s{slot}"
+
+
 def kv_bytes_per_token(spec: GraphSpec) -> int:
     """Bytes of K and V one cached token takes over a graph's past inputs [batch, Hkv, slots, D]."""
     return sum(int(t.shape[1]) * int(t.shape[3]) * np.dtype(t.dtype).itemsize
@@ -177,13 +186,18 @@ class KVCache:
         # and 0 * NaN from uninitialised memory would not be zero.
         return [np.zeros((1, self.kv_heads, slots, self.head_dim), self.dtype) for _ in self.names]
 
-    def bind(self, graph: Graph) -> None:
-        """Bind the buffers to `graph` unless they are what it holds already (sequences take turns on a graph)."""
-        if graph.bound_cache is self.buffers:
+    def bind(self, graph: Graph, slot: int | None = None) -> None:
+        """Bind the buffers to `graph` (to slot input `slot` of a batched graph) unless they are what it holds
+        already (sequences take turns on a graph, and keep their slot input from step to step)."""
+        if graph.bound_caches.get(slot) is self.buffers:
             return
         for name, buf in zip(self.names, self.buffers):
-            graph.bind(name, buf, output=PRESENT + name[len(PAST):] if self.shared else None)
-        graph.bound_cache = self.buffers
+            out = PRESENT + name[len(PAST):] if self.shared else None
+            if slot is None:
+                graph.bind(name, buf, output=out)
+            else:
+                graph.bind(slot_name(name, slot), buf, output=out and slot_name(out, slot))
+        graph.bound_caches[slot] = self.buffers
 
     def ensure(self, needed: int, filled: int, limit: int) -> None:
         """Make room for `needed` slots (at most `limit`), keeping the first `filled`."""
@@ -243,10 +257,14 @@ class OrtRunner(Runner):
         elif self.arch is not None:
             self.begin = Graph(root, manifest.graphs["draft_begin"], draft_so, clock)
             self.step = Graph(root, manifest.graphs["draft_step"], draft_so, clock)
+        # The batched base (fused artifacts, export/batch_graph.py): several sequences' rows in one forward.
+        self.batch = Graph(root, manifest.graphs[BATCH_GRAPH], so, clock) if options.batch and BATCH_GRAPH in manifest.graphs else None
+        self.batch_slots = int(self.batch.spec.input(ROW_COUNTS).shape[0]) if self.batch is not None else 1
+        self._idle: dict[int, KVCache] = {}  # 2-slot buffers of the batched graph's slot inputs not in a step
         self.lm_head = None
         if LM_HEAD in manifest.graphs:  # on the base's thread settings: it computes every verified row's logits
             self.lm_head = Graph(root, manifest.graphs[LM_HEAD], so, clock)
-            for g in (self.base, self.begin, self.step, self.medusa):
+            for g in (self.base, self.batch, self.begin, self.step, self.medusa):
                 if g is not None and g.spec.has_output(LM_INPUT):
                     g.use_lm_head(self.lm_head)
         self.vocab_size = (self.base.lm_head or self.base).vocab_size
@@ -258,11 +276,12 @@ class OrtRunner(Runner):
             default_tree=compile_tree(tree["choices"], tree["name"]) if tree else None,
             chains_only=self.fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
             kv_bytes_per_token=sum(kv_bytes_per_token(g.spec) for g in (self.base, self.begin) if g is not None),
+            batch_slots=self.batch_slots,
         )
         self._free: list[tuple[KVCache, KVCache | None]] = []  # released slots' caches of the initial size
 
     def close(self) -> None:
-        self.base = self.begin = self.step = self.medusa = self.lm_head = None
+        self.base = self.batch = self.begin = self.step = self.medusa = self.lm_head = None
         self._free = []
 
     @property
@@ -301,6 +320,50 @@ class OrtRunner(Runner):
         seq.last = g.run({"logits": (1, len(rows), self.vocab_size), "hidden_states": (1, T, self.hidden_size),
                           **present})
         return seq.last["logits"][0].astype(np.float32, copy=False)
+
+    def _forward_batch(self, batch, last_only):
+        """Sequences in the batched graph's slots run in one call; the rest (or a lone one) on the base graph."""
+        packed = sorted((v for v in batch if v.slot.index < self.batch_slots), key=lambda v: v.slot.index)
+        if self.batch is None or len(packed) < 2:
+            return super()._forward_batch(batch, last_only)
+        out = dict(zip((id(v) for v in packed), self._forward_packed(packed, last_only)))
+        return [out[id(v)] if id(v) in out else self._forward(v.slot, v.tokens, v.depths, v.mask, last_only) for v in batch]
+
+    def _forward_packed(self, packed, last_only):
+        g, N = self.batch, self.batch_slots
+        counts, pasts = np.zeros(N, np.int64), np.zeros(N, np.int64)
+        by_slot = {v.slot.index: v for v in packed}
+        for b in range(N):
+            v = by_slot.get(b)
+            if v is None:  # not in this step: its nodes run on 2 dummy rows over an idle 2-slot buffer
+                idle = self._idle.get(b) or self._idle.setdefault(b, KVCache(self.base.spec, 2, shared=True))
+                idle.bind(g, b)
+                continue
+            seq, P, T = v.slot.state, v.slot.past, v.tokens.shape[0]
+            seq.cache.ensure(P + max(T, 2), P, v.slot.capacity + 1)  # 2 rows or more (fused)
+            seq.cache.bind(g, b)
+            counts[b], pasts[b] = T, P
+        ends = np.cumsum([len(v.tokens) for v in packed])
+        R = int(ends[-1])
+        mask = np.zeros((1, R, R), dtype=bool)  # [1, R, R] block diagonal: each sequence's own tree
+        for v, end in zip(packed, ends):
+            T = len(v.tokens)
+            mask[0, end - T:end, end - T:end] = v.mask
+        rows = ends - 1 if last_only else np.arange(R, dtype=np.int64)
+        g.bind("input_ids", np.concatenate([v.tokens for v in packed]).astype(np.int64)[None])
+        g.bind("position_ids", np.concatenate([v.slot.past + v.depths.astype(np.int64) for v in packed])[None])
+        g.bind("tree_mask", mask)
+        g.bind("past_lengths", pasts)
+        g.bind(ROW_COUNTS, counts)
+        g.bind("logit_rows", np.asarray(rows, dtype=np.int64))
+        out = g.run({"logits": (1, len(rows), self.vocab_size), "hidden_states": (1, R, self.hidden_size)})
+        logits = out["logits"][0].astype(np.float32, copy=False)  # [rows, V]
+        results = []
+        for k, (v, end) in enumerate(zip(packed, ends)):
+            T = len(v.tokens)
+            v.slot.state.last = {"hidden_states": out["hidden_states"][:, end - T:end]}  # [1, T, H]
+            results.append(logits[k:k + 1] if last_only else logits[end - T:end])
+        return results
 
     def _commit(self, slot, path, next_tokens):
         seq, P, m = slot.state, slot.past, len(path)
@@ -370,7 +433,8 @@ class OrtRunner(Runner):
 
 
 def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | None = None,
-                threads: int = 0, spin: bool = True, checksums: bool = True, cache_block: int = 256) -> OrtRunner:
+                threads: int = 0, spin: bool = True, checksums: bool = True, cache_block: int = 256,
+                batch: bool = False) -> OrtRunner:
     """Open and validate an artifact folder and build its runner.
 
     Args:
@@ -378,9 +442,9 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
         heads: "artifact" (default) or the name the heads were exported from: the artifact's heads;
             "none": plain decoding on the artifact's base graph.
         dtype: None, or the precision the caller expects (must be the artifact's).
-        threads, spin, checksums, cache_block: see OrtOptions.
+        threads, spin, checksums, cache_block, batch: see OrtOptions (clover.Engine loads with batch=True).
     """
-    options = OrtOptions(threads=threads, spin=spin, checksums=checksums, cache_block=cache_block)
+    options = OrtOptions(threads=threads, spin=spin, checksums=checksums, cache_block=cache_block, batch=batch)
     manifest = open_artifact(artifact, checksums=options.checksums)
     if manifest.attention == "plugin":
         raise CloverError(

@@ -36,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", help="float32, float16, or bfloat16 (TensorRT)")
     p.add_argument("--max-context", type=int, default=None,
                    help="longest sequence the artifact serves (default: the base's max_position_embeddings)")
+    p.add_argument("--max-batch", type=int, default=8,
+                   help="--attention fused: sequences the batched base graph runs in one forward (clover.Engine, "
+                        "clover-serve; default 8; 1: no batched graph)")
     p.add_argument("--max-prompt", type=int, default=None,
                    help="--backend trt: longest prompt of the prefill optimization profile (default min(context, 2048))")
     p.add_argument("--timing-cache", default=None,
@@ -61,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     config = ExportConfig(backend=args.backend, dtype=args.dtype, attention=args.attention,
                           opset=args.opset or DEFAULT_OPSET, tree=args.tree, max_context=args.max_context,
                           max_prompt=args.max_prompt, timing_cache=args.timing_cache, draft_quant=args.draft_quant,
-                          weights=args.weights, block_size=args.block_size, verify=not args.no_verify)
+                          weights=args.weights, block_size=args.block_size, verify=not args.no_verify,
+                          max_batch=args.max_batch)
     if config.backend == "trt":  # at once: before minutes of loading and exporting
         from clover.runtime.tensorrt import require_tensorrt
 

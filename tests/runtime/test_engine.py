@@ -66,6 +66,32 @@ def test_ort_engine_equals_solo_plain_at_any_concurrency(artifacts, arch):
             assert engine.runner.open_slots == 0  # every slot freed
 
 
+@pytest.mark.parametrize("weights", [None, "int4"])
+def test_fused_batched_graph_engine_equals_solo_plain(tmp_path_factory, weights):
+    """The batched base graph (one forward for every running sequence) gives each sequence the solo graph's
+    tokens: fp32 with branching trees, int4 (int8 compute) with chains."""
+    root = tmp_path_factory.getbasetemp()
+    path = tiny_artifact(root, "clover2", tree="chain-3" if weights else None, weights=weights, attention="fused")
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    want = solo_plain(load_runner(path, heads="none"), tok)
+    runner = load_runner(path, batch=True)
+    assert runner.batch_slots == 8 and runner.info.batch_slots == 8
+    calls = []
+    run = runner.batch.run
+    runner.batch.run = lambda shapes: calls.append(shapes["hidden_states"][1]) or run(shapes)  # rows per call
+    for tree in ("plain", "chain-3") if weights else ("plain", "small", "mc26"):
+        with Engine(runner, tok, tree, max_batch=8, log=None) as engine:
+            for concurrency in (1, 4, 16):
+                got = run_concurrently(engine, concurrency)
+                for i, (g, w) in enumerate(zip(got, want)):
+                    assert_same_tokens(g, w, f"fused {weights} {tree} concurrency {concurrency} prompt {i}")
+        engine._thread.join()
+        runner = load_runner(path, batch=True)
+        run = runner.batch.run
+        runner.batch.run = lambda shapes: calls.append(shapes["hidden_states"][1]) or run(shapes)
+    assert calls and max(calls) > 8, "the batched graph never ran several sequences at once"
+
+
 def test_torch_engine_equals_solo_plain(tmp_path):
     base, heads = tiny_modules("clover2")
     from helpers import tiny_tokenizer_dir
