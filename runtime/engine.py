@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -28,12 +29,14 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, backend_module
 from clover.runtime.generator import (
-    GenerationResult, Progress, check_prompt_fits, choose_tree, encode_prompt,
+    DEFAULT_LOOKUP_DRAFTS, GenerationResult, Progress, check_prompt_fits, choose_tree, default_tree, encode_prompt,
 )
-from clover.runtime.loop import Decoding, prefill, step
+from clover.runtime.loop import Decoding, chain, prefill, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
-from clover.runtime.scheduler import Cancelled, QueueFull, Request, Scheduler, StreamDelta, kv_plan
+from clover.runtime.scheduler import (
+    AutoTrees, Cancelled, FixedTrees, QueueFull, Request, Scheduler, StreamDelta, VerifyCost, kv_plan,
+)
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import Tree
 
@@ -114,16 +117,66 @@ class EngineStream:
         return self.result
 
 
+AUTO = "auto"
+
+
+def auto_full_tree(info, drafts: str) -> Tree:
+    """The deepest tree --tree auto may pick (it prunes it by depth down to plain): chain-4 for prompt lookup
+    and chains-only graphs, else mc26 (pruned to the heads' depth); plain without heads."""
+    if drafts == "lookup":
+        return chain(max(DEFAULT_LOOKUP_DRAFTS, 4))
+    if info.heads is None:
+        return chain(0)
+    if info.chains_only:
+        return chain(min(4, info.heads_max_depth or 4))
+    return default_tree(info.heads_max_depth)
+
+
+def calibrate(runner: Runner, max_rows: int, reps: int = 3) -> VerifyCost:
+    """The verify-cost curve of this runner on this machine: median ms of a forward of R new rows (one
+    sequence, a chain, after a 32-token prompt) for R from 1 to `max_rows`."""
+    rng = np.random.default_rng(0)
+    V = runner.info.vocab_size
+    rows = sorted({1, 2, 3, 4, max_rows} | {int(round(1.5 ** k)) for k in range(4, 40) if 1.5 ** k < max_rows})
+    slot = runner.open_slot(min(runner.info.max_context, 32 + max_rows + 2))
+    try:
+        prompt = rng.integers(0, V, 32)
+        runner.forward(prompt, np.arange(32), np.tri(32, dtype=bool), last_only=True, slot=slot)
+        runner.commit(np.arange(32), prompt, slot=slot)
+        points = {}
+        for r in rows:
+            tokens, times = rng.integers(0, V, r), []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                runner.forward(tokens, np.arange(r), np.tri(r, dtype=bool), slot=slot)
+                times.append(time.perf_counter() - t0)
+            points[r] = float(np.median(times)) * 1e3
+    finally:
+        runner.release(slot)
+    return VerifyCost(points)
+
+
 class Engine:
-    """Batched, thread-safe generation on one runner (see the module doc). `tree`: a fixed tree for every step
-    (a name or Tree; None: the artifact's default); `max_batch`: sequences decoded at once; `max_waiting`:
-    queued requests beyond those (more raise QueueFull)."""
+    """Batched, thread-safe generation on one runner (see the module doc). `tree`: "auto" (each step, each
+    sequence's tree sized by its measured acceptance and the verify-cost curve, calibrated at start-up), a
+    fixed tree for every step (a name or Tree), or None (the artifact's default); `max_batch`: sequences
+    decoded at once; `max_waiting`: queued requests beyond those (more raise QueueFull)."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None, drafts: str = "heads",
                  max_batch: int = 8, max_waiting: int = 256, log=sys.stderr) -> None:
         self.runner, self.tokenizer, self.drafts = runner, tokenizer, drafts
-        self.tree = choose_tree(runner.info, tree, drafts)
         self.scheduler = Scheduler(max_batch, max_waiting)
+        if tree == AUTO:
+            self.tree = auto_full_tree(runner.info, drafts)
+            t0 = time.perf_counter()
+            cost = calibrate(runner, max_batch * self.tree.num_nodes)
+            self.policy: AutoTrees | FixedTrees = AutoTrees(self.tree, cost)
+            if log is not None:
+                print(f"tree auto: plain up to {self.tree.name}; verify cost calibrated in {time.perf_counter() - t0:.1f} s: "
+                      + ", ".join(f"{r} rows {m:.1f} ms" for r, m in cost.to_dict()["rows_ms"].items()), file=log)
+        else:
+            self.tree = choose_tree(runner.info, tree, drafts)
+            self.policy = FixedTrees()
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         if log is not None and runner.info.kv_bytes_per_token:
             print(kv_plan(max_batch, runner.info.max_context, runner.info.kv_bytes_per_token), file=log)
@@ -240,7 +293,10 @@ class Engine:
                 self._emit(r, st)
         batch = [r for r in sched.running if r.decoding is not None and r not in joined]
         if batch:
-            for r, st in zip(batch, step(runner, [r.decoding for r in batch])):
+            decodings = [r.decoding for r in batch]
+            steps = step(runner, decodings, self.policy.choose(decodings))
+            self.policy.observe(decodings, steps, steps[0].seconds["verify"])
+            for r, st in zip(batch, steps):
                 self._emit(r, st)
 
     def _emit(self, r: Request, st) -> None:
@@ -256,12 +312,13 @@ class Engine:
             r.sent = len(ids)
         if done:
             info = self.runner.info
-            self._retire(r, r.progress.result(r.tracker, info.backend,
-                                              "lookup" if self.drafts == "lookup" else info.heads_name, self.tree.name))
+            self._retire(r, r.progress.result(r.tracker, info.backend, "lookup" if self.drafts == "lookup" else info.heads_name,
+                                              AUTO if isinstance(self.policy, AutoTrees) else self.tree.name))
 
     def _retire(self, r: Request, end: GenerationResult | BaseException) -> None:
         if r.decoding is not None:
             self.runner.release(r.decoding.slot)
+            self.policy.forget(r.decoding)
         self.scheduler.retire(r)
         r.deliver(end)
 

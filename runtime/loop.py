@@ -40,6 +40,9 @@ class Step:
 
     tokens: list[int]
     tree_nodes: int  # nodes verified (1 for plain steps and the prefill)
+    tree: Tree | None = None  # the tree verified (None for the prefill)
+    path: np.ndarray | None = None  # its accepted node ids, root first
+    draft_seconds: float = 0.0  # this sequence's share of the draft phase
     # draft / verify / accept / commit (prefill for step 0), and "engine": the part of the step spent in the
     # engine's own calls (absent where the backend cannot tell); the rest of the step is host time.
     seconds: dict[str, float] = field(default_factory=dict)
@@ -149,8 +152,9 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
     clock = time.perf_counter
     engine = runner.engine_clock
     t0, e0 = clock(), engine.seconds if engine else 0.0
-    step_trees, drafts = [], []
+    step_trees, drafts, draft_seconds = [], [], []
     for i, d in enumerate(batch):                                                                # 1. draft
+        td = clock()
         tree = trees[i] if trees is not None else d.tree
         room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
         if d.lookup is not None:
@@ -161,6 +165,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             tree = tree if tree.num_nodes - 1 <= room else PLAIN
             step_trees.append(tree)
             drafts.append(draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot))
+        draft_seconds.append(clock() - td)
     t1 = clock()
     logits = runner.forward_batch([Verify(d.slot, dr.tokens, t.depth, t.ancestor_mask)             # 2. verify
                                    for d, dr, t in zip(batch, drafts, step_trees)])
@@ -168,13 +173,13 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
     accepted = [accept(t, dr, lg, d.sampling, d.rng) for d, dr, t, lg in zip(batch, drafts, step_trees, logits)]  # 3. accept
     t3 = clock()
     steps = []
-    for d, dr, t, acc in zip(batch, drafts, step_trees, accepted):                                 # 4. commit KV
+    for d, dr, t, acc, ds in zip(batch, drafts, step_trees, accepted, draft_seconds):            # 4. commit KV
         emitted = [int(x) for x in dr.tokens[acc.accepted_nodes]] + [acc.bonus_token]
         runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
         if d.lookup is not None:
             d.lookup.extend(emitted)
         d.root = acc.bonus_token
-        steps.append(Step(emitted, t.num_nodes))
+        steps.append(Step(emitted, t.num_nodes, tree=t, path=acc.path, draft_seconds=ds))
     seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
     if engine:
         seconds["engine"] = engine.seconds - e0

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import collections
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.generator import GenerationResult, Progress
-from clover.runtime.loop import Decoding
+from clover.runtime.loop import Decoding, Step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
+from clover.runtime.tree import Tree, compile_tree
 
 
 class QueueFull(CloverError):
@@ -110,3 +112,181 @@ def kv_plan(max_batch: int, context: int, bytes_per_token: int) -> str:
     total = max_batch * context * bytes_per_token
     return (f"KV cache plan: up to {max_batch} sequences x {context} tokens x {bytes_per_token / 1024:.1f} KiB/token "
             f"= {total / 2**20:.0f} MiB at most (allocated as sequences grow)")
+
+
+# -- what each sequence speculates ------------------------------------------------------------------------
+
+def prune(tree: Tree, depth: int) -> Tree:
+    """`tree` without its nodes deeper than `depth` (0: plain)."""
+    if depth >= tree.max_depth:
+        return tree
+    return compile_tree([c for c in tree.choices if len(c) <= depth], name=f"{tree.name}-d{depth}" if depth else "plain")
+
+
+class VerifyCost:
+    """Milliseconds of one verify forward by the new rows it runs: a curve measured at start-up for this
+    backend and machine (`points`: rows -> ms, one sequence), interpolated linearly (and extrapolated from the
+    last two points), times a correction per batch size learned from the steps the engine runs (a batch of B
+    sequences also runs B attention blocks, and the machine's speed drifts)."""
+
+    def __init__(self, points: dict[int, float]) -> None:
+        if not points:
+            raise CloverError("a verify-cost curve needs at least one measured point")
+        self.rows = np.array(sorted(points), dtype=np.float64)
+        self.ms = np.array([points[int(r)] for r in self.rows])
+        self.correction: dict[int, float] = {}
+
+    def curve(self, rows: float) -> float:
+        r, m = self.rows, self.ms
+        if len(r) == 1:
+            return float(m[0] * rows / r[0])
+        if rows > r[-1]:
+            return float(m[-1] + (m[-1] - m[-2]) / (r[-1] - r[-2]) * (rows - r[-1]))
+        return float(np.interp(rows, r, m))
+
+    def __call__(self, rows: int, sequences: int) -> float:
+        return self.curve(rows) * self.correction.get(sequences, 1.0)
+
+    def observe(self, rows: int, sequences: int, ms: float) -> None:
+        ratio = ms / max(self.curve(rows), 1e-6)
+        old = self.correction.get(sequences)
+        self.correction[sequences] = ratio if old is None else 0.9 * old + 0.1 * ratio
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows_ms": {int(r): round(float(m), 3) for r, m in zip(self.rows, self.ms)},
+                "correction_by_batch": {b: round(c, 3) for b, c in sorted(self.correction.items())}}
+
+
+class RankAcceptance:
+    """Online acceptance by depth and rank: q[d, r] = P(the rank-r draft at depth d is the accepted token |
+    its parent was accepted), counted over verified trees, with `prior` pseudo-counts of `prior_q`."""
+
+    def __init__(self, depth: int, ranks: int, prior_q: float = 0.3, prior: float = 8.0) -> None:
+        self.hits = np.zeros((depth + 1, ranks))
+        self.trials = np.zeros((depth + 1, ranks))
+        self.prior_q, self.prior = prior_q, prior
+
+    def q(self, base: "RankAcceptance | None" = None) -> np.ndarray:
+        """[depth + 1, ranks] estimates; shrunk toward `base`'s (a sequence's own toward the engine's)."""
+        prior = base.q() if base is not None else self.prior_q
+        return (self.hits + self.prior * prior) / (self.trials + self.prior)
+
+    def observe(self, tree: Tree, path: np.ndarray) -> None:
+        """One verified tree and its accepted path (root first)."""
+        for d in range(1, tree.max_depth + 1):
+            if d - 1 >= len(path):
+                break
+            kids = tree.children[int(path[d - 1])]
+            ranks = tree.rank[kids]
+            ok = ranks < self.trials.shape[1]
+            self.trials[d, ranks[ok]] += 1
+            if d < len(path):
+                r = int(tree.rank[int(path[d])])
+                if r < self.hits.shape[1]:
+                    self.hits[d, r] += 1
+
+
+class FixedTrees:
+    """Every sequence speculates its own tree at every step (the engine's `tree`)."""
+
+    name = "fixed"
+
+    def choose(self, batch: Sequence[Decoding]) -> list[Tree]:
+        return [d.tree for d in batch]
+
+    def observe(self, batch: Sequence[Decoding], steps: Sequence[Step], verify_seconds: float) -> None:
+        pass
+
+    def forget(self, d: Decoding) -> None:
+        pass
+
+
+class AutoTrees:
+    """--tree auto: each step, every sequence's tree, from plain up to `full` pruned by depth, chosen to
+    maximise the tokens the whole batch emits per second: expected tokens from acceptance measured online
+    (per depth and rank; each sequence's own, shrunk toward the engine's), cost from the verify-cost curve
+    plus each level's measured drafting time. Plain is always a candidate and a deeper level is taken only
+    when it raises the predicted rate, so speculation does not cost throughput. Every `explore`-th step a
+    sequence tries one level deeper than chosen, so acceptance stays measured for levels not in use."""
+
+    name = "auto"
+
+    def __init__(self, full: Tree, cost: VerifyCost, explore: int = 32) -> None:
+        self.levels = [prune(full, d) for d in range(full.max_depth + 1)]
+        self.cost, self.explore = cost, explore
+        ranks = max(full.max_children, 1)
+        self.engine = RankAcceptance(full.max_depth, ranks)
+        self.mine: dict[int, RankAcceptance] = {}
+        self.steps: dict[int, int] = {}
+        # per level: [n, depth] rank paths of its nodes (root excluded), -1 padded: expected tokens are
+        # 1 + sum over nodes of the product of q[d, rank at depth d] along the node's path
+        self._paths = []
+        for t in self.levels:
+            paths = np.full((t.num_nodes - 1, max(t.max_depth, 1)), -1, dtype=np.int64)
+            for i, c in enumerate(t.choices):
+                paths[i, :len(c)] = c
+            self._paths.append(paths)
+        self.draft_ms = np.zeros(len(self.levels))  # measured drafting time per sequence, by level
+        self._draft_seen = np.zeros(len(self.levels))
+
+    def expected_tokens(self, q: np.ndarray) -> np.ndarray:
+        """[levels] tokens one step emits at each level for acceptance estimates q [depth + 1, ranks]."""
+        out = np.ones(len(self.levels))
+        for lv, paths in enumerate(self._paths):
+            if len(paths):
+                d = np.arange(1, paths.shape[1] + 1)
+                probs = np.where(paths >= 0, q[np.minimum(d, q.shape[0] - 1)[None], np.maximum(paths, 0)], 1.0)
+                out[lv] += probs.prod(axis=1).sum()
+        return out
+
+    def choose(self, batch: Sequence[Decoding]) -> list[Tree]:
+        B = len(batch)
+        tokens = np.stack([self.expected_tokens(self._acceptance(d).q(self.engine)) for d in batch])  # [B, levels]
+        nodes = np.array([t.num_nodes for t in self.levels])
+        level = np.zeros(B, dtype=np.int64)
+        rows, drafted, emitted = B, 0.0, float(B)
+        rate = emitted / (self.cost(rows, B) + drafted)
+        while True:  # greedy: the one change (a sequence to a deeper level) that raises the rate most
+            best = None
+            for i in range(B):
+                for lv in range(level[i] + 1, len(self.levels)):
+                    r = rows + nodes[lv] - nodes[level[i]]
+                    dr = drafted + self.draft_ms[lv] - self.draft_ms[level[i]]
+                    new = (emitted + tokens[i, lv] - tokens[i, level[i]]) / (self.cost(r, B) + dr)
+                    if new > rate * 1.001 and (best is None or new > best[0]):
+                        best = (new, i, lv, r, dr)
+            if best is None:
+                break
+            rate, i, lv, rows, drafted = best
+            emitted += tokens[i, lv] - tokens[i, level[i]]
+            level[i] = lv
+        for i, d in enumerate(batch):
+            n = self.steps[id(d)] = self.steps.get(id(d), 0) + 1
+            if n % self.explore == 0 and level[i] + 1 < len(self.levels):
+                level[i] += 1
+        return [self.levels[lv] for lv in level]
+
+    def _acceptance(self, d: Decoding) -> RankAcceptance:
+        a = self.mine.get(id(d))
+        if a is None:
+            a = self.mine[id(d)] = RankAcceptance(self.engine.hits.shape[0] - 1, self.engine.hits.shape[1])
+        return a
+
+    def observe(self, batch: Sequence[Decoding], steps: Sequence[Step], verify_seconds: float) -> None:
+        rows = 0
+        for d, st in zip(batch, steps):
+            rows += st.tree_nodes
+            if st.tree is None or st.tree.max_depth == 0:
+                continue
+            self.engine.observe(st.tree, st.path)
+            self._acceptance(d).observe(st.tree, st.path)
+            lv = min(st.tree.max_depth, len(self.levels) - 1)
+            seen = self._draft_seen[lv]
+            ms = st.draft_seconds * 1e3
+            self.draft_ms[lv] = ms if seen == 0 else 0.9 * self.draft_ms[lv] + 0.1 * ms
+            self._draft_seen[lv] += 1
+        self.cost.observe(rows, len(batch), verify_seconds * 1e3)
+
+    def forget(self, d: Decoding) -> None:
+        self.mine.pop(id(d), None)
+        self.steps.pop(id(d), None)

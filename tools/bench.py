@@ -153,7 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch / ORT intra-op threads")
     p.add_argument("--no-chat", action="store_true", help="feed prompts raw, without the chat template")
-    p.add_argument("--json", type=Path, default=None, help="write every number (and per-prompt data) here")
+    p.add_argument("--json", type=Path, default=None, help="write every number (and per-prompt data) here; with "
+                   "--concurrency also a PNG plot beside it")
+    p.add_argument("--concurrency", default=None, metavar="1,2,4,8,16",
+                   help="run clover.Engine with N closed-loop request streams for each N, in modes plain, each --tree "
+                        "and auto: aggregate and per-request tokens/s, TTFT and inter-token latency p50/p95, acceptance, "
+                        "identity with solo plain decoding (one backend: ort with --artifact, or torch)")
+    p.add_argument("--max-batch", type=int, default=None, help="--concurrency: the engine's max batch (default: the "
+                   "largest concurrency)")
     return p
 
 
@@ -175,6 +182,10 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             pass
     prompts = load_prompts(args.prompts, args.num_prompts)
+    if args.concurrency is not None:
+        from clover.tools.bench_concurrency import run as run_concurrency
+
+        return run_concurrency(args, prompts)
     backends = [b.strip() for b in args.backend.split(",") if b.strip()]
     plain_only = {b.removesuffix(":plain") for b in backends if b.endswith(":plain")}
     backends = [b.removesuffix(":plain") for b in backends]

@@ -1,0 +1,228 @@
+"""clover-bench --concurrency 1,2,4,8,16: throughput and latency of clover.Engine under N closed-loop streams.
+
+For each concurrency N and each mode (plain, each --tree, auto), N caller threads submit the prompts one after
+another (each prompt once), so N requests are always in flight until the prompts run out. Concurrencies run in
+the outer loop and modes inside it, so every mode meets the same machine state (these machines are shared).
+Reported per (N, mode): aggregate output tokens/s, per-request tokens/s, time to first token and inter-token
+latency (p50, p95), mean acceptance length (tokens per verify step, bonus included), and whether every request's
+greedy tokens equal its own solo plain decoding (Generator, plain tree, same graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from clover.errors import CloverError
+
+BANDWIDTH_GBS = 27.0  # this workplace's measured memory read bandwidth (README)
+
+
+def parse_concurrency(spec: str) -> list[int]:
+    try:
+        levels = [int(c) for c in spec.split(",") if c.strip()]
+    except ValueError:
+        raise CloverError(f"--concurrency takes comma-separated ints (e.g. 1,2,4,8,16), got {spec!r}") from None
+    if not levels or min(levels) < 1:
+        raise CloverError(f"--concurrency needs levels >= 1, got {spec!r}")
+    return levels
+
+
+def closed_loop(engine, prompts: list[str], concurrency: int, max_new_tokens: int, chat: bool) -> tuple[list, float, list]:
+    """Run every prompt once with `concurrency` callers; returns (results in prompt order, wall seconds,
+    inter-token gaps in seconds, one per token after each request's first)."""
+    results: list[Any] = [None] * len(prompts)
+    gaps: list[float] = []
+    lock = threading.Lock()
+    nxt = iter(range(len(prompts)))
+    errors: list[BaseException] = []
+
+    def caller() -> None:
+        while True:
+            with lock:
+                i = next(nxt, None)
+            if i is None:
+                return
+            try:
+                stream = engine.stream(prompts[i], max_new_tokens=max_new_tokens, chat=chat)
+                last, mine = None, []
+                for delta in stream:
+                    now = time.perf_counter()
+                    if last is not None and delta.token_ids:
+                        mine += [(now - last) / len(delta.token_ids)] * len(delta.token_ids)
+                    last = now
+                results[i] = stream.result
+                with lock:
+                    gaps.extend(mine)
+            except BaseException as e:  # reported after the threads end
+                errors.append(e)
+                return
+
+    threads = [threading.Thread(target=caller) for _ in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results, time.perf_counter() - t0, gaps
+
+
+def summarize(mode: str, concurrency: int, results: list, seconds: float, gaps: list[float],
+              reference: list[list[int]]) -> dict[str, Any]:
+    new = sum(r.new_tokens for r in results)
+    steps = sum(r.steps for r in results)
+    emitted = sum(sum(r.accepted_per_step) for r in results)
+    ttft = np.array([r.time_to_first_token for r in results]) * 1e3
+    itl = np.array(gaps) * 1e3 if gaps else np.zeros(1)
+    same = [i for i, r in enumerate(results) if r.token_ids == reference[i]]
+    first_diff = {i: next((k for k, (a, b) in enumerate(zip(r.token_ids, reference[i])) if a != b),
+                          min(len(r.token_ids), len(reference[i])))
+                  for i, r in enumerate(results) if i not in same}
+    return {
+        "mode": mode, "concurrency": concurrency,
+        "tokens_per_second": round(new / seconds, 2),
+        "per_request_tokens_per_second": round(float(np.mean([r.tokens_per_second for r in results])), 2),
+        "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 1), "ttft_p95_ms": round(float(np.percentile(ttft, 95)), 1),
+        "itl_p50_ms": round(float(np.percentile(itl, 50)), 2), "itl_p95_ms": round(float(np.percentile(itl, 95)), 2),
+        "acceptance_length": round(emitted / steps, 3) if steps else 0.0,
+        "identical_to_solo_plain": f"{len(same)}/{len(results)}", "mismatches": first_diff,
+        "new_tokens": new, "seconds": round(seconds, 2),
+    }
+
+
+def weight_bytes(artifact: Path | None) -> int:
+    """Bytes of the base weights a decode step reads (the base graph's files and the LM head's)."""
+    if artifact is None:
+        return 0
+    from clover.runtime.artifact import read_manifest
+
+    m = read_manifest(artifact)
+    files = {f for name in ("base", "lm_head") if name in m.graphs
+             for f in (m.graphs[name].file, *m.graphs[name].external_data)}
+    return sum((artifact / f).stat().st_size for f in files)
+
+
+def run(args: argparse.Namespace, prompts: list[str]) -> int:
+    from tqdm import tqdm
+
+    from clover.runtime.backend import backend_module
+    from clover.runtime.engine import AUTO, Engine
+    from clover.runtime.generator import Generator
+    from clover.runtime.tokenizer import Tokenizer
+
+    levels = parse_concurrency(args.concurrency)
+    backend = args.backend
+    if backend not in ("ort", "torch"):
+        raise CloverError(f"--concurrency runs clover.Engine on one backend: use --backend ort or torch, not {backend!r}")
+    source = args.artifact if backend == "ort" else args.base
+    if backend == "ort" and source is None:
+        raise CloverError("--concurrency with --backend ort needs --artifact DIR (make one with clover-export)")
+    heads = None if backend == "ort" else args.heads
+    trees = [t.strip() for t in (args.tree or "").split(",") if t.strip()]
+    modes = ["plain"] + [t for t in trees if t not in ("plain", AUTO)] + [AUTO]
+    max_batch = args.max_batch or max(levels)
+    chat = not args.no_chat
+    threads = {"threads": args.threads} if args.threads else {}
+
+    module = backend_module(backend)
+    tok = Tokenizer.from_dir(module.base_dir(source))
+    solo = Generator(module.load_runner(source, heads="none", **threads), tok, "plain")
+    reference = [solo.generate(p, max_new_tokens=args.max_new_tokens, chat=chat).token_ids
+                 for p in tqdm(prompts, desc="solo plain", unit="prompt", dynamic_ncols=True)]
+    engines = {}
+    for mode in modes:
+        engines[mode] = Engine.load(source, heads=heads, backend=backend, tree=mode, max_batch=max_batch,
+                                    threads=args.threads, log=None)
+        engines[mode].generate(prompts[0], max_new_tokens=4, chat=chat)  # warm-up off the clock
+    rows = []
+    try:
+        with tqdm(total=len(levels) * len(modes), desc="concurrency", unit="run", dynamic_ncols=True) as bar:
+            for n in levels:
+                for mode in modes:
+                    results, seconds, gaps = closed_loop(engines[mode], prompts, n, args.max_new_tokens, chat)
+                    rows.append(summarize(mode, n, results, seconds, gaps, reference))
+                    bar.update()
+    finally:
+        for e in engines.values():
+            e.close()
+    base = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["mode"] == "plain"}
+    for r in rows:
+        r["vs_plain"] = round(r["tokens_per_second"] / base[r["concurrency"]], 3) if base.get(r["concurrency"]) else None
+        r["vs_concurrency1_plain"] = round(r["tokens_per_second"] / base[levels[0]], 3) if base.get(levels[0]) else None
+    wb = weight_bytes(args.artifact if backend == "ort" else None)
+    bound = BANDWIDTH_GBS * 1e9 / wb if wb else None
+    print_table(rows, bound, wb)
+    auto_policy = engines[AUTO].policy
+    doc = {
+        "backend": backend, "source": str(source), "prompts": args.prompts, "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "max_batch": max_batch, "threads": args.threads, "chat": chat,
+        "weight_bytes": wb, "batch1_bandwidth_bound_tokens_per_second": round(bound, 1) if bound else None,
+        "note": "closed loop: N callers each submit the next prompt when their last one ends; aggregate = all "
+                "output tokens / wall time; acceptance_length = tokens per verify step, bonus included; "
+                "identity: each request's greedy tokens vs its own solo plain decoding",
+        "auto_verify_cost": auto_policy.cost.to_dict() if hasattr(auto_policy, "cost") else None,
+        "results": rows,
+    }
+    bad = [r for r in rows if r["mismatches"]]
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.json.with_name(args.json.name + ".partial")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n")
+        os.replace(tmp, args.json)
+        png = args.json.with_suffix(".png")
+        plot(rows, modes, levels, png, f"clover.Engine on {backend}: {Path(str(source)).name}")
+        print(f"wrote {args.json} and {png}")
+    for r in bad:
+        print(f"clover-bench: {r['mode']} at concurrency {r['concurrency']} differs from solo plain decoding: "
+              f"{r['mismatches']}")
+    return 1 if bad else 0
+
+
+def print_table(rows: list[dict], bound: float | None, wb: int) -> None:
+    head = (f"{'conc':>4} {'mode':10} {'tok/s':>8} {'vs plain':>8} {'vs c1':>6} {'req tok/s':>9} {'ttft p50':>8} "
+            f"{'ttft p95':>8} {'itl p50':>7} {'itl p95':>7} {'acc len':>7} {'identical':>9}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['concurrency']:>4} {r['mode']:10} {r['tokens_per_second']:>8.1f} {r['vs_plain']:>7.2f}x "
+              f"{r['vs_concurrency1_plain']:>5.2f}x {r['per_request_tokens_per_second']:>9.1f} {r['ttft_p50_ms']:>8.0f} "
+              f"{r['ttft_p95_ms']:>8.0f} {r['itl_p50_ms']:>7.1f} {r['itl_p95_ms']:>7.1f} {r['acceptance_length']:>7.2f} "
+              f"{r['identical_to_solo_plain']:>9}")
+    print("tok/s = aggregate output tokens per second; ms: ttft = time to first token (queueing + prefill), itl = "
+          "inter-token latency; acc len = tokens per verify step, bonus token included")
+    if bound:
+        print(f"memory-bandwidth bound at batch 1: {bound:.0f} tok/s ({wb / 1e6:.0f} MB of weights per step at "
+              f"{BANDWIDTH_GBS:.0f} GB/s); a batch of B reads them once per step")
+
+
+def plot(rows: list[dict], modes: list[str], levels: list[int], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for mode in modes:
+        pts = sorted((r["concurrency"], r["tokens_per_second"]) for r in rows if r["mode"] == mode)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(levels, [str(c) for c in levels])
+    ax.set_xlabel("concurrent requests (closed loop)")
+    ax.set_ylabel("aggregate output tokens/s")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".partial.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    os.replace(tmp, path)
