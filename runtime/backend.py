@@ -77,12 +77,13 @@ class Slot:
 @dataclass(frozen=True)
 class Verify:
     """New tokens of one slot for a forward: tokens [T] int64 at positions past + depths [T], mask [T, T] bool
-    (row i attends to new token j)."""
+    (row i attends to new token j); last_only: logits of the last row only (a prompt)."""
 
     slot: Slot
     tokens: np.ndarray
     depths: np.ndarray
     mask: np.ndarray
+    last_only: bool = False
 
 
 class Runner(abc.ABC):
@@ -156,10 +157,10 @@ class Runner(abc.ABC):
                 slot: Slot | None = None) -> np.ndarray:
         """Run new tokens over one slot's cache (the solo one by default); see `Verify`. Returns logits
         [T, V] float32 ([1, V] if last_only)."""
-        return self.forward_batch([Verify(slot or self.solo, tokens, depths, mask)], last_only)[0]
+        return self.forward_batch([Verify(slot or self.solo, tokens, depths, mask, last_only)])[0]
 
-    def forward_batch(self, batch: Sequence[Verify], last_only: bool = False) -> list[np.ndarray]:
-        """One forward over several slots' new tokens. Returns each slot's logits [T, V] float32 ([1, V] if
+    def forward_batch(self, batch: Sequence[Verify]) -> list[np.ndarray]:
+        """One forward over several slots' new tokens. Returns each slot's logits [T, V] float32 ([1, V] for
         last_only), in order."""
         for v in batch:
             T = v.tokens.shape[0]
@@ -172,7 +173,7 @@ class Runner(abc.ABC):
         assert len({v.slot.index for v in batch}) == len(batch), "runner.forward: a slot appears twice"
         for v in batch:
             v.slot.pending = v.tokens.shape[0]
-        return self._forward_batch(batch, last_only)
+        return self._forward_batch(batch)
 
     def commit(self, path: np.ndarray, next_tokens: np.ndarray, slot: Slot | None = None) -> None:
         """Keep rows `path` (increasing) of the slot's last forward: compact their KV into the next cache
@@ -202,9 +203,9 @@ class Runner(abc.ABC):
     def _release(self, slot: Slot) -> None:
         """Give a slot's buffers back (default: dropped with its state)."""
 
-    def _forward_batch(self, batch: Sequence[Verify], last_only: bool) -> list[np.ndarray]:
+    def _forward_batch(self, batch: Sequence[Verify]) -> list[np.ndarray]:
         """Default: one engine call per slot (backends whose graphs batch override this)."""
-        return [self._forward(v.slot, v.tokens, v.depths, v.mask, last_only) for v in batch]
+        return [self._forward(v.slot, v.tokens, v.depths, v.mask, v.last_only) for v in batch]
 
     def _forward(self, slot: Slot, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray, last_only: bool) -> np.ndarray:
         raise NotImplementedError

@@ -8,9 +8,10 @@ touched by the engine's thread.
         for delta in engine.stream("Tell me a joke.", chat=True):
             print(delta.text, end="")
 
-Each step: admit waiting requests into free slots (one prefill forward for all of them), run one batched
-speculative step over the running ones (clover.runtime.loop.step), hand every request its new text, and retire
-the ones that ended (EOS, stop string, max tokens, full context, cancellation), freeing their slots.
+Each step: admit waiting requests into free slots, run one batched step over the running ones
+(clover.runtime.loop.step: new requests' prompt chunks and the others' speculative steps in one forward), hand
+every request its new text, and retire the ones that ended (EOS, stop string, max tokens, full context,
+cancellation), freeing their slots.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from clover.runtime.backend import Runner, backend_module
 from clover.runtime.generator import (
     DEFAULT_LOOKUP_DRAFTS, GenerationResult, Progress, check_prompt_fits, choose_tree, default_tree, encode_prompt,
 )
-from clover.runtime.loop import Decoding, chain, prefill, step
+from clover.runtime.loop import PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.scheduler import (
@@ -160,11 +161,14 @@ class Engine:
     """Batched, thread-safe generation on one runner (see the module doc). `tree`: "auto" (each step, each
     sequence's tree sized by its measured acceptance and the verify-cost curve, calibrated at start-up), a
     fixed tree for every step (a name or Tree), or None (the artifact's default); `max_batch`: sequences
-    decoded at once; `max_waiting`: queued requests beyond those (more raise QueueFull)."""
+    decoded at once; `max_waiting`: queued requests beyond those (more raise QueueFull); `prefill_chunk`: prompt
+    rows a joining request adds to one step (a long prompt is prefilled over several steps)."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None, drafts: str = "heads",
-                 max_batch: int = 8, max_waiting: int = 256, log=sys.stderr) -> None:
-        self.runner, self.tokenizer, self.drafts = runner, tokenizer, drafts
+                 max_batch: int = 8, max_waiting: int = 256, log=sys.stderr, prefill_chunk: int = PREFILL_CHUNK) -> None:
+        if prefill_chunk < 1:
+            raise CloverError(f"prefill_chunk must be >= 1 prompt rows per step, got {prefill_chunk}")
+        self.runner, self.tokenizer, self.drafts, self.prefill_chunk = runner, tokenizer, drafts, prefill_chunk
         self.scheduler = Scheduler(max_batch, max_waiting)
         if tree == AUTO:
             self.tree = auto_full_tree(runner.info, drafts)
@@ -283,24 +287,23 @@ class Engine:
         for r in list(sched.running):
             if r.cancelled.is_set():
                 self._retire(r, Cancelled("the request was cancelled"))
-        joined = sched.admit()
-        if joined:
-            for r in joined:
-                capacity = min(runner.info.max_context, len(r.prompt) + r.stop.max_new_tokens + self.tree.num_nodes)
-                slot = runner.open_slot(capacity)
-                r.decoding = Decoding(slot, self.tree, r.sampling, np.random.default_rng(r.sampling.seed), self.drafts)
-            for r, st in zip(joined, prefill(runner, [(r.decoding, r.prompt) for r in joined])):
-                self._emit(r, st)
-        batch = [r for r in sched.running if r.decoding is not None and r not in joined]
-        if batch:
-            decodings = [r.decoding for r in batch]
-            steps = step(runner, decodings, self.policy.choose(decodings))
-            self.policy.observe(decodings, steps, steps[0].seconds["verify"])
-            for r, st in zip(batch, steps):
-                self._emit(r, st)
+        for r in sched.admit():  # joins this step: its prompt is prefilled in the same forward as the others' steps
+            capacity = min(runner.info.max_context, len(r.prompt) + r.stop.max_new_tokens + self.tree.num_nodes)
+            r.decoding = Decoding(runner.open_slot(capacity), r.prompt, self.tree, r.sampling,
+                                  np.random.default_rng(r.sampling.seed), self.drafts, self.prefill_chunk)
+        batch = list(sched.running)
+        if not batch:
+            return
+        decodings = [r.decoding for r in batch]
+        steps = step(runner, decodings, self.policy.choose(decodings))
+        self.policy.observe(decodings, steps)
+        for r, st in zip(batch, steps):
+            self._emit(r, st)
 
     def _emit(self, r: Request, st) -> None:
         r.progress.add(st)
+        if not st.tokens:  # a prompt chunk
+            return
         text = r.tracker.add(st.tokens)
         ids = r.tracker.token_ids
         done = r.tracker.finished or r.decoding.full

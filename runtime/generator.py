@@ -129,14 +129,17 @@ class Progress:
         self.timings: dict[str, float] = {}
 
     def add(self, step: Step) -> None:
+        """One step of this sequence: a prompt chunk (no tokens), the prefill's first token, or a verify step."""
+        for k, v in step.seconds.items():
+            self.timings[k] = self.timings.get(k, 0.0) + v
+        if not step.tokens:
+            return
         if self.first_token is None:
             self.first_token = time.perf_counter() - self.start
         else:
             self.accepted.append(len(step.tokens))
             self.drafted += step.tree_nodes - 1
             self.step_seconds.append(step.wall)
-        for k, v in step.seconds.items():
-            self.timings[k] = self.timings.get(k, 0.0) + v
 
     def result(self, tracker: OutputTracker, backend: str, heads: str, tree: str) -> "GenerationResult":
         seconds = time.perf_counter() - self.start

@@ -41,6 +41,7 @@ class Step:
     tokens: list[int]
     tree_nodes: int  # nodes verified (1 for plain steps and the prefill)
     tree: Tree | None = None  # the tree verified (None for the prefill)
+    rows: int = 1  # rows this sequence put in the step's forward (its tree's nodes, or its prompt chunk)
     path: np.ndarray | None = None  # its accepted node ids, root first
     draft_seconds: float = 0.0  # this sequence's share of the draft phase
     # draft / verify / accept / commit (prefill for step 0), and "engine": the part of the step spent in the
@@ -109,83 +110,106 @@ def accept(tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParam
     return accept_sampling(tree, draft.tokens, draft.valid, target, draft_probs, rng)
 
 
+PREFILL_CHUNK = 256  # prompt rows a sequence adds to one forward: a long prompt does not stall the batch for long
+
+
 @dataclass(eq=False)
 class Decoding:
-    """One sequence being decoded: its runner slot, its tree (the deepest it may speculate; `step` picks a
-    smaller one when the sequence is nearly full), sampling, and the token the next step starts from."""
+    """One sequence being decoded: its runner slot, its prompt (prefilled `prefill_chunk` rows per step), its
+    tree (the deepest it may speculate; `step` picks a smaller one when the sequence is nearly full), sampling,
+    and the token the next step starts from."""
 
     slot: Slot
+    prompt: np.ndarray  # [P] int64
     tree: Tree
     sampling: SamplingParams
     rng: np.random.Generator
     drafts: str = "heads"
+    prefill_chunk: int = PREFILL_CHUNK
+    prefilled: int = 0  # prompt tokens in the cache
     root: int = -1  # the last emitted token (the bonus token of the last step)
     lookup: PromptLookup | None = None
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.prompt)
 
     @property
     def full(self) -> bool:
         return self.slot.past + 1 > self.slot.capacity
 
 
-def prefill(runner: Runner, batch: Sequence[tuple[Decoding, np.ndarray]]) -> list[Step]:
-    """Run new sequences' prompts (one forward) and emit each one's first token."""
-    t0 = time.perf_counter()
-    logits = runner.forward_batch([Verify(d.slot, p, np.arange(len(p)), np.tri(len(p), dtype=bool)) for d, p in batch],
-                                  last_only=True)
-    steps = []
-    for (d, prompt), row in zip(batch, logits):
-        first = accept(PLAIN, Draft(prompt[-1:], np.ones(1, bool), None), row, d.sampling, d.rng).bonus_token
-        runner.commit(np.arange(len(prompt)), np.append(prompt[1:], first), slot=d.slot)
-        d.root = first
-        d.lookup = PromptLookup(list(prompt) + [first]) if d.drafts == "lookup" else None
-        steps.append(Step([first], 1))
-    seconds = time.perf_counter() - t0
-    for st in steps:
-        st.seconds["prefill"] = seconds
-    return steps
-
-
 def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None = None) -> list[Step]:
-    """One speculative step of every sequence in `batch`: draft each one's tree, verify all of them in one
-    forward, accept each one's tokens, commit each one's KV. `trees`: this step's tree per sequence (default:
-    each one's own); a sequence too full for its tree steps plain. Returns what each sequence emitted."""
+    """One step of every sequence in `batch`, all verified in one forward. A sequence still prefilling runs
+    its next prompt chunk (and emits its first token after the last one); the others draft their tree, have it
+    verified, accept their tokens and commit their KV. `trees`: this step's tree per sequence (default: each
+    one's own; ignored while prefilling); a sequence too full for its tree steps plain. Returns what each
+    sequence emitted (nothing for a prompt chunk that is not the last)."""
     clock = time.perf_counter
     engine = runner.engine_clock
     t0, e0 = clock(), engine.seconds if engine else 0.0
-    step_trees, drafts, draft_seconds = [], [], []
+    step_trees, drafts, draft_seconds, verify = [], [], [], []
     for i, d in enumerate(batch):                                                                # 1. draft
         td = clock()
+        if d.prefilling:
+            chunk = d.prompt[d.prefilled:d.prefilled + d.prefill_chunk]
+            n = len(chunk)
+            verify.append(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=True))
+            step_trees.append(None)
+            drafts.append(None)
+            draft_seconds.append(0.0)
+            continue
         tree = trees[i] if trees is not None else d.tree
         room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
         if d.lookup is not None:
             proposal = d.lookup.propose(min(tree.max_depth, room))
-            step_trees.append(chain(len(proposal)))
-            drafts.append(lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size))
+            tree = chain(len(proposal))
+            draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
         else:
             tree = tree if tree.num_nodes - 1 <= room else PLAIN
-            step_trees.append(tree)
-            drafts.append(draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot))
+            draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
+        step_trees.append(tree)
+        drafts.append(draft)
         draft_seconds.append(clock() - td)
+        verify.append(Verify(d.slot, draft.tokens, tree.depth, tree.ancestor_mask))
     t1 = clock()
-    logits = runner.forward_batch([Verify(d.slot, dr.tokens, t.depth, t.ancestor_mask)             # 2. verify
-                                   for d, dr, t in zip(batch, drafts, step_trees)])
+    logits = runner.forward_batch(verify)                                                       # 2. verify
     t2 = clock()
-    accepted = [accept(t, dr, lg, d.sampling, d.rng) for d, dr, t, lg in zip(batch, drafts, step_trees, logits)]  # 3. accept
+    accepted = [accept(t, dr, lg, d.sampling, d.rng) if t is not None else None                  # 3. accept
+                for d, dr, t, lg in zip(batch, drafts, step_trees, logits)]
     t3 = clock()
     steps = []
-    for d, dr, t, acc, ds in zip(batch, drafts, step_trees, accepted, draft_seconds):            # 4. commit KV
+    for d, v, dr, t, acc, lg, ds in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds):  # 4. commit
+        if t is None:
+            steps.append(_prefilled(runner, d, v.tokens, lg))
+            continue
         emitted = [int(x) for x in dr.tokens[acc.accepted_nodes]] + [acc.bonus_token]
         runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
         if d.lookup is not None:
             d.lookup.extend(emitted)
         d.root = acc.bonus_token
-        steps.append(Step(emitted, t.num_nodes, tree=t, path=acc.path, draft_seconds=ds))
+        steps.append(Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=ds))
     seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
     if engine:
         seconds["engine"] = engine.seconds - e0
     for st in steps:
-        st.seconds = dict(seconds)  # the batch's step: every sequence waited for all of it
+        # the batch's step: every sequence waited for all of it; a prompt chunk's step is prefill time
+        st.seconds = dict(seconds) if st.tree is not None else {"prefill": sum(seconds.values()) - seconds.get("engine", 0.0)}
     return steps
+
+
+def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarray) -> Step:
+    """Commit a prompt chunk; after the last one, emit the first token (from the last prompt row's logits)."""
+    start, n = d.prefilled, len(chunk)
+    d.prefilled += n
+    if d.prefilling:
+        runner.commit(np.arange(n), d.prompt[start + 1:start + n + 1], slot=d.slot)
+        return Step([], 0, rows=n)
+    first = accept(PLAIN, Draft(chunk[-1:], np.ones(1, bool), None), logits, d.sampling, d.rng).bonus_token
+    runner.commit(np.arange(n), np.append(d.prompt[start + 1:], first), slot=d.slot)
+    d.root = first
+    d.lookup = PromptLookup(list(d.prompt) + [first]) if d.drafts == "lookup" else None
+    return Step([first], 1, rows=n)
 
 
 def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: SamplingParams,
@@ -194,7 +218,8 @@ def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: 
     caller stops iterating when done. drafts: "heads" (the runner's draft heads fill `tree`) or "lookup"
     (prompt lookup; `tree` is a chain whose depth caps the drafts per step)."""
     runner.reset(capacity)
-    d = Decoding(runner.solo, tree, sampling, rng, drafts)
-    yield from prefill(runner, [(d, prompt)])
+    d = Decoding(runner.solo, np.asarray(prompt, dtype=np.int64), tree, sampling, rng, drafts)
     while not d.full:
-        yield from step(runner, [d])
+        for st in step(runner, [d]):
+            if st.tokens:
+                yield st

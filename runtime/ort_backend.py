@@ -321,15 +321,15 @@ class OrtRunner(Runner):
                           **present})
         return seq.last["logits"][0].astype(np.float32, copy=False)
 
-    def _forward_batch(self, batch, last_only):
+    def _forward_batch(self, batch):
         """Sequences in the batched graph's slots run in one call; the rest (or a lone one) on the base graph."""
         packed = sorted((v for v in batch if v.slot.index < self.batch_slots), key=lambda v: v.slot.index)
         if self.batch is None or len(packed) < 2:
-            return super()._forward_batch(batch, last_only)
-        out = dict(zip((id(v) for v in packed), self._forward_packed(packed, last_only)))
-        return [out[id(v)] if id(v) in out else self._forward(v.slot, v.tokens, v.depths, v.mask, last_only) for v in batch]
+            return super()._forward_batch(batch)
+        out = dict(zip((id(v) for v in packed), self._forward_packed(packed)))
+        return [out[id(v)] if id(v) in out else self._forward(v.slot, v.tokens, v.depths, v.mask, v.last_only) for v in batch]
 
-    def _forward_packed(self, packed, last_only):
+    def _forward_packed(self, packed):
         g, N = self.batch, self.batch_slots
         counts, pasts = np.zeros(N, np.int64), np.zeros(N, np.int64)
         by_slot = {v.slot.index: v for v in packed}
@@ -349,7 +349,8 @@ class OrtRunner(Runner):
         for v, end in zip(packed, ends):
             T = len(v.tokens)
             mask[0, end - T:end, end - T:end] = v.mask
-        rows = ends - 1 if last_only else np.arange(R, dtype=np.int64)
+        # logit rows: a prompt's last row, every row of a tree
+        rows = np.concatenate([[end - 1] if v.last_only else np.arange(end - len(v.tokens), end) for v, end in zip(packed, ends)])
         g.bind("input_ids", np.concatenate([v.tokens for v in packed]).astype(np.int64)[None])
         g.bind("position_ids", np.concatenate([v.slot.past + v.depths.astype(np.int64) for v in packed])[None])
         g.bind("tree_mask", mask)
@@ -358,11 +359,12 @@ class OrtRunner(Runner):
         g.bind("logit_rows", np.asarray(rows, dtype=np.int64))
         out = g.run({"logits": (1, len(rows), self.vocab_size), "hidden_states": (1, R, self.hidden_size)})
         logits = out["logits"][0].astype(np.float32, copy=False)  # [rows, V]
-        results = []
-        for k, (v, end) in enumerate(zip(packed, ends)):
-            T = len(v.tokens)
+        results, at = [], 0
+        for v, end in zip(packed, ends):
+            T, n = len(v.tokens), 1 if v.last_only else len(v.tokens)
             v.slot.state.last = {"hidden_states": out["hidden_states"][:, end - T:end]}  # [1, T, H]
-            results.append(logits[k:k + 1] if last_only else logits[end - T:end])
+            results.append(logits[at:at + n])
+            at += n
         return results
 
     def _commit(self, slot, path, next_tokens):

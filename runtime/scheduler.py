@@ -194,7 +194,7 @@ class FixedTrees:
     def choose(self, batch: Sequence[Decoding]) -> list[Tree]:
         return [d.tree for d in batch]
 
-    def observe(self, batch: Sequence[Decoding], steps: Sequence[Step], verify_seconds: float) -> None:
+    def observe(self, batch: Sequence[Decoding], steps: Sequence[Step]) -> None:
         pass
 
     def forget(self, d: Decoding) -> None:
@@ -241,14 +241,20 @@ class AutoTrees:
 
     def choose(self, batch: Sequence[Decoding]) -> list[Tree]:
         B = len(batch)
-        tokens = np.stack([self.expected_tokens(self._acceptance(d).q(self.engine)) for d in batch])  # [B, levels]
-        nodes = np.array([t.num_nodes for t in self.levels])
+        decoding = [i for i, d in enumerate(batch) if not d.prefilling]
+        prompt_rows = sum(min(d.prefill_chunk, len(d.prompt) - d.prefilled) for d in batch if d.prefilling)
         level = np.zeros(B, dtype=np.int64)
-        rows, drafted, emitted = B, 0.0, float(B)
+        if not decoding:
+            return [self.levels[0]] * B
+        tokens = np.zeros((B, len(self.levels)))
+        for i in decoding:
+            tokens[i] = self.expected_tokens(self._acceptance(batch[i]).q(self.engine))  # [levels]
+        nodes = np.array([t.num_nodes for t in self.levels])
+        rows, drafted, emitted = prompt_rows + len(decoding), 0.0, float(len(decoding))
         rate = emitted / (self.cost(rows, B) + drafted)
         while True:  # greedy: the one change (a sequence to a deeper level) that raises the rate most
             best = None
-            for i in range(B):
+            for i in decoding:
                 for lv in range(level[i] + 1, len(self.levels)):
                     r = rows + nodes[lv] - nodes[level[i]]
                     dr = drafted + self.draft_ms[lv] - self.draft_ms[level[i]]
@@ -260,7 +266,8 @@ class AutoTrees:
             rate, i, lv, rows, drafted = best
             emitted += tokens[i, lv] - tokens[i, level[i]]
             level[i] = lv
-        for i, d in enumerate(batch):
+        for i in decoding:
+            d = batch[i]
             n = self.steps[id(d)] = self.steps.get(id(d), 0) + 1
             if n % self.explore == 0 and level[i] + 1 < len(self.levels):
                 level[i] += 1
@@ -272,10 +279,12 @@ class AutoTrees:
             a = self.mine[id(d)] = RankAcceptance(self.engine.hits.shape[0] - 1, self.engine.hits.shape[1])
         return a
 
-    def observe(self, batch: Sequence[Decoding], steps: Sequence[Step], verify_seconds: float) -> None:
-        rows = 0
+    def observe(self, batch: Sequence[Decoding], steps: Sequence[Step]) -> None:
+        rows = sum(st.rows for st in steps)
+        verify = next((st.seconds["verify"] for st in steps if "verify" in st.seconds), None)
+        if verify is not None:
+            self.cost.observe(rows, len(batch), verify * 1e3)
         for d, st in zip(batch, steps):
-            rows += st.tree_nodes
             if st.tree is None or st.tree.max_depth == 0:
                 continue
             self.engine.observe(st.tree, st.path)
@@ -285,7 +294,6 @@ class AutoTrees:
             ms = st.draft_seconds * 1e3
             self.draft_ms[lv] = ms if seen == 0 else 0.9 * self.draft_ms[lv] + 0.1 * ms
             self._draft_seen[lv] += 1
-        self.cost.observe(rows, len(batch), verify_seconds * 1e3)
 
     def forget(self, d: Decoding) -> None:
         self.mine.pop(id(d), None)

@@ -92,6 +92,20 @@ def test_fused_batched_graph_engine_equals_solo_plain(tmp_path_factory, weights)
     assert calls and max(calls) > 8, "the batched graph never ran several sequences at once"
 
 
+@pytest.mark.parametrize("attention,weights", [("portable", None), ("fused", None), ("fused", "int4")])
+def test_chunked_prefill_equals_solo_plain(tmp_path_factory, attention, weights):
+    """Prompts prefilled 5 rows per step, beside other sequences' decoding steps, give the same tokens as one
+    solo prefill: each row's logits do not depend on how the prompt was split."""
+    root = tmp_path_factory.getbasetemp()
+    path = tiny_artifact(root, "clover2", tree="chain-3" if weights else None, weights=weights, attention=attention)
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    want = solo_plain(load_runner(path, heads="none"), tok)
+    with Engine(load_runner(path, batch=True), tok, "chain-2", max_batch=4, log=None, prefill_chunk=5) as engine:
+        got = run_concurrently(engine, 6)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same_tokens(g, w, f"{attention} {weights} chunked prefill prompt {i}")
+
+
 def test_torch_engine_equals_solo_plain(tmp_path):
     base, heads = tiny_modules("clover2")
     from helpers import tiny_tokenizer_dir
