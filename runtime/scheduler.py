@@ -164,6 +164,7 @@ class RankAcceptance:
     def __init__(self, depth: int, ranks: int, prior_q: float = 0.3, prior: float = 8.0) -> None:
         self.hits = np.zeros((depth + 1, ranks))
         self.trials = np.zeros((depth + 1, ranks))
+        self.version = 0  # bumped by every observation
         self.prior_q, self.prior = prior_q, prior
 
     def q(self, base: "RankAcceptance | None" = None) -> np.ndarray:
@@ -173,6 +174,7 @@ class RankAcceptance:
 
     def observe(self, tree: Tree, path: np.ndarray) -> None:
         """One verified tree and its accepted path (root first)."""
+        self.version += 1
         for d in range(1, tree.max_depth + 1):
             if d - 1 >= len(path):
                 break
@@ -201,13 +203,18 @@ class FixedTrees:
         pass
 
 
+EXPLORE_WITHIN = 0.85  # a sequence explores a deeper level only where the predicted rate keeps this share
+
+
 class AutoTrees:
     """--tree auto: each step, every sequence's tree, from plain up to `full` pruned by depth, chosen to
     maximise the tokens the whole batch emits per second: expected tokens from acceptance measured online
     (per depth and rank; each sequence's own, shrunk toward the engine's), cost from the verify-cost curve
     plus each level's measured drafting time. Plain is always a candidate and a deeper level is taken only
-    when it raises the predicted rate, so speculation does not cost throughput. Every `explore`-th step a
-    sequence tries one level deeper than chosen, so acceptance stays measured for levels not in use."""
+    when it raises the predicted rate, so speculation does not cost throughput. Every `explore`-th step one
+    sequence (in turn) tries one level deeper than chosen if that is predicted to keep at least EXPLORE_WITHIN
+    of the rate, so acceptance stays measured near the break-even point at a bounded cost. Unmeasured drafting
+    costs start at a tenth of a 1-row verify per drafted depth."""
 
     name = "auto"
 
@@ -217,7 +224,8 @@ class AutoTrees:
         ranks = max(full.max_children, 1)
         self.engine = RankAcceptance(full.max_depth, ranks)
         self.mine: dict[int, RankAcceptance] = {}
-        self.steps: dict[int, int] = {}
+        self._cache: dict[int, tuple[tuple[int, int], np.ndarray]] = {}
+        self.clock = 0
         # per level: [n, depth] rank paths of its nodes (root excluded), -1 padded: expected tokens are
         # 1 + sum over nodes of the product of q[d, rank at depth d] along the node's path
         self._paths = []
@@ -226,7 +234,8 @@ class AutoTrees:
             for i, c in enumerate(t.choices):
                 paths[i, :len(c)] = c
             self._paths.append(paths)
-        self.draft_ms = np.zeros(len(self.levels))  # measured drafting time per sequence, by level
+        one_row = cost.curve(1)
+        self.draft_ms = np.array([0.1 * one_row * lv for lv in range(len(self.levels))])  # per sequence, by level
         self._draft_seen = np.zeros(len(self.levels))
 
     def expected_tokens(self, q: np.ndarray) -> np.ndarray:
@@ -248,12 +257,12 @@ class AutoTrees:
             return [self.levels[0]] * B
         tokens = np.zeros((B, len(self.levels)))
         for i in decoding:
-            tokens[i] = self.expected_tokens(self._acceptance(batch[i]).q(self.engine))  # [levels]
+            tokens[i] = self._expected(batch[i])  # [levels]
         nodes = np.array([t.num_nodes for t in self.levels])
         rows, drafted, emitted = prompt_rows + len(decoding), 0.0, float(len(decoding))
         rate = emitted / (self.cost(rows, B) + drafted)
         while True:  # greedy: the one change (a sequence to a deeper level) that raises the rate most
-            best = None
+            best, near = None, None
             for i in decoding:
                 for lv in range(level[i] + 1, len(self.levels)):
                     r = rows + nodes[lv] - nodes[level[i]]
@@ -266,12 +275,26 @@ class AutoTrees:
             rate, i, lv, rows, drafted = best
             emitted += tokens[i, lv] - tokens[i, level[i]]
             level[i] = lv
-        for i in decoding:
-            d = batch[i]
-            n = self.steps[id(d)] = self.steps.get(id(d), 0) + 1
-            if n % self.explore == 0 and level[i] + 1 < len(self.levels):
-                level[i] += 1
+        # exploration: every `explore` steps one sequence (in turn) tries one level deeper, where that is
+        # predicted to keep most of the rate
+        self.clock += 1
+        if self.clock % self.explore == 0:
+            i = decoding[(self.clock // self.explore) % len(decoding)]
+            lv = level[i] + 1
+            if lv < len(self.levels):
+                r, dr = rows + nodes[lv] - nodes[level[i]], drafted + self.draft_ms[lv] - self.draft_ms[level[i]]
+                if (emitted + tokens[i, lv] - tokens[i, level[i]]) / (self.cost(r, B) + dr) >= EXPLORE_WITHIN * rate:
+                    level[i] = lv
         return [self.levels[lv] for lv in level]
+
+    def _expected(self, d: Decoding) -> np.ndarray:
+        """Expected tokens per level for `d`, recomputed only after its or the engine's counts changed."""
+        mine = self._acceptance(d)
+        key = (mine.version, self.engine.version)
+        hit = self._cache.get(id(d))
+        if hit is None or hit[0] != key:
+            hit = self._cache[id(d)] = (key, self.expected_tokens(mine.q(self.engine)))
+        return hit[1]
 
     def _acceptance(self, d: Decoding) -> RankAcceptance:
         a = self.mine.get(id(d))
@@ -297,4 +320,4 @@ class AutoTrees:
 
     def forget(self, d: Decoding) -> None:
         self.mine.pop(id(d), None)
-        self.steps.pop(id(d), None)
+        self._cache.pop(id(d), None)

@@ -1,8 +1,9 @@
 """clover-bench --concurrency 1,2,4,8,16: throughput and latency of clover.Engine under N closed-loop streams.
 
 For each concurrency N and each mode (plain, each --tree, auto), N caller threads submit the prompts one after
-another (each prompt once), so N requests are always in flight until the prompts run out. Concurrencies run in
-the outer loop and modes inside it, so every mode meets the same machine state (these machines are shared).
+another (each prompt once), so N requests are in flight until the prompts run out. The prompts are split in
+rounds of at least 2N, and every mode runs each round in turn (order rotated), so slow drifts of these shared
+machines hit every mode alike.
 Reported per (N, mode): aggregate output tokens/s, per-request tokens/s, time to first token and inter-token
 latency (p50, p95), mean acceptance length (tokens per verify step, bonus included), and whether every request's
 greedy tokens equal its own solo plain decoding (Generator, plain tree, same graphs).
@@ -76,6 +77,17 @@ def closed_loop(engine, prompts: list[str], concurrency: int, max_new_tokens: in
     return results, time.perf_counter() - t0, gaps
 
 
+def rounds(num_prompts: int, concurrency: int) -> list[list[int]]:
+    """Prompt indices split into rounds of at least 2 x concurrency prompts (every mode runs each round in
+    turn, so slow drifts of a shared machine hit all modes alike; the last round takes the remainder)."""
+    size = max(2 * concurrency, 4)
+    chunks = [list(range(i, min(i + size, num_prompts))) for i in range(0, num_prompts, size)]
+    if len(chunks) > 1 and len(chunks[-1]) < size:
+        tail = chunks.pop()
+        chunks[-1] += tail
+    return chunks
+
+
 def summarize(mode: str, concurrency: int, results: list, seconds: float, gaps: list[float],
               reference: list[list[int]]) -> dict[str, Any]:
     new = sum(r.new_tokens for r in results)
@@ -145,12 +157,23 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
         engines[mode].generate(prompts[0], max_new_tokens=4, chat=chat)  # warm-up off the clock
     rows = []
     try:
-        with tqdm(total=len(levels) * len(modes), desc="concurrency", unit="run", dynamic_ncols=True) as bar:
-            for n in levels:
+        plan = [(n, rounds(len(prompts), n)) for n in levels]
+        with tqdm(total=sum(len(r) for _, r in plan) * len(modes), desc="concurrency", unit="run",
+                  dynamic_ncols=True) as bar:
+            for n, chunks in plan:
+                got = {m: ([None] * len(prompts), 0.0, []) for m in modes}
+                for k, chunk in enumerate(chunks):  # modes interleaved per round, their order rotated
+                    for mode in modes[k % len(modes):] + modes[:k % len(modes)]:
+                        results, seconds, gaps = closed_loop(engines[mode], [prompts[i] for i in chunk], n,
+                                                             args.max_new_tokens, chat)
+                        out, total, all_gaps = got[mode]
+                        for i, r in zip(chunk, results):
+                            out[i] = r
+                        got[mode] = (out, total + seconds, all_gaps + gaps)
+                        bar.update()
                 for mode in modes:
-                    results, seconds, gaps = closed_loop(engines[mode], prompts, n, args.max_new_tokens, chat)
-                    rows.append(summarize(mode, n, results, seconds, gaps, reference))
-                    bar.update()
+                    out, total, gaps = got[mode]
+                    rows.append(summarize(mode, n, out, total, gaps, reference))
     finally:
         for e in engines.values():
             e.close()

@@ -56,7 +56,7 @@ def run_concurrently(engine: Engine, concurrency: int) -> list[list[int]]:
 def test_ort_engine_equals_solo_plain_at_any_concurrency(artifacts, arch):
     tok = Tokenizer.from_dir(artifacts[arch] / "tokenizer")
     want = solo_plain(load_runner(artifacts[arch], heads="none"), tok)
-    trees = ("plain", "chain-2", "small") if arch == "clover2" else ("plain", "chain-2")
+    trees = ("plain", "chain-2", "small", "auto") if arch == "clover2" else ("plain", "chain-2", "auto")
     for tree in trees:
         with Engine(load_runner(artifacts[arch]), tok, tree, max_batch=4, log=None) as engine:
             for concurrency in (1, 4, 16):
@@ -79,7 +79,7 @@ def test_fused_batched_graph_engine_equals_solo_plain(tmp_path_factory, weights)
     calls = []
     run = runner.batch.run
     runner.batch.run = lambda shapes: calls.append(shapes["hidden_states"][1]) or run(shapes)  # rows per call
-    for tree in ("plain", "chain-3") if weights else ("plain", "small", "mc26"):
+    for tree in ("plain", "chain-3", "auto") if weights else ("plain", "small", "mc26", "auto"):
         with Engine(runner, tok, tree, max_batch=8, log=None) as engine:
             for concurrency in (1, 4, 16):
                 got = run_concurrently(engine, concurrency)
@@ -195,3 +195,13 @@ def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(artifacts):
         for s in streams:
             s.wait()
         assert engine.generate(PROMPTS[0], max_new_tokens=3, ignore_eos=True).new_tokens == 3
+
+
+def test_lookup_drafts_with_auto_trees(artifacts):
+    tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
+    want = solo_plain(load_runner(artifacts["clover2"], heads="none"), tok)
+    with Engine(load_runner(artifacts["clover2"], heads="none"), tok, "auto", drafts="lookup", max_batch=4,
+                log=None) as engine:
+        got = run_concurrently(engine, 4)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert_same_tokens(g, w, f"lookup auto prompt {i}")

@@ -84,3 +84,33 @@ def test_bench_errors(base, tmp_path, capsys):
     assert "no 'prompt' string" in capsys.readouterr().err
     assert bench_main(["--base", str(base), "--heads", "nope-heads", "--prompts", "mtbench", "--num-prompts", "1"]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_concurrency_table_json_and_plot(tmp_path_factory, tmp_path, capsys):
+    """clover-bench --concurrency: every (concurrency, mode) row, identity with solo plain decoding, the plot."""
+    from ort_helpers import tiny_artifact
+
+    art = tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", attention="fused")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"w{10 + i} w{20 + i} w30 w{40 + i}"}) for i in range(6)) + "\n")
+    out = tmp_path / "c.json"
+    rc = bench_main(["--artifact", str(art), "--backend", "ort", "--concurrency", "1,3", "--tree", "chain-2",
+                     "--prompts", str(prompts), "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    table = capsys.readouterr().out
+    assert "ttft p50" in table and "itl p95" in table and "auto" in table
+    doc = json.loads(out.read_text())
+    rows = [(r["concurrency"], r["mode"]) for r in doc["results"]]
+    assert rows == [(1, "plain"), (1, "chain-2"), (1, "auto"), (3, "plain"), (3, "chain-2"), (3, "auto")]
+    for r in doc["results"]:
+        assert r["identical_to_solo_plain"] == "6/6" and r["tokens_per_second"] > 0
+        assert r["ttft_p95_ms"] >= r["ttft_p50_ms"] > 0 and r["itl_p95_ms"] >= r["itl_p50_ms"] >= 0
+    assert doc["results"][1]["acceptance_length"] > 1.0  # chain-2 accepted some drafts
+    assert out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_concurrency_bad_levels_exit_nonzero(tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w10"}) + "\n")
+    rc = bench_main(["--backend", "ort", "--concurrency", "1,x", "--prompts", str(prompts), "--no-chat"])
+    assert rc != 0 and "--concurrency" in capsys.readouterr().err
