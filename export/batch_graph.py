@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from clover.errors import CloverError
-from clover.export.fused_graph import MS, AttentionRows, attention_rows
+from clover.export.fused_graph import MS, AttentionRows, GraphWriter, attention_rows
 from clover.runtime.artifact import GraphSpec
 
 BATCH_GRAPH = "base_batch"  # manifest key and file stem
@@ -78,18 +78,8 @@ def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
         raise CloverError("the batched graph is made from a fused base (--attention fused); this base has no "
                           "GroupQueryAttention node")
     trees = bool(gqa[0].input[10]) if len(gqa[0].input) > 10 else False
-    nodes: list = []
-    inits: list = []
-
-    def init(name: str, array: np.ndarray) -> str:
-        inits.append(numpy_helper.from_array(np.require(array, requirements="C"), name))
-        return name
-
-    def node(op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "", name: str = "", **attrs) -> list[str]:
-        name = name or f"{op}_{len(nodes)}"
-        outs = [f"{name}/out{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
-        nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain, **attrs))
-        return outs
+    w = GraphWriter()
+    nodes, inits, init, node = w.nodes, w.inits, w.init, w.node
 
     per_slot = slot_attention_rows(node, init, slots, trees)
     producer = {o: n for n in g.node for o in n.output}

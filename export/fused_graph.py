@@ -49,6 +49,29 @@ OPSET = 23  # RMSNormalization
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy()
 
+class GraphWriter:
+    """Collects ONNX nodes and initializers: `node` returns its output names (named after the node)."""
+
+    def __init__(self) -> None:
+        self.nodes: list = []
+        self.inits: list = []
+
+    def init(self, name: str, array: np.ndarray) -> str:
+        from onnx import numpy_helper
+
+        self.inits.append(numpy_helper.from_array(np.require(array, requirements="C"), name))  # keeps 0-d scalars 0-d
+        return name
+
+    def node(self, op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "", name: str = "",
+             **attrs) -> list[str]:
+        from onnx import helper
+
+        name = name or f"{op}_{len(self.nodes)}"
+        outs = [f"{name}/out{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
+        self.nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain, **attrs))
+        return outs
+
+
 GQA_ATTRIBUTES = dict(do_rotary=1, rotary_interleaved=0, local_window_size=-1)
 
 
@@ -131,23 +154,13 @@ def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
     trees=False: chains only (tree_mask and position_ids are then unused: a chain's positions are its
     slots, which GroupQueryAttention derives itself, and causal attention is its mask)."""
     import onnx
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto, helper
 
     check_fusable(base)
     cfg = base.config
     H, Hq, Hkv, D, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
-    nodes: list = []
-    inits: list = []
-
-    def init(name: str, array: np.ndarray) -> str:
-        inits.append(numpy_helper.from_array(np.require(array, requirements="C"), name))  # keeps 0-d scalars 0-d
-        return name
-
-    def node(op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "", name: str = "", **attrs) -> list[str]:
-        name = name or f"{op}_{len(nodes)}"
-        outs = [f"{name}/out{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
-        nodes.append(helper.make_node(op, inputs, outs, name=name, domain=domain, **attrs))
-        return outs
+    w = GraphWriter()
+    nodes, inits, init, node = w.nodes, w.inits, w.init, w.node
 
     def linear(x: str, layer: torch.nn.Linear, name: str) -> str:
         # MatMul with the weight as [in, out]: the form MatMulNBitsQuantizer takes (quant axis 0).

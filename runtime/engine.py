@@ -190,10 +190,11 @@ class Engine:
 
     @classmethod
     def load(cls, base_or_artifact: str | Path, heads: str | None = None, backend: str = "ort",
-             tree: str | None = None, max_batch: int = 8, threads: int | None = None, max_waiting: int = 256,
+             tree: str | None = AUTO, max_batch: int = 8, threads: int | None = None, max_waiting: int = 256,
              log=sys.stderr) -> "Engine":
         """Mirrors Generator.load: `base_or_artifact` is an artifact folder (ort, trt) or an HF folder /
-        'smollm2' (torch); heads "lookup": prompt-lookup drafts on the base alone."""
+        'smollm2' (torch); heads "lookup": prompt-lookup drafts on the base alone; tree "auto" (default), a
+        tree for every step, or None (the artifact's default)."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise CloverError(f"max_batch must be an int >= 1 (sequences decoded at once), got {max_batch!r}")
         module = backend_module(backend)

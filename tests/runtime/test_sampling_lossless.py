@@ -35,7 +35,7 @@ from scipy import stats
 import clover.runtime.acceptance as acceptance
 from clover.models.decoder import causal_mask
 from clover.models.head_io import random_heads
-from clover.runtime.loop import speculative_steps
+from clover.runtime.loop import Decoding, speculative_steps, step
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_token
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
@@ -284,3 +284,41 @@ def test_broken_verifier_is_detected(base, base_logits, monkeypatch):
     c12, _ = counts_of(tokens)
     p = chi2_pvalue(c12, joint)
     assert p < ALPHA, f"a verifier without the residual update went undetected: p = {p:.2e}"
+
+
+def batched_first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n: int, seed: int, batch: int = 8):
+    """first_tokens, but `batch` generations at a time share every step (clover.runtime.loop.step, one slot
+    each, as clover.Engine runs them); returns (tokens [n, 3], per-step emitted counts)."""
+    prompt = np.array(PROMPT, dtype=np.int64)
+    capacity = len(PROMPT) + NUM_TOKENS + tree.num_nodes
+    tokens = np.zeros((n, NUM_TOKENS), dtype=np.int64)
+    children = np.random.SeedSequence(seed).spawn(n)
+    lengths = []
+    for start in range(0, n, batch):
+        group = range(start, min(start + batch, n))
+        ds = [Decoding(runner.open_slot(capacity), prompt, tree, sampling, np.random.default_rng(children[i]))
+              for i in group]
+        outs: list[list[int]] = [[] for _ in ds]
+        while any(len(o) < NUM_TOKENS for o in outs):
+            live = [k for k, o in enumerate(outs) if len(o) < NUM_TOKENS]
+            for k, st in zip(live, step(runner, [ds[k] for k in live])):
+                if st.tokens and outs[k]:  # a speculative step (the prefill's first token is not one)
+                    lengths.append(len(st.tokens))
+                outs[k] += st.tokens
+        for i, d, o in zip(group, ds, outs):
+            tokens[i] = o[:NUM_TOKENS]
+            runner.release(d.slot)
+    return tokens, np.array(lengths)
+
+
+def test_batched_steps_sample_the_base_law(base, base_logits):
+    """Generations sharing steps in batches of 8 (each with its own generator) keep the base's law."""
+    sampling = sampling_params(1.0)
+    runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
+    tokens, lengths = batched_first_tokens(runner, resolve_tree("mc26"), sampling, N, MASTER_SEED + 2)
+    joint, marginal, _ = exact_laws(base_logits, sampling)
+    c12, c3 = counts_of(tokens)
+    assert np.mean(lengths > 1) > 0.5 and np.mean(lengths == 1) > 0.1, np.bincount(lengths)
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's in batched steps: p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the base's in batched steps: p = {p3:.2e}"
