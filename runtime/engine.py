@@ -173,7 +173,8 @@ class Engine:
         if tree == AUTO:
             self.tree = auto_full_tree(runner.info, drafts)
             t0 = time.perf_counter()
-            cost = calibrate(runner, max_batch * self.tree.num_nodes)
+            # up to a full batch of full trees plus a prompt chunk: the rows a step may run
+            cost = calibrate(runner, max(1, min(runner.info.max_context - 40, max_batch * self.tree.num_nodes + prefill_chunk)))
             self.policy: AutoTrees | FixedTrees = AutoTrees(self.tree, cost)
             if log is not None:
                 print(f"tree auto: plain up to {self.tree.name}; verify cost calibrated in {time.perf_counter() - t0:.1f} s: "

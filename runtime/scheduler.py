@@ -125,8 +125,8 @@ def prune(tree: Tree, depth: int) -> Tree:
 
 class VerifyCost:
     """Milliseconds of one verify forward by the new rows it runs: a curve measured at start-up for this
-    backend and machine (`points`: rows -> ms, one sequence), interpolated linearly (and extrapolated from the
-    last two points), times a correction per batch size learned from the steps the engine runs (a batch of B
+    backend and machine (`points`: rows -> ms, one sequence), interpolated linearly (and extrapolated with the
+    slope of its upper half), times a correction per batch size learned from the steps the engine runs (a batch of B
     sequences also runs B attention blocks, and the machine's speed drifts)."""
 
     def __init__(self, points: dict[int, float]) -> None:
@@ -140,8 +140,10 @@ class VerifyCost:
         r, m = self.rows, self.ms
         if len(r) == 1:
             return float(m[0] * rows / r[0])
-        if rows > r[-1]:
-            return float(m[-1] + (m[-1] - m[-2]) / (r[-1] - r[-2]) * (rows - r[-1]))
+        if rows > r[-1]:  # beyond the last point: the slope fitted over the upper half (one noisy point can't tilt it)
+            upper = r >= r[-1] / 2
+            slope = np.polyfit(r[upper], m[upper], 1)[0] if upper.sum() >= 2 else (m[-1] - m[-2]) / (r[-1] - r[-2])
+            return float(m[-1] + max(slope, 0.0) * (rows - r[-1]))
         return float(np.interp(rows, r, m))
 
     def __call__(self, rows: int, sequences: int) -> float:
@@ -250,8 +252,9 @@ class AutoTrees:
 
     def choose(self, batch: Sequence[Decoding]) -> list[Tree]:
         B = len(batch)
+        # Sequences still prefilling step plain, and their prompt rows are left out of the choice: a step made
+        # long by a prompt would make any drafting look cheap beside it, for that one step.
         decoding = [i for i, d in enumerate(batch) if not d.prefilling]
-        prompt_rows = sum(min(d.prefill_chunk, len(d.prompt) - d.prefilled) for d in batch if d.prefilling)
         level = np.zeros(B, dtype=np.int64)
         if not decoding:
             return [self.levels[0]] * B
@@ -259,15 +262,17 @@ class AutoTrees:
         for i in decoding:
             tokens[i] = self._expected(batch[i])  # [levels]
         nodes = np.array([t.num_nodes for t in self.levels])
-        rows, drafted, emitted = prompt_rows + len(decoding), 0.0, float(len(decoding))
-        rate = emitted / (self.cost(rows, B) + drafted)
+        draft_ms = np.maximum.accumulate(self.draft_ms)  # a deeper tree drafts at least as long as a shallower one
+        n = len(decoding)  # the cost curve's batch: the sequences decoding
+        rows, drafted, emitted = n, 0.0, float(n)
+        rate = emitted / (self.cost(rows, n) + drafted)
         while True:  # greedy: the one change (a sequence to a deeper level) that raises the rate most
-            best, near = None, None
+            best = None
             for i in decoding:
                 for lv in range(level[i] + 1, len(self.levels)):
                     r = rows + nodes[lv] - nodes[level[i]]
-                    dr = drafted + self.draft_ms[lv] - self.draft_ms[level[i]]
-                    new = (emitted + tokens[i, lv] - tokens[i, level[i]]) / (self.cost(r, B) + dr)
+                    dr = drafted + draft_ms[lv] - draft_ms[level[i]]
+                    new = (emitted + tokens[i, lv] - tokens[i, level[i]]) / (self.cost(r, n) + dr)
                     if new > rate * 1.001 and (best is None or new > best[0]):
                         best = (new, i, lv, r, dr)
             if best is None:
@@ -282,8 +287,8 @@ class AutoTrees:
             i = decoding[(self.clock // self.explore) % len(decoding)]
             lv = level[i] + 1
             if lv < len(self.levels):
-                r, dr = rows + nodes[lv] - nodes[level[i]], drafted + self.draft_ms[lv] - self.draft_ms[level[i]]
-                if (emitted + tokens[i, lv] - tokens[i, level[i]]) / (self.cost(r, B) + dr) >= EXPLORE_WITHIN * rate:
+                r, dr = rows + nodes[lv] - nodes[level[i]], drafted + draft_ms[lv] - draft_ms[level[i]]
+                if (emitted + tokens[i, lv] - tokens[i, level[i]]) / (self.cost(r, n) + dr) >= EXPLORE_WITHIN * rate:
                     level[i] = lv
         return [self.levels[lv] for lv in level]
 

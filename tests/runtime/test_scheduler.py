@@ -96,3 +96,16 @@ def test_scheduler_rejects_bad_sizes():
         Scheduler(0, 4)
     with pytest.raises(CloverError, match="max_waiting"):
         Scheduler(2, -1)
+
+
+def test_a_prompt_in_the_step_does_not_sway_the_choice():
+    """A long prompt chunk in the same forward would make drafting look cheap beside it: the policy decides
+    as if the decoding sequences stepped alone (the prefilling one steps plain)."""
+    rows_cost = VerifyCost({1: 10.0, 2: 14.0, 8: 40.0, 512: 600.0})
+    policy = AutoTrees(resolve_tree("chain-4"), rows_cost, explore=10**9)
+    with_acceptance(policy, 0.4)
+    alone = [t.max_depth for t in policy.choose(decodings(3))]
+    prompt = Decoding.__new__(Decoding)
+    prompt.prompt, prompt.prefilled, prompt.prefill_chunk = np.zeros(400, np.int64), 0, 256
+    mixed = [t.max_depth for t in policy.choose(decodings(3) + [prompt])]
+    assert mixed == alone + [0] and alone == [0, 0, 0]
