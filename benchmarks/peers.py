@@ -414,13 +414,10 @@ def file_bytes(paths: Sequence[Path]) -> int:
 
 
 def artifact_base_weight_files(artifact: Path) -> list[Path]:
-    """The files of the base graph and of the LM head it runs (lm_head.onnx where the artifact shares one),
-    from the manifest (never from file names)."""
-    from clover.runtime.artifact import read_manifest
+    """The files of the base graph and of the LM head it runs (clover.runtime.artifact.base_weight_files)."""
+    from clover.runtime.artifact import base_weight_files, read_manifest
 
-    graphs = read_manifest(artifact).graphs
-    return [artifact / f for name in ("base", "lm_head") if name in graphs
-            for f in (graphs[name].file, *graphs[name].external_data)]
+    return base_weight_files(artifact, read_manifest(artifact))
 
 
 def export_flags(precision: str) -> list[str]:

@@ -28,7 +28,6 @@ from onnx import TensorProto, helper
 
 from clover.errors import CloverError
 from clover.export.fused_graph import MS, AttentionRows, GraphWriter, attention_rows
-from clover.runtime.artifact import GraphSpec
 
 BATCH_GRAPH = "base_batch"  # manifest key and file stem
 ROW_COUNTS = "row_counts"  # new rows of each sequence slot in this step (0: not in it)
@@ -61,9 +60,8 @@ def slot_attention_rows(node, init, slots: int, trees: bool) -> list[AttentionRo
                       name=f"mask_hi{b}")[0]
             mask = node("Slice", [node("Slice", ["tree_mask", lo, hi, "axis1"], name=f"mask_rows{b}")[0], lo, hi, init(f"axis2_{b}", np.array([2], np.int64))],
                         name=f"mask{b}")[0]
-        rows = attention_rows(node, n, past, mask, "position_ids" if trees else "", f".s{b}", offset=start)
-        rows = rows._replace(rows=node("Min", [rows.rows, last_packed], name=f"rows_in{b}")[0])
-        out.append(rows)
+        # its rows start + 0..n-1 (start + [0, 0] when idle) stay inside the packed rows: start is clamped above
+        out.append(attention_rows(node, n, past, mask, "position_ids" if trees else "", f".s{b}", offset=start))
     return out
 
 

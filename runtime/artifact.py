@@ -331,6 +331,14 @@ def tokenizer_dir(root: str | Path) -> Path:
     return Path(root) / read_manifest(root).tokenizer
 
 
+def base_weight_files(root: Path, manifest: Manifest) -> list[Path]:
+    """The files of the base graph and of the LM head it runs (lm_head.onnx where the artifact shares one),
+    from the manifest (never from file names): what one decode step reads."""
+    graphs = manifest.graphs
+    return [Path(root) / f for name in ("base", "lm_head") if name in graphs
+            for f in (graphs[name].file, *graphs[name].external_data)]
+
+
 def open_artifact(path: str | Path, checksums: bool = True) -> Manifest:
     """Read and fully validate an artifact: manifest version, files and checksums, heads vs base."""
     root = Path(path)

@@ -28,15 +28,16 @@ from typing import Any
 import numpy as np
 
 from clover.errors import CloverError
-from clover.runtime.backend import Runner, backend_module
+from clover.runtime.backend import Runner
 from clover.runtime.generator import (
     DEFAULT_LOOKUP_DRAFTS, GenerationResult, Progress, check_prompt_fits, choose_tree, default_tree, encode_prompt,
+    load_backend,
 )
 from clover.runtime.loop import PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.scheduler import (
-    AutoTrees, Cancelled, FixedTrees, QueueFull, Request, Scheduler, StreamDelta, VerifyCost, kv_plan,
+    AutoTrees, Cancelled, FixedTrees, QueueFull, Request, Scheduler, StreamDelta, VerifyCost, check_max_batch, kv_plan,
 )
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import Tree
@@ -196,19 +197,10 @@ class Engine:
         """Mirrors Generator.load: `base_or_artifact` is an artifact folder (ort, trt) or an HF folder /
         'smollm2' (torch); heads "lookup": prompt-lookup drafts on the base alone; tree "auto" (default), a
         tree for every step, or None (the artifact's default)."""
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise CloverError(f"max_batch must be an int >= 1 (sequences decoded at once), got {max_batch!r}")
-        module = backend_module(backend)
-        drafts = "lookup" if heads == "lookup" else "heads"
-        heads = "none" if drafts == "lookup" else heads
-        given: dict[str, Any] = {k: v for k, v in (("heads", heads),) if v is not None}
-        if threads is not None and backend in ("torch", "ort"):
-            given["threads"] = threads
-        if backend == "ort":
-            given["batch"] = max_batch > 1  # the artifact's batched base graph, if it has one
-        runner = module.load_runner(base_or_artifact, **given)
-        return cls(runner, Tokenizer.from_dir(module.base_dir(base_or_artifact)), tree, drafts, max_batch,
-                   max_waiting, log)
+        check_max_batch(max_batch)  # before minutes of loading
+        batch = {"batch": max_batch > 1} if backend == "ort" else {}  # the artifact's batched base graph, if any
+        runner, tokenizer, drafts = load_backend(base_or_artifact, heads, backend, threads=threads, **batch)
+        return cls(runner, tokenizer, tree, drafts, max_batch, max_waiting, log)
 
     # -- lifecycle --------------------------------------------------------------------------------
     def __enter__(self) -> "Engine":

@@ -23,7 +23,7 @@ from clover.runtime.loop import DRAFT_SOURCES, PLAIN, Step, chain, speculative_s
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.tree import Tree, compile_tree, resolve_tree
+from clover.runtime.tree import Tree, prune_tree, resolve_tree
 
 DEFAULT_TREE = "mc26"
 DEFAULT_LOOKUP_DRAFTS = 3  # drafted tokens per step at most with drafts="lookup" (benchmarks/peers.py)
@@ -60,9 +60,7 @@ class GenerationResult:
 def default_tree(max_depth: int | None) -> Tree:
     """mc26, pruned to the heads' depth when they cannot draft that deep (Medusa, Clover)."""
     tree = resolve_tree(DEFAULT_TREE)
-    if max_depth is None or tree.max_depth <= max_depth:
-        return tree
-    return compile_tree([c for c in tree.choices if len(c) <= max_depth], name=f"{DEFAULT_TREE}-d{max_depth}")
+    return tree if max_depth is None else prune_tree(tree, max_depth)
 
 
 def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:
@@ -114,6 +112,20 @@ def check_prompt_fits(ids: Sequence[int], context: int) -> None:
             f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten the prompt "
             "to leave room for at least one generated token"
         )
+
+
+def load_backend(base: str | Path, heads: str | None, backend: str, dtype: str | None = None,
+                 threads: int | None = None, **options: Any) -> tuple[Runner, Tokenizer, str]:
+    """The backend's runner, the base's tokenizer and the draft source, from CLI-style specs (Generator.load,
+    Engine.load): heads "lookup" is prompt lookup on the base alone; heads and dtype left None take the
+    backend's defaults; `threads` reaches the torch and ort backends; `options` go to load_runner as they are."""
+    module = backend_module(backend)
+    drafts = "lookup" if heads == "lookup" else "heads"
+    heads = "none" if drafts == "lookup" else heads
+    given = {k: v for k, v in (("heads", heads), ("dtype", dtype)) if v is not None} | options
+    if threads is not None and backend in ("torch", "ort"):
+        given["threads"] = threads
+    return module.load_runner(base, **given), Tokenizer.from_dir(module.base_dir(base)), drafts
 
 
 class Progress:
@@ -169,14 +181,8 @@ class Generator:
         or 'smollm2' for torch, an artifact folder for ort and trt; heads and dtype left None take the
         backend's defaults (torch: none, float32; ort, trt: the artifact's); heads "lookup": prompt-lookup
         drafts on the base alone. `threads`: CPU threads of the torch and ort backends (None: their defaults)."""
-        module = backend_module(backend)
-        drafts = "lookup" if heads == "lookup" else "heads"
-        heads = "none" if drafts == "lookup" else heads
-        given = {k: v for k, v in (("heads", heads), ("dtype", dtype)) if v is not None}
-        if threads is not None and backend in ("torch", "ort"):
-            given["threads"] = threads
-        runner = module.load_runner(base, **given)
-        return cls(runner, Tokenizer.from_dir(module.base_dir(base)), tree, drafts)
+        runner, tokenizer, drafts = load_backend(base, heads, backend, dtype, threads)
+        return cls(runner, tokenizer, tree, drafts)
 
     # -- public API -----------------------------------------------------------------------------
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:

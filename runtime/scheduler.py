@@ -21,7 +21,7 @@ from clover.runtime.generator import GenerationResult, Progress
 from clover.runtime.loop import Decoding, Step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
-from clover.runtime.tree import Tree, compile_tree
+from clover.runtime.tree import Tree, prune_tree
 
 
 class QueueFull(CloverError):
@@ -55,14 +55,17 @@ class Request:
     sent: int = 0  # token ids delivered so far
 
 
+def check_max_batch(max_batch: int) -> None:
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise CloverError(f"max_batch must be an int >= 1 (sequences decoded at once), got {max_batch!r}")
+
 
 class Scheduler:
     """The waiting queue (bounded) and the running batch (at most `max_batch`). Thread-safe: callers submit
     from any thread; the engine's loop thread plans and retires."""
 
     def __init__(self, max_batch: int, max_waiting: int) -> None:
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise CloverError(f"max_batch must be an int >= 1 (sequences decoded at once), got {max_batch!r}")
+        check_max_batch(max_batch)
         if max_waiting < 0:
             raise CloverError(f"max_waiting must be >= 0, got {max_waiting}")
         self.max_batch, self.max_waiting = max_batch, max_waiting
@@ -101,11 +104,6 @@ class Scheduler:
     def idle(self) -> bool:
         return not self.waiting and not self.running
 
-    def counts(self) -> tuple[int, int]:
-        """(running, waiting)."""
-        with self.lock:
-            return len(self.running), len(self.waiting)
-
 
 def kv_plan(max_batch: int, context: int, bytes_per_token: int) -> str:
     """One line: the KV memory the engine may use at most (every slot at full context)."""
@@ -115,13 +113,6 @@ def kv_plan(max_batch: int, context: int, bytes_per_token: int) -> str:
 
 
 # -- what each sequence speculates ------------------------------------------------------------------------
-
-def prune(tree: Tree, depth: int) -> Tree:
-    """`tree` without its nodes deeper than `depth` (0: plain)."""
-    if depth >= tree.max_depth:
-        return tree
-    return compile_tree([c for c in tree.choices if len(c) <= depth], name=f"{tree.name}-d{depth}" if depth else "plain")
-
 
 class VerifyCost:
     """Milliseconds of one verify forward by the new rows it runs: a curve measured at start-up for this
@@ -221,7 +212,7 @@ class AutoTrees:
     name = "auto"
 
     def __init__(self, full: Tree, cost: VerifyCost, explore: int = 32) -> None:
-        self.levels = [prune(full, d) for d in range(full.max_depth + 1)]
+        self.levels = [prune_tree(full, d) for d in range(full.max_depth + 1)]
         self.cost, self.explore = cost, explore
         ranks = max(full.max_children, 1)
         self.engine = RankAcceptance(full.max_depth, ranks)

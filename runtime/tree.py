@@ -212,6 +212,13 @@ def compile_tree(choices: Sequence[Sequence[int]], name: str = "custom") -> Tree
     )
 
 
+def prune_tree(tree: Tree, depth: int) -> Tree:
+    """`tree` without its nodes deeper than `depth` (itself when none are; 0: the root-only tree)."""
+    if depth >= tree.max_depth:
+        return tree
+    return compile_tree([c for c in tree.choices if len(c) <= depth], name=f"{tree.name}-d{depth}" if depth else "plain")
+
+
 NAMED_TREES: dict[str, tuple[RankPath, ...]] = {
     # Root only: plain decoding, one token per step.
     "plain": (),

@@ -67,6 +67,11 @@ def load_prompts(source: str, limit: int | None) -> list[str]:
     return [prompts[i * len(prompts) // limit] for i in range(limit)]
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    """Index of the first token where two outputs differ (the shorter one's length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 PHASES = ("draft", "verify", "accept", "commit")  # a verify step's parts (clover.runtime.loop)
 
 
@@ -101,8 +106,7 @@ class Row:
         if reference is None or result.token_ids == reference.token_ids:
             self.identical += 1
         else:
-            a, b = result.token_ids, reference.token_ids
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first = first_difference(result.token_ids, reference.token_ids)
             self.mismatches.append({"prompt_index": len(self.per_prompt_tokens_per_step) - 1, "first_diff": first})
 
     def summary(self, depth: int, plain_tps: float | None) -> dict:

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from clover.errors import CloverError
+from clover.tools.bench import first_difference
 
 BANDWIDTH_GBS = 27.0  # this workplace's measured memory read bandwidth (README)
 
@@ -96,9 +97,7 @@ def summarize(mode: str, concurrency: int, results: list, seconds: float, gaps: 
     ttft = np.array([r.time_to_first_token for r in results]) * 1e3
     itl = np.array(gaps) * 1e3 if gaps else np.zeros(1)
     same = [i for i, r in enumerate(results) if r.token_ids == reference[i]]
-    first_diff = {i: next((k for k, (a, b) in enumerate(zip(r.token_ids, reference[i])) if a != b),
-                          min(len(r.token_ids), len(reference[i])))
-                  for i, r in enumerate(results) if i not in same}
+    first_diff = {i: first_difference(r.token_ids, reference[i]) for i, r in enumerate(results) if i not in same}
     return {
         "mode": mode, "concurrency": concurrency,
         "tokens_per_second": round(new / seconds, 2),
@@ -115,12 +114,9 @@ def weight_bytes(artifact: Path | None) -> int:
     """Bytes of the base weights a decode step reads (the base graph's files and the LM head's)."""
     if artifact is None:
         return 0
-    from clover.runtime.artifact import read_manifest
+    from clover.runtime.artifact import base_weight_files, read_manifest
 
-    m = read_manifest(artifact)
-    files = {f for name in ("base", "lm_head") if name in m.graphs
-             for f in (m.graphs[name].file, *m.graphs[name].external_data)}
-    return sum((artifact / f).stat().st_size for f in files)
+    return sum(f.stat().st_size for f in base_weight_files(artifact, read_manifest(artifact)))
 
 
 def run(args: argparse.Namespace, prompts: list[str]) -> int:

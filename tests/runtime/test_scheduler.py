@@ -7,8 +7,8 @@ import pytest
 
 from clover.errors import CloverError
 from clover.runtime.loop import Decoding
-from clover.runtime.scheduler import AutoTrees, RankAcceptance, Scheduler, VerifyCost, prune
-from clover.runtime.tree import resolve_tree
+from clover.runtime.scheduler import AutoTrees, RankAcceptance, Scheduler, VerifyCost
+from clover.runtime.tree import prune_tree, resolve_tree
 
 
 def decodings(n: int) -> list[Decoding]:
@@ -79,8 +79,8 @@ def test_auto_picks_a_middle_depth_when_that_rates_best():
 
 def test_prune_keeps_the_nodes_up_to_a_depth():
     full = resolve_tree("mc26")
-    assert prune(full, 0).num_nodes == 1
-    assert prune(full, 1).max_depth == 1 and prune(full, full.max_depth) is full
+    assert prune_tree(full, 0).num_nodes == 1
+    assert prune_tree(full, 1).max_depth == 1 and prune_tree(full, full.max_depth) is full
 
 
 def test_verify_cost_interpolates_extrapolates_and_learns_a_correction():
