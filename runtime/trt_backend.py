@@ -7,12 +7,9 @@ part of every GPU install here (the plugin's Triton kernel runs on it), its cach
 per-step output allocations free, its streams order our copies after TensorRT's writes, `index_select`
 compacts the KV cache on the device, and `.cpu().numpy()` hands logits to the loop without another copy.
 
-KV cache. Per layer one [1, Hkv, slots, D] buffer on the GPU, bound whole as the graph's past input (a
-prefix view along the slot axis would not be contiguous); the graph masks slots >= past_lengths, and
-0 slots are bound while the cache is empty, so the prefill reads no masked slots. As in ort_backend the
-buffers start at `cache_block` slots and double when full (capped at the capacity): attention reads at
-most ~2x the slots it needs. The engines return only the new tokens' K/V; `commit` copies the accepted
-rows into the next slots on the device. Only logits ever travel to the host.
+The runner is graph_runner.GraphRunner (KV caches, commit, drafting), the same as ONNX Runtime's, over
+`TorchArrays`: caches are [1, Hkv, slots, D] device tensors per layer, compacted on the device; only logits
+ever travel to the host.
 
 Execution. One execution context per optimization profile of an engine, each bound to its profile once
 at load: the base engine's "prefill" and "verify" contexts, picked per call by the shapes (the tightest
@@ -27,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +36,7 @@ from clover.runtime.artifact import (
     ARTIFACT_HEADS, EngineSpec, GraphSpec, Manifest, ProfileSpec, open_artifact, uses_exported_heads,
 )
 from clover.runtime.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
-from clover.runtime.backend import Runner, RunnerInfo, Slot
-from clover.runtime.tree import compile_tree
-
-PAST, PRESENT = "past_key_values", "present"
+from clover.runtime.graph_runner import Arrays, GraphRunner, graphs_used  # noqa: F401 (graphs_used: tests, tools)
 
 
 # -- pure parts: binding tables and profile choice ----------------------------------------------------------
@@ -139,14 +133,6 @@ def max_slots(table: BindingTable) -> int:
     return min((b[1] for b in bounds if b is not None), default=1 << 62)
 
 
-def graphs_used(manifest: Manifest, use_heads: bool) -> tuple[str, ...]:
-    """The engines a runner loads: the base, and the heads' draft graphs if it drafts with them."""
-    heads = manifest.heads if use_heads else None
-    if heads is None:
-        return ("base",)
-    return ("base", "medusa_heads") if heads.arch == "medusa" else ("base", "draft_begin", "draft_step")
-
-
 # -- the GPU side --------------------------------------------------------------------------------------------
 
 def _torch():
@@ -181,13 +167,15 @@ class EngineGraph:
         self.contexts = []  # contexts before their engine
         self.engine = None
 
-    def run(self, inputs: Mapping[str, Any], sizes: Mapping[str, int]) -> dict[str, Any]:
+    def run(self, inputs: Mapping[str, Any], sizes: Mapping[str, int], into: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Enqueue one call on the runner's stream; outputs are new device tensors (from torch's caching
         allocator, on that stream, so they are reused only after this call has read and written them)."""
         torch = _torch()
+        assert not into, "TensorRT engines return their outputs (no in-place KV cache: that is ORT's fused attention)"
         profile = self.table.profile(sizes)
         outputs = {n: torch.empty(s, dtype=self.out_dtypes[n], device=self.device)
                    for n, s in self.table.output_shapes(sizes).items()}
+        inputs = {n: t.contiguous() for n, t in inputs.items()}  # addresses of dense tensors
         for b in self.table.inputs:
             assert tuple(inputs[b.name].shape) == b.shape(sizes), (self.table.graph, b.name, inputs[b.name].shape, sizes)
         addresses = {n: t.data_ptr() for n, t in (*inputs.items(), *outputs.items())}
@@ -204,67 +192,47 @@ def check_engine_io(table: BindingTable, io: Mapping[str, tuple[bool, str]], fil
                           f"{', '.join(n for n, _ in diff[:4])}): export the artifact again")
 
 
-class DeviceKVCache:
-    """Per-layer K and V buffers [1, Hkv, slots, D] on the GPU, bound as a graph's past inputs."""
+class TorchArrays(Arrays):
+    """A TensorRT runner's tensors: torch, on its CUDA device, every op ordered on its stream (`scope`)."""
 
-    def __init__(self, graph: GraphSpec, slots: int, device) -> None:
-        self.names = [t.name for t in graph.inputs if t.name.startswith(PAST + ".")]
-        first = graph.input(self.names[0]) if self.names else None
-        self.kv_heads, self.head_dim = (int(first.shape[1]), int(first.shape[3])) if first else (0, 0)
-        self.dtype = torch_dtype(first.dtype) if first else None
-        self.device = device
-        self.buffers = self._allocate(slots)
+    def __init__(self, device, stream) -> None:
+        self.torch, self.device, self.stream = _torch(), device, stream
 
-    @property
-    def slots(self) -> int:
-        return self.buffers[0].shape[2] if self.buffers else 0
+    def put(self, host):
+        return self.torch.tensor(np.asarray(host), device=self.device)  # one H2D copy; 0-d and read-only arrays too
 
-    def _allocate(self, slots: int) -> list:
-        # Zeroed: masked slots meet exact-zero attention weights, and 0 * NaN from stale memory is not zero.
-        torch = _torch()
-        return [torch.zeros((1, self.kv_heads, slots, self.head_dim), dtype=self.dtype, device=self.device)
-                for _ in self.names]
+    def host(self, array):
+        return array.float().cpu().numpy()  # bfloat16 has no numpy type: convert on the device first
 
-    def ensure(self, needed: int, filled: int, limit: int) -> None:
-        """Make room for `needed` slots (at most `limit`), keeping the first `filled` (copied on the device)."""
-        if needed <= self.slots:
+    def zeros(self, shape, dtype):
+        return self.torch.zeros(shape, dtype=torch_dtype(dtype), device=self.device)
+
+    def take(self, array, index, axis):
+        return array.index_select(axis, self.put(np.asarray(index, dtype=np.int64)))
+
+    def scatter(self, dst, index, src):
+        dst.index_copy_(0, self.put(np.asarray(index, dtype=np.int64)), src)
+
+    def concat(self, arrays, axis):
+        return self.torch.cat(list(arrays), dim=axis)
+
+    def copy(self, array):
+        return array.clone()
+
+    @contextlib.contextmanager
+    def scope(self) -> Iterator[None]:
+        if self.stream is None:  # CPU tests of the bookkeeping: the current stream
+            yield
             return
-        old, self.buffers = self.buffers, self._allocate(min(limit, max(needed, 2 * self.slots)))
-        for new, buf in zip(self.buffers, old):
-            new[:, :, :filled].copy_(buf[:, :, :filled])
-
-    def bound(self, past: int) -> tuple[dict[str, Any], int]:
-        """The past inputs and their slot count: no slots while nothing is cached, else whole buffers."""
-        views = self.buffers if past else [b[:, :, :0] for b in self.buffers]  # [1, Hkv, S, D]
-        return dict(zip(self.names, views)), (self.slots if past else 0)
-
-    def write(self, start: int, outputs: Mapping[str, Any], rows, count: int) -> None:
-        """Copy `count` new rows (rows `rows` of `present`, or its first `count`) to slots start.. on the device."""
-        for name, buf in zip(self.names, self.buffers):
-            new = outputs[PRESENT + name[len(PAST):]]  # [1, Hkv, T, D]
-            buf[:, :, start:start + count].copy_(new[:, :, :count] if rows is None else new.index_select(2, rows))
+        with self.torch.cuda.device(self.device), self.torch.cuda.stream(self.stream):
+            yield
 
 
-@dataclass(eq=False)
-class TrtSequence:
-    """A slot's state in a TrtRunner: its device caches, the last forward's outputs and the draft states."""
-
-    cache: DeviceKVCache
-    head_cache: DeviceKVCache | None
-    states: Any  # [n, H] device tensor: draft state of tree node i (grown as drafted)
-    last: dict[str, Any] = field(default_factory=dict)
-    root_state: Any = None  # [1, H]
-    root_logits: Any = None  # [V]
-    medusa_hidden: Any = None  # [1, 1, H]
-    medusa_logits: np.ndarray | None = None  # [K, V] on the host
-
-
-class TrtRunner(Runner):
+class TrtRunner(GraphRunner):
     """A Runner over an artifact's TensorRT engines; use `load_runner` to build one from a folder."""
 
     def __init__(self, root: str | Path, manifest: Manifest, use_heads: bool = True, device: int = 0,
                  cache_block: int = 256) -> None:
-        super().__init__()
         torch = _torch()
         trt = rt.require_tensorrt()
         if cache_block < 1:
@@ -290,137 +258,21 @@ class TrtRunner(Runner):
     def _setup(self, manifest: Manifest, use_heads: bool, engines: Mapping[str, Any], device, stream,
                cache_block: int) -> None:
         """Everything but loading: `engines` maps graph names to objects with EngineGraph's run / table /
-        has_input / out_dtypes. stream None runs torch ops on the current stream (CPU tests of the
-        bookkeeping drive this class with ONNX Runtime in place of the engines)."""
-        self.manifest, self.cache_block, self.device, self.stream = manifest, cache_block, device, stream
-        self.base = engines["base"]
-        self.medusa, self.begin, self.step = (engines.get(n) for n in ("medusa_heads", "draft_begin", "draft_step"))
-        self.vocab_size = int(manifest.graphs["base"].output("logits").shape[-1])
-        self.hidden_size = int(manifest.graphs["base"].output("hidden_states").shape[-1])
-        heads = manifest.heads if use_heads else None
-        self.arch = heads.arch if heads is not None else None
-        tree = manifest.tree if heads is not None else None
-        slot_limit = min(max_slots(g.table) for g in (self.base, self.begin) if g is not None)
-        self.info = RunnerInfo(
-            backend="trt", vocab_size=self.vocab_size, max_context=min(manifest.max_context, slot_limit),
-            heads=self.arch, heads_max_depth=heads.max_depth if heads is not None else None,
-            heads_name=heads.name if heads is not None else "none",
-            default_tree=compile_tree(tree["choices"], tree["name"]) if tree else None,
-        )
+        has_input. stream None runs torch ops on the current stream (CPU tests of the bookkeeping drive this
+        class with ONNX Runtime in place of the engines)."""
+        self.stream = stream
+        slot_limit = min(max_slots(engines[n].table) for n in ("base", "draft_begin") if n in engines)
+        super().__init__(manifest, engines, TorchArrays(device, stream), use_heads=use_heads, backend="trt",
+                         cache_block=cache_block, max_context=min(manifest.max_context, slot_limit))
 
-    # -- helpers ------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def _on_stream(self) -> Iterator[None]:
-        if self.stream is None:
-            yield
-            return
-        torch = _torch()
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            yield
-
-    def _dev(self, array: np.ndarray):
-        """A small host array on the device (one H2D copy, ordered on the runner's stream)."""
-        return _torch().tensor(np.asarray(array), device=self.device)  # copies: 0-d and read-only arrays too
-
-    @staticmethod
-    def _host(t) -> np.ndarray:
-        """Logits to the host as float32 (bfloat16 has no numpy type: convert on the device first)."""
-        return t.float().cpu().numpy()
-
-    # -- Runner ---------------------------------------------------------------------------------------------
     def close(self) -> None:
         if self.stream is not None:
             self.stream.synchronize()  # nothing enqueued may outlive the buffers and contexts
-        for graph in (self.base, self.begin, self.step, self.medusa):
+        for graph in (self.base, *(self.drafter.graphs if self.drafter is not None else ())):
             if hasattr(graph, "close"):
                 graph.close()
-        self.base = self.begin = self.step = self.medusa = None
-        self.cache = self.head_cache = None
-
-    @property
-    def cache(self) -> DeviceKVCache:
-        return self._solo.state.cache if self._solo else None  # the solo sequence's (tests, tools)
-
-    @property
-    def head_cache(self) -> DeviceKVCache | None:
-        return self._solo.state.head_cache if self._solo else None
-
-    def _open_slot(self, slot: Slot) -> TrtSequence:
-        slots = min(slot.capacity, self.cache_block)
-        with self._on_stream():
-            return TrtSequence(
-                DeviceKVCache(self.manifest.graphs["base"], slots, self.device),
-                DeviceKVCache(self.manifest.graphs["draft_begin"], slots, self.device) if self.begin is not None else None,
-                _torch().zeros((0, self.hidden_size), dtype=self.base.out_dtypes["hidden_states"], device=self.device))
-
-    def _forward(self, slot, tokens, depths, mask, last_only):
-        seq, P, T = slot.state, slot.past, tokens.shape[0]
-        rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
-        with self._on_stream():
-            seq.cache.ensure(P + T, P, slot.capacity)
-            past, slots = seq.cache.bound(P)
-            inputs = {
-                "input_ids": self._dev(tokens.astype(np.int64, copy=False)[None]),  # [1, T]
-                "position_ids": self._dev((P + depths.astype(np.int64))[None]),  # [1, T]
-                "tree_mask": self._dev(mask.astype(bool, copy=False)[None]),  # [1, T, T]
-                "past_lengths": self._dev(np.array([P], dtype=np.int64)),  # [1]
-                "logit_rows": self._dev(rows),  # [R]
-                **past,  # [1, Hkv, slots, D] each
-            }
-            seq.last = self.base.run(inputs, {"batch": 1, "new": T, "rows": len(rows), "past": slots})
-            return self._host(seq.last["logits"][0])  # [R, V]
-
-    def _commit(self, slot, path, next_tokens):
-        seq, P, m = slot.state, slot.past, len(path)
-        contiguous = bool(path[0] == 0 and path[-1] == m - 1)  # prefill / plain step: no gather
-        with self._on_stream():
-            rows = None if contiguous else self._dev(path)
-            seq.cache.write(P, seq.last, rows, m)
-            states = seq.last["hidden_states"]  # [1, T, H]
-            hidden = states[:, :m] if contiguous else states.index_select(1, rows)  # [1, m, H]
-            if self.medusa is not None:
-                seq.medusa_hidden = hidden[:, -1:].contiguous()  # its heads only read the last accepted token's state
-            elif self.begin is not None:
-                seq.head_cache.ensure(P + m, P, slot.capacity)
-                past, slots = seq.head_cache.bound(P)
-                out = self.begin.run({
-                    "hidden_states": hidden.contiguous(),
-                    "next_tokens": self._dev(next_tokens[None]),  # [1, m]
-                    "position_ids": self._dev(np.arange(P, P + m, dtype=np.int64)[None]),  # [1, m]
-                    "past_lengths": self._dev(np.array([P], dtype=np.int64)),
-                    **past,
-                }, {"batch": 1, "accepted": m, "past": slots})
-                seq.head_cache.write(P, out, None, m)
-                seq.root_state, seq.root_logits = out["state"], out["logits"][0]  # [1, H], [V]
-
-    def _draft_begin(self, slot):
-        seq = slot.state
-        with self._on_stream():
-            if self.medusa is not None:
-                out = self.medusa.run({"hidden_states": seq.medusa_hidden}, {"batch": 1, "accepted": 1})
-                seq.medusa_logits = self._host(out["logits"][0])  # [K, V]
-                return seq.medusa_logits[0]
-            seq.states = seq.root_state.clone()  # row i = state of tree node i (grown as drafted)
-            return self._host(seq.root_logits)
-
-    def _draft_step(self, slot, depth, nodes, parents, tokens):
-        seq = slot.state
-        if self.medusa is not None:  # every node at a depth gets the same draft
-            return np.repeat(seq.medusa_logits[depth][None], len(nodes), axis=0)
-        torch = _torch()
-        with self._on_stream():
-            need = int(nodes.max()) + 1
-            if seq.states.shape[0] < need:
-                grown = torch.zeros((need, self.hidden_size), dtype=seq.states.dtype, device=self.device)
-                grown[: seq.states.shape[0]] = seq.states
-                seq.states = grown
-            inputs = {"parent_state": seq.states.index_select(0, self._dev(parents.astype(np.int64))),  # [n, H]
-                      "tokens": self._dev(tokens.astype(np.int64, copy=False))}  # [n]
-            if self.step.has_input("depth"):
-                inputs["depth"] = self._dev(np.array(depth, dtype=np.int64))  # []
-            out = self.step.run(inputs, {"candidates": len(nodes)})
-            seq.states.index_copy_(0, self._dev(nodes.astype(np.int64)), out["state"])
-            return self._host(out["logits"])  # [n, V]
+        self.base = self.drafter = None
+        self._free = []
 
 
 def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | None = None, checksums: bool = True,

@@ -1,4 +1,5 @@
-"""Shared test fixtures: tiny random base models, a tiny tokenizer, and the oracle draft runner."""
+"""Shared test fixtures: tiny random base models, a tiny tokenizer, the oracle draft runner, and the one token
+identity assertion (`assert_identical`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 
 from clover.models.config import BaseConfig, RopeConfig
 from clover.models.decoder import Decoder
-from clover.runtime.backend import RunnerInfo
+from clover.runtime.backend import Runner, RunnerInfo
 from clover.runtime.torch_backend import TorchRunner
+from clover.tools.bench import first_difference
 
 
 # A few sentences to train throw-away BPE tokenizers on.
@@ -119,6 +121,43 @@ def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int
         if len(out) >= n:
             break
     return out[:n], steps
+
+
+def assert_identical(got, want, what: str = "", reference: Runner | None = None,
+                     prompt: list[int] | None = None) -> None:
+    """Fail, on one line, unless token lists `got` and `want` are equal: the first index where they differ (a
+    prefix counts: the shorter one's length), the two tokens there and, given the `reference` runner and the
+    `prompt`, the top-2 margin of its plain greedy logits at that index (near 0: a near tie, where rounding
+    alone can flip the argmax; large: a real bug)."""
+    got, want = [int(t) for t in got], [int(t) for t in want]
+    if got == want:
+        return
+    i = first_difference(got, want)
+    if i == min(len(got), len(want)):
+        msg = f"tokens differ at index {i}: one output is a prefix of the other, lengths {len(got)} vs {len(want)}"
+    else:
+        msg = f"tokens diverge at index {i}: {got[i]} vs {want[i]}"
+    if reference is not None and prompt is not None and len(prompt) + i <= reference.info.max_context:
+        margin = greedy_margin(reference, prompt, want[:i])
+        msg += f"; {reference.info.backend} reference top-2 logit margin there {margin:.3g}"
+    raise AssertionError(f"{what}: {msg}" if what else msg)
+
+
+def greedy_margin(runner: Runner, prompt: list[int], tokens: list[int]) -> float:
+    """Top-1 minus top-2 logit of `runner`'s next token after `prompt` + `tokens`, decoded as plain steps on a
+    slot of its own (the solo sequence is left alone)."""
+    seq = np.asarray(list(prompt) + list(tokens), dtype=np.int64)
+    P = len(prompt)
+    slot = runner.open_slot(len(seq))
+    try:
+        logits = runner.forward(seq[:P], np.arange(P), np.tri(P, dtype=bool), last_only=True, slot=slot)[-1]  # [V]
+        for k in range(P, len(seq)):
+            runner.commit(np.arange(slot.pending), seq[k - slot.pending + 1:k + 1], slot=slot)  # each row's next token
+            logits = runner.forward(seq[k:k + 1], np.zeros(1, np.int64), np.ones((1, 1), bool), slot=slot)[0]
+    finally:
+        runner.release(slot)
+    top2 = np.sort(logits)[-2:]
+    return float(top2[1] - top2[0])
 
 
 def run_python(code: str) -> str:

@@ -1,21 +1,25 @@
-"""Tiny exported artifacts shared by the export and ONNX Runtime tests.
+"""Tiny exported artifacts shared by the export, ONNX Runtime and TensorRT tests.
 
 Exporting takes seconds per graph, so each artifact is built once per test session: `tiny_artifact`
 writes into a folder under the session's base temp dir and returns it as is when it is already there.
 `tiny_modules` rebuilds the exact PyTorch modules an artifact was exported from, as the reference.
+`cpu_runner` drives the TensorRT runner's bookkeeping with ONNX Runtime in place of the engines (`OrtEngine`);
+`no_tensorrt_gpu` says why the real TensorRT tests cannot run here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 
 from clover.export.artifact import artifact_from_modules
 from clover.export.config import ExportConfig
+from clover.export.engines import EngineLimits, profiles_for
 from clover.models.decoder import Decoder, rope_inv_freq
 from clover.models.head_io import random_heads
 from clover.models.heads import DraftHeads
-from clover.runtime.artifact import MANIFEST_FILE
+from clover.runtime.artifact import MANIFEST_FILE, read_manifest
 from helpers import tiny_base, tiny_tokenizer_dir
 
 BASE_SEED = 3  # as tests/runtime/test_loop.py: peaked enough next-token laws for stable greedy identity
@@ -54,8 +58,65 @@ def tiny_artifact(root: Path, arch: str, dtype: str = "float32", tree: str | Non
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 3, 90, 12, 13, 14, 15, 16, 17, 18]]  # as tests/runtime/test_loop.py
 
+# Engine limits of the TensorRT tests (cpu_runner's profiles).
+TRT_LIMITS = EngineLimits(max_prompt=48, max_tree=26, max_context=128, max_accepted=5, max_candidates=10)
 
-def assert_same_tokens(got: list[int], want: list[int], what: str = "") -> None:
-    if got != want:
-        i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-        raise AssertionError(f"{what}: tokens diverge at index {i}: {got[i]} vs {want[i]}")
+
+class OrtEngine:
+    """Stands in for a TensorRT engine in the runner's bookkeeping tests, and says so: the same
+    run(inputs, sizes) contract computed by ONNX Runtime on CPU torch tensors. It checks that every call
+    fits one of the engine's optimization profiles and records which. TensorRT numerics are the GPU test's."""
+
+    def __init__(self, root, name, graph, limits):
+        ort = pytest.importorskip("onnxruntime")
+        from clover.runtime.trt_backend import BindingTable, torch_dtype
+
+        self.table = BindingTable.of(name, graph, profiles_for(name, graph, limits))
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        self.session = ort.InferenceSession(str(root / graph.file), opts, providers=["CPUExecutionProvider"])
+        self.out_dtypes = {b.name: torch_dtype(b.dtype) for b in self.table.outputs}
+        self.calls = []
+
+    def has_input(self, name):
+        return any(b.name == name for b in self.table.inputs)
+
+    def run(self, inputs, sizes, into=None):
+        assert not into, "TensorRT engines return their outputs"
+        import torch
+
+        self.calls.append(self.table.profiles[self.table.profile(sizes)].name)
+        for b in self.table.inputs:
+            assert tuple(inputs[b.name].shape) == b.shape(sizes), (b.name, inputs[b.name].shape, sizes)
+        names = [b.name for b in self.table.outputs]
+        outs = self.session.run(names, {n: t.contiguous().numpy() for n, t in inputs.items()})
+        shapes = self.table.output_shapes(sizes)
+        assert all(o.shape == shapes[n] for n, o in zip(names, outs))
+        return {n: torch.from_numpy(o) for n, o in zip(names, outs)}
+
+
+def cpu_runner(artifact, use_heads=True, limits=TRT_LIMITS, cache_block=8):
+    """A TrtRunner over `artifact`'s graphs (exported with shared_lm_head=False) run by OrtEngine on the CPU, and
+    its engines by graph name. The small cache_block makes the KV caches double many times."""
+    from clover.runtime.backend import Runner
+    from clover.runtime.trt_backend import TrtRunner, graphs_used
+
+    m = read_manifest(artifact)
+    engines = {n: OrtEngine(artifact, n, m.graphs[n], limits) for n in graphs_used(m, use_heads)}
+    runner = TrtRunner.__new__(TrtRunner)
+    Runner.__init__(runner)
+    runner._setup(m, use_heads, engines, "cpu", None, cache_block)
+    return runner, engines
+
+
+def no_tensorrt_gpu() -> str | None:
+    """Why the TensorRT tests cannot run here, or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is None:
+        return "needs TensorRT (pip install tensorrt on a GPU machine)"
+    try:
+        import torch
+    except ImportError as e:
+        return f"needs torch ({e})"
+    return None if torch.cuda.is_available() else "needs a CUDA GPU"

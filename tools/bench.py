@@ -165,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "identity with solo plain decoding (one backend: ort with --artifact, or torch)")
     p.add_argument("--max-batch", type=int, default=None, help="--concurrency: the engine's max batch (default: the "
                    "largest concurrency)")
+    p.add_argument("--control", action="store_true", help="--concurrency: also run a second plain engine (mode "
+                   "plain-2, A/A), whose spread from plain is the run's noise floor")
     return p
 
 

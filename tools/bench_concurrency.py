@@ -4,6 +4,8 @@ For each concurrency N and each mode (plain, each --tree, auto), N caller thread
 another (each prompt once), so N requests are in flight until the prompts run out. The prompts are split in
 rounds of at least 2N, and every mode runs each round in turn (order rotated), so slow drifts of these shared
 machines hit every mode alike.
+With --control, a second plain engine ("plain-2", A/A) runs beside the first: the spread of two identical setups
+measured in the same run is the noise floor any difference between modes has to clear.
 Reported per (N, mode): aggregate output tokens/s, per-request tokens/s, time to first token and inter-token
 latency (p50, p95), mean acceptance length (tokens per verify step, bonus included), and whether every request's
 greedy tokens equal its own solo plain decoding (Generator, plain tree, same graphs).
@@ -25,6 +27,7 @@ from clover.errors import CloverError
 from clover.tools.bench import first_difference
 
 BANDWIDTH_GBS = 27.0  # this workplace's measured memory read bandwidth (README)
+CONTROL = "plain-2"  # --control: a second plain engine (A/A)
 
 
 def parse_concurrency(spec: str) -> list[int]:
@@ -136,7 +139,7 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
         raise CloverError("--concurrency with --backend ort needs --artifact DIR (make one with clover-export)")
     heads = None if backend == "ort" else args.heads
     trees = [t.strip() for t in (args.tree or "").split(",") if t.strip()]
-    modes = ["plain"] + [t for t in trees if t not in ("plain", AUTO)] + [AUTO]
+    modes = ["plain"] + ([CONTROL] if args.control else []) + [t for t in trees if t not in ("plain", AUTO)] + [AUTO]
     max_batch = args.max_batch or max(levels)
     chat = not args.no_chat
     threads = {"threads": args.threads} if args.threads else {}
@@ -148,8 +151,8 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
                  for p in tqdm(prompts, desc="solo plain", unit="prompt", dynamic_ncols=True)]
     engines = {}
     for mode in modes:
-        engines[mode] = Engine.load(source, heads=heads, backend=backend, tree=mode, max_batch=max_batch,
-                                    threads=args.threads, log=None)
+        engines[mode] = Engine.load(source, heads=heads, backend=backend, tree="plain" if mode == CONTROL else mode,
+                                    max_batch=max_batch, threads=args.threads, log=None)
         engines[mode].generate(prompts[0], max_new_tokens=4, chat=chat)  # warm-up off the clock
     rows = []
     try:
@@ -188,6 +191,8 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
         "note": "closed loop: N callers each submit the next prompt when their last one ends; aggregate = all "
                 "output tokens / wall time; acceptance_length = tokens per verify step, bonus included; "
                 "identity: each request's greedy tokens vs its own solo plain decoding",
+        "control": f"{CONTROL}: a second plain engine measured beside the first (A/A): their spread is this run's "
+                   "noise floor" if args.control else None,
         "auto_verify_cost": auto_policy.cost.to_dict() if hasattr(auto_policy, "cost") else None,
         "results": rows,
     }

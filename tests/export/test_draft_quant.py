@@ -13,8 +13,8 @@ from clover.runtime.artifact import open_artifact
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
-from helpers import run_tokens
-from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact, tiny_modules
+from helpers import assert_identical, run_tokens
+from ort_helpers import PROMPTS, tiny_artifact, tiny_modules
 
 N = 40
 TREES = {"medusa": "chain-4", "clover": "chain-3", "clover2": "mc26"}
@@ -49,7 +49,7 @@ def test_int8_drafts_keep_greedy_output_identical(artifacts, arch):
     for p in PROMPTS:
         want, _ = run_tokens(TorchRunner(base), p, resolve_tree("plain"), N)
         got, steps = run_tokens(spec, p, tree, N)
-        assert_same_tokens(got, want, f"ORT {arch} int8 drafts, {TREES[arch]}")
+        assert_identical(got, want, f"ORT {arch} int8 drafts, {TREES[arch]}")
         drafted, accepted = drafted + len(steps), accepted + sum(steps)
     assert accepted > drafted, "no drafted token was ever accepted: the int8 drafts are not drafting"
 

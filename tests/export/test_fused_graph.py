@@ -16,8 +16,8 @@ from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import compile_tree, resolve_tree
-from helpers import run_tokens
-from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact
+from helpers import assert_identical, run_tokens
+from ort_helpers import PROMPTS, tiny_artifact
 
 N = 40
 ARCHS = ("medusa", "clover", "clover2")
@@ -58,7 +58,7 @@ def test_fp32_fused_speculative_equals_plain(root, tree):
     for p in PROMPTS:
         want, _ = run_tokens(plain, p, resolve_tree("plain"), N)
         got, steps = run_tokens(speculative, p, resolve_tree(tree), N)
-        assert_same_tokens(got, want, f"fused fp32, {tree}")
+        assert_identical(got, want, f"fused fp32, {tree}")
         accepted += sum(steps) - len(steps)
     assert accepted > 0, "no drafted token was accepted: the tree's KV compaction went untested"
 
@@ -74,7 +74,7 @@ def test_int4_fused_chains_equal_plain(root, arch):
         for p in PROMPTS:
             want, _ = run_tokens(plain, p, resolve_tree("plain"), N)
             got, _ = run_tokens(speculative, p, resolve_tree(tree), N)
-            assert_same_tokens(got, want, f"fused int4 {arch}, {tree}")
+            assert_identical(got, want, f"fused int4 {arch}, {tree}")
 
 
 def test_a_chain_verify_is_bitwise_a_run_of_plain_steps(root):

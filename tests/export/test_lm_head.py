@@ -10,8 +10,8 @@ from clover.export.lm_head import LM_INPUT, lm_head_nodes
 from clover.runtime.artifact import open_artifact, read_manifest
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tree import resolve_tree
-from helpers import run_tokens
-from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact
+from helpers import assert_identical, run_tokens
+from ort_helpers import PROMPTS, tiny_artifact
 
 ARCHS = ("medusa", "clover", "clover2")
 TREES = {"medusa": "chain-4", "clover": "chain-3", "clover2": "mc26"}
@@ -62,7 +62,7 @@ def test_logits_and_tokens_are_those_of_the_uncut_graphs(pairs, arch):
     shared, own = pairs[arch]
     a, b = load_runner(shared), load_runner(own)
     # One session for the LM head, used after the base and every draft graph.
-    drafts = [g for g in (a.begin, a.step, a.medusa) if g is not None]
+    drafts = a.drafter.graphs
     assert a.lm_head is not None and a.base.lm_head is a.lm_head and all(g.lm_head is a.lm_head for g in drafts)
     assert b.lm_head is None
     prompt = np.array(PROMPTS[1])
@@ -79,7 +79,7 @@ def test_logits_and_tokens_are_those_of_the_uncut_graphs(pairs, arch):
     for p in PROMPTS:
         got, steps = run_tokens(a, p, tree, 30)
         want, want_steps = run_tokens(b, p, tree, 30)
-        assert_same_tokens(got, want, f"{arch} shared vs own LM head")
+        assert_identical(got, want, f"{arch} shared vs own LM head")
         assert steps == want_steps  # the same drafts, so the same acceptance
 
 

@@ -12,8 +12,8 @@ from clover.export.quantize import quantized_ops
 from clover.runtime.artifact import MANIFEST_FILE, open_artifact, read_manifest
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tree import resolve_tree
-from helpers import run_tokens
-from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact
+from helpers import assert_identical, run_tokens
+from ort_helpers import PROMPTS, tiny_artifact
 
 N = 40
 TREES = {"medusa": "chain-4", "clover": "chain-3", "clover2": "mc26"}
@@ -64,7 +64,7 @@ def test_speculative_equals_plain_on_the_quantized_graphs(artifacts, arch, weigh
     for p in PROMPTS:
         want, _ = run_tokens(plain, p, resolve_tree("plain"), N)
         got, steps = run_tokens(speculative, p, tree, N)
-        assert_same_tokens(got, want, f"ORT {arch} {weights} weights, {TREES[arch]}")
+        assert_identical(got, want, f"ORT {arch} {weights} weights, {TREES[arch]}")
         drafted, accepted = drafted + len(steps), accepted + sum(steps)
     assert accepted > drafted, "no drafted token was ever accepted on the quantized graphs"
 

@@ -17,7 +17,8 @@ from clover.runtime.ort_backend import load_runner
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
-from ort_helpers import assert_same_tokens, tiny_artifact, tiny_modules
+from helpers import assert_identical
+from ort_helpers import tiny_artifact, tiny_modules
 
 ARCHS = ("medusa", "clover", "clover2")
 # 16 prompts of different lengths, each with its own length budget: requests end at different steps
@@ -63,7 +64,7 @@ def test_ort_engine_equals_solo_plain_at_any_concurrency(artifacts, arch):
             for concurrency in (1, 4, 16):
                 got = run_concurrently(engine, concurrency)
                 for i, (g, w) in enumerate(zip(got, want)):
-                    assert_same_tokens(g, w, f"ort {arch} {tree} concurrency {concurrency} prompt {i}")
+                    assert_identical(g, w, f"ort {arch} {tree} concurrency {concurrency} prompt {i}")
             assert engine.runner.open_slots == 0  # every slot freed
 
 
@@ -79,17 +80,17 @@ def test_fused_batched_graph_engine_equals_solo_plain(tmp_path_factory, weights)
     assert runner.batch_slots == 8 and runner.info.batch_slots == 8
     calls = []
     run = runner.batch.run
-    runner.batch.run = lambda shapes: calls.append(shapes["hidden_states"][1]) or run(shapes)  # rows per call
+    runner.batch.run = lambda inputs, sizes, into: calls.append(sizes["new"]) or run(inputs, sizes, into)  # rows per call
     for tree in ("plain", "chain-3", "auto") if weights else ("plain", "small", "mc26", "auto"):
         with Engine(runner, tok, tree, max_batch=8, log=None) as engine:
             for concurrency in (1, 4, 16):
                 got = run_concurrently(engine, concurrency)
                 for i, (g, w) in enumerate(zip(got, want)):
-                    assert_same_tokens(g, w, f"fused {weights} {tree} concurrency {concurrency} prompt {i}")
+                    assert_identical(g, w, f"fused {weights} {tree} concurrency {concurrency} prompt {i}")
         engine._thread.join()
         runner = load_runner(path, batch=True)
         run = runner.batch.run
-        runner.batch.run = lambda shapes: calls.append(shapes["hidden_states"][1]) or run(shapes)
+        runner.batch.run = lambda inputs, sizes, into: calls.append(sizes["new"]) or run(inputs, sizes, into)
     assert calls and max(calls) > 8, "the batched graph never ran several sequences at once"
 
 
@@ -104,7 +105,7 @@ def test_chunked_prefill_equals_solo_plain(tmp_path_factory, attention, weights)
     with Engine(load_runner(path, batch=True), tok, "chain-2", max_batch=4, log=None, prefill_chunk=5) as engine:
         got = run_concurrently(engine, 6)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert_same_tokens(g, w, f"{attention} {weights} chunked prefill prompt {i}")
+        assert_identical(g, w, f"{attention} {weights} chunked prefill prompt {i}")
 
 
 def test_torch_engine_equals_solo_plain(tmp_path):
@@ -116,7 +117,7 @@ def test_torch_engine_equals_solo_plain(tmp_path):
     with Engine(TorchRunner(base, heads, "random:clover2"), tok, "chain-3", max_batch=4, log=None) as engine:
         got = run_concurrently(engine, 16)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert_same_tokens(g, w, f"torch clover2 chain-3 prompt {i}")
+        assert_identical(g, w, f"torch clover2 chain-3 prompt {i}")
 
 
 @pytest.mark.parametrize("tree", ["chain-3", "auto"])
@@ -127,7 +128,7 @@ def test_lookup_drafts_in_the_engine(artifacts, tree):
                 log=None) as engine:
         got = run_concurrently(engine, 8)
     for i, (g, w) in enumerate(zip(got, want)):
-        assert_same_tokens(g, w, f"lookup {tree} prompt {i}")
+        assert_identical(g, w, f"lookup {tree} prompt {i}")
 
 
 def test_sampling_requests_are_reproducible_per_seed_at_any_batch(artifacts):
@@ -231,7 +232,7 @@ def test_threads_and_asyncio_callers_together_and_rss_flat_over_500_requests(art
             t.join(timeout=120)
         assert not any(t.is_alive() for t in threads)
         for i in range(16):
-            assert_same_tokens(got[i], want[i], f"mixed callers prompt {i}")
+            assert_identical(got[i], want[i], f"mixed callers prompt {i}")
 
         def burst(n: int) -> None:
             streams = []

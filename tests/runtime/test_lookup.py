@@ -11,8 +11,8 @@ from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.artifact import open_artifact
 from clover.runtime.tree import resolve_tree
-from helpers import run_tokens
-from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact
+from helpers import assert_identical, run_tokens
+from ort_helpers import PROMPTS, tiny_artifact
 
 
 def test_longest_latest_match_first():
@@ -43,7 +43,7 @@ def greedy_identity(art, heads, tree):
         gen = Generator(runner, tokenizer, tree, drafts="lookup")
         result = gen.generate(p, max_new_tokens=40, ignore_eos=True)
         assert result.heads == "lookup"
-        assert_same_tokens(result.token_ids, want, f"lookup on {art.name}")
+        assert_identical(result.token_ids, want, f"lookup on {art.name}")
         accepted += sum(n - 1 for n in result.accepted_per_step)
     assert accepted > 0, "no lookup draft was accepted: the test did not exercise verification"
 

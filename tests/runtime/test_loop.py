@@ -15,25 +15,9 @@ from clover.runtime.generator import Generator
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
-from helpers import OracleRunner, run_tokens, tiny_base, tiny_tokenizer_dir
+from helpers import OracleRunner, assert_identical, run_tokens, tiny_base, tiny_tokenizer_dir
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 3, 90, 12, 13, 14, 15, 16, 17, 18]]
-
-
-def assert_same(base, prompt, got, want):
-    if got == want:
-        return
-    i = next(k for k, (a, b) in enumerate(zip(got, want)) if a != b)
-    with torch.no_grad():
-        ids = torch.tensor([prompt + want[:i]])
-        from clover.models.decoder import causal_mask
-
-        T = ids.shape[1]
-        cache = base.empty_cache(1, 0)
-        logits = base(ids, torch.arange(T)[None], causal_mask(T), torch.tensor([0]), *cache).logits[0, -1]
-    top2 = torch.topk(logits, 2).values
-    pytest.fail(f"speculative output diverges from plain at index {i}: {got[i]} vs {want[i]}, "
-                f"plain top-2 logit margin there {float(top2[0] - top2[1]):.3g}")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +42,7 @@ def test_greedy_identity_every_head_and_tree(base, plain, arch, trees):
             tree = prune(spec, runner.info.heads_max_depth)
             for p in PROMPTS:
                 got, _ = run_tokens(runner, p, tree, 40)
-                assert_same(base, p, got, plain[tuple(p)])
+                assert_identical(got, plain[tuple(p)], f"{arch} heads {seed} {spec}", TorchRunner(base), p)
 
 
 def prune(spec, depth):
@@ -77,7 +61,7 @@ def test_oracle_draft_accepts_long_paths_and_stays_identical(base, plain, tree):
         want = plain[tuple(p)]
         runner = OracleRunner(base, p + want)
         got, steps = run_tokens(runner, p, t, 40)
-        assert_same(base, p, got, want)
+        assert_identical(got, want, f"oracle {tree}", TorchRunner(base), p)
         # every step but the last accepts the whole rank-0 chain: depth + bonus
         assert np.mean(steps) > 3, steps
         assert steps[0] == t.max_depth + 1
@@ -104,7 +88,8 @@ def test_sequence_near_context_end_falls_back_to_plain_steps():
     assert runner.past_length <= 40
     plain, _ = run_tokens(TorchRunner(base), prompt, resolve_tree("plain"), 100)
     # positions 0..39 fit the context; the token predicted at position 39 is the last one
-    assert out == plain and len(out) == 40 - len(prompt) + 1
+    assert_identical(out, plain, "near the context end", TorchRunner(base), prompt)
+    assert len(out) == 40 - len(prompt) + 1
 
 
 # -- Generator-level behaviour ----------------------------------------------------------------------

@@ -12,6 +12,7 @@ from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
+from helpers import assert_identical
 
 pytestmark = pytest.mark.slow
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -55,10 +56,10 @@ def test_greedy_identity_ort_speculative_ort_plain_torch_plain(setup):
     torch_plain = Generator(TorchRunner(base), tok).generate(PROMPT, chat=True, max_new_tokens=N, ignore_eos=True)
     ort_plain = Generator.load(out, heads="none", backend="ort").generate(PROMPT, chat=True, max_new_tokens=N,
                                                                           ignore_eos=True)
-    assert ort_plain.token_ids == torch_plain.token_ids
+    assert_identical(ort_plain.token_ids, torch_plain.token_ids, "ORT plain vs torch plain")
     for tree in (None, "small"):
         gen = Generator.load(out, backend="ort", tree=tree)
         r = gen.generate(PROMPT, chat=True, max_new_tokens=N, ignore_eos=True)
-        assert r.token_ids == torch_plain.token_ids, gen.tree.name
+        assert_identical(r.token_ids, torch_plain.token_ids, f"ORT {gen.tree.name} vs torch plain")
     print(f"\nSmolLM2 ({N} tokens): torch plain {torch_plain.tokens_per_second:.1f} tok/s, ORT plain "
           f"{ort_plain.tokens_per_second:.1f} tok/s (one run on a shared CPU, not a benchmark)")

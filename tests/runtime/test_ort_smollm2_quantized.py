@@ -8,6 +8,7 @@ from clover.export.artifact import export_artifact
 from clover.export.config import ExportConfig
 from clover.runtime.artifact import open_artifact
 from clover.runtime.generator import Generator
+from helpers import assert_identical
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["Give me three tips for staying healthy.", "Explain in a few sentences why the sky is blue.",
@@ -30,7 +31,7 @@ def test_int4_speculative_equals_int4_plain(int4):
         for p in PROMPTS:
             want = plain.generate(p, chat=True, max_new_tokens=N, ignore_eos=True)
             got = spec.generate(p, chat=True, max_new_tokens=N, ignore_eos=True)
-            assert got.token_ids == want.token_ids, f"{tree}: {p!r}"
+            assert_identical(got.token_ids, want.token_ids, f"int4 {tree} vs int4 plain, {p!r}")
             steps, tokens = steps + got.steps, tokens + got.new_tokens - 1
     assert tokens / steps > 1.2, "the shipped heads should draft accepted tokens on the int4 base"
 

@@ -1,27 +1,27 @@
 """TensorRT backend: binding tables and profile choice from real tiny artifacts' manifests (no TensorRT
-needed), the no-TensorRT errors, lazy imports; and, on a GPU machine with TensorRT, greedy token identity
-of engines built from a tiny artifact against ONNX Runtime."""
+needed), the no-TensorRT errors, lazy imports, and the runner's profiles on the CPU (ort_helpers.cpu_runner).
+Token identity on every runner, real TensorRT engines included: tests/runtime/test_runners.py."""
 
 import argparse
 import dataclasses
-import shutil
 import sys
 
 import pytest
 
 from clover.errors import CloverError
-from clover.export.engines import EngineLimits, profiles_for
-from clover.runtime.artifact import EngineSpec, read_manifest, uses_exported_heads
+from clover.export.engines import profiles_for
+from clover.runtime.artifact import read_manifest, uses_exported_heads
 from clover.runtime.backend import backend_module
 from clover.runtime.tensorrt import MISSING
 from clover.runtime.trt_backend import (
     BindingTable, check_engine_io, graphs_used, load_runner, max_slots,
 )
+from clover.runtime.tree import resolve_tree
 from clover.tools.cli import run_cli
-from helpers import run_python, run_tokens
-from ort_helpers import PROMPTS, assert_same_tokens, tiny_artifact
+from helpers import assert_identical, run_python, run_tokens
+from ort_helpers import PROMPTS, TRT_LIMITS, cpu_runner, tiny_artifact
 
-LIMITS = EngineLimits(max_prompt=48, max_tree=26, max_context=128, max_accepted=5, max_candidates=10)
+LIMITS = TRT_LIMITS  # cpu_runner's engines
 
 
 @pytest.fixture(scope="module")
@@ -155,126 +155,24 @@ def test_backend_is_registered():
     assert backend_module("trt").__name__ == "clover.runtime.trt_backend"
 
 
-# -- the runner's bookkeeping on the CPU -------------------------------------------------------------------
+# -- the runner's profiles on the CPU ------------------------------------------------------------------------
 
-class OrtEngine:
-    """Stands in for a TensorRT engine in the runner's bookkeeping tests, and says so: the same
-    run(inputs, sizes) contract computed by ONNX Runtime on CPU torch tensors. It checks that every call
-    fits one of the engine's optimization profiles and records which. TensorRT numerics are the GPU test's."""
-
-    def __init__(self, root, name, graph, limits):
-        ort = pytest.importorskip("onnxruntime")
-        from clover.runtime.trt_backend import torch_dtype
-
-        self.table = BindingTable.of(name, graph, profiles_for(name, graph, limits))
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        self.session = ort.InferenceSession(str(root / graph.file), opts, providers=["CPUExecutionProvider"])
-        self.out_dtypes = {b.name: torch_dtype(b.dtype) for b in self.table.outputs}
-        self.calls = []
-
-    def has_input(self, name):
-        return any(b.name == name for b in self.table.inputs)
-
-    def run(self, inputs, sizes):
-        import torch
-
-        self.calls.append(self.table.profiles[self.table.profile(sizes)].name)
-        for b in self.table.inputs:
-            assert tuple(inputs[b.name].shape) == b.shape(sizes), (b.name, inputs[b.name].shape, sizes)
-        names = [b.name for b in self.table.outputs]
-        outs = self.session.run(names, {n: t.contiguous().numpy() for n, t in inputs.items()})
-        shapes = self.table.output_shapes(sizes)
-        assert all(o.shape == shapes[n] for n, o in zip(names, outs))
-        return {n: torch.from_numpy(o) for n, o in zip(names, outs)}
-
-
-def cpu_runner(artifact, use_heads=True, limits=LIMITS, cache_block=8):
-    from clover.runtime.backend import Runner
-    from clover.runtime.trt_backend import TrtRunner, graphs_used
-
-    m = read_manifest(artifact)
-    engines = {n: OrtEngine(artifact, n, m.graphs[n], limits) for n in graphs_used(m, use_heads)}
-    runner = TrtRunner.__new__(TrtRunner)
-    Runner.__init__(runner)
-    runner._setup(m, use_heads, engines, "cpu", None, cache_block)
-    return runner, engines
-
-
-@pytest.mark.parametrize("arch", ["medusa", "clover", "clover2"])
-def test_runner_bookkeeping_matches_the_ort_backend(artifacts, arch):
-    """Same tokens and accepted lengths as OrtRunner with the same graphs: the cache growth, the 0-slot
-    prefill past, on-device compaction, and draft states of TrtRunner (small cache_block: many doublings)."""
+def test_runner_profiles_by_prompt_length(artifacts):
+    """A short prompt and plain steps fit the tighter verify profile; a prompt longer than any tree runs the
+    prefill profile, then verify; a tree larger than the engines' max_tree has no profile. The engines' slot
+    limit is the runner's context."""
     from clover.runtime.ort_backend import load_runner as load_ort
-    from clover.runtime.tree import resolve_tree
-    plain, plain_engines = cpu_runner(artifacts[arch], use_heads=False)
-    spec, engines = cpu_runner(artifacts[arch])
-    assert spec.info.backend == "trt" and spec.info.heads == arch and spec.info.max_context == LIMITS.max_context
-    ort_plain, ort_spec = load_ort(artifacts[arch], heads="none"), load_ort(artifacts[arch])
-    tree = resolve_tree("chain-3") if arch == "clover" else resolve_tree("small")
-    for p in PROMPTS:
-        want, _ = run_tokens(ort_plain, p, resolve_tree("plain"), 30)
-        assert_same_tokens(run_tokens(plain, p, resolve_tree("plain"), 30)[0], want, f"plain {arch}")
-        got, steps = run_tokens(spec, p, tree, 30)
-        assert_same_tokens(got, want, f"speculative {arch}")
-        assert steps == run_tokens(ort_spec, p, tree, 30)[1]  # the same drafts: the same acceptance
-    assert plain_engines["base"].calls[0] == "verify"  # a 5-token prompt fits the tighter profile
-    assert set(plain_engines["base"].calls) == {"verify"}
-    assert {"prefill", "verify"} >= set(engines["base"].calls)
 
-
-def test_runner_prefill_profile_for_a_long_prompt(artifacts):
-    from clover.runtime.tree import resolve_tree
-    from clover.runtime.ort_backend import load_runner as load_ort
+    plain, plain_engines = cpu_runner(artifacts["clover2"], use_heads=False)
+    assert plain.info.backend == "trt" and plain.info.max_context == LIMITS.max_context
+    run_tokens(plain, PROMPTS[0], resolve_tree("plain"), 12)
+    assert set(plain_engines["base"].calls) == {"verify"}  # the 5-token prompt too
     limits = dataclasses.replace(LIMITS, max_tree=8, max_accepted=4, max_candidates=4)
     runner, engines = cpu_runner(artifacts["clover2"], limits=limits)
     prompt = list(range(10, 40))  # 30 tokens: more than max_tree, so the prefill profile
     want, _ = run_tokens(load_ort(artifacts["clover2"], heads="none"), prompt, resolve_tree("plain"), 12)
     got, _ = run_tokens(runner, prompt, resolve_tree("chain-3"), 12)
-    assert_same_tokens(got, want, "long prompt")
-    assert engines["base"].calls[0] == "prefill" and engines["base"].calls[1] == "verify"
+    assert_identical(got, want, "long prompt")
+    assert engines["base"].calls[0] == "prefill" and set(engines["base"].calls[1:]) == {"verify"}
     with pytest.raises(CloverError, match="has no optimization profile"):
         run_tokens(runner, prompt, resolve_tree("mc26"), 4)  # a 26-node tree exceeds max_tree 8
-
-
-# -- on a GPU with TensorRT ---------------------------------------------------------------------------------
-
-def _tensorrt_gpu() -> str | None:
-    """Why the TensorRT tests cannot run here, or None."""
-    import importlib.util
-
-    if importlib.util.find_spec("tensorrt") is None:
-        return "needs TensorRT (pip install tensorrt on a GPU machine)"
-    try:
-        import torch
-    except ImportError as e:
-        return f"needs torch ({e})"
-    return None if torch.cuda.is_available() else "needs a CUDA GPU"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(_tensorrt_gpu() is not None, reason=str(_tensorrt_gpu()))
-@pytest.mark.parametrize("arch", ["medusa", "clover", "clover2"])
-def test_trt_greedy_identity_with_onnx_runtime(artifacts, tmp_path, arch):
-    from clover.export.engines import build_engines
-    from clover.runtime.artifact import file_entries, write_manifest
-    from clover.runtime.ort_backend import load_runner as load_ort
-    from clover.runtime.tree import resolve_tree
-    root = tmp_path / arch
-    shutil.copytree(artifacts[arch], root)
-    m = read_manifest(root)
-    limits = EngineLimits(max_prompt=32, max_tree=26, max_context=m.max_context, max_accepted=6, max_candidates=10)
-    engines = build_engines(root, m.graphs, m.dtype, limits, tmp_path / "timing.cache", lambda _: None)
-    assert all(isinstance(e, EngineSpec) for e in engines.values())
-    write_manifest(root, dataclasses.replace(m, backend="trt", engines=engines, files=file_entries(root)))
-    ort_plain = load_ort(artifacts[arch], heads="none")
-    with load_runner(root, heads="none") as plain, load_runner(root) as spec:
-        assert spec.info.backend == "trt" and spec.info.heads == arch
-        for p in PROMPTS:
-            want, _ = run_tokens(ort_plain, p, resolve_tree("plain"), 24)
-            got, _ = run_tokens(plain, p, resolve_tree("plain"), 24)
-            assert_same_tokens(got, want, f"TRT plain {arch} vs ORT plain")
-            tree = resolve_tree("chain-3") if arch == "clover" else resolve_tree("small")
-            got, steps = run_tokens(spec, p, tree, 24)
-            assert_same_tokens(got, want, f"TRT {arch} speculative vs ORT plain")
-            assert all(1 <= s <= tree.max_depth + 1 for s in steps)

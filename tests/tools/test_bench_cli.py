@@ -95,17 +95,18 @@ def test_concurrency_table_json_and_plot(tmp_path_factory, tmp_path, capsys):
     prompts.write_text("\n".join(json.dumps({"prompt": f"w{10 + i} w{20 + i} w30 w{40 + i}"}) for i in range(6)) + "\n")
     out = tmp_path / "c.json"
     rc = bench_main(["--artifact", str(art), "--backend", "ort", "--concurrency", "1,3", "--tree", "chain-2",
-                     "--prompts", str(prompts), "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
+                     "--control", "--prompts", str(prompts), "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
     assert rc == 0, capsys.readouterr().err
     table = capsys.readouterr().out
     assert "ttft p50" in table and "itl p95" in table and "auto" in table
     doc = json.loads(out.read_text())
     rows = [(r["concurrency"], r["mode"]) for r in doc["results"]]
-    assert rows == [(1, "plain"), (1, "chain-2"), (1, "auto"), (3, "plain"), (3, "chain-2"), (3, "auto")]
+    assert rows == [(c, m) for c in (1, 3) for m in ("plain", "plain-2", "chain-2", "auto")]  # plain-2: --control (A/A)
     for r in doc["results"]:
         assert r["identical_to_solo_plain"] == "6/6" and r["tokens_per_second"] > 0
         assert r["ttft_p95_ms"] >= r["ttft_p50_ms"] > 0 and r["itl_p95_ms"] >= r["itl_p50_ms"] >= 0
-    assert doc["results"][1]["acceptance_length"] > 1.0  # chain-2 accepted some drafts
+    assert doc["results"][2]["acceptance_length"] > 1.0  # chain-2 accepted some drafts
+    assert doc["results"][1]["acceptance_length"] == 1.0 and "A/A" in doc["control"]
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
