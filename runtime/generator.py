@@ -52,6 +52,7 @@ class GenerationResult:
     time_to_first_token: float = 0.0  # seconds from the request to its first token (queueing and prefill)
     drafted_tokens: int = 0  # drafted tokens verified, over all steps
     accepted_tokens: int = 0  # drafted tokens accepted (tokens emitted minus one bonus token per step)
+    draft_steps: int = 0  # verify steps that checked drafted tokens (plain steps draft none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -137,6 +138,7 @@ class Progress:
         self.first_token: float | None = None  # seconds from start to the first token
         self.accepted: list[int] = []  # tokens emitted per verify step
         self.drafted = 0  # drafted tokens verified (tree nodes but the root)
+        self.draft_steps = 0  # verify steps with drafted tokens
         self.step_seconds: list[float] = []
         self.timings: dict[str, float] = {}
 
@@ -151,6 +153,7 @@ class Progress:
         else:
             self.accepted.append(len(step.tokens))
             self.drafted += step.tree_nodes - 1
+            self.draft_steps += step.tree_nodes > 1
             self.step_seconds.append(step.wall)
 
     def result(self, tracker: OutputTracker, backend: str, heads: str, tree: str) -> "GenerationResult":
@@ -162,7 +165,7 @@ class Progress:
             tokens_per_step=float(np.mean(acc)) if acc else 0.0, accepted_per_step=acc, step_seconds=self.step_seconds,
             seconds=seconds, tokens_per_second=n / seconds if seconds > 0 else 0.0, timings=self.timings,
             backend=backend, heads=heads, tree=tree, time_to_first_token=self.first_token or 0.0,
-            drafted_tokens=self.drafted, accepted_tokens=sum(acc) - len(acc),
+            drafted_tokens=self.drafted, accepted_tokens=sum(acc) - len(acc), draft_steps=self.draft_steps,
         )
 
 

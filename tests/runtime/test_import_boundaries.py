@@ -33,3 +33,20 @@ def test_torch_backend_is_loaded_lazily_by_name():
         assert "available backends are torch" in str(e)
     else:
         raise AssertionError("unknown backend accepted")
+
+
+def test_the_ort_serving_path_imports_no_torch():
+    """clover-serve on ONNX Runtime: the server, the engine, the graph runner and the ORT backend need no torch."""
+    serving = ["clover.tools.serve", "clover.serve.app", "clover.runtime.engine", "clover.runtime.ort_backend",
+               "clover.runtime.graph_runner"]
+    code = (
+        "import sys\n"
+        "for name in ('torch', 'transformers', 'tensorrt'):\n"
+        "    sys.modules[name] = None\n"
+        f"for m in {serving!r}:\n"
+        "    __import__(m)\n"
+        "bad = [m for m in sys.modules if m.startswith(('clover.models', 'clover.export', 'clover.train'))]\n"
+        "assert not bad, bad\n"
+        "print('ok')\n"
+    )
+    assert run_python(code).strip() == "ok"

@@ -1,0 +1,2 @@
+"""clover.serve: the HTTP layer, an OpenAI-compatible ASGI app over clover.Engine, its schemas and Prometheus
+metrics. No model code and no torch: it imports only the runtime (DESIGN.md arrows: tools -> serve -> runtime)."""

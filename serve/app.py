@@ -1,0 +1,228 @@
+"""The OpenAI-compatible ASGI app over one `clover.Engine` (FastAPI; no model code, no torch).
+
+    POST /v1/chat/completions, POST /v1/completions   (stream: server-sent events ending with `data: [DONE]`)
+    GET  /v1/models, GET /health (200 once warmed up, else 503), GET /metrics (Prometheus text)
+
+Every error is OpenAI's error shape ({"error": {"message", "type", "param", "code"}}) with its status: 400 for a
+malformed body, a bad field or a prompt longer than the context; 401 for a missing or wrong API key; 404 for an
+unknown model; 503 with Retry-After when the engine's queue is full or it is still warming up. A client that
+disconnects cancels its request, which frees its slot at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from clover.errors import CloverError
+from clover.runtime.engine import Cancelled, Engine, EngineStream, QueueFull
+from clover.runtime.generator import GenerationResult
+from clover.runtime.sampling import SamplingParams
+from clover.serve.metrics import Metrics
+from clover.serve.schemas import (
+    ChatCompletionRequest, CompletionRequest, Speculation, Usage, error_body, new_id, now,
+)
+
+RETRY_AFTER_S = 1
+WARMUP_PROMPT = "Hello"
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+
+
+def _error_response(e: ApiError) -> JSONResponse:
+    return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return f"the request body is not valid JSON ({err.get('msg', '')}): send a JSON object", None
+    param = ".".join(loc) or None
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return (f"{param}: {msg}" if param else f"the request body is invalid: {msg}"), param
+
+
+def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: bool = True) -> FastAPI:
+    """The app serving `engine` as model `model`; with `api_key`, /v1 routes need `Authorization: Bearer KEY`.
+    warmup: /health turns 200 after one short request has run (False: at once)."""
+    metrics = Metrics(engine)
+    context = engine.runner.info.max_context
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.ready = not warmup
+        task = None
+        if warmup:
+            async def warm() -> None:
+                await engine.agenerate(WARMUP_PROMPT, max_new_tokens=2)
+                app.state.ready = True
+
+            task = asyncio.create_task(warm())
+        yield
+        if task is not None:
+            task.cancel()
+
+    app = FastAPI(title="clover-serve", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(e)
+        return _error_response(ApiError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return _error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
+                           "key clover-serve was started with", "authentication_error", code="invalid_api_key")
+
+    # -- routes -----------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        ready = request.app.state.ready and engine.error is None
+        return JSONResponse({"status": "ok" if ready else "warming up"}, status_code=200 if ready else 503)
+
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "clover-deploy",
+                                            "max_model_len": context}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        return await _complete(request, body, messages, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _complete(request, body, body.prompt_input(), chat=False)
+
+    # -- the work -----------------------------------------------------------------------------------------
+    def submit(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: Any) -> EngineStream:
+        if body.model != model:
+            raise ApiError(404, f"model {body.model!r} does not exist: this server serves {model!r} (GET /v1/models)",
+                           param="model", code="model_not_found")
+        if not request.app.state.ready:
+            raise ApiError(503, "the server is warming up: retry in a moment", "service_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        try:
+            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+            return engine.stream(prompt, max_new_tokens=body.token_limit() or context, sampling=sampling,
+                                 stop=body.stop_strings(), ignore_eos=body.ignore_eos)
+        except QueueFull as e:
+            raise ApiError(503, f"the server is busy ({e}): retry later", "service_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except CloverError as e:
+            param = "messages" if "prompt" in str(e) and hasattr(body, "messages") else None
+            raise ApiError(400, str(e), param=param) from None
+
+    async def _complete(request: Request, body, prompt: Any, chat: bool) -> Response:
+        out = submit(request, body, prompt)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            return StreamingResponse(_events(out, rid, body, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            async for _ in out:
+                if await request.is_disconnected():
+                    out.cancel()
+                    metrics.requests.labels("abort").inc()
+                    return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        except Cancelled:
+            return Response(status_code=499)
+        except CloverError as e:  # the engine failed this request's step
+            raise ApiError(500, str(e), "server_error") from None
+        result = out.result
+        reason = finish_reason(result)
+        metrics.finished(result, reason)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": reason,
+                      "logprobs": None}
+        else:
+            choice = {"index": 0, "text": result.text, "finish_reason": reason, "logprobs": None}
+        return JSONResponse({
+            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(), "model": model,
+            "choices": [choice], "usage": usage(result).model_dump(), "clover": speculation(result).model_dump(),
+        })
+
+    async def _events(out: EngineStream, rid: str, body, chat: bool) -> AsyncIterator[str]:
+        created, kind = now(), "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choice: dict[str, Any] | None, **extra: Any) -> str:
+            doc = {"id": rid, "object": kind, "created": created, "model": model,
+                   "choices": [] if choice is None else [{"index": 0, "logprobs": None, **choice}], **extra}
+            return f"data: {json.dumps(doc)}\n\n"
+
+        def piece(text: str, reason: str | None = None) -> dict[str, Any]:
+            if chat:
+                return {"delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
+            return {"text": text, "finish_reason": reason}
+
+        try:
+            if chat:
+                yield chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            async for delta in out:
+                if delta.text:
+                    yield chunk(piece(delta.text))
+            result = out.result
+            reason = finish_reason(result)
+            metrics.finished(result, reason)
+            yield chunk(piece("", reason), clover=speculation(result).model_dump())
+            if body.include_usage:
+                yield chunk(None, usage=usage(result).model_dump())
+        except Cancelled:
+            return
+        except CloverError as e:  # the engine failed this request's step: say so in the stream
+            yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+        finally:
+            if out.result is None:  # a client that went away (the response task is cancelled): free its slot
+                out.cancel()
+                metrics.requests.labels("abort").inc()
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def finish_reason(result: GenerationResult) -> str:
+    return "length" if result.finish_reason == "length" else "stop"
+
+
+def usage(result: GenerationResult) -> Usage:
+    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.new_tokens,
+                 total_tokens=result.prompt_tokens + result.new_tokens)
+
+
+def speculation(result: GenerationResult) -> Speculation:
+    return Speculation(acceptance_length=round(result.tokens_per_step, 4), steps=result.steps,
+                       drafted_tokens=result.drafted_tokens, accepted_tokens=result.accepted_tokens, tree=result.tree)

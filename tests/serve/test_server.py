@@ -1,0 +1,289 @@
+"""clover-serve for real: uvicorn on 127.0.0.1 (a free port) over a clover.Engine on a tiny fused artifact, driven
+by the official `openai` client (sync and async, streaming and not) and by raw HTTP for malformed requests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from clover.runtime.engine import Engine
+from clover.runtime.generator import Generator
+from clover.runtime.ort_backend import load_runner
+from clover.runtime.tokenizer import Tokenizer
+from clover.serve.app import create_app
+from clover.tools.serve import serve
+from ort_helpers import tiny_artifact
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+PROMPTS = [f"w{10 + i} w{20 + (i * 7) % 60} w30 w{40 + i}" for i in range(16)]
+MAX_TOKENS = 24
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """An app under uvicorn in a thread of this process; `url` is its /v1 base."""
+
+    def __init__(self, engine: Engine, api_key: str | None = None) -> None:
+        self.engine, self.port = engine, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        app = create_app(engine, MODEL, api_key=api_key)
+        box = {}
+        self.thread = threading.Thread(target=serve, args=(app, "127.0.0.1", self.port, 5.0, lambda s: box.setdefault("s", s)),
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the server did not become healthy in 30 s")
+        self.server = box["s"]
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", attention="fused")
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    engine = Engine.load(artifact, tree="auto", max_batch=4, max_waiting=64, log=None)
+    s = Server(engine)
+    yield s
+    s.close()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def solo(artifact):
+    """Plain greedy decoding of each prompt alone (same graphs): what every greedy request must return."""
+    gen = Generator(load_runner(artifact, heads="none"), Tokenizer.from_dir(artifact / "tokenizer"), "plain")
+    return lambda prompt, chat=True, **kw: gen.generate([{"role": "user", "content": prompt}] if chat else prompt,
+                                                        max_new_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw)
+
+
+def client(server, **kw):
+    return openai.OpenAI(base_url=server.url, api_key=kw.pop("api_key", "unused"), max_retries=0, **kw)
+
+
+def test_chat_and_completion_equal_solo_plain_with_exact_usage(server, solo):
+    c = client(server)
+    assert [m.id for m in c.models.list().data] == [MODEL]
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0,
+                                  max_tokens=MAX_TOKENS)
+    want = solo(PROMPTS[0])
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want.prompt_tokens, want.new_tokens)
+    assert r.usage.total_tokens == want.prompt_tokens + want.new_tokens
+    spec = r.model_extra["clover"]
+    assert spec["steps"] >= 1 and spec["acceptance_length"] >= 1 and spec["accepted_tokens"] <= spec["drafted_tokens"]
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[1], temperature=0, max_tokens=MAX_TOKENS)
+    want = solo(PROMPTS[1], chat=False)
+    assert r.choices[0].text == want.text and r.usage.completion_tokens == want.new_tokens
+
+
+def test_sixteen_concurrent_greedy_requests_each_equal_their_solo_decoding(server, solo):
+    async def main():
+        c = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        return await asyncio.gather(*(c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=MAX_TOKENS) for p in PROMPTS))
+
+    got = asyncio.run(main())
+    for p, r in zip(PROMPTS, got):
+        assert r.choices[0].message.content == solo(p).text, p
+
+
+def test_streaming_adds_up_with_usage_and_stop_strings_never_leak(server, solo):
+    c = client(server)
+    want = solo(PROMPTS[2])
+    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], temperature=0,
+                                            max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == want.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        "length" if want.finish_reason == "length" else "stop"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.new_tokens
+    # a stop string from the middle of the output: cut before it, never sent, counted exactly
+    words = want.text.split()
+    stop = " " + words[len(words) // 2]
+    cut = solo(PROMPTS[2], stop=[stop])
+    assert stop not in cut.text and want.text.startswith(cut.text)
+    for stream in (False, True):
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], temperature=0,
+                                      max_tokens=MAX_TOKENS, stop=stop, stream=stream,
+                                      **({"stream_options": {"include_usage": True}} if stream else {}))
+        if stream:
+            parts = list(r)
+            got = "".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices)
+            tokens, reason = parts[-1].usage.completion_tokens, [ch.choices[0].finish_reason for ch in parts if ch.choices][-1]
+        else:
+            got, tokens, reason = r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason
+        assert (got, tokens, reason) == (cut.text, cut.new_tokens, "stop")
+
+
+def test_seeded_sampling_is_reproducible(server):
+    c = client(server)
+    ask = lambda seed: c.completions.create(model=MODEL, prompt=PROMPTS[3], temperature=0.9, top_p=0.95, seed=seed,
+                                            max_tokens=12).choices[0].text
+    assert ask(7) == ask(7)
+
+
+def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, artifact):
+    base = server.url
+    post = lambda path, body, **kw: httpx.post(base + path, content=body if isinstance(body, str) else json.dumps(body),
+                                               headers={"content-type": "application/json"}, timeout=10, **kw)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "w10"}], "max_tokens": 4}
+    cases = [
+        ("/chat/completions", "{not json", 400, None),
+        ("/chat/completions", {**chat, "temperature": -1}, 400, "temperature"),
+        ("/chat/completions", {**chat, "n": 2}, 400, "n"),
+        ("/chat/completions", {**chat, "messages": []}, 400, "messages"),
+        ("/chat/completions", {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, None),
+        ("/chat/completions", {**chat, "max_tokens": 0}, 400, "max_tokens"),
+        ("/chat/completions", {**chat, "model": "gpt-9"}, 404, "model"),
+        ("/chat/completions", {**chat, "messages": [{"role": "user", "content": "w7 " * 400}]}, 400, None),
+        ("/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ("/completions", {"model": MODEL, "prompt": ["w1", "w2"]}, 400, "prompt"),
+    ]
+    for path, body, status, param in cases:
+        r = post(path, body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert err["message"] and "\n" not in err["message"] and err["type"], r.text
+        if param:
+            assert err["param"] == param, r.text
+    assert "context" in post("/chat/completions", cases[7][1]).json()["error"]["message"]
+    assert httpx.get(base + "/nothing", timeout=5).status_code == 404
+    # still serving
+    r = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w10 w11"}], max_tokens=4)
+    assert r.choices[0].message.content is not None
+
+
+def test_a_disconnected_stream_frees_its_slot(server):
+    engine, base = server.engine, server.url.removesuffix("/v1")
+    aborted = lambda: sum(float(line.split()[-1]) for line in httpx.get(base + "/metrics", timeout=5).text.splitlines()
+                          if line.startswith('clover:request_success_total{finished_reason="abort"}'))
+    before = aborted()
+    for _ in range(5):  # the tiny model is fast: retry until the request is still running when the client leaves
+        with httpx.stream("POST", server.url + "/completions", timeout=10, json={
+                "model": MODEL, "prompt": PROMPTS[4], "max_tokens": 200, "temperature": 0, "stream": True,
+                "ignore_eos": True}) as r:
+            next(r.iter_lines())  # the first event
+            running = len(engine.scheduler.running)
+        if running:
+            break
+    assert running == 1, "every request ended before its client disconnected"
+    deadline = time.time() + 10
+    while (engine.scheduler.running or aborted() == before) and time.time() < deadline:
+        time.sleep(0.02)
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert aborted() == before + 1
+    assert "clover:num_requests_running 0.0" in httpx.get(base + "/metrics", timeout=5).text
+
+
+def test_metrics_count_what_was_served(server):
+    c = client(server)
+    get = lambda: {line.split(" ")[0]: float(line.split(" ")[1]) for line in
+                   httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=5).text.splitlines()
+                   if line and not line.startswith("#")}
+    before = get()
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[5], temperature=0, max_tokens=16)
+    after = get()
+    delta = lambda k: after.get(k, 0.0) - before.get(k, 0.0)
+    assert delta("clover:generation_tokens_total") == r.usage.completion_tokens
+    assert delta("clover:prompt_tokens_total") == r.usage.prompt_tokens
+    spec = r.model_extra["clover"]
+    assert delta("clover:spec_decode_num_draft_tokens_total") == spec["drafted_tokens"]
+    assert delta("clover:spec_decode_num_accepted_tokens_total") == spec["accepted_tokens"]
+    assert delta("clover:time_to_first_token_seconds_count") == 1
+    assert delta("clover:inter_token_latency_seconds_count") == r.usage.completion_tokens - 1  # after the first
+    for name in ("clover:spec_decode_num_drafts_total", "clover:num_requests_waiting", "clover:batch_size"):
+        assert name in after
+
+
+def test_api_key_and_a_full_queue(artifact):
+    engine = Engine.load(artifact, tree="plain", max_batch=1, max_waiting=1, log=None)
+    s = Server(engine, api_key="sesame")
+    try:
+        with pytest.raises(openai.AuthenticationError) as e:
+            client(s, api_key="wrong").models.list()
+        assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+        assert httpx.get(s.url + "/models", timeout=5).status_code == 401
+        assert [m.id for m in client(s, api_key="sesame").models.list().data] == [MODEL]
+        # a burst of 12 at max_batch 1 and max_waiting 1: the queue fills, the rest are turned away with
+        # Retry-After, every other request completes, and the server keeps serving
+        body = {"model": MODEL, "prompt": PROMPTS[6], "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60, headers={"authorization": "Bearer sesame"}) as h:
+                return await asyncio.gather(*(h.post(s.url + "/completions", json=body) for _ in range(12)))
+
+        replies = asyncio.run(burst())
+        codes = sorted(r.status_code for r in replies)
+        assert 503 in codes and 200 in codes and set(codes) == {200, 503}, codes
+        busy = next(r for r in replies if r.status_code == 503)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "service_unavailable"
+        assert all(r.json()["usage"]["completion_tokens"] == 64 for r in replies if r.status_code == 200)
+        assert client(s, api_key="sesame").completions.create(model=MODEL, prompt="w10", max_tokens=2).choices[0].text
+    finally:
+        s.close()
+        engine.close()
+
+
+def test_clover_serve_drains_on_sigterm_and_exits_0(artifact):
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "clover.tools.serve", "--artifact", str(artifact), "--port", str(port),
+                             "--max-batch", "2", "--tree", "plain", "--model", MODEL],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "CLOVER_API_KEY": ""})
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        else:
+            raise AssertionError(proc.stderr.read() if proc.poll() is not None else "not healthy in 60 s")
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        with httpx.stream("POST", url, json={"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 60, "temperature": 0,
+                                             "stream": True, "ignore_eos": True}, timeout=30) as r:
+            it = r.iter_lines()
+            lines = [next(it)]
+            proc.send_signal(signal.SIGTERM)  # in flight: it must still finish
+            lines += list(it)
+        assert "data: [DONE]" in lines[-3:], lines[-3:]
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert len("".join(e["choices"][0]["text"] for e in events).split()) == 60  # all of it (one word per token)
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(30) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

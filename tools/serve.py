@@ -1,0 +1,110 @@
+"""clover-serve: an OpenAI-compatible HTTP server over one clover.Engine (clover.serve.app).
+
+    clover-serve --artifact DIR | --demo [--backend ort|trt] [--host 127.0.0.1] [--port 8000] [--max-batch N]
+                 [--tree auto|NAME] [--api-key KEY] [--model NAME]
+
+SIGTERM or SIGINT stops accepting connections, lets in-flight requests finish (at most --drain-seconds), and
+exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from clover.errors import CloverError
+from clover.tools.cli import run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clover-serve", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--artifact", type=Path, help="folder written by clover-export")
+    src.add_argument("--demo", action="store_true", help="the `make demo` artifact (SmolLM2 int4 + the shipped Clover-2 "
+                     "heads; exported into the cache first if missing)")
+    p.add_argument("--backend", choices=("ort", "trt"), default=None, help="default: trt for an artifact with "
+                   "TensorRT engines, else ort")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded at once")
+    p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond those (more get 503)")
+    p.add_argument("--tree", default="auto", help="'auto' (per step, per sequence, by measured cost) or a tree name")
+    p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"), help="require 'Authorization: Bearer KEY' "
+                   "on /v1 routes (default: $CLOVER_API_KEY, else none)")
+    p.add_argument("--model", default=None, help="the model name clients send (default: the artifact folder's name)")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM / SIGINT, wait this long at most "
+                   "for in-flight requests")
+    return p
+
+
+def serve(app, host: str, port: int, drain_seconds: float, ready=None) -> None:
+    """Run `app` under uvicorn until SIGTERM / SIGINT, then drain and return (exit 0, not the signal's)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises a captured signal after its graceful shutdown, so the process would die of
+            # SIGTERM (exit 143) having drained: handle it, and let main return 0.
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=drain_seconds)
+    server = Server(config)
+    if ready is not None:
+        ready(server)
+    server.run()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise CloverError(f"clover-serve needs the serve extra ({e.name} is missing): pip install 'clover-deploy[serve]'") from None
+    from clover.runtime.artifact import read_manifest
+    from clover.runtime.engine import Engine
+    from clover.serve.app import create_app
+
+    if args.demo:
+        from clover.tools.demo import cached_artifact
+
+        args.artifact = cached_artifact("smollm2", "smollm2-clover2")
+    if not 0 < args.port < 65536:
+        raise CloverError(f"--port must be in 1..65535, got {args.port}")
+    if args.drain_seconds < 0:
+        raise CloverError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
+    engine = Engine.load(args.artifact, backend=backend, tree=args.tree, max_batch=args.max_batch, threads=args.threads,
+                         max_waiting=args.max_waiting)
+    model = args.model or args.artifact.resolve().name
+    try:
+        app = create_app(engine, model, api_key=args.api_key or None)
+        print(f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "
+              f"{args.tree}{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
+        serve(app, args.host, args.port, args.drain_seconds)
+    finally:
+        engine.close()
+    print("clover-serve: stopped", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("clover-serve", build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
