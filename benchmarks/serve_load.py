@@ -101,7 +101,8 @@ async def http_load(url: str, prompts: list[str], clients: int, seconds: float, 
                 errors[0] += 1
 
     start = time.perf_counter()
-    await asyncio.gather(*(client() for _ in range(clients)))
+    async with c:  # closes its connections before asyncio.run closes the loop
+        await asyncio.gather(*(client() for _ in range(clients)))
     wall = time.perf_counter() - start
     return {"requests": done[0], "errors": errors[0], "tokens": tokens[0], "seconds": wall, "ttft": ttft, "gaps": gaps}
 

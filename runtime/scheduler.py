@@ -197,7 +197,6 @@ class FixedTrees:
 
 
 EXPLORE_WITHIN = 0.85  # a sequence explores a deeper level only where the predicted rate keeps this share
-EXPLORE_MEASURED, EXPLORE_SLOWDOWN = 256, 8  # trials at a depth after which it is explored 8x less often
 
 
 class AutoTrees:
@@ -207,8 +206,7 @@ class AutoTrees:
     plus each level's measured drafting time. Plain is always a candidate and a deeper level is taken only
     when it raises the predicted rate, so speculation does not cost throughput. Every `explore`-th step one
     sequence (in turn) tries one level deeper than chosen if that is predicted to keep at least EXPLORE_WITHIN
-    of the rate, so acceptance stays measured near the break-even point at a bounded cost; EXPLORE_SLOWDOWN
-    times less often once the engine has EXPLORE_MEASURED trials at that depth. Unmeasured drafting
+    of the rate, so acceptance stays measured near the break-even point at a bounded cost. Unmeasured drafting
     costs start at a tenth of a 1-row verify per drafted depth."""
 
     name = "auto"
@@ -274,14 +272,12 @@ class AutoTrees:
             emitted += tokens[i, lv] - tokens[i, level[i]]
             level[i] = lv
         # exploration: every `explore` steps one sequence (in turn) tries one level deeper, where that is
-        # predicted to keep most of the rate; once the engine has measured that depth well, 8x less often (each
-        # try also has the heads catch up on every row since the sequence last drafted)
+        # predicted to keep most of the rate
         self.clock += 1
         if self.clock % self.explore == 0:
             i = decoding[(self.clock // self.explore) % len(decoding)]
             lv = level[i] + 1
-            measured = lv < len(self.levels) and self.engine.trials[lv, 0] >= EXPLORE_MEASURED
-            if lv < len(self.levels) and (not measured or self.clock % (self.explore * EXPLORE_SLOWDOWN) == 0):
+            if lv < len(self.levels):
                 r, dr = rows + nodes[lv] - nodes[level[i]], drafted + draft_ms[lv] - draft_ms[level[i]]
                 if (emitted + tokens[i, lv] - tokens[i, level[i]]) / (self.cost(r, n) + dr) >= EXPLORE_WITHIN * rate:
                     level[i] = lv

@@ -20,6 +20,8 @@ from pathlib import Path
 from clover.errors import CloverError
 from clover.tools.cli import run_cli
 
+DEMO_MODEL = "smollm2-clover2"  # the model name `--demo` serves
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clover-serve", description=__doc__.splitlines()[0])
@@ -37,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"), help="require 'Authorization: Bearer KEY' "
                    "on /v1 routes (default: $CLOVER_API_KEY, else none)")
-    p.add_argument("--model", default=None, help="the model name clients send (default: the artifact folder's name)")
+    p.add_argument("--model", default=None, help="the model name clients send (default: the artifact folder's name; smollm2-clover2 with --demo)")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM / SIGINT, wait this long at most "
                    "for in-flight requests")
     return p
@@ -90,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
     engine = Engine.load(args.artifact, backend=backend, tree=args.tree, max_batch=args.max_batch, threads=args.threads,
                          max_waiting=args.max_waiting)
-    model = args.model or args.artifact.resolve().name
+    model = args.model or (DEMO_MODEL if args.demo else args.artifact.resolve().name)
     try:
         app = create_app(engine, model, api_key=args.api_key or None)
         print(f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "

@@ -110,18 +110,3 @@ def test_a_prompt_in_the_step_does_not_sway_the_choice():
     mixed = [t.max_depth for t in policy.choose(decodings(3) + [prompt])]
     assert mixed == alone + [0] and alone == [0, 0, 0]
 
-
-def test_exploration_slows_down_once_a_depth_is_measured():
-    """Plain is best here; every 4th step one sequence tries one level deeper, until the engine has
-    EXPLORE_MEASURED trials at that depth, then EXPLORE_SLOWDOWN times less often."""
-    from clover.runtime.scheduler import EXPLORE_MEASURED, EXPLORE_SLOWDOWN
-
-    rows_cost = VerifyCost({1: 10.0, 2: 14.0, 64: 200.0})  # chain-1 at q 0.3: 0.93x plain, explored
-    policy = AutoTrees(resolve_tree("chain-4"), rows_cost, explore=4)
-    with_acceptance(policy, 0.3, steps=EXPLORE_MEASURED // 2)  # depth 1 not yet well measured
-    policy.draft_ms[:] = 0.0
-    batch = decodings(2)
-    tries = lambda steps: sum(t.max_depth > 0 for _ in range(steps) for t in policy.choose(batch))
-    assert tries(64) == 64 // 4
-    with_acceptance(policy, 0.3, steps=EXPLORE_MEASURED)
-    assert tries(64 * EXPLORE_SLOWDOWN) == 64 // 4
