@@ -4,8 +4,11 @@ identity assertion (`assert_identical`)."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -165,3 +168,43 @@ def run_python(code: str) -> str:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """clover-serve's app over `engine` under uvicorn on 127.0.0.1 (a free port), in a thread of this process;
+    `url` is its /v1 base."""
+
+    def __init__(self, engine, model: str, api_key: str | None = None) -> None:
+        import httpx
+
+        from clover.serve.app import create_app
+        from clover.tools.serve import serve
+
+        self.engine, self.port = engine, free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        app = create_app(engine, model, api_key=api_key)
+        box = {}
+        self.thread = threading.Thread(target=serve, args=(app, "127.0.0.1", self.port, 5.0, lambda s: box.setdefault("s", s)),
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        else:
+            raise AssertionError("the server did not become healthy in 30 s")
+        self.server = box["s"]
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

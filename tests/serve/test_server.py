@@ -7,10 +7,8 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -20,8 +18,7 @@ from clover.runtime.engine import Engine
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
-from clover.serve.app import create_app
-from clover.tools.serve import serve
+from helpers import Server, free_port
 from ort_helpers import tiny_artifact
 
 openai = pytest.importorskip("openai")
@@ -29,40 +26,6 @@ openai = pytest.importorskip("openai")
 MODEL = "tiny"
 PROMPTS = [f"w{10 + i} w{20 + (i * 7) % 60} w30 w{40 + i}" for i in range(16)]
 MAX_TOKENS = 24
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """An app under uvicorn in a thread of this process; `url` is its /v1 base."""
-
-    def __init__(self, engine: Engine, api_key: str | None = None) -> None:
-        self.engine, self.port = engine, free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1"
-        app = create_app(engine, MODEL, api_key=api_key)
-        box = {}
-        self.thread = threading.Thread(target=serve, args=(app, "127.0.0.1", self.port, 5.0, lambda s: box.setdefault("s", s)),
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        else:
-            raise AssertionError("the server did not become healthy in 30 s")
-        self.server = box["s"]
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +36,7 @@ def artifact(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(artifact):
     engine = Engine.load(artifact, tree="auto", max_batch=4, max_waiting=64, log=None)
-    s = Server(engine)
+    s = Server(engine, MODEL)
     yield s
     s.close()
     engine.close()
@@ -230,7 +193,7 @@ def test_metrics_count_what_was_served(server):
 
 def test_api_key_and_a_full_queue(artifact):
     engine = Engine.load(artifact, tree="plain", max_batch=1, max_waiting=1, log=None)
-    s = Server(engine, api_key="sesame")
+    s = Server(engine, MODEL, api_key="sesame")
     try:
         with pytest.raises(openai.AuthenticationError) as e:
             client(s, api_key="wrong").models.list()
