@@ -385,11 +385,15 @@ class GraphRunner(Runner):
         if seq.cache.slots == min(slot.capacity, self.cache_block) and len(self._free) < FREE_CACHES:
             self._free.append((seq.cache, self.drafter.release(seq.draft) if self.drafter is not None else None))
 
+    def _make_room(self, slot: Slot, new: int) -> None:
+        """The slot's cache holds its past and `new` rows (an in-place graph: at least 2, see the class doc)."""
+        slot.state.cache.ensure(slot.past + max(new, 1 + self.in_place), slot.past, slot.capacity + self.in_place)
+
     def _forward(self, slot, tokens, depths, mask, last_only):
         seq, P, T, a = slot.state, slot.past, tokens.shape[0], self.arrays
         rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
         with a.scope():
-            seq.cache.ensure(P + max(T, 1 + self.in_place), P, slot.capacity + self.in_place)
+            self._make_room(slot, T)
             past, into, dims = seq.cache.bound(P)
             seq.last = self.base.run({
                 "input_ids": a.put(tokens.astype(np.int64, copy=False)[None]),  # [1, T]

@@ -191,9 +191,8 @@ class OrtRunner(GraphRunner):
             if v is None:  # not in this step: its nodes run on 2 dummy rows over an idle 2-slot buffer
                 cache = self._idle.get(b) or self._idle.setdefault(b, KVCache(self.base_spec, 2, self.arrays, shared=True))
             else:
-                cache, P, T = v.slot.state.cache, v.slot.past, v.tokens.shape[0]
-                cache.ensure(P + max(T, 2), P, v.slot.capacity + 1)  # 2 rows or more (fused)
-                counts[b], pasts[b] = T, P
+                self._make_room(v.slot, len(v.tokens))
+                cache, counts[b], pasts[b] = v.slot.state.cache, len(v.tokens), v.slot.past
             past, present, _ = cache.bound(pasts[b], slot=b)
             caches.update(past)
             into.update(present)

@@ -176,13 +176,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(port: int, seconds: float) -> bool:
+    """Poll a server's GET /health on 127.0.0.1 until it answers 200 (True) or `seconds` pass (False)."""
+    import httpx
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    return False
+
+
 class Server:
     """clover-serve's app over `engine` under uvicorn on 127.0.0.1 (a free port), in a thread of this process;
     `url` is its /v1 base."""
 
     def __init__(self, engine, model: str, api_key: str | None = None) -> None:
-        import httpx
-
         from clover.serve.app import create_app
         from clover.tools.serve import serve
 
@@ -193,15 +206,7 @@ class Server:
         self.thread = threading.Thread(target=serve, args=(app, "127.0.0.1", self.port, 5.0, lambda s: box.setdefault("s", s)),
                                        daemon=True)
         self.thread.start()
-        deadline = time.time() + 30
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        else:
+        if not wait_healthy(self.port, 30):
             raise AssertionError("the server did not become healthy in 30 s")
         self.server = box["s"]
 

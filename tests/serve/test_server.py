@@ -18,7 +18,7 @@ from clover.runtime.engine import Engine
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
-from helpers import Server, free_port
+from helpers import Server, free_port, wait_healthy
 from ort_helpers import tiny_artifact
 
 openai = pytest.importorskip("openai")
@@ -226,14 +226,7 @@ def test_clover_serve_drains_on_sigterm_and_exits_0(artifact):
                              "--max-batch", "2", "--tree", "plain", "--model", MODEL],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "CLOVER_API_KEY": ""})
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
-        else:
+        if not wait_healthy(port, 60):
             raise AssertionError(proc.stderr.read() if proc.poll() is not None else "not healthy in 60 s")
         url = f"http://127.0.0.1:{port}/v1/completions"
         with httpx.stream("POST", url, json={"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 60, "temperature": 0,
