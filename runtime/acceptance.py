@@ -85,7 +85,8 @@ def accept_greedy(tree: Tree, node_tokens: np.ndarray, target_logits: np.ndarray
 
 
 def verify_node(
-    p: np.ndarray, q: np.ndarray, candidates: Sequence[int] | np.ndarray, rng: np.random.Generator
+    p: np.ndarray, q: np.ndarray, candidates: Sequence[int] | np.ndarray, rng: np.random.Generator,
+    point: int | None = None,
 ) -> tuple[int, int]:
     """Recursive rejection sampling over one node's siblings; the emitted token has law p exactly.
 
@@ -94,6 +95,9 @@ def verify_node(
         q: [V] draft distribution the candidates were drawn from, sequentially without replacement.
         candidates: distinct token ids in draw (rank) order; may be empty.
         rng: numpy generator.
+        point: a last candidate proposed with a point-mass law (prompt lookup), verified after the
+            sampled ones: accepted with probability p_j(point), else removed from the residual (the same
+            rule with q_j = its point mass). Index len(candidates) when accepted.
 
     Returns:
         (index into candidates of the accepted one, its token), or (-1, bonus token drawn from the
@@ -118,7 +122,7 @@ def verify_node(
     p_j = np.array(p, dtype=np.float64)  # [V] private copy
     p_j /= p_j.sum()
     if len(candidates) == 0:
-        return -1, sample_token(p_j, rng)
+        return _verify_point(p_j, point, 0, rng)
     q_j = np.array(q, dtype=np.float64)  # [V] private copy: updated in place below
     q_j /= q_j.sum()
     for j, x in enumerate(candidates):
@@ -146,6 +150,21 @@ def verify_node(
         q_rest = q_j.sum()
         if q_rest > 0:
             q_j /= q_rest
+    return _verify_point(p_j, point, len(candidates), rng)
+
+
+def _verify_point(p_j: np.ndarray, point: int | None, index: int, rng: np.random.Generator) -> tuple[int, int]:
+    """The last stage of verify_node: a point-mass candidate (accept with probability p_j(x), else the residual
+    is p_j without x), then the bonus token from what is left."""
+    if point is not None:
+        x = int(point)
+        if rng.random() < p_j[x]:
+            return index, x
+        rest = p_j.sum() - p_j[x]
+        if rest > 0:  # else x held all the mass and was accepted with probability 1
+            p_j = p_j.copy()
+            p_j[x] = 0.0
+            p_j /= rest
     return -1, sample_token(p_j, rng)
 
 
@@ -156,6 +175,7 @@ def accept_sampling(
     target_probs: np.ndarray,
     draft_probs: np.ndarray,
     rng: np.random.Generator,
+    point: np.ndarray | None = None,
 ) -> Acceptance:
     """Lossless acceptance for sampled drafts: the emitted tokens have the base model's sampling law.
 
@@ -168,6 +188,8 @@ def accept_sampling(
         draft_probs: [T, V] row i is the law node i's children were drawn from, sequentially without
             replacement in rank order; rows of childless nodes are ignored (a broadcast view is fine).
         rng: numpy generator.
+        point: [T] bool or None; point nodes were proposed with a point-mass law (prompt lookup), at most
+            one per parent, verified after their sampled siblings (verify_node's `point`).
 
     Returns:
         The accepted path and the bonus token drawn from the residual at the last accepted node.
@@ -187,7 +209,10 @@ def accept_sampling(
     path = [0]
     while True:
         kids = [int(c) for c in tree.children[node] if node_valid[c]]
-        idx, token = verify_node(target_probs[node], draft_probs[node], node_tokens[kids], rng)
+        points = [c for c in kids if point is not None and point[c]]
+        kids = [c for c in kids if c not in points] + points  # the point candidate is verified last
+        idx, token = verify_node(target_probs[node], draft_probs[node], node_tokens[kids[:len(kids) - len(points)]],
+                                 rng, int(node_tokens[points[0]]) if points else None)
         if idx < 0:
             return _acceptance(path, token)
         node = kids[idx]

@@ -30,8 +30,8 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.backend import Runner
 from clover.runtime.generator import (
-    DEFAULT_LOOKUP_DRAFTS, GenerationResult, Progress, check_prompt_fits, choose_tree, default_tree, encode_prompt,
-    load_backend,
+    DEFAULT_LOOKUP_DRAFTS, GenerationResult, Progress, check_prompt_fits, choose_tree, default_tree, drafts_label,
+    encode_prompt, load_backend,
 )
 from clover.runtime.loop import PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
@@ -309,7 +309,7 @@ class Engine:
             r.sent = len(ids)
         if done:
             info = self.runner.info
-            self._retire(r, r.progress.result(r.tracker, info.backend, "lookup" if self.drafts == "lookup" else info.heads_name,
+            self._retire(r, r.progress.result(r.tracker, info.backend, drafts_label(self.drafts, info),
                                               AUTO if isinstance(self.policy, AutoTrees) else self.tree.name))
 
     def _retire(self, r: Request, end: GenerationResult | BaseException) -> None:

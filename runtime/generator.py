@@ -26,6 +26,7 @@ from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import Tree, prune_tree, resolve_tree
 
 DEFAULT_TREE = "mc26"
+LOOKUP_SUFFIX = "+lookup"  # heads "NAME+lookup": prompt-lookup drafts merged into the heads' tree
 DEFAULT_LOOKUP_DRAFTS = 3  # drafted tokens per step at most with drafts="lookup" (benchmarks/peers.py)
 
 
@@ -107,6 +108,11 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[
     return ids
 
 
+def drafts_label(drafts: str, info: RunnerInfo) -> str:
+    """What drafted, for results and reports: lookup, the heads' name, or NAME+lookup."""
+    return "lookup" if drafts == "lookup" else info.heads_name + (LOOKUP_SUFFIX if drafts == "heads+lookup" else "")
+
+
 def check_prompt_fits(ids: Sequence[int], context: int) -> None:
     if len(ids) >= context:
         raise CloverError(
@@ -118,11 +124,14 @@ def check_prompt_fits(ids: Sequence[int], context: int) -> None:
 def load_backend(base: str | Path, heads: str | None, backend: str, dtype: str | None = None,
                  threads: int | None = None, **options: Any) -> tuple[Runner, Tokenizer, str]:
     """The backend's runner, the base's tokenizer and the draft source, from CLI-style specs (Generator.load,
-    Engine.load): heads "lookup" is prompt lookup on the base alone; heads and dtype left None take the
+    Engine.load): heads "lookup" is prompt lookup on the base alone, "NAME+lookup" (or "+lookup" for the
+    backend's default heads) adds its drafts to the heads' tree; heads and dtype left None take the
     backend's defaults; `threads` reaches the torch and ort backends; `options` go to load_runner as they are."""
     module = backend_module(backend)
     drafts = "lookup" if heads == "lookup" else "heads"
     heads = "none" if drafts == "lookup" else heads
+    if heads is not None and heads.endswith(LOOKUP_SUFFIX):  # NAME+lookup, or +lookup: the default heads
+        drafts, heads = "heads+lookup", heads.removesuffix(LOOKUP_SUFFIX) or None
     given = {k: v for k, v in (("heads", heads), ("dtype", dtype)) if v is not None} | options
     if threads is not None and backend in ("torch", "ort"):
         given["threads"] = threads
@@ -243,4 +252,4 @@ class GenerationStream:
         if tail:
             yield tail
         self.result = progress.result(tracker, runner.info.backend,
-                                      "lookup" if gen.drafts == "lookup" else runner.info.heads_name, gen.tree.name)
+                                      drafts_label(gen.drafts, runner.info), gen.tree.name)

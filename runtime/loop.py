@@ -25,7 +25,8 @@ from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_wi
 from clover.runtime.tree import Tree, compile_tree, resolve_tree
 
 PLAIN = compile_tree([], name="plain")
-DRAFT_SOURCES = ("heads", "lookup")
+DRAFT_SOURCES = ("heads", "lookup", "heads+lookup")
+MERGED_LOOKUP_DRAFTS = 3  # drafts="heads+lookup": lookup tokens added to the heads' tree per step at most
 
 
 @functools.cache
@@ -43,6 +44,10 @@ class Step:
     tree: Tree | None = None  # the tree verified (None for the prefill)
     rows: int = 1  # rows this sequence put in the step's forward (its tree's nodes, or its prompt chunk)
     path: np.ndarray | None = None  # its accepted node ids, root first
+    # drafts="heads+lookup": the heads' own tree and the accepted path's part in it (what their acceptance
+    # statistics count); None when the step's tree is the heads' tree
+    heads_tree: Tree | None = None
+    heads_path: np.ndarray | None = None
     draft_seconds: float = 0.0  # this sequence's share of the draft phase
     # draft / verify / accept / commit (prefill for step 0), and "engine": the part of the step spent in the
     # engine's own calls (absent where the backend cannot tell); the rest of the step is host time.
@@ -59,6 +64,10 @@ class Draft:
     tokens: np.ndarray  # [T] int64, node 0 = root
     valid: np.ndarray  # [T] bool: a node (and its subtree) is invalid when its draft had too few tokens
     probs: np.ndarray | None  # [T, V] draft law each node's children were sampled from (sampling only)
+    # drafts="heads+lookup": [T] bool, node i came from prompt lookup (a point-mass law, verified after its
+    # parent's sampled children); `heads[i]` is node i's id in the heads' own tree (-1 for lookup nodes)
+    point: np.ndarray | None = None
+    heads: np.ndarray | None = None
 
 
 def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingParams, rng: np.random.Generator,
@@ -102,12 +111,60 @@ def lookup_draft(root_token: int, proposal: np.ndarray, sampling: SamplingParams
     return Draft(tokens, np.ones(len(tokens), dtype=bool), probs)
 
 
+@functools.lru_cache(maxsize=1024)
+def _merged_tree(choices: tuple[tuple[int, ...], ...], name: str) -> Tree:
+    return compile_tree([list(c) for c in choices], name=name)
+
+
+def merge_lookup(tree: Tree, draft: Draft, proposal: np.ndarray, chains_only: bool = False) -> tuple[Tree, Draft]:
+    """The heads' drafted tree with the prompt-lookup proposal added as a path from the root: the path follows
+    drafted nodes while their tokens match and goes on as new nodes, each after its parent's drafted children
+    (rank = their count). Lookup thus costs only the rows the heads did not already draft. `chains_only` (a
+    graph that verifies chains only): where the two disagree, the heads' chain is cut there and the lookup
+    continuation kept (a matched n-gram is right more often than a head's deep guess)."""
+    if not len(proposal):
+        return tree, draft
+    paths = [()] + list(tree.choices)
+    node, j = 0, 0
+    while j < len(proposal):
+        kid = next((int(c) for c in tree.children[node] if draft.valid[c] and draft.tokens[c] == proposal[j]), None)
+        if kid is None:
+            break
+        node, j = kid, j + 1
+    if j == len(proposal):  # the heads drafted the whole proposal already
+        return tree, draft
+    keep = range(tree.num_nodes)
+    if chains_only:
+        keep = range(int(tree.depth[node]) + 1)  # a chain: its nodes up to the divergence
+    rank = 0 if chains_only else len(tree.children[node])
+    extra = [paths[node] + (rank,) + (0,) * i for i in range(len(proposal) - j)]
+    old = [paths[i] for i in keep]
+    new = _merged_tree(tuple(sorted(old[1:] + extra, key=lambda c: (len(c), c))), f"{tree.name}+lookup")
+    index = {c: i + 1 for i, c in enumerate(new.choices)} | {(): 0}
+    T = new.num_nodes
+    at_old = np.array([index[c] for c in old], dtype=np.int64)
+    at_new = np.array([index[c] for c in extra], dtype=np.int64)
+    tokens = np.empty(T, dtype=np.int64)
+    tokens[at_old], tokens[at_new] = draft.tokens[list(keep)], proposal[j:]
+    valid = np.ones(T, dtype=bool)
+    valid[at_old] = draft.valid[list(keep)]
+    point = np.zeros(T, dtype=bool)
+    point[at_new] = True
+    heads = np.full(T, -1, dtype=np.int64)
+    heads[at_old] = np.fromiter(keep, dtype=np.int64)
+    probs = None
+    if draft.probs is not None:
+        probs = np.zeros((T, draft.probs.shape[1]))
+        probs[at_old] = draft.probs[list(keep)]
+    return new, Draft(tokens, valid, probs, point, heads)
+
+
 def accept(tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> Acceptance:
     if sampling.greedy:
         return accept_greedy(tree, draft.tokens, logits)
     target = probs_from_logits(logits, sampling)
     draft_probs = draft.probs if draft.probs is not None else np.zeros_like(target)
-    return accept_sampling(tree, draft.tokens, draft.valid, target, draft_probs, rng)
+    return accept_sampling(tree, draft.tokens, draft.valid, target, draft_probs, rng, draft.point)
 
 
 PREFILL_CHUNK = 256  # prompt rows a sequence adds to one forward: a long prompt does not stall the batch for long
@@ -148,7 +205,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
     clock = time.perf_counter
     engine = runner.engine_clock
     t0, e0 = clock(), engine.seconds if engine else 0.0
-    step_trees, drafts, draft_seconds, verify = [], [], [], []
+    step_trees, drafts, draft_seconds, verify, head_trees = [], [], [], [], []
     for i, d in enumerate(batch):                                                                # 1. draft
         td = clock()
         if d.prefilling:
@@ -156,18 +213,24 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             n = len(chunk)
             verify.append(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=True))
             step_trees.append(None)
+            head_trees.append(None)
             drafts.append(None)
             draft_seconds.append(0.0)
             continue
         tree = trees[i] if trees is not None else d.tree
         room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
-        if d.lookup is not None:
+        if d.drafts == "lookup":
             proposal = d.lookup.propose(min(tree.max_depth, room))
             tree = chain(len(proposal))
             draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
+            head_trees.append(None)
         else:
             tree = tree if tree.num_nodes - 1 <= room else PLAIN
             draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
+            head_trees.append(tree)
+            if d.lookup is not None:  # heads+lookup: the lookup path joins the heads' tree
+                proposal = d.lookup.propose(max(0, min(MERGED_LOOKUP_DRAFTS, room - tree.num_nodes + 1)))
+                tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
         step_trees.append(tree)
         drafts.append(draft)
         draft_seconds.append(clock() - td)
@@ -179,7 +242,8 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
                 for d, dr, t, lg in zip(batch, drafts, step_trees, logits)]
     t3 = clock()
     steps = []
-    for d, v, dr, t, acc, lg, ds in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds):  # 4. commit
+    for d, v, dr, t, acc, lg, ds, ht in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds,  # 4. commit
+                                            head_trees):
         if t is None:
             steps.append(_prefilled(runner, d, v.tokens, lg))
             continue
@@ -188,7 +252,11 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
         if d.lookup is not None:
             d.lookup.extend(emitted)
         d.root = acc.bonus_token
-        steps.append(Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=ds))
+        st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=ds)
+        if dr.heads is not None:
+            in_heads = dr.heads[acc.path]
+            st.heads_tree, st.heads_path = ht, in_heads[:np.argmin(np.append(in_heads, -1) >= 0)]
+        steps.append(st)
     seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
     if engine:
         seconds["engine"] = engine.seconds - e0
@@ -208,7 +276,7 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     first = accept(PLAIN, Draft(chunk[-1:], np.ones(1, bool), None), logits, d.sampling, d.rng).bonus_token
     runner.commit(np.arange(n), np.append(d.prompt[start + 1:], first), slot=d.slot)
     d.root = first
-    d.lookup = PromptLookup(list(d.prompt) + [first]) if d.drafts == "lookup" else None
+    d.lookup = PromptLookup(list(d.prompt) + [first]) if d.drafts in ("lookup", "heads+lookup") else None
     return Step([first], 1, rows=n)
 
 

@@ -304,11 +304,12 @@ class AutoTrees:
         if verify is not None:
             self.cost.observe(rows, len(batch), verify * 1e3)
         for d, st in zip(batch, steps):
-            if st.tree is None or st.tree.max_depth == 0:
+            tree, path = (st.heads_tree, st.heads_path) if st.heads_tree is not None else (st.tree, st.path)
+            if tree is None or tree.max_depth == 0:  # heads+lookup: only the heads' part counts here
                 continue
-            self.engine.observe(st.tree, st.path)
-            self._acceptance(d).observe(st.tree, st.path)
-            lv = min(st.tree.max_depth, len(self.levels) - 1)
+            self.engine.observe(tree, path)
+            self._acceptance(d).observe(tree, path)
+            lv = min(tree.max_depth, len(self.levels) - 1)
             seen = self._draft_seen[lv]
             ms = st.draft_seconds * 1e3
             self.draft_ms[lv] = ms if seen == 0 else 0.9 * self.draft_ms[lv] + 0.1 * ms

@@ -109,7 +109,8 @@ class OracleRunner(OracleDraft, TorchRunner):
         self.info = RunnerInfo("torch", base.config.vocab_size, base.config.max_position_embeddings, "oracle", None, "oracle")
 
 
-def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int = 0) -> tuple[list[int], list[int]]:
+def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int = 0, drafts: str = "heads"
+               ) -> tuple[list[int], list[int]]:
     """The first n tokens the loop emits, and the tokens emitted by each verify step (greedy by default)."""
     from clover.runtime.loop import speculative_steps
     from clover.runtime.sampling import SamplingParams
@@ -117,7 +118,8 @@ def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int
     rng = np.random.default_rng(seed)
     out, steps = [], []
     capacity = min(runner.info.max_context, len(prompt) + n + tree.num_nodes)
-    for i, step in enumerate(speculative_steps(runner, np.array(prompt), tree, sampling or SamplingParams(), rng, capacity)):
+    for i, step in enumerate(speculative_steps(runner, np.array(prompt), tree, sampling or SamplingParams(), rng, capacity,
+                                               drafts)):
         out += step.tokens
         if i:
             steps.append(len(step.tokens))

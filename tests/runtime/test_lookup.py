@@ -66,3 +66,59 @@ def test_lookup_needs_a_chain(tmp_path_factory):
         Generator(load_runner(art, heads="none"), tokenizer, "mc26", drafts="lookup")
     with pytest.raises(CloverError, match="unknown draft source 'ngram'"):
         Generator(load_runner(art, heads="none"), tokenizer, "chain-2", drafts="ngram")
+
+
+# -- heads+lookup: the lookup path merged into the heads' tree ------------------------------------------------
+
+def heads_draft(tree, tokens):
+    from clover.runtime.loop import Draft
+
+    return Draft(np.array(tokens, dtype=np.int64), np.ones(tree.num_nodes, dtype=bool), None)
+
+
+def test_merge_follows_drafted_nodes_then_branches():
+    from clover.runtime.loop import merge_lookup
+
+    tree = resolve_tree("small")  # root children ranks 0..; nodes sorted by (depth, path)
+    tokens = [100] + [200 + i for i in range(1, tree.num_nodes)]
+    first = int(tree.children[0][0])  # the rank-0 child of the root
+    merged, draft = merge_lookup(tree, heads_draft(tree, tokens), np.array([tokens[first], 7, 8]))
+    assert merged.num_nodes == tree.num_nodes + 2  # the first token was drafted: only 7 and 8 are new rows
+    new = np.flatnonzero(draft.point)
+    assert draft.tokens[new].tolist() == [7, 8]
+    kept = np.flatnonzero(draft.heads >= 0)
+    assert len(kept) == tree.num_nodes and draft.tokens[kept].tolist() == [tokens[i] for i in draft.heads[kept]]
+    seven = new[0]
+    assert merged.choices[merged.parent[seven] - 1] == tree.choices[first - 1]  # under the matched head node
+    assert merged.rank[seven] == len(tree.children[first])  # after that node's drafted children
+    assert merged.parent[new[1]] == seven
+
+
+def test_merge_of_a_drafted_or_empty_proposal_changes_nothing():
+    from clover.runtime.loop import merge_lookup
+
+    tree = resolve_tree("chain-2")
+    d = heads_draft(tree, [1, 2, 3])
+    assert merge_lookup(tree, d, np.array([2, 3]))[0] is tree
+    assert merge_lookup(tree, d, np.zeros(0, dtype=np.int64))[0] is tree
+
+
+def test_merge_on_a_chains_only_graph_keeps_a_chain():
+    from clover.runtime.loop import merge_lookup
+
+    tree = resolve_tree("chain-3")
+    merged, draft = merge_lookup(tree, heads_draft(tree, [1, 2, 3, 4]), np.array([2, 9, 9]), chains_only=True)
+    assert merged.is_chain and draft.tokens.tolist() == [1, 2, 9, 9]  # the heads' 3, 4 give way after the match
+    assert draft.heads.tolist() == [0, 1, -1, -1] and draft.point.tolist() == [False, False, True, True]
+    merged, draft = merge_lookup(tree, heads_draft(tree, [1, 2, 3, 4]), np.array([5]), chains_only=False)
+    assert not merged.is_chain and draft.tokens.tolist() == [1, 2, 5, 3, 4]
+
+
+def test_heads_plus_lookup_spec_and_label(tmp_path):
+    """'NAME+lookup' loads the heads and merges lookup; results say so."""
+    art = tiny_artifact(tmp_path, "clover2")
+    g = Generator.load(art, heads="artifact+lookup", backend="ort", tree="small")
+    assert g.drafts == "heads+lookup" and g.runner.info.heads == "clover2"
+    r = g.generate([5, 9, 2, 7, 5, 9, 2, 7, 5, 9], max_new_tokens=12)
+    plain = Generator.load(art, heads="none", backend="ort").generate([5, 9, 2, 7, 5, 9, 2, 7, 5, 9], max_new_tokens=12)
+    assert r.token_ids == plain.token_ids and r.heads.endswith("+lookup")

@@ -23,7 +23,7 @@ import torch
 
 from clover.models.decoder import causal_mask
 from clover.runtime.backend import Runner, Verify
-from clover.runtime.loop import Decoding, step
+from clover.runtime.loop import MERGED_LOOKUP_DRAFTS, Decoding, step
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import Tree, prune_tree, resolve_tree
@@ -157,6 +157,19 @@ def test_greedy_speculative_equals_plain(runners, kind, arch, tree):
         got, steps = run_tokens(spec, p, t, N)
         assert_identical(got, runners.plain_tokens(kind, arch, p), f"{kind} {arch} {t.name}", plain, p)
         assert all(1 <= s <= t.max_depth + 1 for s in steps), steps
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_heads_and_lookup_in_one_tree_equal_plain(runners, kind, arch):
+    """drafts="heads+lookup": prompt-lookup paths merged into the heads' tree (new branches and rows on every
+    backend) still emit plain decoding's tokens. The prompt repeats itself, so lookup proposes."""
+    spec, plain = runners(kind, arch), runners(kind, arch, heads=False)
+    t = tree_for(spec, "small")
+    p = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
+    got, steps = run_tokens(spec, p, t, N, drafts="heads+lookup")
+    assert_identical(got, runners.plain_tokens(kind, arch, p), f"{kind} {arch} {t.name}+lookup", plain, p)
+    assert max(steps) <= t.max_depth + 1 + MERGED_LOOKUP_DRAFTS, steps
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -322,3 +322,32 @@ def test_batched_steps_sample_the_base_law(base, base_logits):
     p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
     assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's in batched steps: p = {p12:.2e}"
     assert p3 > ALPHA, f"x3 marginal law differs from the base's in batched steps: p = {p3:.2e}"
+
+
+def test_heads_and_lookup_in_one_tree_sample_the_base_law(base, base_logits):
+    """heads+lookup: the lookup path joins the heads' sampled tree as point-mass nodes, verified after their
+    sampled siblings; the loop still emits the base's law, and merged trees were verified and accepted."""
+    sampling = sampling_params(1.0)
+    runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
+    tree = resolve_tree("chain-2")
+    prompt = np.array(PROMPT, dtype=np.int64)
+    tokens = np.zeros((N, NUM_TOKENS), dtype=np.int64)
+    merged = lookup_accepted = 0
+    for i, child in enumerate(np.random.SeedSequence(MASTER_SEED + 3).spawn(N)):
+        out: list[int] = []
+        steps = speculative_steps(runner, prompt, tree, sampling, np.random.default_rng(child),
+                                  len(PROMPT) + NUM_TOKENS + tree.num_nodes + 3, "heads+lookup")
+        for k, st in enumerate(steps):
+            out += st.tokens
+            if k and st.heads_tree is not None:
+                merged += 1
+                lookup_accepted += len(st.heads_path) < len(st.path)  # the accepted path left the heads' nodes
+            if len(out) >= NUM_TOKENS:
+                break
+        tokens[i] = out[:NUM_TOKENS]
+    assert merged > 0.1 * N and lookup_accepted > 0.02 * N, (LOOKUP_PROMPT_NOTE, merged, lookup_accepted)
+    joint, marginal, _ = exact_laws(base_logits, sampling)
+    c12, c3 = counts_of(tokens)
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with heads+lookup drafts: p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the base's with heads+lookup drafts: p = {p3:.2e}"
