@@ -143,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clover-bench", description="Acceptance length and speedup of draft heads vs plain decoding.")
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
     p.add_argument("--heads", default="smollm2-clover2", help="comma-separated head sets (names, folders, random:ARCH); "
-                   "'lookup': prompt-lookup drafts on the base alone (with --artifact: beside the artifact's heads)")
+                   "'lookup': prompt-lookup drafts on the base alone (with --artifact: beside the artifact's heads); "
+                   "'NAME+lookup': those heads with prompt-lookup drafts merged into their tree (with --artifact: "
+                   "'+lookup', the artifact's heads)")
     p.add_argument("--backend", default="torch", help="comma-separated backends: torch, ort, trt (e.g. trt,ort); "
                    "NAME:plain runs only plain decoding there (e.g. ort,torch:plain)")
     p.add_argument("--artifact", type=Path, default=None, help="an exported artifact (clover-export): ort runs its "
@@ -272,7 +274,7 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
                  plain_only: set[str] = frozenset()) -> list[tuple[str, str, "Generator"]]:
     """(backend, heads name, generator on `tree`) for plain decoding and each head set, on each backend
     (plain decoding only on the backends in `plain_only`)."""
-    from clover.runtime.generator import Generator
+    from clover.runtime.generator import LOOKUP_SUFFIX, Generator
 
     configs = []
     if args.artifact is None:
@@ -302,6 +304,8 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
             if heads and backend not in plain_only:
                 runner = module.load_runner(args.artifact, heads="artifact", **threads)
                 configs.append((backend, heads, Generator(runner, tok, tree)))
+                if LOOKUP_SUFFIX in head_names(args.heads):  # the same heads with lookup merged into their tree
+                    configs.append((backend, heads + LOOKUP_SUFFIX, Generator(runner, tok, tree, "heads+lookup")))
             if "lookup" in head_names(args.heads) and backend not in plain_only:  # prompt lookup on the base graph
                 configs.append((backend, "lookup", Generator(plain, tok, tree if lookup_tree(tree) else None, "lookup")))
         else:  # the same base and heads through another backend, from the artifact's sources

@@ -255,9 +255,10 @@ def test_goodness_of_fit_rejects_wrong_laws(base_logits, samples):
         assert p < ALPHA, f"chi-square failed to reject the {name}: p = {p:.2e}"
 
 
-def verify_node_without_residual(p, q, candidates, rng):
+def verify_node_without_residual(p, q, candidates, rng, point=None):
     """A classic broken verifier: after a rejection it keeps the target p instead of moving to the
     residual normalize(max(p - q, 0)), so tokens the draft favours are over-emitted."""
+    assert point is None  # heads-only drafts
     p = np.asarray(p, dtype=np.float64) / np.sum(p)
     if len(candidates) == 0:  # the prefill and plain steps: nothing to verify
         return -1, sample_token(p, rng)
