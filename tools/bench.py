@@ -322,18 +322,18 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
 
 
 def print_table(summaries: list[dict], depth: int) -> None:
-    head = (f"{'backend':8} {'heads':18} {'tree':10} {'accept len':>10} {'tok/s':>7} {'speedup':>7} {'p50 ms':>7} "
+    head = (f"{'backend':8} {'heads':22} {'tree':10} {'accept len':>10} {'tok/s':>7} {'speedup':>7} {'p50 ms':>7} "
             f"{'p95 ms':>7} {'identical':>9}  " + " ".join(f"{'d' + str(d):>5}" for d in range(1, depth + 1)))
     print(head)
     print("-" * len(head))
     for s in summaries:
         rates = s["acceptance_rate_per_depth"]
-        print(f"{s['backend']:8} {s['heads']:18} {s['tree']:10} {s['acceptance_length']:>10.2f} {s['tokens_per_second']:>7.1f} "
+        print(f"{s['backend']:8} {s['heads']:22} {s['tree']:10} {s['acceptance_length']:>10.2f} {s['tokens_per_second']:>7.1f} "
               f"{s['speedup']:>6.2f}x {s['latency_p50_ms']:>7.1f} {s['latency_p95_ms']:>7.1f} {s['identical_to_plain']:>9}  "
               + " ".join(f"{r:>5.2f}" for r in rates))
     print("accept len = tokens per verify step, bonus token included; dN = share of steps accepting >= N drafted tokens")
     print()
-    head = (f"{'backend':8} {'heads':18} {'tree':10} " + " ".join(f"{p + ' ms':>10}" for p in PHASES)
+    head = (f"{'backend':8} {'heads':22} {'tree':10} " + " ".join(f"{p + ' ms':>10}" for p in PHASES)
             + f" {'step ms':>8} {'engine ms':>9} {'host':>6}")
     print(head)
     print("-" * len(head))
@@ -343,7 +343,7 @@ def print_table(summaries: list[dict], depth: int) -> None:
             continue
         host = f"{s['host_share']:>6.1%}" if s["host_share"] is not None else f"{'n/a':>6}"
         engine = f"{ms['engine']:>9.2f}" if "engine" in ms else f"{'n/a':>9}"
-        print(f"{s['backend']:8} {s['heads']:18} {s['tree']:10} " + " ".join(f"{ms[p]:>10.2f}" for p in PHASES)
+        print(f"{s['backend']:8} {s['heads']:22} {s['tree']:10} " + " ".join(f"{ms[p]:>10.2f}" for p in PHASES)
               + f" {sum(ms[p] for p in PHASES):>8.2f} {engine} {host}")
     print("per verify step; engine = time inside graph runs / module forwards, host = the rest of the step "
           "(top-k, masks, bindings, KV bookkeeping, Python)")
