@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import threading
@@ -36,32 +35,22 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from clover.tools.serve import free_port, wait_healthy
+
 RESULTS = Path(__file__).parent / "results"
 MODEL = "clover"
 HTTP_TARGET = 0.85
 RSS_TARGET = 0.10
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(artifact: Path, port: int, threads: int, max_batch: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "clover.tools.serve", "--artifact", str(artifact), "--port", str(port),
                              "--threads", str(threads), "--max-batch", str(max_batch), "--model", MODEL],
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "CLOVER_API_KEY": ""})
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"clover-serve exited: {proc.stderr.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    if wait_healthy(port, 300, alive=lambda: proc.poll() is None):
+        return proc
+    if proc.poll() is not None:
+        raise SystemExit(f"clover-serve exited: {proc.stderr.read()}")
     proc.kill()
     raise SystemExit("clover-serve was not healthy within 300 s")
 

@@ -209,11 +209,11 @@ def accept_sampling(
     path = [0]
     while True:
         kids = [int(c) for c in tree.children[node] if node_valid[c]]
-        points = [c for c in kids if point is not None and point[c]]
-        kids = [c for c in kids if c not in points] + points  # the point candidate is verified last
-        idx, token = verify_node(target_probs[node], draft_probs[node], node_tokens[kids[:len(kids) - len(points)]],
-                                 rng, int(node_tokens[points[0]]) if points else None)
+        sampled = [c for c in kids if point is None or not point[c]]
+        points = [] if point is None else [c for c in kids if point[c]]  # at most one, verified last
+        idx, token = verify_node(target_probs[node], draft_probs[node], node_tokens[sampled], rng,
+                                 int(node_tokens[points[0]]) if points else None)
         if idx < 0:
             return _acceptance(path, token)
-        node = kids[idx]
+        node = (sampled + points)[idx]
         path.append(node)

@@ -30,10 +30,9 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.backend import Runner
 from clover.runtime.generator import (
-    DEFAULT_LOOKUP_DRAFTS, GenerationResult, Progress, check_prompt_fits, choose_tree, default_tree, drafts_label,
-    encode_prompt, load_backend,
+    GenerationResult, Progress, check_prompt_fits, choose_tree, default_tree, drafts_label, encode_prompt, load_backend,
 )
-from clover.runtime.loop import PREFILL_CHUNK, Decoding, chain, step
+from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.scheduler import (
@@ -126,7 +125,7 @@ def auto_full_tree(info, drafts: str) -> Tree:
     """The deepest tree --tree auto may pick (it prunes it by depth down to plain): chain-4 for prompt lookup
     and chains-only graphs, else mc26 (pruned to the heads' depth); plain without heads."""
     if drafts == "lookup":
-        return chain(max(DEFAULT_LOOKUP_DRAFTS, 4))
+        return chain(max(LOOKUP_DRAFTS, 4))
     if info.heads is None:
         return chain(0)
     if info.chains_only:

@@ -19,7 +19,7 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, RunnerInfo, backend_module
-from clover.runtime.loop import DRAFT_SOURCES, PLAIN, Step, chain, speculative_steps
+from clover.runtime.loop import DRAFT_SOURCES, LOOKUP_DRAFTS, PLAIN, Step, chain, speculative_steps
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
@@ -27,7 +27,6 @@ from clover.runtime.tree import Tree, prune_tree, resolve_tree
 
 DEFAULT_TREE = "mc26"
 LOOKUP_SUFFIX = "+lookup"  # heads "NAME+lookup": prompt-lookup drafts merged into the heads' tree
-DEFAULT_LOOKUP_DRAFTS = 3  # drafted tokens per step at most with drafts="lookup" (benchmarks/peers.py)
 
 
 @dataclass
@@ -71,7 +70,7 @@ def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:
     if drafts not in DRAFT_SOURCES:
         raise CloverError(f"unknown draft source {drafts!r}: use one of {', '.join(DRAFT_SOURCES)}")
     if drafts == "lookup":
-        chosen = chain(DEFAULT_LOOKUP_DRAFTS) if tree is None else resolve_tree(tree) if isinstance(tree, str) else tree
+        chosen = chain(LOOKUP_DRAFTS) if tree is None else resolve_tree(tree) if isinstance(tree, str) else tree
         if not chosen.is_chain:
             raise CloverError(f"prompt lookup drafts one continuation, but tree {chosen.name} branches: use "
                               "chain-N (N = most drafted tokens per step)")

@@ -26,7 +26,9 @@ from clover.runtime.tree import Tree, compile_tree, resolve_tree
 
 PLAIN = compile_tree([], name="plain")
 DRAFT_SOURCES = ("heads", "lookup", "heads+lookup")
-MERGED_LOOKUP_DRAFTS = 3  # drafts="heads+lookup": lookup tokens added to the heads' tree per step at most
+# prompt-lookup tokens drafted per step at most: drafts="lookup" verifies a chain this deep by default (any
+# chain caps it; benchmarks/peers.py), "heads+lookup" adds a path this long to the heads' tree
+LOOKUP_DRAFTS = 3
 
 
 @functools.cache
@@ -65,9 +67,11 @@ class Draft:
     valid: np.ndarray  # [T] bool: a node (and its subtree) is invalid when its draft had too few tokens
     probs: np.ndarray | None  # [T, V] draft law each node's children were sampled from (sampling only)
     # drafts="heads+lookup": [T] bool, node i came from prompt lookup (a point-mass law, verified after its
-    # parent's sampled children); `heads[i]` is node i's id in the heads' own tree (-1 for lookup nodes)
+    # parent's sampled children); `heads[i]` is node i's id in `heads_tree`, the tree the heads drafted (-1 for
+    # lookup nodes)
     point: np.ndarray | None = None
     heads: np.ndarray | None = None
+    heads_tree: Tree | None = None
 
 
 def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingParams, rng: np.random.Generator,
@@ -133,9 +137,8 @@ def merge_lookup(tree: Tree, draft: Draft, proposal: np.ndarray, chains_only: bo
         node, j = kid, j + 1
     if j == len(proposal):  # the heads drafted the whole proposal already
         return tree, draft
-    keep = range(tree.num_nodes)
-    if chains_only:
-        keep = range(int(tree.depth[node]) + 1)  # a chain: its nodes up to the divergence
+    # the heads' nodes kept: all, or on a chain the ones up to the divergence
+    keep = np.arange(int(tree.depth[node]) + 1 if chains_only else tree.num_nodes)
     rank = 0 if chains_only else len(tree.children[node])
     extra = [paths[node] + (rank,) + (0,) * i for i in range(len(proposal) - j)]
     old = [paths[i] for i in keep]
@@ -145,18 +148,18 @@ def merge_lookup(tree: Tree, draft: Draft, proposal: np.ndarray, chains_only: bo
     at_old = np.array([index[c] for c in old], dtype=np.int64)
     at_new = np.array([index[c] for c in extra], dtype=np.int64)
     tokens = np.empty(T, dtype=np.int64)
-    tokens[at_old], tokens[at_new] = draft.tokens[list(keep)], proposal[j:]
+    tokens[at_old], tokens[at_new] = draft.tokens[keep], proposal[j:]
     valid = np.ones(T, dtype=bool)
-    valid[at_old] = draft.valid[list(keep)]
+    valid[at_old] = draft.valid[keep]
     point = np.zeros(T, dtype=bool)
     point[at_new] = True
     heads = np.full(T, -1, dtype=np.int64)
-    heads[at_old] = np.fromiter(keep, dtype=np.int64)
+    heads[at_old] = keep
     probs = None
     if draft.probs is not None:
         probs = np.zeros((T, draft.probs.shape[1]))
-        probs[at_old] = draft.probs[list(keep)]
-    return new, Draft(tokens, valid, probs, point, heads)
+        probs[at_old] = draft.probs[keep]
+    return new, Draft(tokens, valid, probs, point, heads, tree)
 
 
 def accept(tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> Acceptance:
@@ -205,7 +208,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
     clock = time.perf_counter
     engine = runner.engine_clock
     t0, e0 = clock(), engine.seconds if engine else 0.0
-    step_trees, drafts, draft_seconds, verify, head_trees = [], [], [], [], []
+    step_trees, drafts, draft_seconds, verify = [], [], [], []
     for i, d in enumerate(batch):                                                                # 1. draft
         td = clock()
         if d.prefilling:
@@ -213,7 +216,6 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             n = len(chunk)
             verify.append(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=True))
             step_trees.append(None)
-            head_trees.append(None)
             drafts.append(None)
             draft_seconds.append(0.0)
             continue
@@ -223,13 +225,11 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             proposal = d.lookup.propose(min(tree.max_depth, room))
             tree = chain(len(proposal))
             draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
-            head_trees.append(None)
         else:
             tree = tree if tree.num_nodes - 1 <= room else PLAIN
             draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
-            head_trees.append(tree)
             if d.lookup is not None:  # heads+lookup: the lookup path joins the heads' tree
-                proposal = d.lookup.propose(max(0, min(MERGED_LOOKUP_DRAFTS, room - tree.num_nodes + 1)))
+                proposal = d.lookup.propose(max(0, min(LOOKUP_DRAFTS, room - tree.num_nodes + 1)))
                 tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
         step_trees.append(tree)
         drafts.append(draft)
@@ -242,8 +242,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
                 for d, dr, t, lg in zip(batch, drafts, step_trees, logits)]
     t3 = clock()
     steps = []
-    for d, v, dr, t, acc, lg, ds, ht in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds,  # 4. commit
-                                            head_trees):
+    for d, v, dr, t, acc, lg, ds in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds):  # 4. commit
         if t is None:
             steps.append(_prefilled(runner, d, v.tokens, lg))
             continue
@@ -253,9 +252,9 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             d.lookup.extend(emitted)
         d.root = acc.bonus_token
         st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=ds)
-        if dr.heads is not None:
+        if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
             in_heads = dr.heads[acc.path]
-            st.heads_tree, st.heads_path = ht, in_heads[:np.argmin(np.append(in_heads, -1) >= 0)]
+            st.heads_tree, st.heads_path = dr.heads_tree, in_heads[in_heads >= 0]
         steps.append(st)
     seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
     if engine:

@@ -4,11 +4,9 @@ identity assertion (`assert_identical`)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +17,7 @@ from clover.models.decoder import Decoder
 from clover.runtime.backend import Runner, RunnerInfo
 from clover.runtime.torch_backend import TorchRunner
 from clover.tools.bench import first_difference
+from clover.tools.serve import free_port, wait_healthy
 
 
 # A few sentences to train throw-away BPE tokenizers on.
@@ -170,27 +169,6 @@ def run_python(code: str) -> str:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_healthy(port: int, seconds: float) -> bool:
-    """Poll a server's GET /health on 127.0.0.1 until it answers 200 (True) or `seconds` pass (False)."""
-    import httpx
-
-    deadline = time.time() + seconds
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    return False
 
 
 class Server:

@@ -13,14 +13,40 @@ import argparse
 import contextlib
 import os
 import signal
+import socket
 import sys
 import threading
+import time
+import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from clover.errors import CloverError
 from clover.tools.cli import run_cli
 
 DEMO_MODEL = "smollm2-clover2"  # the model name `--demo` serves
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(port: int, seconds: float, alive: Callable[[], bool] = lambda: True) -> bool:
+    """Poll GET /health of a clover-serve on 127.0.0.1:`port` until it answers 200 (True), `seconds` pass or
+    `alive()` turns False (False): for scripts and tests that start a server and wait for its warm-up."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and alive():
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+                if r.status == 200:
+                    return True
+        except OSError:  # refused while starting, 503 until warm, timeouts
+            pass
+        time.sleep(0.05)
+    return False
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ import pytest
 from clover.errors import CloverError
 from clover.runtime.generator import Generator
 from clover.runtime.lookup import PromptLookup
+from clover.runtime.loop import Draft, merge_lookup
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.artifact import open_artifact
@@ -71,14 +72,10 @@ def test_lookup_needs_a_chain(tmp_path_factory):
 # -- heads+lookup: the lookup path merged into the heads' tree ------------------------------------------------
 
 def heads_draft(tree, tokens):
-    from clover.runtime.loop import Draft
-
     return Draft(np.array(tokens, dtype=np.int64), np.ones(tree.num_nodes, dtype=bool), None)
 
 
 def test_merge_follows_drafted_nodes_then_branches():
-    from clover.runtime.loop import merge_lookup
-
     tree = resolve_tree("small")  # root children ranks 0..; nodes sorted by (depth, path)
     tokens = [100] + [200 + i for i in range(1, tree.num_nodes)]
     first = int(tree.children[0][0])  # the rank-0 child of the root
@@ -95,8 +92,6 @@ def test_merge_follows_drafted_nodes_then_branches():
 
 
 def test_merge_of_a_drafted_or_empty_proposal_changes_nothing():
-    from clover.runtime.loop import merge_lookup
-
     tree = resolve_tree("chain-2")
     d = heads_draft(tree, [1, 2, 3])
     assert merge_lookup(tree, d, np.array([2, 3]))[0] is tree
@@ -104,8 +99,6 @@ def test_merge_of_a_drafted_or_empty_proposal_changes_nothing():
 
 
 def test_merge_on_a_chains_only_graph_keeps_a_chain():
-    from clover.runtime.loop import merge_lookup
-
     tree = resolve_tree("chain-3")
     merged, draft = merge_lookup(tree, heads_draft(tree, [1, 2, 3, 4]), np.array([2, 9, 9]), chains_only=True)
     assert merged.is_chain and draft.tokens.tolist() == [1, 2, 9, 9]  # the heads' 3, 4 give way after the match

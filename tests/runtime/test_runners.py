@@ -23,7 +23,7 @@ import torch
 
 from clover.models.decoder import causal_mask
 from clover.runtime.backend import Runner, Verify
-from clover.runtime.loop import MERGED_LOOKUP_DRAFTS, Decoding, step
+from clover.runtime.loop import LOOKUP_DRAFTS, Decoding, step
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import Tree, prune_tree, resolve_tree
@@ -169,7 +169,7 @@ def test_heads_and_lookup_in_one_tree_equal_plain(runners, kind, arch):
     p = [5, 9, 2, 7, 5, 9, 2, 7, 5, 9]
     got, steps = run_tokens(spec, p, t, N, drafts="heads+lookup")
     assert_identical(got, runners.plain_tokens(kind, arch, p), f"{kind} {arch} {t.name}+lookup", plain, p)
-    assert max(steps) <= t.max_depth + 1 + MERGED_LOOKUP_DRAFTS, steps
+    assert max(steps) <= t.max_depth + 1 + LOOKUP_DRAFTS, steps
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -18,7 +18,8 @@ from clover.runtime.engine import Engine
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
-from helpers import Server, free_port, wait_healthy
+from clover.tools.serve import free_port, wait_healthy
+from helpers import Server
 from ort_helpers import tiny_artifact
 
 openai = pytest.importorskip("openai")
