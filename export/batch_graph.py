@@ -28,15 +28,9 @@ from onnx import TensorProto, helper
 
 from clover.errors import CloverError
 from clover.export.fused_graph import MS, AttentionRows, GraphWriter, attention_rows
+from clover.runtime.artifact import BATCH_GRAPH, ROW_COUNTS, slot_name
 
-BATCH_GRAPH = "base_batch"  # manifest key and file stem
-ROW_COUNTS = "row_counts"  # new rows of each sequence slot in this step (0: not in it)
 PAST, PRESENT = "past_key_values", "present"
-
-
-def slot_name(name: str, slot: int) -> str:
-    """A per-sequence I/O name of the batched graph: past_key_values.0.key -> past_key_values.0.key.s3."""
-    return f"{name}.s{slot}"
 
 
 def slot_attention_rows(node, init, slots: int, trees: bool) -> list[AttentionRows]:

@@ -32,6 +32,15 @@ KIND = "clover-artifact"
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 PROBE_RTOL = 5e-3  # as clover.models.heads.BaseFingerprint.matches
+# The batched base graph (clover.export.batch_graph): its manifest key and file stem, its input of new rows per
+# sequence slot (0: not in this step), and its per-slot KV I/O names.
+BATCH_GRAPH = "base_batch"
+ROW_COUNTS = "row_counts"
+
+
+def slot_name(name: str, slot: int) -> str:
+    """A per-sequence I/O name of the batched graph: past_key_values.0.key -> past_key_values.0.key.s3."""
+    return f"{name}.s{slot}"
 
 
 @dataclass(frozen=True)

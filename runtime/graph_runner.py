@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from clover.runtime.artifact import GraphSpec, Manifest
+from clover.runtime.artifact import GraphSpec, Manifest, slot_name
 from clover.runtime.backend import Runner, RunnerInfo, Slot
 from clover.runtime.tree import compile_tree
 
@@ -156,11 +156,6 @@ class KVCache:
         for name, buf in zip(self.names, self.buffers):
             new = outputs[PRESENT + name[len(PAST):]]  # [1, Hkv, T, D]
             buf[:, :, start:start + count] = new[:, :, :count] if rows is None else self.arrays.take(new, rows, 2)
-
-
-def slot_name(name: str, slot: int) -> str:
-    """A batched graph's per-sequence I/O name (clover.export.batch_graph.slot_name)."""
-    return f"{name}.s{slot}"
 
 
 def kv_bytes_per_token(spec: GraphSpec) -> int:

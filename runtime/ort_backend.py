@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from clover.errors import CloverError
-from clover.runtime.artifact import ARTIFACT_HEADS, GraphSpec, Manifest, open_artifact, uses_exported_heads
+from clover.runtime.artifact import (
+    ARTIFACT_HEADS, BATCH_GRAPH, ROW_COUNTS, GraphSpec, Manifest, open_artifact, uses_exported_heads,
+)
 from clover.runtime.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.runtime.backend import EngineClock
 from clover.runtime.graph_runner import GraphRunner, KVCache, NumpyArrays, graphs_used
 
 LM_HEAD, LM_INPUT = "lm_head", "lm_input"  # as clover.export.lm_head (no export import here: no torch)
-BATCH_GRAPH, ROW_COUNTS = "base_batch", "row_counts"  # as clover.export.batch_graph
 
 
 def _ort():
