@@ -414,8 +414,8 @@ def file_bytes(paths: Sequence[Path]) -> int:
 
 
 def artifact_base_weight_files(artifact: Path) -> list[Path]:
-    """The files of the base graph and of the LM head it runs (clover.runtime.artifact.base_weight_files)."""
-    from clover.runtime.artifact import base_weight_files, read_manifest
+    """The files of the base graph and of the LM head it runs (clover.artifact.base_weight_files)."""
+    from clover.artifact import base_weight_files, read_manifest
 
     return base_weight_files(artifact, read_manifest(artifact))
 
@@ -436,7 +436,7 @@ def ensure_clover_artifact(precision: str, root: Path, reexport: bool = False) -
     """The cached artifact of `precision` (smollm2 + smollm2-clover2), exported with clover-export if missing
     (or if `reexport`: the cache is keyed by precision only, not by the exporter's code)."""
     from clover.errors import CloverError
-    from clover.runtime.artifact import open_artifact
+    from clover.artifact import open_artifact
 
     out = root / "artifacts" / precision
     marker_path = root / "artifacts" / f"{precision}.{MARKER}"

@@ -7,5 +7,5 @@ Small loaders, composed by `clover-export` (STYLE.md 6):
     onnx_graph.check_onnx / parity_with_torch
     artifact.artifact_from_modules         modules -> artifact folder (atomic, manifest last)
     artifact.export_artifact               CLI specs (--base, --heads) -> artifact folder
-The manifest schema and its validation live in clover.runtime.artifact (no torch), which reads it.
+The manifest schema and its validation live in clover.artifact (no torch), shared with the runtime that reads it.
 """

@@ -27,7 +27,7 @@ from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, floa
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch, parity_with_torch
 from clover.models.decoder import Decoder
 from clover.models.heads import BaseFingerprint, DraftHeads
-from clover.runtime.artifact import (
+from clover.artifact import (
     TOKENIZER_DIR, GraphSpec, HeadsSpec, Manifest, WeightsSpec, file_entries, is_artifact, write_manifest,
 )
 from clover.runtime.tree import Tree, resolve_tree, tree_to_dict

@@ -28,7 +28,7 @@ from onnx import TensorProto, helper
 
 from clover.errors import CloverError
 from clover.export.fused_graph import MS, AttentionRows, GraphWriter, attention_rows
-from clover.runtime.artifact import BATCH_GRAPH, ROW_COUNTS, slot_name
+from clover.artifact import BATCH_GRAPH, ROW_COUNTS, slot_name
 
 PAST, PRESENT = "past_key_values", "present"
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clover.errors import CloverError
-from clover.runtime.artifact import EngineSpec, GraphSpec, ProfileSpec, TensorSpec
+from clover.artifact import EngineSpec, GraphSpec, ProfileSpec, TensorSpec
 from clover.runtime.tensorrt import DEFAULT_WORKSPACE_BYTES, FLOAT_DTYPES, ITEMSIZE, check_engine_compatible
 
 __all__ = ["EngineLimits", "dim_ranges", "profiles_for", "profile_sizes", "build_memory", "estimate_build_memory",

@@ -28,7 +28,7 @@ import numpy as np
 from clover.errors import CloverError
 from clover.export.graphs import GraphDef, Sizes
 from clover.export.quantize import replace_graph
-from clover.runtime.artifact import GraphSpec
+from clover.artifact import GraphSpec
 
 LM_HEAD = "lm_head"  # manifest key and file stem
 LM_INPUT = "lm_input"  # what a cut graph outputs instead of logits

@@ -20,7 +20,7 @@ import torch
 from clover.errors import CloverError
 from clover.export.graphs import EXPORT_SIZES, GraphDef, Sizes, kv_names, reference_outputs
 from clover.models.decoder import Decoder, causal_mask
-from clover.runtime.artifact import GraphSpec, TensorSpec
+from clover.artifact import GraphSpec, TensorSpec
 
 
 @contextlib.contextmanager

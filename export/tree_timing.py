@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from clover.runtime.artifact import Manifest
+from clover.artifact import Manifest
 from clover.runtime.tree import Tree, compile_tree, resolve_tree
 
 CANDIDATES = ("chain-1", "chain-2", "chain-3", "small", "mc26")

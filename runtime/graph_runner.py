@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from clover.runtime.artifact import GraphSpec, Manifest, slot_name
+from clover.artifact import GraphSpec, Manifest, slot_name
 from clover.runtime.backend import Runner, RunnerInfo, Slot
 from clover.runtime.tree import compile_tree
 

@@ -24,10 +24,10 @@ from pathlib import Path
 import numpy as np
 
 from clover.errors import CloverError
-from clover.runtime.artifact import (
+from clover.artifact import (
     ARTIFACT_HEADS, BATCH_GRAPH, ROW_COUNTS, GraphSpec, Manifest, open_artifact, uses_exported_heads,
 )
-from clover.runtime.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
+from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.runtime.backend import EngineClock
 from clover.runtime.graph_runner import GraphRunner, KVCache, NumpyArrays, graphs_used
 

@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any
 
 from clover.errors import CloverError
-from clover.runtime.artifact import EngineSpec, ProfileSpec
+from clover.artifact import EngineSpec, ProfileSpec
 
 SUPPORTED_MAJORS = (10, 11)
 DEFAULT_WORKSPACE_BYTES = 4 << 30  # tactic scratch memory the builder may use; TensorRT's default is the whole GPU

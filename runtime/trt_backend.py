@@ -32,10 +32,10 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime import tensorrt as rt
-from clover.runtime.artifact import (
+from clover.artifact import (
     ARTIFACT_HEADS, EngineSpec, GraphSpec, Manifest, ProfileSpec, open_artifact, uses_exported_heads,
 )
-from clover.runtime.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
+from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.runtime.graph_runner import Arrays, GraphRunner, graphs_used  # noqa: F401 (graphs_used: tests, tools)
 
 

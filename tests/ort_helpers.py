@@ -19,7 +19,7 @@ from clover.export.engines import EngineLimits, profiles_for
 from clover.models.decoder import Decoder, rope_inv_freq
 from clover.models.head_io import random_heads
 from clover.models.heads import DraftHeads
-from clover.runtime.artifact import MANIFEST_FILE, read_manifest
+from clover.artifact import MANIFEST_FILE, read_manifest
 from helpers import tiny_base, tiny_tokenizer_dir
 
 BASE_SEED = 3  # as tests/runtime/test_loop.py: peaked enough next-token laws for stable greedy identity

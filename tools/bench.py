@@ -287,7 +287,7 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
             for heads in head_sets if backend not in plain_only else ():
                 configs.append((backend, heads, Generator.load(args.base, heads, backend, tree, args.dtype)))
         return configs
-    from clover.runtime.artifact import read_manifest
+    from clover.artifact import read_manifest
     from clover.runtime.backend import backend_module
     from clover.runtime.tokenizer import Tokenizer
     from clover.runtime.tree import compile_tree

@@ -117,7 +117,7 @@ def weight_bytes(artifact: Path | None) -> int:
     """Bytes of the base weights a decode step reads (the base graph's files and the LM head's)."""
     if artifact is None:
         return 0
-    from clover.runtime.artifact import base_weight_files, read_manifest
+    from clover.artifact import base_weight_files, read_manifest
 
     return sum(f.stat().st_size for f in base_weight_files(artifact, read_manifest(artifact)))
 

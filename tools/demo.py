@@ -34,7 +34,7 @@ def cached_artifact(base: str, heads: str, weights: str | None = "int4", draft_q
     from clover.export.artifact import export_artifact
     from clover.export.config import ExportConfig
     from clover.models.smollm2 import cache_dir, resolve_base
-    from clover.runtime.artifact import open_artifact
+    from clover.artifact import open_artifact
 
     base_path = resolve_base(base).resolve()
     config = ExportConfig(weights=weights, draft_quant=draft_quant, attention=attention)
@@ -53,7 +53,7 @@ def cached_artifact(base: str, heads: str, weights: str | None = "int4", draft_q
 def demo_tree(artifact: Path) -> str | None:
     """The artifact's default tree (the fastest of plain and the candidates, timed at export), said aloud;
     when that is plain, the fastest speculative tree, so the demo still shows speculation."""
-    from clover.runtime.artifact import read_manifest
+    from clover.artifact import read_manifest
 
     m = read_manifest(artifact)
     timing = (m.tree_timing or {}).get("tokens_per_second", {})

@@ -65,7 +65,7 @@ def backend_name(args: argparse.Namespace) -> str:
         return args.backend
     if args.artifact is None:
         return "torch"
-    from clover.runtime.artifact import read_manifest
+    from clover.artifact import read_manifest
 
     return "trt" if read_manifest(args.artifact).backend == "trt" else "ort"
 

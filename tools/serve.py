@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise CloverError(f"clover-serve needs the serve extra ({e.name} is missing): pip install 'clover-deploy[serve]'") from None
-    from clover.runtime.artifact import read_manifest
+    from clover.artifact import read_manifest
     from clover.runtime.engine import Engine
     from clover.serve.app import create_app
 

@@ -13,7 +13,7 @@ from clover.export.artifact import artifact_from_modules, check_target
 from clover.export.config import ExportConfig
 from clover.models.config import BaseConfig
 from clover.models.heads import BaseFingerprint
-from clover.runtime.artifact import (
+from clover.artifact import (
     FORMAT_VERSION, MANIFEST_FILE, EngineSpec, ProfileSpec, file_entries, is_artifact, open_artifact, read_manifest,
     sha256_file, write_manifest,
 )

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.quantize import fold_transposed_weights, quantized_ops
-from clover.runtime.artifact import open_artifact
+from clover.artifact import open_artifact
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree

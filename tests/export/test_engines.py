@@ -13,7 +13,7 @@ from clover.export.engines import (
     EngineLimits, build_engines, build_memory, check_engine_compatible, estimate_build_memory, memory_note,
     profile_sizes, profiles_for,
 )
-from clover.runtime.artifact import EngineSpec, ProfileSpec, read_manifest
+from clover.artifact import EngineSpec, ProfileSpec, read_manifest
 from clover.runtime.tensorrt import MISSING
 from clover.runtime.tree import resolve_tree
 from clover.tools.cli import run_cli

@@ -11,7 +11,7 @@ import pytest
 
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
-from clover.runtime.artifact import open_artifact
+from clover.artifact import open_artifact
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer

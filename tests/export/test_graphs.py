@@ -11,7 +11,7 @@ import pytest
 from clover.export.graphs import EXPORT_SIZES, base_graph, draft_graphs, float32_twin
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch, parity_with_torch
 from clover.models.head_io import build_heads
-from clover.runtime.artifact import read_manifest
+from clover.artifact import read_manifest
 from clover.runtime.tree import resolve_tree
 from ort_helpers import tiny_artifact, tiny_modules
 

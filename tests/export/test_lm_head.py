@@ -7,7 +7,7 @@ import onnx
 import pytest
 
 from clover.export.lm_head import LM_INPUT, lm_head_nodes
-from clover.runtime.artifact import open_artifact, read_manifest
+from clover.artifact import open_artifact, read_manifest
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tree import resolve_tree
 from helpers import assert_identical, run_tokens

@@ -9,7 +9,7 @@ import pytest
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.quantize import quantized_ops
-from clover.runtime.artifact import MANIFEST_FILE, open_artifact, read_manifest
+from clover.artifact import MANIFEST_FILE, open_artifact, read_manifest
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tree import resolve_tree
 from helpers import assert_identical, run_tokens

@@ -10,7 +10,7 @@ from clover.runtime.lookup import PromptLookup
 from clover.runtime.loop import Draft, merge_lookup
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.artifact import open_artifact
+from clover.artifact import open_artifact
 from clover.runtime.tree import resolve_tree
 from helpers import assert_identical, run_tokens
 from ort_helpers import PROMPTS, tiny_artifact

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from clover.errors import CloverError
-from clover.runtime.artifact import read_manifest
+from clover.artifact import read_manifest
 from clover.runtime.backend import RunnerInfo, backend_module
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import OrtRunner, load_runner
@@ -41,7 +41,7 @@ class OracleOrtRunner(OracleDraft, OrtRunner):
     """Drafts the known greedy continuation at rank 0 (as helpers.OracleRunner): long accepted paths."""
 
     def __init__(self, root, reference):
-        from clover.runtime.artifact import open_artifact
+        from clover.artifact import open_artifact
 
         super().__init__(root, open_artifact(root), use_heads=False)
         self.reference = reference

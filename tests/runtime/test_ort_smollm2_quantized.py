@@ -6,7 +6,7 @@ import pytest
 
 from clover.export.artifact import export_artifact
 from clover.export.config import ExportConfig
-from clover.runtime.artifact import open_artifact
+from clover.artifact import open_artifact
 from clover.runtime.generator import Generator
 from helpers import assert_identical
 

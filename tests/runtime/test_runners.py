@@ -109,7 +109,7 @@ class Runners:
     def _engines(self, arch: str):
         """The tiny artifact with TensorRT engines built on this GPU (once per arch)."""
         from clover.export.engines import EngineLimits, build_engines
-        from clover.runtime.artifact import file_entries, read_manifest, write_manifest
+        from clover.artifact import file_entries, read_manifest, write_manifest
 
         root = self.tmp / arch
         if not root.exists():

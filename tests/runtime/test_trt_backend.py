@@ -10,7 +10,7 @@ import pytest
 
 from clover.errors import CloverError
 from clover.export.engines import profiles_for
-from clover.runtime.artifact import read_manifest, uses_exported_heads
+from clover.artifact import read_manifest, uses_exported_heads
 from clover.runtime.backend import backend_module
 from clover.runtime.tensorrt import MISSING
 from clover.runtime.trt_backend import (

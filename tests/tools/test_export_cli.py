@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from clover.runtime.artifact import open_artifact
+from clover.artifact import open_artifact
 from clover.tools.export import main as export_main
 from clover.tools.generate import main as generate_main
 from helpers import tiny_hf_folder
