@@ -153,6 +153,27 @@ class WeightsSpec:
 
 
 @dataclass(frozen=True)
+class TreeSpec:
+    """The artifact's default token tree as stored: rank paths with the root implicit (Medusa / EAGLE
+    `choices`). clover.runtime.tree.compile_spec is the one place that compiles it."""
+
+    name: str
+    choices: tuple[tuple[int, ...], ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "choices": [list(p) for p in self.choices]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TreeSpec":
+        choices = d.get("choices") if isinstance(d, dict) else None
+        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(choices, list) or not all(
+                isinstance(p, list) and all(isinstance(r, int) and r >= 0 for r in p) for p in choices):
+            raise CloverError(f"the manifest's tree is malformed ({str(d)[:80]}): expected "
+                              "{\"name\": str, \"choices\": [[rank, ...], ...]}; export the artifact again")
+        return cls(d["name"], tuple(tuple(p) for p in choices))
+
+
+@dataclass(frozen=True)
 class Manifest:
     backend: str  # "onnx" | "trt" (ONNX graphs plus TensorRT engines built from them)
     dtype: str  # float32 | float16 | bfloat16
@@ -163,7 +184,7 @@ class Manifest:
     base_fingerprint: dict[str, Any]  # clover.models.heads.BaseFingerprint of the exported base
     sources: dict[str, str]  # what --base / --heads named at export, for provenance and torch comparisons
     heads: HeadsSpec | None
-    tree: dict[str, Any] | None  # clover.runtime.tree.tree_to_dict of the default tree
+    tree: TreeSpec | None  # the default tree (None: no heads)
     graphs: dict[str, GraphSpec]  # "base", "draft_begin", "draft_step", "medusa_heads", "lm_head"
     tokenizer: str  # folder inside the artifact
     tools: dict[str, str]  # package versions that made it
@@ -185,7 +206,8 @@ class Manifest:
             backend=d["backend"], dtype=d["dtype"], attention=d["attention"], opset=int(d["opset"]),
             max_context=int(d["max_context"]), base_config=dict(d["base_config"]),
             base_fingerprint=dict(d["base_fingerprint"]), sources=dict(d.get("sources", {})),
-            heads=HeadsSpec.from_dict(d["heads"]) if d.get("heads") else None, tree=d.get("tree"),
+            heads=HeadsSpec.from_dict(d["heads"]) if d.get("heads") else None,
+            tree=TreeSpec.from_dict(d["tree"]) if d.get("tree") else None,
             graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()}, tokenizer=d["tokenizer"],
             tools=dict(d.get("tools", {})), parity=dict(d.get("parity", {})), files=dict(d["files"]),
             engines={k: EngineSpec.from_dict(e) for k, e in d.get("engines", {}).items()},

@@ -30,7 +30,7 @@ from clover.models.heads import BaseFingerprint, DraftHeads
 from clover.artifact import (
     TOKENIZER_DIR, GraphSpec, HeadsSpec, Manifest, WeightsSpec, file_entries, is_artifact, write_manifest,
 )
-from clover.runtime.tree import Tree, resolve_tree, tree_to_dict
+from clover.runtime.tree import Tree, default_tree as runtime_default_tree, resolve_tree, tree_spec
 
 Progress = Callable[[str], None]
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
@@ -176,7 +176,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             max_context=max_context, base_config=base.config.to_dict(),
             base_fingerprint=dataclasses.asdict(BaseFingerprint.of(base)), sources=dict(sources or {}),
             heads=heads_spec(heads, heads_name) if heads is not None else None,
-            tree=tree_to_dict(tree) if tree is not None else None,
+            tree=tree_spec(tree) if tree is not None else None,
             graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files={},
             engines=engines, draft_quant=config.draft_quant, weights=weights,
         )
@@ -190,7 +190,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
 
             say(f"[{steps - 1}/{steps}] default tree: timing plain and the candidate trees on these graphs")
             tree, timing = fastest_tree(tmp, manifest, say=say)
-            manifest = dataclasses.replace(manifest, tree=tree_to_dict(tree), tree_timing=timing)
+            manifest = dataclasses.replace(manifest, tree=tree_spec(tree), tree_timing=timing)
         say(f"[{steps}/{steps}] checksums and manifest")
         manifest = dataclasses.replace(manifest, files=file_entries(tmp))
         write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
@@ -311,10 +311,8 @@ def default_tree(heads: DraftHeads | None, spec: str | None) -> Tree | None:
         if spec not in (None, "plain"):
             raise CloverError("a token tree needs draft heads: pass --heads (e.g. random:clover2) or drop --tree")
         return None
-    from clover.runtime.generator import default_tree as generator_default
-
     depth = heads.config.max_depth
-    tree = resolve_tree(spec) if spec is not None else generator_default(depth)
+    tree = resolve_tree(spec) if spec is not None else runtime_default_tree(depth)
     if depth is not None and tree.max_depth > depth:
         raise CloverError(
             f"tree {tree.name} has depth {tree.max_depth} but {heads.config.arch} heads draft at most {depth} "

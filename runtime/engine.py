@@ -30,7 +30,7 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.backend import Runner
 from clover.runtime.generator import (
-    GenerationResult, Progress, check_prompt_fits, choose_tree, default_tree, drafts_label, encode_prompt, load_backend,
+    GenerationResult, Progress, check_prompt_fits, choose_tree, drafts_label, encode_prompt, load_backend,
 )
 from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
@@ -39,7 +39,7 @@ from clover.runtime.scheduler import (
     AutoTrees, Cancelled, FixedTrees, QueueFull, Request, Scheduler, StreamDelta, VerifyCost, check_max_batch, kv_plan,
 )
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.tree import Tree
+from clover.runtime.tree import Tree, default_tree
 
 __all__ = ["Engine", "EngineStream", "QueueFull", "Cancelled", "StreamDelta"]
 

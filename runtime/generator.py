@@ -23,9 +23,8 @@ from clover.runtime.loop import DRAFT_SOURCES, LOOKUP_DRAFTS, PLAIN, Step, chain
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.tree import Tree, prune_tree, resolve_tree
+from clover.runtime.tree import Tree, default_tree, resolve_tree
 
-DEFAULT_TREE = "mc26"
 LOOKUP_SUFFIX = "+lookup"  # heads "NAME+lookup": prompt-lookup drafts merged into the heads' tree
 
 
@@ -56,12 +55,6 @@ class GenerationResult:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def default_tree(max_depth: int | None) -> Tree:
-    """mc26, pruned to the heads' depth when they cannot draft that deep (Medusa, Clover)."""
-    tree = resolve_tree(DEFAULT_TREE)
-    return tree if max_depth is None else prune_tree(tree, max_depth)
 
 
 def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:

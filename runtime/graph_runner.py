@@ -30,7 +30,7 @@ import numpy as np
 
 from clover.artifact import GraphSpec, Manifest, slot_name
 from clover.runtime.backend import Runner, RunnerInfo, Slot
-from clover.runtime.tree import compile_tree
+from clover.runtime.tree import compile_spec
 
 PAST, PRESENT = "past_key_values", "present"
 FREE_CACHES = 4  # released sequences' caches kept for reuse
@@ -350,7 +350,7 @@ class GraphRunner(Runner):
             backend=backend, vocab_size=self.vocab_size, max_context=max_context or manifest.max_context, heads=self.arch,
             heads_max_depth=heads.max_depth if heads is not None else None,
             heads_name=heads.name if heads is not None else "none",
-            default_tree=compile_tree(tree["choices"], tree["name"]) if tree else None,
+            default_tree=compile_spec(tree) if tree else None,
             chains_only=chains_only, kv_bytes_per_token=sum(map(kv_bytes_per_token, caches)), batch_slots=batch_slots,
         )
         self._free: list[tuple[KVCache, Any]] = []  # released sequences' caches of the initial size

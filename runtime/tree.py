@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
+from clover.artifact import TreeSpec
 from clover.errors import CloverError
 
+DEFAULT_TREE = "mc26"
 MAX_TREE_NODES = 1024  # root included; bounds the [T, T] mask and the engines' tree profiles
 
 RankPath = tuple[int, ...]
@@ -293,6 +295,17 @@ def _parse_json(text: str, what: str) -> Any:
         ) from e
 
 
-def tree_to_dict(tree: Tree) -> dict[str, Any]:
-    """JSON-ready description; `compile_tree(d['choices'], d['name'])` rebuilds the same tree."""
-    return {"name": tree.name, "choices": [list(p) for p in tree.choices]}
+def tree_spec(tree: Tree) -> TreeSpec:
+    """What a manifest stores of a tree; `compile_spec` rebuilds the same tree."""
+    return TreeSpec(tree.name, tuple(tree.choices))
+
+
+def compile_spec(spec: TreeSpec) -> Tree:
+    return compile_tree(spec.choices, spec.name)
+
+
+def default_tree(max_depth: int | None) -> Tree:
+    """The tree used when none is asked for and the artifact records none: mc26, pruned to the heads'
+    depth when they cannot draft that deep (Medusa, Clover). The one place the default is chosen."""
+    tree = resolve_tree(DEFAULT_TREE)
+    return tree if max_depth is None else prune_tree(tree, max_depth)

@@ -55,7 +55,7 @@ def test_manifest_describes_everything(clover2):
     timing = m.tree_timing
     assert set(timing["tokens_per_second"]) == {"plain", "chain-1", "chain-2", "chain-3", "small", "mc26"}
     assert all(tps > 0 for tps in timing["tokens_per_second"].values())
-    assert m.tree["name"] == timing["chosen"] == max(timing["tokens_per_second"], key=timing["tokens_per_second"].get)
+    assert m.tree.name == timing["chosen"] == max(timing["tokens_per_second"], key=timing["tokens_per_second"].get)
     assert set(m.graphs) == {"base", "draft_begin", "draft_step", "lm_head"}  # one LM head (test_lm_head.py)
     assert {"torch", "onnx", "onnxscript", "clover-deploy", "python"} <= m.tools.keys()
     assert all(err < 1e-3 for g in m.parity.values() for err in g.values()), m.parity

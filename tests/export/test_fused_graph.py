@@ -15,7 +15,7 @@ from clover.artifact import open_artifact
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.tree import compile_tree, resolve_tree
+from clover.runtime.tree import compile_spec, compile_tree, resolve_tree
 from helpers import assert_identical, run_tokens
 from ort_helpers import PROMPTS, tiny_artifact
 
@@ -114,7 +114,7 @@ def test_export_time_tree_timing_keeps_to_chains(root):
     m = open_artifact(art)
     timed = set(m.tree_timing["tokens_per_second"])
     assert timed == {"plain", "chain-1", "chain-2", "chain-3"}
-    assert compile_tree(m.tree["choices"]).is_chain
+    assert compile_spec(m.tree).is_chain
 
 
 @pytest.mark.parametrize("kwargs, message", [

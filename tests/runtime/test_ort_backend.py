@@ -132,7 +132,7 @@ def test_load_runner_options_and_errors(artifacts):
     assert backend_module("ort").load_runner is load_runner
     runner = load_runner(path, heads="random:clover2:0", dtype="float32", threads=1, checksums=False)
     assert runner.info.backend == "ort" and runner.info.heads_name == "random:clover2:0"
-    assert runner.info.default_tree.name == read_manifest(path).tree["name"] and runner.info.max_context == 256
+    assert runner.info.default_tree.name == read_manifest(path).tree.name and runner.info.max_context == 256
     with runner:
         pass
     assert runner.base is None  # closed
@@ -182,7 +182,7 @@ def test_fp16_artifact_speculative_equals_plain(tmp_path_factory):
     """DESIGN.md ground truth holds per backend and precision: ORT fp16 speculative == ORT fp16 plain."""
     path = tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", "float16")
     plain, spec = load_runner(path, heads="none"), load_runner(path)
-    assert plain.cache is None and spec.info.default_tree.name == read_manifest(path).tree["name"]
+    assert plain.cache is None and spec.info.default_tree.name == read_manifest(path).tree.name
     for p in PROMPTS:
         want, _ = run_tokens(plain, p, resolve_tree("plain"), N)
         assert plain.cache.buffers[0].dtype == np.float16

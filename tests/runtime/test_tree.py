@@ -7,13 +7,16 @@ import json
 import numpy as np
 import pytest
 
+from clover.artifact import TreeSpec
 from clover.errors import CloverError
 from clover.runtime.tree import (
     NAMED_TREES,
     Tree,
     compile_tree,
     resolve_tree,
-    tree_to_dict,
+    compile_spec,
+    default_tree,
+    tree_spec,
 )
 
 
@@ -176,13 +179,25 @@ def test_plain_tree() -> None:
     assert [c.tolist() for c in tree.children] == [[]]
 
 
-def test_tree_to_dict_round_trip() -> None:
+def test_tree_spec_round_trips_through_the_manifest_json() -> None:
     tree = resolve_tree("small")
-    d = json.loads(json.dumps(tree_to_dict(tree)))
-    assert d["name"] == "small"
-    again = compile_tree(d["choices"], d["name"])
+    spec = TreeSpec.from_dict(json.loads(json.dumps(tree_spec(tree).to_dict())))
+    assert spec.name == "small"
+    again = compile_spec(spec)
     assert again.choices == tree.choices
     np.testing.assert_array_equal(again.packed_mask, tree.packed_mask)
+
+
+@pytest.mark.parametrize("bad", [{"name": "x"}, {"name": "x", "choices": [[0, -1]]}, {"choices": [[0]]}, [[0]],
+                                 {"name": "x", "choices": [["0"]]}])
+def test_a_malformed_manifest_tree_is_a_clear_error(bad) -> None:
+    with pytest.raises(CloverError, match="manifest's tree is malformed"):
+        TreeSpec.from_dict(bad)
+
+
+def test_the_default_tree_is_mc26_pruned_to_the_heads_depth() -> None:
+    assert default_tree(None).name == "mc26" and default_tree(None).num_nodes == 26
+    assert default_tree(2).max_depth == 2 and set(default_tree(2).choices) <= set(default_tree(None).choices)
 
 
 @pytest.mark.parametrize(
