@@ -19,12 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clover import atomic
 from clover.errors import CloverError
 
 FORMAT_VERSION = 3  # 2: the LM head may be a graph of its own (lm_head.onnx); 3: fused bases get base_batch.onnx
@@ -237,18 +236,8 @@ def file_entries(root: Path) -> dict[str, dict[str, Any]]:
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
-    """Write manifest.json atomically (temp file + os.replace): it is the artifact's commit record."""
-    fd, tmp = tempfile.mkstemp(prefix=".manifest-", suffix=".tmp", dir=root)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest.to_dict(), f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, root / MANIFEST_FILE)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write manifest.json atomically: it is the artifact's commit record."""
+    atomic.write_text(root / MANIFEST_FILE, json.dumps(manifest.to_dict(), indent=1))
 
 
 def is_artifact(path: Path) -> bool:

@@ -8,8 +8,11 @@ other's temporary file: the last rename wins with a whole file.
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,6 +48,54 @@ def write_bytes(path: str | Path, data: bytes) -> None:
 def write_text(path: str | Path, text: str) -> None:
     with replacing(path, "w") as f:
         f.write(text)
+
+
+@contextmanager
+def staging_folder(dest: str | Path) -> Iterator[Path]:
+    """A hidden folder beside `dest` (`.tmp-<name>-<pid>-*`) to build `dest` in, removed unless the caller
+    published it. Removed too when the process is stopped by SIGINT or SIGTERM (SIGTERM becomes
+    SystemExit(143) while the folder exists, main thread only). A SIGKILL cannot be caught, so entering
+    also sweeps the staging folders of `dest` left by processes that no longer exist, and the `.old-`
+    folder publish_folder moves aside if one was killed between its two renames."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale(dest)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-{os.getpid()}-", dir=dest.parent))
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left once published
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def sweep_stale(dest: Path) -> list[Path]:
+    """Delete `dest`'s staging and set-aside folders whose writing process is gone; returns them."""
+    pattern = re.compile(rf"^\.(?:tmp|old)-{re.escape(dest.name)}-(\d+)(?:-.*)?$")
+    swept = []
+    for entry in dest.parent.iterdir() if dest.parent.is_dir() else ():
+        m = pattern.match(entry.name)
+        if m and entry.is_dir() and not _alive(int(m[1])):
+            shutil.rmtree(entry, ignore_errors=True)
+            swept.append(entry)
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
 
 
 def publish_folder(tmp: Path, dest: Path) -> None:

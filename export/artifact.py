@@ -14,13 +14,12 @@ from __future__ import annotations
 import dataclasses
 import platform
 import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-from clover.atomic import publish_folder
+from clover.atomic import publish_folder, staging_folder
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
@@ -106,9 +105,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     batched = config.attention == "fused" and config.max_batch > 1
     steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head + batched
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
-    try:
+    with staging_folder(out) as tmp:
         copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)  # first: fail fast, before minutes of export
         specs, parity, embedding = {}, {}, "float32"
         for i, graph in enumerate(graphs, 1):
@@ -195,9 +192,6 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
         manifest = dataclasses.replace(manifest, files=file_entries(tmp))
         write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
         install(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     say(f"artifact written to {out}")
     return out
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from clover import atomic
 from clover.errors import CloverError
 from clover.tools.cli import run_cli
 
@@ -226,10 +227,7 @@ def run(args: argparse.Namespace) -> int:
            "results": summaries,
            "per_prompt": {"/".join(key(b, h, g)): rows[key(b, h, g)].per_prompt_tokens_per_step for b, h, g in configs}}
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(args.json.name + ".partial")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, args.json)
+        atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
     bad = [s for s in summaries if s["mismatches"]]
     for s in bad:
         print(f"clover-bench: {s['heads']} on {s['backend']} differs from plain decoding: {s['mismatches']}", file=sys.stderr)
@@ -290,7 +288,7 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
     from clover.artifact import read_manifest
     from clover.runtime.backend import backend_module
     from clover.runtime.tokenizer import Tokenizer
-    from clover.runtime.tree import compile_tree
+    from clover.runtime.tree import compile_spec
 
     manifest = read_manifest(args.artifact)
     heads = manifest.heads.name if manifest.heads is not None else None
@@ -314,8 +312,7 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
                 raise CloverError(f"artifact {args.artifact} does not record its source model: export it again")
             configs.append((backend, "none", Generator.load(source_base, "none", backend, None, manifest.dtype)))
             if heads and backend not in plain_only:
-                exported = manifest.tree
-                chosen = tree or (compile_tree(exported["choices"], exported["name"]) if exported else None)
+                chosen = tree or (compile_spec(manifest.tree) if manifest.tree else None)
                 configs.append((backend, heads, Generator.load(source_base, manifest.sources["heads"], backend, chosen,
                                                                manifest.dtype)))
     return configs

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import threading
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from clover import atomic
 from clover.errors import CloverError
 from clover.tools.bench import first_difference
 
@@ -198,10 +198,7 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
     }
     bad = [r for r in rows if r["mismatches"]]
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.json.with_name(args.json.name + ".partial")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        os.replace(tmp, args.json)
+        atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
         png = args.json.with_suffix(".png")
         plot(rows, modes, levels, png, f"clover.Engine on {backend}: {Path(str(source)).name}")
         print(f"wrote {args.json} and {png}")
@@ -246,7 +243,6 @@ def plot(rows: list[dict], modes: list[str], levels: list[int], path: Path, titl
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".partial.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic.replacing(path) as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)

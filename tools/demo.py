@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from clover.errors import CloverError
+from clover.tools.cli import run_cli
 
 
 def heads_digest(heads: str) -> str:
@@ -59,8 +60,8 @@ def demo_tree(artifact: Path) -> str | None:
     timing = (m.tree_timing or {}).get("tokens_per_second", {})
     if timing:
         print("export-time timing on this machine: " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items())
-              + f" tok/s; default tree {m.tree['name']}", file=sys.stderr)
-    if m.tree is None or m.tree["name"] != "plain" or not timing:
+              + f" tok/s; default tree {m.tree.name}", file=sys.stderr)
+    if m.tree is None or m.tree.name != "plain" or not timing:
         return None
     fastest = max((k for k in timing if k != "plain"), key=timing.get)
     print(f"plain decoding is this artifact's fastest mode here; the demo speculates with {fastest}, the fastest "
@@ -88,7 +89,7 @@ def generators(args: argparse.Namespace):
     return spec, plain, Generator(plain.runner, spec.tokenizer, drafts="lookup")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="clover-demo", description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="smollm2")
     ap.add_argument("--heads", default="smollm2-clover2")
@@ -96,20 +97,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tree", default=None)
     ap.add_argument("--prompt", default="Give me three tips for staying healthy.")
     ap.add_argument("--max-new-tokens", type=int, default=96)
-    args = ap.parse_args(argv)
-    try:
-        spec, plain, lookup = generators(args)
-        print(f"base {args.base}, heads {args.heads}, tree {spec.tree.name} ({spec.tree.num_nodes} nodes), "
-              f"{args.backend} backend\n")
-        stream = spec.stream(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
-        for delta in stream:
-            print(delta, end="", flush=True)
-        fast = stream.result
-        ref = plain.generate(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
-        looked = lookup.generate(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
-    except CloverError as e:
-        print(f"clover-demo: error: {e}", file=sys.stderr)
-        return 2
+    return ap
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, plain, lookup = generators(args)
+    print(f"base {args.base}, heads {args.heads}, tree {spec.tree.name} ({spec.tree.num_nodes} nodes), "
+          f"{args.backend} backend\n")
+    stream = spec.stream(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
+    for delta in stream:
+        print(delta, end="", flush=True)
+    fast = stream.result
+    ref = plain.generate(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
+    looked = lookup.generate(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
     same = lambda r: "identical to" if r.token_ids == ref.token_ids else "DIFFERENT from"  # noqa: E731
     print(f"\n\nspeculative output is {same(fast)} plain greedy decoding ({fast.new_tokens} tokens)")
     print(f"acceptance length {fast.tokens_per_step:.2f} tokens/step (bonus token included)")
@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         print("(untrained heads accept almost nothing, so this shows losslessness, not speed; trained heads "
               "come with clover-train)")
     return 0 if fast.token_ids == ref.token_ids == looked.token_ids else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("clover-demo", build_parser(), run, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+from clover import atomic
 from clover.errors import CloverError
+from clover.tools.cli import run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,9 +171,7 @@ def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: flo
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "epochs": [asdict(m) for m in history.epochs],
     }
-    tmp = args.out / "training.json.partial"
-    tmp.write_text(json.dumps(prov, indent=2) + "\n")
-    os.replace(tmp, args.out / "training.json")
+    atomic.write_text(args.out / "training.json", json.dumps(prov, indent=2) + "\n")
 
 
 def cpu_model() -> str:
@@ -185,17 +185,8 @@ def cpu_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv
-    try:
-        return run(args)
-    except CloverError as e:
-        print(f"clover-train: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("clover-train: interrupted (checkpoints of finished epochs are kept; use --resume)", file=sys.stderr)
-        return 130
+    return run_cli("clover-train", build_parser(), run, argv,
+                   interrupted="checkpoints of finished epochs are kept; use --resume")
 
 
 if __name__ == "__main__":

@@ -1,1 +1,9 @@
-"""clover.train: see DESIGN.md (filled in by later issues)."""
+"""clover.train: self-distillation of draft heads on the base model's own outputs (CPU-friendly).
+
+    data.py        conversations (ShareGPT, JSONL), the train/validation split, chat-template tokenisation
+    features.py    the base's hidden states and top-k next-token distributions, cached on disk once
+    objectives.py  per-depth losses (Clover-2: KL + 10 x SmoothL1, 0.7^d; Medusa / Clover: KL, 0.8^d)
+    trainer.py     AdamW + warmup/cosine, per-epoch validation, checkpoints and resume
+
+`clover-train` (clover.tools.train) drives them; the base model runs only while features are built.
+"""

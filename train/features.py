@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from clover import atomic
 from clover.errors import CloverError
 from clover.models.decoder import Decoder, causal_mask
 
@@ -92,8 +93,7 @@ class FeatureWriter:
                 "train_loss_tokens": self.loss_tokens[0], "validation_loss_tokens": self.loss_tokens[1],
                 "build_seconds": round(time.time() - self.started, 1), **extra}
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-        shutil.rmtree(self.path, ignore_errors=True)
-        os.replace(self.tmp, self.path)
+        atomic.publish_folder(self.tmp, self.path)
         return FeatureCache(self.path)
 
     def abort(self) -> None:

@@ -5,7 +5,6 @@ validation, checkpoints each epoch and resume. The base model never runs here (f
 from __future__ import annotations
 
 import math
-import os
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -14,6 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from clover import atomic
 from clover.errors import CloverError
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
@@ -107,12 +107,10 @@ class Trainer:
 
     def save_checkpoint(self, epoch: int) -> None:
         path = self.checkpoint_path(epoch)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".pt.partial")
-        torch.save({"epoch": epoch, "heads": self.heads.state_dict(), "optimizer": self.opt.state_dict(),
-                    "config": asdict(self.cfg), "history": [asdict(m) for m in self.history.epochs],
-                    "torch_rng": torch.get_rng_state()}, tmp)
-        os.replace(tmp, path)
+        with atomic.replacing(path) as f:
+            torch.save({"epoch": epoch, "heads": self.heads.state_dict(), "optimizer": self.opt.state_dict(),
+                        "config": asdict(self.cfg), "history": [asdict(m) for m in self.history.epochs],
+                        "torch_rng": torch.get_rng_state()}, f)
 
     def resume(self) -> int:
         """Load the newest checkpoint; returns the number of epochs already done."""

@@ -2,8 +2,10 @@
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -148,3 +150,27 @@ def test_plugin_attention_export_through_the_cli(base_dir, tmp_path, capsys):
     assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no reference copy left behind
     code, stdout, err = cli(capsys, generate_main, "--artifact", out, "--backend", "ort", "--prompt", "w7")
     assert code == 2 and "--attention plugin" in err and "--backend trt" in err
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130)])
+def test_a_stopped_export_removes_its_staging_folder(base_dir, tmp_path, sig, code):
+    """clover-export stopped mid-export by SIGTERM or Ctrl-C: no `.tmp-` folder beside --out, no --out."""
+    out = tmp_path / "art"
+    proc = subprocess.Popen([sys.executable, "-m", "clover.tools.export", "--base", str(base_dir), "--heads",
+                             "random:clover2", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".tmp-art-*/tokenizer")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # the staging folder exists and the export is under way
+    assert proc.poll() is None, proc.communicate()[1].decode()[-400:]
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err.decode()[-400:]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_export_sweeps_staging_left_by_a_killed_one(base_dir, tmp_path, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / f".tmp-art-{dead.pid}-k1" / "tokenizer").mkdir(parents=True)  # what SIGKILL leaves
+    code, _, _ = cli(capsys, export_main, "--base", base_dir, "--out", tmp_path / "art", "--no-verify")
+    assert code == 0 and [p.name for p in tmp_path.iterdir()] == ["art"]

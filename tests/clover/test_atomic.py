@@ -1,0 +1,65 @@
+"""clover.atomic: whole files or nothing, unique temporary names, staging folders that clean up after themselves."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from clover import atomic
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_write_replaces_whole_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "sub" / "cache.bin"
+    atomic.write_bytes(path, b"one")
+    atomic.write_text(path, "two")
+    assert path.read_text() == "two" and os.listdir(path.parent) == ["cache.bin"]
+    assert oct(path.stat().st_mode & 0o777) != oct(0o600)  # published for everyone (umask permitting)
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path):
+    path = tmp_path / "doc.json"
+    path.write_text("old")
+    with pytest.raises(RuntimeError):
+        with atomic.replacing(path, "w") as f:
+            f.write("half")
+            raise RuntimeError("disk full")
+    assert path.read_text() == "old" and os.listdir(tmp_path) == ["doc.json"]
+
+
+def test_two_writers_of_one_path_use_their_own_temporary_files(tmp_path):
+    path = tmp_path / "timing.cache"
+    with atomic.replacing(path) as a, atomic.replacing(path) as b:
+        assert len([n for n in os.listdir(tmp_path) if n.startswith(".timing.cache.")]) == 2
+        a.write(b"a" * 1000)
+        b.write(b"b" * 10)
+    assert path.read_bytes() == b"a" * 1000  # b closes first; the last rename (a) wins, with a whole file
+
+
+def test_staging_folder_is_removed_unless_published(tmp_path):
+    dest = tmp_path / "art"
+    with pytest.raises(KeyboardInterrupt):
+        with atomic.staging_folder(dest) as tmp:
+            (tmp / "base.onnx").write_bytes(b"partial")
+            raise KeyboardInterrupt
+    assert os.listdir(tmp_path) == []
+    with atomic.staging_folder(dest) as tmp:
+        (tmp / "manifest.json").write_text("{}")
+        atomic.publish_folder(tmp, dest)
+    assert os.listdir(tmp_path) == ["art"] and (dest / "manifest.json").is_file()
+
+
+def test_stale_staging_of_dead_processes_is_swept_live_ones_kept(tmp_path):
+    dest = tmp_path / "art"
+    dead, live = dead_pid(), os.getpid()
+    for name in (f".tmp-art-{dead}-x1", f".old-art-{dead}", f".tmp-art-{live}-x2", f".tmp-other-{dead}-x3"):
+        (tmp_path / name).mkdir()
+    with atomic.staging_folder(dest) as tmp:
+        left = sorted(p.name for p in tmp_path.iterdir() if p != tmp)
+    assert left == [f".tmp-art-{live}-x2", f".tmp-other-{dead}-x3"]
