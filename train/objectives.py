@@ -48,6 +48,9 @@ RECIPES = {
 }
 
 
+TOPK_ACCURACY = 3  # accuracy@k: a tree with k candidates at a depth (tree `small`: 3 at depth 1) catches these
+
+
 @dataclass
 class DepthStats:
     """Sums over a batch for one depth (divide by count for means)."""
@@ -56,6 +59,7 @@ class DepthStats:
     kl: float = 0.0
     hidden: float = 0.0
     correct: float = 0.0  # head argmax == base argmax
+    in_topk: float = 0.0  # base argmax among the head's TOPK_ACCURACY most likely tokens
     count: int = 0
 
 
@@ -118,10 +122,12 @@ def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int,
             cols = vocab.index[ids]
             assert bool((cols >= 0).all()), "a target outside the active vocabulary"
             predicted = vocab.ids[logits.argmax(-1)]
+            top = vocab.ids[logits.topk(TOPK_ACCURACY, dim=-1).indices]
         else:
             logits = head_logits_bf16(heads, d, x, lm_bf16)
             cols = ids
             predicted = logits.argmax(-1)
+            top = logits.topk(TOPK_ACCURACY, dim=-1).indices
         logq = torch.log_softmax(logits, dim=-1)
         kl = -(p * logq.gather(-1, cols)).sum(-1).mean()
         loss = kl
@@ -133,6 +139,7 @@ def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int,
         total = total + recipe.decay ** (d - 1) * loss
         st.loss, st.kl, st.count = float(loss.detach()) * n, float(kl.detach()) * n, n
         st.correct = float((predicted == ids[:, 0]).sum())
+        st.in_topk = float((top == ids[:, :1]).any(-1).sum())
         stats.append(st)
     return total, stats
 

@@ -18,7 +18,7 @@ from clover.errors import CloverError
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
 from clover.train.features import FeatureCache
-from clover.train.objectives import RECIPES, DepthStats, Vocab, distill_loss, head_outputs
+from clover.train.objectives import RECIPES, TOPK_ACCURACY, DepthStats, Vocab, distill_loss, head_outputs
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,7 @@ class EpochMetrics:
     val_top1: list[float]  # per depth: head argmax == base argmax, on validation rows with a target
     val_chain_accept: float  # 1 + mean run of consecutive correct depths: tokens/step on a chain tree
     seconds: float
+    val_topk: list[float] = field(default_factory=list)  # per depth: base argmax in the head's top-k (TOPK_ACCURACY)
 
 
 @dataclass
@@ -163,19 +164,22 @@ class Trainer:
                 bar.set_postfix_str(f"loss {loss_sum / n_batches:.3f} top1 " +
                                     "/".join(f"{a.correct / max(1, a.count):.2f}" for a in sums))
             bar.close()
-            val_loss, val_top1, chain = self.validate()
+            val_loss, val_top1, val_topk, chain = self.validate()
             m = EpochMetrics(epoch + 1, round(loss_sum / max(1, n_batches), 4),
                              [round(a.correct / max(1, a.count), 4) for a in sums], round(val_loss, 4),
-                             [round(x, 4) for x in val_top1], round(chain, 3), round(time.time() - t0, 1))
+                             [round(x, 4) for x in val_top1], round(chain, 3), round(time.time() - t0, 1),
+                             [round(x, 4) for x in val_topk])
             self.history.epochs.append(m)
             self.save_checkpoint(epoch)
             log(f"epoch {m.epoch}: train loss {m.train_loss:.3f}, val loss {m.val_loss:.3f}, val top-1 per depth "
-                + " ".join(f"{x:.3f}" for x in m.val_top1) + f", chain acceptance {m.val_chain_accept:.2f} ({m.seconds:.0f}s)")
+                + " ".join(f"{x:.3f}" for x in m.val_top1) + f", top-{TOPK_ACCURACY} "
+                + " ".join(f"{x:.3f}" for x in m.val_topk) + f", chain acceptance {m.val_chain_accept:.2f} ({m.seconds:.0f}s)")
         return self.history
 
     @torch.no_grad()
-    def validate(self) -> tuple[float, list[float], float]:
-        """Validation loss, per-depth top-1, and the chain acceptance estimate (teacher-forced)."""
+    def validate(self) -> tuple[float, list[float], list[float], float]:
+        """Validation loss, per-depth accuracy@1 and @TOPK_ACCURACY, and the chain acceptance estimate
+        (teacher-forced)."""
         self.heads.eval()
         sums = [DepthStats() for _ in range(self.cfg.depths)]
         loss_sum, n = 0.0, 0
@@ -187,11 +191,12 @@ class Trainer:
                                        outs=outs)
             loss_sum, n = loss_sum + float(loss), n + 1
             for acc, st in zip(sums, stats):
-                acc.correct, acc.count = acc.correct + st.correct, acc.count + st.count
+                acc.correct, acc.in_topk, acc.count = acc.correct + st.correct, acc.in_topk + st.in_topk, acc.count + st.count
             r, c = chain_runs(self.heads, batch, outs, self.lm_bf16)
             run_total, rows = run_total + r, rows + c
         self.heads.train()
-        return loss_sum / max(1, n), [a.correct / max(1, a.count) for a in sums], 1 + run_total / max(1, rows)
+        return (loss_sum / max(1, n), [a.correct / max(1, a.count) for a in sums],
+                [a.in_topk / max(1, a.count) for a in sums], 1 + run_total / max(1, rows))
 
 
 def frequent_tokens(cache: FeatureCache, seq_ids: list[int], count: int = 4096) -> torch.Tensor:

@@ -43,8 +43,11 @@ def test_each_architecture_trains_and_stays_lossless(setup, arch, capsys):
     out = root / f"heads-{arch}"
     assert _train(setup, out, "--arch", arch, "--num-heads", "3", "--epochs", "2") == 0
     err = capsys.readouterr().err
-    assert "epoch 2:" in err and "val top-1 per depth" in err
+    assert "epoch 2:" in err and "val top-1 per depth" in err and "top-3" in err
     prov = json.loads((out / "training.json").read_text())
+    last = prov["epochs"][-1]  # held-out accuracy@1 and @3 per depth (accuracy@3 >= accuracy@1)
+    assert len(last["val_top1"]) == len(last["val_topk"]) == 3
+    assert all(0 <= a <= b <= 1 for a, b in zip(last["val_top1"], last["val_topk"])), last
     assert prov["command"].startswith("clover-train --base ") and f"--arch {arch}" in prov["command"]
     assert len(prov["epochs"]) == 2 and prov["data"]["responses"] == "base" and prov["data"]["seed"] == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch-0.pt", "epoch-1.pt"]
