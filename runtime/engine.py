@@ -192,13 +192,15 @@ class Engine:
     @classmethod
     def load(cls, base_or_artifact: str | Path, heads: str | None = None, backend: str = "ort",
              tree: str | None = AUTO, max_batch: int = 8, threads: int | None = None, max_waiting: int = 256,
-             log=sys.stderr) -> "Engine":
+             log=sys.stderr, providers: str | Sequence[str] | None = None) -> "Engine":
         """Mirrors Generator.load: `base_or_artifact` is an artifact folder (ort, trt) or an HF folder /
         'smollm2' (torch); heads "lookup": prompt-lookup drafts on the base alone; tree "auto" (default), a
-        tree for every step, or None (the artifact's default)."""
+        tree for every step, or None (the artifact's default); providers: the ort backend's execution
+        providers, e.g. "cuda,cpu" (None: the CPU)."""
         check_max_batch(max_batch)  # before minutes of loading
         batch = {"batch": max_batch > 1} if backend == "ort" else {}  # the artifact's batched base graph, if any
-        runner, tokenizer, drafts = load_backend(base_or_artifact, heads, backend, threads=threads, **batch)
+        runner, tokenizer, drafts = load_backend(base_or_artifact, heads, backend, threads=threads, providers=providers,
+                                                 **batch)
         return cls(runner, tokenizer, tree, drafts, max_batch, max_waiting, log)
 
     # -- lifecycle --------------------------------------------------------------------------------

@@ -114,11 +114,13 @@ def check_prompt_fits(ids: Sequence[int], context: int) -> None:
 
 
 def load_backend(base: str | Path, heads: str | None, backend: str, dtype: str | None = None,
-                 threads: int | None = None, **options: Any) -> tuple[Runner, Tokenizer, str]:
+                 threads: int | None = None, providers: str | Sequence[str] | None = None,
+                 **options: Any) -> tuple[Runner, Tokenizer, str]:
     """The backend's runner, the base's tokenizer and the draft source, from CLI-style specs (Generator.load,
     Engine.load): heads "lookup" is prompt lookup on the base alone, "NAME+lookup" (or "+lookup" for the
     backend's default heads) adds its drafts to the heads' tree; heads and dtype left None take the
-    backend's defaults; `threads` reaches the torch and ort backends; `options` go to load_runner as they are."""
+    backend's defaults; `threads` reaches the torch and ort backends, `providers` (e.g. "cuda,cpu") the ort
+    backend; `options` go to load_runner as they are."""
     module = backend_module(backend)
     drafts = "lookup" if heads == "lookup" else "heads"
     heads = "none" if drafts == "lookup" else heads
@@ -127,6 +129,11 @@ def load_backend(base: str | Path, heads: str | None, backend: str, dtype: str |
     given = {k: v for k, v in (("heads", heads), ("dtype", dtype)) if v is not None} | options
     if threads is not None and backend in ("torch", "ort"):
         given["threads"] = threads
+    if providers is not None:
+        if backend != "ort":
+            raise CloverError(f"--providers chooses ONNX Runtime's execution providers: use it with --backend ort, "
+                              f"not {backend}")
+        given["providers"] = providers
     return module.load_runner(base, **given), Tokenizer.from_dir(module.base_dir(base)), drafts
 
 
@@ -180,12 +187,14 @@ class Generator:
 
     @classmethod
     def load(cls, base: str | Path, heads: str | None = None, backend: str = "torch", tree: str | None = None,
-             dtype: str | None = None, threads: int | None = None) -> "Generator":
+             dtype: str | None = None, threads: int | None = None,
+             providers: str | Sequence[str] | None = None) -> "Generator":
         """Build the backend's runner and the base's tokenizer from CLI-style specs. `base` is an HF folder
         or 'smollm2' for torch, an artifact folder for ort and trt; heads and dtype left None take the
         backend's defaults (torch: none, float32; ort, trt: the artifact's); heads "lookup": prompt-lookup
-        drafts on the base alone. `threads`: CPU threads of the torch and ort backends (None: their defaults)."""
-        runner, tokenizer, drafts = load_backend(base, heads, backend, dtype, threads)
+        drafts on the base alone. `threads`: CPU threads of the torch and ort backends (None: their defaults).
+        `providers`: the ort backend's execution providers, e.g. "cuda,cpu" (None: the CPU)."""
+        runner, tokenizer, drafts = load_backend(base, heads, backend, dtype, threads, providers)
         return cls(runner, tokenizer, tree, drafts)
 
     # -- public API -----------------------------------------------------------------------------

@@ -13,13 +13,32 @@ still get `logits`, and the head's weights are in memory once (clover.export.lm_
 Batching. With `OrtOptions(batch=True)` the artifact's batched base graph (export/batch_graph.py) runs the
 new rows of up to `batch_slots` sequences in one call: packed into one row dimension, a block-diagonal
 tree mask, and each sequence slot's own KV buffers bound to its own per-slot inputs.
+
+Execution providers (`OrtOptions.providers`, `--providers cuda,cpu`: names in order of preference). On the CPU
+the tensors are numpy arrays. On CUDA (onnxruntime-gpu) they are torch CUDA tensors (trt_backend.TorchArrays:
+KV caches and step tensors stay on the device, only logits come back), bound through IOBinding by address, and
+every session runs on the runner's own CUDA stream (the provider's `user_compute_stream`), so torch's copies and
+ONNX Runtime's kernels are ordered without host waits; torch is imported on this path only. Where the CUDA
+provider is missing (the CPU build of onnxruntime) or did not start (onnxruntime-gpu without the CUDA / cuDNN
+libraries creates CPU sessions with only a log line), `cuda,cpu` runs on the CPU and says so in one line
+(`OrtRunner.placement.note`, logged once); `cuda` alone fails with that line.
+
+CUDA graphs (`OrtOptions.cuda_graphs`, off by default) need every captured call to repeat its shapes and
+buffer addresses. That holds only for the head graphs that take no KV cache (`medusa_heads`, `draft_step`):
+their inputs are copied into static buffers, one set and one graph (`gpu_graph_id`) per shape (one per tree
+level's node count). The base graph (verify and prefill: a new row count every step, KV caches bound at
+per-sequence addresses that move when a cache doubles), the batched base, `draft_begin` (its own KV cache) and
+the LM head run without. ONNX Runtime refuses capture for a graph with nodes on the CPU; such a graph runs
+uncaptured, said in one line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,9 +48,19 @@ from clover.artifact import (
 )
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.runtime.backend import EngineClock
-from clover.runtime.graph_runner import GraphRunner, KVCache, NumpyArrays, graphs_used
+from clover.runtime.graph_runner import Arrays, GraphRunner, KVCache, NumpyArrays, graphs_used
 
 LM_HEAD, LM_INPUT = "lm_head", "lm_input"  # as clover.export.lm_head (no export import here: no torch)
+PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}  # --providers names: ONNX Runtime's
+CUDA, CPU = PROVIDERS["cuda"], PROVIDERS["cpu"]
+CUDA_GRAPHS = ("medusa_heads", "draft_step")  # the graphs whose calls repeat their shapes (module doc)
+CUDA_GRAPH_SHAPES = 16  # captured shapes per graph; calls of other shapes run uncaptured
+# I/O element types for binding by address; 16 = onnx.TensorProto.BFLOAT16 (numpy has no bfloat16).
+ELEMENT_TYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": 16, "int64": np.int64, "int32": np.int32,
+                 "bool": np.bool_}
+GPU_EXTRA = ("install the gpu extra in an environment of its own (onnxruntime-gpu cannot share one with "
+             "onnxruntime)")
+log = logging.getLogger(__name__)
 
 
 def _ort():
@@ -56,19 +85,93 @@ class OrtOptions:
     checksums: verify every file's sha256 on load (sizes are always checked).
     cache_block: KV cache slots allocated at the start of a sequence (doubled when full).
     batch: load the artifact's batched base graph (if it has one) to run several sequences per forward; a
-      one-sequence Generator does not need it (it holds the weights a second time)."""
+      one-sequence Generator does not need it (it holds the weights a second time).
+    providers: execution providers in order of preference, from "cuda" and "cpu" (a comma-separated string
+      such as "cuda,cpu" is accepted); "cuda,cpu" runs on the CPU, saying so in one line, where CUDA is not
+      available (module doc).
+    device: the CUDA device index.
+    cuda_graphs: capture CUDA graphs where the calls repeat their shapes (the head graphs, module doc)."""
 
     threads: int = 0
     spin: bool = True
     checksums: bool = True
     cache_block: int = 256
     batch: bool = False
+    providers: tuple[str, ...] = ("cpu",)
+    device: int = 0
+    cuda_graphs: bool = False
 
     def __post_init__(self) -> None:
         if self.threads < 0:
             raise CloverError(f"threads must be >= 0 (0 = onnxruntime's default), got {self.threads}")
         if self.cache_block < 1:
             raise CloverError(f"cache_block must be >= 1 slot, got {self.cache_block}")
+        object.__setattr__(self, "providers", parse_providers(self.providers))
+        if self.device < 0:
+            raise CloverError(f"device must be a CUDA device index >= 0, got {self.device}")
+        if self.cuda_graphs and "cuda" not in self.providers:
+            raise CloverError(f"CUDA graphs need the cuda provider, but providers are {','.join(self.providers)}: "
+                              "use --providers cuda,cpu")
+
+
+def parse_providers(given: str | Sequence[str]) -> tuple[str, ...]:
+    """--providers "cuda,cpu" (or a sequence of names) as ("cuda", "cpu"), checked: known names, each once,
+    the CPU last (it has a kernel for every node, so a provider after it would run nothing)."""
+    names = tuple(n.strip().lower() for n in (given.split(",") if isinstance(given, str) else given))
+    shown = given if isinstance(given, str) else ",".join(given)
+    choices = f"choose from {', '.join(PROVIDERS)}, comma-separated in order of preference (e.g. cuda,cpu)"
+    bad = [n for n in names if n not in PROVIDERS]
+    if bad or not names:
+        raise CloverError(f"unknown execution provider {bad[0] if bad else ''!r} in --providers {shown!r}: {choices}")
+    if len(set(names)) < len(names):
+        raise CloverError(f"--providers {shown!r} names a provider twice: {choices}")
+    if names[-1] != "cpu" and "cpu" in names:
+        raise CloverError(f"--providers {shown!r} lists cpu before {names[-1]}, which would then run nothing (the CPU "
+                          f"provider has a kernel for every node): put cpu last, e.g. {names[-1]},cpu")
+    return names
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a runner's sessions run. providers: ONNX Runtime's names, asked of every session in order; cuda: the
+    runner's tensors live on the CUDA device (every session got the CUDA provider); note: one line when the
+    runner does not run where the first provider asked would have it (logged once, kept for reports)."""
+
+    providers: tuple[str, ...]
+    cuda: bool
+    note: str | None = None
+
+
+def place(options: OrtOptions, available: Sequence[str] | None = None) -> Placement:
+    """The providers to ask each session for, from what was asked and what this onnxruntime has (`available`:
+    onnxruntime.get_available_providers()); a one-line error for cuda without it, and without cpu to fall to."""
+    ort = _ort()
+    available = list(ort.get_available_providers() if available is None else available)
+    asked = options.providers
+    if "cuda" in asked and CUDA not in available:
+        why = (f"this onnxruntime ({ort.__version__}) has no CUDA execution provider (it has "
+               f"{', '.join(available)})")
+        if "cpu" not in asked:
+            raise CloverError(f"{why}: for CUDA {GPU_EXTRA}; or pass --providers cpu")
+        return Placement((CPU,), False, f"--providers {','.join(asked)}: running on the CPU, as {why}; for CUDA "
+                                        f"{GPU_EXTRA}")
+    return Placement(tuple(PROVIDERS[n] for n in asked), asked[0] == "cuda")
+
+
+def check_session(placement: Placement, session, name: str) -> Placement:
+    """`placement` after a session was created under it. onnxruntime-gpu lists the CUDA provider even when its
+    libraries cannot load, then creates the session on the CPU with no error (only a log line): say so in one
+    line and run on the CPU, or fail if the CPU was not asked for."""
+    got = session.get_providers()
+    if CUDA not in placement.providers or CUDA in got:
+        return placement
+    why = (f"onnxruntime {_ort().__version__} lists the CUDA execution provider, but created the session for {name} "
+           f"with {', '.join(got)} only: the CUDA 12/13 runtime or cuDNN 9 libraries were not found (python -c "
+           "\"import onnxruntime; onnxruntime.preload_dlls()\" names the missing one; pip install "
+           "'onnxruntime-gpu[cuda,cudnn]' brings the nvidia-* wheels)")
+    if CPU not in placement.providers:
+        raise CloverError(why)
+    return Placement((CPU,), False, f"{why}: running on the CPU")
 
 
 def session_options(opts: OrtOptions, spin: bool = False):
@@ -90,50 +193,70 @@ def session_options(opts: OrtOptions, spin: bool = False):
 
 class Graph:
     """One InferenceSession and its IOBinding, driven by the I/O names, dims and dtypes of the manifest
-    (graph_runner.EngineGraph)."""
+    (graph_runner.EngineGraph). It binds numpy arrays (OrtValues over their memory) or, after `on_device`, torch
+    tensors by address. `cuda_graph`: the session was created with CUDA graphs (module doc)."""
 
-    def __init__(self, root: Path, spec: GraphSpec, so, clock: EngineClock) -> None:
+    def __init__(self, spec: GraphSpec, session, clock: EngineClock, cuda_graph: bool = False) -> None:
         ort = _ort()
-        self.spec, self.clock = spec, clock
-        try:
-            self.session = ort.InferenceSession(str(root / spec.file), so, providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises its own Fail / InvalidGraph types
-            raise CloverError(f"onnxruntime cannot load {root / spec.file}: {str(e).splitlines()[0]}") from e
-        self.binding = self.session.io_binding()
+        self.spec, self.session, self.clock, self.cuda_graph = spec, session, clock, cuda_graph
+        self.binding = session.io_binding()
         self._ortvalue = ort.OrtValue.ortvalue_from_numpy
         # Arrays bound now (they must outlive the run): an input or in-place output bound to the same array as
         # last call is not bound again (a KV cache stays bound from step to step: 2 x layers arrays).
-        self._inputs: dict[str, np.ndarray] = {}
-        self._into: dict[str, np.ndarray] = {}
-        self._outputs = [(t.name, t.shape, np.dtype(t.dtype)) for t in spec.outputs]
+        self._inputs: dict[str, Any] = {}
+        self._into: dict[str, Any] = {}
+        self._outputs = [(t.name, t.shape, t.dtype) for t in spec.outputs]
+        self._dtypes = {t.name: t.dtype for t in (*spec.inputs, *spec.outputs)}
         self.lm_head: Graph | None = None  # runs after this graph when it outputs LM_INPUT (use_lm_head)
+        self.device: tuple[str, int] | None = None  # where bound tensors live, after on_device
+        self._arrays: Any = None  # their TorchArrays
+        self._torch_dtype: Any = None  # trt_backend.torch_dtype, imported with torch
+        self._captured: dict[tuple, CapturedShape] = {}  # by input shapes
+        # A session with CUDA graphs captures every run it is not told otherwise of: gpu_graph_id -1 runs uncaptured.
+        self._run_options = None
+        if cuda_graph:
+            self._run_options = ort.RunOptions()
+            self._run_options.add_run_config_entry("gpu_graph_id", "-1")
 
     def has_input(self, name: str) -> bool:
         return self.spec.has_input(name)
 
-    def _bind(self, bound: dict[str, np.ndarray], name: str, array: np.ndarray, output: bool) -> None:
+    def on_device(self, device_type: str, index: int, arrays: Arrays) -> None:
+        """Take torch tensors (`arrays`: trt_backend.TorchArrays) on device `device_type` ("cuda"; "cpu" in tests)
+        and bind them by address; outputs are new tensors there."""
+        from clover.runtime.trt_backend import torch_dtype
+
+        self.device, self._arrays, self._torch_dtype = (device_type, index), arrays, torch_dtype
+        self._inputs, self._into, self._captured = {}, {}, {}
+
+    def _empty(self, dims: Sequence[int | str], dtype: str, sizes: Mapping[str, int]):
+        """A new output array shaped by `sizes` (empty: no page is touched before ONNX Runtime writes it)."""
+        shape = tuple(sizes[d] if isinstance(d, str) else d for d in dims)
+        if self.device is None:
+            return np.empty(shape, np.dtype(dtype))
+        return self._arrays.torch.empty(shape, dtype=self._torch_dtype(dtype), device=self._arrays.device)
+
+    def _bind(self, bound: dict[str, Any], name: str, array: Any, output: bool) -> None:
         if bound.get(name) is array:
+            return
+        if self.device is not None:
+            bound[name] = array = array.contiguous()  # kept while bound: ONNX Runtime holds only its address
+            bind_address(self.binding, name, array, self._dtypes[name], self.device, output)
             return
         array = np.ascontiguousarray(array)  # shares memory: no copy for the arrays it is given
         bound[name] = array
         (self.binding.bind_ortvalue_output if output else self.binding.bind_ortvalue_input)(name, self._ortvalue(array))
 
-    def run(self, inputs: Mapping[str, np.ndarray], sizes: Mapping[str, int],
-            into: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    def run(self, inputs: Mapping[str, Any], sizes: Mapping[str, int],
+            into: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Run with the outputs in `into` written there in place and every other output straight into a new
-        array shaped by `sizes` (np.empty: no page is touched before ONNX Runtime writes it, and a later run
-        never overwrites what this one returned). A graph cut before the shared LM head gives `logits` all
-        the same: its LM_INPUT rows go through `lm_head`."""
-        for name, array in inputs.items():
-            self._bind(self._inputs, name, array, output=False)
-        for name, array in (into or {}).items():
-            self._bind(self._into, name, array, output=True)
-        outs = {name: np.empty(tuple(sizes[d] if isinstance(d, str) else d for d in dims), dtype)
-                for name, dims, dtype in self._outputs if not into or name not in into}
-        for name, array in outs.items():
-            self.binding.bind_ortvalue_output(name, self._ortvalue(array))
-        with self.clock:
-            self.session.run_with_iobinding(self.binding)
+        array shaped by `sizes` (a later run never overwrites what this one returned). A graph cut before the
+        shared LM head gives `logits` all the same: its LM_INPUT rows go through `lm_head`."""
+        outs = None
+        if self.cuda_graph and self.device is not None and not into:
+            outs = self._run_captured(inputs, sizes)
+        if outs is None:
+            outs = self._run(inputs, sizes, into)
         if self.lm_head is not None:
             rows = outs.pop(LM_INPUT)
             flat = rows.reshape(-1, rows.shape[-1])
@@ -141,36 +264,176 @@ class Graph:
             outs["logits"] = logits.reshape(*rows.shape[:-1], -1)
         return outs
 
+    def _run(self, inputs: Mapping[str, Any], sizes: Mapping[str, int], into: Mapping[str, Any] | None) -> dict[str, Any]:
+        for name, array in inputs.items():
+            self._bind(self._inputs, name, array, output=False)
+        for name, array in (into or {}).items():
+            self._bind(self._into, name, array, output=True)
+        outs = {name: self._empty(dims, dtype, sizes) for name, dims, dtype in self._outputs if not into or name not in into}
+        for name, array in outs.items():
+            if self.device is not None:
+                bind_address(self.binding, name, array, dtype=self._dtypes[name], device=self.device, output=True)
+            else:
+                self.binding.bind_ortvalue_output(name, self._ortvalue(array))
+        with self.clock:
+            self.session.run_with_iobinding(self.binding, self._run_options)
+        return outs
+
+    def _run_captured(self, inputs: Mapping[str, Any], sizes: Mapping[str, int]) -> dict[str, Any] | None:
+        """The call on the CUDA graph of its input shapes (captured on first use), or None past CUDA_GRAPH_SHAPES
+        shapes. The inputs are copied into the graph's static buffers and its outputs out of them."""
+        key = tuple((name, tuple(array.shape)) for name, array in inputs.items())
+        shape = self._captured.get(key)
+        if shape is None:
+            if len(self._captured) >= CUDA_GRAPH_SHAPES:
+                return None
+            shape = self._captured[key] = CapturedShape(self, len(self._captured) + 1, inputs, sizes)
+        for name, array in inputs.items():
+            shape.inputs[name].copy_(array)
+        with self.clock:
+            self.session.run_with_iobinding(shape.binding, shape.run_options)
+        return {name: array.clone() for name, array in shape.outputs.items()}  # the next call of this shape reuses them
+
     def use_lm_head(self, lm_head: "Graph") -> None:
         """This graph stops before the shared LM head (it outputs LM_INPUT): `run` runs `lm_head` after it."""
         self.lm_head = lm_head
+
+
+class CapturedShape:
+    """One CUDA graph of a Graph: static input and output tensors of one set of input shapes, bound once to an
+    IOBinding of their own, and the run options naming the graph (gpu_graph_id 1, 2, ...: ONNX Runtime keeps 0).
+    ONNX Runtime captures it on its first runs and replays it after: same shapes, same addresses."""
+
+    def __init__(self, graph: Graph, graph_id: int, inputs: Mapping[str, Any], sizes: Mapping[str, int]) -> None:
+        ort = _ort()
+        self.binding = graph.session.io_binding()
+        self.inputs = {name: array.contiguous().clone() for name, array in inputs.items()}
+        self.outputs = {name: graph._empty(dims, dtype, sizes) for name, dims, dtype in graph._outputs}
+        for name, array in (*self.inputs.items(), *self.outputs.items()):
+            bind_address(self.binding, name, array, graph._dtypes[name], graph.device, output=name in self.outputs)
+        self.run_options = ort.RunOptions()
+        self.run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
+
+
+def bind_address(binding, name: str, tensor: Any, dtype: str, device: tuple[str, int], output: bool) -> None:
+    """Bind a dense torch tensor to I/O `name` by its address on `device` (device type, index)."""
+    bind = binding.bind_output if output else binding.bind_input
+    bind(name, device[0], device[1], ELEMENT_TYPES[dtype], tuple(tensor.shape), tensor.data_ptr())
+
+
+class CudaDevice:
+    """A runner's CUDA side: torch's device and the runner's stream, which every session runs on (the CUDA
+    provider's user_compute_stream) and every torch op of the runner is ordered on (TorchArrays.scope)."""
+
+    def __init__(self, index: int) -> None:
+        try:
+            import torch
+        except ImportError as e:
+            raise CloverError("the ort backend keeps its CUDA tensors in torch: install torch with CUDA (the gpu "
+                              "extra), or pass --providers cpu") from e
+        if not torch.cuda.is_available():
+            raise CloverError(f"torch {torch.__version__} sees no CUDA device (a CPU build, or no driver): install "
+                              "torch with CUDA (the gpu extra), or pass --providers cpu")
+        if index >= torch.cuda.device_count():
+            raise CloverError(f"CUDA device {index} does not exist: torch sees {torch.cuda.device_count()}")
+        self.index, self.device = index, torch.device("cuda", index)
+        with torch.cuda.device(self.device):
+            self.stream = torch.cuda.Stream(self.device)  # not the legacy default stream: ONNX Runtime refuses 0
+
+    def provider_options(self, cuda_graph: bool) -> dict[str, str]:
+        options = {"device_id": str(self.index), "user_compute_stream": str(self.stream.cuda_stream)}
+        if cuda_graph:
+            options["enable_cuda_graph"] = "1"
+        return options
+
+    def arrays(self) -> Arrays:
+        from clover.runtime.trt_backend import TorchArrays
+
+        return TorchArrays(self.device, self.stream)
+
+
+class Sessions:
+    """Opens a runner's sessions (`open`) on the providers `place` chose, each checked once created
+    (`check_session`: the placement drops to the CPU when a session did not get CUDA), then gives the runner its
+    Arrays (`arrays`): numpy, or TorchArrays on the CUDA device with every graph binding by address."""
+
+    def __init__(self, root: Path, options: OrtOptions, clock: EngineClock) -> None:
+        self.root, self.options, self.clock = root, options, clock
+        self.placement = place(options)
+        self.cuda = CudaDevice(options.device) if self.placement.cuda else None
+        self.graphs: list[Graph] = []
+
+    def open(self, name: str, spec: GraphSpec, so) -> Graph:
+        """The graph `name` of the manifest (`spec`) with session options `so`."""
+        ort, path = _ort(), self.root / spec.file
+        capture = self.options.cuda_graphs and self.placement.cuda and name in CUDA_GRAPHS
+        for cuda_graph in ((True, False) if capture else (False,)):
+            providers = [(p, self.cuda.provider_options(cuda_graph)) if p == CUDA else p for p in self.placement.providers]
+            try:
+                session = ort.InferenceSession(str(path), so, providers=providers)
+                break
+            except Exception as e:  # onnxruntime raises its own Fail / InvalidGraph types
+                first = (str(e).splitlines() or [type(e).__name__])[0]
+                if cuda_graph and "graph capture" in first:  # nodes on the CPU (module doc)
+                    log.warning("CUDA graphs off for %s: %s", spec.file, first)
+                    continue
+                raise CloverError(f"onnxruntime cannot load {path}: {first}") from e
+        self.placement = check_session(self.placement, session, spec.file)
+        graph = Graph(spec, session, self.clock, cuda_graph=cuda_graph)
+        self.graphs.append(graph)
+        return graph
+
+    def arrays(self) -> Arrays:
+        if not self.placement.cuda:
+            return NumpyArrays()
+        return self.bind_by_address("cuda", self.cuda.index, self.cuda.arrays())
+
+    def bind_by_address(self, device_type: str, index: int, arrays: Arrays) -> Arrays:
+        for graph in self.graphs:
+            graph.on_device(device_type, index, arrays)
+        return arrays
 
 
 class OrtRunner(GraphRunner):
     """A Runner over an artifact's ONNX graphs; use `load_runner` to build one from a folder."""
 
     def __init__(self, root: str | Path, manifest: Manifest, use_heads: bool = True, options: OrtOptions = OrtOptions()):
-        root = Path(root)
         so, draft_so = session_options(options, spin=options.spin), session_options(options)
         self.options = options
         self.engine_clock = clock = EngineClock()
-        graphs = {n: Graph(root, manifest.graphs[n], so if n == "base" else draft_so, clock) for n in graphs_used(manifest, use_heads)}
+        sessions = Sessions(Path(root), options, clock)
+        graphs = {n: sessions.open(n, manifest.graphs[n], so if n == "base" else draft_so) for n in graphs_used(manifest, use_heads)}
         # The batched base (fused artifacts, export/batch_graph.py): several sequences' rows in one forward.
-        self.batch = Graph(root, manifest.graphs[BATCH_GRAPH], so, clock) if options.batch and BATCH_GRAPH in manifest.graphs else None
+        self.batch = None
+        if options.batch and BATCH_GRAPH in manifest.graphs:
+            self.batch = sessions.open(BATCH_GRAPH, manifest.graphs[BATCH_GRAPH], so)
         self.lm_head = None
         if LM_HEAD in manifest.graphs:  # on the base's thread settings: it computes every verified row's logits
-            self.lm_head = Graph(root, manifest.graphs[LM_HEAD], so, clock)
+            self.lm_head = sessions.open(LM_HEAD, manifest.graphs[LM_HEAD], so)
             for g in (*graphs.values(), self.batch):
                 if g is not None and g.spec.has_output(LM_INPUT):
                     g.use_lm_head(self.lm_head)
+        # Where the sessions run (providers asked, what this onnxruntime has, what each session got): one line
+        # when it is not where the first provider asked would have it.
+        self.placement = sessions.placement
+        if self.placement.note:
+            log.warning(self.placement.note)
+        self.stream = sessions.cuda.stream if self.placement.cuda else None
         fused = manifest.attention == "fused"  # in-place KV cache (module doc)
         self.batch_slots = int(self.batch.spec.input(ROW_COUNTS).shape[0]) if self.batch is not None else 1
-        super().__init__(manifest, graphs, NumpyArrays(), use_heads=use_heads, backend="ort", cache_block=options.cache_block,
-                         in_place=fused, chains_only=fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
+        super().__init__(manifest, graphs, self._arrays(sessions), use_heads=use_heads, backend="ort",
+                         cache_block=options.cache_block, in_place=fused,
+                         chains_only=fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
                          batch_slots=self.batch_slots)
         self._idle: dict[int, KVCache] = {}  # 2-slot buffers of the batched graph's slot inputs not in a step
 
+    def _arrays(self, sessions: Sessions) -> Arrays:
+        """Where the runner's tensors live (tests bind torch CPU tensors by address here, as CUDA would)."""
+        return sessions.arrays()
+
     def close(self) -> None:
+        if self.stream is not None:
+            self.stream.synchronize()  # nothing enqueued may outlive the buffers
         self.base = self.batch = self.drafter = self.lm_head = None
         self._free = []
 
@@ -183,7 +446,11 @@ class OrtRunner(GraphRunner):
         return [out[id(v)] if id(v) in out else self._forward(v.slot, v.tokens, v.depths, v.mask, v.last_only) for v in batch]
 
     def _forward_packed(self, packed):
-        N = self.batch_slots
+        with self.arrays.scope():
+            return self._forward_packed_impl(packed)
+
+    def _forward_packed_impl(self, packed):
+        N, a = self.batch_slots, self.arrays
         counts, pasts = np.zeros(N, np.int64), np.zeros(N, np.int64)
         by_slot = {v.slot.index: v for v in packed}
         caches, into = {}, {}
@@ -206,15 +473,15 @@ class OrtRunner(GraphRunner):
         # logit rows: a prompt's last row, every row of a tree
         rows = np.concatenate([[end - 1] if v.last_only else np.arange(end - len(v.tokens), end) for v, end in zip(packed, ends)])
         out = self.batch.run({
-            "input_ids": np.concatenate([v.tokens for v in packed]).astype(np.int64)[None],  # [1, R]
-            "position_ids": np.concatenate([v.slot.past + v.depths.astype(np.int64) for v in packed])[None],  # [1, R]
-            "tree_mask": mask,
-            "past_lengths": pasts,  # [N]
-            ROW_COUNTS: counts,  # [N]
-            "logit_rows": np.asarray(rows, dtype=np.int64),
+            "input_ids": a.put(np.concatenate([v.tokens for v in packed]).astype(np.int64)[None]),  # [1, R]
+            "position_ids": a.put(np.concatenate([v.slot.past + v.depths.astype(np.int64) for v in packed])[None]),  # [1, R]
+            "tree_mask": a.put(mask),
+            "past_lengths": a.put(pasts),  # [N]
+            ROW_COUNTS: a.put(counts),  # [N]
+            "logit_rows": a.put(np.asarray(rows, dtype=np.int64)),
             **caches,
         }, {"new": R, "rows": len(rows)}, into)
-        logits = out["logits"][0].astype(np.float32, copy=False)  # [rows, V]
+        logits = a.host(out["logits"][0])  # [rows, V]
         results, at = [], 0
         for v, end in zip(packed, ends):
             T, n = len(v.tokens), 1 if v.last_only else len(v.tokens)
@@ -226,7 +493,8 @@ class OrtRunner(GraphRunner):
 
 def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | None = None,
                 threads: int = 0, spin: bool = True, checksums: bool = True, cache_block: int = 256,
-                batch: bool = False) -> OrtRunner:
+                batch: bool = False, providers: str | Sequence[str] = ("cpu",), device: int = 0,
+                cuda_graphs: bool = False) -> OrtRunner:
     """Open and validate an artifact folder and build its runner.
 
     Args:
@@ -235,8 +503,11 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
             "none": plain decoding on the artifact's base graph.
         dtype: None, or the precision the caller expects (must be the artifact's).
         threads, spin, checksums, cache_block, batch: see OrtOptions (clover.Engine loads with batch=True).
+        providers, device, cuda_graphs: see OrtOptions (providers: e.g. "cuda,cpu"; the runner's `placement`
+            says where it runs).
     """
-    options = OrtOptions(threads=threads, spin=spin, checksums=checksums, cache_block=cache_block, batch=batch)
+    options = OrtOptions(threads=threads, spin=spin, checksums=checksums, cache_block=cache_block, batch=batch,
+                         providers=providers, device=device, cuda_graphs=cuda_graphs)
     manifest = open_artifact(artifact, checksums=options.checksums)
     if manifest.attention == "plugin":
         raise CloverError(

@@ -159,6 +159,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch / ORT intra-op threads")
+    p.add_argument("--providers", default=None, help="ONNX Runtime execution providers of the ort backend, "
+                   "comma-separated in order of preference: cpu (default), cuda, or cuda,cpu (runs on the CPU, saying "
+                   "so in one line, where CUDA is not available)")
     p.add_argument("--no-chat", action="store_true", help="feed prompts raw, without the chat template")
     p.add_argument("--json", type=Path, default=None, help="write every number (and per-prompt data) here; with "
                    "--concurrency also a PNG plot beside it")
@@ -222,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     print_table(summaries, depth)
     doc = {"base": args.base, "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
            "dtype": args.dtype, "chat": not args.no_chat, "threads": args.threads, "seconds": round(time.time() - started, 1),
+           "ort_placement": ort_placement(configs),
            "note": "acceptance_length = tokens emitted per verify step, bonus token included; speedup = tokens/s over "
                    "plain decoding on the same backend, measured in this run",
            "results": summaries,
@@ -261,6 +265,12 @@ def lookup_tree(tree: str | None) -> bool:
     return tree is not None and resolve_tree(tree).is_chain
 
 
+def ort_placement(configs: list[tuple[str, str, "Generator"]]) -> dict | None:
+    """Where the ort backend's sessions ran (execution providers, and the one-line note when not where asked)."""
+    placement = next((g.runner.placement for b, _, g in configs if b == "ort"), None)
+    return None if placement is None else {"providers": list(placement.providers), "note": placement.note}
+
+
 def key(backend: str, heads: str, g: "Generator") -> tuple[str, str, str]:
     return backend, heads, g.tree.name
 
@@ -275,6 +285,8 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
     from clover.runtime.generator import LOOKUP_SUFFIX, Generator
 
     configs = []
+    if args.providers is not None and "ort" not in backends:
+        raise CloverError("--providers chooses ONNX Runtime's execution providers: use it with --backend ort")
     if args.artifact is None:
         for backend in set(backends) & set(ARTIFACT_BACKENDS):
             raise CloverError(f"--backend {backend} runs an exported artifact: pass --artifact DIR "
@@ -296,7 +308,7 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
         if backend in ARTIFACT_BACKENDS:  # the artifact's own graphs / engines, plain and with its heads
             module = backend_module(backend)
             tok = Tokenizer.from_dir(module.base_dir(args.artifact))
-            threads = {"threads": args.threads or 0} if backend == "ort" else {}
+            threads = {"threads": args.threads or 0, "providers": args.providers or "cpu"} if backend == "ort" else {}
             plain = module.load_runner(args.artifact, heads="none", **threads)
             configs.append((backend, "none", Generator(plain, tok)))
             if heads and backend not in plain_only:

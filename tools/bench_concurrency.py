@@ -24,7 +24,7 @@ import numpy as np
 
 from clover import atomic
 from clover.errors import CloverError
-from clover.tools.bench import first_difference
+from clover.tools.bench import first_difference, ort_placement
 
 BANDWIDTH_GBS = 27.0  # this workplace's measured memory read bandwidth (README)
 CONTROL = "plain-2"  # --control: a second plain engine (A/A)
@@ -143,16 +143,19 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
     max_batch = args.max_batch or max(levels)
     chat = not args.no_chat
     threads = {"threads": args.threads} if args.threads else {}
+    providers = {"providers": args.providers} if args.providers is not None else {}
+    if providers and backend != "ort":
+        raise CloverError("--providers chooses ONNX Runtime's execution providers: use it with --backend ort")
 
     module = backend_module(backend)
     tok = Tokenizer.from_dir(module.base_dir(source))
-    solo = Generator(module.load_runner(source, heads="none", **threads), tok, "plain")
+    solo = Generator(module.load_runner(source, heads="none", **threads, **providers), tok, "plain")
     reference = [solo.generate(p, max_new_tokens=args.max_new_tokens, chat=chat).token_ids
                  for p in tqdm(prompts, desc="solo plain", unit="prompt", dynamic_ncols=True)]
     engines = {}
     for mode in modes:
         engines[mode] = Engine.load(source, heads=heads, backend=backend, tree="plain" if mode == CONTROL else mode,
-                                    max_batch=max_batch, threads=args.threads, log=None)
+                                    max_batch=max_batch, threads=args.threads, log=None, **providers)
         engines[mode].generate(prompts[0], max_new_tokens=4, chat=chat)  # warm-up off the clock
     rows = []
     try:
@@ -187,6 +190,7 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
     doc = {
         "backend": backend, "source": str(source), "prompts": args.prompts, "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "max_batch": max_batch, "threads": args.threads, "chat": chat,
+        "ort_placement": ort_placement([(backend, "none", solo)]),
         "weight_bytes": wb, "batch1_bandwidth_bound_tokens_per_second": round(bound, 1) if bound else None,
         "note": "closed loop: N callers each submit the next prompt when their last one ends; aggregate = all "
                 "output tokens / wall time; acceptance_length = tokens per verify step, bonus included; "

@@ -11,6 +11,10 @@ from clover.errors import CloverError
 from clover.tools.cli import run_cli
 
 
+PROVIDERS_HELP = ("ONNX Runtime execution providers, comma-separated in order of preference: cpu (default), cuda, "
+                  "or cuda,cpu (runs on the CPU, saying so in one line, where CUDA is not available); ort backend")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="clover-generate",
@@ -40,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16; an artifact has its own")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch intra-op / ONNX Runtime intra-op)")
+    p.add_argument("--providers", default=None, help=PROVIDERS_HELP)
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print text as it is generated")
     out.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and statistics")
@@ -96,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.threads is not None and args.threads < 1:
         raise CloverError(f"--threads must be at least 1, got {args.threads}")
-    gen = Generator.load(model_source(args), args.heads, backend_name(args), args.tree, args.dtype, threads=args.threads)
+    gen = Generator.load(model_source(args), args.heads, backend_name(args), args.tree, args.dtype, threads=args.threads,
+                         providers=args.providers)
     kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=args.chat)
     if args.stream:
         stream = gen.stream(prompt, **kwargs)

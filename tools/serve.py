@@ -1,7 +1,7 @@
 """clover-serve: an OpenAI-compatible HTTP server over one clover.Engine (clover.serve.app).
 
     clover-serve --artifact DIR | --demo [--backend ort|trt] [--host 127.0.0.1] [--port 8000] [--max-batch N]
-                 [--tree auto|NAME] [--api-key KEY] [--model NAME]
+                 [--tree auto|NAME] [--providers cuda,cpu] [--api-key KEY] [--model NAME]
 
 SIGTERM or SIGINT stops accepting connections, lets in-flight requests finish (at most --drain-seconds), and
 exits 0.
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond those (more get 503)")
     p.add_argument("--tree", default="auto", help="'auto' (per step, per sequence, by measured cost) or a tree name")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
+    p.add_argument("--providers", default=None, help="ONNX Runtime execution providers (backend ort), comma-separated "
+                   "in order of preference: cpu (default), cuda, or cuda,cpu (runs on the CPU, saying so in one line, "
+                   "where CUDA is not available)")
     p.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"), help="require 'Authorization: Bearer KEY' "
                    "on /v1 routes (default: $CLOVER_API_KEY, else none)")
     p.add_argument("--model", default=None, help="the model name clients send (default: the artifact folder's name; smollm2-clover2 with --demo)")
@@ -117,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
         raise CloverError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
     engine = Engine.load(args.artifact, backend=backend, tree=args.tree, max_batch=args.max_batch, threads=args.threads,
-                         max_waiting=args.max_waiting)
+                         max_waiting=args.max_waiting, providers=args.providers)
     model = args.model or (DEMO_MODEL if args.demo else args.artifact.resolve().name)
     try:
         app = create_app(engine, model, api_key=args.api_key or None)
