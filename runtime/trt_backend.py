@@ -32,6 +32,7 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime import tensorrt as rt
+from clover.trt import ITEMSIZE, check_engine_compatible, device_info, require_tensorrt
 from clover.artifact import (
     ARTIFACT_HEADS, EngineSpec, GraphSpec, Manifest, ProfileSpec, open_artifact, uses_exported_heads,
 )
@@ -57,7 +58,7 @@ class Binding:
         return tuple(sizes[d] if isinstance(d, str) else int(d) for d in self.dims)
 
     def nbytes(self, sizes: Mapping[str, int]) -> int:
-        return math.prod(self.shape(sizes)) * rt.ITEMSIZE[self.dtype]
+        return math.prod(self.shape(sizes)) * ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -234,21 +235,21 @@ class TrtRunner(GraphRunner):
     def __init__(self, root: str | Path, manifest: Manifest, use_heads: bool = True, device: int = 0,
                  cache_block: int = 256) -> None:
         torch = _torch()
-        trt = rt.require_tensorrt()
+        trt = require_tensorrt()
         if cache_block < 1:
             raise CloverError(f"cache_block must be >= 1 slot, got {cache_block}")
         root = Path(root)
-        here = rt.device_info(device)
+        here = device_info(device)
         names = graphs_used(manifest, use_heads)
         for name in names:
             if name not in manifest.engines:
                 raise CloverError(f"artifact {root} has no TensorRT engine for graph {name}: export it again with "
                                   "clover-export --backend trt")
-            rt.check_engine_compatible(manifest.engines[name], trt.__version__, here.name, here.compute_capability)
+            check_engine_compatible(manifest.engines[name], trt.__version__, here.name, here.compute_capability)
         if manifest.attention == "plugin":
             from clover.plugins.trt_plugin import register
 
-            register()  # AOT engines embed the kernel; engines with a JIT (Python) plugin need it registered
+            register()  # JIT engines (TensorRT < 10.9) call back into its Python; AOT engines embed the kernel
         cuda = torch.device("cuda", device)
         with torch.cuda.device(cuda):
             stream = torch.cuda.Stream(cuda)
@@ -289,7 +290,7 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
         cache_block: KV cache slots allocated at the start of a sequence (doubled when full).
     """
     manifest = open_artifact(artifact, checksums=checksums)
-    rt.require_tensorrt()
+    require_tensorrt()
     if dtype is not None and dtype != manifest.dtype:
         raise CloverError(f"artifact {artifact} holds {manifest.dtype} engines, not {dtype}: omit --dtype, or export "
                           f"again with clover-export --backend trt --dtype {dtype}")

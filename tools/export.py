@@ -24,8 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path,
                    help="artifact folder to write (new, empty, or an artifact to replace)")
     p.add_argument("--backend", default="onnx",
-                   help="onnx: ONNX graphs for ONNX Runtime; trt: the graphs plus TensorRT engines (needs TensorRT "
-                        "10.x/11.x and a CUDA GPU)")
+                   help="onnx: ONNX graphs for ONNX Runtime; trt: the graphs plus TensorRT engines built with Polygraphy "
+                        "(needs the gpu extra: TensorRT 10.x/11.x, Polygraphy, and a CUDA GPU)")
     p.add_argument("--attention", default="portable",
                    help="portable: standard ONNX ops (ONNX Runtime, TensorRT); plugin: one CloverTreeAttention node "
                         "per layer for the TensorRT plugin (the graph is checked on ONNX Runtime through the node's "
@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
                           weights=args.weights, block_size=args.block_size, verify=not args.no_verify,
                           max_batch=args.max_batch)
     if config.backend == "trt":  # at once: before minutes of loading and exporting
-        from clover.runtime.tensorrt import require_tensorrt
+        from clover.export.engines import require_engine_builder
 
-        require_tensorrt()
+        require_engine_builder()  # TensorRT and Polygraphy
     from clover.export.artifact import export_artifact  # imports torch: after the cheap checks
 
     start = time.perf_counter()

@@ -1,23 +1,29 @@
 """TensorRT engine planning on tiny exported artifacts, without TensorRT: optimization profiles, limits,
-the build-memory estimate, the engine compatibility check, and the no-TensorRT error of build_engines."""
+the build-memory estimate, the engine compatibility check, the Polygraphy loader chain an engine is built
+with (inspected, not run), the timing cache's atomic replacement, and the errors without TensorRT or
+Polygraphy. Building and running real engines: tests/runtime/test_runners.py and clover-doctor (GPU)."""
 
 import argparse
 import dataclasses
+import os
+import shutil
 import sys
+import types
 
 import numpy as np
 import pytest
 
 from clover.errors import CloverError
+from clover.export import engines
 from clover.export.engines import (
-    EngineLimits, build_engines, build_memory, check_engine_compatible, estimate_build_memory, memory_note,
-    profile_sizes, profiles_for,
+    DEFAULT_WORKSPACE_BYTES, POLYGRAPHY_MISSING, EngineLimits, build_engines, build_memory, check_engine_compatible,
+    engine_loader, estimate_build_memory, memory_note, profile_sizes, profiles_for,
 )
 from clover.artifact import EngineSpec, ProfileSpec, read_manifest
-from clover.runtime.tensorrt import MISSING
+from clover.trt import MISSING
 from clover.runtime.tree import resolve_tree
 from clover.tools.cli import run_cli
-from ort_helpers import tiny_artifact
+from ort_helpers import no_tensorrt_gpu, tiny_artifact
 
 LIMITS = EngineLimits(max_prompt=48, max_tree=26, max_context=128, max_accepted=5, max_candidates=10)
 ARCHS = ("medusa", "clover", "clover2")
@@ -205,3 +211,159 @@ def test_build_memory_of_draft_graphs_is_positive(manifests):
         est = build_memory(root, graph, profiles_for(name, graph, LIMITS), workspace=0)
         assert est.weights > 0 and est.io > 0, (arch, name)
         assert np.isfinite(est.total)
+
+
+def test_build_engines_without_polygraphy_is_one_clear_error(manifests, monkeypatch):
+    root, m = manifests["clover"]
+    monkeypatch.setitem(sys.modules, "tensorrt", fake_tensorrt("10.13.3.9"))
+    monkeypatch.setitem(sys.modules, "polygraphy.backend.trt", None)
+    with pytest.raises(CloverError) as e:
+        build_engines(root, m.graphs, "float32", LIMITS, None, print)
+    assert str(e.value) == POLYGRAPHY_MISSING and "gpu" in POLYGRAPHY_MISSING
+
+
+# -- the Polygraphy loader chain, without TensorRT ----------------------------------------------------------
+
+def fake_tensorrt(version: str) -> types.ModuleType:
+    """What engine_loader reads of the tensorrt module: its version, MemoryPoolType.WORKSPACE, IProgressMonitor."""
+    trt = types.ModuleType("tensorrt")
+    trt.__version__ = version
+    trt.MemoryPoolType = types.SimpleNamespace(WORKSPACE="MemoryPoolType.WORKSPACE")
+    trt.IProgressMonitor = object
+    return trt
+
+
+@pytest.mark.parametrize("version, strongly_typed", [("10.13.3.9", True), ("11.1.0.12", False)])
+def test_engine_loader_chain(manifests, tmp_path, version, strongly_typed):
+    """EngineBytesFromNetwork(NetworkFromOnnxPath, CreateConfig): the graph parsed from its file, strongly typed
+    by the flag on 10.x (11.x networks always are), one Profile per ProfileSpec in order, the workspace limit,
+    TF32 off, the timing cache loaded when the file exists and saved into the given file."""
+    pg = pytest.importorskip("polygraphy.backend.trt")
+    root, m = manifests["clover2"]
+    profiles = profiles_for("base", m.graphs["base"], LIMITS)
+    cache = tmp_path / "timing.cache"
+    cache.write_bytes(b"cache")
+    lines = []
+    with open(tmp_path / "out.cache", "w+b") as out:
+        loader = engine_loader(fake_tensorrt(version), root / "base.onnx", profiles, workspace=1 << 30,
+                               timing_cache=cache, save_timing_cache=out, progress=lines.append)
+        assert isinstance(loader, pg.EngineBytesFromNetwork)
+        assert loader.timing_cache_path is out
+    network, config = loader._network, loader._config
+    assert isinstance(network, pg.NetworkFromOnnxPath)
+    assert network.path == str(root / "base.onnx") and network.strongly_typed is strongly_typed
+    assert isinstance(config, pg.CreateConfig)
+    assert config.tf32 is False and not (config.fp16 or config.bf16 or config.int8)  # the graph's own types
+    assert config.memory_pool_limits == {"MemoryPoolType.WORKSPACE": 1 << 30}
+    assert config.timing_cache_path == str(cache)
+    assert [list(p) for p in config.profiles] == [list(p.shapes) for p in profiles]
+    for p, spec in zip(config.profiles, profiles):
+        assert isinstance(p, pg.Profile)
+        for name, (lo, opt, hi) in spec.shapes.items():
+            assert (p[name].min, p[name].opt, p[name].max) == (lo, opt, hi)
+    # the progress monitor reports top-level phases only
+    config.progress_monitor.phase_start("Building engine", None, 3)
+    config.progress_monitor.phase_start("Tactic timing", "Building engine", 40)
+    assert lines == ["      TensorRT: Building engine (3 steps)"] and config.progress_monitor.step_complete("x", 1)
+
+
+def test_engine_loader_defaults(manifests):
+    pytest.importorskip("polygraphy.backend.trt")
+    root, m = manifests["clover"]
+    loader = engine_loader(fake_tensorrt("10.13.3.9"), root / "draft_step.onnx",
+                           profiles_for("draft_step", m.graphs["draft_step"], LIMITS),
+                           timing_cache=root / "no-such.cache")
+    config = loader._config
+    assert config.timing_cache_path is None  # a missing cache file is not read (it is created by the save)
+    assert config.progress_monitor is None and loader.timing_cache_path is None
+    assert config.memory_pool_limits == {"MemoryPoolType.WORKSPACE": DEFAULT_WORKSPACE_BYTES}
+
+
+class FakeLoader:
+    """Stands in for the loader chain: runs `during` (if given), writes `cache` into the timing-cache file it was
+    given and returns `plan`, or raises `plan` if it is an exception. Records the cache folder's entries."""
+
+    def __init__(self, plan, cache, seen, during=None):
+        self.plan, self.cache, self.seen, self.during = plan, cache, seen, during
+
+    def __call__(self, trt, onnx_path, profiles, *, workspace, timing_cache, save_timing_cache, progress):
+        def run():
+            if timing_cache is not None:
+                self.seen.append(sorted(os.listdir(timing_cache.parent)))
+            if self.during is not None:
+                self.during()
+            if isinstance(self.plan, Exception):
+                raise self.plan
+            if save_timing_cache is not None:
+                save_timing_cache.write(self.cache)
+            return self.plan
+
+        return run
+
+
+def test_build_engine_replaces_the_timing_cache_atomically(tmp_path, monkeypatch):
+    """Each build writes the timing cache into a temporary sibling of its own, renamed over the shared file once
+    its engine is built: two exports at once never share a temporary file and the last to finish leaves a whole
+    file. A failed build leaves the cache as it was and no temporary behind. Polygraphy's errors become one
+    CloverError line."""
+    pytest.importorskip("polygraphy")
+    from polygraphy.exception import PolygraphyException
+
+    cache = tmp_path / "tensorrt" / "timing.cache"
+    seen = []
+    build = lambda: engines.build_engine(None, tmp_path / "base.onnx", (), cache, print)  # noqa: E731
+    inner = FakeLoader(b"plan-inner", b"timings-inner", seen)
+
+    def other_export():  # a second export sharing the cache, started and finished during the first one's build
+        monkeypatch.setattr(engines, "engine_loader", inner)
+        assert build() == b"plan-inner"
+        assert cache.read_bytes() == b"timings-inner"
+
+    monkeypatch.setattr(engines, "engine_loader", FakeLoader(b"plan-outer", b"timings-outer", seen, other_export))
+    assert build() == b"plan-outer"
+    assert cache.read_bytes() == b"timings-outer"  # the last to finish, whole
+    outer_tmp, both_tmp = seen
+    assert len(outer_tmp) == 1 and outer_tmp[0].startswith(".timing.cache.") and outer_tmp[0].endswith(".tmp")
+    assert len([n for n in both_tmp if n.endswith(".tmp")]) == 2  # two temporaries side by side
+    failed = PolygraphyException("Invalid Engine. Please ensure the engine was built correctly\nmore")
+    monkeypatch.setattr(engines, "engine_loader", FakeLoader(failed, b"never", seen))
+    with pytest.raises(CloverError) as e:
+        build()
+    assert str(e.value).startswith("TensorRT could not build an engine from base.onnx: Invalid Engine. Please ensure")
+    assert "\n" not in str(e.value) and "--backend onnx" in str(e.value)
+    assert cache.read_bytes() == b"timings-outer"
+    assert sorted(os.listdir(cache.parent)) == ["timing.cache"]  # no temporary left
+
+
+def test_build_engine_without_a_timing_cache(tmp_path, monkeypatch):
+    pytest.importorskip("polygraphy")
+    monkeypatch.setattr(engines, "engine_loader", FakeLoader(b"plan", b"", []))
+    assert engines.build_engine(None, tmp_path / "base.onnx", (), None, print) == b"plan"
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- on a GPU with TensorRT (make test-gpu) ----------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.skipif(no_tensorrt_gpu() is not None, reason=str(no_tensorrt_gpu()))
+@pytest.mark.parametrize("attention", ["portable", "plugin"])
+def test_build_engines_on_a_gpu(tmp_path_factory, tmp_path, attention):
+    """The loader chain run for real: an engine with the artifact's profiles and I/O, the timing cache written
+    (no temporary left), the builder's phases reported; with the tree-attention plugin too."""
+    from clover.runtime import tensorrt as rt
+
+    src = tiny_artifact(tmp_path_factory.getbasetemp(), "clover", attention=attention, shared_lm_head=False)
+    root = tmp_path / "artifact"
+    shutil.copytree(src, root)
+    m = read_manifest(root)
+    lines = []
+    built = build_engines(root, {"base": m.graphs["base"]}, "float32", LIMITS, tmp_path / "timing.cache", lines.append)
+    spec = built["base"]
+    assert spec.profiles == profiles_for("base", m.graphs["base"], LIMITS) and spec.file == "engines/base.engine"
+    assert (tmp_path / "timing.cache").stat().st_size > 0
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    engine = rt.deserialize_engine(root / spec.file)
+    assert engine.num_optimization_profiles == 2
+    assert rt.engine_io(engine) == ({t.name: (True, t.dtype) for t in m.graphs["base"].inputs}
+                                    | {t.name: (False, t.dtype) for t in m.graphs["base"].outputs})
+    assert any(line.startswith("      TensorRT: ") for line in lines)  # the progress monitor reported phases

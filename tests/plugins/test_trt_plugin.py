@@ -11,7 +11,7 @@ from clover.plugins.trt_plugin import (
     INPUTS, KERNEL_ARGS, PLUGIN_ID, check_kernel_args, cuda_array_interface, io_types, launch_grid,
     threads_per_block,
 )
-from clover.runtime.tensorrt import MISSING
+from clover.trt import MISSING
 from helpers import run_python
 
 
@@ -92,3 +92,11 @@ def test_module_imports_without_tensorrt_torch_or_triton():
     code = ("import sys\nsys.modules['tensorrt'] = None\nimport clover.plugins.trt_plugin\n"
             "assert not [m for m in ('torch', 'triton') if m in sys.modules]\nprint('ok')\n")
     assert run_python(code).strip() == "ok"
+
+
+def test_plugin_does_not_import_the_runtime():
+    """The plugin reaches TensorRT through clover.trt, not clover.runtime (which would be a cycle: the runtime
+    registers the plugin for JIT engines)."""
+    code = ("import sys\nimport clover.plugins.trt_plugin\n"
+            "print(sorted(m for m in sys.modules if m.startswith('clover.')))\n")
+    assert run_python(code).strip() == "['clover.errors', 'clover.plugins', 'clover.plugins.trt_plugin']"

