@@ -183,6 +183,7 @@ class Engine:
             self.tree = choose_tree(runner.info, tree, drafts)
             self.policy = FixedTrees()
         self.error: BaseException | None = None  # what stopped the loop, if anything did
+        self.step_sequences = 0  # sequences in the last forward (prefill chunks included); 0 while idle
         if log is not None and runner.info.kv_bytes_per_token:
             print(kv_plan(max_batch, runner.info.max_context, runner.info.kv_bytes_per_token), file=log)
         self._stopping = False
@@ -269,6 +270,7 @@ class Engine:
         while True:
             with sched.lock:
                 while sched.idle and not self._stopping:
+                    self.step_sequences = 0
                     sched.lock.wait()
                 if sched.idle and self._stopping:
                     return
@@ -287,6 +289,7 @@ class Engine:
             r.decoding = Decoding(runner.open_slot(capacity), r.prompt, self.tree, r.sampling,
                                   np.random.default_rng(r.sampling.seed), self.drafts, self.prefill_chunk)
         batch = list(sched.running)
+        self.step_sequences = len(batch)
         if not batch:
             return
         decodings = [r.decoding for r in batch]

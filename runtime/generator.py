@@ -91,12 +91,12 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[
         ids = tokenizer.encode_chat(prompt)
     elif isinstance(prompt, str):
         if not prompt.strip():
-            raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file")
+            raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file", param="prompt")
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     else:
         ids = [int(t) for t in prompt]
     if not ids:
-        raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file")
+        raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file", param="prompt")
     return ids
 
 
@@ -109,7 +109,7 @@ def check_prompt_fits(ids: Sequence[int], context: int) -> None:
     if len(ids) >= context:
         raise CloverError(
             f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten the prompt "
-            "to leave room for at least one generated token"
+            "to leave room for at least one generated token", param="prompt"
         )
 
 

@@ -30,10 +30,11 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise CloverError(
-                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}"
+                f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}", param="temperature"
             )
         if not (0 < self.top_p <= 1):
-            raise CloverError(f"top_p must be in (0, 1], got {self.top_p}: use 1.0 to disable top-p")
+            raise CloverError(f"top_p must be in (0, 1], got {self.top_p}: use 1.0 to disable top-p",
+                              param="top_p")
 
     @property
     def greedy(self) -> bool:

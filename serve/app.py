@@ -50,6 +50,15 @@ def _error_response(e: ApiError) -> JSONResponse:
     return JSONResponse(error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
 
 
+def request_param(engine_param: str | None, body: Any) -> str | None:
+    """The request field behind an engine argument that a CloverError names (its `param`)."""
+    if engine_param == "prompt":
+        return "messages" if hasattr(body, "messages") else "prompt"
+    if engine_param == "max_new_tokens":
+        return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+    return engine_param  # temperature, top_p, stop: the same names
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
@@ -144,8 +153,7 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
             raise ApiError(503, f"the server is busy ({e}): retry later", "service_unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except CloverError as e:
-            param = "messages" if "prompt" in str(e) and hasattr(body, "messages") else None
-            raise ApiError(400, str(e), param=param) from None
+            raise ApiError(400, str(e), param=request_param(e.param, body)) from None
 
     async def _complete(request: Request, body, prompt: Any, chat: bool) -> Response:
         out = submit(request, body, prompt)

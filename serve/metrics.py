@@ -33,7 +33,9 @@ class Metrics:
         sched = engine.scheduler
         Gauge(p + "num_requests_running", "Requests in the batch", registry=r).set_function(lambda: len(sched.running))
         Gauge(p + "num_requests_waiting", "Requests queued for a slot", registry=r).set_function(lambda: len(sched.waiting))
-        Gauge(p + "batch_size", "Sequences decoded by the current step", registry=r).set_function(lambda: len(sched.running))
+        # Not num_requests_running: a request cancelled or finished since the last step still counts there.
+        Gauge(p + "batch_size", "Sequences in the engine's last forward (0 while idle)",
+              registry=r).set_function(lambda: engine.step_sequences)
         Gauge(p + "max_batch", "Sequences a step can decode at once", registry=r).set(engine.max_batch)
 
     def finished(self, result: GenerationResult, reason: str) -> None:

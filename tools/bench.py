@@ -223,12 +223,14 @@ def run(args: argparse.Namespace) -> int:
         plain_tps = plain.new_tokens / plain.seconds if plain.seconds else None
         summaries.append(rows[key(backend, heads, g)].summary(depth, plain_tps))
     print_table(summaries, depth)
+    held_out = held_out_accuracy(args, configs)
+    print_held_out(held_out, summaries)
     doc = {"base": args.base, "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
            "dtype": args.dtype, "chat": not args.no_chat, "threads": args.threads, "seconds": round(time.time() - started, 1),
            "ort_placement": ort_placement(configs),
            "note": "acceptance_length = tokens emitted per verify step, bonus token included; speedup = tokens/s over "
                    "plain decoding on the same backend, measured in this run",
-           "results": summaries,
+           "results": summaries, "held_out": held_out,
            "per_prompt": {"/".join(key(b, h, g)): rows[key(b, h, g)].per_prompt_tokens_per_step for b, h, g in configs}}
     if args.json:
         atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
@@ -263,6 +265,63 @@ def lookup_tree(tree: str | None) -> bool:
     from clover.runtime.tree import resolve_tree
 
     return tree is not None and resolve_tree(tree).is_chain
+
+
+def training_record(heads: str) -> Path | None:
+    """training.json of a head set named as --heads takes it (a shipped name or a folder), if it has one."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("clover.models")  # the package's folder, without importing torch
+    shipped = Path(next(iter(spec.submodule_search_locations))) / "pretrained" / heads if spec else None
+    for folder in (shipped, Path(heads)):
+        if folder is not None and (folder / "training.json").is_file():
+            return folder / "training.json"
+    return None
+
+
+def held_out_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Generator"]]) -> dict[str, dict]:
+    """Per head set: the held-out (validation) accuracy per depth that clover-train measured teacher-forced,
+    to read beside the live acceptance: a gap between them is a training/inference skew."""
+    out = {}
+    for _, heads, _ in configs:
+        name = heads.removesuffix("+lookup")
+        if name in ("none", "lookup", "") or name in out:
+            continue
+        source = name
+        if name == "artifact" and args.artifact is not None:
+            from clover.artifact import read_manifest
+
+            source = read_manifest(args.artifact).sources.get("heads", "")
+        path = training_record(source) if source else None
+        if path is None:
+            continue
+        last = json.loads(path.read_text())["epochs"][-1]
+        out[name] = {"source": str(path), "epoch": last["epoch"], "top1": last["val_top1"],
+                     "top3": last.get("val_topk") or None, "chain_estimate": last["val_chain_accept"]}
+    return out
+
+
+def print_held_out(held_out: dict[str, dict], summaries: list[dict]) -> None:
+    """Held-out accuracy per depth next to each run's live dN (the share of steps accepting >= N drafts)."""
+    if not held_out:
+        return
+    print("held-out accuracy per depth (clover-train's validation split, teacher-forced) beside live acceptance:")
+    for name, h in held_out.items():
+        top3 = " ".join(f"{x:.2f}" for x in h["top3"]) if h["top3"] else "n/a (trained before accuracy@3 was recorded)"
+        print(f"  {name}: top-1 {' '.join(f'{x:.2f}' for x in h['top1'])}; top-3 {top3} (epoch {h['epoch']})")
+        for s in summaries:
+            if s["heads"].removesuffix("+lookup") != name:
+                continue
+            rates = s["acceptance_rate_per_depth"]
+            chain = s["tree"].startswith("chain-")  # a chain of N drafts: N = nodes - 1
+            expect = 1 + sum(float(np.prod(h["top1"][:n])) for n in range(1, min(s["tree_nodes"] - 1, len(h["top1"])) + 1))
+            print(f"    live {s['backend']} {s['tree']} ({s['heads']}): d1..dN " + " ".join(f"{r:.2f}" for r in rates)
+                  + f", accept len {s['acceptance_length']:.2f}" + (f" (held-out chain estimate {expect:.2f})"
+                                                                    if chain else ""))
+    print("live d1 on a chain ~ top-1 at depth 1, on a tree with k candidates there ~ top-k. Live well below held-out "
+          "on the same kind of prompts is a training/inference skew; different prompts (MT-Bench vs the training "
+          "split) also lower it")
+    print()
 
 
 def ort_placement(configs: list[tuple[str, str, "Generator"]]) -> dict | None:

@@ -132,7 +132,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, arti
         ("/chat/completions", {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, None),
         ("/chat/completions", {**chat, "max_tokens": 0}, 400, "max_tokens"),
         ("/chat/completions", {**chat, "model": "gpt-9"}, 404, "model"),
-        ("/chat/completions", {**chat, "messages": [{"role": "user", "content": "w7 " * 400}]}, 400, None),
+        ("/chat/completions", {**chat, "messages": [{"role": "user", "content": "w7 " * 400}]}, 400, "messages"),
         ("/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
         ("/completions", {"model": MODEL, "prompt": ["w1", "w2"]}, 400, "prompt"),
     ]
@@ -190,6 +190,10 @@ def test_metrics_count_what_was_served(server):
     assert delta("clover:inter_token_latency_seconds_count") == r.usage.completion_tokens - 1  # after the first
     for name in ("clover:spec_decode_num_drafts_total", "clover:num_requests_waiting", "clover:batch_size"):
         assert name in after
+    deadline = time.monotonic() + 5
+    while get()["clover:batch_size"] != 0 and time.monotonic() < deadline:  # the engine goes idle after the request
+        time.sleep(0.05)
+    assert get()["clover:batch_size"] == 0
 
 
 def test_api_key_and_a_full_queue(artifact):

@@ -115,3 +115,26 @@ def test_concurrency_bad_levels_exit_nonzero(tmp_path, capsys):
     prompts.write_text(json.dumps({"prompt": "w10"}) + "\n")
     rc = bench_main(["--backend", "ort", "--concurrency", "1,x", "--prompts", str(prompts), "--no-chat"])
     assert rc != 0 and "--concurrency" in capsys.readouterr().err
+
+
+def test_held_out_accuracy_beside_live_acceptance(base, tmp_path, capsys):
+    """Heads with a training record: the bench shows clover-train's held-out accuracy per depth next to the live
+    acceptance per depth, and records both in the JSON."""
+    from clover.models.head_io import random_heads, save_heads
+    from clover.models.loading import load_base
+
+    heads = tmp_path / "heads"
+    save_heads(random_heads(load_base(str(base)), "clover2"), heads)
+    epoch = {"epoch": 3, "val_top1": [0.5, 0.4, 0.3], "val_topk": [0.7, 0.6, 0.5], "val_chain_accept": 1.9}
+    (heads / "training.json").write_text(json.dumps({"epochs": [epoch]}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--base", str(base), "--heads", str(heads), "--tree", "chain-2", "--prompts", str(prompts),
+                     "--max-new-tokens", "8", "--no-chat", "--json", str(out)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "top-1 0.50 0.40 0.30; top-3 0.70 0.60 0.50" in table
+    assert "held-out chain estimate 1.70" in table  # 1 + 0.5 + 0.5 * 0.4: the chain-2 this run drafted
+    held = json.loads(out.read_text())["held_out"][str(heads)]
+    assert held["top1"] == epoch["val_top1"] and held["top3"] == epoch["val_topk"] and held["epoch"] == 3
