@@ -23,7 +23,7 @@ from clover.atomic import publish_folder, staging_folder
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
-from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch, parity_with_torch
+from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
 from clover.models.decoder import Decoder
 from clover.models.heads import BaseFingerprint, DraftHeads
 from clover.artifact import (
@@ -40,15 +40,9 @@ VERIFY_SIZES: list[Sizes] = [
     {"batch": 1, "new": 6, "past": 5, "rows": 6, "accepted": 3, "candidates": 4},
 ]
 DEFAULT_MAX_PROMPT = 2048  # TensorRT prefill profile when --max-prompt is not given
-# Relative error (max |ONNX - torch| / max(1, max |torch|)) above which an export is broken, not noisy.
-BROKEN_RELATIVE_ERROR = {"float32": 1e-3, "float16": 5e-2}
-# The same for int8-weight draft graphs: per-channel int8 moves logits by a few percent of their range
-# (it changes which candidates are drafted, never what is accepted); a sign or scale bug moves them by 100%.
-BROKEN_INT8_RELATIVE_ERROR = 0.2
-# --weights: the same test for blockwise weight-only graphs. The max over 49k logits is a blunt measure for
-# 4 bits (SmolLM2 int4: up to half the logit range on random inputs), so the greedy agreement with fp32 is
-# the real check: below BROKEN_AGREEMENT the graph is broken (a wrong block layout or zero point).
-BROKEN_WEIGHTS_RELATIVE_ERROR = {"int8": 0.2, "int4": 1.0}
+# The parity limits (per dtype, --weights, --draft-quant) are clover.export.compare's export_tolerance. For
+# --weights they are blunt (SmolLM2 int4: up to half the logit range on random inputs): the greedy agreement
+# with fp32 is the real check, and below BROKEN_AGREEMENT the graph is broken (a wrong block layout or zero point).
 BROKEN_AGREEMENT = 0.5
 # --weights: greedy agreement with fp32 PyTorch is measured on these texts (24 generated tokens each).
 AGREEMENT_TEXTS = ("The capital of France is", "def fibonacci(n):", "Photosynthesis is the process by which",
@@ -232,7 +226,7 @@ def quantized(graph: GraphDef, path: Path, config: ExportConfig) -> dict[str, fl
     check_onnx(path)
     if not config.verify:
         return None
-    return checked_errors(*parity_with_torch(graph, path, VERIFY_SIZES), path, BROKEN_INT8_RELATIVE_ERROR)
+    return verified_parity(graph, path, config.dtype, draft_quant=config.draft_quant)
 
 
 def weights_quantized(graph: GraphDef, path: Path, config: ExportConfig) -> tuple[str, dict[str, float] | None]:
@@ -245,8 +239,7 @@ def weights_quantized(graph: GraphDef, path: Path, config: ExportConfig) -> tupl
     check_onnx(path)
     if not config.verify:
         return embedding, None
-    errors = parity_with_torch(graph, path, VERIFY_SIZES)
-    return embedding, checked_errors(*errors, path, BROKEN_WEIGHTS_RELATIVE_ERROR[config.weights])
+    return embedding, verified_parity(graph, path, config.dtype, weights=config.weights)
 
 
 def weights_agreement(base: Decoder, folder: Path, graph_file: str) -> dict[str, float]:
@@ -324,24 +317,22 @@ def resolve_max_context(base: Decoder, requested: int | None) -> int:
     return requested
 
 
-def verified_parity(graph: GraphDef, path: Path, dtype: str) -> dict[str, float]:
-    """Max abs errors vs PyTorch (in float32 for a float16 export); an error beyond numerical noise
-    fails the export."""
-    reference = float32_twin(graph) if dtype != "float32" else None
-    errors, scales = parity_with_torch(graph, path, VERIFY_SIZES, reference=reference)
-    return checked_errors(errors, scales, path, BROKEN_RELATIVE_ERROR[dtype])
+def verified_parity(graph: GraphDef, path: Path, dtype: str, weights: str | None = None,
+                    draft_quant: str | None = None) -> dict[str, float]:
+    """Max abs error per output of the graph at `path` on ONNX Runtime against PyTorch (float32 PyTorch for a
+    float16 or quantized graph) on VERIFY_SIZES, through Polygraphy (clover.export.compare, as clover-compare);
+    an output beyond the export's tolerance (compare.export_tolerance) is a bug, not noise, and fails the export."""
+    from clover.export.compare import export_tolerance, parity
 
-
-def checked_errors(errors: dict[str, float], scales: dict[str, float], path: Path, limit: float) -> dict[str, float]:
-    """`errors`, unless one is beyond `limit` relative to its output's scale (an export bug, not noise)."""
-    for name, err in errors.items():
-        relative = err / max(1.0, scales[name])
-        if not relative <= limit:  # NaN included
-            raise CloverError(
-                f"{path.name} does not match PyTorch: output {name} differs by {err:.3g} (relative {relative:.2g} > "
-                f"{limit}): this is a clover-export bug, please report it"
-            )
-    return errors
+    tolerance = export_tolerance(graph.name, dtype, weights, draft_quant)
+    rows = parity(graph, path, VERIFY_SIZES, tolerance, reference=float32_twin(graph) if dtype != "float32" else None)
+    for r in rows:
+        if not r.passed:
+            found = r.note or f"differs by {r.max_abs:.3g} (relative to its largest value {r.max_rel:.2g})"
+            raise CloverError(f"{path.name} does not match PyTorch: output {r.output} {found}, beyond atol "
+                              f"{tolerance.atol:g} / rtol {tolerance.rtol:g}: this is a clover-export bug, please "
+                              "report it")
+    return {r.output: r.max_abs for r in rows}
 
 
 def heads_spec(heads: DraftHeads, name: str) -> HeadsSpec:

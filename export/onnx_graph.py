@@ -1,8 +1,9 @@
-"""Loaders for one graph: ONNX from a torch GraphDef, its checks, and its parity with PyTorch.
+"""Loaders for one graph: ONNX from a torch GraphDef, its checks, and the CPU session the checks run it in.
 
     spec = onnx_from_torch(graph, out_dir, opset)      # <name>.onnx + <name>.onnx.data
     check_onnx(out_dir / spec.file)                    # onnx.checker (by path) + strict shape inference
-    errors = parity_with_torch(graph, out_dir / spec.file, [sizes, ...])
+    outputs = run_checked(checking_session(out_dir / spec.file), names, feeds)
+Parity with PyTorch runs through Polygraphy: clover.export.compare.
 """
 
 from __future__ import annotations
@@ -12,13 +13,12 @@ import io
 import logging
 import warnings
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from clover.errors import CloverError
-from clover.export.graphs import EXPORT_SIZES, GraphDef, Sizes, kv_names, reference_outputs
+from clover.export.graphs import EXPORT_SIZES, GraphDef, kv_names
 from clover.models.decoder import Decoder, causal_mask
 from clover.artifact import GraphSpec, TensorSpec
 
@@ -107,11 +107,6 @@ def check_onnx(path: Path) -> None:
         raise CloverError(f"{path.name} fails the ONNX checker: {str(e).strip().splitlines()[0]}") from e
 
 
-class Parity(NamedTuple):
-    errors: dict[str, float]  # per output: max |ONNX Runtime - PyTorch| over all sizes
-    scales: dict[str, float]  # per output: max |PyTorch|, to judge the errors by
-
-
 @contextlib.contextmanager
 def runnable_by_ort(path: Path):
     """`path`, or for a plugin-variant graph a temporary copy of its graph proto with the plugin's ONNX
@@ -134,7 +129,10 @@ def runnable_by_ort(path: Path):
 
 
 def checking_session(path: Path):
-    """A CPU InferenceSession on `path` (plugin graphs through runnable_by_ort) for the export-time checks."""
+    """A CPU InferenceSession on `path` (plugin graphs through runnable_by_ort) for the export-time checks and
+    clover-compare (the session loader of its Polygraphy OnnxrtRunner). Not Polygraphy's SessionFromOnnx: it
+    takes no SessionOptions, and ONNX Runtime's warnings (a chains-only fused graph's unused initializers) would
+    print into clover-export's progress."""
     try:
         import onnxruntime as ort
     except ImportError as e:
@@ -184,28 +182,6 @@ def run_checked(session, outputs: list[str], feeds: dict[str, np.ndarray]) -> li
             buf = buffers["past_key_values." + name.removeprefix("present.")]
             got[name] = np.stack([buf[b, :, int(p):int(p) + new] for b, p in enumerate(lengths)])
     return [got[o] for o in outputs]
-
-
-def parity_with_torch(graph: GraphDef, path: Path, sizes: list[Sizes], seed: int = 0,
-                      reference: GraphDef | None = None) -> Parity:
-    """ONNX Runtime (CPU) against PyTorch on random inputs of each of `sizes`. The PyTorch side runs
-    `reference` (default: `graph` itself; for float16 graphs pass graphs.float32_twin(graph))."""
-    session = checking_session(path)
-    errors = dict.fromkeys(graph.outputs, 0.0)
-    scales = dict.fromkeys(graph.outputs, 0.0)
-    g = torch.Generator().manual_seed(seed)
-    for s in sizes:
-        inputs = graph.example(s, g)
-        ref_inputs = inputs if reference is None else tuple(t.float() if t.is_floating_point() else t for t in inputs)
-        want = reference_outputs(reference or graph, ref_inputs)
-        got = run_checked(session, list(graph.outputs), {n: t.numpy() for n, t in zip(graph.inputs, inputs)})
-        for name, a, b in zip(graph.outputs, got, want):
-            if a.shape != tuple(b.shape):
-                raise CloverError(f"{path.name}: output {name} has shape {a.shape}, PyTorch gives {tuple(b.shape)}")
-            err = float(np.abs(a.astype(np.float64) - b.double().numpy()).max()) if a.size else 0.0
-            errors[name] = max(errors[name], err)
-            scales[name] = max(scales[name], float(b.abs().max()) if b.numel() else 0.0)
-    return Parity(errors, scales)
 
 
 def greedy_agreement(base: Decoder, path: Path, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:

@@ -1,5 +1,6 @@
 """Exported graphs against the PyTorch modules: parity per graph on random inputs at several sizes,
-edge sizes included (no past, one new token, one candidate) up to the largest tree (mc26, 26 nodes).
+edge sizes included (no past, one new token, one candidate) up to the largest tree (mc26, 26 nodes),
+through the export's comparison (clover.export.compare: Polygraphy's runners and Comparator).
 
 DESIGN.md: fp32 max abs logit error < 1e-3. The errors are printed (pytest -s) for the report.
 """
@@ -9,7 +10,8 @@ import onnx
 import pytest
 
 from clover.export.graphs import EXPORT_SIZES, base_graph, draft_graphs, float32_twin
-from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch, parity_with_torch
+from clover.export.compare import Tolerance, parity
+from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
 from clover.models.head_io import build_heads
 from clover.artifact import read_manifest
 from clover.runtime.tree import resolve_tree
@@ -58,11 +60,12 @@ def test_fp32_parity_every_graph(tmp_path_factory, arch):
     for graph in graphs:
         if graph.name == "base" and arch != "medusa":
             continue  # the same base graph: checked once
-        errors, scales = parity_with_torch(graph, root / f"{graph.name}.onnx", sizes_for(graph.name, heads))
-        print(f"\nfp32 {arch} {graph.name}: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
-        assert errors["logits"] < FP32_LIMIT
         # hidden states, head states and K/V: same bound, relative to their magnitude
-        assert all(e <= FP32_LIMIT * max(1.0, scales[k]) for k, e in errors.items()), errors
+        rows = parity(graph, root / f"{graph.name}.onnx", sizes_for(graph.name, heads), Tolerance(FP32_LIMIT, FP32_LIMIT))
+        print(f"\nfp32 {arch} {graph.name}: " + ", ".join(f"{r.output} {r.max_abs:.2e}" for r in rows))
+        assert [r.output for r in rows] == list(graph.outputs)
+        assert all(r.passed for r in rows), rows
+        assert next(r for r in rows if r.output == "logits").max_abs < FP32_LIMIT
 
 
 def test_fp16_parity(tmp_path_factory):
@@ -72,13 +75,13 @@ def test_fp16_parity(tmp_path_factory):
     assert manifest.dtype == "float16"
     assert manifest.graphs["base"].input("past_key_values.0.key").dtype == "float16"
     for graph in graph_defs(base, heads):
-        errors, scales = parity_with_torch(graph, root / f"{graph.name}.onnx", sizes_for(graph.name, heads),
-                                           reference=float32_twin(graph))
+        rows = parity(graph, root / f"{graph.name}.onnx", sizes_for(graph.name, heads), Tolerance(0.01, 0.01),
+                      reference=float32_twin(graph))
         print(f"\nfp16 clover2 {graph.name} vs fp32 PyTorch: "
-              + ", ".join(f"{k} {v:.2e} (|max| {scales[k]:.1f})" for k, v in errors.items()))
-        for name, err in errors.items():
-            assert np.isfinite(err)
-            assert err <= FP16_LIMITS.get(name, 0.01) * max(1.0, scales[name]), (name, err)
+              + ", ".join(f"{r.output} {r.max_abs:.2e} (|max| {r.scale:.1f})" for r in rows))
+        for r in rows:
+            assert np.isfinite(r.max_abs)
+            assert r.max_abs <= FP16_LIMITS.get(r.output, 0.01) * max(1.0, r.scale), (r.output, r.max_abs)
 
 
 def test_medusa_with_own_lm_heads(tmp_path):
@@ -92,8 +95,8 @@ def test_medusa_with_own_lm_heads(tmp_path):
     (graph,) = draft_graphs(heads.eval())
     spec = onnx_from_torch(graph, tmp_path, opset=20)
     assert spec.output("logits").shape == ("batch", 3, base.config.vocab_size)
-    errors, _ = parity_with_torch(graph, tmp_path / spec.file, BEGIN_SIZES)
-    assert errors["logits"] < FP32_LIMIT
+    (row,) = parity(graph, tmp_path / spec.file, BEGIN_SIZES, Tolerance(FP32_LIMIT, FP32_LIMIT))
+    assert row.output == "logits" and row.passed and row.max_abs < FP32_LIMIT
 
 
 def test_graph_io_names_dims_and_checker(tmp_path_factory):
