@@ -47,6 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from clover import atomic
+
 HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "peer_workers"
 RESULTS = HERE / "results"
@@ -847,10 +849,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_notes(bandwidth, skipped, settings))
     doc = build_document(rows, ms, bandwidth, skipped, settings, machine, versions, prepared.builds)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.json.with_name(args.json.name + ".partial")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, args.json)
+    atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
     plot(rows, args.png, f"SmolLM2-135M decode on {machine['cpu'] or 'CPU'}, {args.threads} threads, greedy, "
                          f"{len(prompts)} MT-Bench prompts x {args.rounds} rounds")
     log(f"wrote {args.json} and {args.png}")

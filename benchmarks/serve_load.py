@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from clover import atomic
 from clover.tools.serve import free_port, wait_healthy
 
 RESULTS = Path(__file__).parent / "results"
@@ -330,10 +331,7 @@ def soak(args: argparse.Namespace, artifact: Path) -> int:
 
 
 def write(path: Path, doc: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".partial")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic.write_text(path, json.dumps(doc, indent=2) + "\n")
 
 
 def main() -> int:
