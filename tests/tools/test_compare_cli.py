@@ -10,8 +10,6 @@ import pytest
 from onnx import helper, numpy_helper
 
 from clover.tools.compare import main as compare_main
-from clover.tools.export import main as export_main
-from helpers import tiny_hf_folder
 
 pytest.importorskip("transformers")
 
@@ -27,12 +25,9 @@ def scale_output(path, output, factor=1.05):
     onnx.save(model, str(path))
 
 
-@pytest.fixture(scope="module")
-def artifact(tmp_path_factory):
-    base = tiny_hf_folder(tmp_path_factory.mktemp("base"))
-    out = tmp_path_factory.mktemp("exports") / "clover2"
-    assert export_main(["--base", str(base), "--heads", "random:clover2", "--out", str(out), "--tree", "small"]) == 0
-    return out
+@pytest.fixture
+def artifact(cli_artifact):
+    return cli_artifact
 
 
 def cli(capsys, *args):

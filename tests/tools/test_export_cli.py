@@ -12,23 +12,14 @@ import pytest
 from clover.artifact import open_artifact
 from clover.tools.export import main as export_main
 from clover.tools.generate import main as generate_main
-from helpers import tiny_hf_folder
 
 pytest.importorskip("transformers")
 PROMPT = ["--prompt", "w7 w8 w9 w10", "--max-new-tokens", "24", "--json"]
 
 
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory):
-    return tiny_hf_folder(tmp_path_factory.mktemp("base"))
-
-
-@pytest.fixture(scope="module")
-def artifact(base_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("exports") / "clover2"
-    code = export_main(["--base", str(base_dir), "--heads", "random:clover2", "--out", str(out), "--tree", "small"])
-    assert code == 0
-    return out
+@pytest.fixture
+def artifact(cli_artifact):
+    return cli_artifact
 
 
 def cli(capsys, main, *args):
