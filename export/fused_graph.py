@@ -26,6 +26,9 @@ row-invariant) the same logits. The buffers need one slot beyond a 1-token step 
 Tree mask. Row s attends causally (slots <= past + s) plus the additive `attention_bias` built once per
 step from `tree_mask`: 0 for past slots and the row's ancestors, -inf for the other new rows. Positions
 (RoPE) come from `position_ids` (past length + depth), not from slots.
+A tree needs a non-empty past: with 0 cached slots GroupQueryAttention takes its prompt path, which
+attends causally and ignores the bias (found by clover-compare: a branching tree over an empty cache gets
+wrong logits). The runtime never sends one: a prompt is prefilled causally, and trees come after it.
 
 Same inputs and outputs as the portable graph, except that present.{i}.* are the whole buffers.
 """
