@@ -108,15 +108,42 @@ def _jsonl(path: Path) -> Iterator[dict]:
                 raise CloverError(f"{path}:{lineno} is not valid JSON ({e.msg}): expected one conversation per line")
 
 
-def split(conversations: list[list[Message]], seed: int, validation_fraction: float = 0.02,
-          min_validation: int = 1) -> Split:
-    """Shuffle with `seed` and hold out a validation set (the same seed always gives the same split)."""
-    order = list(range(len(conversations)))
+def split_indices(count: int, seed: int, validation_fraction: float = 0.02,
+                  min_validation: int = 1) -> tuple[list[int], list[int]]:
+    """Indices 0..count-1 shuffled with `seed`: (training, validation). The same seed always gives the same split."""
+    order = list(range(count))
     random.Random(seed).shuffle(order)
     n_val = min(max(min_validation, round(len(order) * validation_fraction)), len(order) - 1)
     if n_val < 1:
         raise CloverError("need at least 2 conversations to hold out a validation set")
-    return Split([conversations[i] for i in order[n_val:]], [conversations[i] for i in order[:n_val]])
+    return order[n_val:], order[:n_val]
+
+
+def split(conversations: list[list[Message]], seed: int, validation_fraction: float = 0.02,
+          min_validation: int = 1) -> Split:
+    """Shuffle with `seed` and hold out a validation set (the same seed always gives the same split)."""
+    train, validation = split_indices(len(conversations), seed, validation_fraction, min_validation)
+    return Split([conversations[i] for i in train], [conversations[i] for i in validation])
+
+
+def interleave(train: list, validation: list) -> Iterator[tuple[object, bool]]:
+    """Training items with validation items spread evenly among them, so both budgets fill together."""
+    every = max(1, len(train) // max(1, len(validation)))
+    v = iter(validation)
+    for i, item in enumerate(train):
+        if i % every == 0:
+            val = next(v, None)
+            if val is not None:
+                yield val, True
+        yield item, False
+    for val in v:
+        yield val, True
+
+
+def prompt_order(count: int, seed: int, validation_fraction: float = 0.02) -> list[tuple[int, bool]]:
+    """(conversation index, is validation) in the order `--responses base` answers them: the split's training
+    conversations with its validation ones spread among them (clover.train.corpus grows in this order)."""
+    return list(interleave(*split_indices(count, seed, validation_fraction)))
 
 
 def tokenize_conversation(tokenizer: Tokenizer, messages: list[Message], max_length: int) -> tuple[list[int], list[bool]]:

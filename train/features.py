@@ -7,7 +7,12 @@ Per token position t of every sequence the cache keeps:
 - `topk_probs` float16 [N, K] their probabilities (not renormalised: the tail mass is left out)
 - `loss_mask`  bool [N]       p_t is a distribution over an assistant token (x_{t+1} is one)
 and per sequence its [start, end) offsets and whether it is held out for validation.
-The last position of a sequence has no next token: zero features, loss_mask False.
+The last position of a sequence has no next token: zero features, loss_mask False. Distributions are
+computed at loss positions only: the other rows' top-k are zeros.
+
+Sources (FeatureSpec.responses): 'base' (the base answers while the features are built), 'dataset' (the
+data's own assistant turns) and 'corpus' (a clover.train.corpus folder of the base's stored answers); the
+last two run teacher-forced batches.
 
 Arrays are raw little-endian files appended while building (so a build never holds the data set in
 memory) and memory-mapped for training. A cache is built in a `.partial` sibling and renamed into
@@ -31,6 +36,7 @@ import torch
 from clover import atomic
 from clover.errors import CloverError
 from clover.models.decoder import Decoder, causal_mask
+from clover.train.data import interleave
 
 FORMAT_VERSION = 1
 _ARRAYS = {"tokens": np.int32, "hidden": np.float16, "topk_ids": np.int32, "topk_probs": np.float16,
@@ -51,9 +57,16 @@ class FeatureSpec:
     topk: int
     validation_fraction: float = 0.02
     dtype: str = "float32"  # precision the base runs in while building (bfloat16: ~2x faster on CPU)
+    corpus: str = ""  # responses 'corpus' (data: a clover.train.corpus folder): Corpus.digest of the shards used
+
+    @property
+    def budgets(self) -> tuple[int, int]:
+        """Loss tokens to collect: (training, validation)."""
+        return self.max_tokens, max(1, round(self.max_tokens * self.validation_fraction))
 
     def key(self) -> str:
-        blob = json.dumps({"format": FORMAT_VERSION, **asdict(self)}, sort_keys=True)
+        fields = {k: v for k, v in asdict(self).items() if k != "corpus" or v}  # '' keeps older caches' names
+        blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -171,22 +184,103 @@ def prefill(base: Decoder, ids: list[int], k: int, last_only: bool = False
     return out.hidden_states[0].to(torch.float16).numpy(), tk_ids, tk_p, out.new_keys, out.new_values
 
 
+@torch.inference_mode()
 def features_from_dataset(base: Decoder, sequences: Iterable[tuple[list[int], list[bool], bool]], writer: FeatureWriter,
-                          budgets: tuple[int, int], progress: Progress | None = None) -> None:
-    """Teacher-forced pass over tokenised conversations: (ids, assistant mask, is_validation) each."""
-    k = writer.spec.topk
+                          budgets: tuple[int, int], progress: Progress | None = None, batch_tokens: int = 8192) -> None:
+    """Teacher-forced passes over tokenised conversations: (ids, assistant mask, is_validation) each.
+
+    Several sequences share a forward (right-padded, at most `batch_tokens` padded tokens; sorted by length
+    within windows of WINDOW sequences so they pad little). Distributions are computed at loss positions
+    only; the other rows get zeros, as prompt rows do in features_from_generation."""
+    taken = [0, 0]  # loss tokens of the sequences accepted so far (written or waiting in the window)
+    window: list[tuple[list[int], np.ndarray, bool]] = []
+
+    def flush() -> None:
+        window.sort(key=lambda item: len(item[0]))
+        batch: list[tuple[list[int], np.ndarray, bool]] = []
+        for item in window:
+            if batch and (len(batch) + 1) * len(item[0]) > batch_tokens:
+                _teacher_forced(base, batch, writer)
+                batch = []
+                if progress:
+                    progress(writer.loss_tokens[0], budgets[0])
+            batch.append(item)
+        if batch:
+            _teacher_forced(base, batch, writer)
+            if progress:
+                progress(writer.loss_tokens[0], budgets[0])
+        window.clear()
+
     for ids, assistant, is_val in sequences:
-        if writer.loss_tokens[is_val] >= budgets[is_val] or len(ids) < 2:
+        if taken[is_val] >= budgets[is_val] or len(ids) < 2:
             continue
-        hidden, tk_ids, tk_p, _, _ = prefill(base, ids, k)
         loss_mask = np.zeros(len(ids), dtype=np.bool_)
         loss_mask[:-1] = assistant[1:]
-        hidden[-1], tk_ids[-1], tk_p[-1] = 0, 0, 0
-        writer.add(np.array(ids), hidden, tk_ids, tk_p, loss_mask, is_val)
-        if progress:
-            progress(writer.loss_tokens[0], budgets[0])
-        if all(writer.loss_tokens[v] >= budgets[v] for v in (0, 1)):
+        taken[is_val] += int(loss_mask.sum())
+        window.append((ids, loss_mask, is_val))
+        if len(window) >= WINDOW:
+            flush()
+        if all(taken[v] >= budgets[v] for v in (0, 1)):
             break
+    flush()
+
+
+WINDOW = 64  # sequences sorted by length together before they are cut into batches
+LM_HEAD_ROWS = 1024  # rows per LM-head matmul while building (bounds the [rows, V] logits in memory)
+
+
+def _teacher_forced(base: Decoder, batch: list[tuple[list[int], np.ndarray, bool]], writer: FeatureWriter) -> None:
+    """One forward over `batch` (ids, loss mask, is_validation), its features written sequence by sequence."""
+    k, B, L = writer.spec.topk, len(batch), max(len(ids) for ids, _, _ in batch)
+    ids = torch.zeros(B, L, dtype=torch.long)  # [B, L], right-padded: causal rows never see the padding
+    loss = torch.zeros(B, L, dtype=torch.bool)  # [B, L]
+    for b, (x, m, _) in enumerate(batch):
+        ids[b, : len(x)] = torch.tensor(x)
+        loss[b, : len(x)] = torch.from_numpy(m)
+    keys, values = base.empty_cache(B, 0)
+    out = base(ids, torch.arange(L).expand(B, L), causal_mask(L, B), torch.zeros(B, dtype=torch.long), keys, values,
+               logit_rows=torch.zeros(0, dtype=torch.long))
+    rows = out.hidden_states[loss]  # [n, H]: the loss positions
+    tk_ids, tk_p = np.zeros((B, L, k), np.int32), np.zeros((B, L, k), np.float16)
+    parts = [_topk(base.lm_head(base.norm(rows[i: i + LM_HEAD_ROWS])), k) for i in range(0, len(rows), LM_HEAD_ROWS)]
+    if parts:
+        sel = loss.numpy()
+        tk_ids[sel] = np.concatenate([p[0] for p in parts])
+        tk_p[sel] = np.concatenate([p[1] for p in parts])
+    hidden = out.hidden_states.to(torch.float16).numpy()  # [B, L, H]
+    for b, (x, m, is_val) in enumerate(batch):
+        n = len(x)
+        h = hidden[b, :n].copy()
+        h[-1] = 0  # the last position has no next token: zero features
+        writer.add(np.array(x), h, tk_ids[b, :n], tk_p[b, :n], m, is_val)
+
+
+def corpus_sequences(corpus, max_length: int) -> Iterator[tuple[list[int], list[bool], bool]]:
+    """A clover.train.corpus folder's conversations as (ids, response mask, is_validation), in the corpus's
+    order, truncated to `max_length`; validation is the corpus split's (by prompt index), whatever the seed."""
+    validation = corpus.validation_indices()
+    for c in corpus.conversations():
+        P = len(c.prompt)
+        if P + 1 >= max_length:
+            continue  # no response token would fit
+        ids = np.concatenate((c.prompt, c.response))[:max_length]
+        yield ids.tolist(), [False] * P + [True] * (len(ids) - P), c.index in validation
+
+
+def corpus_shards_used(corpus, budgets: tuple[int, int], max_length: int) -> int:
+    """How many of the corpus's shards a build with these budgets reads (features_from_dataset's budget rule
+    on lengths alone), so a corpus that grows later keeps the same features."""
+    validation = corpus.validation_indices()
+    taken = [0, 0]
+    for s, entry in enumerate(corpus.provenance.shards):
+        if all(taken[v] >= budgets[v] for v in (0, 1)):
+            return s
+        for c in corpus.read_shard(entry):
+            is_val = c.index in validation
+            P = len(c.prompt)
+            if taken[is_val] < budgets[is_val] and P + 1 < max_length:
+                taken[is_val] += min(P + len(c.response), max_length) - P
+    return len(corpus.provenance.shards)
 
 
 class _Slot:
@@ -285,20 +379,6 @@ def features_from_generation(base: Decoder, prompts: Iterator[tuple[list[int], b
                 finish(b)
 
 
-def interleave(train: list, validation: list) -> Iterator[tuple[object, bool]]:
-    """Training items with validation items spread evenly among them, so both budgets fill together."""
-    every = max(1, len(train) // max(1, len(validation)))
-    v = iter(validation)
-    for i, item in enumerate(train):
-        if i % every == 0:
-            val = next(v, None)
-            if val is not None:
-                yield val, True
-        yield item, False
-    for val in v:
-        yield val, True
-
-
 def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, batch_size: int = 64,
                      progress: Progress | None = None) -> FeatureCache:
     """The cache for `spec` under `root`, built first if missing (the base model runs only here)."""
@@ -307,8 +387,12 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
     path = Path(root) / spec.key()
     if (path / "meta.json").is_file():
         return FeatureCache(path)
-    parts = split(load_conversations(spec.data), spec.seed, spec.validation_fraction)
-    budgets = (spec.max_tokens, max(1, round(spec.max_tokens * spec.validation_fraction)))
+    budgets = spec.budgets
+    corpus = None
+    if spec.responses == "corpus":
+        corpus = open_corpus_for(spec, budgets)
+    else:
+        parts = split(load_conversations(spec.data), spec.seed, spec.validation_fraction)
     writer = FeatureWriter(path, spec, base.config.hidden_size)
     if spec.dtype != str(base.lm_head.weight.dtype).removeprefix("torch."):
         import copy
@@ -333,8 +417,10 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
                     yield ids, mask, is_val
 
             features_from_dataset(base, sequences(), writer, budgets, progress)
+        elif spec.responses == "corpus":
+            features_from_dataset(base, corpus_sequences(corpus, spec.max_length), writer, budgets, progress)
         else:
-            raise CloverError(f"unknown --responses {spec.responses!r}: use 'base' or 'dataset'")
+            raise CloverError(f"unknown responses {spec.responses!r}: use 'base', 'dataset' or 'corpus'")
         if writer.loss_tokens[0] == 0 or writer.loss_tokens[1] == 0:
             raise CloverError(f"{spec.data} gave no usable {'training' if not writer.loss_tokens[0] else 'validation'} "
                               "tokens: use more conversations or a larger --max-length")
@@ -342,3 +428,20 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
         writer.abort()
         raise
     return writer.finish({"base_architecture": base.config.architecture})
+
+
+def open_corpus_for(spec: FeatureSpec, budgets: tuple[int, int]):
+    """The corpus a 'corpus' spec names, checked: made by this base, and its shards used still those named."""
+    from clover.train.corpus import Corpus
+
+    corpus = Corpus.open(spec.data)
+    made_by = corpus.provenance.generator.base_fingerprint.get("lm_head_sha256")
+    if made_by != spec.base_sha256:
+        raise CloverError(f"corpus {spec.data} holds the answers of another base (LM head {made_by}; this base's is "
+                          f"{spec.base_sha256}): train with --base {corpus.provenance.generator.base}, or grow a corpus "
+                          "with this base's artifact")
+    used = corpus_shards_used(corpus, budgets, spec.max_length)
+    if corpus.digest(used) != spec.corpus:
+        raise CloverError(f"corpus {spec.data} changed while training started (its first {used} shards are not "
+                          "those the features are named for): run clover-train again")
+    return corpus

@@ -1,0 +1,187 @@
+"""clover-data grow / info end to end on a tiny exported artifact: growth in bounded runs that resume, answers
+equal to plain greedy decoding of the same artifact, stopping on a signal, damaged files, and clover-train on
+the corpus."""
+
+import json
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+
+# Imported at collection, so Engine's default log= binds the session's stderr, not one test's capsys stream.
+import clover.runtime.engine  # noqa: F401
+from clover.runtime.generator import Generator
+from clover.runtime.ort_backend import load_runner
+from clover.runtime.tokenizer import Tokenizer
+from clover.tools import data as data_tool
+from clover.tools.data import main as data_main
+from clover.tools.export import main as export_main
+from clover.tools.train import main as train_main
+from clover.train.corpus import Corpus
+from clover.train.data import first_turn_prompt, load_conversations, prompt_order
+from helpers import tiny_hf_folder
+
+pytest.importorskip("transformers")
+MAX_NEW = 12
+
+
+def varied_hf_folder(path):
+    """tiny_hf_folder with larger weights: varied greedy answers (not one repeated token), some ending at EOS."""
+    import torch
+    import transformers
+
+    tiny_hf_folder(path)
+    model = transformers.LlamaForCausalLM.from_pretrained(path)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0, 1.0 if "embed" in name else 0.2)
+        model.model.embed_tokens.weight[1] *= 2.5  # EOS (w1) a little likelier: some answers stop early
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    base = varied_hf_folder(root / "base")
+    artifact = root / "artifact"
+    assert export_main(["--base", str(base), "--out", str(artifact), "--attention", "fused", "--no-verify"]) == 0
+    rng = np.random.default_rng(0)
+    prompts = root / "chats.jsonl"
+    with prompts.open("w") as f:
+        for i in range(60):
+            user = " ".join(f"w{x}" for x in rng.integers(6, 96, size=rng.integers(2, 9)))
+            chat = [{"role": "user", "content": user}, {"role": "assistant", "content": "w10"}]
+            f.write(json.dumps({"messages": chat}) + "\n")
+    return root, base, artifact, prompts
+
+
+def grow(setup, out, *extra):
+    root, _, artifact, prompts = setup
+    return data_main(["grow", "--artifact", str(artifact), "--prompts", str(prompts), "--out", str(out),
+                      "--max-new-tokens", str(MAX_NEW), "--max-batch", "4", "--threads", "1", "--shard-tokens", "60",
+                      *map(str, extra)])
+
+
+def test_grow_resumes_and_stores_plain_greedy_answers(setup, capsys):
+    root, _, artifact, prompts = setup
+    out = root / "corpus"
+    assert grow(setup, out, "--target-tokens", 100) == 0
+    err = capsys.readouterr().err
+    assert "tokens/s" in err and "MiB per million tokens" in err
+    first = Corpus.open(out).provenance
+    assert first.totals["response_tokens"] >= 100 and len(first.shards) >= 2
+    assert grow(setup, out, "--target-tokens", 250) == 0  # a second run continues after the first
+    capsys.readouterr()
+    corpus = Corpus.open(out)
+    prov = corpus.provenance
+    convs = list(corpus.conversations())
+    indices = [c.index for c in convs]
+    order = [i for i, _ in prompt_order(60, 0, 0.02)]
+    assert len(set(indices)) == len(indices)  # no prompt answered twice
+    assert indices == order[: prov.next_position]  # in clover-train's order, none skipped
+    assert prov.shards[: len(first.shards)] == first.shards  # the first run's shards are kept as they were
+    assert [r.response_tokens for r in prov.runs] == [first.totals["response_tokens"],
+                                                      prov.totals["response_tokens"] - first.totals["response_tokens"]]
+    assert sum(r.conversations for r in prov.runs) == prov.totals["conversations"] == len(convs)
+    assert all(r.stopped == "target" and r.tokens_per_second > 0 and r.heads == "none" for r in prov.runs)
+    assert prov.generator.max_new_tokens == MAX_NEW and prov.prompts.source == "file:chats.jsonl"
+    # the answers are the artifact's plain greedy decoding of each first user turn
+    tok = Tokenizer.from_dir(artifact / "tokenizer")
+    plain = Generator(load_runner(artifact, heads="none"), tok)
+    chats = load_conversations(str(prompts))
+    assert {c.finish_reason for c in convs} == {"stop", "length"}
+    assert len({t for c in convs for t in c.response.tolist()}) > 20
+    for c in convs:
+        assert c.prompt.tolist() == first_turn_prompt(tok, chats[c.index])
+        want = plain.generate(c.prompt.tolist(), max_new_tokens=MAX_NEW)
+        assert c.response.tolist() == want.token_ids and c.finish_reason == want.finish_reason, c.index
+    # info reads it all back; another generator setting is refused
+    assert data_main(["info", str(out)]) == 0
+    info = capsys.readouterr().out
+    assert f"{prov.totals['response_tokens']} response tokens" in info and "checksums ok" in info
+    assert info.count("tokens/s") == 2 and "file:chats.jsonl" in info
+    assert data_main(["grow", "--artifact", str(artifact), "--prompts", str(prompts), "--out", str(out),
+                      "--max-new-tokens", "20"]) == 2
+    assert "grown with other generator: max_new_tokens 12 there, 20 now" in capsys.readouterr().err
+    # a damaged shard: one line naming the file and the fix
+    broken = root / "broken"
+    shutil.copytree(out, broken)
+    shard = broken / prov.shards[-1].file
+    shard.write_bytes(shard.read_bytes()[:-7])
+    assert data_main(["info", str(broken)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"clover-data: error: corpus shard {shard} is damaged") and "git checkout --" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_sigterm_keeps_the_finished_answers(setup, capsys, monkeypatch):
+    root = setup[0]
+    out = root / "stopped"
+    real = data_tool.grow
+
+    def grow_then_signal(corpus, engine, order, prompt_ids, max_new, limits, stop, on_answer):
+        count = [0]
+
+        def answered(tokens):
+            on_answer(tokens)
+            count[0] += 1
+            if count[0] == 7:
+                os.kill(os.getpid(), signal.SIGTERM)  # the handler sets `stop`: the loop drops what is under way
+
+        return real(corpus, engine, order, prompt_ids, max_new, limits, stop, answered)
+
+    monkeypatch.setattr(data_tool, "grow", grow_then_signal)
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    assert grow(setup, out, "--target-tokens", 10_000) == 0
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before  # handlers restored
+    err = capsys.readouterr().err
+    assert "SIGTERM: writing the finished answers" in err and "(signal)" in err
+    corpus = Corpus.open(out)
+    prov = corpus.provenance
+    convs = list(corpus.conversations())
+    # answers collected in the same wait() as the 7th are kept too; at most 2 x max_batch are under way
+    assert 1 <= len(convs) <= 7 + 8 and [c.index for c in convs] == [i for i, _ in prompt_order(60, 0, 0.02)][: len(convs)]
+    assert prov.runs[-1].stopped == "signal" and prov.runs[-1].conversations == len(convs) == prov.next_position
+    monkeypatch.setattr(data_tool, "grow", real)
+    assert grow(setup, out, "--target-tokens", 60) == 0  # the next run continues after them
+    assert [c.index for c in Corpus.open(out).conversations()][: len(convs)] == [c.index for c in convs]
+
+
+def test_clover_train_on_the_corpus(setup, capsys):
+    root, base, _, _ = setup
+    out = root / "train-corpus"
+    assert grow(setup, out, "--target-tokens", 300) == 0
+    corpus = Corpus.open(out)
+    heads = root / "heads"
+    code = train_main(["--base", str(base), "--data", str(out), "--out", str(heads), "--cache-dir", str(root / "features"),
+                       "--max-tokens", "150", "--max-length", "40", "--batch-tokens", "256", "--topk", "8",
+                       "--arch", "clover2", "--num-heads", "2", "--epochs", "1"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "feature building:" in err and "tokens/s" in err and "training:" in err
+    prov = json.loads((heads / "training.json").read_text())
+    data = prov["data"]
+    assert data["responses"] == "corpus" and data["corpus"]["path"] == str(out)
+    assert data["corpus"]["corpus_response_tokens"] == corpus.provenance.totals["response_tokens"]
+    assert 150 <= data["corpus"]["used_response_tokens"] <= corpus.provenance.totals["response_tokens"]
+    assert data["feature_build"]["tokens_per_second"] > 0 and prov["training_loss_tokens_per_second"] > 0
+    assert len(prov["epochs"]) == 1
+    # validation conversations are the corpus split's, by prompt index: held out whatever --seed says
+    from clover.train.features import FeatureCache
+
+    cache = FeatureCache(next(p for p in (root / "features").iterdir() if (p / "meta.json").is_file()))
+    held = corpus.validation_indices()
+    by_prompt = {tuple(c.prompt.tolist()): c.index for c in corpus.conversations()}
+    for i in range(cache.meta["num_sequences"]):
+        ids = cache.arrays["tokens"][cache.offsets[i]:cache.offsets[i + 1]].tolist()
+        index = next(v for p, v in by_prompt.items() if ids[: len(p)] == list(p))
+        assert bool(cache.validation[i]) == (index in held)
+    assert any(cache.validation) and not all(cache.validation)
+    # a corpus with --responses dataset is refused
+    assert train_main(["--base", str(base), "--data", str(out), "--out", str(root / "h2"), "--responses", "dataset"]) == 2
+    assert "corpus of the base's own answers" in capsys.readouterr().err

