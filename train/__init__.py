@@ -1,6 +1,7 @@
 """clover.train: self-distillation of draft heads on the base model's own outputs (CPU-friendly).
 
     data.py        conversations (ShareGPT, JSONL), the train/validation split, chat-template tokenisation
+    corpus.py      the base's own answers as token-id shards under data/ with provenance (clover-data grow)
     features.py    the base's hidden states and top-k next-token distributions, cached on disk once
     objectives.py  per-depth losses (Clover-2: KL + 10 x SmoothL1, 0.7^d; Medusa / Clover: KL, 0.8^d)
     trainer.py     AdamW + warmup/cosine, per-epoch validation, checkpoints and resume

@@ -154,6 +154,8 @@ class Trainer:
                 vocab = Vocab.of_batch(batch, self.base.lm_head.weight, self.frequent) if cfg.batch_softmax else None
                 loss, stats = distill_loss(self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16,
                                            vocab)
+                if not loss.requires_grad:  # no row of this batch has a target at any depth: nothing to learn
+                    continue
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.heads.parameters(), cfg.grad_clip)
