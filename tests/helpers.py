@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from clover.models.config import BaseConfig, RopeConfig
-from clover.models.decoder import Decoder
+from clover.models.decoder import Decoder, causal_mask
 from clover.runtime.backend import Runner, RunnerInfo
 from clover.runtime.torch_backend import TorchRunner
 from clover.tools.bench import first_difference
@@ -193,3 +193,13 @@ class Server:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def reference_features(base: Decoder, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One full causal pass of `ids`: the last-layer hidden states [T, H], and the top-k next-token ids and
+    probabilities [T, k] (what a feature cache must hold for that sequence)."""
+    keys, values = base.empty_cache(1, 0)
+    out = base(torch.tensor([ids]), torch.arange(len(ids))[None], causal_mask(len(ids)), torch.zeros(1, dtype=torch.long),
+               keys, values)
+    p, top = torch.topk(torch.softmax(out.logits[0], -1), k)
+    return out.hidden_states[0], top, p

@@ -7,16 +7,14 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
-import torch
 
 from clover.errors import CloverError
-from clover.models.decoder import causal_mask
 from clover.train.corpus import Conversation, Corpus, GeneratorSpec, PromptSpec, bytes_per_million
 from clover.train.data import prompt_order, split_indices
 from clover.train.features import (
     FeatureSpec, FeatureWriter, corpus_sequences, corpus_shards_used, features_from_dataset,
 )
-from helpers import tiny_base
+from helpers import reference_features, tiny_base
 
 PROMPTS = PromptSpec("file:chats.jsonl", "0123456789abcdef", 30, 0, 0.1, 16)
 GENERATOR = GeneratorSpec("tiny", {"lm_head_sha256": "feedfacefeedface"}, "ort", "float32", 12, (1,), "cafe")
@@ -107,14 +105,6 @@ def test_one_writer_stale_temporaries_and_mismatched_settings(tmp_path):
         Corpus.create(tmp_path / "c", PROMPTS, GENERATOR)
 
 
-def _reference(base, ids, k):
-    keys, values = base.empty_cache(1, 0)
-    out = base(torch.tensor([ids]), torch.arange(len(ids))[None], causal_mask(len(ids)), torch.zeros(1, dtype=torch.long),
-               keys, values)
-    p, top = torch.topk(torch.softmax(out.logits[0], -1), k)
-    return out.hidden_states[0], top, p
-
-
 def test_corpus_features_are_batched_teacher_forced_passes(tmp_path):
     corpus = grown(tmp_path / "c")
     base = tiny_base(seed=1)
@@ -135,7 +125,7 @@ def test_corpus_features_are_batched_teacher_forced_passes(tmp_path):
         assert bool(cache.validation[i]) == (c.index in validation)  # the split is by prompt index
         mask = cache.arrays["loss_mask"][s:e]
         assert mask.tolist() == [False] * (P - 1) + [True] * (len(ids) - P) + [False]
-        hidden, top, p = _reference(base, ids, spec.topk)
+        hidden, top, p = reference_features(base, ids, spec.topk)
         n = len(ids) - 1
         np.testing.assert_allclose(cache.arrays["hidden"][s:s + n].astype(np.float32), hidden[:n].numpy(), atol=2e-2, rtol=2e-3)
         assert not cache.arrays["hidden"][e - 1].any()

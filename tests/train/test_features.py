@@ -5,12 +5,11 @@ import pytest
 import torch
 
 from clover.errors import CloverError
-from clover.models.decoder import causal_mask
 from clover.runtime.generator import Generator
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 from clover.train.features import FeatureCache, FeatureSpec, FeatureWriter, features_from_dataset, features_from_generation
-from helpers import tiny_base, tiny_tokenizer_dir
+from helpers import reference_features, tiny_base, tiny_tokenizer_dir
 
 
 def _spec(**kw):
@@ -18,14 +17,6 @@ def _spec(**kw):
                 max_new_tokens=20, topk=4)
     args.update(kw)
     return FeatureSpec(**args)
-
-
-def _reference(base, ids, k):
-    keys, values = base.empty_cache(1, 0)
-    out = base(torch.tensor([ids]), torch.arange(len(ids))[None], causal_mask(len(ids)), torch.zeros(1, dtype=torch.long),
-               keys, values)
-    p, top = torch.topk(torch.softmax(out.logits[0], -1), k)
-    return out.hidden_states[0], top, p
 
 
 def test_continuous_batch_generation_is_greedy_and_features_match_a_full_pass(tmp_path):
@@ -52,7 +43,7 @@ def test_continuous_batch_generation_is_greedy_and_features_match_a_full_pass(tm
         ref = gen.generate(prompt, max_new_tokens=spec.max_new_tokens, ignore_eos=True).token_ids
         stop = next((j + 1 for j, t in enumerate(ref) if t in (1, 7)), len(ref))
         assert answer == ref[:stop]  # greedy, cut at the first EOS or the length cap
-        hidden, top, p = _reference(base, ids, spec.topk)
+        hidden, top, p = reference_features(base, ids, spec.topk)
         n = len(ids) - 1  # the final token is never fed: its row is zero
         np.testing.assert_allclose(cache.arrays["hidden"][s:s + n].astype(np.float32), hidden[:n].numpy(), atol=2e-2, rtol=2e-3)
         # distributions from the prompt's last position on (earlier prompt rows carry no loss: zeros)
@@ -76,7 +67,7 @@ def test_dataset_features_align_loss_mask_with_next_token(tmp_path):
     cache = writer.finish({})
     b = cache.batch(cache.sequences(validation=False))
     assert b["loss_mask"][0].tolist() == [False] * 4 + [True] * 3 + [False]  # p_t predicts an assistant token
-    hidden, top, _ = _reference(base, ids, spec.topk)
+    hidden, top, _ = reference_features(base, ids, spec.topk)
     torch.testing.assert_close(b["hidden"][0, :-1].float(), hidden[:-1], atol=2e-2, rtol=2e-3)
 
 
