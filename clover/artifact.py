@@ -11,6 +11,8 @@ without one is never mistaken for an artifact; every file in it is listed with i
                        (clover.export.batch_graph)
     lm_head.onnx       the base's LM head, run after the base and the draft graphs that output `lm_input`
                        instead of `logits` (ONNX Runtime artifacts with heads: clover.export.lm_head)
+    draft_lm_head.onnx (--draft-vocab K) the LM head over the K draft-vocabulary tokens, run after the draft
+    draft_vocab.npy    graphs instead of lm_head.onnx; the full id of each of its columns (clover.export.draft_vocab)
     tokenizer/         the base model's tokenizer files
 """
 
@@ -34,6 +36,7 @@ PROBE_RTOL = 5e-3  # as clover.models.heads.BaseFingerprint.matches
 # The batched base graph (clover.export.batch_graph): its manifest key and file stem, its input of new rows per
 # sequence slot (0: not in this step), and its per-slot KV I/O names.
 BATCH_GRAPH = "base_batch"
+DRAFT_LM_HEAD, DRAFT_VOCAB_FILE = "draft_lm_head", "draft_vocab.npy"  # --draft-vocab (clover.export.draft_vocab)
 ROW_COUNTS = "row_counts"
 
 
@@ -152,6 +155,21 @@ class WeightsSpec:
 
 
 @dataclass(frozen=True)
+class DraftVocabSpec:
+    """The draft vocabulary (clover-export --draft-vocab): the heads score only these tokens."""
+
+    size: int  # K tokens
+    file: str  # int64 [K] .npy: the full-vocabulary id of each draft logit column, most frequent first
+    source: str  # what the token frequencies were counted over
+    coverage: float  # share of the source's tokens inside the K
+    graphs: tuple[str, ...]  # the draft graphs whose logits it gives (through draft_lm_head.onnx)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DraftVocabSpec":
+        return cls(int(d["size"]), d["file"], d["source"], float(d["coverage"]), tuple(d["graphs"]))
+
+
+@dataclass(frozen=True)
 class TreeSpec:
     """The artifact's default token tree as stored: rank paths with the root implicit (Medusa / EAGLE
     `choices`). clover.runtime.tree.compile_spec is the one place that compiles it."""
@@ -191,6 +209,7 @@ class Manifest:
     files: dict[str, dict[str, Any]]  # relative path -> {"sha256", "bytes"}
     engines: dict[str, EngineSpec] = field(default_factory=dict)  # graph name -> engine (backend "trt")
     draft_quant: str | None = None  # "int8": the draft graphs' matmul weights are int8 (clover-export --draft-quant)
+    draft_vocab: DraftVocabSpec | None = None  # None: the heads draft over the whole vocabulary
     weights: WeightsSpec | None = None  # weight-only quantized graphs (clover-export --weights); None: `dtype`
     tree_timing: dict[str, Any] | None = None  # how `tree` was chosen: tokens/s of each candidate at export
     format_version: int = FORMAT_VERSION
@@ -211,6 +230,7 @@ class Manifest:
             tools=dict(d.get("tools", {})), parity=dict(d.get("parity", {})), files=dict(d["files"]),
             engines={k: EngineSpec.from_dict(e) for k, e in d.get("engines", {}).items()},
             draft_quant=d.get("draft_quant"),
+            draft_vocab=DraftVocabSpec.from_dict(d["draft_vocab"]) if d.get("draft_vocab") else None,
             weights=WeightsSpec.from_dict(d["weights"]) if d.get("weights") else None,
             tree_timing=d.get("tree_timing"),
             format_version=d["format_version"], kind=d["kind"],
@@ -304,6 +324,23 @@ def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None
                 f"artifact {root}: {rel} does not match its checksum in {MANIFEST_FILE} (changed or corrupted "
                 "since export): export the artifact again"
             )
+
+
+def read_draft_vocab(root: Path, manifest: Manifest):
+    """The draft vocabulary's token ids (int64 [K], numpy), or None when the heads draft over every token."""
+    spec = manifest.draft_vocab
+    if spec is None:
+        return None
+    import numpy as np
+
+    try:
+        ids = np.load(Path(root) / spec.file, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise CloverError(f"artifact {root}: cannot read {spec.file} ({e}): export the artifact again") from None
+    vocab = int(manifest.base_config.get("vocab_size", 0))
+    if ids.shape != (spec.size,) or ids.dtype.kind != "i" or (len(ids) and (ids.min() < 0 or ids.max() >= vocab)):
+        raise CloverError(f"artifact {root}: {spec.file} is not {spec.size} token ids below {vocab}: export it again")
+    return ids.astype(np.int64, copy=False)
 
 
 def fingerprints_match(a: dict[str, Any], b: dict[str, Any]) -> bool:

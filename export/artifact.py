@@ -22,6 +22,7 @@ from pathlib import Path
 from clover.atomic import publish_folder, staging_folder
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
+from clover.export.draft_vocab import TokenCounts
 from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
 from clover.models.decoder import Decoder
@@ -52,9 +53,10 @@ TOOLS = ("clover-deploy", "torch", "onnx", "onnxscript", "onnxruntime")
 
 
 def export_artifact(base: str | Path, heads: str, out: str | Path, config: ExportConfig,
-                    progress: Progress | None = None) -> Path:
+                    progress: Progress | None = None, token_counts: TokenCounts | None = None) -> Path:
     """Load `base` (an HF folder or 'smollm2') and `heads` (a folder, random:ARCH[:SEED] or none) in
-    config.dtype and export them to the artifact directory `out`."""
+    config.dtype and export them to the artifact directory `out` (config.draft_vocab: its tokens are the most
+    frequent of `token_counts`)."""
     from clover.models.head_io import pretrained_names, resolve_heads
     from clover.models.loading import load_base
     from clover.models.smollm2 import resolve_base
@@ -70,12 +72,12 @@ def export_artifact(base: str | Path, heads: str, out: str | Path, config: Expor
     sources = {"base": str(base) if str(base) == "smollm2" else str(base_path.resolve()),
                "heads": heads if named else str(Path(heads).resolve())}
     return artifact_from_modules(model, head_set, base_path, out, config, heads_name=heads, sources=sources,
-                                 progress=progress)
+                                 progress=progress, token_counts=token_counts)
 
 
 def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir: Path, out: str | Path,
                           config: ExportConfig, heads_name: str = "none", sources: dict[str, str] | None = None,
-                          progress: Progress | None = None) -> Path:
+                          progress: Progress | None = None, token_counts: TokenCounts | None = None) -> Path:
     """Export `base` (+ `heads`) with the tokenizer files of `tokenizer_dir` into the artifact `out`."""
     say = progress or (lambda _: None)
     out = Path(out)
@@ -83,6 +85,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     dtype = str(base.lm_head.weight.dtype).removeprefix("torch.")
     if dtype != config.dtype:
         raise CloverError(f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}")
+    draft_ids = draft_vocab_ids(base, heads, config, token_counts)
     tree = default_tree(heads, config.tree)
     max_context = resolve_max_context(base, config.max_context)
     # The fused base is written from the module's weights (export/fused_graph.py); the portable GraphDef is
@@ -97,7 +100,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     share_lm_head = config.shared_lm_head and heads is not None and config.backend == "onnx" and config.dtype == "float32"
     # Fused artifacts: a batched base for several sequences per forward (export/batch_graph.py).
     batched = config.attention == "fused" and config.max_batch > 1
-    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head + batched
+    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head + batched + (draft_ids is not None)
 
     with staging_folder(out) as tmp:
         copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)  # first: fail fast, before minutes of export
@@ -148,11 +151,23 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             shared = [n for n, s in specs.items() if s.has_output(LM_INPUT)]
             say(f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)" if shared else
                 "      the draft graphs have their own LM head (--draft-quant or own heads): nothing shared")
+        draft_vocab = None
+        if draft_ids is not None:
+            from clover.export.draft_vocab import add_draft_vocab, coverage
+
+            t0 = time.perf_counter()
+            say(f"[{len(graphs) + 1 + share_lm_head}/{steps}] draft vocabulary: the {len(draft_ids)} tokens the base "
+                f"emits most often ({token_counts.source})")
+            specs, draft_vocab = add_draft_vocab(tmp, specs, draft_ids, token_counts.source,
+                                                 coverage(token_counts.counts, draft_ids))
+            say(f"      they are {draft_vocab.coverage:.2%} of its tokens there; draft_lm_head.onnx serves "
+                f"{', '.join(draft_vocab.graphs)} ({time.perf_counter() - t0:.1f} s)")
         if batched:
             from clover.export.batch_graph import BATCH_GRAPH, write_batched_base
 
             t0 = time.perf_counter()
-            say(f"[{len(graphs) + 1 + share_lm_head}/{steps}] {BATCH_GRAPH}: {config.max_batch} sequences per forward")
+            say(f"[{len(graphs) + 1 + share_lm_head + (draft_ids is not None)}/{steps}] {BATCH_GRAPH}: "
+                f"{config.max_batch} sequences per forward")
             specs[BATCH_GRAPH] = graph_spec(write_batched_base(tmp, specs["base"].file, config.max_batch))
             check_onnx(tmp / specs[BATCH_GRAPH].file)
         engines = {}
@@ -169,7 +184,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             heads=heads_spec(heads, heads_name) if heads is not None else None,
             tree=tree_spec(tree) if tree is not None else None,
             graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files={},
-            engines=engines, draft_quant=config.draft_quant, weights=weights,
+            engines=engines, draft_quant=config.draft_quant, weights=weights, draft_vocab=draft_vocab,
         )
         if batched and config.verify:
             from clover.export.batch_graph import check_batched
@@ -191,6 +206,28 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
 
 
 # -- steps ---------------------------------------------------------------------------------------------
+
+def draft_vocab_ids(base: Decoder, heads: DraftHeads | None, config: ExportConfig,
+                    token_counts: TokenCounts | None):
+    """config.draft_vocab: the K most frequent tokens of `token_counts` (checked against the base), else None."""
+    if config.draft_vocab is None:
+        return None
+    from clover.artifact import fingerprints_match
+    from clover.export.draft_vocab import check_size, ranked_ids
+
+    if heads is None:
+        raise CloverError("--draft-vocab sizes what the draft heads score: use it with --heads")
+    vocab = base.config.vocab_size
+    check_size(config.draft_vocab, vocab)
+    if token_counts is None:
+        raise CloverError("--draft-vocab needs token counts of the base's own output: pass --draft-vocab-data CORPUS "
+                          "(a folder grown by clover-data grow)")
+    if len(token_counts.counts) != vocab or not fingerprints_match(token_counts.base_fingerprint,
+                                                                   dataclasses.asdict(BaseFingerprint.of(base))):
+        raise CloverError(f"the draft vocabulary's token counts ({token_counts.source}) come from another base model: "
+                          "grow a corpus with this base (clover-data grow) and pass it as --draft-vocab-data")
+    return ranked_ids(token_counts.counts)[:config.draft_vocab]
+
 
 def fused_chains_only(config: ExportConfig) -> bool:
     """A fused base with int8 compute (--weights) verifies only chains exactly (quantize.py): its graph skips

@@ -46,6 +46,8 @@ class ExportConfig:
     shared_lm_head: (backend "onnx", float32, with heads) cut the LM head out of the base and the draft graphs
       into one lm_head.onnx, in memory once (export/lm_head.py). False: each graph keeps its own, as the graphs
       of TensorRT artifacts do.
+    draft_vocab: K: the heads draft over the K tokens the base emits most often (export/draft_vocab.py; needs
+      the shared LM head and token counts); None: over the whole vocabulary.
     """
 
     backend: str = "onnx"
@@ -62,6 +64,7 @@ class ExportConfig:
     verify: bool = True
     shared_lm_head: bool = True
     max_batch: int = 8
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -99,6 +102,13 @@ class ExportConfig:
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise CloverError(f"--block-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits), got "
                               f"{self.block_size}")
+        if self.draft_vocab is not None:
+            if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 64:
+                raise CloverError(f"--draft-vocab must be an int >= 64 (tokens the heads draft over), got "
+                                  f"{self.draft_vocab!r}")
+            if self.backend != "onnx" or self.dtype != "float32" or not self.shared_lm_head or self.draft_quant:
+                raise CloverError("--draft-vocab cuts the shared LM head of float32 ONNX Runtime artifacts: use it "
+                                  "with --backend onnx --dtype float32 and without --draft-quant")
         if self.backend == "onnx" and self.max_prompt is not None:
             raise CloverError("--max-prompt sizes TensorRT's prefill profile: use it with --backend trt "
                               "(ONNX Runtime takes any prompt length up to --max-context)")

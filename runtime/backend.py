@@ -35,6 +35,8 @@ class RunnerInfo:
     chains_only: bool = False
     kv_bytes_per_token: int = 0  # KV cache bytes one cached token takes (base and heads), for memory plans
     batch_slots: int = 1  # sequences one forward runs together (more take several engine calls)
+    # int64 [K]: the full id of each column of the draft logits (clover-export --draft-vocab); None: all V tokens
+    draft_vocab: np.ndarray | None = None
 
     def check_tree(self, tree: Tree) -> None:
         """One-line error for a tree this runner cannot verify losslessly."""

@@ -329,7 +329,7 @@ class GraphRunner(Runner):
 
     def __init__(self, manifest: Manifest, graphs: Mapping[str, EngineGraph], arrays: Arrays, *, use_heads: bool,
                  backend: str, cache_block: int, max_context: int | None = None, in_place: bool = False,
-                 chains_only: bool = False, batch_slots: int = 1) -> None:
+                 chains_only: bool = False, batch_slots: int = 1, draft_vocab: np.ndarray | None = None) -> None:
         super().__init__()
         self.manifest, self.arrays, self.cache_block, self.in_place = manifest, arrays, cache_block, in_place
         self.base = graphs["base"]
@@ -352,6 +352,7 @@ class GraphRunner(Runner):
             heads_name=heads.name if heads is not None else "none",
             default_tree=compile_spec(tree) if tree else None,
             chains_only=chains_only, kv_bytes_per_token=sum(map(kv_bytes_per_token, caches)), batch_slots=batch_slots,
+            draft_vocab=draft_vocab if heads is not None else None,
         )
         self._free: list[tuple[KVCache, Any]] = []  # released sequences' caches of the initial size
 

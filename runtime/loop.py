@@ -77,24 +77,32 @@ class Draft:
 def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingParams, rng: np.random.Generator,
                slot: Slot | None = None) -> Draft:
     """Fill the tree depth by depth (from `slot`'s heads, the solo one by default): greedy takes each node's
-    top-k, sampling draws without replacement."""
+    top-k, sampling draws without replacement. With a draft vocabulary the heads' logits cover its K tokens
+    only: their columns map back to token ids, and the draft law is zero elsewhere."""
     T = tree.num_nodes
+    vocab = runner.info.draft_vocab  # [K] token id of each logit column, or None (column = token id)
     tokens = np.full(T, root_token, dtype=np.int64)
     valid = np.ones(T, dtype=bool)
     probs = None if sampling.greedy or T == 1 else np.zeros((T, runner.info.vocab_size))
     rows = np.zeros(1, dtype=np.int64)  # nodes whose children are drafted next: the root first
-    logits = runner.draft_begin(slot)[None] if tree.max_depth else None  # [n, V], row r for node rows[r]
+    logits = runner.draft_begin(slot)[None] if tree.max_depth else None  # [n, K], row r for node rows[r]
     for depth in range(1, tree.max_depth + 1):
         if sampling.greedy:
-            top = topk_tokens(logits, tree.max_children)  # [n, k]
+            top = topk_tokens(logits, tree.max_children)  # [n, k] columns
+            top = top if vocab is None else vocab[top]
         else:
-            probs[rows] = probs_from_logits(logits, sampling)
+            law = probs_from_logits(logits, sampling)  # [n, K]
+            if vocab is None:
+                probs[rows] = law
+            else:
+                probs[np.ix_(rows, vocab)] = law
         for r, node in enumerate(rows):
             kids = tree.children[node]
             if sampling.greedy:
                 tokens[kids] = top[r, : len(kids)]
             else:
-                drawn = sample_without_replacement(probs[node], len(kids), rng)
+                drawn = sample_without_replacement(law[r], len(kids), rng)
+                drawn = drawn if vocab is None else vocab[drawn]
                 tokens[kids[: len(drawn)]] = drawn
                 valid[kids[len(drawn):]] = False
         valid[tree.levels[depth]] &= valid[tree.parent[tree.levels[depth]]]

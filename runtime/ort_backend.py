@@ -44,7 +44,8 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.artifact import (
-    ARTIFACT_HEADS, BATCH_GRAPH, ROW_COUNTS, GraphSpec, Manifest, open_artifact, uses_exported_heads,
+    ARTIFACT_HEADS, BATCH_GRAPH, DRAFT_LM_HEAD, ROW_COUNTS, GraphSpec, Manifest, open_artifact, read_draft_vocab,
+    uses_exported_heads,
 )
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.runtime.backend import EngineClock
@@ -413,6 +414,13 @@ class OrtRunner(GraphRunner):
             for g in (*graphs.values(), self.batch):
                 if g is not None and g.spec.has_output(LM_INPUT):
                     g.use_lm_head(self.lm_head)
+        # A draft vocabulary (export/draft_vocab.py): the draft graphs' rows go through its K-token LM head instead.
+        draft_vocab = read_draft_vocab(Path(root), manifest) if use_heads else None
+        if draft_vocab is not None:
+            draft_lm_head = sessions.open(DRAFT_LM_HEAD, manifest.graphs[DRAFT_LM_HEAD], draft_so)
+            for name in manifest.draft_vocab.graphs:
+                if name in graphs:
+                    graphs[name].use_lm_head(draft_lm_head)
         # Where the sessions run (providers asked, what this onnxruntime has, what each session got): one line
         # when it is not where the first provider asked would have it.
         self.placement = sessions.placement
@@ -424,7 +432,7 @@ class OrtRunner(GraphRunner):
         super().__init__(manifest, graphs, self._arrays(sessions), use_heads=use_heads, backend="ort",
                          cache_block=options.cache_block, in_place=fused,
                          chains_only=fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
-                         batch_slots=self.batch_slots)
+                         batch_slots=self.batch_slots, draft_vocab=draft_vocab)
         self._idle: dict[int, KVCache] = {}  # 2-slot buffers of the batched graph's slot inputs not in a step
 
     def _arrays(self, sessions: Sessions) -> Arrays:

@@ -33,12 +33,15 @@ class TorchSequence:
 
 
 class TorchRunner(Runner):
-    def __init__(self, base: Decoder, heads: DraftHeads | None = None, heads_name: str = "none"):
+    def __init__(self, base: Decoder, heads: DraftHeads | None = None, heads_name: str = "none",
+                 draft_vocab: np.ndarray | None = None):
+        """draft_vocab: int64 [K] token ids the heads draft over (their logits' columns); None: all V."""
         super().__init__()
         self.base, self.heads = base, heads
+        self.device = base.lm_head.weight.device
+        self._vocab = None if draft_vocab is None or heads is None else self._t(np.asarray(draft_vocab, dtype=np.int64))
         self.engine_clock = EngineClock()
         cfg = base.config
-        self.device = base.lm_head.weight.device
         self.info = RunnerInfo(
             backend="torch", vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings,
             heads=heads.config.arch if heads is not None else None,
@@ -46,6 +49,7 @@ class TorchRunner(Runner):
             heads_name=heads_name if heads is not None else "none",
             kv_bytes_per_token=2 * cfg.num_kv_heads * cfg.head_dim * base.lm_head.weight.element_size()
             * (cfg.num_layers + (heads.num_cache_layers if heads is not None else 0)),
+            draft_vocab=None if self._vocab is None else np.asarray(draft_vocab, dtype=np.int64),
         )
 
     @property
@@ -97,7 +101,7 @@ class TorchRunner(Runner):
     def _draft_begin(self, slot):
         seq = slot.state
         seq.states = seq.root_state.clone()  # row i = state of tree node i (grown as drafted)
-        return seq.root_logits[0].float().cpu().numpy()
+        return self._drafted(seq.root_logits[0])
 
     @torch.inference_mode()
     def _draft_step(self, slot, depth, nodes, parents, tokens):
@@ -110,7 +114,11 @@ class TorchRunner(Runner):
         with self.engine_clock:
             state, logits = self.heads.step(depth, seq.states[self._t(parents)], self._t(tokens))
         seq.states[self._t(nodes)] = state
-        return logits.float().cpu().numpy()
+        return self._drafted(logits)
+
+    def _drafted(self, logits: torch.Tensor) -> np.ndarray:
+        """Draft logits as the loop takes them: [..., K] over the draft vocabulary's columns, if any."""
+        return (logits if self._vocab is None else logits[..., self._vocab]).float().cpu().numpy()
 
 
 def base_dir(base: str | Path) -> Path:

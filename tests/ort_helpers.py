@@ -39,12 +39,14 @@ def tiny_modules(arch: str, dtype: str = "float32", base_seed: int = BASE_SEED) 
 
 def tiny_artifact(root: Path, arch: str, dtype: str = "float32", tree: str | None = None,
                   draft_quant: str | None = None, weights: str | None = None, attention: str = "portable",
-                  shared_lm_head: bool = True) -> Path:
+                  shared_lm_head: bool = True, draft_vocab: int | None = None) -> Path:
     """Export tiny_modules(arch, dtype) to
-    root/artifacts/<arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>][-<attention>][-own-lm-heads] once per
-    session. shared_lm_head=False: every graph keeps its LM head, as in a TensorRT artifact."""
+    root/artifacts/<arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>][-<attention>][-own-lm-heads][-dv<K>] once
+    per session. shared_lm_head=False: every graph keeps its LM head, as in a TensorRT artifact. draft_vocab: the
+    K most frequent tokens of `tiny_token_counts`."""
     parts = (arch, dtype, tree, draft_quant and f"drafts-{draft_quant}", weights and f"weights-{weights}",
-             attention if attention != "portable" else None, None if shared_lm_head else "own-lm-heads")
+             attention if attention != "portable" else None, None if shared_lm_head else "own-lm-heads",
+             draft_vocab and f"dv{draft_vocab}")
     out = Path(root) / "artifacts" / "-".join(filter(None, parts))
     if (out / MANIFEST_FILE).is_file():
         return out
@@ -52,8 +54,23 @@ def tiny_artifact(root: Path, arch: str, dtype: str = "float32", tree: str | Non
     tokenizer = tiny_tokenizer_dir(Path(root) / "artifacts" / "tokenizer")
     name = f"random:{arch}:{HEADS_SEED}" if heads is not None else "none"
     config = ExportConfig(dtype=dtype, tree=tree, draft_quant=draft_quant, weights=weights, attention=attention,
-                          shared_lm_head=shared_lm_head)
-    return artifact_from_modules(base, heads, tokenizer, out, config, heads_name=name)
+                          shared_lm_head=shared_lm_head, draft_vocab=draft_vocab)
+    counts = tiny_token_counts(base) if draft_vocab else None
+    return artifact_from_modules(base, heads, tokenizer, out, config, heads_name=name, token_counts=counts)
+
+
+def tiny_token_counts(base: Decoder):
+    """Token counts for a tiny base's draft vocabulary: every token seen, in a seeded order of frequency."""
+    import dataclasses
+
+    import numpy as np
+
+    from clover.export.draft_vocab import TokenCounts
+    from clover.models.heads import BaseFingerprint
+
+    V = base.config.vocab_size
+    counts = np.random.default_rng(5).permutation(V).astype(np.int64) + 1
+    return TokenCounts(counts, "tiny counts", dataclasses.asdict(BaseFingerprint.of(base)))
 
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 3, 90, 12, 13, 14, 15, 16, 17, 18]]  # as tests/runtime/test_loop.py

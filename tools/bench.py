@@ -140,6 +140,13 @@ class Row:
         return {"step_ms": step_ms, "host_share": round(1 - self.timings["engine"] / total, 4)}
 
 
+def artifact_list(spec: str) -> list[Path]:
+    paths = [Path(x.strip()) for x in spec.split(",") if x.strip()]
+    if not paths:
+        raise argparse.ArgumentTypeError("name an artifact folder (or several, comma-separated)")
+    return paths
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clover-bench", description="Acceptance length and speedup of draft heads vs plain decoding.")
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
@@ -149,9 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "'+lookup', the artifact's heads)")
     p.add_argument("--backend", default="torch", help="comma-separated backends: torch, ort, trt (e.g. trt,ort); "
                    "NAME:plain runs only plain decoding there (e.g. ort,torch:plain)")
-    p.add_argument("--artifact", type=Path, default=None, help="an exported artifact (clover-export): ort runs its "
-                   "graphs and trt its TensorRT engines (plain and with its heads); torch runs the base and heads it "
-                   "was exported from")
+    p.add_argument("--artifact", type=artifact_list, default=None, help="an exported artifact (clover-export): ort "
+                   "runs its graphs and trt its TensorRT engines (plain and with its heads); torch runs the base and "
+                   "heads it was exported from. Several, comma-separated, are measured side by side (backend shown as "
+                   "ort@FOLDER); artifacts with the same base graph share one plain run")
     p.add_argument("--tree", default=None, help="token tree for every head set; several, comma-separated (e.g. "
                    "chain-2,small,mc26), are each measured in the same run (default: mc26, pruned to a head set's depth)")
     p.add_argument("--prompts", default="mtbench", help="'mtbench' (first turns, chat template) or a JSONL file with 'prompt'")
@@ -193,8 +201,12 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         except ImportError:
             pass
+    artifacts = args.artifact or []
+    args.artifact = artifacts[0] if artifacts else None  # the one artifact every other mode takes
     prompts = load_prompts(args.prompts, args.num_prompts)
     if args.concurrency is not None:
+        if len(artifacts) > 1:
+            raise CloverError("--concurrency runs one artifact: pass one --artifact folder")
         from clover.tools.bench_concurrency import run as run_concurrency
 
         return run_concurrency(args, prompts)
@@ -202,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
     plain_only = {b.removesuffix(":plain") for b in backends if b.endswith(":plain")}
     backends = [b.removesuffix(":plain") for b in backends]
     trees = tree_specs(args.tree)
-    configs = [config for b, h, g in load_configs(args, backends, trees[0], plain_only)  # each head set on every tree
+    loaded, plain_of = load_configs(args, backends, trees[0], plain_only, artifacts)
+    configs = [config for b, h, g in loaded  # each head set on every tree
                for config in [(b, h, g)] + [(b, h, Generator(g.runner, g.tokenizer, t, g.drafts)) for t in trees[1:]
                                             if h != "none" and (h != "lookup" or resolve_tree(t).is_chain)]]
     rows = {key(b, h, g): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
@@ -215,11 +228,11 @@ def run(args: argparse.Namespace) -> int:
             result = g.generate(prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
             if heads == "none":
                 reference[backend] = result
-            rows[key(backend, heads, g)].add(result, reference.get(backend) if heads != "none" else None)
+            rows[key(backend, heads, g)].add(result, reference.get(plain_of.get(backend, backend)) if heads != "none" else None)
     depth = max(g.tree.max_depth for _, _, g in configs)
     summaries = []
     for backend, heads, g in configs:
-        plain = next(r for (b, h, _), r in rows.items() if b == backend and h == "none")
+        plain = next(r for (b, h, _), r in rows.items() if b == plain_of.get(backend, backend) and h == "none")
         plain_tps = plain.new_tokens / plain.seconds if plain.seconds else None
         summaries.append(rows[key(backend, heads, g)].summary(depth, plain_tps))
     print_table(summaries, depth)
@@ -337,10 +350,12 @@ def key(backend: str, heads: str, g: "Generator") -> tuple[str, str, str]:
 ARTIFACT_BACKENDS = ("ort", "trt")  # run an artifact's graphs / engines; torch runs the modules it came from
 
 
-def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None,
-                 plain_only: set[str] = frozenset()) -> list[tuple[str, str, "Generator"]]:
+def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None, plain_only: set[str] = frozenset(),
+                 artifacts: list[Path] = ()) -> tuple[list[tuple[str, str, "Generator"]], dict[str, str]]:
     """(backend, heads name, generator on `tree`) for plain decoding and each head set, on each backend
-    (plain decoding only on the backends in `plain_only`)."""
+    (plain decoding only on the backends in `plain_only`), and for each of several artifacts (backend label
+    BACKEND@FOLDER). Also returns label -> the label whose plain run is its reference: an artifact whose base graph
+    files are byte for byte an earlier one's gets no plain run of its own."""
     from clover.runtime.generator import LOOKUP_SUFFIX, Generator
 
     configs = []
@@ -355,53 +370,66 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
             configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
             for heads in head_sets if backend not in plain_only else ():
                 configs.append((backend, heads, Generator.load(args.base, heads, backend, tree, args.dtype)))
-        return configs
+        return configs, {}
     from clover.artifact import read_manifest
     from clover.runtime.backend import backend_module
     from clover.runtime.tokenizer import Tokenizer
     from clover.runtime.tree import compile_spec
 
-    manifest = read_manifest(args.artifact)
-    heads = manifest.heads.name if manifest.heads is not None else None
-    for backend in backends:
-        if backend in ARTIFACT_BACKENDS:  # the artifact's own graphs / engines, plain and with its heads
-            module = backend_module(backend)
-            tok = Tokenizer.from_dir(module.base_dir(args.artifact))
-            threads = {"threads": args.threads or 0, "providers": args.providers or "cpu"} if backend == "ort" else {}
-            plain = module.load_runner(args.artifact, heads="none", **threads)
-            configs.append((backend, "none", Generator(plain, tok)))
-            if heads and backend not in plain_only:
-                runner = module.load_runner(args.artifact, heads="artifact", **threads)
-                configs.append((backend, heads, Generator(runner, tok, tree)))
-                if LOOKUP_SUFFIX in head_names(args.heads):  # the same heads with lookup merged into their tree
-                    configs.append((backend, heads + LOOKUP_SUFFIX, Generator(runner, tok, tree, "heads+lookup")))
-            if "lookup" in head_names(args.heads) and backend not in plain_only:  # prompt lookup on the base graph
-                configs.append((backend, "lookup", Generator(plain, tok, tree if lookup_tree(tree) else None, "lookup")))
-        else:  # the same base and heads through another backend, from the artifact's sources
-            source_base = manifest.sources.get("base")
-            if not source_base:
-                raise CloverError(f"artifact {args.artifact} does not record its source model: export it again")
-            configs.append((backend, "none", Generator.load(source_base, "none", backend, None, manifest.dtype)))
-            if heads and backend not in plain_only:
-                chosen = tree or (compile_spec(manifest.tree) if manifest.tree else None)
-                configs.append((backend, heads, Generator.load(source_base, manifest.sources["heads"], backend, chosen,
-                                                               manifest.dtype)))
-    return configs
+    plain_of, bases = {}, {}
+    for artifact in artifacts:
+        manifest = read_manifest(artifact)
+        heads = manifest.heads.name if manifest.heads is not None else None
+        # the base graph's identity: its files' checksums (same bytes, same plain output)
+        files = [f for g in ("base", "lm_head") if g in manifest.graphs
+                 for f in (manifest.graphs[g].file, *manifest.graphs[g].external_data)]
+        base_id = tuple(manifest.files[f]["sha256"] for f in files)
+        for backend in backends:
+            label = backend if len(artifacts) == 1 else f"{backend}@{artifact.name}"
+            if backend in ARTIFACT_BACKENDS:  # the artifact's own graphs / engines, plain and with its heads
+                module = backend_module(backend)
+                tok = Tokenizer.from_dir(module.base_dir(artifact))
+                threads = {"threads": args.threads or 0, "providers": args.providers or "cpu"} if backend == "ort" else {}
+                twin = bases.setdefault((backend, base_id), label)
+                lookup = "lookup" in head_names(args.heads) and backend not in plain_only
+                plain = module.load_runner(artifact, heads="none", **threads) if twin == label or lookup else None
+                if twin == label:
+                    configs.append((label, "none", Generator(plain, tok)))
+                else:
+                    plain_of[label] = twin
+                if heads and backend not in plain_only:
+                    runner = module.load_runner(artifact, heads="artifact", **threads)
+                    configs.append((label, heads, Generator(runner, tok, tree)))
+                    if LOOKUP_SUFFIX in head_names(args.heads):  # the same heads with lookup merged into their tree
+                        configs.append((label, heads + LOOKUP_SUFFIX, Generator(runner, tok, tree, "heads+lookup")))
+                if lookup:  # prompt lookup on the base graph
+                    configs.append((label, "lookup", Generator(plain, tok, tree if lookup_tree(tree) else None, "lookup")))
+            else:  # the same base and heads through another backend, from the artifact's sources
+                source_base = manifest.sources.get("base")
+                if not source_base:
+                    raise CloverError(f"artifact {artifact} does not record its source model: export it again")
+                configs.append((label, "none", Generator.load(source_base, "none", backend, None, manifest.dtype)))
+                if heads and backend not in plain_only:
+                    chosen = tree or (compile_spec(manifest.tree) if manifest.tree else None)
+                    configs.append((label, heads, Generator.load(source_base, manifest.sources["heads"], backend, chosen,
+                                                                 manifest.dtype)))
+    return configs, plain_of
 
 
 def print_table(summaries: list[dict], depth: int) -> None:
-    head = (f"{'backend':8} {'heads':22} {'tree':10} {'accept len':>10} {'tok/s':>7} {'speedup':>7} {'p50 ms':>7} "
+    bw = max([8] + [len(s["backend"]) for s in summaries])  # several artifacts: ort@FOLDER
+    head = (f"{'backend':{bw}} {'heads':22} {'tree':10} {'accept len':>10} {'tok/s':>7} {'speedup':>7} {'p50 ms':>7} "
             f"{'p95 ms':>7} {'identical':>9}  " + " ".join(f"{'d' + str(d):>5}" for d in range(1, depth + 1)))
     print(head)
     print("-" * len(head))
     for s in summaries:
         rates = s["acceptance_rate_per_depth"]
-        print(f"{s['backend']:8} {s['heads']:22} {s['tree']:10} {s['acceptance_length']:>10.2f} {s['tokens_per_second']:>7.1f} "
+        print(f"{s['backend']:{bw}} {s['heads']:22} {s['tree']:10} {s['acceptance_length']:>10.2f} {s['tokens_per_second']:>7.1f} "
               f"{s['speedup']:>6.2f}x {s['latency_p50_ms']:>7.1f} {s['latency_p95_ms']:>7.1f} {s['identical_to_plain']:>9}  "
               + " ".join(f"{r:>5.2f}" for r in rates))
     print("accept len = tokens per verify step, bonus token included; dN = share of steps accepting >= N drafted tokens")
     print()
-    head = (f"{'backend':8} {'heads':22} {'tree':10} " + " ".join(f"{p + ' ms':>10}" for p in PHASES)
+    head = (f"{'backend':{bw}} {'heads':22} {'tree':10} " + " ".join(f"{p + ' ms':>10}" for p in PHASES)
             + f" {'step ms':>8} {'engine ms':>9} {'host':>6}")
     print(head)
     print("-" * len(head))
@@ -411,7 +439,7 @@ def print_table(summaries: list[dict], depth: int) -> None:
             continue
         host = f"{s['host_share']:>6.1%}" if s["host_share"] is not None else f"{'n/a':>6}"
         engine = f"{ms['engine']:>9.2f}" if "engine" in ms else f"{'n/a':>9}"
-        print(f"{s['backend']:8} {s['heads']:22} {s['tree']:10} " + " ".join(f"{ms[p]:>10.2f}" for p in PHASES)
+        print(f"{s['backend']:{bw}} {s['heads']:22} {s['tree']:10} " + " ".join(f"{ms[p]:>10.2f}" for p in PHASES)
               + f" {sum(ms[p] for p in PHASES):>8.2f} {engine} {host}")
     print("per verify step; engine = time inside graph runs / module forwards, host = the rest of the step "
           "(top-k, masks, bindings, KV bookkeeping, Python)")

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from clover.tools.cli import run_cli
+from clover.tools.data import DEFAULT_OUT as DEFAULT_CORPUS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the error and the greedy agreement against float32. --backend onnx --dtype float32 only")
     p.add_argument("--block-size", type=int, default=32,
                    help="--weights: input channels per quantization block (power of two >= 16; default 32)")
+    p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
+                   help="the heads draft over the K tokens the base emits most often (FR-Spec; counted in "
+                        "--draft-vocab-data): their LM head and top-k cost ~K/V as much, and the output is unchanged "
+                        "(the base verifies with its full LM head). --backend onnx --dtype float32, with --heads")
+    p.add_argument("--draft-vocab-data", type=Path, default=None, metavar="CORPUS",
+                   help=f"--draft-vocab: a corpus of the base's own answers (clover-data grow; default {DEFAULT_CORPUS})")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 20)")
     p.add_argument("--no-verify", action="store_true", help="skip the export-time ONNX Runtime vs PyTorch parity check")
     return p
@@ -65,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
                           opset=args.opset or DEFAULT_OPSET, tree=args.tree, max_context=args.max_context,
                           max_prompt=args.max_prompt, timing_cache=args.timing_cache, draft_quant=args.draft_quant,
                           weights=args.weights, block_size=args.block_size, verify=not args.no_verify,
-                          max_batch=args.max_batch)
+                          max_batch=args.max_batch, draft_vocab=args.draft_vocab)
+    counts = token_counts(args.draft_vocab_data or DEFAULT_CORPUS) if config.draft_vocab is not None else None
     if config.backend == "trt":  # at once: before minutes of loading and exporting
         from clover.export.engines import require_engine_builder
 
@@ -73,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from clover.export.artifact import export_artifact  # imports torch: after the cheap checks
 
     start = time.perf_counter()
-    out = export_artifact(args.base, args.heads, args.out, config,
+    out = export_artifact(args.base, args.heads, args.out, config, token_counts=counts,
                           progress=lambda msg: print(f"clover-export: {msg}", file=sys.stderr, flush=True))
     took = f"clover-export: done in {time.perf_counter() - start:.0f} s"
     if config.backend == "onnx" and config.attention == "plugin":  # ONNX Runtime has no kernel for the plugin nodes
@@ -83,6 +91,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"{took}; run it with: clover-generate --artifact {out} --backend {backend} --prompt ...", file=sys.stderr)
     print(out)
     return 0
+
+
+def token_counts(folder: Path):
+    """The token counts of a corpus's answers, for --draft-vocab."""
+    from clover.export.draft_vocab import TokenCounts
+    from clover.train.corpus import Corpus
+
+    corpus = Corpus.open(folder)
+    generator = corpus.provenance.generator
+    vocab = int(generator.base_fingerprint["vocab_size"])
+    total = corpus.provenance.totals["response_tokens"]
+    return TokenCounts(corpus.token_counts(vocab), f"{folder.name}: {total} answer tokens", generator.base_fingerprint)
 
 
 def main(argv: list[str] | None = None) -> int:

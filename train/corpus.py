@@ -294,6 +294,13 @@ class Corpus:
                                       [s.sha256 for s in self.provenance.shards[:shards]]).encode())
         return h.hexdigest()[:16]
 
+    def token_counts(self, vocab_size: int) -> np.ndarray:
+        """int64 [vocab_size]: how often the base emitted each token over all stored answers."""
+        counts = np.zeros(vocab_size, dtype=np.int64)
+        for c in self.conversations():
+            counts += np.bincount(c.response, minlength=vocab_size)[:vocab_size]
+        return counts
+
     def validation_indices(self) -> set[int]:
         """The source conversations held out for validation by the corpus's split (never trained on)."""
         from clover.train.data import split_indices

@@ -352,3 +352,20 @@ def test_heads_and_lookup_in_one_tree_sample_the_base_law(base, base_logits):
     p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
     assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with heads+lookup drafts: p = {p12:.2e}"
     assert p3 > ALPHA, f"x3 marginal law differs from the base's with heads+lookup drafts: p = {p3:.2e}"
+
+
+def test_a_draft_vocabulary_samples_the_base_law(base, base_logits):
+    """With a draft vocabulary the heads' law is zero outside its K tokens (export/draft_vocab.py): drafts are
+    drawn from the K columns and mapped back to token ids, and rejection sampling still emits the base's law."""
+    sampling = sampling_params(1.0)
+    vocab = np.array([9, 0, 4, 2, 11, 6, 7])  # 7 of the V = 12 tokens, in no particular order
+    runner = TorchRunner(base, random_heads(base, "clover2", seed=0), draft_vocab=vocab)
+    tokens, lengths, full_tree_steps = first_tokens(runner, resolve_tree("small"), sampling, N, MASTER_SEED + 4)
+    joint, marginal, _ = exact_laws(base_logits, sampling)
+    c12, c3 = counts_of(tokens)
+    assert full_tree_steps >= N and np.mean(lengths > 1) > 0.3 and np.mean(lengths == 1) > 0.1, np.bincount(lengths)
+    # tokens outside the vocabulary are still emitted (as bonus tokens from the residual)
+    assert not set(np.unique(tokens[:, 1:]).tolist()) <= set(vocab.tolist())
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with a draft vocabulary: p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the base's with a draft vocabulary: p = {p3:.2e}"

@@ -138,3 +138,24 @@ def test_held_out_accuracy_beside_live_acceptance(base, tmp_path, capsys):
     assert "held-out chain estimate 1.70" in table  # 1 + 0.5 + 0.5 * 0.4: the chain-2 this run drafted
     held = json.loads(out.read_text())["held_out"][str(heads)]
     assert held["top1"] == epoch["val_top1"] and held["top3"] == epoch["val_topk"] and held["epoch"] == 3
+
+
+def test_several_artifacts_side_by_side(tmp_path_factory, tmp_path, capsys):
+    """--artifact A,B: each artifact's heads in one interleaved run; B's base graph is A's byte for byte (B adds a
+    draft vocabulary), so B's heads are checked against A's plain run and B gets none of its own."""
+    from ort_helpers import tiny_artifact
+
+    root = tmp_path_factory.getbasetemp()
+    a, b = tiny_artifact(root, "clover2"), tiny_artifact(root, "clover2", draft_vocab=64)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
+    out = tmp_path / "bench.json"
+    rc = bench_main(["--artifact", f"{a},{b}", "--backend", "ort", "--tree", "chain-2", "--prompts", str(prompts),
+                     "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    rows = [(r["backend"], r["heads"]) for r in json.loads(out.read_text())["results"]]
+    assert rows == [(f"ort@{a.name}", "none"), (f"ort@{a.name}", "random:clover2:0"), (f"ort@{b.name}", "random:clover2:0")]
+    assert all(r["identical_to_plain"] == "1/1" for r in json.loads(out.read_text())["results"])
+    assert f"ort@{b.name}" in capsys.readouterr().out
+    assert bench_main(["--artifact", f"{a},{b}", "--backend", "ort", "--concurrency", "1"]) == 2
+    assert "--concurrency runs one artifact" in capsys.readouterr().err

@@ -58,6 +58,9 @@ def test_shards_load_with_provenance(tmp_path):
     assert all(len(s["sha256"]) == 64 for s in prov["shards"])
     assert again.provenance == corpus.provenance and again.done_indices() == set(order[:9])
     assert bytes_per_million(again.provenance) > 0
+    counts = again.token_counts(96)  # what a draft vocabulary is ranked by (clover-export --draft-vocab)
+    assert counts.sum() == prov["totals"]["response_tokens"]
+    assert counts.tolist() == np.bincount(np.concatenate([w.response for w in want]), minlength=96).tolist()
 
 
 def test_damaged_files_give_one_clear_error(tmp_path):
