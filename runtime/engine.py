@@ -29,14 +29,15 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.backend import Runner
+from clover.runtime.cost import calibrate
 from clover.runtime.generator import (
-    GenerationResult, Progress, check_prompt_fits, choose_tree, drafts_label, encode_prompt, load_backend,
+    GenerationResult, Progress, check_prompt_fits, choose_tree, drafts_label, encode_prompt, load_backend, with_cost,
 )
 from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.scheduler import (
-    AutoTrees, Cancelled, FixedTrees, QueueFull, Request, Scheduler, StreamDelta, VerifyCost, check_max_batch, kv_plan,
+    AutoTrees, Cancelled, FixedTrees, QueueFull, Request, Scheduler, StreamDelta, check_max_batch, kv_plan,
 )
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import Tree, default_tree
@@ -133,30 +134,6 @@ def auto_full_tree(info, drafts: str) -> Tree:
     return default_tree(info.heads_max_depth)
 
 
-def calibrate(runner: Runner, max_rows: int, reps: int = 3) -> VerifyCost:
-    """The verify-cost curve of this runner on this machine: median ms of a forward of R new rows (one
-    sequence, a chain, after a 32-token prompt) for R from 1 to `max_rows`."""
-    rng = np.random.default_rng(0)
-    V = runner.info.vocab_size
-    rows = sorted({1, 2, 3, 4, max_rows} | {int(round(1.5 ** k)) for k in range(4, 40) if 1.5 ** k < max_rows})
-    slot = runner.open_slot(min(runner.info.max_context, 32 + max_rows + 2))
-    try:
-        prompt = rng.integers(0, V, 32)
-        runner.forward(prompt, np.arange(32), np.tri(32, dtype=bool), last_only=True, slot=slot)
-        runner.commit(np.arange(32), prompt, slot=slot)
-        points = {}
-        for r in rows:
-            tokens, times = rng.integers(0, V, r), []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                runner.forward(tokens, np.arange(r), np.tri(r, dtype=bool), slot=slot)
-                times.append(time.perf_counter() - t0)
-            points[r] = float(np.median(times)) * 1e3
-    finally:
-        runner.release(slot)
-    return VerifyCost(points)
-
-
 class Engine:
     """Batched, thread-safe generation on one runner (see the module doc). `tree`: "auto" (each step, each
     sequence's tree sized by its measured acceptance and the verify-cost curve, calibrated at start-up), a
@@ -180,7 +157,7 @@ class Engine:
                 print(f"tree auto: plain up to {self.tree.name}; verify cost calibrated in {time.perf_counter() - t0:.1f} s: "
                       + ", ".join(f"{r} rows {m:.1f} ms" for r, m in cost.to_dict()["rows_ms"].items()), file=log)
         else:
-            self.tree = choose_tree(runner.info, tree, drafts)
+            self.tree = with_cost(runner, choose_tree(runner.info, tree, drafts))
             self.policy = FixedTrees()
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self.step_sequences = 0  # sequences in the last forward (prefill chunks included); 0 while idle

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -19,11 +20,12 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, RunnerInfo, backend_module
+from clover.runtime.cost import calibrate
 from clover.runtime.loop import DRAFT_SOURCES, LOOKUP_DRAFTS, PLAIN, Step, chain, speculative_steps
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.tree import Tree, default_tree, resolve_tree
+from clover.runtime.tree import DynamicTree, Tree, default_tree, dynamic_tree, resolve_tree
 
 LOOKUP_SUFFIX = "+lookup"  # heads "NAME+lookup": prompt-lookup drafts merged into the heads' tree
 
@@ -72,6 +74,9 @@ def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:
         if tree not in (None, "plain") and not (isinstance(tree, Tree) and tree.num_nodes == 1):
             raise CloverError("a token tree needs draft heads: pass --heads (e.g. random:clover2) or --tree plain")
         return PLAIN
+    if isinstance(tree, str) and (dynamic := dynamic_tree(tree, info.heads_max_depth)) is not None:
+        # a chains-only base verifies dynamic chains: `dynamic` picks the chain's length each step
+        tree = dataclasses.replace(dynamic, width=1) if info.chains_only and "-w" not in tree else dynamic
     chosen = (info.default_tree or default_tree(info.heads_max_depth)) if tree is None else (
         resolve_tree(tree) if isinstance(tree, str) else tree)
     info.check_tree(chosen)
@@ -82,6 +87,13 @@ def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:
             "or heads with more depth (clover2 drafts any depth)"
         )
     return chosen
+
+
+def with_cost(runner: Runner, tree: Tree | DynamicTree) -> Tree | DynamicTree:
+    """A dynamic tree sized by this runner's verify-cost curve (measured here, once: about a second)."""
+    if not isinstance(tree, DynamicTree) or tree.cost is not None:
+        return tree
+    return dataclasses.replace(tree, cost=calibrate(runner, min(tree.budget + 1, runner.info.max_context - 40)).curve)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
@@ -183,7 +195,7 @@ class Generator:
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None, drafts: str = "heads"):
         self.runner, self.tokenizer, self.drafts = runner, tokenizer, drafts
-        self.tree = choose_tree(runner.info, tree, drafts)
+        self.tree = with_cost(runner, choose_tree(runner.info, tree, drafts))
 
     @classmethod
     def load(cls, base: str | Path, heads: str | None = None, backend: str = "torch", tree: str | None = None,

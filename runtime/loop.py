@@ -22,7 +22,7 @@ from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
 from clover.runtime.backend import Runner, Slot, Verify
 from clover.runtime.lookup import PromptLookup
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_without_replacement, topk_tokens
-from clover.runtime.tree import Tree, compile_tree, resolve_tree
+from clover.runtime.tree import DynamicTree, Tree, compile_tree, resolve_tree
 
 PLAIN = compile_tree([], name="plain")
 DRAFT_SOURCES = ("heads", "lookup", "heads+lookup")
@@ -111,6 +111,82 @@ def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingPa
             break
         logits = runner.draft_step(depth, rows, tree.parent[rows].astype(np.int64), tokens[rows], slot)
     return Draft(tokens, valid, probs)
+
+
+def draft_dynamic(runner: Runner, spec: DynamicTree, root_token: int, sampling: SamplingParams,
+                  rng: np.random.Generator, slot: Slot | None = None) -> tuple[Tree, Draft]:
+    """This step's tree, drafted by confidence (tree.DynamicTree): depth by depth the `width` drafted nodes of
+    highest cumulative draft probability get `width` children each; greedy keeps the best nodes (by cumulative
+    probability: ancestors first) up to the count that maximises expected tokens per verify millisecond,
+    sampling keeps every drafted node. Returns the compiled tree and its draft."""
+    vocab = runner.info.draft_vocab
+    law = probs_from_logits if not sampling.greedy else None
+    greedy_law = SamplingParams(temperature=1.0)  # greedy ranks nodes by the heads' plain softmax
+    tokens, parent, score, rank, laws = [root_token], [-1], [1.0], [-1], {}
+    frontier = np.zeros(1, dtype=np.int64)  # drafted nodes expanded at this depth (draft-order ids)
+    logits = runner.draft_begin(slot)[None]  # [n, K]
+    for depth in range(1, spec.depth + 1):
+        probs = (law or probs_from_logits)(logits, sampling if law else greedy_law)  # [n, K]
+        # Greedy drafts `width` children per expanded node and picks the budget after; sampling verifies all it
+        # draws, so it spreads the budget over the depths left (decided before drawing: sampling stays exact).
+        room = len(frontier) * spec.width if law is None else -(-(spec.budget - len(tokens) + 1) // (spec.depth - depth + 1))
+        per_node = max(1, min(spec.width, room // len(frontier)))
+        new = []
+        for r, node in enumerate(frontier):
+            k = min(per_node, room - len(new))
+            if k <= 0:
+                break
+            if law is None:
+                cols = topk_tokens(logits[r:r + 1], k)[0]
+            else:
+                cols = sample_without_replacement(probs[r], k, rng)
+                laws[int(node)] = (probs[r], len(cols))
+            for j, c in enumerate(cols):
+                new.append(len(tokens))
+                tokens.append(int(c if vocab is None else vocab[c]))
+                parent.append(int(node))
+                score.append(score[node] * float(probs[r, c]))
+                rank.append(j)
+        if depth == spec.depth or not new or (law is not None and len(tokens) - 1 >= spec.budget):
+            break
+        frontier = np.array(sorted(new, key=lambda i: -score[i])[:spec.width], dtype=np.int64)
+        p = np.array(parent)[frontier]
+        logits = runner.draft_step(depth, frontier, p, np.array(tokens)[frontier], slot)
+    kept = np.arange(len(tokens))
+    if law is None:  # greedy: the best nodes, as many as pay for their rows
+        order = sorted(range(1, len(tokens)), key=lambda i: (-score[i], i))  # a parent precedes its children
+        n = min(len(order), spec.budget)
+        gain = np.cumsum([score[i] for i in order[:n]])
+        if spec.cost is not None and n:
+            rate = (1.0 + np.concatenate(([0.0], gain))) / np.array([spec.cost(1 + m) for m in range(n + 1)])
+            n = int(np.argmax(rate))
+        kept = np.array([0] + sorted(order[:n]), dtype=np.int64)
+    return _compiled_draft(kept, tokens, parent, rank, laws, runner.info.vocab_size, vocab, spec.name)
+
+
+def _compiled_draft(kept: np.ndarray, tokens: list[int], parent: list[int], rank: list[int], laws: dict,
+                    vocab_size: int, vocab: np.ndarray | None, name: str) -> tuple[Tree, Draft]:
+    """The kept drafted nodes (draft-order ids, root first, parents before children) as a compiled tree: sibling
+    ranks renumbered in their draw order, and the draft laws of sampled nodes."""
+    path = {0: ()}
+    next_rank: dict[int, int] = {}
+    for i in sorted(int(x) for x in kept[1:]):  # draft order: siblings in rank order
+        j = next_rank.get(parent[i], 0)
+        next_rank[parent[i]] = j + 1
+        path[i] = path[parent[i]] + (j,)
+    tree = _merged_tree(tuple(sorted((path[i] for i in path if i), key=lambda c: (len(c), c))), name)
+    at = {c: n + 1 for n, c in enumerate(tree.choices)} | {(): 0}
+    ids = np.empty(tree.num_nodes, dtype=np.int64)
+    probs = np.zeros((tree.num_nodes, vocab_size)) if laws else None
+    for i, c in path.items():
+        ids[at[c]] = tokens[i]
+        if i in laws and probs is not None:
+            q, _ = laws[i]
+            if vocab is None:
+                probs[at[c]] = q
+            else:
+                probs[at[c], vocab] = q
+    return tree, Draft(ids, np.ones(tree.num_nodes, dtype=bool), probs)
 
 
 def lookup_draft(root_token: int, proposal: np.ndarray, sampling: SamplingParams, vocab_size: int) -> Draft:
@@ -235,7 +311,10 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
         else:
             tree = tree if tree.num_nodes - 1 <= room else PLAIN
-            draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
+            if isinstance(tree, DynamicTree):
+                tree, draft = draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot)
+            else:
+                draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
             if d.lookup is not None:  # heads+lookup: the lookup path joins the heads' tree
                 proposal = d.lookup.propose(max(0, min(LOOKUP_DRAFTS, room - tree.num_nodes + 1)))
                 tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)

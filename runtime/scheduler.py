@@ -12,11 +12,11 @@ import collections
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from clover.errors import CloverError
+from clover.runtime.cost import VerifyCost
 from clover.runtime.generator import GenerationResult, Progress
 from clover.runtime.loop import Decoding, Step
 from clover.runtime.output import OutputTracker, StopConditions
@@ -113,42 +113,6 @@ def kv_plan(max_batch: int, context: int, bytes_per_token: int) -> str:
 
 
 # -- what each sequence speculates ------------------------------------------------------------------------
-
-class VerifyCost:
-    """Milliseconds of one verify forward by the new rows it runs: a curve measured at start-up for this
-    backend and machine (`points`: rows -> ms, one sequence), interpolated linearly (and extrapolated with the
-    slope of its upper half), times a correction per batch size learned from the steps the engine runs (a batch of B
-    sequences also runs B attention blocks, and the machine's speed drifts)."""
-
-    def __init__(self, points: dict[int, float]) -> None:
-        if not points:
-            raise CloverError("a verify-cost curve needs at least one measured point")
-        self.rows = np.array(sorted(points), dtype=np.float64)
-        self.ms = np.array([points[int(r)] for r in self.rows])
-        self.correction: dict[int, float] = {}
-
-    def curve(self, rows: float) -> float:
-        r, m = self.rows, self.ms
-        if len(r) == 1:
-            return float(m[0] * rows / r[0])
-        if rows > r[-1]:  # beyond the last point: the slope fitted over the upper half (one noisy point can't tilt it)
-            upper = r >= r[-1] / 2
-            slope = np.polyfit(r[upper], m[upper], 1)[0] if upper.sum() >= 2 else (m[-1] - m[-2]) / (r[-1] - r[-2])
-            return float(m[-1] + max(slope, 0.0) * (rows - r[-1]))
-        return float(np.interp(rows, r, m))
-
-    def __call__(self, rows: int, sequences: int) -> float:
-        return self.curve(rows) * self.correction.get(sequences, 1.0)
-
-    def observe(self, rows: int, sequences: int, ms: float) -> None:
-        ratio = ms / max(self.curve(rows), 1e-6)
-        old = self.correction.get(sequences)
-        self.correction[sequences] = ratio if old is None else 0.9 * old + 0.1 * ratio
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rows_ms": {int(r): round(float(m), 3) for r, m in zip(self.rows, self.ms)},
-                "correction_by_batch": {b: round(c, 3) for b, c in sorted(self.correction.items())}}
-
 
 class RankAcceptance:
     """Online acceptance by depth and rank: q[d, r] = P(the rank-r draft at depth d is the accepted token |

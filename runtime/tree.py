@@ -73,6 +73,64 @@ class Tree:
         return self.max_children <= 1
 
 
+@dataclass(frozen=True)
+class DynamicTree:
+    """A tree drafted anew each step (EAGLE-2, arXiv 2406.16858), compiled then as a `Tree`
+    (clover.runtime.loop.draft_dynamic). Depth by depth, the `width` drafted nodes of highest cumulative draft
+    probability (the product of the draft probabilities along the path) are expanded, each with its `width`
+    most likely children (sampling: drawn without replacement). Greedy then verifies the drafted nodes of
+    highest cumulative probability: as many as maximise expected tokens per verify millisecond on `cost`
+    (rows -> ms, clover.runtime.cost.VerifyCost), at most `budget`; sampling verifies every drafted node, the
+    drafting stopping at `budget` (a node's siblings must all be verified for rejection sampling to stay exact).
+
+    num_nodes, max_depth, max_children and is_chain bound the trees it compiles to, as Tree's fields do."""
+
+    budget: int  # drafted nodes verified at most (the root excluded)
+    width: int  # nodes expanded per depth, children per expanded node
+    depth: int  # deepest drafted node
+    cost: Any = None  # callable rows -> ms; None: always verify `budget` nodes
+    name: str = "dynamic"
+
+    def __post_init__(self) -> None:
+        if not (1 <= self.budget < MAX_TREE_NODES and 1 <= self.width and 1 <= self.depth):
+            raise CloverError(f"a dynamic tree needs 1 <= budget < {MAX_TREE_NODES}, width >= 1 and depth >= 1, got "
+                              f"budget {self.budget}, width {self.width}, depth {self.depth}")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.budget + 1
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_children(self) -> int:
+        return self.width
+
+    @property
+    def is_chain(self) -> bool:
+        return self.width == 1
+
+    @property
+    def choices(self) -> tuple[RankPath, ...]:
+        raise CloverError(f"tree {self.name} is drafted anew each step and has no fixed paths: record a static tree")
+
+
+DYNAMIC_BUDGET, DYNAMIC_WIDTH = 12, 3  # 'dynamic': EAGLE-2 uses 60 nodes and width 10 on GPUs; CPUs verify fewer
+_DYNAMIC = re.compile(r"dynamic(?:-(\d+))?(?:-w(\d+))?")
+
+
+def dynamic_tree(spec: str, max_depth: int | None = None) -> DynamicTree | None:
+    """'dynamic[-N][-wW]' (N: node budget, W: width) as a DynamicTree as deep as `max_depth` (default 5), else None."""
+    m = _DYNAMIC.fullmatch(spec)
+    if m is None:
+        return None
+    budget = int(m.group(1)) if m.group(1) else DYNAMIC_BUDGET
+    width = int(m.group(2)) if m.group(2) else min(DYNAMIC_WIDTH, budget)
+    return DynamicTree(budget, width, max_depth or 5, name=spec)
+
+
 def _fmt(path: Sequence[Any]) -> str:
     return "[" + ", ".join(str(x) for x in path) + "]"
 

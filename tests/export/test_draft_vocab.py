@@ -112,3 +112,26 @@ def test_a_damaged_vocabulary_file_is_named(root, tmp_path):
     doc.pop("draft_vocab")
     (copy / MANIFEST_FILE).write_text(json.dumps(doc))
     assert read_manifest(copy).draft_vocab is None and read_draft_vocab(copy, read_manifest(copy)) is None
+
+
+def test_dynamic_trees_over_a_draft_vocabulary(root):
+    """A dynamic tree ranks nodes by the K-token draft law and maps its columns back: still identical output."""
+    from clover.runtime.tree import dynamic_tree
+
+    small = tiny_artifact(root, "clover2", draft_vocab=K)
+    a, plain = load_runner(small), load_runner(small, heads="none")
+    ids = set(a.info.draft_vocab.tolist())
+    for spec in ("dynamic-8", "dynamic-4-w1"):
+        tree = dynamic_tree(spec, a.info.heads_max_depth)
+        for p in PROMPTS:
+            got, steps = run_tokens(a, p, tree, 30)
+            want, _ = run_tokens(plain, p, resolve_tree("plain"), 30)
+            assert_identical(got, want, f"{spec} over a draft vocabulary", reference=plain)
+    from clover.runtime.loop import draft_dynamic
+
+    a.reset(64)
+    prompt = np.array(PROMPTS[0])
+    a.forward(prompt, np.arange(len(prompt)), np.tri(len(prompt), dtype=bool))
+    a.commit(np.arange(len(prompt)), np.append(prompt[1:], 5))
+    tree, draft = draft_dynamic(a, dynamic_tree("dynamic-8", 5), 5, SamplingParams(), np.random.default_rng(0))
+    assert 1 < tree.num_nodes <= 9 and set(draft.tokens[1:].tolist()) <= ids

@@ -58,7 +58,7 @@ def run_concurrently(engine: Engine, concurrency: int) -> list[list[int]]:
 def test_ort_engine_equals_solo_plain_at_any_concurrency(artifacts, arch):
     tok = Tokenizer.from_dir(artifacts[arch] / "tokenizer")
     want = solo_plain(load_runner(artifacts[arch], heads="none"), tok)
-    trees = ("plain", "chain-2", "small", "auto") if arch == "clover2" else ("plain", "chain-2", "auto")
+    trees = ("plain", "chain-2", "small", "auto", "dynamic-6") if arch == "clover2" else ("plain", "chain-2", "auto")
     for tree in trees:
         with Engine(load_runner(artifacts[arch]), tok, tree, max_batch=4, log=None) as engine:
             for concurrency in (1, 4, 16):

@@ -5,6 +5,8 @@ long accepted paths and so exercises KV compaction. A mismatch names the first d
 the top-2 logit margin of the plain run there.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -43,6 +45,34 @@ def test_greedy_identity_every_head_and_tree(base, plain, arch, trees):
             for p in PROMPTS:
                 got, _ = run_tokens(runner, p, tree, 40)
                 assert_identical(got, plain[tuple(p)], f"{arch} heads {seed} {spec}", TorchRunner(base), p)
+
+
+@pytest.mark.parametrize("arch", ["medusa", "clover", "clover2"])
+def test_dynamic_trees_are_identical_and_within_budget(base, plain, arch):
+    """EAGLE-2-style trees drafted anew each step (loop.draft_dynamic): identical output, at most `budget` drafted
+    nodes per step, and the verify-cost curve decides how many of them are worth their rows."""
+    from clover.runtime.loop import Decoding, step
+    from clover.runtime.sampling import SamplingParams
+    from clover.runtime.tree import dynamic_tree
+
+    runner = TorchRunner(base, random_heads(base, arch, 0))
+    for spec in ("dynamic", "dynamic-5", "dynamic-8-w4", "dynamic-3-w1"):
+        tree = dynamic_tree(spec, runner.info.heads_max_depth)
+        for p in PROMPTS:
+            got, steps = run_tokens(runner, p, tree, 40)
+            assert_identical(got, plain[tuple(p)], f"{arch} {spec}", TorchRunner(base), p)
+            assert max(steps) <= tree.max_depth + 1
+    # The budget bounds the verified nodes; a dear cost curve verifies none of them (a plain step), a cheap one all.
+    tree = dynamic_tree("dynamic-6", runner.info.heads_max_depth)
+    for cost, nodes in ((None, {7}), (lambda rows: 1.0 if rows == 1 else 100.0 * rows, {1}),
+                        (lambda rows: 1.0, set(range(2, 8)))):  # free rows: every node of non-zero probability
+        slot = runner.open_slot(64)
+        d = Decoding(slot, np.array(PROMPTS[1]), dataclasses.replace(tree, cost=cost), SamplingParams(),
+                     np.random.default_rng(0))
+        step(runner, [d])  # the prefill
+        st = step(runner, [d])[0]
+        runner.release(slot)
+        assert st.tree.num_nodes in nodes and st.tree.name == "dynamic-6", (cost, st.tree.num_nodes)
 
 
 def prune(spec, depth):

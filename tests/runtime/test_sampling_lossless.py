@@ -369,3 +369,22 @@ def test_a_draft_vocabulary_samples_the_base_law(base, base_logits):
     p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
     assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with a draft vocabulary: p = {p12:.2e}"
     assert p3 > ALPHA, f"x3 marginal law differs from the base's with a draft vocabulary: p = {p3:.2e}"
+
+
+@pytest.mark.parametrize("spec", ["dynamic-8", "dynamic-3-w1"])
+def test_dynamic_trees_sample_the_base_law(base, base_logits, spec):
+    """Dynamic trees (loop.draft_dynamic) under sampling: which nodes are expanded depends on what was drawn, but
+    each node's child count is fixed before its children are drawn and every drawn node is verified, so the
+    loop still emits the base's law."""
+    from clover.runtime.tree import dynamic_tree
+
+    sampling = sampling_params(1.0)
+    runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
+    tree = dynamic_tree(spec, runner.info.heads_max_depth)
+    tokens, lengths, _ = first_tokens(runner, tree, sampling, N, MASTER_SEED + 5)
+    joint, marginal, _ = exact_laws(base_logits, sampling)
+    c12, c3 = counts_of(tokens)
+    assert np.mean(lengths > 1) > 0.3 and np.mean(lengths == 1) > 0.1, np.bincount(lengths)
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with {spec}: p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the base's with {spec}: p = {p3:.2e}"

@@ -1,0 +1,73 @@
+"""What a verify forward costs on this backend and machine: a curve of milliseconds by new rows, measured at
+start-up (`calibrate`). `--tree auto` (clover.runtime.scheduler) and dynamic trees (clover.runtime.loop) size
+speculation by it. numpy only."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from clover.errors import CloverError
+from clover.runtime.backend import Runner
+
+
+class VerifyCost:
+    """Milliseconds of one verify forward by the new rows it runs: a curve measured at start-up for this
+    backend and machine (`points`: rows -> ms, one sequence), interpolated linearly (and extrapolated with the
+    slope of its upper half), times a correction per batch size learned from the steps the engine runs (a batch of B
+    sequences also runs B attention blocks, and the machine's speed drifts)."""
+
+    def __init__(self, points: dict[int, float]) -> None:
+        if not points:
+            raise CloverError("a verify-cost curve needs at least one measured point")
+        self.rows = np.array(sorted(points), dtype=np.float64)
+        self.ms = np.array([points[int(r)] for r in self.rows])
+        self.correction: dict[int, float] = {}
+
+    def curve(self, rows: float) -> float:
+        r, m = self.rows, self.ms
+        if len(r) == 1:
+            return float(m[0] * rows / r[0])
+        if rows > r[-1]:  # beyond the last point: the slope fitted over the upper half (one noisy point can't tilt it)
+            upper = r >= r[-1] / 2
+            slope = np.polyfit(r[upper], m[upper], 1)[0] if upper.sum() >= 2 else (m[-1] - m[-2]) / (r[-1] - r[-2])
+            return float(m[-1] + max(slope, 0.0) * (rows - r[-1]))
+        return float(np.interp(rows, r, m))
+
+    def __call__(self, rows: int, sequences: int) -> float:
+        return self.curve(rows) * self.correction.get(sequences, 1.0)
+
+    def observe(self, rows: int, sequences: int, ms: float) -> None:
+        ratio = ms / max(self.curve(rows), 1e-6)
+        old = self.correction.get(sequences)
+        self.correction[sequences] = ratio if old is None else 0.9 * old + 0.1 * ratio
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rows_ms": {int(r): round(float(m), 3) for r, m in zip(self.rows, self.ms)},
+                "correction_by_batch": {b: round(c, 3) for b, c in sorted(self.correction.items())}}
+
+
+def calibrate(runner: Runner, max_rows: int, reps: int = 3) -> VerifyCost:
+    """The verify-cost curve of this runner on this machine: median ms of a forward of R new rows (one
+    sequence, a chain, after a 32-token prompt) for R from 1 to `max_rows`."""
+    rng = np.random.default_rng(0)
+    V = runner.info.vocab_size
+    rows = sorted({1, 2, 3, 4, max_rows} | {int(round(1.5 ** k)) for k in range(4, 40) if 1.5 ** k < max_rows})
+    slot = runner.open_slot(min(runner.info.max_context, 32 + max_rows + 2))
+    try:
+        prompt = rng.integers(0, V, 32)
+        runner.forward(prompt, np.arange(32), np.tri(32, dtype=bool), last_only=True, slot=slot)
+        runner.commit(np.arange(32), prompt, slot=slot)
+        points = {}
+        for r in rows:
+            tokens, times = rng.integers(0, V, r), []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                runner.forward(tokens, np.arange(r), np.tri(r, dtype=bool), slot=slot)
+                times.append(time.perf_counter() - t0)
+            points[r] = float(np.median(times)) * 1e3
+    finally:
+        runner.release(slot)
+    return VerifyCost(points)
