@@ -135,3 +135,28 @@ def test_dynamic_trees_over_a_draft_vocabulary(root):
     a.commit(np.arange(len(prompt)), np.append(prompt[1:], 5))
     tree, draft = draft_dynamic(a, dynamic_tree("dynamic-8", 5), 5, SamplingParams(), np.random.default_rng(0))
     assert 1 < tree.num_nodes <= 9 and set(draft.tokens[1:].tolist()) <= ids
+
+
+def test_a_vocabulary_is_added_to_an_existing_artifact(root, tmp_path):
+    """with_draft_vocab: a copy of an artifact with a (new) draft vocabulary, no re-export; same output."""
+    from clover.export.draft_vocab import with_draft_vocab
+
+    src = tiny_artifact(root, "clover2")
+    counts = tiny_token_counts(tiny_modules("clover2")[0])
+    a = with_draft_vocab(src, tmp_path / "a", counts, 80)
+    b = with_draft_vocab(a, tmp_path / "b", counts, 70)  # replaces a's
+    assert read_manifest(src).draft_vocab is None and open_artifact(a).draft_vocab.size == 80
+    m = open_artifact(b)
+    assert m.draft_vocab.size == 70 and m.graphs[DRAFT_LM_HEAD].output("logits").shape[-1] == 70
+    tree = resolve_tree("mc26")
+    plain = load_runner(src, heads="none")
+    for p in PROMPTS:
+        want, _ = run_tokens(plain, p, resolve_tree("plain"), 20)
+        for art in (a, b):
+            got, _ = run_tokens(load_runner(art), p, tree, 20)
+            assert_identical(got, want, f"{art.name}", reference=plain)
+    other = dataclasses.replace(counts, base_fingerprint={**counts.base_fingerprint, "lm_head_sha256": "0" * 16,
+                                                          "lm_head_probe": [1.0]})
+    with pytest.raises(CloverError, match="another base model"):
+        with_draft_vocab(src, tmp_path / "c", other, 80)
+    assert not (tmp_path / "c").exists()
