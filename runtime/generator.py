@@ -20,7 +20,7 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, RunnerInfo, backend_module
-from clover.runtime.cost import calibrate
+from clover.runtime.cost import DraftConfidence, calibrate
 from clover.runtime.loop import DRAFT_SOURCES, LOOKUP_DRAFTS, PLAIN, Step, chain, speculative_steps
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
@@ -93,7 +93,8 @@ def with_cost(runner: Runner, tree: Tree | DynamicTree) -> Tree | DynamicTree:
     """A dynamic tree sized by this runner's verify-cost curve (measured here, once: about a second)."""
     if not isinstance(tree, DynamicTree) or tree.cost is not None:
         return tree
-    return dataclasses.replace(tree, cost=calibrate(runner, min(tree.budget + 1, runner.info.max_context - 40)).curve)
+    return dataclasses.replace(tree, cost=calibrate(runner, min(tree.budget + 1, runner.info.max_context - 40)).curve,
+                               confidence=tree.confidence or DraftConfidence())
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:

@@ -72,6 +72,8 @@ class Draft:
     point: np.ndarray | None = None
     heads: np.ndarray | None = None
     heads_tree: Tree | None = None
+    # a dynamic tree's nodes' cumulative draft probabilities [T] (node order; what DraftConfidence learns from)
+    confidence: np.ndarray | None = None
 
 
 def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingParams, rng: np.random.Generator,
@@ -122,9 +124,12 @@ def draft_dynamic(runner: Runner, spec: DynamicTree, root_token: int, sampling: 
     vocab = runner.info.draft_vocab
     law = probs_from_logits if not sampling.greedy else None
     greedy_law = SamplingParams(temperature=1.0)  # greedy ranks nodes by the heads' plain softmax
-    tokens, parent, score, rank, laws = [root_token], [-1], [1.0], [-1], {}
+    worth = spec.confidence if spec.confidence is not None else (lambda p: np.asarray(p, dtype=np.float64))
+    tokens, parent, score, laws = [root_token], [-1], [1.0], {}
     frontier = np.zeros(1, dtype=np.int64)  # drafted nodes expanded at this depth (draft-order ids)
+    t0 = time.perf_counter()
     logits = runner.draft_begin(slot)[None]  # [n, K]
+    calls = 1
     for depth in range(1, spec.depth + 1):
         probs = (law or probs_from_logits)(logits, sampling if law else greedy_law)  # [n, K]
         # Greedy drafts `width` children per expanded node and picks the budget after; sampling verifies all it
@@ -141,33 +146,55 @@ def draft_dynamic(runner: Runner, spec: DynamicTree, root_token: int, sampling: 
             else:
                 cols = sample_without_replacement(probs[r], k, rng)
                 laws[int(node)] = (probs[r], len(cols))
-            for j, c in enumerate(cols):
+            for c in cols:
                 new.append(len(tokens))
                 tokens.append(int(c if vocab is None else vocab[c]))
                 parent.append(int(node))
                 score.append(score[node] * float(probs[r, c]))
-                rank.append(j)
         if depth == spec.depth or not new or (law is not None and len(tokens) - 1 >= spec.budget):
             break
         frontier = np.array(sorted(new, key=lambda i: -score[i])[:spec.width], dtype=np.int64)
+        # Another depth drafts at most `width` nodes worth no more than the best frontier node: stop when even
+        # that could not raise the expected tokens per millisecond (verify + drafting so far + one more call).
+        if spec.cost is not None:
+            spent = (time.perf_counter() - t0) * 1e3
+            step_ms = spent / calls if spec.confidence is None or spec.confidence.draft_ms is None else spec.confidence.draft_ms
+            n, rate = _best_count(spec, worth, score, spent)
+            top = float(worth(np.array([score[frontier[0]]]))[0])
+            if all((1 + rate[0] + k * top) / (spec.cost(1 + n + k) + spent + step_ms) <= rate[1]
+                   for k in range(1, spec.width + 1)):
+                break
         p = np.array(parent)[frontier]
         logits = runner.draft_step(depth, frontier, p, np.array(tokens)[frontier], slot)
+        calls += 1
+    if spec.confidence is not None and calls > 1:
+        spec.confidence.observe_draft((time.perf_counter() - t0) * 1e3 / calls)
     kept = np.arange(len(tokens))
     if law is None:  # greedy: the best nodes, as many as pay for their rows
-        order = sorted(range(1, len(tokens)), key=lambda i: (-score[i], i))  # a parent precedes its children
-        n = min(len(order), spec.budget)
-        gain = np.cumsum([score[i] for i in order[:n]])
-        if spec.cost is not None and n:
-            rate = (1.0 + np.concatenate(([0.0], gain))) / np.array([spec.cost(1 + m) for m in range(n + 1)])
-            n = int(np.argmax(rate))
-        kept = np.array([0] + sorted(order[:n]), dtype=np.int64)
-    return _compiled_draft(kept, tokens, parent, rank, laws, runner.info.vocab_size, vocab, spec.name)
+        n = _best_count(spec, worth, score, 0.0)[0] if spec.cost is not None else min(len(tokens) - 1, spec.budget)
+        kept = np.array([0] + sorted(_by_score(score)[:n]), dtype=np.int64)
+    return _compiled_draft(kept, tokens, parent, score, laws, runner.info.vocab_size, vocab, spec.name)
 
 
-def _compiled_draft(kept: np.ndarray, tokens: list[int], parent: list[int], rank: list[int], laws: dict,
+def _by_score(score: list[float]) -> list[int]:
+    """Drafted nodes (root excluded) by cumulative draft probability; a parent precedes its children."""
+    return sorted(range(1, len(score)), key=lambda i: (-score[i], i))
+
+
+def _best_count(spec: DynamicTree, worth, score: list[float], spent_ms: float) -> tuple[int, tuple[float, float]]:
+    """How many of the best drafted nodes to verify (at most the budget), with (their expected accepted drafts,
+    the expected tokens per ms) at that count."""
+    order = _by_score(score)[:spec.budget]
+    gain = np.concatenate(([0.0], np.cumsum(worth(np.array([score[i] for i in order])) if order else [])))
+    rate = (1.0 + gain) / (np.array([spec.cost(1 + m) for m in range(len(gain))]) + spent_ms)
+    n = int(np.argmax(rate))
+    return n, (float(gain[n]), float(rate[n]))
+
+
+def _compiled_draft(kept: np.ndarray, tokens: list[int], parent: list[int], score: list[float], laws: dict,
                     vocab_size: int, vocab: np.ndarray | None, name: str) -> tuple[Tree, Draft]:
     """The kept drafted nodes (draft-order ids, root first, parents before children) as a compiled tree: sibling
-    ranks renumbered in their draw order, and the draft laws of sampled nodes."""
+    ranks renumbered in their draw order, the draft laws of sampled nodes and every node's cumulative probability."""
     path = {0: ()}
     next_rank: dict[int, int] = {}
     for i in sorted(int(x) for x in kept[1:]):  # draft order: siblings in rank order
@@ -177,16 +204,17 @@ def _compiled_draft(kept: np.ndarray, tokens: list[int], parent: list[int], rank
     tree = _merged_tree(tuple(sorted((path[i] for i in path if i), key=lambda c: (len(c), c))), name)
     at = {c: n + 1 for n, c in enumerate(tree.choices)} | {(): 0}
     ids = np.empty(tree.num_nodes, dtype=np.int64)
+    confidence = np.empty(tree.num_nodes)
     probs = np.zeros((tree.num_nodes, vocab_size)) if laws else None
     for i, c in path.items():
-        ids[at[c]] = tokens[i]
+        ids[at[c]], confidence[at[c]] = tokens[i], score[i]
         if i in laws and probs is not None:
             q, _ = laws[i]
             if vocab is None:
                 probs[at[c]] = q
             else:
                 probs[at[c], vocab] = q
-    return tree, Draft(ids, np.ones(tree.num_nodes, dtype=bool), probs)
+    return tree, Draft(ids, np.ones(tree.num_nodes, dtype=bool), probs, confidence=confidence)
 
 
 def lookup_draft(root_token: int, proposal: np.ndarray, sampling: SamplingParams, vocab_size: int) -> Draft:
@@ -333,6 +361,8 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
         if t is None:
             steps.append(_prefilled(runner, d, v.tokens, lg))
             continue
+        if dr.confidence is not None and isinstance(d.tree, DynamicTree) and d.tree.confidence is not None:
+            d.tree.confidence.observe(dr.confidence[1:], np.isin(np.arange(1, t.num_nodes), acc.path))
         emitted = [int(x) for x in dr.tokens[acc.accepted_nodes]] + [acc.bonus_token]
         runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
         if d.lookup is not None:
