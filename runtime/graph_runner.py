@@ -385,9 +385,22 @@ class GraphRunner(Runner):
         """The slot's cache holds its past and `new` rows (an in-place graph: at least 2, see the class doc)."""
         slot.state.cache.ensure(slot.past + max(new, 1 + self.in_place), slot.past, slot.capacity + self.in_place)
 
-    def _forward(self, slot, tokens, depths, mask, last_only):
+    def teacher_forced(self, tokens: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """One sequence through the base graph on a fresh slot (causal, empty cache): its hidden states [T, H]
+        and the logits [len(rows), V] of `rows`. What head training reads from the graph that will serve."""
+        T = len(tokens)
+        slot = self.open_slot(T + 2)
+        try:
+            logits = self._forward(slot, np.asarray(tokens, dtype=np.int64), np.arange(T), np.tri(T, dtype=bool), False,
+                                   rows=np.asarray(rows, dtype=np.int64))
+            return self.arrays.host(slot.state.last["hidden_states"])[0], logits
+        finally:
+            self.release(slot)
+
+    def _forward(self, slot, tokens, depths, mask, last_only, rows=None):
         seq, P, T, a = slot.state, slot.past, tokens.shape[0], self.arrays
-        rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
+        if rows is None:
+            rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
         with a.scope():
             self._make_room(slot, T)
             past, into, dims = seq.cache.bound(P)

@@ -58,6 +58,9 @@ class FeatureSpec:
     validation_fraction: float = 0.02
     dtype: str = "float32"  # precision the base runs in while building (bfloat16: ~2x faster on CPU)
     corpus: str = ""  # responses 'corpus' (data: a clover.train.corpus folder): Corpus.digest of the shards used
+    # who computes the features: "" the torch base in `dtype`; "ort:<digest>" an artifact's base graph on ONNX
+    # Runtime (clover-train --features-from: the graph that will serve, e.g. int4), named by its files' sha256
+    teacher: str = ""
 
     @property
     def budgets(self) -> tuple[int, int]:
@@ -65,7 +68,7 @@ class FeatureSpec:
         return self.max_tokens, max(1, round(self.max_tokens * self.validation_fraction))
 
     def key(self) -> str:
-        fields = {k: v for k, v in asdict(self).items() if k != "corpus" or v}  # '' keeps older caches' names
+        fields = {k: v for k, v in asdict(self).items() if k not in ("corpus", "teacher") or v}  # '': older names
         blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -191,7 +194,9 @@ def features_from_dataset(base: Decoder, sequences: Iterable[tuple[list[int], li
 
     Several sequences share a forward (right-padded, at most `batch_tokens` padded tokens; sorted by length
     within windows of WINDOW sequences so they pad little). Distributions are computed at loss positions
-    only; the other rows get zeros, as prompt rows do in features_from_generation."""
+    only; the other rows get zeros, as prompt rows do in features_from_generation. `base` may also be an ONNX
+    Runtime runner of an artifact (clover.runtime.graph_runner.GraphRunner): one sequence per forward there."""
+    forward = _teacher_forced if isinstance(base, Decoder) else _graph_teacher_forced
     taken = [0, 0]  # loss tokens of the sequences accepted so far (written or waiting in the window)
     window: list[tuple[list[int], np.ndarray, bool]] = []
 
@@ -200,13 +205,13 @@ def features_from_dataset(base: Decoder, sequences: Iterable[tuple[list[int], li
         batch: list[tuple[list[int], np.ndarray, bool]] = []
         for item in window:
             if batch and (len(batch) + 1) * len(item[0]) > batch_tokens:
-                _teacher_forced(base, batch, writer)
+                forward(base, batch, writer)
                 batch = []
                 if progress:
                     progress(writer.loss_tokens[0], budgets[0])
             batch.append(item)
         if batch:
-            _teacher_forced(base, batch, writer)
+            forward(base, batch, writer)
             if progress:
                 progress(writer.loss_tokens[0], budgets[0])
         window.clear()
@@ -253,6 +258,20 @@ def _teacher_forced(base: Decoder, batch: list[tuple[list[int], np.ndarray, bool
         h = hidden[b, :n].copy()
         h[-1] = 0  # the last position has no next token: zero features
         writer.add(np.array(x), h, tk_ids[b, :n], tk_p[b, :n], m, is_val)
+
+
+def _graph_teacher_forced(runner, batch: list[tuple[list[int], np.ndarray, bool]], writer: FeatureWriter) -> None:
+    """_teacher_forced on an artifact's base graph (the deployed one: its quantization included), a sequence a call."""
+    k = writer.spec.topk
+    for x, m, is_val in batch:
+        rows = np.flatnonzero(m)
+        hidden, logits = runner.teacher_forced(np.array(x), rows)  # [T, H], [n, V]
+        tk_ids, tk_p = np.zeros((len(x), k), np.int32), np.zeros((len(x), k), np.float16)
+        if len(rows):
+            tk_ids[rows], tk_p[rows] = _topk(torch.from_numpy(logits), k)
+        h = hidden.astype(np.float16)
+        h[-1] = 0  # the last position has no next token: zero features
+        writer.add(np.array(x), h, tk_ids, tk_p, m, is_val)
 
 
 def corpus_sequences(corpus, max_length: int) -> Iterator[tuple[list[int], list[bool], bool]]:
@@ -380,13 +399,17 @@ def features_from_generation(base: Decoder, prompts: Iterator[tuple[list[int], b
 
 
 def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, batch_size: int = 64,
-                     progress: Progress | None = None) -> FeatureCache:
-    """The cache for `spec` under `root`, built first if missing (the base model runs only here)."""
+                     progress: Progress | None = None, teacher=None) -> FeatureCache:
+    """The cache for `spec` under `root`, built first if missing (the base model runs only here). `teacher`: the
+    runner of spec.teacher's artifact (teacher-forced data only), which computes the features instead of `base`."""
     from clover.train.data import first_turn_prompt, load_conversations, split, tokenize_conversation
 
     path = Path(root) / spec.key()
     if (path / "meta.json").is_file():
         return FeatureCache(path)
+    if spec.teacher and (teacher is None or spec.responses == "base"):
+        raise CloverError("features from an artifact's graph (--features-from) need teacher-forced data: a corpus "
+                          "(clover-data grow) or --responses dataset")
     budgets = spec.budgets
     corpus = None
     if spec.responses == "corpus":
@@ -394,7 +417,7 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
     else:
         parts = split(load_conversations(spec.data), spec.seed, spec.validation_fraction)
     writer = FeatureWriter(path, spec, base.config.hidden_size)
-    if spec.dtype != str(base.lm_head.weight.dtype).removeprefix("torch."):
+    if spec.dtype != str(base.lm_head.weight.dtype).removeprefix("torch.") and not spec.teacher:
         import copy
 
         from clover.models.loading import parse_dtype
@@ -416,9 +439,9 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
                     ids, mask = tokenize_conversation(tokenizer, messages, spec.max_length)
                     yield ids, mask, is_val
 
-            features_from_dataset(base, sequences(), writer, budgets, progress)
+            features_from_dataset(teacher or base, sequences(), writer, budgets, progress)
         elif spec.responses == "corpus":
-            features_from_dataset(base, corpus_sequences(corpus, spec.max_length), writer, budgets, progress)
+            features_from_dataset(teacher or base, corpus_sequences(corpus, spec.max_length), writer, budgets, progress)
         else:
             raise CloverError(f"unknown responses {spec.responses!r}: use 'base', 'dataset' or 'corpus'")
         if writer.loss_tokens[0] == 0 or writer.loss_tokens[1] == 0:

@@ -1,6 +1,7 @@
 """clover.train.corpus: shards and provenance written, read back and checked; the features clover-train
 builds from a corpus (batched teacher-forced passes) against a full pass per sequence."""
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import asdict
@@ -151,3 +152,42 @@ def test_shards_used_follow_the_budget_so_growth_keeps_features(tmp_path):
     before = {k: v for k, v in asdict(plain).items() if k != "corpus"}
     assert plain.key() == hashlib.sha256(json.dumps({"format": 1, **before}, sort_keys=True).encode()).hexdigest()[:16]
     assert plain.key() != FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4, corpus="ab").key()
+
+
+def test_features_from_an_artifacts_graph(tmp_path, tmp_path_factory):
+    """clover-train --features-from: an artifact's base graph on ONNX Runtime computes the features (the graph that
+    will serve: int4 there); an fp32 graph gives the torch base's features."""
+    from clover.runtime.ort_backend import load_runner
+    from ort_helpers import BASE_SEED, tiny_artifact, tiny_modules
+
+    corpus = grown(tmp_path / "c")
+    base = tiny_modules("clover2")[0]
+    assert tiny_base(seed=BASE_SEED).config == base.config
+    runner = load_runner(tiny_artifact(tmp_path_factory.getbasetemp(), "clover2"), heads="none")
+    spec = FeatureSpec("feedfacefeedface", str(tmp_path / "c"), "corpus", 10_000, 0, 14, 12, 4, corpus=corpus.digest(),
+                       teacher="ort:0123456789abcdef")
+    assert spec.key() != dataclasses.replace(spec, teacher="").key()  # another teacher, another cache
+    writer = FeatureWriter(tmp_path / "f", spec, base.config.hidden_size)
+    features_from_dataset(runner, corpus_sequences(corpus, spec.max_length), writer, (10_000, 10_000))
+    cache = writer.finish({})
+    assert cache.meta["num_sequences"] == 9
+    for i in range(cache.meta["num_sequences"]):
+        s, e = cache.offsets[i], cache.offsets[i + 1]
+        ids = cache.arrays["tokens"][s:e].tolist()
+        hidden, top, p = reference_features(base, ids, spec.topk)
+        n = len(ids) - 1
+        np.testing.assert_allclose(cache.arrays["hidden"][s:s + n].astype(np.float32), hidden[:n].numpy(), atol=2e-2, rtol=2e-3)
+        assert not cache.arrays["hidden"][e - 1].any()
+        rows = np.flatnonzero(cache.arrays["loss_mask"][s:e])
+        assert (cache.arrays["topk_ids"][s + rows] == top[rows].numpy()).mean() > 0.95
+        np.testing.assert_allclose(cache.arrays["topk_probs"][s + rows].astype(np.float32), p[rows].numpy(), atol=2e-3)
+    assert runner.open_slots == 0  # every teacher-forced slot released
+
+
+def test_features_from_an_artifact_need_teacher_forced_data(tmp_path):
+    from clover.train.features import prepare_features
+
+    spec = FeatureSpec("feedfacefeedface", "sharegpt", "base", 100, 0, 14, 12, 4, teacher="ort:0123456789abcdef")
+    with pytest.raises(CloverError, match="need teacher-forced data"):
+        prepare_features(tiny_base(seed=1), None, spec, tmp_path)
+    assert not any(tmp_path.iterdir())  # nothing half-written
