@@ -147,9 +147,9 @@ def test_shards_used_follow_the_budget_so_growth_keeps_features(tmp_path):
     assert corpus_shards_used(corpus, (first + 1, 1), 64) >= 2
     assert corpus_shards_used(corpus, (10**9, 10**9), 64) == 3
     assert corpus.digest(1) != corpus.digest(2) and corpus.digest(1) == Corpus.open(tmp_path / "c").digest(1)
-    # a FeatureSpec without a corpus keeps the cache name it had before corpora existed
+    # a FeatureSpec without a corpus or an artifact teacher keeps the cache name it had before either existed
     plain = FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4)
-    before = {k: v for k, v in asdict(plain).items() if k != "corpus"}
+    before = {k: v for k, v in asdict(plain).items() if k not in ("corpus", "teacher")}
     assert plain.key() == hashlib.sha256(json.dumps({"format": 1, **before}, sort_keys=True).encode()).hexdigest()[:16]
     assert plain.key() != FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4, corpus="ab").key()
 
