@@ -391,9 +391,17 @@ def tokenizer_dir(root: str | Path) -> Path:
 def base_weight_files(root: Path, manifest: Manifest) -> list[Path]:
     """The files of the base graph and of the LM head it runs (lm_head.onnx where the artifact shares one),
     from the manifest (never from file names): what one decode step reads."""
+    return [Path(root) / f for f in _base_files(manifest)]
+
+
+def _base_files(manifest: Manifest) -> list[str]:
     graphs = manifest.graphs
-    return [Path(root) / f for name in ("base", "lm_head") if name in graphs
-            for f in (graphs[name].file, *graphs[name].external_data)]
+    return [f for name in ("base", "lm_head") if name in graphs for f in (graphs[name].file, *graphs[name].external_data)]
+
+
+def base_graph_sha256(manifest: Manifest) -> str:
+    """Names the base graph (and the LM head it runs) by its files' checksums: equal names, equal plain output."""
+    return hashlib.sha256("".join(manifest.files[f]["sha256"] for f in _base_files(manifest)).encode()).hexdigest()
 
 
 def open_artifact(path: str | Path, checksums: bool = True) -> Manifest:

@@ -371,7 +371,7 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
             for heads in head_sets if backend not in plain_only else ():
                 configs.append((backend, heads, Generator.load(args.base, heads, backend, tree, args.dtype)))
         return configs, {}
-    from clover.artifact import read_manifest
+    from clover.artifact import base_graph_sha256, read_manifest
     from clover.runtime.backend import backend_module
     from clover.runtime.tokenizer import Tokenizer
     from clover.runtime.tree import compile_spec
@@ -380,10 +380,7 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
     for artifact in artifacts:
         manifest = read_manifest(artifact)
         heads = manifest.heads.name if manifest.heads is not None else None
-        # the base graph's identity: its files' checksums (same bytes, same plain output)
-        files = [f for g in ("base", "lm_head") if g in manifest.graphs
-                 for f in (manifest.graphs[g].file, *manifest.graphs[g].external_data)]
-        base_id = tuple(manifest.files[f]["sha256"] for f in files)
+        base_id = base_graph_sha256(manifest)  # same bytes, same plain output
         for backend in backends:
             label = backend if len(artifacts) == 1 else f"{backend}@{artifact.name}"
             if backend in ARTIFACT_BACKENDS:  # the artifact's own graphs / engines, plain and with its heads

@@ -258,9 +258,8 @@ def feature_teacher(artifact: Path, base, threads: int | None):
     """The ORT runner of `artifact`'s base graph (plain) for --features-from, checked to be this base's, and a
     digest naming that graph (its files' sha256)."""
     import dataclasses
-    import hashlib
 
-    from clover.artifact import fingerprints_match, open_artifact
+    from clover.artifact import base_graph_sha256, fingerprints_match, open_artifact
     from clover.models.heads import BaseFingerprint
     from clover.runtime.ort_backend import load_runner
 
@@ -268,10 +267,7 @@ def feature_teacher(artifact: Path, base, threads: int | None):
     if not fingerprints_match(manifest.base_fingerprint, dataclasses.asdict(BaseFingerprint.of(base))):
         raise CloverError(f"--features-from {artifact} was exported from another base model than --base: export it "
                           "from this base")
-    files = [f for g in ("base", "lm_head") if g in manifest.graphs
-             for f in (manifest.graphs[g].file, *manifest.graphs[g].external_data)]
-    digest = hashlib.sha256("".join(manifest.files[f]["sha256"] for f in files).encode()).hexdigest()[:16]
-    return load_runner(artifact, heads="none", threads=threads or 0), digest
+    return load_runner(artifact, heads="none", threads=threads or 0), base_graph_sha256(manifest)[:16]
 
 
 def main(argv: list[str] | None = None) -> int:
