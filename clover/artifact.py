@@ -13,6 +13,8 @@ without one is never mistaken for an artifact; every file in it is listed with i
                        instead of `logits` (ONNX Runtime artifacts with heads: clover.export.lm_head)
     draft_lm_head.onnx (--draft-vocab K) the LM head over the K draft-vocabulary tokens, run after the draft
     draft_vocab.npy    graphs instead of lm_head.onnx; the full id of each of its columns (clover.export.draft_vocab)
+    ngram_store.npz    (--ngram-store) the base's most frequent continuation of each 2-3 token context in a corpus
+                       of its own answers, which prompt lookup drafts from (clover.runtime.lookup.NgramStore)
     tokenizer/         the base model's tokenizer files
 """
 
@@ -37,6 +39,7 @@ PROBE_RTOL = 5e-3  # as clover.models.heads.BaseFingerprint.matches
 # sequence slot (0: not in this step), and its per-slot KV I/O names.
 BATCH_GRAPH = "base_batch"
 DRAFT_LM_HEAD, DRAFT_VOCAB_FILE = "draft_lm_head", "draft_vocab.npy"  # --draft-vocab (clover.export.draft_vocab)
+NGRAM_STORE_FILE = "ngram_store.npz"  # --ngram-store (clover.runtime.lookup.NgramStore)
 ROW_COUNTS = "row_counts"
 
 
@@ -170,6 +173,19 @@ class DraftVocabSpec:
 
 
 @dataclass(frozen=True)
+class NgramStoreSpec:
+    """The n-gram store (clover-export --ngram-store) that prompt lookup drafts from."""
+
+    file: str
+    source: str  # the corpus it counts, and its answer tokens
+    contexts: int  # contexts stored
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NgramStoreSpec":
+        return cls(d["file"], d["source"], int(d["contexts"]))
+
+
+@dataclass(frozen=True)
 class TreeSpec:
     """The artifact's default token tree as stored: rank paths with the root implicit (Medusa / EAGLE
     `choices`). clover.runtime.tree.compile_spec is the one place that compiles it."""
@@ -210,6 +226,7 @@ class Manifest:
     engines: dict[str, EngineSpec] = field(default_factory=dict)  # graph name -> engine (backend "trt")
     draft_quant: str | None = None  # "int8": the draft graphs' matmul weights are int8 (clover-export --draft-quant)
     draft_vocab: DraftVocabSpec | None = None  # None: the heads draft over the whole vocabulary
+    ngram_store: NgramStoreSpec | None = None  # None: prompt lookup drafts from the sequence alone
     weights: WeightsSpec | None = None  # weight-only quantized graphs (clover-export --weights); None: `dtype`
     tree_timing: dict[str, Any] | None = None  # how `tree` was chosen: tokens/s of each candidate at export
     format_version: int = FORMAT_VERSION
@@ -231,6 +248,7 @@ class Manifest:
             engines={k: EngineSpec.from_dict(e) for k, e in d.get("engines", {}).items()},
             draft_quant=d.get("draft_quant"),
             draft_vocab=DraftVocabSpec.from_dict(d["draft_vocab"]) if d.get("draft_vocab") else None,
+            ngram_store=NgramStoreSpec.from_dict(d["ngram_store"]) if d.get("ngram_store") else None,
             weights=WeightsSpec.from_dict(d["weights"]) if d.get("weights") else None,
             tree_timing=d.get("tree_timing"),
             format_version=d["format_version"], kind=d["kind"],

@@ -23,12 +23,14 @@ from clover.atomic import publish_folder, staging_folder
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.draft_vocab import TokenCounts
+from clover.export.ngram_store import StoreSource
 from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
 from clover.models.decoder import Decoder
 from clover.models.heads import BaseFingerprint, DraftHeads
 from clover.artifact import (
-    TOKENIZER_DIR, GraphSpec, HeadsSpec, Manifest, WeightsSpec, file_entries, is_artifact, write_manifest,
+    MANIFEST_FILE, TOKENIZER_DIR, GraphSpec, HeadsSpec, Manifest, WeightsSpec, file_entries, is_artifact, open_artifact,
+    write_manifest,
 )
 from clover.runtime.tree import Tree, default_tree as runtime_default_tree, resolve_tree, tree_spec
 
@@ -53,10 +55,11 @@ TOOLS = ("clover-deploy", "torch", "onnx", "onnxscript", "onnxruntime")
 
 
 def export_artifact(base: str | Path, heads: str, out: str | Path, config: ExportConfig,
-                    progress: Progress | None = None, token_counts: TokenCounts | None = None) -> Path:
+                    progress: Progress | None = None, token_counts: TokenCounts | None = None,
+                    ngram_store: StoreSource | None = None) -> Path:
     """Load `base` (an HF folder or 'smollm2') and `heads` (a folder, random:ARCH[:SEED] or none) in
     config.dtype and export them to the artifact directory `out` (config.draft_vocab: its tokens are the most
-    frequent of `token_counts`)."""
+    frequent of `token_counts`; `ngram_store`: what prompt lookup drafts from, export/ngram_store.py)."""
     from clover.models.head_io import pretrained_names, resolve_heads
     from clover.models.loading import load_base
     from clover.models.smollm2 import resolve_base
@@ -72,12 +75,13 @@ def export_artifact(base: str | Path, heads: str, out: str | Path, config: Expor
     sources = {"base": str(base) if str(base) == "smollm2" else str(base_path.resolve()),
                "heads": heads if named else str(Path(heads).resolve())}
     return artifact_from_modules(model, head_set, base_path, out, config, heads_name=heads, sources=sources,
-                                 progress=progress, token_counts=token_counts)
+                                 progress=progress, token_counts=token_counts, ngram_store=ngram_store)
 
 
 def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir: Path, out: str | Path,
                           config: ExportConfig, heads_name: str = "none", sources: dict[str, str] | None = None,
-                          progress: Progress | None = None, token_counts: TokenCounts | None = None) -> Path:
+                          progress: Progress | None = None, token_counts: TokenCounts | None = None,
+                          ngram_store: StoreSource | None = None) -> Path:
     """Export `base` (+ `heads`) with the tokenizer files of `tokenizer_dir` into the artifact `out`."""
     say = progress or (lambda _: None)
     out = Path(out)
@@ -177,14 +181,22 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             say(f"[{steps - 1}/{steps}] TensorRT engines")
             engines = build_engines(tmp, specs, config.dtype, engine_limits(config, tree, max_context),
                                     timing_cache_path(config), say)
+        fingerprint = dataclasses.asdict(BaseFingerprint.of(base))
+        store = None
+        if ngram_store is not None:
+            from clover.export.ngram_store import add_ngram_store
+
+            store = add_ngram_store(tmp, ngram_store, fingerprint)
+            say(f"      n-gram store for prompt lookup: {store.contexts} contexts ({ngram_store.source})")
         manifest = Manifest(
             backend=config.backend, dtype=config.dtype, attention=config.attention, opset=config.opset,
             max_context=max_context, base_config=base.config.to_dict(),
-            base_fingerprint=dataclasses.asdict(BaseFingerprint.of(base)), sources=dict(sources or {}),
+            base_fingerprint=fingerprint, sources=dict(sources or {}),
             heads=heads_spec(heads, heads_name) if heads is not None else None,
             tree=tree_spec(tree) if tree is not None else None,
             graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files={},
             engines=engines, draft_quant=config.draft_quant, weights=weights, draft_vocab=draft_vocab,
+            ngram_store=store,
         )
         if batched and config.verify:
             from clover.export.batch_graph import check_batched
@@ -202,6 +214,24 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
         write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
         install(tmp, out)
     say(f"artifact written to {out}")
+    return out
+
+
+def derived_artifact(src: Path, out: Path, drop: set[str], change: Callable[[Path, Manifest], Manifest]) -> Path:
+    """A copy of the artifact `src` at `out`, without its files `drop`, after `change(folder, manifest)` added
+    what it adds to the folder and returned the new manifest (checksums are redone): no re-export. Written like
+    an export: in a staging folder, manifest last, moved into place."""
+    src, out = Path(src), Path(out)
+    manifest = open_artifact(src)
+    check_target(out)
+    with staging_folder(out) as tmp:
+        for rel in manifest.files:
+            if rel not in drop | {MANIFEST_FILE}:
+                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src / rel, tmp / rel)
+        manifest = change(tmp, manifest)
+        write_manifest(tmp, dataclasses.replace(manifest, files=file_entries(tmp)))
+        publish_folder(tmp, out)
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from clover.artifact import DRAFT_LM_HEAD, DRAFT_VOCAB_FILE, DraftVocabSpec, GraphSpec
+from clover.artifact import DRAFT_LM_HEAD, DRAFT_VOCAB_FILE, DraftVocabSpec, GraphSpec, Manifest
 from clover.errors import CloverError
 from clover.export.lm_head import LM_HEAD, LM_INPUT, save_model
 
@@ -129,34 +129,24 @@ def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, 
 
 def with_draft_vocab(src: Path, out: Path, token_counts: TokenCounts, size: int) -> Path:
     """A copy of the artifact `src` at `out` whose heads draft over the `size` most frequent tokens of `token_counts`
-    (replacing any draft vocabulary it had): no re-export, the graphs are copied as they are. Written like an
-    export: in a staging folder, manifest last, moved into place."""
+    (replacing any draft vocabulary it had): no re-export, the graphs are copied as they are."""
     import dataclasses
-    import shutil
 
-    from clover.artifact import MANIFEST_FILE, file_entries, fingerprints_match, open_artifact, write_manifest
-    from clover.atomic import publish_folder, staging_folder
-    from clover.export.artifact import check_target
+    from clover.artifact import fingerprints_match, open_artifact
+    from clover.export.artifact import derived_artifact
 
-    src, out = Path(src), Path(out)
     manifest = open_artifact(src)
     if not fingerprints_match(token_counts.base_fingerprint, manifest.base_fingerprint):
         raise CloverError(f"the token counts ({token_counts.source}) come from another base model than {src}'s: count "
                           "the base's own output (clover-data grow with this base)")
-    check_target(out)
     ids = ranked_ids(token_counts.counts)[:size]
-    with staging_folder(out) as tmp:
-        old = manifest.draft_vocab
-        skip = {MANIFEST_FILE} | ({old.file} | {f for g in (DRAFT_LM_HEAD,) if g in manifest.graphs
-                                               for f in (manifest.graphs[g].file, *manifest.graphs[g].external_data)}
-                                  if old else set())
-        for rel in manifest.files:
-            if rel not in skip:
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(src / rel, tmp / rel)
+
+    def change(tmp: Path, manifest: Manifest) -> Manifest:
         graphs = {k: v for k, v in manifest.graphs.items() if k != DRAFT_LM_HEAD}
         graphs, spec = add_draft_vocab(tmp, graphs, ids, token_counts.source, coverage(token_counts.counts, ids))
-        manifest = dataclasses.replace(manifest, graphs=graphs, draft_vocab=spec)
-        write_manifest(tmp, dataclasses.replace(manifest, files=file_entries(tmp)))
-        publish_folder(tmp, out)
-    return out
+        return dataclasses.replace(manifest, graphs=graphs, draft_vocab=spec)
+
+    old = manifest.draft_vocab
+    drop = {old.file, *(f for g in (DRAFT_LM_HEAD,) if g in manifest.graphs
+                        for f in (manifest.graphs[g].file, *manifest.graphs[g].external_data))} if old else set()
+    return derived_artifact(src, out, drop, change)

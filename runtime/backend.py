@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from clover.errors import CloverError
+from clover.runtime.lookup import NgramStore
 from clover.runtime.tree import Tree
 
 
@@ -37,6 +38,9 @@ class RunnerInfo:
     batch_slots: int = 1  # sequences one forward runs together (more take several engine calls)
     # int64 [K]: the full id of each column of the draft logits (clover-export --draft-vocab); None: all V tokens
     draft_vocab: np.ndarray | None = None
+    # the base's continuations counted over its own answers (clover-export --ngram-store): prompt lookup drafts
+    # from it when the sequence itself has no match (runtime/lookup.py); None: prompt lookup alone
+    ngram_store: NgramStore | None = None
 
     def check_tree(self, tree: Tree) -> None:
         """One-line error for a tree this runner cannot verify losslessly."""

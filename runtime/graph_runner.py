@@ -30,6 +30,7 @@ import numpy as np
 
 from clover.artifact import GraphSpec, Manifest, slot_name
 from clover.runtime.backend import Runner, RunnerInfo, Slot
+from clover.runtime.lookup import NgramStore
 from clover.runtime.tree import compile_spec
 
 PAST, PRESENT = "past_key_values", "present"
@@ -329,7 +330,8 @@ class GraphRunner(Runner):
 
     def __init__(self, manifest: Manifest, graphs: Mapping[str, EngineGraph], arrays: Arrays, *, use_heads: bool,
                  backend: str, cache_block: int, max_context: int | None = None, in_place: bool = False,
-                 chains_only: bool = False, batch_slots: int = 1, draft_vocab: np.ndarray | None = None) -> None:
+                 chains_only: bool = False, batch_slots: int = 1, draft_vocab: np.ndarray | None = None,
+                 ngram_store: NgramStore | None = None) -> None:
         super().__init__()
         self.manifest, self.arrays, self.cache_block, self.in_place = manifest, arrays, cache_block, in_place
         self.base = graphs["base"]
@@ -352,7 +354,7 @@ class GraphRunner(Runner):
             heads_name=heads.name if heads is not None else "none",
             default_tree=compile_spec(tree) if tree else None,
             chains_only=chains_only, kv_bytes_per_token=sum(map(kv_bytes_per_token, caches)), batch_slots=batch_slots,
-            draft_vocab=draft_vocab if heads is not None else None,
+            draft_vocab=draft_vocab if heads is not None else None, ngram_store=ngram_store,
         )
         self._free: list[tuple[KVCache, Any]] = []  # released sequences' caches of the initial size
 

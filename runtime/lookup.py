@@ -7,22 +7,148 @@ onnxruntime-genai's n-gram speculation do. Drafting costs a dictionary lookup, n
 
 The index maps every n-gram to the position after its latest occurrence that has a continuation, and is
 updated as tokens arrive (O(max_ngram) per token), so a proposal never scans the sequence.
+
+When the sequence's tail matches nothing of 2+ tokens, an `NgramStore` (clover-export --ngram-store) drafts
+instead: the continuations the base itself wrote most often after that context, counted over a corpus of its
+own answers (REST, arXiv 2311.08252; SuffixDecoding, arXiv 2411.04975). Still no model call: a binary search
+per drafted token. On SmolLM2 int4 with the 735k-token self-distilled corpus, greedy, 128 new tokens, it raised
+prompt lookup's tokens per step from 1.36 to 1.56 on MT-Bench and from 1.66 to 1.88 on the code prompts
+(replayed on fixed greedy outputs); contexts longer than 3 tokens added nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import numpy as np
 
+from clover.artifact import Manifest
 from clover.errors import CloverError
 
 
+STORE_CONTEXT = 3  # tokens of context an n-gram store keys on at most
+STORE_MIN_CONTEXT = 2  # ... and at least: after one token the base's next token is a guess
+STORE_MIN_COUNT = 2  # contexts seen fewer times are left out of a store
+_BITS = 21  # bits per token in a packed context key: vocabularies up to 2**21 - 1 tokens, 3 tokens per uint64
+
+
+class NgramStore:
+    """What the base wrote after each short context, over a corpus of its own answers: for every context of
+    STORE_MIN_CONTEXT..STORE_CONTEXT tokens seen at least STORE_MIN_COUNT times, its most frequent next token and
+    that token's share. Contexts are packed exactly into uint64 keys (`_BITS` per token, id + 1, so lengths
+    differ), kept sorted for binary search. Read-only once built: one store serves every sequence and thread."""
+
+    def __init__(self, keys: np.ndarray, next_ids: np.ndarray, share: np.ndarray, vocab_size: int) -> None:
+        if vocab_size >= 1 << _BITS:
+            raise CloverError(f"an n-gram store packs token ids in {_BITS} bits, but the vocabulary has {vocab_size} "
+                              "tokens: export without --ngram-store")
+        self.keys = np.asarray(keys, dtype=np.uint64)
+        self.next_ids = np.asarray(next_ids, dtype=np.int64)
+        self.share = np.asarray(share, dtype=np.float32)
+        self.vocab_size = int(vocab_size)
+        if not (len(self.keys) == len(self.next_ids) == len(self.share)) or bool(np.any(np.diff(self.keys) <= 0)) or (
+                len(self.next_ids) and (self.next_ids.min() < 0 or self.next_ids.max() >= vocab_size)):
+            raise CloverError("an n-gram store needs sorted distinct keys and one next token below the vocabulary "
+                              "size per key")
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    @staticmethod
+    def pack(context: Sequence[int]) -> int:
+        key = 0
+        for t in context:
+            key = (key << _BITS) | (int(t) + 1)
+        return key
+
+    @classmethod
+    def build(cls, sequences: Iterable[tuple[np.ndarray, int]], vocab_size: int) -> "NgramStore":
+        """The store of `sequences`: (tokens, start) pairs, counting the tokens from `start` on (an answer) after
+        the contexts before each (which may reach into its prompt)."""
+        keys, nexts = [], []
+        for tokens, start in sequences:
+            t = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
+            for n in range(STORE_MIN_CONTEXT, STORE_CONTEXT + 1):
+                first = max(start, n)  # positions with n tokens of context
+                if first >= len(t):
+                    continue
+                key = np.zeros(len(t) - first, dtype=np.uint64)
+                for j in range(n, 0, -1):  # oldest token in the highest bits, as pack()
+                    key = (key << np.uint64(_BITS)) | t[first - j:len(t) - j]
+                keys.append(key)
+                nexts.append(np.asarray(tokens[first:], dtype=np.int64))
+        if not keys:
+            return cls(np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.float32), vocab_size)
+        key, nxt = np.concatenate(keys), np.concatenate(nexts)
+        order = np.lexsort((nxt, key))
+        key, nxt = key[order], nxt[order]
+        # runs of equal (key, next): their counts; then per key the total and the most frequent next token
+        pair_start = np.flatnonzero(np.r_[True, (key[1:] != key[:-1]) | (nxt[1:] != nxt[:-1])])
+        pair_count = np.diff(np.r_[pair_start, len(key)])
+        pair_key, pair_next = key[pair_start], nxt[pair_start]
+        key_start = np.flatnonzero(np.r_[True, pair_key[1:] != pair_key[:-1]])
+        total = np.add.reduceat(pair_count, key_start)
+        best = np.maximum.reduceat(pair_count, key_start)
+        # the first pair of each key with the best count: the smallest such token id (pairs are sorted by id)
+        group = np.repeat(np.arange(len(key_start)), np.diff(np.r_[key_start, len(pair_key)]))
+        best_pairs = np.flatnonzero(pair_count == best[group])
+        first_best = best_pairs[np.r_[True, group[best_pairs][1:] != group[best_pairs][:-1]]]
+        keep = total >= STORE_MIN_COUNT
+        return cls(pair_key[key_start][keep], pair_next[first_best][keep], (best / total)[keep], vocab_size)
+
+    def next_token(self, context: Sequence[int]) -> tuple[int, float] | None:
+        """The most frequent continuation of the longest stored tail of `context`, and its share; None if none."""
+        for n in range(min(STORE_CONTEXT, len(context)), STORE_MIN_CONTEXT - 1, -1):
+            key = np.uint64(self.pack(context[len(context) - n:]))
+            i = int(np.searchsorted(self.keys, key))
+            if i < len(self.keys) and self.keys[i] == key:
+                return int(self.next_ids[i]), float(self.share[i])
+        return None
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens continuing `tokens`, each the store's continuation of the sequence so far."""
+        tail, out = list(tokens[-STORE_CONTEXT:]), []
+        while len(out) < k:
+            found = self.next_token(tail)
+            if found is None:
+                break
+            out.append(found[0])
+            tail = tail[1:] + [found[0]]
+        return out
+
+    def save(self, path: Path) -> None:
+        with open(path, "wb") as f:
+            np.savez_compressed(f, keys=self.keys, next_ids=self.next_ids.astype(np.int32), share=self.share,
+                                vocab_size=np.int64(self.vocab_size))
+
+    @classmethod
+    def of_artifact(cls, root: Path, manifest: Manifest) -> "NgramStore | None":
+        """The artifact's store (clover-export --ngram-store), or None if it has none."""
+        if manifest.ngram_store is None:
+            return None
+        store = cls.load(Path(root) / manifest.ngram_store.file)
+        vocab = int(manifest.base_config.get("vocab_size", 0))
+        if store.vocab_size != vocab or len(store) != manifest.ngram_store.contexts:
+            raise CloverError(f"artifact {root}: {manifest.ngram_store.file} does not match its manifest entry "
+                              f"({manifest.ngram_store.contexts} contexts, vocabulary {vocab}): export it again")
+        return store
+
+    @classmethod
+    def load(cls, path: Path) -> "NgramStore":
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                return cls(z["keys"], z["next_ids"], z["share"], int(z["vocab_size"]))
+        except (OSError, ValueError, KeyError) as e:
+            raise CloverError(f"cannot read the n-gram store {path} ({e}): export the artifact again") from None
+
+
 class PromptLookup:
-    def __init__(self, tokens: Sequence[int], max_ngram: int = 3, min_ngram: int = 1) -> None:
+    def __init__(self, tokens: Sequence[int], max_ngram: int = 3, min_ngram: int = 1,
+                 store: NgramStore | None = None) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise CloverError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_ngram, self.min_ngram, self.store = max_ngram, min_ngram, store
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
         self.extend(tokens)
@@ -40,10 +166,16 @@ class PromptLookup:
     def propose(self, k: int) -> np.ndarray:
         """Up to k draft tokens continuing the sequence (empty when its tail occurred nowhere before). A match
         of n tokens drafts at most n: a longer matched context predicts a longer continuation, and each
-        drafted token costs a verify row whether or not it is accepted."""
+        drafted token costs a verify row whether or not it is accepted. With a store, a match of one token
+        drafts only if the store has nothing (its 2-3 token contexts, counted over many answers, predict better)."""
         seq = self.tokens
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             start = self._next.get(tuple(seq[len(seq) - n:]))
             if start is not None:
+                if n < STORE_MIN_CONTEXT and self.store is not None and k > 0:
+                    stored = self.store.propose(seq, k)
+                    if stored:
+                        return np.array(stored, dtype=np.int64)
                 return np.array(seq[start:start + min(k, n)], dtype=np.int64)
-        return np.zeros(0, dtype=np.int64)
+        stored = self.store.propose(seq, k) if self.store is not None and k > 0 else []
+        return np.array(stored, dtype=np.int64)

@@ -392,7 +392,7 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     first = accept(PLAIN, Draft(chunk[-1:], np.ones(1, bool), None), logits, d.sampling, d.rng).bonus_token
     runner.commit(np.arange(n), np.append(d.prompt[start + 1:], first), slot=d.slot)
     d.root = first
-    d.lookup = PromptLookup(list(d.prompt) + [first]) if d.drafts in ("lookup", "heads+lookup") else None
+    d.lookup = PromptLookup(list(d.prompt) + [first], store=runner.info.ngram_store) if d.drafts in ("lookup", "heads+lookup") else None
     return Step([first], 1, rows=n)
 
 

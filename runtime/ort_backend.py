@@ -50,6 +50,7 @@ from clover.artifact import (
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.runtime.backend import EngineClock
 from clover.runtime.graph_runner import Arrays, GraphRunner, KVCache, NumpyArrays, graphs_used
+from clover.runtime.lookup import NgramStore
 
 LM_HEAD, LM_INPUT = "lm_head", "lm_input"  # as clover.export.lm_head (no export import here: no torch)
 PROVIDERS = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}  # --providers names: ONNX Runtime's
@@ -432,7 +433,8 @@ class OrtRunner(GraphRunner):
         super().__init__(manifest, graphs, self._arrays(sessions), use_heads=use_heads, backend="ort",
                          cache_block=options.cache_block, in_place=fused,
                          chains_only=fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
-                         batch_slots=self.batch_slots, draft_vocab=draft_vocab)
+                         batch_slots=self.batch_slots, draft_vocab=draft_vocab,
+                         ngram_store=NgramStore.of_artifact(Path(root), manifest))
         self._idle: dict[int, KVCache] = {}  # 2-slot buffers of the batched graph's slot inputs not in a step
 
     def _arrays(self, sessions: Sessions) -> Arrays:

@@ -17,6 +17,7 @@ import torch
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
 from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot
+from clover.runtime.lookup import NgramStore
 
 
 @dataclass(eq=False)
@@ -34,8 +35,9 @@ class TorchSequence:
 
 class TorchRunner(Runner):
     def __init__(self, base: Decoder, heads: DraftHeads | None = None, heads_name: str = "none",
-                 draft_vocab: np.ndarray | None = None):
-        """draft_vocab: int64 [K] token ids the heads draft over (their logits' columns); None: all V."""
+                 draft_vocab: np.ndarray | None = None, ngram_store: NgramStore | None = None):
+        """draft_vocab: int64 [K] token ids the heads draft over (their logits' columns); None: all V.
+        ngram_store: what prompt lookup drafts from when the sequence has no match (runtime/lookup.py)."""
         super().__init__()
         self.base, self.heads = base, heads
         self.device = base.lm_head.weight.device
@@ -50,6 +52,7 @@ class TorchRunner(Runner):
             kv_bytes_per_token=2 * cfg.num_kv_heads * cfg.head_dim * base.lm_head.weight.element_size()
             * (cfg.num_layers + (heads.num_cache_layers if heads is not None else 0)),
             draft_vocab=None if self._vocab is None else np.asarray(draft_vocab, dtype=np.int64),
+            ngram_store=ngram_store,
         )
 
     @property

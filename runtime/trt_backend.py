@@ -37,6 +37,7 @@ from clover.artifact import (
     ARTIFACT_HEADS, EngineSpec, GraphSpec, Manifest, ProfileSpec, open_artifact, uses_exported_heads,
 )
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
+from clover.runtime.lookup import NgramStore
 from clover.runtime.graph_runner import Arrays, GraphRunner, graphs_used  # noqa: F401 (graphs_used: tests, tools)
 
 
@@ -254,17 +255,18 @@ class TrtRunner(GraphRunner):
         with torch.cuda.device(cuda):
             stream = torch.cuda.Stream(cuda)
             engines = {n: EngineGraph(root, n, manifest.graphs[n], manifest.engines[n], cuda, stream) for n in names}
-        self._setup(manifest, use_heads, engines, cuda, stream, cache_block)
+        self._setup(manifest, use_heads, engines, cuda, stream, cache_block, NgramStore.of_artifact(root, manifest))
 
     def _setup(self, manifest: Manifest, use_heads: bool, engines: Mapping[str, Any], device, stream,
-               cache_block: int) -> None:
+               cache_block: int, ngram_store: NgramStore | None = None) -> None:
         """Everything but loading: `engines` maps graph names to objects with EngineGraph's run / table /
         has_input. stream None runs torch ops on the current stream (CPU tests of the bookkeeping drive this
         class with ONNX Runtime in place of the engines)."""
         self.stream = stream
         slot_limit = min(max_slots(engines[n].table) for n in ("base", "draft_begin") if n in engines)
         super().__init__(manifest, engines, TorchArrays(device, stream), use_heads=use_heads, backend="trt",
-                         cache_block=cache_block, max_context=min(manifest.max_context, slot_limit))
+                         cache_block=cache_block, max_context=min(manifest.max_context, slot_limit),
+                         ngram_store=ngram_store)
 
     def close(self) -> None:
         if self.stream is not None:

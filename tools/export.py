@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(the base verifies with its full LM head). --backend onnx --dtype float32, with --heads")
     p.add_argument("--draft-vocab-data", type=Path, default=None, metavar="CORPUS",
                    help=f"--draft-vocab: a corpus of the base's own answers (clover-data grow; default {DEFAULT_CORPUS})")
+    p.add_argument("--ngram-store", type=Path, nargs="?", const=DEFAULT_CORPUS, default=None, metavar="CORPUS",
+                   help="prompt lookup (--heads lookup or NAME+lookup at run time) also drafts what the base wrote "
+                        "most often after the last 2-3 tokens, counted over a corpus of its own answers (clover-data "
+                        f"grow; default {DEFAULT_CORPUS}): no model call, same output")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 20)")
     p.add_argument("--no-verify", action="store_true", help="skip the export-time ONNX Runtime vs PyTorch parity check")
     return p
@@ -74,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
                           weights=args.weights, block_size=args.block_size, verify=not args.no_verify,
                           max_batch=args.max_batch, draft_vocab=args.draft_vocab)
     counts = token_counts(args.draft_vocab_data or DEFAULT_CORPUS) if config.draft_vocab is not None else None
+    store = ngram_source(args.ngram_store) if args.ngram_store is not None else None
     if config.backend == "trt":  # at once: before minutes of loading and exporting
         from clover.export.engines import require_engine_builder
 
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     from clover.export.artifact import export_artifact  # imports torch: after the cheap checks
 
     start = time.perf_counter()
-    out = export_artifact(args.base, args.heads, args.out, config, token_counts=counts,
+    out = export_artifact(args.base, args.heads, args.out, config, token_counts=counts, ngram_store=store,
                           progress=lambda msg: print(f"clover-export: {msg}", file=sys.stderr, flush=True))
     took = f"clover-export: done in {time.perf_counter() - start:.0f} s"
     if config.backend == "onnx" and config.attention == "plugin":  # ONNX Runtime has no kernel for the plugin nodes
@@ -103,6 +108,22 @@ def token_counts(folder: Path):
     vocab = int(generator.base_fingerprint["vocab_size"])
     total = corpus.provenance.totals["response_tokens"]
     return TokenCounts(corpus.token_counts(vocab), f"{folder.name}: {total} answer tokens", generator.base_fingerprint)
+
+
+def ngram_source(folder: Path):
+    """The n-gram store of a corpus's answers (their contexts reach into the prompt), for --ngram-store."""
+    import numpy as np
+
+    from clover.export.ngram_store import StoreSource
+    from clover.runtime.lookup import NgramStore
+    from clover.train.corpus import Corpus
+
+    corpus = Corpus.open(folder)
+    generator = corpus.provenance.generator
+    store = NgramStore.build(((np.concatenate([c.prompt, c.response]), len(c.prompt)) for c in corpus.conversations()),
+                             int(generator.base_fingerprint["vocab_size"]))
+    total = corpus.provenance.totals["response_tokens"]
+    return StoreSource(store, f"{folder.name}: {total} answer tokens", generator.base_fingerprint)
 
 
 def main(argv: list[str] | None = None) -> int:

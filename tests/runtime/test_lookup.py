@@ -6,7 +6,7 @@ import pytest
 
 from clover.errors import CloverError
 from clover.runtime.generator import Generator
-from clover.runtime.lookup import PromptLookup
+from clover.runtime.lookup import NgramStore, PromptLookup
 from clover.runtime.loop import Draft, merge_lookup
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
@@ -47,6 +47,7 @@ def greedy_identity(art, heads, tree):
         assert_identical(result.token_ids, want, f"lookup on {art.name}")
         accepted += sum(n - 1 for n in result.accepted_per_step)
     assert accepted > 0, "no lookup draft was accepted: the test did not exercise verification"
+    return accepted
 
 
 @pytest.mark.parametrize("kind", ["portable", "fused-int4"])
@@ -115,3 +116,134 @@ def test_heads_plus_lookup_spec_and_label(tmp_path):
     r = g.generate([5, 9, 2, 7, 5, 9, 2, 7, 5, 9], max_new_tokens=12)
     plain = Generator.load(art, heads="none", backend="ort").generate([5, 9, 2, 7, 5, 9, 2, 7, 5, 9], max_new_tokens=12)
     assert r.token_ids == plain.token_ids and r.heads.endswith("+lookup")
+
+
+# -- the n-gram store: what the base wrote after short contexts, over a corpus of its own answers ----------------
+
+def reference_store(sequences):
+    """Brute force: {context: (most frequent next token, smallest id on ties), its share} for 2-3 token contexts
+    seen at least twice, counting answer tokens only."""
+    from collections import Counter, defaultdict
+
+    seen = defaultdict(Counter)
+    for tokens, start in sequences:
+        for i in range(start, len(tokens)):
+            for n in (2, 3):
+                if i >= n:
+                    seen[tuple(tokens[i - n:i])][tokens[i]] += 1
+    out = {}
+    for ctx, c in seen.items():
+        total = sum(c.values())
+        if total >= 2:
+            best = max(c.values())
+            out[ctx] = (min(t for t, v in c.items() if v == best), best / total)
+    return out
+
+
+def test_store_counts_the_answers_like_brute_force():
+    rng = np.random.default_rng(3)
+    sequences = [(rng.integers(0, 6, n).tolist(), int(s)) for n, s in ((40, 5), (3, 1), (25, 0), (1, 0), (30, 29))]
+    store = NgramStore.build(sequences, vocab_size=6)
+    want = reference_store(sequences)
+    assert len(store) == len(want) > 10
+    for ctx, (token, share) in want.items():
+        got = store.next_token(list(ctx))
+        assert got is not None and got[0] == token and got[1] == pytest.approx(share), ctx
+    assert NgramStore.build([], 6).propose([1, 2], 3) == []
+
+
+def test_store_prefers_the_longest_context_and_chains():
+    # after (1, 2): 3 twice and 4 twice (a tie: the smaller id); after (0, 1, 2): 4 twice; (2, 4) -> 5 -> 6
+    seqs = [([1, 2, 3], 0), ([1, 2, 3], 0), ([0, 1, 2, 4, 5, 6], 0), ([0, 1, 2, 4, 5, 6], 0)]
+    store = NgramStore.build(seqs, vocab_size=10)
+    assert store.next_token([1, 2]) == (3, 0.5)
+    assert store.next_token([0, 1, 2]) == (4, 1.0)  # the 3-token context wins over (1, 2)
+    assert store.next_token([9, 9]) is None and store.next_token([2]) is None  # one token of context is too little
+    assert store.propose([7, 0, 1, 2], 3) == [4, 5, 6]
+    assert store.propose([7, 0, 1, 2], 1) == [4]
+
+
+def test_prompt_lookup_falls_back_to_the_store():
+    store = NgramStore.build([([5, 6, 7, 8], 0)] * 2, vocab_size=10)  # (5, 6) -> 7 -> 8
+    # a 2-token match in the sequence itself wins over the store
+    assert PromptLookup([5, 6, 1, 5, 6], store=store).propose(3).tolist() == [1, 5]
+    # a 1-token match gives way to the store's 2-token context
+    assert PromptLookup([6, 2, 5, 6], store=store).propose(3).tolist() == [7, 8]
+    assert PromptLookup([6, 2, 5, 6]).propose(3).tolist() == [2]
+    # no match at all: the store; nothing in the store either: nothing
+    assert PromptLookup([9, 5, 6], store=store).propose(2).tolist() == [7, 8]
+    assert PromptLookup([9, 1, 2], store=store).propose(2).tolist() == []
+    assert PromptLookup([9, 5, 6], store=store).propose(0).tolist() == []
+
+
+def test_store_file_round_trip_and_errors(tmp_path):
+    store = NgramStore.build([([1, 2, 3, 4], 0)] * 2, vocab_size=8)
+    store.save(tmp_path / "s.npz")
+    back = NgramStore.load(tmp_path / "s.npz")
+    np.testing.assert_array_equal(back.keys, store.keys)
+    assert back.propose([1, 2], 4) == [3, 4] and back.vocab_size == 8
+    (tmp_path / "bad.npz").write_bytes(b"not a store")
+    with pytest.raises(CloverError, match="cannot read the n-gram store .*bad.npz"):
+        NgramStore.load(tmp_path / "bad.npz")
+    with pytest.raises(CloverError, match="packs token ids in 21 bits"):
+        NgramStore.build([], vocab_size=1 << 21)
+
+
+def own_answers_store(art):
+    """A store of the tiny artifact's own greedy answers to a few prompts (as clover-export --ngram-store builds
+    from clover-data grow's corpus), so that its drafts are often right."""
+    from clover.export.ngram_store import StoreSource
+
+    plain = load_runner(art, heads="none")
+    seqs = []
+    for p in ([3, 4, 5], [20, 21], [60, 2, 61], [7, 8, 9, 10, 11], [30, 31, 32]):
+        out, _ = run_tokens(plain, p, resolve_tree("plain"), 40)
+        seqs.append((p + out, len(p)))
+    m = open_artifact(art)
+    return StoreSource(NgramStore.build(seqs, m.base_config["vocab_size"]), "tiny answers", m.base_fingerprint)
+
+
+@pytest.mark.parametrize("kind", ["portable", "fused-int4"])
+def test_store_drafts_keep_greedy_identity(tmp_path_factory, tmp_path, kind):
+    """An artifact with an n-gram store (added by with_ngram_store, no re-export): lookup and heads+lookup give
+    plain greedy output, and the store's drafts were accepted more than prompt lookup's alone."""
+    from clover.export.ngram_store import with_ngram_store
+
+    root = tmp_path_factory.getbasetemp()
+    if kind == "portable":
+        src = tiny_artifact(root, "clover2", tree="mc26")
+    else:
+        src = tiny_artifact(root, "clover2", tree="chain-3", weights="int4", attention="fused")
+    source = own_answers_store(src)
+    art = with_ngram_store(src, tmp_path / "with-store", source)
+    m = open_artifact(art)
+    assert m.ngram_store.contexts == len(source.store) and m.ngram_store.source == "tiny answers"
+    assert load_runner(art, heads="none").info.ngram_store is not None
+    assert load_runner(src, heads="none").info.ngram_store is None
+    with_store = greedy_identity(art, "none", "chain-3")
+    without = greedy_identity(src, "none", "chain-3")
+    assert with_store > without, (with_store, without)
+    greedy_identity(art, "artifact", "chain-2")
+    tokenizer = Tokenizer.from_dir(art / m.tokenizer)
+    plain = load_runner(art, heads="none")
+    for p in PROMPTS:
+        want, _ = run_tokens(plain, p, resolve_tree("plain"), 30)
+        got = Generator(load_runner(art), tokenizer, "chain-2", drafts="heads+lookup").generate(
+            p, max_new_tokens=30, ignore_eos=True)
+        assert_identical(got.token_ids, want, f"heads+lookup with a store on {kind}")
+    bare = with_ngram_store(art, tmp_path / "bare", None)  # and taken out again
+    assert open_artifact(bare).ngram_store is None and not (bare / "ngram_store.npz").exists()
+
+
+def test_store_of_another_base_is_refused(tmp_path_factory, tmp_path):
+    import dataclasses
+
+    from clover.export.ngram_store import with_ngram_store
+
+    src = tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", tree="mc26")
+    source = own_answers_store(src)
+    other = dataclasses.replace(source, base_fingerprint={**source.base_fingerprint, "lm_head_sha256": "0" * 16,
+                                                          "lm_head_probe": [1.0]})
+    with pytest.raises(CloverError, match="written by another base model"):
+        with_ngram_store(src, tmp_path / "x", other)
+    assert not (tmp_path / "x").exists()

@@ -226,6 +226,27 @@ def test_lookup_drafts_sample_the_base_law(base, base_logits):
     assert p3 > ALPHA, f"x3 marginal law differs from the base's with lookup drafts: p = {p3:.2e}"
 
 
+def test_store_drafts_sample_the_base_law(base, base_logits):
+    """Prompt lookup falling back to an n-gram store (runtime/lookup.py): after prompt + x1 the store drafts the
+    base's two most likely next tokens (point masses, as prompt lookup's), and the law stays the base's."""
+    from clover.runtime.lookup import NgramStore
+
+    l1, l2, l3 = base_logits
+    seqs = []
+    for x1 in range(V):
+        y = int(np.argmax(l2[x1]))
+        seqs += [([PROMPT[-1], x1, y, int(np.argmax(l3[x1, y]))], 2)] * 2  # contexts (9, x1) and (x1, y), twice
+    sampling = sampling_params(1.0)
+    runner = TorchRunner(base, None, ngram_store=NgramStore.build(seqs, V))
+    tokens, lengths, _ = first_tokens(runner, resolve_tree("chain-2"), sampling, N, MASTER_SEED + 5, drafts="lookup")
+    joint, marginal, _ = exact_laws(base_logits, sampling)
+    c12, c3 = counts_of(tokens)
+    assert np.mean(lengths > 1) > 0.2 and np.mean(lengths == 1) > 0.2, np.bincount(lengths)
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with store drafts: p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the base's with store drafts: p = {p3:.2e}"
+
+
 def draft_law(runner: TorchRunner, sampling: SamplingParams) -> np.ndarray:
     """[V(x1), V] the draft heads' law for the root's children after prompt + x1 (what rank 0 draws)."""
     P = len(PROMPT)

@@ -35,9 +35,31 @@ def test_export_progress_and_artifact(base_dir, tmp_path, capsys):
     assert "[1/2] base: exporting base.onnx" in stderr and "checker ok" in stderr and "logits" in stderr
     m = open_artifact(out)
     assert m.heads is None and m.max_context == 100 and m.sources == {"base": str(base_dir), "heads": "none"}
-    # exporting again into the same artifact is safe
-    code, _, _ = cli(capsys, export_main, "--base", base_dir, "--out", out, "--no-verify")
-    assert code == 0 and open_artifact(out).max_context == 128 and open_artifact(out).parity == {}
+    # exporting again into the same artifact is safe; this time with an n-gram store of a corpus of its answers
+    code, _, stderr = cli(capsys, export_main, "--base", base_dir, "--out", out, "--no-verify",
+                          "--ngram-store", tiny_corpus(base_dir, tmp_path / "corpus"))
+    m = open_artifact(out)
+    assert code == 0 and m.max_context == 128 and m.parity == {}
+    assert m.ngram_store.contexts > 0 and m.ngram_store.source.startswith("corpus: ") and "n-gram store" in stderr
+
+
+def tiny_corpus(base_dir, path):
+    """A corpus 'grown' by the tiny base (its fingerprint; repetitive answers, so contexts recur)."""
+    import dataclasses
+
+    import numpy as np
+
+    from clover.models.heads import BaseFingerprint
+    from clover.models.loading import load_base
+    from clover.train.corpus import Conversation, Corpus, GeneratorSpec, PromptSpec
+
+    fingerprint = dataclasses.asdict(BaseFingerprint.of(load_base(base_dir, "float32")))
+    corpus = Corpus.create(path, PromptSpec("file:x.jsonl", "0" * 16, 4, 0, 0.0, 16),
+                           GeneratorSpec("tiny", fingerprint, "ort", "float32", 12, (1,), "cafe"))
+    with corpus.writing():
+        corpus.append([Conversation(i, np.array([5, 6], np.int32), np.array([7, 8, 9, 7, 8, 9, 7, 8], np.int32), "length")
+                       for i in range(4)], 4, 0)
+    return path
 
 
 def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys):
@@ -70,6 +92,7 @@ def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys
     (["--heads", "random:gpt"], "random:ARCH"),
     (["--tree", "mc26", "--heads", "random:clover"], "tree mc26 has depth 5"),
     (["--max-context", "100000"], "exceeds the base model's max_position_embeddings"),
+    (["--ngram-store", "no-such-corpus"], "no-such-corpus is not a corpus"),
 ])
 def test_export_user_errors_are_one_line(base_dir, tmp_path, capsys, args, message):
     if "TensorRT is not installed" in message and importlib.util.find_spec("tensorrt") is not None:

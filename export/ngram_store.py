@@ -1,0 +1,47 @@
+"""The n-gram store an artifact carries for prompt lookup (clover-export --ngram-store): the base's most
+frequent continuation of each 2-3 token context, counted over a corpus of its own answers
+(clover.runtime.lookup.NgramStore, which also reads it). Drafting from it costs no model call; only what is
+proposed changes, so output stays lossless."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from clover.artifact import NGRAM_STORE_FILE, Manifest, NgramStoreSpec, fingerprints_match
+from clover.errors import CloverError
+from clover.runtime.lookup import NgramStore
+
+
+@dataclass(frozen=True)
+class StoreSource:
+    """A store and what it was counted over."""
+
+    store: NgramStore
+    source: str  # the corpus and its answer tokens, for the manifest
+    base_fingerprint: dict[str, Any]  # the base that wrote the answers (BaseFingerprint, as a dict)
+
+
+def add_ngram_store(folder: Path, source: StoreSource, base_fingerprint: dict[str, Any]) -> NgramStoreSpec:
+    """Write the store into `folder` (an artifact being built for the base `base_fingerprint`)."""
+    if not fingerprints_match(source.base_fingerprint, base_fingerprint):
+        raise CloverError(f"the n-gram store's corpus ({source.source}) was written by another base model: grow one "
+                          "with this base (clover-data grow)")
+    if source.store.vocab_size != base_fingerprint.get("vocab_size"):
+        raise CloverError(f"the n-gram store counts a {source.store.vocab_size}-token vocabulary, the base has "
+                          f"{base_fingerprint.get('vocab_size')}: build it from this base's corpus")
+    source.store.save(folder / NGRAM_STORE_FILE)
+    return NgramStoreSpec(NGRAM_STORE_FILE, source.source, len(source.store))
+
+
+def with_ngram_store(src: Path, out: Path, source: StoreSource | None) -> Path:
+    """A copy of the artifact `src` at `out` with the n-gram store of `source` (None: without one), no re-export."""
+    from clover.export.artifact import derived_artifact
+
+    def change(tmp: Path, manifest: Manifest) -> Manifest:
+        spec = add_ngram_store(tmp, source, manifest.base_fingerprint) if source is not None else None
+        return dataclasses.replace(manifest, ngram_store=spec)
+
+    return derived_artifact(src, out, {NGRAM_STORE_FILE}, change)
