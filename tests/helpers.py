@@ -203,3 +203,22 @@ def reference_features(base: Decoder, ids: list[int], k: int) -> tuple[torch.Ten
                keys, values)
     p, top = torch.topk(torch.softmax(out.logits[0], -1), k)
     return out.hidden_states[0], top, p
+
+
+def tiny_corpus(base_dir, path):
+    """A corpus 'grown' by the tiny base (its fingerprint; repetitive answers, so contexts recur)."""
+    import dataclasses
+
+    import numpy as np
+
+    from clover.models.heads import BaseFingerprint
+    from clover.models.loading import load_base
+    from clover.train.corpus import Conversation, Corpus, GeneratorSpec, PromptSpec
+
+    fingerprint = dataclasses.asdict(BaseFingerprint.of(load_base(base_dir, "float32")))
+    corpus = Corpus.create(path, PromptSpec("file:x.jsonl", "0" * 16, 4, 0, 0.0, 16),
+                           GeneratorSpec("tiny", fingerprint, "ort", "float32", 12, (1,), "cafe"))
+    with corpus.writing():
+        corpus.append([Conversation(i, np.array([5, 6], np.int32), np.array([7, 8, 9, 7, 8, 9, 7, 8], np.int32), "length")
+                       for i in range(4)], 4, 0)
+    return path

@@ -27,11 +27,67 @@ def heads_digest(heads: str) -> str:
     return hashlib.sha256(b"".join(w.read_bytes() for w in weights)).hexdigest() if weights else ""
 
 
+SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "smollm2-sharegpt"  # in a clone, not in a wheel
+DEMO_DRAFT_VOCAB = 8192  # 99.2% of the corpus's answer tokens; drafting ~25% cheaper on int4 (benchmarks/draft_vocab.py)
+
+
 def cached_artifact(base: str, heads: str, weights: str | None = "int4", draft_quant: str | None = None,
-                    attention: str = "fused") -> Path:
+                    attention: str = "fused", corpus: Path | None = None) -> Path:
     """The artifact for (base, heads) in the cache, exported first if it is missing or invalid. int4 weights
     and the fused base graph by default: on CPU the fastest artifact that keeps the heads' acceptance
-    (SmolLM2, benchmarks/peers.py); weights=None, draft_quant="int8": the fp32 base graph."""
+    (SmolLM2, benchmarks/peers.py); weights=None, draft_quant="int8": the fp32 base graph. `corpus` (the base's
+    own answers, clover-data grow): a copy that also drafts from them, see `with_corpus`."""
+    exported = exported_artifact(base, heads, weights, draft_quant, attention)
+    return exported if corpus is None else with_corpus(exported, Path(corpus))
+
+
+def demo_artifact(base: str = "smollm2", heads: str = "smollm2-clover2") -> Path:
+    """The demo's artifact: int4, fused, plus the shipped corpus's draft vocabulary and n-gram store when the
+    base is SmolLM2 and the corpus is there (a clone of the repository)."""
+    from clover.train.corpus import is_corpus
+
+    return cached_artifact(base, heads, corpus=SHIPPED_CORPUS if base == "smollm2" and is_corpus(SHIPPED_CORPUS) else None)
+
+
+def with_corpus(exported: Path, corpus_dir: Path) -> Path:
+    """A cached copy of `exported` whose prompt lookup also drafts from the n-gram store of `corpus_dir`
+    (clover-export --ngram-store) and whose heads, if any, draft over its DEMO_DRAFT_VOCAB most frequent tokens
+    (--draft-vocab): both change only what is proposed. Keyed by the corpus's digest, so a grown corpus gets
+    a new copy (seconds: no re-export)."""
+    import dataclasses
+
+    from clover.artifact import open_artifact
+    from clover.export.artifact import derived_artifact
+    from clover.export.draft_vocab import add_draft_vocab, coverage, ranked_ids
+    from clover.export.ngram_store import add_ngram_store
+    from clover.models.smollm2 import cache_dir
+    from clover.tools.export import ngram_source, token_counts
+    from clover.train.corpus import Corpus
+
+    key = hashlib.sha256(f"{exported.name}|{Corpus.open(corpus_dir).digest()}".encode()).hexdigest()[:12]
+    out = cache_dir() / "artifacts" / f"{exported.name}-{corpus_dir.name}-{key}"
+    try:
+        open_artifact(out)
+        return out
+    except CloverError:
+        pass
+    print(f"adding the draft vocabulary and n-gram store of {corpus_dir} to a copy of {exported.name}", file=sys.stderr)
+    store, counts = ngram_source(corpus_dir), token_counts(corpus_dir)
+
+    def change(tmp: Path, m):
+        m = dataclasses.replace(m, ngram_store=add_ngram_store(tmp, store, m.base_fingerprint))
+        if (m.heads is None or m.draft_vocab is not None or "lm_head" not in m.graphs
+                or m.base_config["vocab_size"] <= DEMO_DRAFT_VOCAB):
+            return m
+        ids = ranked_ids(counts.counts)[:DEMO_DRAFT_VOCAB]
+        graphs, vocab = add_draft_vocab(tmp, m.graphs, ids, counts.source, coverage(counts.counts, ids))
+        return dataclasses.replace(m, graphs=graphs, draft_vocab=vocab)
+
+    return derived_artifact(exported, out, set(), change)
+
+
+def exported_artifact(base: str, heads: str, weights: str | None, draft_quant: str | None, attention: str) -> Path:
+    """The export of (base, heads) in the cache, made first if it is missing or invalid."""
     from clover.export.artifact import export_artifact
     from clover.export.config import ExportConfig
     from clover.models.smollm2 import cache_dir, resolve_base
@@ -77,7 +133,7 @@ def generators(args: argparse.Namespace):
         from clover.runtime import ort_backend
         from clover.runtime.tokenizer import Tokenizer
 
-        artifact = cached_artifact(args.base, args.heads)
+        artifact = demo_artifact(args.base, args.heads)
         tok = Tokenizer.from_dir(ort_backend.base_dir(artifact))
         spec = Generator(ort_backend.load_runner(artifact), tok, args.tree or demo_tree(artifact))
         plain = Generator(ort_backend.load_runner(artifact, heads="none", checksums=False), tok)

@@ -111,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
     from clover.serve.app import create_app
 
     if args.demo:
-        from clover.tools.demo import cached_artifact
+        from clover.tools.demo import demo_artifact
 
-        args.artifact = cached_artifact("smollm2", "smollm2-clover2")
+        args.artifact = demo_artifact()
     if not 0 < args.port < 65536:
         raise CloverError(f"--port must be in 1..65535, got {args.port}")
     if args.drain_seconds < 0:

@@ -26,3 +26,19 @@ def test_demo_runs_and_reports_identity(tmp_path, capsys, monkeypatch, backend):
 def test_demo_error_is_one_line(tmp_path, capsys):
     code = main(["--base", str(tmp_path / "missing")])
     assert code == 2 and "clover-demo: error:" in capsys.readouterr().err
+
+
+def test_demo_artifact_with_a_corpus(tmp_path, monkeypatch):
+    """with_corpus: a cached copy of the export that drafts from the corpus (n-gram store), redone only when the
+    corpus changes; the tiny base's 96 tokens are fewer than the demo's draft vocabulary, so none is added."""
+    from clover.artifact import open_artifact
+    from clover.tools.demo import cached_artifact
+    from helpers import tiny_corpus
+
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
+    base = make_base(tmp_path / "base")
+    corpus = tiny_corpus(base, tmp_path / "corpus")
+    art = cached_artifact(str(base), "random:clover2", weights=None, attention="portable", corpus=corpus)
+    m = open_artifact(art)
+    assert m.ngram_store.contexts > 0 and m.draft_vocab is None and m.heads.arch == "clover2"
+    assert cached_artifact(str(base), "random:clover2", weights=None, attention="portable", corpus=corpus) == art

@@ -12,6 +12,7 @@ import pytest
 from clover.artifact import open_artifact
 from clover.tools.export import main as export_main
 from clover.tools.generate import main as generate_main
+from helpers import tiny_corpus
 
 pytest.importorskip("transformers")
 PROMPT = ["--prompt", "w7 w8 w9 w10", "--max-new-tokens", "24", "--json"]
@@ -41,25 +42,6 @@ def test_export_progress_and_artifact(base_dir, tmp_path, capsys):
     m = open_artifact(out)
     assert code == 0 and m.max_context == 128 and m.parity == {}
     assert m.ngram_store.contexts > 0 and m.ngram_store.source.startswith("corpus: ") and "n-gram store" in stderr
-
-
-def tiny_corpus(base_dir, path):
-    """A corpus 'grown' by the tiny base (its fingerprint; repetitive answers, so contexts recur)."""
-    import dataclasses
-
-    import numpy as np
-
-    from clover.models.heads import BaseFingerprint
-    from clover.models.loading import load_base
-    from clover.train.corpus import Conversation, Corpus, GeneratorSpec, PromptSpec
-
-    fingerprint = dataclasses.asdict(BaseFingerprint.of(load_base(base_dir, "float32")))
-    corpus = Corpus.create(path, PromptSpec("file:x.jsonl", "0" * 16, 4, 0, 0.0, 16),
-                           GeneratorSpec("tiny", fingerprint, "ort", "float32", 12, (1,), "cafe"))
-    with corpus.writing():
-        corpus.append([Conversation(i, np.array([5, 6], np.int32), np.array([7, 8, 9, 7, 8, 9, 7, 8], np.int32), "length")
-                       for i in range(4)], 4, 0)
-    return path
 
 
 def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys):
