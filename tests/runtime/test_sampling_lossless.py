@@ -213,38 +213,26 @@ LOOKUP_PROMPT_NOTE = "x1 in PROMPT: its successor there is drafted (one-hot law)
 
 
 def test_lookup_drafts_sample_the_base_law(base, base_logits):
-    """Prompt-lookup drafts (a point-mass draft law) through the same loop keep the base's law."""
-    sampling = sampling_params(1.0)
-    runner = TorchRunner(base, None)
-    tokens, lengths, _ = first_tokens(runner, resolve_tree("chain-2"), sampling, N, MASTER_SEED + 1, drafts="lookup")
-    joint, marginal, _ = exact_laws(base_logits, sampling)
-    c12, c3 = counts_of(tokens)
-    # Drafts were proposed and both accepted (> 1 token per step) and rejected (1 token) often.
-    assert np.mean(lengths > 1) > 0.05 and np.mean(lengths == 1) > 0.3, (LOOKUP_PROMPT_NOTE, np.bincount(lengths))
-    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
-    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with lookup drafts: p = {p12:.2e}"
-    assert p3 > ALPHA, f"x3 marginal law differs from the base's with lookup drafts: p = {p3:.2e}"
-
-
-def test_store_drafts_sample_the_base_law(base, base_logits):
-    """Prompt lookup falling back to an n-gram store (runtime/lookup.py): after prompt + x1 the store drafts the
-    base's two most likely next tokens (point masses, as prompt lookup's), and the law stays the base's."""
+    """Prompt-lookup drafts (a point-mass draft law) through the same loop keep the base's law: from the sequence
+    itself (x1 odd: x1 in PROMPT, its successor there) and from an n-gram store (x1 even: the store knows
+    (PROMPT[-1], x1) and drafts the base's two most likely next tokens, runtime/lookup.py)."""
     from clover.runtime.lookup import NgramStore
 
     l1, l2, l3 = base_logits
     seqs = []
-    for x1 in range(V):
+    for x1 in range(0, V, 2):
         y = int(np.argmax(l2[x1]))
         seqs += [([PROMPT[-1], x1, y, int(np.argmax(l3[x1, y]))], 2)] * 2  # contexts (9, x1) and (x1, y), twice
     sampling = sampling_params(1.0)
     runner = TorchRunner(base, None, ngram_store=NgramStore.build(seqs, V))
-    tokens, lengths, _ = first_tokens(runner, resolve_tree("chain-2"), sampling, N, MASTER_SEED + 5, drafts="lookup")
+    tokens, lengths, _ = first_tokens(runner, resolve_tree("chain-2"), sampling, N, MASTER_SEED + 1, drafts="lookup")
     joint, marginal, _ = exact_laws(base_logits, sampling)
     c12, c3 = counts_of(tokens)
-    assert np.mean(lengths > 1) > 0.2 and np.mean(lengths == 1) > 0.2, np.bincount(lengths)
+    # Drafts were proposed and both accepted (> 1 token per step) and rejected (1 token) often.
+    assert np.mean(lengths > 1) > 0.1 and np.mean(lengths == 1) > 0.3, (LOOKUP_PROMPT_NOTE, np.bincount(lengths))
     p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
-    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with store drafts: p = {p12:.2e}"
-    assert p3 > ALPHA, f"x3 marginal law differs from the base's with store drafts: p = {p3:.2e}"
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with lookup drafts: p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the base's with lookup drafts: p = {p3:.2e}"
 
 
 def draft_law(runner: TorchRunner, sampling: SamplingParams) -> np.ndarray:
