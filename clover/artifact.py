@@ -372,6 +372,14 @@ def fingerprints_match(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return len(pa) == len(pb) > 0 and all(math.isclose(x, y, rel_tol=PROBE_RTOL, abs_tol=0) for x, y in zip(pa, pb))
 
 
+def check_corpus_base(corpus_base: dict[str, Any], base: dict[str, Any], what: str) -> None:
+    """One-line error unless `what`, counted over a corpus of answers (clover-data grow), was written by the base
+    `base` (fingerprints as dicts)."""
+    if not fingerprints_match(corpus_base, base) or corpus_base.get("vocab_size") != base.get("vocab_size"):
+        raise CloverError(f"{what} comes from answers of another base model: grow a corpus with this base "
+                          "(clover-data grow) and use that")
+
+
 def check_heads_match_base(root: Path, manifest: Manifest) -> None:
     heads = manifest.heads
     if heads is None or fingerprints_match(heads.base, manifest.base_fingerprint):

@@ -242,7 +242,7 @@ def draft_vocab_ids(base: Decoder, heads: DraftHeads | None, config: ExportConfi
     """config.draft_vocab: the K most frequent tokens of `token_counts` (checked against the base), else None."""
     if config.draft_vocab is None:
         return None
-    from clover.artifact import fingerprints_match
+    from clover.artifact import check_corpus_base
     from clover.export.draft_vocab import check_size, ranked_ids
 
     if heads is None:
@@ -252,10 +252,11 @@ def draft_vocab_ids(base: Decoder, heads: DraftHeads | None, config: ExportConfi
     if token_counts is None:
         raise CloverError("--draft-vocab needs token counts of the base's own output: pass --draft-vocab-data CORPUS "
                           "(a folder grown by clover-data grow)")
-    if len(token_counts.counts) != vocab or not fingerprints_match(token_counts.base_fingerprint,
-                                                                   dataclasses.asdict(BaseFingerprint.of(base))):
-        raise CloverError(f"the draft vocabulary's token counts ({token_counts.source}) come from another base model: "
-                          "grow a corpus with this base (clover-data grow) and pass it as --draft-vocab-data")
+    check_corpus_base(token_counts.base_fingerprint, dataclasses.asdict(BaseFingerprint.of(base)),
+                      f"--draft-vocab-data ({token_counts.source})")
+    if len(token_counts.counts) != vocab:
+        raise CloverError(f"--draft-vocab-data counts {len(token_counts.counts)} tokens, the base has {vocab}: grow a "
+                          "corpus with this base (clover-data grow)")
     return ranked_ids(token_counts.counts)[:config.draft_vocab]
 
 

@@ -132,13 +132,11 @@ def with_draft_vocab(src: Path, out: Path, token_counts: TokenCounts, size: int)
     (replacing any draft vocabulary it had): no re-export, the graphs are copied as they are."""
     import dataclasses
 
-    from clover.artifact import fingerprints_match, open_artifact
+    from clover.artifact import check_corpus_base, open_artifact
     from clover.export.artifact import derived_artifact
 
     manifest = open_artifact(src)
-    if not fingerprints_match(token_counts.base_fingerprint, manifest.base_fingerprint):
-        raise CloverError(f"the token counts ({token_counts.source}) come from another base model than {src}'s: count "
-                          "the base's own output (clover-data grow with this base)")
+    check_corpus_base(token_counts.base_fingerprint, manifest.base_fingerprint, f"the token counts ({token_counts.source})")
     ids = ranked_ids(token_counts.counts)[:size]
 
     def change(tmp: Path, manifest: Manifest) -> Manifest:

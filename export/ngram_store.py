@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from clover.artifact import NGRAM_STORE_FILE, Manifest, NgramStoreSpec, fingerprints_match
+from clover.artifact import NGRAM_STORE_FILE, Manifest, NgramStoreSpec, check_corpus_base
 from clover.errors import CloverError
 from clover.runtime.lookup import NgramStore
 
@@ -26,9 +26,7 @@ class StoreSource:
 
 def add_ngram_store(folder: Path, source: StoreSource, base_fingerprint: dict[str, Any]) -> NgramStoreSpec:
     """Write the store into `folder` (an artifact being built for the base `base_fingerprint`)."""
-    if not fingerprints_match(source.base_fingerprint, base_fingerprint):
-        raise CloverError(f"the n-gram store's corpus ({source.source}) was written by another base model: grow one "
-                          "with this base (clover-data grow)")
+    check_corpus_base(source.base_fingerprint, base_fingerprint, f"the n-gram store ({source.source})")
     if source.store.vocab_size != base_fingerprint.get("vocab_size"):
         raise CloverError(f"the n-gram store counts a {source.store.vocab_size}-token vocabulary, the base has "
                           f"{base_fingerprint.get('vocab_size')}: build it from this base's corpus")
