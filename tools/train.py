@@ -140,14 +140,20 @@ def run(args: argparse.Namespace) -> int:
 
     from tqdm import tqdm
     bars = []  # created on first progress: a cache hit or an early error prints no bar
+    # a corpus smaller than --max-tokens ends the features early: its answer tokens bound the bar
+    available = corpus.provenance.totals["response_tokens"] if corpus is not None else None
 
     def progress(done: int, total: int) -> None:
+        total = min(total, available) if available is not None else total
         if not bars:
             bars.append(tqdm(total=total, desc="base features (training loss tokens)", unit="tok", dynamic_ncols=True))
         bars[0].update(min(done, total) - bars[0].n)
 
     try:
         cache = prepare_features(base, tokenizer, spec, root, args.gen_batch, progress, teacher=teacher)
+        for bar in bars:  # done: the bar ends where the features did
+            bar.total = bar.n
+            bar.refresh()
     finally:
         for bar in bars:
             bar.close()
