@@ -247,3 +247,12 @@ def test_store_of_another_base_is_refused(tmp_path_factory, tmp_path):
     with pytest.raises(CloverError, match="another base model"):
         with_ngram_store(src, tmp_path / "x", other)
     assert not (tmp_path / "x").exists()
+    # a store file that does not match its manifest entry is refused on load, with the fix
+    import json
+
+    art = with_ngram_store(src, tmp_path / "y", source)
+    manifest = json.loads((art / "manifest.json").read_text())
+    manifest["ngram_store"]["contexts"] += 1
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CloverError, match="ngram_store.npz does not match its manifest entry .*export it again"):
+        load_runner(art, heads="none")
