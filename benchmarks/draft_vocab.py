@@ -17,7 +17,7 @@ from clover.export.draft_vocab import with_draft_vocab
 from clover.models.smollm2 import cache_dir
 from clover.tools.bench import main
 from clover.tools.demo import cached_artifact
-from clover.tools.export import DEFAULT_CORPUS, token_counts
+from clover.tools.export import DEFAULT_CORPUS, corpus_sources
 
 HERE = Path(__file__).parent
 
@@ -31,7 +31,7 @@ if __name__ == "__main__":
     p.add_argument("--data", type=Path, default=HERE.parent / DEFAULT_CORPUS)
     a = p.parse_args()
     base = cached_artifact("smollm2", "smollm2-clover2")
-    counts = token_counts(a.data)
+    counts = corpus_sources(a.data, store=False)[1]
     artifacts = [base]
     for k in (int(x) for x in a.sizes.split(",")):
         out = cache_dir() / "artifacts" / f"{base.name}-dv{k}"

@@ -17,6 +17,7 @@ draft law is zero outside the K tokens, which rejection sampling accounts for).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,16 +128,11 @@ def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, 
                                graphs=tuple(sorted(shared)))
 
 
-def with_draft_vocab(src: Path, out: Path, token_counts: TokenCounts, size: int) -> Path:
-    """A copy of the artifact `src` at `out` whose heads draft over the `size` most frequent tokens of `token_counts`
-    (replacing any draft vocabulary it had): no re-export, the graphs are copied as they are."""
+def draft_vocab_change(token_counts: TokenCounts, size: int) -> Callable[[Path, Manifest], Manifest]:
+    """The `derived_artifact` change that gives an artifact's heads the `size` most frequent tokens of
+    `token_counts` as their draft vocabulary, replacing any they had."""
     import dataclasses
 
-    from clover.artifact import check_corpus_base, open_artifact
-    from clover.export.artifact import derived_artifact
-
-    manifest = open_artifact(src)
-    check_corpus_base(token_counts.base_fingerprint, manifest.base_fingerprint, f"the token counts ({token_counts.source})")
     ids = ranked_ids(token_counts.counts)[:size]
 
     def change(tmp: Path, manifest: Manifest) -> Manifest:
@@ -144,7 +140,18 @@ def with_draft_vocab(src: Path, out: Path, token_counts: TokenCounts, size: int)
         graphs, spec = add_draft_vocab(tmp, graphs, ids, token_counts.source, coverage(token_counts.counts, ids))
         return dataclasses.replace(manifest, graphs=graphs, draft_vocab=spec)
 
+    return change
+
+
+def with_draft_vocab(src: Path, out: Path, token_counts: TokenCounts, size: int) -> Path:
+    """A copy of the artifact `src` at `out` whose heads draft over the `size` most frequent tokens of `token_counts`
+    (replacing any draft vocabulary it had): no re-export, the graphs are copied as they are."""
+    from clover.artifact import check_corpus_base, open_artifact
+    from clover.export.artifact import derived_artifact
+
+    manifest = open_artifact(src)
+    check_corpus_base(token_counts.base_fingerprint, manifest.base_fingerprint, f"the token counts ({token_counts.source})")
     old = manifest.draft_vocab
     drop = {old.file, *(f for g in (DRAFT_LM_HEAD,) if g in manifest.graphs
                         for f in (manifest.graphs[g].file, *manifest.graphs[g].external_data))} if old else set()
-    return derived_artifact(src, out, drop, change)
+    return derived_artifact(src, out, drop, draft_vocab_change(token_counts, size))

@@ -58,10 +58,10 @@ def with_corpus(exported: Path, corpus_dir: Path) -> Path:
 
     from clover.artifact import open_artifact
     from clover.export.artifact import derived_artifact
-    from clover.export.draft_vocab import add_draft_vocab, coverage, ranked_ids
+    from clover.export.draft_vocab import draft_vocab_change
     from clover.export.ngram_store import add_ngram_store
     from clover.models.smollm2 import cache_dir
-    from clover.tools.export import ngram_source, token_counts
+    from clover.tools.export import corpus_sources
     from clover.train.corpus import Corpus
 
     key = hashlib.sha256(f"{exported.name}|{Corpus.open(corpus_dir).digest()}".encode()).hexdigest()[:12]
@@ -72,16 +72,15 @@ def with_corpus(exported: Path, corpus_dir: Path) -> Path:
     except CloverError:
         pass
     print(f"adding the draft vocabulary and n-gram store of {corpus_dir} to a copy of {exported.name}", file=sys.stderr)
-    store, counts = ngram_source(corpus_dir), token_counts(corpus_dir)
+    store, counts = corpus_sources(corpus_dir)
+    draft_vocab = draft_vocab_change(counts, DEMO_DRAFT_VOCAB)
 
     def change(tmp: Path, m):
         m = dataclasses.replace(m, ngram_store=add_ngram_store(tmp, store, m.base_fingerprint))
         if (m.heads is None or m.draft_vocab is not None or "lm_head" not in m.graphs
                 or m.base_config["vocab_size"] <= DEMO_DRAFT_VOCAB):
             return m
-        ids = ranked_ids(counts.counts)[:DEMO_DRAFT_VOCAB]
-        graphs, vocab = add_draft_vocab(tmp, m.graphs, ids, counts.source, coverage(counts.counts, ids))
-        return dataclasses.replace(m, graphs=graphs, draft_vocab=vocab)
+        return draft_vocab(tmp, m)
 
     return derived_artifact(exported, out, set(), change)
 

@@ -77,8 +77,13 @@ def run(args: argparse.Namespace) -> int:
                           max_prompt=args.max_prompt, timing_cache=args.timing_cache, draft_quant=args.draft_quant,
                           weights=args.weights, block_size=args.block_size, verify=not args.no_verify,
                           max_batch=args.max_batch, draft_vocab=args.draft_vocab)
-    counts = token_counts(args.draft_vocab_data or DEFAULT_CORPUS) if config.draft_vocab is not None else None
-    store = ngram_source(args.ngram_store) if args.ngram_store is not None else None
+    counts_from = Path(args.draft_vocab_data or DEFAULT_CORPUS) if config.draft_vocab is not None else None
+    store_from = Path(args.ngram_store) if args.ngram_store is not None else None
+    if counts_from is not None and store_from is not None and counts_from.resolve() == store_from.resolve():
+        store, counts = corpus_sources(store_from)  # one read for both
+    else:
+        counts = corpus_sources(counts_from, store=False)[1] if counts_from is not None else None
+        store = corpus_sources(store_from, counts=False)[0] if store_from is not None else None
     if config.backend == "trt":  # at once: before minutes of loading and exporting
         from clover.export.engines import require_engine_builder
 
@@ -98,32 +103,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def token_counts(folder: Path):
-    """The token counts of a corpus's answers, for --draft-vocab."""
-    from clover.export.draft_vocab import TokenCounts
-    from clover.train.corpus import Corpus
-
-    corpus = Corpus.open(folder)
-    generator = corpus.provenance.generator
-    vocab = int(generator.base_fingerprint["vocab_size"])
-    total = corpus.provenance.totals["response_tokens"]
-    return TokenCounts(corpus.token_counts(vocab), f"{folder.name}: {total} answer tokens", generator.base_fingerprint)
-
-
-def ngram_source(folder: Path):
-    """The n-gram store of a corpus's answers (their contexts reach into the prompt), for --ngram-store."""
+def corpus_sources(folder: Path, store: bool = True, counts: bool = True):
+    """(n-gram store, token counts) of a corpus's answers, for --ngram-store and --draft-vocab, from one read of
+    its shards (each read checks every shard's sha256); either is None when not asked for. The store's contexts
+    reach into the prompt."""
     import numpy as np
 
+    from clover.export.draft_vocab import TokenCounts
     from clover.export.ngram_store import StoreSource
     from clover.runtime.lookup import NgramStore
-    from clover.train.corpus import Corpus
+    from clover.train.corpus import Corpus, answer_counts
 
     corpus = Corpus.open(folder)
-    generator = corpus.provenance.generator
-    store = NgramStore.build(((np.concatenate([c.prompt, c.response]), len(c.prompt)) for c in corpus.conversations()),
-                             int(generator.base_fingerprint["vocab_size"]))
-    total = corpus.provenance.totals["response_tokens"]
-    return StoreSource(store, f"{folder.name}: {total} answer tokens", generator.base_fingerprint)
+    fingerprint = corpus.provenance.generator.base_fingerprint
+    vocab = int(fingerprint["vocab_size"])
+    source = f"{folder.name}: {corpus.provenance.totals['response_tokens']} answer tokens"
+    conversations = list(corpus.conversations())
+    return (StoreSource(NgramStore.build(((np.concatenate([c.prompt, c.response]), len(c.prompt)) for c in conversations),
+                                         vocab), source, fingerprint) if store else None,
+            TokenCounts(answer_counts(conversations, vocab), source, fingerprint) if counts else None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,7 +25,7 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -296,10 +296,7 @@ class Corpus:
 
     def token_counts(self, vocab_size: int) -> np.ndarray:
         """int64 [vocab_size]: how often the base emitted each token over all stored answers."""
-        counts = np.zeros(vocab_size, dtype=np.int64)
-        for c in self.conversations():
-            counts += np.bincount(c.response, minlength=vocab_size)[:vocab_size]
-        return counts
+        return answer_counts(self.conversations(), vocab_size)
 
     def validation_indices(self) -> set[int]:
         """The source conversations held out for validation by the corpus's split (never trained on)."""
@@ -321,6 +318,14 @@ class Corpus:
                 raise CloverError(f"{self.path} was grown with other {what}: "
                                   + "; ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
                                   + ": use the same settings, or another --out")
+
+
+def answer_counts(conversations: Iterable[Conversation], vocab_size: int) -> np.ndarray:
+    """int64 [vocab_size]: how often each token occurs in the answers of `conversations`."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for c in conversations:
+        counts += np.bincount(c.response, minlength=vocab_size)[:vocab_size]
+    return counts
 
 
 def bytes_per_million(prov: Provenance) -> float:

@@ -44,6 +44,27 @@ def test_export_progress_and_artifact(base_dir, tmp_path, capsys):
     assert m.ngram_store.contexts > 0 and m.ngram_store.source.startswith("corpus: ") and "n-gram store" in stderr
 
 
+def test_corpus_sources_read_the_shards_once(base_dir, tmp_path, monkeypatch):
+    """--ngram-store and --draft-vocab from one corpus: one read of its shards gives both, equal to what each
+    alone gives."""
+    import numpy as np
+
+    from clover.tools.export import corpus_sources
+    from clover.train.corpus import Corpus
+
+    corpus = tiny_corpus(base_dir, tmp_path / "corpus")
+    reads = []
+    read_shard = Corpus.read_shard
+    monkeypatch.setattr(Corpus, "read_shard", lambda self, entry: reads.append(entry.file) or read_shard(self, entry))
+    store, counts = corpus_sources(corpus)
+    assert sorted(reads) == sorted(s.file for s in Corpus.open(corpus).provenance.shards)
+    alone_store, alone_counts = corpus_sources(corpus, counts=False)[0], corpus_sources(corpus, store=False)[1]
+    assert np.array_equal(counts.counts, alone_counts.counts) and counts.counts.sum() == alone_counts.counts.sum() > 0
+    assert np.array_equal(counts.counts, Corpus.open(corpus).token_counts(len(counts.counts)))
+    assert len(store.store) == len(alone_store.store) > 0 and store.source == counts.source
+    assert np.array_equal(store.store.keys, alone_store.store.keys)
+
+
 def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys):
     code, out, err = cli(capsys, generate_main, "--base", base_dir, *PROMPT)
     assert code == 0, err
