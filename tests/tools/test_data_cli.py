@@ -20,7 +20,7 @@ from clover.tools.data import main as data_main
 from clover.tools.export import main as export_main
 from clover.tools.train import main as train_main
 from clover.train.corpus import Corpus
-from clover.train.data import first_turn_prompt, load_conversations, prompt_order
+from clover.train.data import first_turn_prompt, load_conversations, prompt_order, turn_prompt
 from helpers import tiny_hf_folder
 
 pytest.importorskip("transformers")
@@ -56,6 +56,9 @@ def setup(tmp_path_factory):
         for i in range(60):
             user = " ".join(f"w{x}" for x in rng.integers(6, 96, size=rng.integers(2, 9)))
             chat = [{"role": "user", "content": user}, {"role": "assistant", "content": "w10"}]
+            if i % 3 == 0:  # a second exchange: its user turn is a prompt of clover-data grow --turns 2
+                chat += [{"role": "user", "content": " ".join(f"w{x}" for x in rng.integers(6, 96, size=3))},
+                         {"role": "assistant", "content": "w11"}]
             f.write(json.dumps({"messages": chat}) + "\n")
     return root, base, artifact, prompts
 
@@ -117,6 +120,41 @@ def test_grow_resumes_and_stores_plain_greedy_answers(setup, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"clover-data: error: corpus shard {shard} is damaged") and "git checkout --" in err
     assert len(err.splitlines()) == 1
+
+
+def test_later_turns_continue_a_corpus_whose_first_turns_are_answered(setup, capsys):
+    root, _, artifact, prompts = setup
+    out = root / "turns"
+    assert grow(setup, out) == 0  # the default target (5M tokens) is far: every first turn
+    assert grow(setup, out) == 0
+    assert "every prompt is answered (--turns 2 answers the next user turns)" in capsys.readouterr().err
+    first = Corpus.open(out).provenance
+    assert first.prompts.turns == 1 and first.next_position == 60
+    assert grow(setup, out, "--turns", 2) == 0
+    corpus = Corpus.open(out)
+    prov = corpus.provenance
+    convs = list(corpus.conversations())
+    chats = load_conversations(str(prompts))
+    order = [i for i, _ in prompt_order(60, 0, 0.02)]
+    two = [i for i in order if sum(m["role"] == "assistant" for m in chats[i]) >= 2]
+    assert len(two) == 20 and prov.prompts.turns == 2 and prov.next_position == 120
+    assert [(c.index, c.turn) for c in convs] == [(i, 1) for i in order] + [(i, 2) for i in two]
+    assert prov.skipped - first.skipped == 40  # conversations without a second exchange
+    # a second turn's prompt is the conversation before its second answer; the answer is plain greedy decoding
+    tok = Tokenizer.from_dir(artifact / "tokenizer")
+    plain = Generator(load_runner(artifact, heads="none"), tok)
+    for c in convs[60:]:
+        assert c.prompt.tolist() == turn_prompt(tok, chats[c.index], 2)
+        assert len(c.prompt) > len(first_turn_prompt(tok, chats[c.index])) + 3  # with the first exchange before it
+        assert c.response.tolist() == plain.generate(c.prompt.tolist(), max_new_tokens=MAX_NEW).token_ids
+    capsys.readouterr()
+    assert grow(setup, out, "--turns", 1) == 2
+    assert "answers 2 turns per conversation; --turns 1 would shorten its prompt order" in capsys.readouterr().err
+    assert grow(setup, out) == 0  # the corpus's turns by default
+    assert "every prompt is answered (--turns 3" in capsys.readouterr().err
+    assert data_main(["info", str(out)]) == 0
+    info = capsys.readouterr().out
+    assert "2 turn(s) of 60 conversations, 120/120 in order done" in info and "answers by turn: 1: 60, 2: 20" in info
 
 
 def test_sigterm_keeps_the_finished_answers(setup, capsys, monkeypatch):

@@ -57,7 +57,7 @@ def test_shards_load_with_provenance(tmp_path):
     assert prov["totals"]["response_tokens"] == sum(len(w.response) for w in want)
     assert prov["totals"]["prompt_tokens"] == sum(len(w.prompt) for w in want)
     assert all(len(s["sha256"]) == 64 for s in prov["shards"])
-    assert again.provenance == corpus.provenance and again.done_indices() == set(order[:9])
+    assert again.provenance == corpus.provenance and again.done_prompts() == {(i, 1) for i in order[:9]}
     assert bytes_per_million(again.provenance) > 0
     counts = again.token_counts(96)  # what a draft vocabulary is ranked by (clover-export --draft-vocab)
     assert counts.sum() == prov["totals"]["response_tokens"]
@@ -107,6 +107,43 @@ def test_one_writer_stale_temporaries_and_mismatched_settings(tmp_path):
         corpus.check_matches(PROMPTS, other)
     with pytest.raises(CloverError, match="already holds a corpus"):
         Corpus.create(tmp_path / "c", PROMPTS, GENERATOR)
+
+
+def test_corpora_of_first_turns_only_read_as_turn_1_and_may_take_more_turns(tmp_path):
+    """Corpora grown before `turns` existed: their provenance has no `turns` and the old wording of the pick and
+    order, their shards no `turn` array. They read as first turns, and a run may extend them to later turns
+    (never back)."""
+    import io
+
+    before = [c.index for c in grown(tmp_path / "c").conversations()]
+    file = tmp_path / "c" / "provenance.json"
+    d = json.loads(file.read_text())
+    del d["prompts"]["turns"]
+    d["prompts"]["pick"] = "the turns before the first assistant turn (a user turn, after a system turn if any), ..."
+    d["prompts"]["order"] = "clover.train.data.prompt_order(conversations, seed, validation_fraction)"
+    for entry in d["shards"]:  # a shard as older versions wrote it
+        shard = tmp_path / "c" / entry["file"]
+        with np.load(shard) as z:
+            arrays = {k: z[k] for k in z.files if k != "turn"}
+        buf = io.BytesIO()
+        np.savez_compressed(buf, **arrays)
+        shard.write_bytes(buf.getvalue())
+        entry["sha256"], entry["bytes"] = hashlib.sha256(buf.getvalue()).hexdigest(), len(buf.getvalue())
+    d["totals"]["bytes"] = sum(e["bytes"] for e in d["shards"])
+    file.write_text(json.dumps(d))
+    old = Corpus.open(tmp_path / "c")
+    assert old.provenance.prompts.turns == 1 and {c.turn for c in old.conversations()} == {1}
+    assert [c.index for c in old.conversations()] == before
+    two = dataclasses.replace(PROMPTS, turns=2)
+    old.check_matches(two, GENERATOR)  # the same first turns, then the second ones
+    assert old.provenance.prompts == two
+    with pytest.raises(CloverError, match="answers 2 turns per conversation; --turns 1 would shorten .*--turns 2 or more"):
+        old.check_matches(PROMPTS, GENERATOR)
+    with old.writing():
+        old.append([dataclasses.replace(c, turn=2) for c in conversations([3, 4], seed=9)], 32, 0)
+    again = Corpus.open(tmp_path / "c")
+    assert again.provenance.prompts.turns == 2 and [c.turn for c in again.conversations()][-3:] == [1, 2, 2]
+    assert {(3, 2), (4, 2)} <= again.done_prompts()
 
 
 def test_corpus_features_are_batched_teacher_forced_passes(tmp_path):
