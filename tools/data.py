@@ -271,10 +271,10 @@ def run_grow(args: argparse.Namespace) -> int:
     gen_spec, tokenizer, manifest = generator_spec(args.artifact, args.max_new_tokens)
     if args.max_batch is None:
         args.max_batch = batch_slots(manifest)
-    turns = args.turns or (Corpus.open(args.out).provenance.prompts.turns if is_corpus(args.out) else 1)
+    corpus = Corpus.open(args.out) if is_corpus(args.out) else None
+    turns = args.turns or (corpus.provenance.prompts.turns if corpus is not None else 1)
     source = prompt_source(args.prompts, args.seed, args.max_prompt_tokens, turns)
-    if is_corpus(args.out):
-        corpus = Corpus.open(args.out)
+    if corpus is not None:
         corpus.check_matches(source.spec, gen_spec)
     else:
         args.out.mkdir(parents=True, exist_ok=True)

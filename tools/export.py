@@ -119,8 +119,8 @@ def corpus_sources(folder: Path, store: bool = True, counts: bool = True):
     vocab = int(fingerprint["vocab_size"])
     source = f"{folder.name}: {corpus.provenance.totals['response_tokens']} answer tokens"
     conversations = list(corpus.conversations())
-    return (StoreSource(NgramStore.build(((np.concatenate([c.prompt, c.response]), len(c.prompt)) for c in conversations),
-                                         vocab), source, fingerprint) if store else None,
+    sequences = ((np.concatenate([c.prompt, c.response]), len(c.prompt)) for c in conversations)
+    return (StoreSource(NgramStore.build(sequences, vocab), source, fingerprint) if store else None,
             TokenCounts(answer_counts(conversations, vocab), source, fingerprint) if counts else None)
 
 

@@ -17,8 +17,8 @@ as compressed token ids with their provenance, grown run after run (`clover-data
 Prompts are answered in a fixed order (`clover.train.data.turn_order`: the training split's conversations
 with the validation ones spread among them, every first turn, then every second turn, and so on up to the
 corpus's `turns`); `next_position` says how far a corpus got, so the next run continues there. A later turn's
-prompt holds the conversation before it, the source's own earlier answers included. A shard is written atomically and the provenance after it, so a killed run loses at most
-the shard in progress. Numpy, json and hashlib only: no torch, no runtime.
+prompt holds the conversation before it, the source's own earlier answers included. A shard is written
+atomically and the provenance after it, so a killed run loses at most the shard in progress. Numpy, json and hashlib only: no torch, no runtime.
 """
 
 from __future__ import annotations
@@ -217,7 +217,8 @@ class Corpus:
         except (ValueError, KeyError, OSError) as e:
             raise CloverError(f"corpus shard {file} cannot be read ({e}): {fix}") from None
         n = entry.conversations
-        ok = (len(offsets) == n + 1 and len(prompt_lengths) == len(index) == len(reasons) == len(turns) == n and offsets[0] == 0
+        ok = (len(offsets) == n + 1 and len(prompt_lengths) == len(index) == len(reasons) == len(turns) == n
+              and offsets[0] == 0
               and offsets[-1] == len(tokens) and bool(np.all(np.diff(offsets) > prompt_lengths))
               and int(prompt_lengths.sum()) == entry.prompt_tokens
               and len(tokens) - entry.prompt_tokens == entry.response_tokens)
