@@ -104,11 +104,14 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     share_lm_head = config.shared_lm_head and heads is not None and config.backend == "onnx" and config.dtype == "float32"
     # Fused artifacts: a batched base for several sequences per forward (export/batch_graph.py).
     batched = config.attention == "fused" and config.max_batch > 1
-    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head + batched + (draft_ids is not None)
+    # --draft-quant with the shared LM head: the drafts run a quantized copy of it (draft_lm_head.onnx), over the
+    # draft vocabulary or, without one, over the whole vocabulary.
+    draft_head = draft_ids is not None or (config.draft_quant is not None and share_lm_head)
+    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head + batched + draft_head
 
     with staging_folder(out) as tmp:
         copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)  # first: fail fast, before minutes of export
-        specs, parity, embedding = {}, {}, "float32"
+        specs, parity, embedding, base_head = {}, {}, "float32", None
         for i, graph in enumerate(graphs, 1):
             t0 = time.perf_counter()
             say(f"[{i}/{steps}] {graph.name}: exporting {graph.name}.onnx")
@@ -116,9 +119,13 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             if errors is not None:
                 parity[graph.name] = errors
             say(f"      {progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)")
+            if config.draft_quant and graph.name == "base" and share_lm_head:
+                from clover.export.lm_head import lm_head_key
+
+                base_head = lm_head_key(tmp / specs["base"].file)
             if config.draft_quant and graph.name != "base":
                 t0 = time.perf_counter()
-                errors = quantized(graph, tmp / specs[graph.name].file, config)
+                errors = quantized(graph, tmp / specs[graph.name].file, config, base_head)
                 if errors is not None:
                     parity[f"{graph.name}.{config.draft_quant}"] = errors
                 say(f"      {config.draft_quant} weights: {progress_note(errors, config.dtype)} "
@@ -156,21 +163,27 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             say(f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)" if shared else
                 "      the draft graphs have their own LM head (--draft-quant or own heads): nothing shared")
         draft_vocab = None
-        if draft_ids is not None:
-            from clover.export.draft_vocab import add_draft_vocab, coverage
+        if draft_head:
+            import numpy as np
+
+            from clover.export.draft_vocab import WHOLE_VOCABULARY, add_draft_vocab, coverage
 
             t0 = time.perf_counter()
-            say(f"[{len(graphs) + 1 + share_lm_head}/{steps}] draft vocabulary: the {len(draft_ids)} tokens the base "
-                f"emits most often ({token_counts.source})")
-            specs, draft_vocab = add_draft_vocab(tmp, specs, draft_ids, token_counts.source,
-                                                 coverage(token_counts.counts, draft_ids))
+            if draft_ids is not None:
+                say(f"[{len(graphs) + 1 + share_lm_head}/{steps}] draft vocabulary: the {len(draft_ids)} tokens the "
+                    f"base emits most often ({token_counts.source})")
+                ids, source, covered = draft_ids, token_counts.source, coverage(token_counts.counts, draft_ids)
+            else:
+                say(f"[{len(graphs) + 1 + share_lm_head}/{steps}] the drafts' {config.draft_quant} LM head")
+                ids, source, covered = np.arange(base.config.vocab_size), WHOLE_VOCABULARY, 1.0
+            specs, draft_vocab = add_draft_vocab(tmp, specs, ids, source, covered, quant=config.draft_quant)
             say(f"      they are {draft_vocab.coverage:.2%} of its tokens there; draft_lm_head.onnx serves "
                 f"{', '.join(draft_vocab.graphs)} ({time.perf_counter() - t0:.1f} s)")
         if batched:
             from clover.export.batch_graph import BATCH_GRAPH, write_batched_base
 
             t0 = time.perf_counter()
-            say(f"[{len(graphs) + 1 + share_lm_head + (draft_ids is not None)}/{steps}] {BATCH_GRAPH}: "
+            say(f"[{len(graphs) + 1 + share_lm_head + draft_head}/{steps}] {BATCH_GRAPH}: "
                 f"{config.max_batch} sequences per forward")
             specs[BATCH_GRAPH] = graph_spec(write_batched_base(tmp, specs["base"].file, config.max_batch))
             check_onnx(tmp / specs[BATCH_GRAPH].file)
@@ -285,12 +298,14 @@ def checked_onnx_from_torch(graph: GraphDef, out_dir: Path, config: ExportConfig
     return spec, verified_parity(graph, out_dir / spec.file, config.dtype) if verify else None
 
 
-def quantized(graph: GraphDef, path: Path, config: ExportConfig) -> dict[str, float] | None:
-    """--draft-quant: rewrite the checked fp32 draft graph with int8 weights, then (config.verify) measure
-    how far the quantized graph is from PyTorch."""
+def quantized(graph: GraphDef, path: Path, config: ExportConfig, base_head: str | None) -> dict[str, float] | None:
+    """--draft-quant: rewrite the checked fp32 draft graph with quantized weights, all but the LM head it shares
+    with the base (`base_head`: its weights key; None: nothing shared), then (config.verify) measure how far the
+    quantized graph is from PyTorch."""
+    from clover.export.lm_head import lm_head_names
     from clover.export.quantize import quantize_draft_graph
 
-    quantize_draft_graph(path)
+    quantize_draft_graph(path, config.draft_quant, keep=lm_head_names(path, base_head))
     check_onnx(path)
     if not config.verify:
         return None
@@ -303,7 +318,8 @@ def weights_quantized(graph: GraphDef, path: Path, config: ExportConfig) -> tupl
     from clover.export.quantize import DRAFT_ACCURACY_LEVEL, base_accuracy_level, quantize_weights
 
     level = base_accuracy_level(config.attention) if graph.name == "base" else DRAFT_ACCURACY_LEVEL
-    embedding = quantize_weights(path, config.weights, config.block_size, level)
+    # The draft graphs' Gemms too (rows through a Linear): they only change what is proposed.
+    embedding = quantize_weights(path, config.weights, config.block_size, level, gemms=graph.name != "base")
     check_onnx(path)
     if not config.verify:
         return embedding, None

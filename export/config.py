@@ -9,7 +9,7 @@ from clover.errors import CloverError
 BACKENDS = ("onnx", "trt")
 DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION = ("portable", "plugin", "fused")
-DRAFT_QUANT = ("int8",)
+DRAFT_QUANT = ("int8", "int4")  # MatMulNBits schemes of the draft graphs only (clover-export --draft-quant)
 WEIGHTS = ("int8", "int4")  # weight-only MatMulNBits schemes (clover-export --weights)
 OPSETS = range(18, 24)  # torchlib implements 18+; 23 is the newest torch.onnx targets
 DEFAULT_OPSET = 20  # torch.onnx's default; TensorRT 10's parser and onnxruntime >= 1.17 read it
@@ -34,8 +34,9 @@ class ExportConfig:
       max_position_embeddings.
     max_prompt: longest prompt the TensorRT prefill profile accepts; None: min(max_context, 2048).
     timing_cache: TensorRT timing cache file reused across builds (None: the user cache folder).
-    draft_quant: "int8": the draft graphs' matmul weights in int8 (ONNX Runtime's dynamic quantization;
-      the base graph keeps `dtype`, so the output is unchanged); None: the draft graphs in `dtype`.
+    draft_quant: "int8" | "int4": the draft graphs' linears as blockwise MatMulNBits (their LM head: a quantized
+      copy of the base's, draft_lm_head.onnx); the base graph keeps `dtype`, so the output is unchanged. None:
+      the draft graphs in `dtype`.
     weights: "int8" | "int4": every linear of every graph (the LM head included; for int4 the token
       embedding too) as ONNX Runtime's blockwise MatMulNBits / GatherBlockQuantized. The output changes
       with the weights: losslessness is against plain decoding of this graph.
@@ -84,7 +85,7 @@ class ExportConfig:
             if self.draft_quant not in DRAFT_QUANT:
                 raise CloverError(f"unknown --draft-quant {self.draft_quant!r}: use one of {', '.join(DRAFT_QUANT)}")
             if self.backend != "onnx" or self.dtype != "float32":
-                raise CloverError("--draft-quant int8 quantizes float32 draft graphs for ONNX Runtime: use it with "
+                raise CloverError(f"--draft-quant {self.draft_quant} quantizes float32 draft graphs for ONNX Runtime: use it with "
                                   "--backend onnx --dtype float32 (TensorRT engines take --dtype float16/bfloat16)")
         if self.attention == "fused" and (self.backend != "onnx" or self.dtype != "float32"):
             raise CloverError("--attention fused writes ONNX Runtime's CPU operators: use it with --backend onnx "
@@ -106,9 +107,9 @@ class ExportConfig:
             if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 64:
                 raise CloverError(f"--draft-vocab must be an int >= 64 (tokens the heads draft over), got "
                                   f"{self.draft_vocab!r}")
-            if self.backend != "onnx" or self.dtype != "float32" or not self.shared_lm_head or self.draft_quant:
+            if self.backend != "onnx" or self.dtype != "float32" or not self.shared_lm_head:
                 raise CloverError("--draft-vocab cuts the shared LM head of float32 ONNX Runtime artifacts: use it "
-                                  "with --backend onnx --dtype float32 and without --draft-quant")
+                                  "with --backend onnx --dtype float32")
         if self.backend == "onnx" and self.max_prompt is not None:
             raise CloverError("--max-prompt sizes TensorRT's prefill profile: use it with --backend trt "
                               "(ONNX Runtime takes any prompt length up to --max-context)")

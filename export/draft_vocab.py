@@ -10,7 +10,9 @@ scores only K of them costs about K/V as much and proposes the same tokens nearl
     draft_lm_head.onnx   lm_input [n, H] -> logits [n, K]: the same op and attributes as lm_head.onnx, over the K
                          rows of its weights (for MatMulNBits: the K rows of its packed blocks, scales and zero points)
     draft_vocab.npy      int64 [K]: the full-vocabulary id of each column, most frequent first
-The draft graphs that share the base's LM head then run draft_lm_head.onnx instead. Only what is proposed
+The draft graphs that share the base's LM head then run draft_lm_head.onnx instead. With --draft-quant its
+weights are quantized like the draft graphs' (MatMulNBits); without --draft-vocab the draft vocabulary is then
+the whole vocabulary, so that the drafts still run a quantized LM head of their own. Only what is proposed
 changes: the base still verifies with the full head, so output stays lossless (greedy: identical; sampling: the
 draft law is zero outside the K tokens, which rejection sampling accounts for).
 """
@@ -29,6 +31,7 @@ from clover.errors import CloverError
 from clover.export.lm_head import LM_HEAD, LM_INPUT, save_model
 
 MIN_SIZE = 64
+WHOLE_VOCABULARY = "the whole vocabulary"  # the source of a draft vocabulary of every token (--draft-quant alone)
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,11 @@ def draft_lm_head_model(lm_model, ids: np.ndarray):
     return model
 
 
-def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, source: str,
-                    covered: float) -> tuple[dict[str, GraphSpec], DraftVocabSpec]:
+def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, source: str, covered: float,
+                    quant: str | None = None) -> tuple[dict[str, GraphSpec], DraftVocabSpec]:
     """Write draft_lm_head.onnx and draft_vocab.npy into `folder` (an artifact being built, whose draft graphs
-    share lm_head.onnx) for the draft vocabulary `ids`; checks that its logits are lm_head.onnx's columns `ids`."""
+    share lm_head.onnx) for the draft vocabulary `ids`; checks that its logits are lm_head.onnx's columns `ids`,
+    then (`quant`: the artifact's --draft-quant) quantizes its weights."""
     import onnx
 
     from clover.export.onnx_graph import check_onnx, checking_session, graph_spec
@@ -105,7 +109,7 @@ def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, 
     shared = [n for n, s in specs.items() if n not in ("base", "base_batch") and s.has_output(LM_INPUT)]
     if LM_HEAD not in specs or not shared:
         raise CloverError("--draft-vocab needs draft graphs that share the base's LM head (ONNX Runtime, float32, "
-                          "Clover or Clover-2 heads, no --draft-quant): export without --draft-vocab otherwise")
+                          "Clover or Clover-2 heads): export without --draft-vocab otherwise")
     ids = np.asarray(ids, dtype=np.int64)
     vocab = int(specs[LM_HEAD].output("logits").shape[-1])
     check_size(len(ids), vocab)
@@ -122,6 +126,11 @@ def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, 
     if not np.array_equal(full[:, ids], small):
         raise CloverError(f"{DRAFT_LM_HEAD}.onnx does not give lm_head.onnx's logits of its tokens: this is a "
                           "clover-export bug, please report it")
+    if quant is not None:
+        from clover.export.quantize import quantize_draft_graph
+
+        quantize_draft_graph(folder / f"{DRAFT_LM_HEAD}.onnx", quant)
+        check_onnx(folder / f"{DRAFT_LM_HEAD}.onnx")
     out = dict(specs)
     out[DRAFT_LM_HEAD] = graph_spec(folder / f"{DRAFT_LM_HEAD}.onnx")
     return out, DraftVocabSpec(size=len(ids), file=DRAFT_VOCAB_FILE, source=source, coverage=round(covered, 5),
@@ -137,7 +146,8 @@ def draft_vocab_change(token_counts: TokenCounts, size: int) -> Callable[[Path, 
 
     def change(tmp: Path, manifest: Manifest) -> Manifest:
         graphs = {k: v for k, v in manifest.graphs.items() if k != DRAFT_LM_HEAD}
-        graphs, spec = add_draft_vocab(tmp, graphs, ids, token_counts.source, coverage(token_counts.counts, ids))
+        graphs, spec = add_draft_vocab(tmp, graphs, ids, token_counts.source, coverage(token_counts.counts, ids),
+                                       quant=manifest.draft_quant)
         return dataclasses.replace(manifest, graphs=graphs, draft_vocab=spec)
 
     return change

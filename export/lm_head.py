@@ -14,8 +14,10 @@ logits stay bit for bit what they were: `split_lm_head` checks exactly that, for
 draft graph ran its LM head at another accuracy level than the base (int4 portable graphs: int8 activations
 for drafting, fp32 for the base); it now runs the base's, which only changes what is proposed.
 
-Not cut: a draft graph whose LM head differs from the base's (--draft-quant int8, Medusa's own LM heads),
-float16 graphs (see export/artifact.py), and TensorRT artifacts (one engine per graph).
+Not cut: a draft graph whose LM head differs from the base's (Medusa's own LM heads), float16 graphs (see
+export/artifact.py), and TensorRT artifacts (one engine per graph). --draft-quant quantizes the draft graphs
+but not the LM head they share: it is cut like any other, and the drafts then run their own quantized copy of
+it, draft_lm_head.onnx (export/draft_vocab.py).
 """
 
 from __future__ import annotations
@@ -146,6 +148,27 @@ def cut_lm_head(model, nodes, hidden: int) -> None:
     used = {i for n in g.node for i in n.input} | outputs
     for t in [t for t in g.initializer if t.name not in used]:
         g.initializer.remove(t)
+
+
+def lm_head_key(path: Path) -> str | None:
+    """weights_key of the one plain LM head of the graph at `path` (the base's), or None."""
+    import onnx
+
+    model = onnx.load(str(path))
+    nodes = lm_head_nodes(model)
+    return weights_key(model, nodes[0]) if nodes is not None and len(nodes) == 1 else None
+
+
+def lm_head_names(path: Path, key: str | None) -> tuple[str, ...]:
+    """Names of the LM-head matmuls of the graph at `path` that compute with the weights `key` names: what
+    split_lm_head will cut out (--draft-quant leaves them unquantized for that)."""
+    import onnx
+
+    model = onnx.load(str(path))
+    nodes = lm_head_nodes(model) if key is not None else None
+    if not nodes or any(not n.name or weights_key(model, n) != key for n in nodes):
+        return ()
+    return tuple(n.name for n in nodes)
 
 
 def save_model(model, path: Path) -> None:

@@ -5,12 +5,13 @@ blockwise MatMulNBits (and for int4 the token embedding GatherBlockQuantized). D
 bound by the weight bytes read per token, and 4-bit weights are ~5x fewer bytes than fp32. The output
 changes with the weights; losslessness is measured against plain decoding of the same graphs.
 
-`clover-export --draft-quant int8`: weight-only int8 quantization of the draft graphs only.
-
-A draft step is memory-bound on CPU: its cost is reading the 49k x H LM head (113 MB in fp32 for
-SmolLM2) once per depth. Stored as int8 it is read 4x faster (ONNX Runtime's DynamicQuantizeMatMul).
-Only the draft graphs are quantized: the base graph, which verifies every token, keeps its precision,
-so the output stays token-identical to plain decoding; int8 only changes which candidates are drafted.
+`clover-export --draft-quant int8|int4`: the same blockwise MatMulNBits weights (int8 compute) in the draft
+graphs only. Drafting is op- and memory-bound on CPU (SmolLM2 fp32: Clover-2's two augmenting layers and
+its LM head read ~140 MB per step); int8 blocks cut the fp32 artifact's drafting from 5.6 to 2.8 ms per
+step with the same acceptance. The LM head the drafts share with the base stays out of it: the drafts get
+their own quantized copy, draft_lm_head.onnx (export/draft_vocab.py). The base graph, which verifies every
+token, keeps its precision, so the output stays token-identical to plain decoding: the drafts' rounding
+only changes which candidates are proposed.
 
 The exporter writes the tied LM head as MatMul(x, Transpose(W)) with W shared by the token embedding
 (a Gather). onnxruntime's quantizer only takes MatMuls whose weight is an initializer, so the transposed
@@ -47,6 +48,38 @@ def fold_transposed_weights(model) -> int:
     return folded
 
 
+def gemms_as_matmul(model) -> int:
+    """Rewrite Gemm(x, W, b) with W an initializer (how a Linear on 2-D rows exports) as MatMul(x, W') + b, which
+    onnxruntime's weight quantizer takes (it skips Gemm); returns how many were rewritten."""
+    from onnx import helper, numpy_helper
+
+    inits = {i.name: i for i in model.graph.initializer}
+    rewritten = 0
+    for node in list(model.graph.node):
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if (node.op_type != "Gemm" or node.input[1] not in inits or attrs.get("transA", 0)
+                or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
+            continue
+        w = numpy_helper.to_array(inits[node.input[1]])
+        name = f"{node.input[1]}.matmul"
+        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T if attrs.get("transB", 0) else w),
+                                                               name))
+        bias = len(node.input) > 2 and node.input[2]
+        product = f"{node.output[0]}.matmul" if bias else node.output[0]
+        i = list(model.graph.node).index(node)
+        new = [helper.make_node("MatMul", [node.input[0], name], [product], name=node.name)]
+        if bias:
+            new.append(helper.make_node("Add", [product, node.input[2]], list(node.output), name=f"{node.name}.bias"))
+        model.graph.node.remove(node)
+        for k, n in enumerate(new):
+            model.graph.node.insert(i + k, n)
+        rewritten += 1
+    used = {i for n in model.graph.node for i in n.input}
+    for t in [t for t in model.graph.initializer if t.name not in used]:
+        model.graph.initializer.remove(t)
+    return rewritten
+
+
 BITS = {"int8": 8, "int4": 4}
 # MatMulNBits accuracy_level 0: fp32 compute on the de-quantized blocks. Level 4 (int8 activations, VNNI)
 # decodes SmolLM2 int4 ~1.35x faster (78 vs 58 tok/s, 2 threads) but breaks losslessness: SmolLM2's
@@ -62,6 +95,7 @@ FUSED_ACCURACY_LEVEL = 4
 # The draft graphs only propose tokens (the base verifies them), so their rounding cannot change the output:
 # they take the faster int8 compute.
 DRAFT_ACCURACY_LEVEL = 4
+DRAFT_BLOCK_SIZE = 32  # --draft-quant: onnxruntime-genai's default block
 # Asymmetric blocks (a zero point each): the embedded default's GGUF is Q4_1, itself asymmetric 4-bit in
 # blocks of 32, and greedy decoding followed fp32 for longer than with symmetric blocks.
 SYMMETRIC = False
@@ -76,21 +110,25 @@ def _onnx_quantization():
     return onnx, quantization
 
 
-def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: int) -> str:
-    """Rewrite the fp32 graph at `path` with MatMulNBits weights computing at `accuracy_level`; returns how
-    the token embedding is stored ("int4" or "float32": onnxruntime quantizes Gather to 4 bits only)."""
+def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: int, exclude: tuple[str, ...] = (),
+                     gemms: bool = False) -> str:
+    """Rewrite the fp32 graph at `path` with MatMulNBits weights computing at `accuracy_level`, except the nodes
+    named in `exclude` (and, unless `gemms`, Gemm nodes); returns how the token embedding is stored ("int4" or
+    "float32": onnxruntime quantizes Gather to 4 bits only)."""
     onnx, _ = _onnx_quantization()
     with quiet_root_logger():  # importing it calls logging.basicConfig(level=INFO) for the whole process
         from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
 
     model = onnx.load(str(path))
     fold_transposed_weights(model)  # the quantizer takes MatMuls whose weight is an initializer
+    if gemms:
+        gemms_as_matmul(model)  # ... and no Gemm (a Linear on rows: Clover's draft_step, Medusa's ResBlocks)
     embedding_lookups_as_gather(model)  # ... and Gathers (the heads' embedding rows, 113 MB in fp32 for SmolLM2)
     ops = ("MatMul", "Gather") if scheme == "int4" else ("MatMul",)
     config = DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=SYMMETRIC, accuracy_level=accuracy_level or None, bits=BITS[scheme],
         op_types_to_quantize=ops, quant_axes=(("MatMul", 0), ("Gather", 1)))
-    quantizer = MatMulNBitsQuantizer(model, algo_config=config)
+    quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=list(exclude), algo_config=config)
     with quiet_root_logger(), np.errstate(invalid="ignore", divide="ignore"):  # all-zero blocks: scale 0, handled
         quantizer.process()
     replace_graph(path, lambda out: quantizer.model.save_model_to_file(str(out), use_external_data_format=True))
@@ -132,16 +170,10 @@ def replace_graph(path: Path, write) -> None:
             (path.parent / f.name).chmod(0o644)  # the quantizers create their data files private
 
 
-def quantize_draft_graph(path: Path) -> None:
-    """Rewrite the fp32 graph at `path` (and its external data `<name>.data`) with int8 MatMul weights."""
-    onnx, quantization = _onnx_quantization()
-    model = onnx.load(str(path))
-    fold_transposed_weights(model)
-    # Per output channel: each vocabulary row of the LM head gets its own scale (per tensor, the drafts
-    # of SmolLM2's clover2 heads were accepted less often).
-    with quiet_root_logger():  # the quantizer logs a pre-processing hint meant for CNNs on every call
-        replace_graph(path, lambda out: quantization.quantize_dynamic(
-            model, out, weight_type=quantization.QuantType.QInt8, per_channel=True, use_external_data_format=True))
+def quantize_draft_graph(path: Path, scheme: str, keep: tuple[str, ...] = ()) -> None:
+    """Rewrite the fp32 draft graph at `path` (and its external data) with `scheme` MatMulNBits weights, except
+    the nodes named in `keep` (the LM head it shares with the base)."""
+    quantize_weights(path, scheme, DRAFT_BLOCK_SIZE, DRAFT_ACCURACY_LEVEL, exclude=keep, gemms=True)
 
 
 @contextlib.contextmanager

@@ -77,8 +77,9 @@ def with_corpus(exported: Path, corpus_dir: Path) -> Path:
 
     def change(tmp: Path, m):
         m = dataclasses.replace(m, ngram_store=add_ngram_store(tmp, store, m.base_fingerprint))
-        if (m.heads is None or m.draft_vocab is not None or "lm_head" not in m.graphs
-                or m.base_config["vocab_size"] <= DEMO_DRAFT_VOCAB):
+        vocab = m.base_config["vocab_size"]
+        if (m.heads is None or "lm_head" not in m.graphs or vocab <= DEMO_DRAFT_VOCAB
+                or (m.draft_vocab is not None and m.draft_vocab.size < vocab)):  # the export chose one
             return m
         return draft_vocab(tmp, m)
 

@@ -44,9 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--backend trt: longest prompt of the prefill optimization profile (default min(context, 2048))")
     p.add_argument("--timing-cache", default=None,
                    help="--backend trt: TensorRT timing cache file (default: shared in the clover-deploy cache)")
-    p.add_argument("--draft-quant", default=None, metavar="int8",
-                   help="int8: store the draft graphs' matmul weights in int8 for ONNX Runtime on CPU (drafting is "
-                        "~2x cheaper; the base graph keeps --dtype, so the output is unchanged). --backend onnx only")
+    p.add_argument("--draft-quant", default=None, metavar="int8|int4",
+                   help="the draft graphs' linears (and a copy of the LM head they draft through) as ONNX Runtime's "
+                        "blockwise MatMulNBits: SmolLM2 fp32 drafts ~2x cheaper, int8 with the same acceptance; the "
+                        "base graph keeps --dtype, so the output is unchanged. --backend onnx --dtype float32 only")
     p.add_argument("--weights", default=None, metavar="int8|int4",
                    help="quantize every linear of every graph, the LM head included (int4: the token embedding too), "
                         "to ONNX Runtime's blockwise MatMulNBits: ~5x fewer bytes per token than "

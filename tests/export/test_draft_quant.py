@@ -1,5 +1,6 @@
-"""--draft-quant int8: int8 weights in the draft graphs only, measured against PyTorch at export; the
-output stays token-identical to plain decoding (the base graph keeps its precision)."""
+"""--draft-quant int8: int8 MatMulNBits weights in the draft graphs only (their LM head: an int8 copy of the base's),
+measured against PyTorch at export; the output stays token-identical to plain decoding (the base graph keeps its
+precision)."""
 
 import numpy as np
 import onnx
@@ -28,16 +29,23 @@ def artifacts(tmp_path_factory):
 
 @pytest.mark.parametrize("arch", list(TREES))
 def test_only_the_draft_graphs_are_int8_and_their_error_is_recorded(artifacts, arch):
-    m = open_artifact(artifacts[arch])  # checksums cover the rewritten files
+    root = artifacts[arch]
+    m = open_artifact(root)  # checksums cover the rewritten files
     assert m.draft_quant == "int8"
-    assert quantized_ops(artifacts[arch] / m.graphs["base"].file) == []
-    drafts = [g for g in m.graphs if g != "base"]
+    for g in ("base", "lm_head"):  # the base and the LM head it verifies with keep float32
+        assert quantized_ops(root / m.graphs[g].file) == []
+    drafts = [g for g in m.graphs if g not in ("base", "lm_head", "draft_lm_head")]
     assert drafts
     for g in drafts:
-        assert quantized_ops(artifacts[arch] / m.graphs[g].file), f"{g} has no int8 matmul"
+        assert set(quantized_ops(root / m.graphs[g].file)) == {"MatMulNBits"}, f"{g} has no int8 matmul"
+        assert m.graphs[g].has_output("lm_input")  # ... and runs its LM head in draft_lm_head.onnx
         errors = m.parity[f"{g}.int8"]
         assert errors["logits"] > 0, errors  # quantization moved the logits (within the bound export enforces)
         assert m.parity[g]["logits"] < 1e-3  # the fp32 graph was checked before it was quantized
+    # Without --draft-vocab the drafts' own LM head covers the whole vocabulary, quantized like them.
+    assert quantized_ops(root / m.graphs["draft_lm_head"].file) == ["MatMulNBits"]
+    assert m.draft_vocab.size == m.base_config["vocab_size"] and m.draft_vocab.graphs == tuple(sorted(drafts))
+    np.testing.assert_array_equal(np.load(root / m.draft_vocab.file), np.arange(m.base_config["vocab_size"]))
 
 
 @pytest.mark.parametrize("arch", list(TREES))
@@ -72,8 +80,25 @@ def test_int8_drafts_mostly_agree_with_fp32_drafts(artifacts):
     assert np.mean(same) >= 0.8, np.mean(same)
 
 
+def test_int8_drafts_with_a_draft_vocabulary(tmp_path_factory):
+    """--draft-quant with --draft-vocab: draft_lm_head.onnx is an int8 copy of the base's LM head over the K tokens,
+    and the output stays identical to plain decoding."""
+    k = 64
+    root = tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", tree="mc26", draft_quant="int8", draft_vocab=k)
+    m = open_artifact(root)
+    assert m.draft_vocab.size == k and quantized_ops(root / m.graphs["lm_head"].file) == []
+    (node,) = onnx.load(str(root / m.graphs["draft_lm_head"].file)).graph.node
+    assert node.op_type == "MatMulNBits" and next(a.i for a in node.attribute if a.name == "N") == k
+    base, _ = tiny_modules("clover2")
+    spec, tree = load_runner(root), resolve_tree("mc26")
+    for p in PROMPTS:
+        want, _ = run_tokens(TorchRunner(base), p, resolve_tree("plain"), N)
+        got, _ = run_tokens(spec, p, tree, N)
+        assert_identical(got, want, "ORT clover2 int8 drafts over a draft vocabulary")
+
+
 @pytest.mark.parametrize("kwargs,message", [
-    ({"draft_quant": "int4"}, "unknown --draft-quant 'int4'"),
+    ({"draft_quant": "int2"}, "unknown --draft-quant 'int2'"),
     ({"draft_quant": "int8", "backend": "trt"}, "use it with --backend onnx --dtype float32"),
     ({"draft_quant": "int8", "dtype": "float16"}, "use it with --backend onnx --dtype float32"),
 ])

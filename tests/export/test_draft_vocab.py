@@ -92,7 +92,7 @@ def test_a_draft_vocabulary_needs_counts_from_this_base(root):
     for bad in (dict(draft_vocab=8), dict(draft_vocab=True)):
         with pytest.raises(CloverError, match="--draft-vocab must be an int >= 64"):
             ExportConfig(**bad)
-    for bad in (dict(backend="trt"), dict(dtype="float16"), dict(draft_quant="int8"), dict(shared_lm_head=False)):
+    for bad in (dict(backend="trt"), dict(dtype="float16"), dict(shared_lm_head=False)):
         with pytest.raises(CloverError, match="--draft-vocab cuts the shared LM head"):
             ExportConfig(draft_vocab=K, **bad)
     assert not any((root / n).exists() for n in ("dv-none", "dv-other", "dv-big", "dv-plain"))  # nothing half-written

@@ -81,11 +81,3 @@ def test_logits_and_tokens_are_those_of_the_uncut_graphs(pairs, arch):
         want, want_steps = run_tokens(b, p, tree, 30)
         assert_identical(got, want, f"{arch} shared vs own LM head")
         assert steps == want_steps  # the same drafts, so the same acceptance
-
-
-def test_drafts_with_their_own_lm_head_keep_it(tmp_path_factory):
-    """--draft-quant int8: the drafts' LM head is an int8 copy, not the base's: nothing is cut."""
-    root = tiny_artifact(tmp_path_factory.getbasetemp(), "clover", draft_quant="int8")
-    m = read_manifest(root)
-    assert "lm_head" not in m.graphs
-    assert all(any(t.name == "logits" for t in g.outputs) for g in m.graphs.values())

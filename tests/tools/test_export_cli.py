@@ -90,7 +90,7 @@ def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys
     (["--dtype", "int8"], "unsupported export dtype"),
     (["--attention", "flash"], "unknown attention variant"),
     (["--max-prompt", "64"], "--max-prompt sizes TensorRT's prefill profile"),
-    (["--draft-quant", "int4"], "unknown --draft-quant 'int4'"),
+    (["--draft-quant", "int2"], "unknown --draft-quant 'int2'"),
     (["--draft-quant", "int8", "--dtype", "float16"], "use it with --backend onnx --dtype float32"),
     (["--heads", "random:gpt"], "random:ARCH"),
     (["--tree", "mc26", "--heads", "random:clover"], "tree mc26 has depth 5"),
