@@ -177,8 +177,10 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
                 say(f"[{len(graphs) + 1 + share_lm_head}/{steps}] the drafts' {config.draft_quant} LM head")
                 ids, source, covered = np.arange(base.config.vocab_size), WHOLE_VOCABULARY, 1.0
             specs, draft_vocab = add_draft_vocab(tmp, specs, ids, source, covered, quant=config.draft_quant)
-            say(f"      they are {draft_vocab.coverage:.2%} of its tokens there; draft_lm_head.onnx serves "
-                f"{', '.join(draft_vocab.graphs)} ({time.perf_counter() - t0:.1f} s)")
+            which = ("over the whole vocabulary" if source == WHOLE_VOCABULARY else
+                     f"over {draft_vocab.coverage:.2%} of the tokens counted there")
+            say(f"      draft_lm_head.onnx ({which}) serves {', '.join(draft_vocab.graphs)} "
+                f"({time.perf_counter() - t0:.1f} s)")
         if batched:
             from clover.export.batch_graph import BATCH_GRAPH, write_batched_base
 

@@ -28,6 +28,7 @@ def heads_digest(heads: str) -> str:
 
 
 SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "smollm2-sharegpt"  # in a clone, not in a wheel
+DRAFT_QUANT_REVISION = 2  # --draft-quant artifacts: 2 = MatMulNBits drafts with their own quantized LM head
 DEMO_DRAFT_VOCAB = 8192  # 99.2% of the corpus's answer tokens; drafting ~25% cheaper on int4 (benchmarks/draft_vocab.py)
 
 
@@ -95,7 +96,8 @@ def exported_artifact(base: str, heads: str, weights: str | None, draft_quant: s
 
     base_path = resolve_base(base).resolve()
     config = ExportConfig(weights=weights, draft_quant=draft_quant, attention=attention)
-    key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}|{config}".encode()).hexdigest()[:12]
+    revision = f"|draft-quant {DRAFT_QUANT_REVISION}" if draft_quant else ""  # an older export is not reused
+    key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}|{config}{revision}".encode()).hexdigest()[:12]
     out = cache_dir() / "artifacts" / f"{base_path.name}-{heads.replace(':', '-').replace('/', '_')}-{key}"
     try:
         open_artifact(out)
