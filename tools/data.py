@@ -275,7 +275,7 @@ def run_grow(args: argparse.Namespace) -> int:
     turns = args.turns or (corpus.provenance.prompts.turns if corpus is not None else 1)
     source = prompt_source(args.prompts, args.seed, args.max_prompt_tokens, turns)
     if corpus is not None:
-        corpus.check_matches(source.spec, gen_spec)
+        corpus.continue_with(source.spec, gen_spec)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         corpus = Corpus.create(args.out, source.spec, gen_spec)

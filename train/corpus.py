@@ -315,8 +315,7 @@ class Corpus:
 
     def check_matches(self, prompts: PromptSpec, generator: GeneratorSpec) -> None:
         """A run adding to this corpus must use its prompt source and order and its generator. It may answer
-        more turns per conversation than earlier runs (a longer order with the same start): the corpus then
-        records the larger `turns`."""
+        more turns per conversation than earlier runs (a longer order with the same start): see `continue_with`."""
         if prompts.turns < self.provenance.prompts.turns:
             raise CloverError(f"{self.path} answers {self.provenance.prompts.turns} turns per conversation; "
                               f"--turns {prompts.turns} would shorten its prompt order: pass --turns "
@@ -334,7 +333,12 @@ class Corpus:
                 raise CloverError(f"{self.path} was grown with other {what}: "
                                   + "; ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
                                   + ": use the same settings, or another --out")
-        self.provenance.prompts = prompts  # written with the next shard
+
+    def continue_with(self, prompts: PromptSpec, generator: GeneratorSpec) -> None:
+        """Check a run's settings (check_matches), then record its prompt spec (a larger `turns`, the current
+        wording of `pick` and `order`), written with the next shard."""
+        self.check_matches(prompts, generator)
+        self.provenance.prompts = prompts
 
 
 def answer_counts(conversations: Iterable[Conversation], vocab_size: int) -> np.ndarray:

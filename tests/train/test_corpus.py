@@ -136,6 +136,8 @@ def test_corpora_of_first_turns_only_read_as_turn_1_and_may_take_more_turns(tmp_
     assert [c.index for c in old.conversations()] == before
     two = dataclasses.replace(PROMPTS, turns=2)
     old.check_matches(two, GENERATOR)  # the same first turns, then the second ones
+    assert old.provenance.prompts.turns == 1  # a check only
+    old.continue_with(two, GENERATOR)
     assert old.provenance.prompts == two
     with pytest.raises(CloverError, match="answers 2 turns per conversation; --turns 1 would shorten .*--turns 2 or more"):
         old.check_matches(PROMPTS, GENERATOR)
