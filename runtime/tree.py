@@ -329,7 +329,9 @@ def resolve_tree(spec: str) -> Tree:
             )
         return compile_tree([[0] * d for d in range(1, n + 1)], name=spec)
     if spec.lstrip().startswith("["):
-        return compile_tree(_parse_json(spec, "inline tree spec"), name="custom")
+        choices = _parse_json(spec, "inline tree spec")
+        # Named by its paths: two inline trees in one clover-bench run are two rows.
+        return compile_tree(choices, name=json.dumps(choices, separators=(",", ":")))
     path = Path(spec)
     if path.is_file():
         try:

@@ -259,7 +259,7 @@ def test_resolve_json_file(tmp_path) -> None:
 
 def test_resolve_inline_json() -> None:
     tree = resolve_tree("[[0], [1], [0, 0]]")
-    assert tree.num_nodes == 4 and tree.name == "custom"
+    assert tree.num_nodes == 4 and tree.name == "[[0],[1],[0,0]]"
     assert resolve_tree("[]").num_nodes == 1
     with pytest.raises(CloverError, match=r"has no parent"):
         resolve_tree("[[0, 0]]")

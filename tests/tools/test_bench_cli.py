@@ -52,10 +52,10 @@ def test_several_trees_in_one_run(base, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     doc = json.loads(out.read_text())
     assert [(r["heads"], r["tree"]) for r in doc["results"]] == [
-        ("none", "plain"), ("random:clover2", "chain-2"), ("random:clover2", "small"), ("random:clover2", "custom")]
+        ("none", "plain"), ("random:clover2", "chain-2"), ("random:clover2", "small"), ("random:clover2", "[[0],[1]]")]
     assert all(r["identical_to_plain"] == "1/1" for r in doc["results"])
     assert set(doc["per_prompt"]) == {"torch/none/plain", "torch/random:clover2/chain-2", "torch/random:clover2/small",
-                                      "torch/random:clover2/custom"}
+                                      "torch/random:clover2/[[0],[1]]"}
 
 
 def test_plain_only_backend(base, tmp_path, capsys):
