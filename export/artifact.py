@@ -161,26 +161,32 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             specs = split_lm_head(tmp, specs, graphs, VERIFY_SIZES[1], verify=config.verify)
             shared = [n for n, s in specs.items() if s.has_output(LM_INPUT)]
             say(f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)" if shared else
-                "      the draft graphs have their own LM head (--draft-quant or own heads): nothing shared")
+                "      the draft graphs have their own LM head: nothing shared")
         draft_vocab = None
         if draft_head:
             import numpy as np
 
             from clover.export.draft_vocab import WHOLE_VOCABULARY, add_draft_vocab, coverage
+            from clover.export.lm_head import LM_HEAD, LM_INPUT
 
             t0 = time.perf_counter()
+            step = f"[{len(graphs) + 1 + share_lm_head}/{steps}]"
+            ids = None
             if draft_ids is not None:
-                say(f"[{len(graphs) + 1 + share_lm_head}/{steps}] draft vocabulary: the {len(draft_ids)} tokens the "
-                    f"base emits most often ({token_counts.source})")
+                say(f"{step} draft vocabulary: the {len(draft_ids)} tokens the base emits most often "
+                    f"({token_counts.source})")
                 ids, source, covered = draft_ids, token_counts.source, coverage(token_counts.counts, draft_ids)
-            else:
-                say(f"[{len(graphs) + 1 + share_lm_head}/{steps}] the drafts' {config.draft_quant} LM head")
+            elif LM_HEAD in specs and any(s.has_output(LM_INPUT) for n, s in specs.items() if n != "base"):
+                say(f"{step} the drafts' {config.draft_quant} LM head")
                 ids, source, covered = np.arange(base.config.vocab_size), WHOLE_VOCABULARY, 1.0
-            specs, draft_vocab = add_draft_vocab(tmp, specs, ids, source, covered, quant=config.draft_quant)
-            which = ("over the whole vocabulary" if source == WHOLE_VOCABULARY else
-                     f"over {draft_vocab.coverage:.2%} of the tokens counted there")
-            say(f"      draft_lm_head.onnx ({which}) serves {', '.join(draft_vocab.graphs)} "
-                f"({time.perf_counter() - t0:.1f} s)")
+            else:
+                say(f"{step} the draft graphs keep their own {config.draft_quant} LM heads")
+            if ids is not None:
+                specs, draft_vocab = add_draft_vocab(tmp, specs, ids, source, covered, quant=config.draft_quant)
+                which = ("over the whole vocabulary" if source == WHOLE_VOCABULARY else
+                         f"over {draft_vocab.coverage:.2%} of the tokens counted there")
+                say(f"      draft_lm_head.onnx ({which}) serves {', '.join(draft_vocab.graphs)} "
+                    f"({time.perf_counter() - t0:.1f} s)")
         if batched:
             from clover.export.batch_graph import BATCH_GRAPH, write_batched_base
 
