@@ -310,10 +310,9 @@ def quantized(graph: GraphDef, path: Path, config: ExportConfig, base_head: str 
     """--draft-quant: rewrite the checked fp32 draft graph with quantized weights, all but the LM head it shares
     with the base (`base_head`: its weights key; None: nothing shared), then (config.verify) measure how far the
     quantized graph is from PyTorch."""
-    from clover.export.lm_head import lm_head_names
     from clover.export.quantize import quantize_draft_graph
 
-    quantize_draft_graph(path, config.draft_quant, keep=lm_head_names(path, base_head))
+    quantize_draft_graph(path, config.draft_quant, keep_lm_head=base_head)
     check_onnx(path)
     if not config.verify:
         return None

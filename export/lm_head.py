@@ -159,12 +159,9 @@ def lm_head_key(path: Path) -> str | None:
     return weights_key(model, nodes[0]) if nodes is not None and len(nodes) == 1 else None
 
 
-def lm_head_names(path: Path, key: str | None) -> tuple[str, ...]:
-    """Names of the LM-head matmuls of the graph at `path` that compute with the weights `key` names: what
-    split_lm_head will cut out (--draft-quant leaves them unquantized for that)."""
-    import onnx
-
-    model = onnx.load(str(path))
+def lm_head_names(model, key: str | None) -> tuple[str, ...]:
+    """Names of the LM-head matmuls of `model` that compute with the weights `key` names: what split_lm_head
+    will cut out (--draft-quant leaves them unquantized for that)."""
     nodes = lm_head_nodes(model) if key is not None else None
     if not nodes or any(not n.name or weights_key(model, n) != key for n in nodes):
         return ()

@@ -110,11 +110,14 @@ def _onnx_quantization():
     return onnx, quantization
 
 
-def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: int, exclude: tuple[str, ...] = (),
-                     gemms: bool = False) -> str:
-    """Rewrite the fp32 graph at `path` with MatMulNBits weights computing at `accuracy_level`, except the nodes
-    named in `exclude` (and, unless `gemms`, Gemm nodes); returns how the token embedding is stored ("int4" or
-    "float32": onnxruntime quantizes Gather to 4 bits only)."""
+def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: int, gemms: bool = False,
+                     keep_lm_head: str | None = None) -> str:
+    """Rewrite the fp32 graph at `path` with MatMulNBits weights computing at `accuracy_level`, except Gemm nodes
+    (unless `gemms`) and the LM head whose weights `keep_lm_head` names (lm_head.weights_key: the base's, which
+    the draft graphs share); returns how the token embedding is stored ("int4" or "float32": onnxruntime
+    quantizes Gather to 4 bits only)."""
+    from clover.export.lm_head import lm_head_names
+
     onnx, _ = _onnx_quantization()
     with quiet_root_logger():  # importing it calls logging.basicConfig(level=INFO) for the whole process
         from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
@@ -128,7 +131,8 @@ def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: i
     config = DefaultWeightOnlyQuantConfig(
         block_size=block_size, is_symmetric=SYMMETRIC, accuracy_level=accuracy_level or None, bits=BITS[scheme],
         op_types_to_quantize=ops, quant_axes=(("MatMul", 0), ("Gather", 1)))
-    quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=list(exclude), algo_config=config)
+    quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=list(lm_head_names(model, keep_lm_head)),
+                                     algo_config=config)
     with quiet_root_logger(), np.errstate(invalid="ignore", divide="ignore"):  # all-zero blocks: scale 0, handled
         quantizer.process()
     replace_graph(path, lambda out: quantizer.model.save_model_to_file(str(out), use_external_data_format=True))
@@ -170,10 +174,10 @@ def replace_graph(path: Path, write) -> None:
             (path.parent / f.name).chmod(0o644)  # the quantizers create their data files private
 
 
-def quantize_draft_graph(path: Path, scheme: str, keep: tuple[str, ...] = ()) -> None:
+def quantize_draft_graph(path: Path, scheme: str, keep_lm_head: str | None = None) -> None:
     """Rewrite the fp32 draft graph at `path` (and its external data) with `scheme` MatMulNBits weights, except
-    the nodes named in `keep` (the LM head it shares with the base)."""
-    quantize_weights(path, scheme, DRAFT_BLOCK_SIZE, DRAFT_ACCURACY_LEVEL, exclude=keep, gemms=True)
+    the LM head it shares with the base (`keep_lm_head`: that head's weights_key; None: nothing shared)."""
+    quantize_weights(path, scheme, DRAFT_BLOCK_SIZE, DRAFT_ACCURACY_LEVEL, gemms=True, keep_lm_head=keep_lm_head)
 
 
 @contextlib.contextmanager
