@@ -18,7 +18,8 @@ Prompts are answered in a fixed order (`clover.train.data.turn_order`: the train
 with the validation ones spread among them, every first turn, then every second turn, and so on up to the
 corpus's `turns`); `next_position` says how far a corpus got, so the next run continues there. A later turn's
 prompt holds the conversation before it, the source's own earlier answers included. A shard is written
-atomically and the provenance after it, so a killed run loses at most the shard in progress. Numpy, json and hashlib only: no torch, no runtime.
+atomically and the provenance after it, so a killed run loses at most the shard in progress. Numpy, json and
+hashlib only: no torch, no runtime.
 """
 
 from __future__ import annotations
