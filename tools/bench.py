@@ -171,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "comma-separated in order of preference: cpu (default), cuda, or cuda,cpu (runs on the CPU, saying "
                    "so in one line, where CUDA is not available)")
     p.add_argument("--no-chat", action="store_true", help="feed prompts raw, without the chat template")
+    p.add_argument("--no-replay", action="store_true", help="skip the replay: each head set's draft accuracy per "
+                   "depth, teacher-forced along this run's plain outputs (one plain step per output token, after the "
+                   "timed run), shown beside held-out and live acceptance")
     p.add_argument("--json", type=Path, default=None, help="write every number (and per-prompt data) here; with "
                    "--concurrency also a PNG plot beside it")
     p.add_argument("--concurrency", default=None, metavar="1,2,4,8,16",
@@ -222,12 +225,14 @@ def run(args: argparse.Namespace) -> int:
     for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
         g.generate("Hello", max_new_tokens=4, chat=not args.no_chat)
     started = time.time()
+    outputs = {}  # backend -> the plain run's output ids per prompt (the replay's teacher)
     for prompt in tqdm(prompts, desc="bench", unit="prompt", dynamic_ncols=True):
         reference = {}
         for backend, heads, g in configs:
             result = g.generate(prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
             if heads == "none":
                 reference[backend] = result
+                outputs.setdefault(backend, []).append(result.token_ids)
             rows[key(backend, heads, g)].add(result, reference.get(plain_of.get(backend, backend)) if heads != "none" else None)
     depth = max(g.tree.max_depth for _, _, g in configs)
     summaries = []
@@ -237,13 +242,14 @@ def run(args: argparse.Namespace) -> int:
         summaries.append(rows[key(backend, heads, g)].summary(depth, plain_tps))
     print_table(summaries, depth)
     held_out = held_out_accuracy(args, configs)
-    print_held_out(held_out, summaries)
+    replayed = {} if args.no_replay else replay_accuracy(args, configs, prompts, outputs, plain_of)
+    print_held_out(held_out, summaries, replayed)
     doc = {"base": args.base, "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
            "dtype": args.dtype, "chat": not args.no_chat, "threads": args.threads, "seconds": round(time.time() - started, 1),
            "ort_placement": ort_placement(configs),
            "note": "acceptance_length = tokens emitted per verify step, bonus token included; speedup = tokens/s over "
                    "plain decoding on the same backend, measured in this run",
-           "results": summaries, "held_out": held_out,
+           "results": summaries, "held_out": held_out, "replay": replayed,
            "per_prompt": {"/".join(key(b, h, g)): rows[key(b, h, g)].per_prompt_tokens_per_step for b, h, g in configs}}
     if args.json:
         atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
@@ -314,26 +320,71 @@ def held_out_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "G
     return out
 
 
-def print_held_out(held_out: dict[str, dict], summaries: list[dict]) -> None:
-    """Held-out accuracy per depth next to each run's live dN (the share of steps accepting >= N drafts)."""
-    if not held_out:
+def replay_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Generator"]], prompts: list[str],
+                    outputs: dict[str, list[list[int]]], plain_of: dict[str, str]) -> dict[str, dict[str, dict]]:
+    """Per head set and backend: the draft graphs' accuracy per depth, teacher-forced along this run's plain
+    outputs (tools/bench_replay.py). Greedy only: the plain output is the heads' teacher there."""
+    from tqdm import tqdm
+
+    from clover.tools.bench_replay import ReplayCounts, replay
+
+    out: dict[str, dict[str, dict]] = {}
+    todo = [(b, h.removesuffix("+lookup"), g) for b, h, g in configs if h.removesuffix("+lookup") not in ("none", "lookup", "")
+            and g.drafts != "lookup" and g.runner.info.heads is not None]
+    for backend, name, g in todo:
+        if backend in out.get(name, {}):
+            continue  # NAME and NAME+lookup, or several trees: one runner, one replay
+        teacher = outputs.get(plain_of.get(backend, backend))
+        if teacher is None:
+            continue
+        depths = min(REPLAY_DEPTHS, g.runner.info.heads_max_depth or REPLAY_DEPTHS)
+        counts = ReplayCounts(depths)
+        for prompt, ids in tqdm(list(zip(prompts, teacher)), desc=f"replay {name} on {backend}", unit="prompt",
+                                dynamic_ncols=True, leave=False):
+            replay(g.runner, g.encode_prompt(prompt, chat=not args.no_chat), ids, depths, counts)
+        out.setdefault(name, {})[backend] = counts.summary()
+    return out
+
+
+REPLAY_DEPTHS = 5  # depths the replay scores at most (the shipped heads draft 5)
+
+
+def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: dict[str, dict[str, dict]]) -> None:
+    """Per head set: held-out accuracy per depth (clover-train), the replay on this run's outputs, and each
+    run's live dN (the share of steps accepting >= N drafts)."""
+    names = list(dict.fromkeys([*held_out, *replayed]))
+    if not names:
         return
-    print("held-out accuracy per depth (clover-train's validation split, teacher-forced) beside live acceptance:")
-    for name, h in held_out.items():
-        top3 = " ".join(f"{x:.2f}" for x in h["top3"]) if h["top3"] else "n/a (trained before accuracy@3 was recorded)"
-        print(f"  {name}: top-1 {' '.join(f'{x:.2f}' for x in h['top1'])}; top-3 {top3} (epoch {h['epoch']})")
+    print("draft accuracy per depth beside live acceptance. held-out: clover-train's validation split, teacher-forced; "
+          "replay: teacher-forced along this run's plain outputs, with the deployed draft graphs:")
+    for name in names:
+        h = held_out.get(name)
+        if h is not None:
+            top3 = " ".join(f"{x:.2f}" for x in h["top3"]) if h["top3"] else "n/a (trained before accuracy@3 was recorded)"
+            print(f"  {name}: held-out top-1 {' '.join(f'{x:.2f}' for x in h['top1'])}; top-3 {top3} (epoch {h['epoch']})")
+        else:
+            print(f"  {name}: no training record (held-out accuracy unknown)")
+        for backend, r in replayed.get(name, {}).items():
+            print(f"    replay on {backend}: top-1 {' '.join(f'{x:.2f}' for x in r['top1'])}; top-3 "
+                  f"{' '.join(f'{x:.2f}' for x in r['top3'])}; whole chain right to depth d "
+                  f"{' '.join(f'{x:.2f}' for x in r['chain'])} ({r['positions'][0]} positions)")
         for s in summaries:
             if s["heads"].removesuffix("+lookup") != name:
                 continue
             rates = s["acceptance_rate_per_depth"]
-            chain = s["tree"].startswith("chain-")  # a chain of N drafts: N = nodes - 1
-            expect = 1 + sum(float(np.prod(h["top1"][:n])) for n in range(1, min(s["tree_nodes"] - 1, len(h["top1"])) + 1))
-            print(f"    live {s['backend']} {s['tree']} ({s['heads']}): d1..dN " + " ".join(f"{r:.2f}" for r in rates)
-                  + f", accept len {s['acceptance_length']:.2f}" + (f" (held-out chain estimate {expect:.2f})"
-                                                                    if chain else ""))
-    print("live d1 on a chain ~ top-1 at depth 1, on a tree with k candidates there ~ top-k. Live well below held-out "
-          "on the same kind of prompts is a training/inference skew; different prompts (MT-Bench vs the training "
-          "split) also lower it")
+            drafts = s["tree_nodes"] - 1 if s["tree"].startswith("chain-") else 0  # a chain of N drafts: N = nodes - 1
+            estimates = []
+            if drafts and h is not None:
+                estimates.append(f"held-out chain estimate "
+                                 f"{1 + sum(float(np.prod(h['top1'][:n])) for n in range(1, min(drafts, len(h['top1'])) + 1)):.2f}")
+            r = replayed.get(name, {}).get(s["backend"])
+            if drafts and r is not None and "+lookup" not in s["heads"]:
+                estimates.append(f"replay {1 + sum(r['chain'][:drafts]):.2f}")
+            print(f"    live {s['backend']} {s['tree']} ({s['heads']}): d1..dN " + " ".join(f"{x:.2f}" for x in rates)
+                  + f", accept len {s['acceptance_length']:.2f}" + (f" ({', '.join(estimates)})" if estimates else ""))
+    print("live d1 on a chain ~ top-1 at depth 1, on a tree with k candidates there ~ top-k. Held-out above replay: "
+          "this run's prompts and first answer tokens are harder than the training split (data); replay above live: "
+          "the loop feeds the heads otherwise than token-by-token decoding does (a skew)")
     print()
 
 

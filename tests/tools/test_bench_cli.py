@@ -136,8 +136,44 @@ def test_held_out_accuracy_beside_live_acceptance(base, tmp_path, capsys):
     table = capsys.readouterr().out
     assert "top-1 0.50 0.40 0.30; top-3 0.70 0.60 0.50" in table
     assert "held-out chain estimate 1.70" in table  # 1 + 0.5 + 0.5 * 0.4: the chain-2 this run drafted
-    held = json.loads(out.read_text())["held_out"][str(heads)]
+    doc = json.loads(out.read_text())
+    held = doc["held_out"][str(heads)]
     assert held["top1"] == epoch["val_top1"] and held["top3"] == epoch["val_topk"] and held["epoch"] == 3
+    replayed = doc["replay"][str(heads)]["torch"]  # along the plain output: 8 tokens, 7 roots with a next token
+    assert replayed["positions"][0] == 7 and "replay on torch: top-1" in table
+
+
+def test_replay_counts_what_a_chain_would_accept(base):
+    """The replay's depth-d accuracy is what a token-by-token chain drafts: with the same heads, the share of
+    positions whose first d drafts are right bounds the live chain's acceptance, and its depth-1 top-1 is exactly
+    the drafts a chain-1 run accepts when it drafts after every token (verified here by stepping chain-1 by hand)."""
+    import numpy as np
+
+    from clover.runtime.generator import Generator
+    from clover.runtime.loop import draft_tree
+    from clover.runtime.sampling import SamplingParams
+    from clover.runtime.tree import resolve_tree
+    from clover.tools.bench_replay import ReplayCounts, replay
+
+    plain = Generator.load(str(base), "none", "torch")
+    heads = Generator.load(str(base), "random:clover2", "torch", "chain-1")
+    prompt = plain.encode_prompt("w10 w20 w30 w10 w20")
+    ids = plain.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+    counts = ReplayCounts(3)
+    replay(heads.runner, prompt, ids, 3, counts)
+    assert counts.positions == [15, 14, 13]
+    assert counts.top1[0] <= counts.topk[0] and counts.chain[0] == counts.top1[0] and counts.chain[2] <= counts.chain[1]
+    # by hand: after each token, draft chain-1 from the runner and compare with the next plain token
+    r, right = heads.runner, 0
+    r.reset(len(prompt) + len(ids) + 1)
+    r.forward(np.array(prompt), np.arange(len(prompt)), np.tri(len(prompt), dtype=bool))
+    r.commit(np.arange(len(prompt)), np.append(prompt[1:], ids[0]))
+    for i in range(len(ids) - 1):
+        draft = draft_tree(r, resolve_tree("chain-1"), ids[i], SamplingParams(), np.random.default_rng(0))
+        right += int(draft.tokens[1] == ids[i + 1])
+        r.forward(np.array(ids[i:i + 1]), np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))
+        r.commit(np.zeros(1, dtype=np.int64), np.array(ids[i + 1:i + 2]))
+    assert right == counts.top1[0]
 
 
 def test_several_artifacts_side_by_side(tmp_path_factory, tmp_path, capsys):
