@@ -316,7 +316,9 @@ def held_out_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "G
             continue
         last = json.loads(path.read_text())["epochs"][-1]
         out[name] = {"source": str(path), "epoch": last["epoch"], "top1": last["val_top1"],
-                     "top3": last.get("val_topk") or None, "chain_estimate": last["val_chain_accept"]}
+                     "top3": last.get("val_topk") or None, "top1_early": last.get("val_top1_early") or None,
+                     "early_answer_tokens": last.get("early_answer_tokens"),
+                     "chain_estimate": last["val_chain_accept"]}
     return out
 
 
@@ -361,7 +363,9 @@ def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: d
         h = held_out.get(name)
         if h is not None:
             top3 = " ".join(f"{x:.2f}" for x in h["top3"]) if h["top3"] else "n/a (trained before accuracy@3 was recorded)"
-            print(f"  {name}: held-out top-1 {' '.join(f'{x:.2f}' for x in h['top1'])}; top-3 {top3} (epoch {h['epoch']})")
+            early = (f"; top-1 over the first {h['early_answer_tokens']} answer tokens "
+                     f"{' '.join(f'{x:.2f}' for x in h['top1_early'])}" if h.get("top1_early") else "")
+            print(f"  {name}: held-out top-1 {' '.join(f'{x:.2f}' for x in h['top1'])}; top-3 {top3}{early} (epoch {h['epoch']})")
         else:
             print(f"  {name}: no training record (held-out accuracy unknown)")
         for backend, r in replayed.get(name, {}).items():

@@ -18,7 +18,8 @@ from clover.errors import CloverError
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
 from clover.train.features import FeatureCache
-from clover.train.objectives import RECIPES, TOPK_ACCURACY, DepthStats, Vocab, distill_loss, head_outputs
+from clover.train.objectives import (EARLY_ANSWER_TOKENS, RECIPES, TOPK_ACCURACY, DepthStats, Vocab, distill_loss,
+                                     head_outputs)
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,9 @@ class EpochMetrics:
     val_chain_accept: float  # 1 + mean run of consecutive correct depths: tokens/step on a chain tree
     seconds: float
     val_topk: list[float] = field(default_factory=list)  # per depth: base argmax in the head's top-k (TOPK_ACCURACY)
+    # per depth: val_top1 over each answer's first EARLY_ANSWER_TOKENS positions (what short benchmarks draft for)
+    val_top1_early: list[float] = field(default_factory=list)
+    early_answer_tokens: int = EARLY_ANSWER_TOKENS
 
 
 @dataclass
@@ -166,22 +170,24 @@ class Trainer:
                 bar.set_postfix_str(f"loss {loss_sum / n_batches:.3f} top1 " +
                                     "/".join(f"{a.correct / max(1, a.count):.2f}" for a in sums))
             bar.close()
-            val_loss, val_top1, val_topk, chain = self.validate()
+            val_loss, val_top1, val_topk, val_early, chain = self.validate()
             m = EpochMetrics(epoch + 1, round(loss_sum / max(1, n_batches), 4),
                              [round(a.correct / max(1, a.count), 4) for a in sums], round(val_loss, 4),
                              [round(x, 4) for x in val_top1], round(chain, 3), round(time.time() - t0, 1),
-                             [round(x, 4) for x in val_topk])
+                             [round(x, 4) for x in val_topk], [round(x, 4) for x in val_early])
             self.history.epochs.append(m)
             self.save_checkpoint(epoch)
             log(f"epoch {m.epoch}: train loss {m.train_loss:.3f}, val loss {m.val_loss:.3f}, val top-1 per depth "
                 + " ".join(f"{x:.3f}" for x in m.val_top1) + f", top-{TOPK_ACCURACY} "
-                + " ".join(f"{x:.3f}" for x in m.val_topk) + f", chain acceptance {m.val_chain_accept:.2f} ({m.seconds:.0f}s)")
+                + " ".join(f"{x:.3f}" for x in m.val_topk) + f", top-1 over the first {EARLY_ANSWER_TOKENS} answer tokens "
+                + " ".join(f"{x:.3f}" for x in m.val_top1_early)
+                + f", chain acceptance {m.val_chain_accept:.2f} ({m.seconds:.0f}s)")
         return self.history
 
     @torch.no_grad()
-    def validate(self) -> tuple[float, list[float], list[float], float]:
-        """Validation loss, per-depth accuracy@1 and @TOPK_ACCURACY, and the chain acceptance estimate
-        (teacher-forced)."""
+    def validate(self) -> tuple[float, list[float], list[float], list[float], float]:
+        """Validation loss, per-depth accuracy@1 and @TOPK_ACCURACY, accuracy@1 over the answers' first
+        EARLY_ANSWER_TOKENS positions, and the chain acceptance estimate (teacher-forced)."""
         self.heads.eval()
         sums = [DepthStats() for _ in range(self.cfg.depths)]
         loss_sum, n = 0.0, 0
@@ -194,11 +200,13 @@ class Trainer:
             loss_sum, n = loss_sum + float(loss), n + 1
             for acc, st in zip(sums, stats):
                 acc.correct, acc.in_topk, acc.count = acc.correct + st.correct, acc.in_topk + st.in_topk, acc.count + st.count
+                acc.correct_early, acc.count_early = acc.correct_early + st.correct_early, acc.count_early + st.count_early
             r, c = chain_runs(self.heads, batch, outs, self.lm_bf16)
             run_total, rows = run_total + r, rows + c
         self.heads.train()
         return (loss_sum / max(1, n), [a.correct / max(1, a.count) for a in sums],
-                [a.in_topk / max(1, a.count) for a in sums], 1 + run_total / max(1, rows))
+                [a.in_topk / max(1, a.count) for a in sums], [a.correct_early / max(1, a.count_early) for a in sums],
+                1 + run_total / max(1, rows))
 
 
 def frequent_tokens(cache: FeatureCache, seq_ids: list[int], count: int = 4096) -> torch.Tensor:

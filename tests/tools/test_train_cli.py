@@ -48,6 +48,8 @@ def test_each_architecture_trains_and_stays_lossless(setup, arch, capsys):
     last = prov["epochs"][-1]  # held-out accuracy@1 and @3 per depth (accuracy@3 >= accuracy@1)
     assert len(last["val_top1"]) == len(last["val_topk"]) == 3
     assert all(0 <= a <= b <= 1 for a, b in zip(last["val_top1"], last["val_topk"])), last
+    assert last["val_top1_early"] == last["val_top1"]  # every answer here is shorter than EARLY_ANSWER_TOKENS
+    assert "top-1 over the first 128 answer tokens" in err
     assert prov["command"].startswith("clover-train --base ") and f"--arch {arch}" in prov["command"]
     assert len(prov["epochs"]) == 2 and prov["data"]["responses"] == "base" and prov["data"]["seed"] == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch-0.pt", "epoch-1.pt"]

@@ -85,3 +85,30 @@ def test_distillation_loss_decreases(arch):
         opt.step()
     assert float(loss.detach()) < 0.8 * first
     assert all(st.count > 0 for st in stats)
+
+
+def test_early_accuracy_counts_each_answers_first_positions(monkeypatch):
+    """Held-out accuracy over each answer's first EARLY_ANSWER_TOKENS positions: rows are counted by how many
+    answer (loss) positions precede them in their own sequence, and their hits are a subset of all hits."""
+    import clover.train.objectives as objectives
+
+    monkeypatch.setattr(objectives, "EARLY_ANSWER_TOKENS", 3)
+    torch.manual_seed(0)
+    base = tiny_base()
+    heads = _random_heads(base, "medusa", 1)
+    B, L = 2, 10
+    tokens = torch.randint(0, 96, (B, L))
+    keys, values = base.empty_cache(B, 0)
+    out = base(tokens, torch.arange(L).expand(B, L), causal_mask(L, B), torch.zeros(B, dtype=torch.long), keys, values)
+    p, ids = torch.topk(torch.softmax(out.logits, -1), 4)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[0, 2:9] = True  # sequence 0 answers from position 2, sequence 1 from position 5
+    mask[1, 5:9] = True
+    batch = {"tokens": tokens, "hidden": out.hidden_states, "topk_ids": ids.int(), "topk_probs": p.half(), "loss_mask": mask}
+    with torch.no_grad():
+        _, stats = distill_loss(heads, batch, 1, RECIPES["medusa"], base.norm, base.lm_head.weight.to(torch.bfloat16))
+    st = stats[0]
+    # depth-1 rows are t with loss_mask[t + 1] (7 + 4 = 11 rows below 9); early ones have cumsum(loss_mask)[t] <= 3:
+    # sequence 0: t = 1..4 (cumsum 0, 1, 2, 3), sequence 1: t = 4..7 (0, 1, 2, 3)
+    assert (st.count, st.count_early) == (11, 8)
+    assert 0 <= st.correct_early <= st.correct
