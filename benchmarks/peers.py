@@ -779,7 +779,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="base graph weights of the clover artifacts (fp32 = no --weights)")
     p.add_argument("--clover-trees", type=csv(), default=("plain", "default", "lookup"),
                    help="clover modes: trees (plain, default = the artifact's tree, chain-1, chain-2, ...) and "
-                        "lookup[:chain-N] (prompt-lookup drafts, at most N per step; default chain-3)")
+                        "lookup[:chain-N] (prompt-lookup drafts, at most N per step, sized by the verify cost; "
+                        "default chain-12)")
     p.add_argument("--llama-pred-tokens", type=int, default=2, help="LlamaPromptLookupDecoding num_pred_tokens")
     p.add_argument("--llama-omp-passive", action="store_true",
                    help="OMP_WAIT_POLICY=passive for llama.cpp: its spinning OpenMP barriers slow down 10-100x when "

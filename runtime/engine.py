@@ -31,8 +31,10 @@ from clover.errors import CloverError
 from clover.runtime.backend import Runner
 from clover.runtime.cost import calibrate
 from clover.runtime.generator import (
-    GenerationResult, Progress, check_prompt_fits, choose_tree, drafts_label, encode_prompt, load_backend, with_cost,
+    GenerationResult, Progress, check_prompt_fits, choose_tree, drafts_label, encode_prompt, load_backend,
+    lookup_length, with_cost,
 )
+from clover.runtime.lookup import LookupLength
 from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
@@ -153,12 +155,14 @@ class Engine:
             # up to a full batch of full trees plus a prompt chunk: the rows a step may run
             cost = calibrate(runner, max(1, min(runner.info.max_context - 40, max_batch * self.tree.num_nodes + prefill_chunk)))
             self.policy: AutoTrees | FixedTrees = AutoTrees(self.tree, cost)
+            self.lookup_length = LookupLength(cost.curve) if drafts in ("lookup", "heads+lookup") else None
             if log is not None:
                 print(f"tree auto: plain up to {self.tree.name}; verify cost calibrated in {time.perf_counter() - t0:.1f} s: "
                       + ", ".join(f"{r} rows {m:.1f} ms" for r, m in cost.to_dict()["rows_ms"].items()), file=log)
         else:
             self.tree = with_cost(runner, choose_tree(runner.info, tree, drafts))
             self.policy = FixedTrees()
+            self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts)
         self.error: BaseException | None = None  # what stopped the loop, if anything did
         self.step_sequences = 0  # sequences in the last forward (prefill chunks included); 0 while idle
         if log is not None and runner.info.kv_bytes_per_token:
@@ -264,7 +268,8 @@ class Engine:
         for r in sched.admit():  # joins this step: its prompt is prefilled in the same forward as the others' steps
             capacity = min(runner.info.max_context, len(r.prompt) + r.stop.max_new_tokens + self.tree.num_nodes)
             r.decoding = Decoding(runner.open_slot(capacity), r.prompt, self.tree, r.sampling,
-                                  np.random.default_rng(r.sampling.seed), self.drafts, self.prefill_chunk)
+                                  np.random.default_rng(r.sampling.seed), self.drafts, self.prefill_chunk,
+                                  lookup_length=self.lookup_length)
         batch = list(sched.running)
         self.step_sequences = len(batch)
         if not batch:

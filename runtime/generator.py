@@ -21,6 +21,7 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, RunnerInfo, backend_module
 from clover.runtime.cost import DraftConfidence, calibrate
+from clover.runtime.lookup import LookupLength
 from clover.runtime.loop import DRAFT_SOURCES, LOOKUP_DRAFTS, PLAIN, Step, chain, speculative_steps
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
@@ -95,6 +96,15 @@ def with_cost(runner: Runner, tree: Tree | DynamicTree) -> Tree | DynamicTree:
         return tree
     return dataclasses.replace(tree, cost=calibrate(runner, min(tree.budget + 1, runner.info.max_context - 40)).curve,
                                confidence=tree.confidence or DraftConfidence())
+
+
+def lookup_length(runner: Runner, tree_rows: int, drafts: str) -> LookupLength | None:
+    """For prompt-lookup drafts: what sizes their chains, on this runner's verify-cost curve (measured here, about
+    a second); None for heads alone."""
+    if drafts not in ("lookup", "heads+lookup"):
+        return None
+    rows = tree_rows + (LOOKUP_DRAFTS if drafts == "heads+lookup" else 0)
+    return LookupLength(calibrate(runner, max(1, min(rows, runner.info.max_context - 40))).curve)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
@@ -197,6 +207,8 @@ class Generator:
     def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None, drafts: str = "heads"):
         self.runner, self.tokenizer, self.drafts = runner, tokenizer, drafts
         self.tree = with_cost(runner, choose_tree(runner.info, tree, drafts))
+        # what sizes lookup drafts on this runner's verify cost (None: every proposed token is verified)
+        self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts)
 
     @classmethod
     def load(cls, base: str | Path, heads: str | None = None, backend: str = "torch", tree: str | None = None,
@@ -254,7 +266,7 @@ class GenerationStream:
         rng = np.random.default_rng(self._sampling.seed)
         capacity = min(runner.info.max_context, len(self._ids) + self._stop.max_new_tokens + gen.tree.num_nodes)
         for step in speculative_steps(runner, np.array(self._ids, dtype=np.int64), gen.tree, self._sampling, rng,
-                                      capacity, gen.drafts):
+                                      capacity, gen.drafts, gen.lookup_length):
             progress.add(step)
             delta = tracker.add(step.tokens)
             if delta:

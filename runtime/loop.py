@@ -20,15 +20,17 @@ import numpy as np
 
 from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
 from clover.runtime.backend import Runner, Slot, Verify
-from clover.runtime.lookup import PromptLookup
+from clover.runtime.lookup import LookupLength, PromptLookup
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_without_replacement, topk_tokens
 from clover.runtime.tree import DynamicTree, Tree, compile_tree, resolve_tree
 
 PLAIN = compile_tree([], name="plain")
 DRAFT_SOURCES = ("heads", "lookup", "heads+lookup")
 # prompt-lookup tokens drafted per step at most: drafts="lookup" verifies a chain this deep by default (any
-# chain caps it; benchmarks/peers.py), "heads+lookup" adds a path this long to the heads' tree
-LOOKUP_DRAFTS = 3
+# chain caps it; benchmarks/peers.py), "heads+lookup" adds a path this long to the heads' tree. A match of L
+# tokens drafts up to 2L (runtime/lookup.py): a long repeat is right often enough to pay for its rows (a 13-row
+# verify costs ~1.9x a 1-row one on SmolLM2 fp32, 2 threads).
+LOOKUP_DRAFTS = 12
 
 
 @functools.cache
@@ -301,6 +303,9 @@ class Decoding:
     prefilled: int = 0  # prompt tokens in the cache
     root: int = -1  # the last emitted token (the bonus token of the last step)
     lookup: PromptLookup | None = None
+    # how many of each lookup proposal to verify (shared by the runner's sequences); None: all of it
+    lookup_length: LookupLength | None = None
+    proposal: tuple[int, np.ndarray] | None = None  # this step's lookup match length and whole proposal
 
     @property
     def prefilling(self) -> bool:
@@ -334,7 +339,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
         tree = trees[i] if trees is not None else d.tree
         room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
         if d.drafts == "lookup":
-            proposal = d.lookup.propose(min(tree.max_depth, room))
+            proposal = _worth_verifying(d, d.lookup.propose(min(tree.max_depth, room)), 1)
             tree = chain(len(proposal))
             draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
         else:
@@ -345,6 +350,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
                 draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
             if d.lookup is not None:  # heads+lookup: the lookup path joins the heads' tree
                 proposal = d.lookup.propose(max(0, min(LOOKUP_DRAFTS, room - tree.num_nodes + 1)))
+                proposal = _worth_verifying(d, proposal, tree.num_nodes)
                 tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
         step_trees.append(tree)
         drafts.append(draft)
@@ -367,6 +373,9 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
         runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
         if d.lookup is not None:
             d.lookup.extend(emitted)
+        if d.proposal is not None:
+            d.lookup_length.observe(*d.proposal, emitted)
+            d.proposal = None
         d.root = acc.bonus_token
         st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=ds)
         if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
@@ -380,6 +389,14 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
         # the batch's step: every sequence waited for all of it; a prompt chunk's step is prefill time
         st.seconds = dict(seconds) if st.tree is not None else {"prefill": sum(seconds.values()) - seconds.get("engine", 0.0)}
     return steps
+
+
+def _worth_verifying(d: Decoding, proposal: np.ndarray, rows: int) -> np.ndarray:
+    """The part of a lookup proposal worth its verify rows (d.lookup_length), beside `rows` other rows."""
+    if d.lookup_length is None or not len(proposal):
+        return proposal
+    d.proposal = (d.lookup.match, proposal)
+    return proposal[:d.lookup_length.choose(d.lookup.match, len(proposal), rows)]
 
 
 def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarray) -> Step:
@@ -397,12 +414,15 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
 
 
 def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: SamplingParams,
-                      rng: np.random.Generator, capacity: int, drafts: str = "heads") -> Iterator[Step]:
+                      rng: np.random.Generator, capacity: int, drafts: str = "heads",
+                      lookup_length: LookupLength | None = None) -> Iterator[Step]:
     """One sequence (the runner's solo slot): yield the tokens of each step until the sequence is full; the
     caller stops iterating when done. drafts: "heads" (the runner's draft heads fill `tree`) or "lookup"
-    (prompt lookup; `tree` is a chain whose depth caps the drafts per step)."""
+    (prompt lookup; `tree` is a chain whose depth caps the drafts per step); `lookup_length`: how much of each
+    lookup proposal to verify (None: all)."""
     runner.reset(capacity)
-    d = Decoding(runner.solo, np.asarray(prompt, dtype=np.int64), tree, sampling, rng, drafts)
+    d = Decoding(runner.solo, np.asarray(prompt, dtype=np.int64), tree, sampling, rng, drafts,
+                 lookup_length=lookup_length)
     while not d.full:
         for st in step(runner, [d]):
             if st.tokens:

@@ -29,6 +29,19 @@ def test_longest_latest_match_first():
     assert PromptLookup([5, 5, 5]).propose(4).tolist() == [5]  # the continuation stops at the sequence end
 
 
+def test_a_longer_match_drafts_longer():
+    """The indexed n-gram's match is extended backwards to its real length L, and drafts up to 2L tokens."""
+    seq = [8, 1, 2, 3, 4, 5, 6, 7, 9, 1, 2, 3, 4]  # tail (1, 2, 3, 4) repeats positions 1-4: L = 4
+    lookup = PromptLookup(seq, max_ngram=3)
+    assert lookup.match_length(5, 3) == 4
+    assert lookup.propose(16).tolist() == [5, 6, 7, 9, 1, 2, 3, 4]  # 2L = 8
+    assert lookup.propose(3).tolist() == [5, 6, 7]
+    short = PromptLookup([7, 2, 3, 4, 5, 6, 7, 8, 9, 1, 3, 4], max_ngram=3)  # only (3, 4) repeats: L = 2
+    assert short.propose(16).tolist() == [5, 6, 7, 8]
+    store = NgramStore.build([([5, 6, 7, 8, 9, 1, 2], 0)] * 2, vocab_size=10)
+    assert PromptLookup([3, 5, 6], store=store).propose(16).tolist() == [7, 8, 9]  # a store drafts at most 3
+
+
 def test_bad_ngram_bounds():
     with pytest.raises(CloverError, match="1 <= min_ngram <= max_ngram"):
         PromptLookup([1], max_ngram=1, min_ngram=2)
@@ -42,6 +55,7 @@ def greedy_identity(art, heads, tree):
     for p in PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]:
         want, _ = run_tokens(plain, p, resolve_tree("plain"), 40)
         gen = Generator(runner, tokenizer, tree, drafts="lookup")
+        gen.lookup_length = None  # verify every proposed token: acceptance counts independent of measured timings
         result = gen.generate(p, max_new_tokens=40, ignore_eos=True)
         assert result.heads == "lookup"
         assert_identical(result.token_ids, want, f"lookup on {art.name}")
@@ -166,10 +180,10 @@ def test_store_prefers_the_longest_context_and_chains():
 def test_prompt_lookup_falls_back_to_the_store():
     store = NgramStore.build([([5, 6, 7, 8], 0)] * 2, vocab_size=10)  # (5, 6) -> 7 -> 8
     # a 2-token match in the sequence itself wins over the store
-    assert PromptLookup([5, 6, 1, 5, 6], store=store).propose(3).tolist() == [1, 5]
+    assert PromptLookup([5, 6, 1, 5, 6], store=store).propose(3).tolist() == [1, 5, 6]  # 2 matched: up to 4
     # a 1-token match gives way to the store's 2-token context
     assert PromptLookup([6, 2, 5, 6], store=store).propose(3).tolist() == [7, 8]
-    assert PromptLookup([6, 2, 5, 6]).propose(3).tolist() == [2]
+    assert PromptLookup([6, 2, 5, 6]).propose(3).tolist() == [2, 5]  # 1 matched: up to 2
     # no match at all: the store; nothing in the store either: nothing
     assert PromptLookup([9, 5, 6], store=store).propose(2).tolist() == [7, 8]
     assert PromptLookup([9, 1, 2], store=store).propose(2).tolist() == []
@@ -256,3 +270,26 @@ def test_store_of_another_base_is_refused(tmp_path_factory, tmp_path):
     (art / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(CloverError, match="ngram_store.npz does not match its manifest entry .*export it again"):
         load_runner(art, heads="none")
+
+
+def test_lookup_length_weighs_acceptance_against_verify_cost():
+    """How much of a proposal to verify: all of it where rows are nearly free, less where they are dear, and
+    what it learns moves the choice: repeats that always continue earn long chains, ones that never do earn none."""
+    from clover.runtime.lookup import LookupLength
+
+    cheap = LookupLength(lambda rows: 10.0 + 0.01 * rows)  # bandwidth-bound: a row costs 0.1% of a step
+    dear = LookupLength(lambda rows: 10.0 * rows)  # compute-bound: a row costs a whole step
+    assert cheap.choose(4, 8) == 8 and dear.choose(4, 8) == 0
+    assert cheap.choose(4, 0) == 0
+    mid = LookupLength(lambda rows: 10.0 + 3.0 * rows)
+    before = mid.choose(3, 6)
+    for _ in range(50):  # a 3-token match whose whole proposal was right every time (step emitted 7 tokens)
+        mid.observe(3, [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 9])
+    assert mid.choose(3, 6) == 6 > before
+    for _ in range(200):  # the store's drafts: the first token was always wrong
+        mid.observe(0, [1, 2, 3], [7, 8])
+    assert mid.choose(0, 3) == 0
+    # a left-out token is still learned from: only 1 of 3 verified, the step emitted the 2nd as its bonus token
+    seen = LookupLength(lambda rows: 1.0)
+    seen.observe(2, [5, 6, 7], [5, 6])
+    assert seen.trials[2:5].tolist() == [1, 1, 0] and seen.hits[2:5].tolist() == [1, 1, 0]

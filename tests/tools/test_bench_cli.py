@@ -125,7 +125,8 @@ def test_held_out_accuracy_beside_live_acceptance(base, tmp_path, capsys):
 
     heads = tmp_path / "heads"
     save_heads(random_heads(load_base(str(base)), "clover2"), heads)
-    epoch = {"epoch": 3, "val_top1": [0.5, 0.4, 0.3], "val_topk": [0.7, 0.6, 0.5], "val_chain_accept": 1.9}
+    epoch = {"epoch": 3, "val_top1": [0.5, 0.4, 0.3], "val_topk": [0.7, 0.6, 0.5], "val_chain_accept": 1.9,
+             "val_top1_early": [0.4, 0.3, 0.2], "early_answer_tokens": 128}
     (heads / "training.json").write_text(json.dumps({"epochs": [epoch]}))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
@@ -134,7 +135,7 @@ def test_held_out_accuracy_beside_live_acceptance(base, tmp_path, capsys):
                      "--max-new-tokens", "8", "--no-chat", "--json", str(out)])
     assert rc == 0
     table = capsys.readouterr().out
-    assert "top-1 0.50 0.40 0.30; top-3 0.70 0.60 0.50" in table
+    assert "top-1 0.50 0.40 0.30; top-3 0.70 0.60 0.50; top-1 over the first 128 answer tokens 0.40 0.30 0.20" in table
     assert "held-out chain estimate 1.70" in table  # 1 + 0.5 + 0.5 * 0.4: the chain-2 this run drafted
     doc = json.loads(out.read_text())
     held = doc["held_out"][str(heads)]

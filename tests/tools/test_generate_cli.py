@@ -42,7 +42,7 @@ def test_json_output_and_identity_across_heads(base_dir, capsys):
         doc = json.loads(out)
         assert code == 0 and doc["token_ids"] == plain["token_ids"], heads
         assert doc["heads"] == heads and doc["tree"] == tree
-    for tree in (None, "chain-2"):  # prompt-lookup drafts (chain-3 by default)
+    for tree in (None, "chain-2"):  # prompt-lookup drafts (chain-12 by default)
         code, out, _ = run_cli(capsys, *common, "--heads", "lookup", *(["--tree", tree] if tree else []))
         doc = json.loads(out)
         assert code == 0 and doc["token_ids"] == plain["token_ids"] and doc["heads"] == "lookup"
