@@ -2,6 +2,7 @@
 
 import pytest
 
+from clover.runtime.loop import LOOKUP_DRAFTS
 from clover.tools.demo import main
 from helpers import tiny_hf_folder as make_base
 
@@ -16,7 +17,7 @@ def test_demo_runs_and_reports_identity(tmp_path, capsys, monkeypatch, backend):
     out, err = capsys.readouterr()
     assert code == 0
     assert "identical to plain greedy decoding" in out and "acceptance length" in out and f"{backend} backend" in out
-    assert "DIFFERENT" not in out and "prompt-lookup drafts (chain-3 at most)" in out
+    assert "DIFFERENT" not in out and f"prompt-lookup drafts (chain-{LOOKUP_DRAFTS} at most)" in out
     if backend == "ort":
         assert "exporting" in err and list((tmp_path / "cache" / "artifacts").iterdir())
         assert main(args) == 0  # the second run reuses the exported artifact

@@ -8,6 +8,7 @@ import pytest
 
 from clover.models.head_io import random_heads, save_heads
 from clover.models.loading import load_base
+from clover.runtime.loop import LOOKUP_DRAFTS
 from clover.tools.generate import main
 from helpers import tiny_hf_folder as make_base
 
@@ -46,7 +47,7 @@ def test_json_output_and_identity_across_heads(base_dir, capsys):
         code, out, _ = run_cli(capsys, *common, "--heads", "lookup", *(["--tree", tree] if tree else []))
         doc = json.loads(out)
         assert code == 0 and doc["token_ids"] == plain["token_ids"] and doc["heads"] == "lookup"
-        assert doc["tree"] == (tree or "chain-3")
+        assert doc["tree"] == (tree or f"chain-{LOOKUP_DRAFTS}")
     code, _, err = run_cli(capsys, *common, "--heads", "lookup", "--tree", "mc26")
     assert code != 0 and "tree mc26 branches: use chain-N" in err and len(err.strip().splitlines()) == 1
 
