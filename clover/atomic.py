@@ -61,18 +61,30 @@ def staging_folder(dest: str | Path) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale(dest)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-{os.getpid()}-", dir=dest.parent))
-    previous = None
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _terminate)
+        def stop(signum: int, frame: object) -> None:
+            # remembered too: a library may catch the exception raised here, and a stopped build must
+            # still never be published (publish_folder raises it again)
+            _stopped[tmp] = signum
+            _raise_for(signum)
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield tmp
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing left once published
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        _stopped.pop(tmp, None)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _terminate(signum: int, frame: object) -> None:
+_stopped: dict[Path, int] = {}  # staging folder -> the signal that stopped its build
+
+
+def _raise_for(signum: int) -> None:
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise SystemExit(128 + signum)
 
 
@@ -100,7 +112,10 @@ def _alive(pid: int) -> bool:
 
 def publish_folder(tmp: Path, dest: Path) -> None:
     """Make the finished folder `tmp` (a sibling of `dest`) become `dest`. An old `dest` is moved aside
-    first and deleted last, so a crash never leaves neither the old folder nor the new one."""
+    first and deleted last, so a crash never leaves neither the old folder nor the new one. A build stopped by
+    SIGINT / SIGTERM (staging_folder) is not published, even if something caught the exception it raised."""
+    if tmp in _stopped:
+        _raise_for(_stopped[tmp])
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; what we publish is for everyone

@@ -1,8 +1,10 @@
 """clover.atomic: whole files or nothing, unique temporary names, staging folders that clean up after themselves."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -53,6 +55,25 @@ def test_staging_folder_is_removed_unless_published(tmp_path):
         (tmp / "manifest.json").write_text("{}")
         atomic.publish_folder(tmp, dest)
     assert os.listdir(tmp_path) == ["art"] and (dest / "manifest.json").is_file()
+
+
+@pytest.mark.parametrize("sig, raised", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
+def test_a_stopped_build_is_not_published_even_if_the_signal_was_swallowed(tmp_path, sig, raised):
+    """Ctrl-C / SIGTERM caught by a library mid-build (the export then runs to its end): publishing raises it."""
+    dest = tmp_path / "art"
+    with pytest.raises(raised):
+        with atomic.staging_folder(dest) as tmp:
+            try:
+                os.kill(os.getpid(), sig)
+                time.sleep(1)  # the handler runs here
+            except BaseException:  # noqa: BLE001 (what a careless library does)
+                pass
+            (tmp / "manifest.json").write_text("{}")
+            atomic.publish_folder(tmp, dest)
+    assert os.listdir(tmp_path) == []
+    with atomic.staging_folder(dest) as tmp:  # the next build publishes as usual
+        atomic.publish_folder(tmp, dest)
+    assert os.listdir(tmp_path) == ["art"]
 
 
 def test_stale_staging_of_dead_processes_is_swept_live_ones_kept(tmp_path):
