@@ -5,6 +5,7 @@ speculation by it. numpy only."""
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import numpy as np
@@ -70,6 +71,19 @@ def calibrate(runner: Runner, max_rows: int, reps: int = 3) -> VerifyCost:
             points[r] = float(np.median(times)) * 1e3
     finally:
         runner.release(slot)
+    return VerifyCost(points)
+
+
+_MEASURED: "weakref.WeakKeyDictionary[Runner, dict[int, float]]" = weakref.WeakKeyDictionary()
+
+
+def verify_cost(runner: Runner, max_rows: int) -> VerifyCost:
+    """This runner's verify-cost curve up to `max_rows`, measured once per runner (`calibrate`, about a second)
+    and measured again only when a longer curve is asked for. Each caller gets its own VerifyCost, so the per-batch
+    corrections one engine learns stay its own."""
+    points = _MEASURED.get(runner)
+    if points is None or max(points) < max_rows:
+        points = _MEASURED[runner] = calibrate(runner, max_rows).to_dict()["rows_ms"]
     return VerifyCost(points)
 
 

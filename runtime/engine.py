@@ -29,12 +29,11 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.backend import Runner
-from clover.runtime.cost import calibrate
+from clover.runtime.cost import verify_cost
 from clover.runtime.generator import (
     GenerationResult, Progress, check_prompt_fits, choose_tree, drafts_label, encode_prompt, load_backend,
     lookup_length, with_cost,
 )
-from clover.runtime.lookup import LookupLength
 from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
@@ -153,9 +152,9 @@ class Engine:
             self.tree = auto_full_tree(runner.info, drafts)
             t0 = time.perf_counter()
             # up to a full batch of full trees plus a prompt chunk: the rows a step may run
-            cost = calibrate(runner, max(1, min(runner.info.max_context - 40, max_batch * self.tree.num_nodes + prefill_chunk)))
+            cost = verify_cost(runner, max(1, min(runner.info.max_context - 40, max_batch * self.tree.num_nodes + prefill_chunk)))
             self.policy: AutoTrees | FixedTrees = AutoTrees(self.tree, cost)
-            self.lookup_length = LookupLength(cost.curve) if drafts in ("lookup", "heads+lookup") else None
+            self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts, cost)
             if log is not None:
                 print(f"tree auto: plain up to {self.tree.name}; verify cost calibrated in {time.perf_counter() - t0:.1f} s: "
                       + ", ".join(f"{r} rows {m:.1f} ms" for r, m in cost.to_dict()["rows_ms"].items()), file=log)

@@ -20,7 +20,7 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, RunnerInfo, backend_module
-from clover.runtime.cost import DraftConfidence, calibrate
+from clover.runtime.cost import DraftConfidence, VerifyCost, verify_cost
 from clover.runtime.lookup import LookupLength
 from clover.runtime.loop import DRAFT_SOURCES, LOOKUP_DRAFTS, PLAIN, Step, chain, speculative_steps
 from clover.runtime.output import OutputTracker, StopConditions
@@ -94,17 +94,19 @@ def with_cost(runner: Runner, tree: Tree | DynamicTree) -> Tree | DynamicTree:
     """A dynamic tree sized by this runner's verify-cost curve (measured here, once: about a second)."""
     if not isinstance(tree, DynamicTree) or tree.cost is not None:
         return tree
-    return dataclasses.replace(tree, cost=calibrate(runner, min(tree.budget + 1, runner.info.max_context - 40)).curve,
+    return dataclasses.replace(tree, cost=verify_cost(runner, min(tree.budget + 1, runner.info.max_context - 40)).curve,
                                confidence=tree.confidence or DraftConfidence())
 
 
-def lookup_length(runner: Runner, tree_rows: int, drafts: str) -> LookupLength | None:
-    """For prompt-lookup drafts: what sizes their chains, on this runner's verify-cost curve (measured here, about
-    a second); None for heads alone."""
+def lookup_length(runner: Runner, tree_rows: int, drafts: str, cost: VerifyCost | None = None) -> LookupLength | None:
+    """For prompt-lookup drafts: what sizes their chains, on `cost` (default: this runner's verify-cost curve,
+    measured once per runner, about a second); None for heads alone."""
     if drafts not in ("lookup", "heads+lookup"):
         return None
-    rows = tree_rows + (LOOKUP_DRAFTS if drafts == "heads+lookup" else 0)
-    return LookupLength(calibrate(runner, max(1, min(rows, runner.info.max_context - 40))).curve)
+    if cost is None:
+        rows = tree_rows + (LOOKUP_DRAFTS if drafts == "heads+lookup" else 0)
+        cost = verify_cost(runner, max(1, min(rows, runner.info.max_context - 40)))
+    return LookupLength(cost.curve)
 
 
 def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:

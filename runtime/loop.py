@@ -305,7 +305,6 @@ class Decoding:
     lookup: PromptLookup | None = None
     # how many of each lookup proposal to verify (shared by the runner's sequences); None: all of it
     lookup_length: LookupLength | None = None
-    proposal: tuple[int, np.ndarray] | None = None  # this step's lookup match length and whole proposal
 
     @property
     def prefilling(self) -> bool:
@@ -326,6 +325,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
     engine = runner.engine_clock
     t0, e0 = clock(), engine.seconds if engine else 0.0
     step_trees, drafts, draft_seconds, verify = [], [], [], []
+    proposals: list[tuple[int, np.ndarray] | None] = []  # per sequence: its lookup match length and whole proposal
     for i, d in enumerate(batch):                                                                # 1. draft
         td = clock()
         if d.prefilling:
@@ -335,11 +335,14 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             step_trees.append(None)
             drafts.append(None)
             draft_seconds.append(0.0)
+            proposals.append(None)
             continue
         tree = trees[i] if trees is not None else d.tree
         room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
+        whole = None
         if d.drafts == "lookup":
-            proposal = _worth_verifying(d, d.lookup.propose(min(tree.max_depth, room)), 1)
+            whole = d.lookup.propose(min(tree.max_depth, room))
+            proposal = _worth_verifying(d, whole, 1)
             tree = chain(len(proposal))
             draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
         else:
@@ -349,9 +352,10 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             else:
                 draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
             if d.lookup is not None:  # heads+lookup: the lookup path joins the heads' tree
-                proposal = d.lookup.propose(max(0, min(LOOKUP_DRAFTS, room - tree.num_nodes + 1)))
-                proposal = _worth_verifying(d, proposal, tree.num_nodes)
+                whole = d.lookup.propose(max(0, min(LOOKUP_DRAFTS, room - tree.num_nodes + 1)))
+                proposal = _worth_verifying(d, whole, tree.num_nodes)
                 tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
+        proposals.append((d.lookup.match, whole) if whole is not None and len(whole) and d.lookup_length else None)
         step_trees.append(tree)
         drafts.append(draft)
         draft_seconds.append(clock() - td)
@@ -363,7 +367,8 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
                 for d, dr, t, lg in zip(batch, drafts, step_trees, logits)]
     t3 = clock()
     steps = []
-    for d, v, dr, t, acc, lg, ds in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds):  # 4. commit
+    for d, v, dr, t, acc, lg, ds, pr in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds,
+                                           proposals):                                           # 4. commit
         if t is None:
             steps.append(_prefilled(runner, d, v.tokens, lg))
             continue
@@ -373,9 +378,8 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
         runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
         if d.lookup is not None:
             d.lookup.extend(emitted)
-        if d.proposal is not None:
-            d.lookup_length.observe(*d.proposal, emitted)
-            d.proposal = None
+        if pr is not None:
+            d.lookup_length.observe(*pr, emitted)
         d.root = acc.bonus_token
         st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=ds)
         if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
@@ -395,7 +399,6 @@ def _worth_verifying(d: Decoding, proposal: np.ndarray, rows: int) -> np.ndarray
     """The part of a lookup proposal worth its verify rows (d.lookup_length), beside `rows` other rows."""
     if d.lookup_length is None or not len(proposal):
         return proposal
-    d.proposal = (d.lookup.match, proposal)
     return proposal[:d.lookup_length.choose(d.lookup.match, len(proposal), rows)]
 
 

@@ -322,6 +322,9 @@ def held_out_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "G
     return out
 
 
+REPLAY_DEPTHS = 5  # depths the replay scores at most (the shipped heads draft 5)
+
+
 def replay_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Generator"]], prompts: list[str],
                     outputs: dict[str, list[list[int]]], plain_of: dict[str, str]) -> dict[str, dict[str, dict]]:
     """Per head set and backend: the draft graphs' accuracy per depth, teacher-forced along this run's plain
@@ -332,7 +335,7 @@ def replay_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Gen
 
     out: dict[str, dict[str, dict]] = {}
     todo = [(b, h.removesuffix("+lookup"), g) for b, h, g in configs if h.removesuffix("+lookup") not in ("none", "lookup", "")
-            and g.drafts != "lookup" and g.runner.info.heads is not None]
+            and g.runner.info.heads is not None]
     for backend, name, g in todo:
         if backend in out.get(name, {}):
             continue  # NAME and NAME+lookup, or several trees: one runner, one replay
@@ -346,9 +349,6 @@ def replay_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Gen
             replay(g.runner, g.encode_prompt(prompt, chat=not args.no_chat), ids, depths, counts)
         out.setdefault(name, {})[backend] = counts.summary()
     return out
-
-
-REPLAY_DEPTHS = 5  # depths the replay scores at most (the shipped heads draft 5)
 
 
 def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: dict[str, dict[str, dict]]) -> None:

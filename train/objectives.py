@@ -113,6 +113,7 @@ def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int,
     outs = head_outputs(heads, batch, depths) if outs is None else outs
     total = hidden.new_zeros(())
     stats = []
+    early_rows = batch["loss_mask"].cumsum(1) <= EARLY_ANSWER_TOKENS  # row t among its answer's first positions
     for d, (out, valid) in enumerate(zip(outs, depth_masks(batch, depths, recipe.greedy_paths_only)), start=1):
         st = DepthStats()
         n = int(valid.sum())
@@ -147,7 +148,7 @@ def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int,
         right = predicted == ids[:, 0]
         st.correct = float(right.sum())
         st.in_topk = float((top == ids[:, :1]).any(-1).sum())
-        early = (batch["loss_mask"].cumsum(1) <= EARLY_ANSWER_TOKENS)[valid]  # row t among its answer's first positions
+        early = early_rows[valid]
         st.correct_early, st.count_early = float((right & early).sum()), int(early.sum())
         stats.append(st)
     return total, stats

@@ -16,3 +16,22 @@ def test_confidence_starts_at_the_raw_probability_and_learns_the_hit_rate():
     c.observe_draft(2.0)
     c.observe_draft(4.0)
     assert c.draft_ms == 2.2
+
+
+def test_the_verify_cost_curve_is_measured_once_per_runner(monkeypatch):
+    import clover.runtime.cost as cost
+    from clover.runtime.torch_backend import TorchRunner
+    from helpers import tiny_base
+
+    measured = []
+    real = cost.calibrate
+    monkeypatch.setattr(cost, "calibrate", lambda runner, max_rows, reps=3: measured.append(max_rows) or real(runner, max_rows, 1))
+    runner, other = TorchRunner(tiny_base()), TorchRunner(tiny_base())
+    a = cost.verify_cost(runner, 8)
+    b = cost.verify_cost(runner, 5)  # covered by the first curve
+    assert measured == [8] and a is not b and a.to_dict() == b.to_dict()
+    a.observe(4, 2, 2 * a.curve(4))
+    assert b.correction == {}  # each caller learns its own corrections
+    cost.verify_cost(runner, 12)  # longer than measured: measured again
+    cost.verify_cost(other, 5)  # another runner, its own curve
+    assert measured == [8, 12, 5]
