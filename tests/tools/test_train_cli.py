@@ -80,6 +80,27 @@ def test_same_seed_same_heads_and_resume_continues_exactly(setup):
     assert [e["epoch"] for e in prov["epochs"]] == [1, 2, 3]
 
 
+def test_init_goes_on_from_given_heads(setup, capsys):
+    root, _, _ = setup
+    a, warm, fresh = root / "init-a", root / "init-warm", root / "init-fresh"
+    assert _train(setup, a, "--arch", "clover2", "--epochs", "1", "--num-heads", "2") == 0
+    # a learning rate too small to move fp16 weights: the result is the heads training started from
+    assert _train(setup, warm, "--init", str(a), "--epochs", "1", "--lr", "1e-12", "--seed", "1") == 0
+    assert _train(setup, fresh, "--arch", "clover2", "--num-heads", "2", "--epochs", "1", "--lr", "1e-12", "--seed", "1") == 0
+    wa, ww, wf = (load_file(str(d / "heads.safetensors")) for d in (a, warm, fresh))
+    assert all(np.array_equal(wa[k], ww[k]) for k in wa)  # --arch and --num-heads came from the --init heads
+    assert not all(np.array_equal(wa[k], wf[k]) for k in wa)
+    prov = json.loads((warm / "training.json").read_text())
+    assert prov["init"] == str(a) and prov["train_config"]["arch"] == "clover2"
+    assert json.loads((fresh / "training.json").read_text())["init"] is None
+    capsys.readouterr()
+    assert _train(setup, root / "init-bad", "--init", str(a), "--arch", "medusa") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "do not match --arch medusa (they have clover2)" in err[0]
+    assert _train(setup, root / "init-random", "--init", "random:clover2") == 2
+    assert "is not trained heads" in capsys.readouterr().err
+
+
 def test_errors_are_one_line_with_exit_code_2(setup, capsys):
     root, base, data = setup
     busy = root / "a-busy"
