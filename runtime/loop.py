@@ -355,7 +355,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
                 whole = d.lookup.propose(max(0, min(LOOKUP_DRAFTS, room - tree.num_nodes + 1)))
                 proposal = _worth_verifying(d, whole, tree.num_nodes)
                 tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
-        proposals.append((d.lookup.match, whole) if whole is not None and len(whole) and d.lookup_length else None)
+        proposals.append((d.lookup.match, whole) if whole is not None and d.lookup_length is not None else None)
         step_trees.append(tree)
         drafts.append(draft)
         draft_seconds.append(clock() - td)

@@ -177,12 +177,11 @@ def run(args: argparse.Namespace) -> int:
     if initial is not None:
         heads = initial
     else:
-        args.arch = args.arch or "clover2"
-        heads = build_heads(base, args.arch, args.num_heads, args.num_layers)
+        heads = build_heads(base, args.arch or "clover2", args.num_heads, args.num_layers)
         heads.init_weights(base, gen)
     heads = heads.to(device=device, dtype=torch.float32)
     depths = heads.config.num_heads
-    cfg = TrainConfig(arch=args.arch, depths=depths, epochs=args.epochs, lr=args.lr, seed=args.seed,
+    cfg = TrainConfig(arch=heads.config.arch, depths=depths, epochs=args.epochs, lr=args.lr, seed=args.seed,
                       batch_tokens=args.batch_tokens, batch_softmax=not args.full_vocab)
     args.out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(base, heads, cache, cfg, args.out, device)
@@ -214,7 +213,6 @@ def initial_heads(args: argparse.Namespace, base):
     if differs:
         raise CloverError(f"--init {args.init}: those heads do not match {', '.join(differs)}: pass their settings "
                           "or other heads")
-    args.arch = cfg.arch
     return heads.requires_grad_(True).train()
 
 
