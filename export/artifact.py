@@ -109,6 +109,7 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     draft_head = draft_ids is not None or (config.draft_quant is not None and share_lm_head)
     steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head + batched + draft_head
 
+    import_native_modules()
     with staging_folder(out) as tmp:
         copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)  # first: fail fast, before minutes of export
         specs, parity, embedding, base_head = {}, {}, "float32", None
@@ -238,6 +239,15 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
     return out
 
 
+def import_native_modules() -> None:
+    """Import the compiled packages an export loads on first use before its staging folder exists. Inside it,
+    Ctrl-C / SIGTERM raise at once (clover.atomic), and an exception raised while such a package initialises
+    (onnx's protobuf descriptors, via torch.onnx's exporter) aborts the interpreter instead of unwinding."""
+    import onnx  # noqa: F401
+    import onnxruntime  # noqa: F401
+    import onnxscript  # noqa: F401  (torch.onnx.export(dynamo=True) imports it on its first call)
+
+
 def derived_artifact(src: Path, out: Path, drop: set[str], change: Callable[[Path, Manifest], Manifest]) -> Path:
     """A copy of the artifact `src` at `out`, without its files `drop`, after `change(folder, manifest)` added
     what it adds to the folder and returned the new manifest (checksums are redone): no re-export. Written like
@@ -245,6 +255,7 @@ def derived_artifact(src: Path, out: Path, drop: set[str], change: Callable[[Pat
     src, out = Path(src), Path(out)
     manifest = open_artifact(src)
     check_target(out)
+    import_native_modules()
     with staging_folder(out) as tmp:
         for rel in manifest.files:
             if rel not in drop | {MANIFEST_FILE}:

@@ -181,7 +181,9 @@ def test_a_stopped_export_removes_its_staging_folder(base_dir, tmp_path, sig, co
     assert proc.poll() is None, proc.communicate()[1].decode()[-400:]
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == code, err.decode()[-400:]
+    # Python 3.11 ends with SIGINT itself (a shell shows 130 all the same) when Ctrl-C landed inside exec() of a
+    # string, which dataclasses run while torch.onnx imports its exporter, even though run_cli caught it
+    assert proc.returncode in (code, -signal.SIGINT), err.decode()[-400:]
     assert list(tmp_path.iterdir()) == []
 
 
