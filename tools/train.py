@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=200_000, help="data budget: training loss tokens")
     p.add_argument("--max-length", type=int, default=704, help="tokens per training sequence")
     p.add_argument("--max-new-tokens", type=int, default=320, help="--responses base: longest generated answer")
+    p.add_argument("--answer-tokens", type=int, default=None,
+                   help="corpus data: train on each answer's first N tokens only, so --max-tokens spans more "
+                        "conversations (answer beginnings are harder to draft than long answers' ends; features "
+                        "are computed for prompt + N tokens)")
     p.add_argument("--topk", type=int, default=16, help="base distribution entries kept per position")
     p.add_argument("--feature-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="precision of the base model while it builds the features (default: bfloat16 for a corpus "
@@ -109,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
     elif args.data != "sharegpt" and not Path(args.data).is_file():
         raise CloverError(f"training data {args.data!r} not found: pass --data sharegpt, a JSONL file of conversations "
                           "or a corpus folder (clover-data grow)")
+    if args.answer_tokens is not None and (corpus is None or args.answer_tokens < 1):
+        raise CloverError(f"--answer-tokens {args.answer_tokens}: give at least 1, with --data a corpus folder "
+                          "(clover-data grow); other data keeps whole answers")
     if args.feature_dtype is None:  # bfloat16 measured on a corpus (README, "Train heads"); float32 as before otherwise
         args.feature_dtype = "bfloat16" if corpus is not None else "float32"
     if args.threads:
@@ -132,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
 
         from clover.train.features import corpus_shards_used
 
-        used = corpus_shards_used(corpus, spec.budgets, spec.max_length)
+        spec = replace(spec, answer_tokens=args.answer_tokens or 0)
+        used = corpus_shards_used(corpus, spec.budgets, spec.max_length, spec.answer_tokens)
         spec = replace(spec, responses="corpus", max_new_tokens=corpus.provenance.generator.max_new_tokens,
                        corpus=corpus.digest(used))
     teacher = None
@@ -234,7 +242,7 @@ def corpus_record(corpus, cache) -> dict:
     from clover.train.features import corpus_shards_used
 
     spec = cache.spec
-    used = corpus_shards_used(corpus, spec.budgets, spec.max_length)
+    used = corpus_shards_used(corpus, spec.budgets, spec.max_length, spec.answer_tokens)
     totals = corpus.provenance.totals
     return {"path": str(corpus.path), "digest": spec.corpus, "shards_used": used, "shards": len(corpus.provenance.shards),
             "corpus_conversations": totals["conversations"], "corpus_response_tokens": totals["response_tokens"],

@@ -61,6 +61,8 @@ class FeatureSpec:
     # who computes the features: "" the torch base in `dtype`; "ort:<digest>" an artifact's base graph on ONNX
     # Runtime (clover-train --features-from: the graph that will serve, e.g. int4), named by its files' sha256
     teacher: str = ""
+    # corpus answers: train on each answer's first `answer_tokens` tokens only (0: the whole answer, up to max_length)
+    answer_tokens: int = 0
 
     @property
     def budgets(self) -> tuple[int, int]:
@@ -68,7 +70,7 @@ class FeatureSpec:
         return self.max_tokens, max(1, round(self.max_tokens * self.validation_fraction))
 
     def key(self) -> str:
-        fields = {k: v for k, v in asdict(self).items() if k not in ("corpus", "teacher") or v}  # '': older names
+        fields = {k: v for k, v in asdict(self).items() if k not in ("corpus", "teacher", "answer_tokens") or v}  # unset: older names
         blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -274,19 +276,26 @@ def _graph_teacher_forced(runner, batch: list[tuple[list[int], np.ndarray, bool]
         writer.add(np.array(x), h, tk_ids, tk_p, m, is_val)
 
 
-def corpus_sequences(corpus, max_length: int) -> Iterator[tuple[list[int], list[bool], bool]]:
+def _kept_length(prompt: int, response: int, max_length: int, answer_tokens: int) -> int:
+    """Tokens of a corpus conversation a sequence keeps: prompt plus answer, cut to `max_length` and, if
+    `answer_tokens`, to the answer's first `answer_tokens` tokens (computing no features for the rest)."""
+    return min(prompt + (min(response, answer_tokens) if answer_tokens else response), max_length)
+
+
+def corpus_sequences(corpus, max_length: int, answer_tokens: int = 0) -> Iterator[tuple[list[int], list[bool], bool]]:
     """A clover.train.corpus folder's conversations as (ids, response mask, is_validation), in the corpus's
-    order, truncated to `max_length`; validation is the corpus split's (by prompt index), whatever the seed."""
+    order, truncated to `max_length` (and each answer to its first `answer_tokens`, if set); validation is the
+    corpus split's (by prompt index), whatever the seed."""
     validation = corpus.validation_indices()
     for c in corpus.conversations():
         P = len(c.prompt)
         if P + 1 >= max_length:
             continue  # no response token would fit
-        ids = np.concatenate((c.prompt, c.response))[:max_length]
+        ids = np.concatenate((c.prompt, c.response))[:_kept_length(P, len(c.response), max_length, answer_tokens)]
         yield ids.tolist(), [False] * P + [True] * (len(ids) - P), c.index in validation
 
 
-def corpus_shards_used(corpus, budgets: tuple[int, int], max_length: int) -> int:
+def corpus_shards_used(corpus, budgets: tuple[int, int], max_length: int, answer_tokens: int = 0) -> int:
     """How many of the corpus's shards a build with these budgets reads (features_from_dataset's budget rule
     on lengths alone), so a corpus that grows later keeps the same features."""
     validation = corpus.validation_indices()
@@ -298,7 +307,7 @@ def corpus_shards_used(corpus, budgets: tuple[int, int], max_length: int) -> int
             is_val = c.index in validation
             P = len(c.prompt)
             if taken[is_val] < budgets[is_val] and P + 1 < max_length:
-                taken[is_val] += min(P + len(c.response), max_length) - P
+                taken[is_val] += _kept_length(P, len(c.response), max_length, answer_tokens) - P
     return len(corpus.provenance.shards)
 
 
@@ -441,7 +450,7 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
 
             features_from_dataset(teacher or base, sequences(), writer, budgets, progress)
         elif spec.responses == "corpus":
-            features_from_dataset(teacher or base, corpus_sequences(corpus, spec.max_length), writer, budgets, progress)
+            features_from_dataset(teacher or base, corpus_sequences(corpus, spec.max_length, spec.answer_tokens), writer, budgets, progress)
         else:
             raise CloverError(f"unknown responses {spec.responses!r}: use 'base', 'dataset' or 'corpus'")
         if writer.loss_tokens[0] == 0 or writer.loss_tokens[1] == 0:
@@ -463,7 +472,7 @@ def open_corpus_for(spec: FeatureSpec, budgets: tuple[int, int]):
         raise CloverError(f"corpus {spec.data} holds the answers of another base (LM head {made_by}; this base's is "
                           f"{spec.base_sha256}): train with --base {corpus.provenance.generator.base}, or grow a corpus "
                           "with this base's artifact")
-    used = corpus_shards_used(corpus, budgets, spec.max_length)
+    used = corpus_shards_used(corpus, budgets, spec.max_length, spec.answer_tokens)
     if corpus.digest(used) != spec.corpus:
         raise CloverError(f"corpus {spec.data} changed while training started (its first {used} shards are not "
                           "those the features are named for): run clover-train again")

@@ -185,12 +185,19 @@ def test_shards_used_follow_the_budget_so_growth_keeps_features(tmp_path):
     assert corpus_shards_used(corpus, (1, 1), 64) == 1
     assert corpus_shards_used(corpus, (first + 1, 1), 64) >= 2
     assert corpus_shards_used(corpus, (10**9, 10**9), 64) == 3
+    # --answer-tokens: each answer's first N tokens only, so the same budget spans more conversations
+    cut = list(corpus_sequences(corpus, 64, answer_tokens=2))
+    assert [len(ids) for ids, _, _ in cut] == [min(len(c.prompt) + min(len(c.response), 2), 64)
+                                                 for c in corpus.conversations() if len(c.prompt) + 1 < 64]
+    assert all(sum(mask) <= 2 for _, mask, _ in cut)
+    assert corpus_shards_used(corpus, (first + 1, 1), 64, answer_tokens=1) > corpus_shards_used(corpus, (first + 1, 1), 64)
     assert corpus.digest(1) != corpus.digest(2) and corpus.digest(1) == Corpus.open(tmp_path / "c").digest(1)
     # a FeatureSpec without a corpus or an artifact teacher keeps the cache name it had before either existed
     plain = FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4)
-    before = {k: v for k, v in asdict(plain).items() if k not in ("corpus", "teacher")}
+    before = {k: v for k, v in asdict(plain).items() if k not in ("corpus", "teacher", "answer_tokens")}
     assert plain.key() == hashlib.sha256(json.dumps({"format": 1, **before}, sort_keys=True).encode()).hexdigest()[:16]
     assert plain.key() != FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4, corpus="ab").key()
+    assert plain.key() != FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4, answer_tokens=2).key()
 
 
 def test_features_from_an_artifacts_graph(tmp_path, tmp_path_factory):
