@@ -212,11 +212,21 @@ class LookupLength:
 
     PRIOR, STRENGTH = 0.6, 4.0  # prior acceptance and its weight in pseudo-trials
     LONGEST = 24  # repeats this long and longer share one estimate
+    HEADS_PRIOR = 0.5  # heads' tokens accepted per step, before any is seen (STRENGTH pseudo-steps)
 
     def __init__(self, cost: Callable[[int], float]) -> None:
         self.cost = cost
         self.hits = np.zeros(self.LONGEST + 1)  # index l: repeats of l tokens (0: the store's drafts)
         self.trials = np.zeros(self.LONGEST + 1)
+        # drafts="heads+lookup": the heads' drafting time per step (running mean, ms; None: not seen yet) and
+        # their accepted tokens on steps whose lookup draft was wrong at its first token or absent (sum, steps)
+        self.heads_ms: float | None = None
+        self.heads_tokens = [self.STRENGTH * self.HEADS_PRIOR, self.STRENGTH]
+
+    def _acceptance(self, match: int, n: int) -> np.ndarray:
+        """[n] the chance that proposal token j is accepted, given that tokens 0..j-1 were."""
+        at = self._repeats(match, n)
+        return (self.hits[at] + self.STRENGTH * self.PRIOR) / (self.trials[at] + self.STRENGTH)
 
     def _repeats(self, match: int, n: int) -> np.ndarray:
         return np.zeros(n, dtype=np.int64) if match == 0 else np.minimum(match + np.arange(n), self.LONGEST)
@@ -226,11 +236,35 @@ class LookupLength:
         rows (the root, and a merged tree's head nodes)."""
         if n == 0:
             return 0
-        at = self._repeats(match, n)
-        q = (self.hits[at] + self.STRENGTH * self.PRIOR) / (self.trials[at] + self.STRENGTH)
-        expected = 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(q))))  # tokens per step verifying k = 0..n
+        expected = self._expected(match, n)
         ms = np.array([self.cost(rows + k) for k in range(n + 1)])
         return int(np.argmax(expected / ms))
+
+    def _expected(self, match: int, n: int) -> np.ndarray:
+        """[n + 1] tokens per step verifying k = 0..n tokens of the proposal (the bonus token included)."""
+        return 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(self._acceptance(match, n)))))
+
+    def alone(self, match: int, n: int, rows: int) -> bool:
+        """drafts="heads+lookup": whether this step should verify the lookup proposal (n tokens from a match of
+        `match`) alone, without drafting the heads' `rows`-node tree. The heads cost their drafting time and add
+        their accepted tokens only where the proposal's first token is wrong: a long repeat (code, quoting) is
+        right so often that drafting the heads beside it costs more tokens per millisecond than it adds."""
+        if n == 0 or self.heads_ms is None:
+            return False
+        expected, miss = self._expected(match, n), 1.0 - self._acceptance(match, 1)[0]
+        heads = self.heads_tokens[0] / self.heads_tokens[1]
+        alone = max(expected[k] / self.cost(1 + k) for k in range(n + 1))
+        merged = max((expected[k] + heads * (miss if k else 1.0)) / (self.heads_ms + self.cost(rows + k))
+                     for k in range(n + 1))
+        return alone > merged
+
+    def observe_heads(self, ms: float, proposal: Sequence[int], emitted: Sequence[int]) -> None:
+        """A step whose heads drafted (in `ms`) beside the lookup `proposal` (whole, maybe empty), and what it
+        emitted: the heads' tokens count where the proposal's first token was wrong or absent."""
+        self.heads_ms = ms if self.heads_ms is None else 0.9 * self.heads_ms + 0.1 * ms
+        if not len(proposal) or proposal[0] != emitted[0]:
+            self.heads_tokens[0] += len(emitted) - 1  # every accepted node is a head's: the lookup path failed
+            self.heads_tokens[1] += 1
 
     def observe(self, match: int, proposal: Sequence[int], emitted: Sequence[int]) -> None:
         """A step's whole proposal (before `choose` cut it) beside the tokens the step emitted. The base's next

@@ -326,6 +326,9 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
     t0, e0 = clock(), engine.seconds if engine else 0.0
     step_trees, drafts, draft_seconds, verify = [], [], [], []
     proposals: list[tuple[int, np.ndarray] | None] = []  # per sequence: its lookup match length and whole proposal
+    # per sequence, drafts="heads+lookup" with learned lookup lengths: "alone" (lookup drafted without the heads),
+    # "timed" (the heads drafted beside it: their time and tokens are learned), or None
+    heads_use: list[str | None] = []
     for i, d in enumerate(batch):                                                                # 1. draft
         td = clock()
         if d.prefilling:
@@ -336,10 +339,11 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             drafts.append(None)
             draft_seconds.append(0.0)
             proposals.append(None)
+            heads_use.append(None)
             continue
         tree = trees[i] if trees is not None else d.tree
         room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
-        whole = None
+        whole, use = None, None
         if d.drafts == "lookup":
             whole = d.lookup.propose(min(tree.max_depth, room))
             proposal = _worth_verifying(d, whole, 1)
@@ -347,14 +351,27 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
         else:
             tree = tree if tree.num_nodes - 1 <= room else PLAIN
-            if isinstance(tree, DynamicTree):
-                tree, draft = draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot)
+            if d.lookup is not None:  # heads+lookup
+                whole = d.lookup.propose(min(LOOKUP_DRAFTS, room))
+            if (whole is not None and d.lookup_length is not None and not isinstance(tree, DynamicTree)
+                    and tree.num_nodes > 1 and d.lookup_length.alone(d.lookup.match, len(whole), tree.num_nodes)):
+                proposal = _worth_verifying(d, whole, 1)  # a long repeat: the heads would not pay this step
+                use = "alone"
+                tree = chain(len(proposal))
+                draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
             else:
-                draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
-            if d.lookup is not None:  # heads+lookup: the lookup path joins the heads' tree
-                whole = d.lookup.propose(max(0, min(LOOKUP_DRAFTS, room - tree.num_nodes + 1)))
-                proposal = _worth_verifying(d, whole, tree.num_nodes)
-                tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
+                # the first step after the prompt drafts over all of it: its time says nothing of later steps
+                timed = tree.num_nodes > 1 and whole is not None and d.slot.past > len(d.prompt)
+                use = "timed" if timed and d.lookup_length is not None else None
+                if isinstance(tree, DynamicTree):
+                    tree, draft = draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot)
+                else:
+                    draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
+                if whole is not None:  # the lookup path joins the heads' tree, in the rows left
+                    whole = whole[:max(0, room - tree.num_nodes + 1)]
+                    proposal = _worth_verifying(d, whole, tree.num_nodes)
+                    tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
+        heads_use.append(use)
         proposals.append((d.lookup.match, whole) if whole is not None and d.lookup_length is not None else None)
         step_trees.append(tree)
         drafts.append(draft)
@@ -367,8 +384,8 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
                 for d, dr, t, lg in zip(batch, drafts, step_trees, logits)]
     t3 = clock()
     steps = []
-    for d, v, dr, t, acc, lg, ds, pr in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds,
-                                           proposals):                                           # 4. commit
+    for d, v, dr, t, acc, lg, ds, pr, use in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds,
+                                                proposals, heads_use):                           # 4. commit
         if t is None:
             steps.append(_prefilled(runner, d, v.tokens, lg))
             continue
@@ -380,11 +397,15 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             d.lookup.extend(emitted)
         if pr is not None:
             d.lookup_length.observe(*pr, emitted)
+        if use == "timed":
+            d.lookup_length.observe_heads(ds * 1e3, pr[1], emitted)
         d.root = acc.bonus_token
         st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=ds)
         if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
             in_heads = dr.heads[acc.path]
             st.heads_tree, st.heads_path = dr.heads_tree, in_heads[in_heads >= 0]
+        elif use == "alone":  # the heads drafted nothing
+            st.heads_tree, st.heads_path = PLAIN, acc.path[:1]
         steps.append(st)
     seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
     if engine:

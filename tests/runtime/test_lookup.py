@@ -293,3 +293,41 @@ def test_lookup_length_weighs_acceptance_against_verify_cost():
     seen = LookupLength(lambda rows: 1.0)
     seen.observe(2, [5, 6, 7], [5, 6])
     assert seen.trials[2:5].tolist() == [1, 1, 0] and seen.hits[2:5].tolist() == [1, 1, 0]
+
+
+def test_lookup_goes_alone_where_the_heads_do_not_pay():
+    """heads+lookup: a step drafts the heads only while their expected tokens beat their drafting time; beside a
+    repeat that is always right, slow heads that accept nothing are left out; useful cheap ones stay in."""
+    from clover.runtime.lookup import LookupLength
+
+    ll = LookupLength(lambda rows: 10.0 + 0.5 * rows)
+    assert not ll.alone(4, 8, 3)  # the heads' time is not known yet
+    for _ in range(50):
+        ll.observe(4, [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9])  # the repeat is always right
+        ll.observe_heads(3.0, [], [5])  # no proposal, and the heads' drafts all wrong
+    assert ll.alone(4, 8, 3) and not ll.alone(4, 0, 3)
+    tokens = list(ll.heads_tokens)
+    ll.observe_heads(3.0, [5, 6], [5, 6, 7])  # the lookup path was right: says nothing of the heads
+    assert ll.heads_tokens == tokens
+    useful = LookupLength(lambda rows: 10.0 + 0.5 * rows)
+    for _ in range(50):
+        useful.observe(1, [1, 2], [7])  # a short repeat, always wrong
+        useful.observe_heads(0.5, [1, 2], [7, 8, 9])  # where it fails, the heads gave 2 tokens in 0.5 ms
+    assert not useful.alone(1, 2, 3)
+
+
+def test_heads_plus_lookup_alone_steps_keep_greedy_identity(tmp_path_factory):
+    """Steps that verify the lookup proposal without drafting the heads (here: every other step) give plain
+    greedy output, and the heads catch up on the skipped rows when they draft again."""
+    root = tmp_path_factory.getbasetemp()
+    art = tiny_artifact(root, "clover2", tree="chain-3", weights="int4", attention="fused")
+    tokenizer = Tokenizer.from_dir(art / open_artifact(art).tokenizer)
+    plain = load_runner(art, heads="none")
+    chosen = []
+    for p in PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]:
+        want, _ = run_tokens(plain, p, resolve_tree("plain"), 40)
+        gen = Generator(load_runner(art), tokenizer, "chain-2", drafts="heads+lookup")
+        gen.lookup_length.alone = lambda *a: chosen.append(len(chosen) % 2 == 0) or chosen[-1]
+        got = gen.generate(p, max_new_tokens=40, ignore_eos=True)
+        assert_identical(got.token_ids, want, "heads+lookup with lookup-alone steps")
+    assert len(chosen) > 10
