@@ -213,6 +213,7 @@ class LookupLength:
     PRIOR, STRENGTH = 0.6, 4.0  # prior acceptance and its weight in pseudo-trials
     LONGEST = 24  # repeats this long and longer share one estimate
     HEADS_PRIOR = 0.5  # heads' tokens accepted per step, before any is seen (STRENGTH pseudo-steps)
+    EXPLORE = 16  # after this many steps in a row without the heads, they draft once (their numbers stay current)
 
     def __init__(self, cost: Callable[[int], float]) -> None:
         self.cost = cost
@@ -222,6 +223,7 @@ class LookupLength:
         # their accepted tokens on steps whose lookup draft was wrong at its first token or absent (sum, steps)
         self.heads_ms: float | None = None
         self.heads_tokens = [self.STRENGTH * self.HEADS_PRIOR, self.STRENGTH]
+        self.without_heads = 0  # steps in a row that went alone
 
     def _acceptance(self, match: int, n: int) -> np.ndarray:
         """[n] the chance that proposal token j is accepted, given that tokens 0..j-1 were."""
@@ -246,17 +248,21 @@ class LookupLength:
 
     def alone(self, match: int, n: int, rows: int) -> bool:
         """drafts="heads+lookup": whether this step should verify the lookup proposal (n tokens from a match of
-        `match`) alone, without drafting the heads' `rows`-node tree. The heads cost their drafting time and add
-        their accepted tokens only where the proposal's first token is wrong: a long repeat (code, quoting) is
-        right so often that drafting the heads beside it costs more tokens per millisecond than it adds."""
-        if n == 0 or self.heads_ms is None:
+        `match`; none: a plain step) alone, without drafting the heads' `rows`-node tree. The heads cost their
+        drafting time and add their accepted tokens only where the proposal's first token is wrong: a long
+        repeat (code, quoting) is right so often, and on a quantized base a step is so short, that drafting the
+        heads beside it can cost more tokens per millisecond than it adds."""
+        if self.heads_ms is None or self.without_heads >= self.EXPLORE:
+            self.without_heads = 0
             return False
-        expected, miss = self._expected(match, n), 1.0 - self._acceptance(match, 1)[0]
+        expected = self._expected(match, n)
+        miss = 1.0 - self._acceptance(match, 1)[0] if n else 1.0
         heads = self.heads_tokens[0] / self.heads_tokens[1]
         alone = max(expected[k] / self.cost(1 + k) for k in range(n + 1))
         merged = max((expected[k] + heads * (miss if k else 1.0)) / (self.heads_ms + self.cost(rows + k))
                      for k in range(n + 1))
-        return alone > merged
+        self.without_heads = self.without_heads + 1 if alone > merged else 0
+        return bool(alone > merged)
 
     def observe_heads(self, ms: float, proposal: Sequence[int], emitted: Sequence[int]) -> None:
         """A step whose heads drafted (in `ms`) beside the lookup `proposal` (whole, maybe empty), and what it

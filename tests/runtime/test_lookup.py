@@ -305,7 +305,9 @@ def test_lookup_goes_alone_where_the_heads_do_not_pay():
     for _ in range(50):
         ll.observe(4, [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9])  # the repeat is always right
         ll.observe_heads(3.0, [], [5])  # no proposal, and the heads' drafts all wrong
-    assert ll.alone(4, 8, 3) and not ll.alone(4, 0, 3)
+    assert ll.alone(4, 8, 3) and ll.alone(4, 0, 3)  # and without a proposal a plain step beats them too
+    runs = [ll.alone(4, 8, 3) for _ in range(2 * LookupLength.EXPLORE)]
+    assert runs.count(False) == 2 and runs[LookupLength.EXPLORE - 2] is False  # the heads still draft now and then
     tokens = list(ll.heads_tokens)
     ll.observe_heads(3.0, [5, 6], [5, 6, 7])  # the lookup path was right: says nothing of the heads
     assert ll.heads_tokens == tokens
