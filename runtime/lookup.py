@@ -212,18 +212,19 @@ class LookupLength:
 
     PRIOR, STRENGTH = 0.6, 4.0  # prior acceptance and its weight in pseudo-trials
     LONGEST = 24  # repeats this long and longer share one estimate
-    HEADS_PRIOR = 0.5  # heads' tokens accepted per step, before any is seen (STRENGTH pseudo-steps)
-    EXPLORE = 16  # after this many steps in a row without the heads, they draft once (their numbers stay current)
+    # drafts="heads+lookup": whether to draft the heads beside the lookup path is learned from measured steps
+    EXPLORE = 16  # every 16th choice of a kind takes the other arm, so both rates stay current
+    WARMUP = 4  # steps each arm is tried first, per kind
+    MARGIN = 1.05  # alone only when clearly faster: near-ties are within the rates' noise
 
     def __init__(self, cost: Callable[[int], float]) -> None:
         self.cost = cost
         self.hits = np.zeros(self.LONGEST + 1)  # index l: repeats of l tokens (0: the store's drafts)
         self.trials = np.zeros(self.LONGEST + 1)
-        # drafts="heads+lookup": the heads' drafting time per step (running mean, ms; None: not seen yet) and
-        # their accepted tokens on steps whose lookup draft was wrong at its first token or absent (sum, steps)
-        self.heads_ms: float | None = None
-        self.heads_tokens = [self.STRENGTH * self.HEADS_PRIOR, self.STRENGTH]
-        self.without_heads = 0  # steps in a row that went alone
+        # [kind, arm (0: heads and lookup merged, 1: lookup alone), (tokens, ms, steps)]: running sums of what
+        # steps of each kind of proposal (_kind) emitted and took, per arm
+        self.arms = np.zeros((4, 2, 3))
+        self.choices = [0] * 4  # decisions per kind, after the warm-up
 
     def _acceptance(self, match: int, n: int) -> np.ndarray:
         """[n] the chance that proposal token j is accepted, given that tokens 0..j-1 were."""
@@ -246,31 +247,30 @@ class LookupLength:
         """[n + 1] tokens per step verifying k = 0..n tokens of the proposal (the bonus token included)."""
         return 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(self._acceptance(match, n)))))
 
-    def alone(self, match: int, n: int, rows: int) -> bool:
-        """drafts="heads+lookup": whether this step should verify the lookup proposal (n tokens from a match of
-        `match`; none: a plain step) alone, without drafting the heads' `rows`-node tree. The heads cost their
-        drafting time and add their accepted tokens only where the proposal's first token is wrong: a long
-        repeat (code, quoting) is right so often, and on a quantized base a step is so short, that drafting the
-        heads beside it can cost more tokens per millisecond than it adds."""
-        if self.heads_ms is None or self.without_heads >= self.EXPLORE:
-            self.without_heads = 0
-            return False
-        expected = self._expected(match, n)
-        miss = 1.0 - self._acceptance(match, 1)[0] if n else 1.0
-        heads = self.heads_tokens[0] / self.heads_tokens[1]
-        alone = max(expected[k] / self.cost(1 + k) for k in range(n + 1))
-        merged = max((expected[k] + heads * (miss if k else 1.0)) / (self.heads_ms + self.cost(rows + k))
-                     for k in range(n + 1))
-        self.without_heads = self.without_heads + 1 if alone > merged else 0
-        return bool(alone > merged)
+    @staticmethod
+    def kind(match: int, n: int) -> int:
+        """What the heads add depends on what the lookup offers: nothing, the store's drafts, a short repeat,
+        a long one."""
+        return 0 if n == 0 else 1 if match == 0 else 2 if match < 4 else 3
 
-    def observe_heads(self, ms: float, proposal: Sequence[int], emitted: Sequence[int]) -> None:
-        """A step whose heads drafted (in `ms`) beside the lookup `proposal` (whole, maybe empty), and what it
-        emitted: the heads' tokens count where the proposal's first token was wrong or absent."""
-        self.heads_ms = ms if self.heads_ms is None else 0.9 * self.heads_ms + 0.1 * ms
-        if not len(proposal) or proposal[0] != emitted[0]:
-            self.heads_tokens[0] += len(emitted) - 1  # every accepted node is a head's: the lookup path failed
-            self.heads_tokens[1] += 1
+    def alone(self, match: int, n: int) -> bool:
+        """drafts="heads+lookup": whether this step should verify the lookup proposal (n tokens from a match of
+        `match`; none: a plain step) alone, without drafting the heads. Decided by the tokens per millisecond
+        measured so far on steps with this kind of proposal, each way: a long repeat (code, quoting) is right so
+        often, and on a quantized base a step is so short, that the heads' drafting time can buy fewer tokens
+        than it costs; on fp32 SmolLM2 they pay. A model of it (the verify-cost curve, the heads' time and
+        their tokens beyond the lookup's) was tried first and went alone too often there."""
+        k = self.kind(match, n)
+        (tm, msm, nm), (ta, msa, na) = self.arms[k]
+        if nm < self.WARMUP or na < self.WARMUP:
+            return bool(nm >= self.WARMUP)  # the merged arm first, then the lone one
+        self.choices[k] += 1
+        go = bool(ta / msa > self.MARGIN * tm / msm)
+        return go != (self.choices[k] % self.EXPLORE == 0)
+
+    def observe_step(self, kind: int, alone: bool, tokens: int, ms: float) -> None:
+        """A heads+lookup step with a proposal of `kind`: lookup `alone` or merged, its tokens and time."""
+        self.arms[kind, int(alone)] += (tokens, ms, 1)
 
     def observe(self, match: int, proposal: Sequence[int], emitted: Sequence[int]) -> None:
         """A step's whole proposal (before `choose` cut it) beside the tokens the step emitted. The base's next

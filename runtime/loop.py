@@ -326,9 +326,9 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
     t0, e0 = clock(), engine.seconds if engine else 0.0
     step_trees, drafts, draft_seconds, verify = [], [], [], []
     proposals: list[tuple[int, np.ndarray] | None] = []  # per sequence: its lookup match length and whole proposal
-    # per sequence, drafts="heads+lookup" with learned lookup lengths: "alone" (lookup drafted without the heads),
-    # "timed" (the heads drafted beside it: their time and tokens are learned), or None
-    heads_use: list[str | None] = []
+    # per sequence, drafts="heads+lookup" with learned lookup lengths: (True if the lookup went alone, else False:
+    # merged with the heads; the kind of its proposal), to be learned from; None otherwise
+    heads_use: list[tuple[bool, int] | None] = []
     for i, d in enumerate(batch):                                                                # 1. draft
         td = clock()
         if d.prefilling:
@@ -354,15 +354,16 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             if d.lookup is not None:  # heads+lookup
                 whole = d.lookup.propose(min(LOOKUP_DRAFTS, room))
             if (whole is not None and d.lookup_length is not None and not isinstance(tree, DynamicTree)
-                    and tree.num_nodes > 1 and d.lookup_length.alone(d.lookup.match, len(whole), tree.num_nodes)):
-                proposal = _worth_verifying(d, whole, 1)  # a long repeat: the heads would not pay this step
-                use = "alone"
+                    and tree.num_nodes > 1 and d.slot.past > len(d.prompt)
+                    and d.lookup_length.alone(d.lookup.match, len(whole))):
+                proposal = _worth_verifying(d, whole, 1)  # measured faster without the heads, for such proposals
+                use = (True, LookupLength.kind(d.lookup.match, len(whole)))
                 tree = chain(len(proposal))
                 draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
             else:
-                # the first step after the prompt drafts over all of it: its time says nothing of later steps
-                timed = tree.num_nodes > 1 and whole is not None and d.slot.past > len(d.prompt)
-                use = "timed" if timed and d.lookup_length is not None else None
+                # not the first step after the prompt: its heads draft over all of it, not a typical step
+                if tree.num_nodes > 1 and whole is not None and d.lookup_length is not None and d.slot.past > len(d.prompt):
+                    use = (False, LookupLength.kind(d.lookup.match, len(whole)))
                 if isinstance(tree, DynamicTree):
                     tree, draft = draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot)
                 else:
@@ -397,14 +398,12 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             d.lookup.extend(emitted)
         if pr is not None:
             d.lookup_length.observe(*pr, emitted)
-        if use == "timed":
-            d.lookup_length.observe_heads(ds * 1e3, pr[1], emitted)
         d.root = acc.bonus_token
         st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=ds)
         if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
             in_heads = dr.heads[acc.path]
             st.heads_tree, st.heads_path = dr.heads_tree, in_heads[in_heads >= 0]
-        elif use == "alone":  # the heads drafted nothing
+        elif use is not None and use[0]:  # the heads drafted nothing
             st.heads_tree, st.heads_path = PLAIN, acc.path[:1]
         steps.append(st)
     seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
@@ -413,6 +412,10 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
     for st in steps:
         # the batch's step: every sequence waited for all of it; a prompt chunk's step is prefill time
         st.seconds = dict(seconds) if st.tree is not None else {"prefill": sum(seconds.values()) - seconds.get("engine", 0.0)}
+    shared = (t3 - t1 + seconds["commit"]) / len(batch)  # verify, accept, commit: a share per sequence
+    for d, st, use, ds in zip(batch, steps, heads_use, draft_seconds):
+        if use is not None:  # what this kind of step gave and took, the lookup alone or merged with the heads
+            d.lookup_length.observe_step(use[1], use[0], len(st.tokens), (ds + shared) * 1e3)
     return steps
 
 

@@ -296,26 +296,30 @@ def test_lookup_length_weighs_acceptance_against_verify_cost():
 
 
 def test_lookup_goes_alone_where_the_heads_do_not_pay():
-    """heads+lookup: a step drafts the heads only while their expected tokens beat their drafting time; beside a
-    repeat that is always right, slow heads that accept nothing are left out; useful cheap ones stay in."""
+    """heads+lookup: each kind of proposal tries both ways (heads merged first), then takes the one with more
+    tokens per measured millisecond, and the other now and then, so both rates stay current."""
     from clover.runtime.lookup import LookupLength
 
-    ll = LookupLength(lambda rows: 10.0 + 0.5 * rows)
-    assert not ll.alone(4, 8, 3)  # the heads' time is not known yet
-    for _ in range(50):
-        ll.observe(4, [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 5, 6, 7, 8, 9])  # the repeat is always right
-        ll.observe_heads(3.0, [], [5])  # no proposal, and the heads' drafts all wrong
-    assert ll.alone(4, 8, 3) and ll.alone(4, 0, 3)  # and without a proposal a plain step beats them too
-    runs = [ll.alone(4, 8, 3) for _ in range(2 * LookupLength.EXPLORE)]
-    assert runs.count(False) == 2 and runs[LookupLength.EXPLORE - 2] is False  # the heads still draft now and then
-    tokens = list(ll.heads_tokens)
-    ll.observe_heads(3.0, [5, 6], [5, 6, 7])  # the lookup path was right: says nothing of the heads
-    assert ll.heads_tokens == tokens
-    useful = LookupLength(lambda rows: 10.0 + 0.5 * rows)
-    for _ in range(50):
-        useful.observe(1, [1, 2], [7])  # a short repeat, always wrong
-        useful.observe_heads(0.5, [1, 2], [7, 8, 9])  # where it fails, the heads gave 2 tokens in 0.5 ms
-    assert not useful.alone(1, 2, 3)
+    W, E = LookupLength.WARMUP, LookupLength.EXPLORE
+    ll = LookupLength(lambda rows: 1.0)
+    tried = []
+    for _ in range(2 * W):  # a long repeat: alone 5 tokens in 10 ms, merged 4 in 12
+        tried.append(ll.alone(6, 8))
+        ll.observe_step(LookupLength.kind(6, 8), tried[-1], 5 if tried[-1] else 4, 10.0 if tried[-1] else 12.0)
+    assert tried == [False] * W + [True] * W
+    runs = [ll.alone(6, 8) for _ in range(2 * E)]
+    assert runs.count(False) == 2 and runs[E - 1] is False
+    assert not ll.alone(0, 0) and not ll.alone(0, 3)  # other kinds learn on their own (merged first)
+    useful = LookupLength(lambda rows: 1.0)
+    for _ in range(2 * W):  # a short repeat: alone 1.2 tokens in 10 ms, merged 2 in 12
+        a = useful.alone(2, 4)
+        useful.observe_step(LookupLength.kind(2, 4), a, 1.2 if a else 2.0, 10.0 if a else 12.0)
+    assert [useful.alone(2, 4) for _ in range(E - 1)] == [False] * (E - 1)
+    near = LookupLength(lambda rows: 1.0)  # a near tie (alone 3% ahead) stays merged
+    for a in [False] * W + [True] * W:
+        assert near.alone(2, 4) is a
+        near.observe_step(LookupLength.kind(2, 4), a, 1.03 if a else 1.0, 10.0)
+    assert not near.alone(2, 4)
 
 
 def test_heads_plus_lookup_alone_steps_keep_greedy_identity(tmp_path_factory):
