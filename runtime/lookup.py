@@ -222,7 +222,7 @@ class LookupLength:
         self.hits = np.zeros(self.LONGEST + 1)  # index l: repeats of l tokens (0: the store's drafts)
         self.trials = np.zeros(self.LONGEST + 1)
         # [kind, arm (0: heads and lookup merged, 1: lookup alone), (tokens, ms, steps)]: running sums of what
-        # steps of each kind of proposal (_kind) emitted and took, per arm
+        # steps of each kind of proposal (`kind`) emitted and took, per arm
         self.arms = np.zeros((4, 2, 3))
         self.choices = [0] * 4  # decisions per kind, after the warm-up
 

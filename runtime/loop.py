@@ -361,7 +361,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
                 tree = chain(len(proposal))
                 draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
             else:
-                # not the first step after the prompt: its heads draft over all of it, not a typical step
+                # learned from, except the first step after the prompt (its heads draft over all of it)
                 if tree.num_nodes > 1 and whole is not None and d.lookup_length is not None and d.slot.past > len(d.prompt):
                     use = (False, LookupLength.kind(d.lookup.match, len(whole)))
                 if isinstance(tree, DynamicTree):
