@@ -226,11 +226,6 @@ class LookupLength:
         self.arms = np.zeros((4, 2, 3))
         self.choices = [0] * 4  # decisions per kind, after the warm-up
 
-    def _acceptance(self, match: int, n: int) -> np.ndarray:
-        """[n] the chance that proposal token j is accepted, given that tokens 0..j-1 were."""
-        at = self._repeats(match, n)
-        return (self.hits[at] + self.STRENGTH * self.PRIOR) / (self.trials[at] + self.STRENGTH)
-
     def _repeats(self, match: int, n: int) -> np.ndarray:
         return np.zeros(n, dtype=np.int64) if match == 0 else np.minimum(match + np.arange(n), self.LONGEST)
 
@@ -239,13 +234,11 @@ class LookupLength:
         rows (the root, and a merged tree's head nodes)."""
         if n == 0:
             return 0
-        expected = self._expected(match, n)
+        at = self._repeats(match, n)
+        q = (self.hits[at] + self.STRENGTH * self.PRIOR) / (self.trials[at] + self.STRENGTH)
+        expected = 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(q))))  # tokens per step verifying k = 0..n
         ms = np.array([self.cost(rows + k) for k in range(n + 1)])
         return int(np.argmax(expected / ms))
-
-    def _expected(self, match: int, n: int) -> np.ndarray:
-        """[n + 1] tokens per step verifying k = 0..n tokens of the proposal (the bonus token included)."""
-        return 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(self._acceptance(match, n)))))
 
     @staticmethod
     def kind(match: int, n: int) -> int:

@@ -353,17 +353,17 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             tree = tree if tree.num_nodes - 1 <= room else PLAIN
             if d.lookup is not None:  # heads+lookup
                 whole = d.lookup.propose(min(LOOKUP_DRAFTS, room))
-            if (whole is not None and d.lookup_length is not None and not isinstance(tree, DynamicTree)
-                    and tree.num_nodes > 1 and d.slot.past > len(d.prompt)
-                    and d.lookup_length.alone(d.lookup.match, len(whole))):
+            # steps learned from (heads drafted or not): not the first after the prompt (its heads draft over all of it)
+            learn = (whole is not None and d.lookup_length is not None and tree.num_nodes > 1
+                     and d.slot.past > len(d.prompt))
+            kind = LookupLength.kind(d.lookup.match, len(whole)) if learn else -1
+            if learn and not isinstance(tree, DynamicTree) and d.lookup_length.alone(d.lookup.match, len(whole)):
                 proposal = _worth_verifying(d, whole, 1)  # measured faster without the heads, for such proposals
-                use = (True, LookupLength.kind(d.lookup.match, len(whole)))
+                use = (True, kind)
                 tree = chain(len(proposal))
                 draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
             else:
-                # learned from, except the first step after the prompt (its heads draft over all of it)
-                if tree.num_nodes > 1 and whole is not None and d.lookup_length is not None and d.slot.past > len(d.prompt):
-                    use = (False, LookupLength.kind(d.lookup.match, len(whole)))
+                use = (False, kind) if learn else None
                 if isinstance(tree, DynamicTree):
                     tree, draft = draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot)
                 else:

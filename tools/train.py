@@ -133,13 +133,12 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_dir(base_path)
     spec = FeatureSpec(BaseFingerprint.of(base).lm_head_sha256, args.data if args.data == "sharegpt" else
                        str(Path(args.data).resolve()), args.responses, args.max_tokens, args.seed, args.max_length,
-                       args.max_new_tokens, args.topk, dtype=args.feature_dtype)
+                       args.max_new_tokens, args.topk, dtype=args.feature_dtype, answer_tokens=args.answer_tokens or 0)
     if corpus is not None:  # features named for the corpus shards they read: a grown corpus keeps them
         from dataclasses import replace
 
         from clover.train.features import corpus_shards_used
 
-        spec = replace(spec, answer_tokens=args.answer_tokens or 0)
         used = corpus_shards_used(corpus, spec.budgets, spec.max_length, spec.answer_tokens)
         spec = replace(spec, responses="corpus", max_new_tokens=corpus.provenance.generator.max_new_tokens,
                        corpus=corpus.digest(used))
