@@ -5,7 +5,8 @@
 
 `grow` answers prompts (the first user turn of each conversation of --prompts, in the order clover-train uses)
 greedily with clover.Engine over an ONNX artifact, many at once, and appends the token ids to the corpus
-(clover.train.corpus: compressed shards plus provenance.json). It continues where the last run stopped, and
+(clover.train.corpus: compressed shards plus provenance.json). Later user turns (--turns) and a sampled
+second answer per prompt (--passes 2) go on once the first turns are answered. It continues where the last run stopped, and
 stops at --target-tokens response tokens, after --minutes, or at Ctrl-C / SIGTERM, keeping every finished
 answer. `clover-train --data DIR` trains on it.
 """
@@ -22,12 +23,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from clover.errors import CloverError
+from clover.runtime.sampling import SamplingParams
 from clover.tools.cli import run_cli
 
 if TYPE_CHECKING:
@@ -49,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--turns", type=int, default=None, help="user turns answered per conversation: after every "
                    "first turn, the second turns (the conversation before it, the source's own answers included, as "
                    "the prompt), and so on (default: the corpus's, 1 for a new one; a corpus keeps the largest)")
+    g.add_argument("--passes", type=int, default=None, help="answers per prompt: once every prompt of every turn "
+                   "has its greedy answer, --passes 2 goes through them again and samples a second answer each "
+                   "(--temperature, --top-p; seeded by the prompt's position: reruns give the same answers), and so "
+                   "on (default: the corpus's, 1 for a new one)")
+    g.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of passes 2.. (a corpus "
+                   "keeps one value)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus of passes 2.. (a corpus keeps one value)")
     g.add_argument("--target-tokens", type=int, default=5_000_000, help="stop once the corpus holds this many "
                    "response tokens (the training loss tokens)")
     g.add_argument("--minutes", type=float, default=None, help="stop taking new prompts after this many minutes "
@@ -77,7 +86,7 @@ class PromptSource:
     conversations: list  # list[list[Message]]: a prompt's index is its position here
 
 
-def prompt_source(prompts: str, seed: int, max_prompt_tokens: int, turns: int = 1) -> PromptSource:
+def prompt_source(prompts: str, seed: int, max_prompt_tokens: int, turns: int = 1, passes: int = 1) -> PromptSource:
     from importlib.metadata import PackageNotFoundError, version
 
     from clover.artifact import sha256_file
@@ -97,7 +106,7 @@ def prompt_source(prompts: str, seed: int, max_prompt_tokens: int, turns: int = 
         name = f"file:{path.name}"
     conversations = load_conversations(prompts)
     spec = PromptSpec(name, sha256_file(path)[:16], len(conversations), seed, VALIDATION_FRACTION, max_prompt_tokens,
-                      turns=turns)
+                      turns=turns, passes=passes)
     return PromptSource(spec, conversations)
 
 
@@ -118,11 +127,12 @@ class Grown:
     stopped: str = ""
 
 
-def grow(corpus, engine, order: list[tuple[int, int]], prompt_ids: Callable[[int, int], list[int] | None],
-         max_new_tokens: int, limits: Limits, stop: threading.Event, on_answer: Callable[[int], None]) -> Grown:
-    """Answer the prompts of `order` ((conversation index, turn) pairs) from the corpus's next position on, many at
-    once, appending each finished run of consecutive positions as a shard. `prompt_ids(index, turn)`: the prompt's
-    ids, None to skip it.
+def grow(corpus, engine, order: list[tuple[int, int, int]], prompt_ids: Callable[[int, int], list[int] | None],
+         max_new_tokens: int, limits: Limits, stop: threading.Event, on_answer: Callable[[int], None],
+         sampling: Callable[[int, int], Any] = lambda position, sample: SamplingParams()) -> Grown:
+    """Answer the prompts of `order` ((conversation index, turn, sample) triples) from the corpus's next position on,
+    many at once, appending each finished run of consecutive positions as a shard. `prompt_ids(index, turn)`: the
+    prompt's ids, None to skip it; `sampling(position, sample)`: how that answer is decoded.
 
     New prompts are taken until the corpus (with the answers finished here) holds `limits.target_tokens`
     response tokens, the deadline passes or the order ends; then the answers under way finish and the last
@@ -140,9 +150,10 @@ def grow(corpus, engine, order: list[tuple[int, int]], prompt_ids: Callable[[int
     grown = Grown()
     started = time.monotonic()
 
-    def answer(index: int, turn: int, ids: list[int]) -> Conversation:
-        r = engine.generate(ids, max_new_tokens=max_new_tokens)
-        return Conversation(index, ids, r.token_ids, r.finish_reason, turn)
+    def answer(position: int, ids: list[int]) -> Conversation:
+        index, turn, sample = order[position]
+        r = engine.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling(position, sample))
+        return Conversation(index, ids, r.token_ids, r.finish_reason, turn, sample)
 
     def write(end: int) -> None:
         nonlocal flushed, ready_tokens
@@ -164,12 +175,12 @@ def grow(corpus, engine, order: list[tuple[int, int]], prompt_ids: Callable[[int
                 if grown.stopped == "signal":
                     break
                 while not grown.stopped and len(futures) < in_flight and position < len(order):
-                    index, turn = order[position]
+                    index, turn, _ = order[position]
                     ids = prompt_ids(index, turn)
                     if ids is None:
                         done[position] = None
                     else:
-                        futures[pool.submit(answer, index, turn, ids)] = position
+                        futures[pool.submit(answer, position, ids)] = position
                     position += 1
                 if not futures and (grown.stopped or position >= len(order)):
                     grown.stopped = grown.stopped or "exhausted"
@@ -252,12 +263,15 @@ def run_grow(args: argparse.Namespace) -> int:
     import clover
     from clover.tools.train import cpu_model
     from clover.train.corpus import Corpus, RunRecord, bytes_per_million, is_corpus
-    from clover.train.data import turn_order, turn_prompt
+    from clover.train.data import answer_order, turn_prompt
 
     started_at = time.monotonic()
-    for name in ("target_tokens", "max_new_tokens", "max_prompt_tokens", "max_batch", "shard_tokens", "turns"):
+    for name in ("target_tokens", "max_new_tokens", "max_prompt_tokens", "max_batch", "shard_tokens", "turns", "passes"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if not args.temperature > 0 or not 0 < args.top_p <= 1:
+        raise CloverError(f"--temperature must be positive and --top-p in (0, 1], got {args.temperature} and "
+                          f"{args.top_p}: passes 2.. sample (the first pass is greedy)")
     if args.minutes is not None and args.minutes <= 0:
         raise CloverError(f"--minutes must be positive, got {args.minutes}")
     if args.out.exists() and not args.out.is_dir():
@@ -273,13 +287,17 @@ def run_grow(args: argparse.Namespace) -> int:
         args.max_batch = batch_slots(manifest)
     corpus = Corpus.open(args.out) if is_corpus(args.out) else None
     turns = args.turns or (corpus.provenance.prompts.turns if corpus is not None else 1)
-    source = prompt_source(args.prompts, args.seed, args.max_prompt_tokens, turns)
+    passes = args.passes or (corpus.provenance.prompts.passes if corpus is not None else 1)
+    if passes > 1:
+        gen_spec = replace(gen_spec, resampling=f"passes 2..: temperature {args.temperature:g}, top_p {args.top_p:g}, "
+                                                "seed = the prompt-order position")
+    source = prompt_source(args.prompts, args.seed, args.max_prompt_tokens, turns, passes)
     if corpus is not None:
         corpus.continue_with(source.spec, gen_spec)
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         corpus = Corpus.create(args.out, source.spec, gen_spec)
-    order = turn_order(source.spec.conversations, args.seed, VALIDATION_FRACTION, turns)
+    order = answer_order(source.spec.conversations, args.seed, VALIDATION_FRACTION, turns, passes)
     limit = min(args.max_prompt_tokens, manifest.max_context - 2)
 
     def prompt_ids(index: int, turn: int) -> list[int] | None:
@@ -293,7 +311,9 @@ def run_grow(args: argparse.Namespace) -> int:
               f"{prov.next_position}/{len(order)} done ({source.spec.source})", file=sys.stderr)
         if held >= args.target_tokens or prov.next_position >= len(order):
             print("nothing to do: " + ("--target-tokens reached" if held >= args.target_tokens else
-                                       f"every prompt is answered (--turns {turns + 1} answers the next user turns)"),
+                                       f"every prompt is answered (--passes {passes + 1} samples another answer to each)"
+                                       if passes > 1 else f"every prompt is answered (--turns {turns + 1} answers the "
+                                       f"next user turns, --passes 2 samples a second answer to each)"),
                   file=sys.stderr)
             return 0
         heads = None if args.heads == "artifact" else "none"
@@ -315,7 +335,9 @@ def run_grow(args: argparse.Namespace) -> int:
         started = datetime.now(timezone.utc).isoformat(timespec="seconds")
         try:
             with StopOnSignal(stop):
-                grown = grow(corpus, engine, order, prompt_ids, args.max_new_tokens, limits, stop, on_answer)
+                grown = grow(corpus, engine, order, prompt_ids, args.max_new_tokens, limits, stop, on_answer,
+                             lambda position, sample: SamplingParams() if sample == 1 else
+                             SamplingParams(args.temperature, args.top_p, seed=position))
         finally:
             bar.close()
             engine.close()
@@ -340,20 +362,22 @@ def run_info(args: argparse.Namespace) -> int:
 
     corpus = Corpus.open(args.dir)
     prov = corpus.provenance
-    turn = [c.turn for c in corpus.conversations()]  # reads every shard: checks their sha256
-    n = len(turn)
+    convs = [(c.turn, c.sample) for c in corpus.conversations()]  # reads every shard: checks their sha256
+    n = len(convs)
     t, p, g = prov.totals, prov.prompts, prov.generator
     print(f"corpus {corpus.path}: {t['conversations']} conversations, {t['prompt_tokens']} prompt + "
           f"{t['response_tokens']} response tokens, {len(prov.shards)} shards ({n} conversations read, checksums ok)")
     print(f"  size: {t['bytes'] / 2**20:.2f} MiB, {bytes_per_million(prov) / 2**20:.2f} MiB per million tokens")
-    print(f"  prompts: {p.source} (sha256 {p.source_sha256}), {p.turns} turn(s) of {p.conversations} conversations, "
-          f"{prov.next_position}/{p.turns * p.conversations} in order done, {prov.skipped} skipped (over "
+    passes = f" in {p.passes} passes" if p.passes > 1 else ""
+    print(f"  prompts: {p.source} (sha256 {p.source_sha256}), {p.turns} turn(s) of {p.conversations} conversations"
+          f"{passes}, {prov.next_position}/{p.passes * p.turns * p.conversations} in order done, {prov.skipped} skipped (over "
           f"{p.max_prompt_tokens} tokens, or no such turn); split seed {p.seed}, validation {p.validation_fraction:g}")
-    turns = np.bincount(turn)
-    if len(turns) > 2:
-        print("  answers by turn: " + ", ".join(f"{t}: {k}" for t, k in enumerate(turns) if t and k))
+    for i, what in enumerate(("turn", "sample")):
+        counts = np.bincount([c[i] for c in convs]) if convs else np.zeros(0, np.int64)
+        if len(counts) > 2:
+            print(f"  answers by {what}: " + ", ".join(f"{t}: {k}" for t, k in enumerate(counts) if t and k))
     print(f"  generator: {g.base} (LM head {g.base_fingerprint.get('lm_head_sha256')}), {g.backend} {g.weights}, "
-          f"{g.decoding}, max_new_tokens {g.max_new_tokens}, EOS {list(g.eos_token_ids)}, chat template "
+          f"{g.decoding}{'; ' + g.resampling if g.resampling else ''}, max_new_tokens {g.max_new_tokens}, EOS {list(g.eos_token_ids)}, chat template "
           f"{g.chat_template_sha256}")
     for r in prov.runs:
         print(f"  run {r.started}: {r.conversations} answers, {r.response_tokens} tokens in {r.seconds:.0f} s = "

@@ -13,11 +13,16 @@ as compressed token ids with their provenance, grown run after run (`clover-data
                             finish_reason  <U6 [n]       "stop" (EOS, kept as the last token) or "length"
                             turn           int16 [n]     which of its user turns (1: the first; absent in
                                                          older shards, which hold first turns only)
+                            sample         int16 [n]     which answer to that prompt (1: the greedy one;
+                                                         2..: sampled, see GeneratorSpec.resampling; absent
+                                                         in older shards, which hold greedy answers only)
 
-Prompts are answered in a fixed order (`clover.train.data.turn_order`: the training split's conversations
+Prompts are answered in a fixed order (`clover.train.data.answer_order`: the training split's conversations
 with the validation ones spread among them, every first turn, then every second turn, and so on up to the
-corpus's `turns`); `next_position` says how far a corpus got, so the next run continues there. A later turn's
-prompt holds the conversation before it, the source's own earlier answers included. A shard is written
+corpus's `turns`), then, with `passes` > 1, that whole order again for each further pass, answered by sampling
+(a second, different answer per prompt once the source's prompts run out); `next_position` says how far a
+corpus got, so the next run continues there. A later turn's prompt holds the conversation before it, the
+source's own earlier answers included. A shard is written
 atomically and the provenance after it, so a killed run loses at most the shard in progress. Numpy, json and
 hashlib only: no torch, no runtime.
 """
@@ -58,8 +63,9 @@ class PromptSpec:
     max_prompt_tokens: int  # longer prompts are skipped
     pick: str = ("turn t: the messages before the conversation's t-th assistant turn (its t-th user turn last, "
                  "the source's earlier answers before it), chat template with the generation prompt")
-    order: str = "clover.train.data.turn_order(conversations, seed, validation_fraction, turns)"
+    order: str = "clover.train.data.answer_order(conversations, seed, validation_fraction, turns, passes)"
     turns: int = 1  # user turns answered per conversation: positions (t-1) x conversations.. are turn t
+    passes: int = 1  # answers per prompt: pass k >= 2 repeats the first pass's order, sampled (GeneratorSpec.resampling)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class GeneratorSpec:
     eos_token_ids: tuple[int, ...]
     chat_template_sha256: str
     decoding: str = "greedy, until EOS (kept) or max_new_tokens"
+    resampling: str = ""  # how passes 2.. sample their answers ("" until a corpus has a second pass)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "GeneratorSpec":
@@ -120,6 +127,7 @@ class Conversation:
     response: np.ndarray  # int32 [R], EOS included when finish_reason is "stop"
     finish_reason: str
     turn: int = 1  # which user turn of the conversation it answers
+    sample: int = 1  # which answer to its prompt: 1 the greedy one, 2.. sampled (the corpus's passes)
 
 
 @dataclass
@@ -215,10 +223,11 @@ class Corpus:
                 tokens, offsets = z["tokens"], z["offsets"]
                 prompt_lengths, index, reasons = z["prompt_lengths"], z["prompt_index"], z["finish_reason"]
                 turns = z["turn"] if "turn" in z.files else np.ones(len(index), np.int16)
+                samples = z["sample"] if "sample" in z.files else np.ones(len(index), np.int16)
         except (ValueError, KeyError, OSError) as e:
             raise CloverError(f"corpus shard {file} cannot be read ({e}): {fix}") from None
         n = entry.conversations
-        ok = (len(offsets) == n + 1 and len(prompt_lengths) == len(index) == len(reasons) == len(turns) == n
+        ok = (len(offsets) == n + 1 and len(prompt_lengths) == len(index) == len(reasons) == len(turns) == len(samples) == n
               and offsets[0] == 0
               and offsets[-1] == len(tokens) and bool(np.all(np.diff(offsets) > prompt_lengths))
               and int(prompt_lengths.sum()) == entry.prompt_tokens
@@ -230,12 +239,13 @@ class Corpus:
         out = []
         for c in range(n):
             s, p, e = int(offsets[c]), int(offsets[c] + prompt_lengths[c]), int(offsets[c + 1])
-            out.append(Conversation(int(index[c]), tokens[s:p], tokens[p:e], str(reasons[c]), int(turns[c])))
+            out.append(Conversation(int(index[c]), tokens[s:p], tokens[p:e], str(reasons[c]), int(turns[c]),
+                                    int(samples[c])))
         return out
 
-    def done_prompts(self) -> set[tuple[int, int]]:
-        """The (source conversation index, turn) pairs answered so far."""
-        return {(c.index, c.turn) for c in self.conversations()}
+    def done_prompts(self) -> set[tuple[int, int, int]]:
+        """The (source conversation index, turn, sample) triples answered so far."""
+        return {(c.index, c.turn, c.sample) for c in self.conversations()}
 
     # -- growing -----------------------------------------------------------------------------------
     @contextmanager
@@ -286,7 +296,8 @@ class Corpus:
                             prompt_lengths=np.array([len(p) for p in prompts], dtype=np.int32),
                             prompt_index=np.array([c.index for c in conversations], dtype=np.int32),
                             finish_reason=np.array([c.finish_reason for c in conversations], dtype="<U6"),
-                            turn=np.array([c.turn for c in conversations], dtype=np.int16))
+                            turn=np.array([c.turn for c in conversations], dtype=np.int16),
+                            sample=np.array([c.sample for c in conversations], dtype=np.int16))
         data = buf.getvalue()
         atomic.write_bytes(self.path / name, data)
         n_prompt = sum(len(p) for p in prompts)
@@ -316,15 +327,26 @@ class Corpus:
 
     def check_matches(self, prompts: PromptSpec, generator: GeneratorSpec) -> None:
         """A run adding to this corpus must use its prompt source and order and its generator. It may answer
-        more turns per conversation than earlier runs (a longer order with the same start): see `continue_with`."""
+        more turns per conversation than earlier runs (a longer order with the same start), and more passes (the
+        order again, sampled): see `continue_with`."""
+        have = self.provenance.prompts
+        if prompts.passes < have.passes:
+            raise CloverError(f"{self.path} answers each prompt in {have.passes} passes; --passes {prompts.passes} "
+                              f"would shorten its prompt order: pass --passes {have.passes} or more")
+        if prompts.turns != have.turns and max(have.passes, prompts.passes) > 1:
+            raise CloverError(f"{self.path} answers {have.turns} turns per conversation in each pass; --turns "
+                              f"{prompts.turns} would reorder its later passes: pass --turns {have.turns}")
         if prompts.turns < self.provenance.prompts.turns:
             raise CloverError(f"{self.path} answers {self.provenance.prompts.turns} turns per conversation; "
                               f"--turns {prompts.turns} would shorten its prompt order: pass --turns "
                               f"{self.provenance.prompts.turns} or more")
         # `pick` and `order` name the rules: an older corpus's wording of the same first-turn order is fine
-        have_prompts = replace(self.provenance.prompts, turns=prompts.turns, pick=prompts.pick, order=prompts.order)
-        for what, have, want in (("prompts", have_prompts, prompts),
-                                 ("generator", self.provenance.generator, generator)):
+        have_prompts = replace(self.provenance.prompts, turns=prompts.turns, passes=prompts.passes, pick=prompts.pick,
+                               order=prompts.order)
+        have_generator = self.provenance.generator
+        if not have_generator.resampling:  # no pass sampled yet: a first sampling setting is recorded
+            have_generator = replace(have_generator, resampling=generator.resampling)
+        for what, have, want in (("prompts", have_prompts, prompts), ("generator", have_generator, generator)):
             if have != want:
                 diff = {k: (v, getattr(want, k)) for k, v in asdict(have).items()
                         if v != getattr(want, k) and k != "base_fingerprint"}
@@ -336,10 +358,12 @@ class Corpus:
                                   + ": use the same settings, or another --out")
 
     def continue_with(self, prompts: PromptSpec, generator: GeneratorSpec) -> None:
-        """Check a run's settings (check_matches), then record its prompt spec (a larger `turns`, the current
-        wording of `pick` and `order`), written with the next shard."""
+        """Check a run's settings (check_matches), then record its prompt spec (a larger `turns` or `passes`, the
+        current wording of `pick` and `order`) and its sampling setting, written with the next shard."""
         self.check_matches(prompts, generator)
         self.provenance.prompts = prompts
+        if generator.resampling:
+            self.provenance.generator = replace(self.provenance.generator, resampling=generator.resampling)
 
 
 def answer_counts(conversations: Iterable[Conversation], vocab_size: int) -> np.ndarray:

@@ -181,6 +181,14 @@ def turn_order(count: int, seed: int, validation_fraction: float, turns: int) ->
     return [(index, turn) for turn in range(1, turns + 1) for index, _ in order]
 
 
+def answer_order(count: int, seed: int, validation_fraction: float, turns: int,
+                 passes: int = 1) -> list[tuple[int, int, int]]:
+    """(conversation index, turn, sample) in the order clover.train.corpus answers them: turn_order for sample 1
+    (greedy answers), then the same order again for each further pass (sampled answers)."""
+    order = turn_order(count, seed, validation_fraction, turns)
+    return [(index, turn, sample) for sample in range(1, passes + 1) for index, turn in order]
+
+
 def turn_prompt(tokenizer: Tokenizer, messages: list[Message], turn: int = 1) -> list[int] | None:
     """The templated prompt up to the conversation's `turn`-th assistant turn (1: the first, what the base
     answers in --responses base; later ones keep the conversation's own earlier answers as context), or None

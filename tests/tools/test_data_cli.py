@@ -14,6 +14,7 @@ import pytest
 import clover.runtime.engine  # noqa: F401
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools import data as data_tool
 from clover.tools.data import main as data_main
@@ -127,7 +128,7 @@ def test_later_turns_continue_a_corpus_whose_first_turns_are_answered(setup, cap
     out = root / "turns"
     assert grow(setup, out) == 0  # the default target (5M tokens) is far: every first turn
     assert grow(setup, out) == 0
-    assert "every prompt is answered (--turns 2 answers the next user turns)" in capsys.readouterr().err
+    assert "every prompt is answered (--turns 2 answers the next user turns, --passes 2" in capsys.readouterr().err
     first = Corpus.open(out).provenance
     assert first.prompts.turns == 1 and first.next_position == 60
     assert grow(setup, out, "--turns", 2) == 0
@@ -157,12 +158,52 @@ def test_later_turns_continue_a_corpus_whose_first_turns_are_answered(setup, cap
     assert "2 turn(s) of 60 conversations, 120/120 in order done" in info and "answers by turn: 1: 60, 2: 20" in info
 
 
+def test_a_second_pass_samples_another_answer_to_every_prompt(setup, capsys):
+    root, _, artifact, prompts = setup
+    out = root / "passes"
+    assert grow(setup, out) == 0  # every first turn, greedy
+    assert grow(setup, out) == 0
+    assert "--passes 2 samples a second answer to each" in capsys.readouterr().err
+    assert grow(setup, out, "--passes", 2, "--target-tokens", 850) == 0  # bounded: part of the second pass
+    corpus = Corpus.open(out)
+    prov = corpus.provenance
+    convs = list(corpus.conversations())
+    order = [i for i, _ in prompt_order(60, 0, 0.02)]
+    assert prov.prompts.passes == 2 and 60 < prov.next_position < 120
+    assert [(c.index, c.sample) for c in convs] == [(i, 1) for i in order] + [(i, 2) for i in order[:len(convs) - 60]]
+    assert prov.generator.resampling.startswith("passes 2..: temperature 0.7, top_p 0.95")
+    # a sampled answer: the artifact's plain decoding sampled with the prompt's position as seed (reruns repeat it)
+    tok = Tokenizer.from_dir(artifact / "tokenizer")
+    plain = Generator(load_runner(artifact, heads="none"), tok)
+    second = convs[60:]
+    assert sum(c.response.tolist() != g.response.tolist() for c, g in zip(second, convs)) >= len(second) // 2
+    for position, c in enumerate(second, 60):
+        want = plain.generate(c.prompt.tolist(), max_new_tokens=MAX_NEW, sampling=SamplingParams(0.7, 0.95, seed=position))
+        assert c.prompt.tolist() == convs[position - 60].prompt.tolist() and c.response.tolist() == want.token_ids
+    capsys.readouterr()
+    # the settings stay: fewer passes, other turns or another temperature are refused with one line each
+    for extra, message in ((("--passes", 1), "--passes 1 would shorten its prompt order"),
+                           (("--turns", 2), "--turns 2 would reorder its later passes"),
+                           (("--temperature", 1.0), "resampling 'passes 2..: temperature 0.7")):
+        assert grow(setup, out, *extra) == 2
+        assert message in capsys.readouterr().err
+    assert grow(setup, out, "--temperature", 0) == 2
+    assert "--temperature must be positive" in capsys.readouterr().err
+    assert grow(setup, out) == 0  # the corpus's passes by default: the rest of the second pass
+    assert Corpus.open(out).provenance.next_position == 120
+    capsys.readouterr()
+    assert data_main(["info", str(out)]) == 0
+    info = capsys.readouterr().out
+    assert "1 turn(s) of 60 conversations in 2 passes, 120/120 in order done" in info
+    assert "answers by sample: 1: 60, 2: 60" in info and "; passes 2..: temperature 0.7" in info
+
+
 def test_sigterm_keeps_the_finished_answers(setup, capsys, monkeypatch):
     root = setup[0]
     out = root / "stopped"
     real = data_tool.grow
 
-    def grow_then_signal(corpus, engine, order, prompt_ids, max_new, limits, stop, on_answer):
+    def grow_then_signal(corpus, engine, order, prompt_ids, max_new, limits, stop, on_answer, *rest):
         count = [0]
 
         def answered(tokens):
@@ -171,7 +212,7 @@ def test_sigterm_keeps_the_finished_answers(setup, capsys, monkeypatch):
             if count[0] == 7:
                 os.kill(os.getpid(), signal.SIGTERM)  # the handler sets `stop`: the loop drops what is under way
 
-        return real(corpus, engine, order, prompt_ids, max_new, limits, stop, answered)
+        return real(corpus, engine, order, prompt_ids, max_new, limits, stop, answered, *rest)
 
     monkeypatch.setattr(data_tool, "grow", grow_then_signal)
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)

@@ -57,7 +57,7 @@ def test_shards_load_with_provenance(tmp_path):
     assert prov["totals"]["response_tokens"] == sum(len(w.response) for w in want)
     assert prov["totals"]["prompt_tokens"] == sum(len(w.prompt) for w in want)
     assert all(len(s["sha256"]) == 64 for s in prov["shards"])
-    assert again.provenance == corpus.provenance and again.done_prompts() == {(i, 1) for i in order[:9]}
+    assert again.provenance == corpus.provenance and again.done_prompts() == {(i, 1, 1) for i in order[:9]}
     assert bytes_per_million(again.provenance) > 0
     counts = again.token_counts(96)  # what a draft vocabulary is ranked by (clover-export --draft-vocab)
     assert counts.sum() == prov["totals"]["response_tokens"]
@@ -145,7 +145,7 @@ def test_corpora_of_first_turns_only_read_as_turn_1_and_may_take_more_turns(tmp_
         old.append([dataclasses.replace(c, turn=2) for c in conversations([3, 4], seed=9)], 32, 0)
     again = Corpus.open(tmp_path / "c")
     assert again.provenance.prompts.turns == 2 and [c.turn for c in again.conversations()][-3:] == [1, 2, 2]
-    assert {(3, 2), (4, 2)} <= again.done_prompts()
+    assert {(3, 2, 1), (4, 2, 1)} <= again.done_prompts()
 
 
 def test_corpus_features_are_batched_teacher_forced_passes(tmp_path):
