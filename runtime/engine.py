@@ -156,7 +156,9 @@ class Engine:
             self.policy: AutoTrees | FixedTrees = AutoTrees(self.tree, cost)
             self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts, cost)
             if log is not None:
-                print(f"tree auto: plain up to {self.tree.name}; verify cost calibrated in {time.perf_counter() - t0:.1f} s: "
+                took = time.perf_counter() - t0  # ~0 when this runner's curve was measured before
+                how = f"calibrated in {took:.1f} s" if took >= 0.05 else "measured earlier on this runner"
+                print(f"tree auto: plain up to {self.tree.name}; verify cost {how}: "
                       + ", ".join(f"{r} rows {m:.1f} ms" for r, m in cost.to_dict()["rows_ms"].items()), file=log)
         else:
             self.tree = with_cost(runner, choose_tree(runner.info, tree, drafts))

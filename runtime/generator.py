@@ -91,7 +91,7 @@ def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:
 
 
 def with_cost(runner: Runner, tree: Tree | DynamicTree) -> Tree | DynamicTree:
-    """A dynamic tree sized by this runner's verify-cost curve (measured here, once: about a second)."""
+    """A dynamic tree sized by this runner's verify-cost curve (measured here, once: one to a few seconds)."""
     if not isinstance(tree, DynamicTree) or tree.cost is not None:
         return tree
     return dataclasses.replace(tree, cost=verify_cost(runner, min(tree.budget + 1, runner.info.max_context - 40)).curve,
@@ -100,7 +100,7 @@ def with_cost(runner: Runner, tree: Tree | DynamicTree) -> Tree | DynamicTree:
 
 def lookup_length(runner: Runner, tree_rows: int, drafts: str, cost: VerifyCost | None = None) -> LookupLength | None:
     """For prompt-lookup drafts: what sizes their chains, on `cost` (default: this runner's verify-cost curve,
-    measured once per runner, about a second); None for heads alone."""
+    measured once per runner, one to a few seconds); None for heads alone."""
     if drafts not in ("lookup", "heads+lookup"):
         return None
     if cost is None:

@@ -208,7 +208,7 @@ class LookupLength:
     so one fixed length loses on one of them. The chance that the next drafted token is accepted, given that the
     repeat so far is l tokens long (a match of L whose first j drafts were accepted is a repeat of L + j), is
     learned online from every verified proposal, starting from PRIOR; the store's drafts have their own.
-    One per runner: every sequence on it shares what it learns."""
+    One per Generator or Engine: every sequence it decodes shares what it learns."""
 
     PRIOR, STRENGTH = 0.6, 4.0  # prior acceptance and its weight in pseudo-trials
     LONGEST = 24  # repeats this long and longer share one estimate

@@ -25,7 +25,7 @@ def test_the_verify_cost_curve_is_measured_once_per_runner(monkeypatch):
 
     measured = []
     real = cost.calibrate
-    monkeypatch.setattr(cost, "calibrate", lambda runner, max_rows, reps=3: measured.append(max_rows) or real(runner, max_rows, 1))
+    monkeypatch.setattr(cost, "calibrate", lambda runner, max_rows, reps=7: measured.append(max_rows) or real(runner, max_rows, 1))
     runner, other = TorchRunner(tiny_base()), TorchRunner(tiny_base())
     a = cost.verify_cost(runner, 8)
     b = cost.verify_cost(runner, 5)  # covered by the first curve
@@ -35,3 +35,13 @@ def test_the_verify_cost_curve_is_measured_once_per_runner(monkeypatch):
     cost.verify_cost(runner, 12)  # longer than measured: measured again
     cost.verify_cost(other, 5)  # another runner, its own curve
     assert measured == [8, 12, 5]
+
+
+def test_the_calibrated_curve_takes_each_row_count_at_its_fastest_and_never_falls():
+    from clover.runtime.cost import calibrate
+    from clover.runtime.torch_backend import TorchRunner
+    from helpers import tiny_base
+
+    curve = calibrate(TorchRunner(tiny_base()), 12, reps=3)
+    assert curve.rows.tolist() == [1, 2, 3, 4, 5, 8, 11, 12]
+    assert np.all(curve.ms > 0) and np.all(np.diff(curve.ms) >= 0)  # more rows never cost less on the curve
