@@ -37,7 +37,7 @@ def test_the_verify_cost_curve_is_measured_once_per_runner(monkeypatch):
     assert measured == [8, 12, 5]
 
 
-def test_the_calibrated_curve_takes_each_row_count_at_its_fastest_and_never_falls():
+def test_the_calibrated_curve_never_falls():
     from clover.runtime.cost import calibrate
     from clover.runtime.torch_backend import TorchRunner
     from helpers import tiny_base
