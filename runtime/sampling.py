@@ -78,40 +78,30 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
 def _nucleus_mask(probs: np.ndarray, top_p: float) -> np.ndarray:
     """[N, V] bool: the smallest set of highest-probability tokens reaching top_p, ties by lower id.
 
-    A full sort of 50k-token rows costs ~10 ms each, while nuclei are usually a few hundred tokens:
-    sort only the k largest (argpartition), and grow k for rows whose nucleus is not settled yet.
-    """
+    Only the tokens at or above a threshold are sorted: the tokens with p >= c are the first ones of the sorted
+    order (ties included), so once their mass reaches top_p the nucleus lies among them. c starts at 1e-3 (a
+    nucleus is usually a few hundred tokens: 272 for SmolLM2 at temperature 0.7, top_p 0.95) and falls tenfold
+    until it holds; at c <= (1 - top_p) / V every token below c together weighs less than 1 - top_p, so the
+    search ends. One pass over V per try instead of argpartition's (1-2.5 ms for a 49k-token row)."""
     n, v = probs.shape
     keep = np.zeros((n, v), dtype=bool)
-    pending = np.arange(n)  # rows not settled yet
-    k = 64
-    while pending.size:
-        k = v if 4 * k >= v else k
-        sub = probs[pending]  # [n', V]
-        if k < v:
-            top = np.sort(np.argpartition(-sub, k - 1, axis=1)[:, :k], axis=1)  # [n', k] ascending ids
-        else:
-            top = np.broadcast_to(np.arange(v), sub.shape)
-        vals = np.take_along_axis(sub, top, axis=1)
-        order = np.argsort(-vals, axis=1, kind="stable")  # descending, lower id first on ties
-        top = np.take_along_axis(top, order, axis=1)
-        vals = np.take_along_axis(vals, order, axis=1)  # [n', k]
-        # Token j is in the nucleus iff the tokens ranked above it do not yet reach top_p;
-        # rank 0 always is.
-        inside = (np.cumsum(vals, axis=1) - vals) < top_p
-        inside[:, 0] = True
-        n_in = inside.sum(axis=1)  # [n']
-        if k < v:
-            # Settled when the nucleus ends inside the top k and its last value is above the k-th
-            # value: then every token tied with that last value is among the k, so ids order them.
-            last = vals[np.arange(pending.size), n_in - 1]
-            done = (n_in < k) & (last > vals[:, -1])
-        else:
-            done = np.ones(pending.size, dtype=bool)
-        r, c = np.nonzero(inside[done])
-        keep[pending[done][r], top[done][r, c]] = True
-        pending = pending[~done]
-        k *= 8
+    floor = (1.0 - top_p) / v
+    for row in range(n):
+        p = probs[row]
+        c = max(1e-3, floor)
+        while True:
+            ids = np.flatnonzero(p >= c)
+            vals = p[ids]
+            order = np.lexsort((ids, -vals))  # descending probability, lower id first on ties
+            vals = vals[order]
+            total = np.cumsum(vals)
+            if c <= floor or (len(total) and total[-1] >= top_p):
+                break
+            c = max(c / 10, floor)
+        # token j is in the nucleus iff the tokens ranked above it do not yet reach top_p; rank 0 always is
+        inside = (total - vals) < top_p
+        inside[0] = True
+        keep[row, ids[order[inside]]] = True
     return keep
 
 

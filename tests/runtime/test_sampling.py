@@ -129,7 +129,7 @@ def full_sort_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
 
 @pytest.mark.parametrize("top_p", [0.5, 0.9, 0.999])
 def test_top_p_matches_full_sort_on_large_vocab(top_p: float) -> None:
-    # Nuclei from 1 token to most of the vocabulary, and heavy ties (the partial-sort path must grow).
+    # Nuclei from 1 token to most of the vocabulary, and heavy ties (the threshold must fall several times).
     rng = np.random.default_rng(9)
     v = 20_000
     logits = np.stack([
