@@ -6,9 +6,9 @@
 `grow` answers prompts (the first user turn of each conversation of --prompts, in the order clover-train uses)
 greedily with clover.Engine over an ONNX artifact, many at once, and appends the token ids to the corpus
 (clover.train.corpus: compressed shards plus provenance.json). Later user turns (--turns) and a sampled
-second answer per prompt (--passes 2) go on once the first turns are answered. It continues where the last run stopped, and
-stops at --target-tokens response tokens, after --minutes, or at Ctrl-C / SIGTERM, keeping every finished
-answer. `clover-train --data DIR` trains on it.
+second answer per prompt (--passes 2) follow once the first turns are answered. It continues where the last run
+stopped, and stops at --target-tokens response tokens, after --minutes, or at Ctrl-C / SIGTERM, keeping every
+finished answer. `clover-train --data DIR` trains on it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from clover.errors import CloverError
 from clover.runtime.sampling import SamplingParams
@@ -129,7 +129,7 @@ class Grown:
 
 def grow(corpus, engine, order: list[tuple[int, int, int]], prompt_ids: Callable[[int, int], list[int] | None],
          max_new_tokens: int, limits: Limits, stop: threading.Event, on_answer: Callable[[int], None],
-         sampling: Callable[[int, int], Any] = lambda position, sample: SamplingParams()) -> Grown:
+         sampling: Callable[[int, int], SamplingParams] = lambda position, sample: SamplingParams()) -> Grown:
     """Answer the prompts of `order` ((conversation index, turn, sample) triples) from the corpus's next position on,
     many at once, appending each finished run of consecutive positions as a shard. `prompt_ids(index, turn)`: the
     prompt's ids, None to skip it; `sampling(position, sample)`: how that answer is decoded.
