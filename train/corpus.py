@@ -22,9 +22,8 @@ with the validation ones spread among them, every first turn, then every second 
 corpus's `turns`), then, with `passes` > 1, that whole order again for each further pass, answered by sampling
 (a second, different answer per prompt once the source's prompts run out); `next_position` says how far a
 corpus got, so the next run continues there. A later turn's prompt holds the conversation before it, the
-source's own earlier answers included. A shard is written
-atomically and the provenance after it, so a killed run loses at most the shard in progress. Numpy, json and
-hashlib only: no torch, no runtime.
+source's own earlier answers included. A shard is written atomically and the provenance after it, so a killed run
+loses at most the shard in progress. Numpy, json and hashlib only: no torch, no runtime.
 """
 
 from __future__ import annotations
@@ -329,20 +328,18 @@ class Corpus:
         """A run adding to this corpus must use its prompt source and order and its generator. It may answer
         more turns per conversation than earlier runs (a longer order with the same start), and more passes (the
         order again, sampled): see `continue_with`."""
-        have = self.provenance.prompts
-        if prompts.passes < have.passes:
-            raise CloverError(f"{self.path} answers each prompt in {have.passes} passes; --passes {prompts.passes} "
-                              f"would shorten its prompt order: pass --passes {have.passes} or more")
-        if prompts.turns != have.turns and max(have.passes, prompts.passes) > 1:
-            raise CloverError(f"{self.path} answers {have.turns} turns per conversation in each pass; --turns "
-                              f"{prompts.turns} would reorder its later passes: pass --turns {have.turns}")
-        if prompts.turns < self.provenance.prompts.turns:
-            raise CloverError(f"{self.path} answers {self.provenance.prompts.turns} turns per conversation; "
-                              f"--turns {prompts.turns} would shorten its prompt order: pass --turns "
-                              f"{self.provenance.prompts.turns} or more")
+        held = self.provenance.prompts
+        if prompts.passes < held.passes:
+            raise CloverError(f"{self.path} answers each prompt in {held.passes} passes; --passes {prompts.passes} "
+                              f"would shorten its prompt order: pass --passes {held.passes} or more")
+        if prompts.turns != held.turns and max(held.passes, prompts.passes) > 1:
+            raise CloverError(f"{self.path} answers {held.turns} turns per conversation in each pass; --turns "
+                              f"{prompts.turns} would reorder its later passes: pass --turns {held.turns}")
+        if prompts.turns < held.turns:
+            raise CloverError(f"{self.path} answers {held.turns} turns per conversation; --turns {prompts.turns} "
+                              f"would shorten its prompt order: pass --turns {held.turns} or more")
         # `pick` and `order` name the rules: an older corpus's wording of the same first-turn order is fine
-        have_prompts = replace(self.provenance.prompts, turns=prompts.turns, passes=prompts.passes, pick=prompts.pick,
-                               order=prompts.order)
+        have_prompts = replace(held, turns=prompts.turns, passes=prompts.passes, pick=prompts.pick, order=prompts.order)
         have_generator = self.provenance.generator
         if not have_generator.resampling:  # no pass sampled yet: a first sampling setting is recorded
             have_generator = replace(have_generator, resampling=generator.resampling)
