@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="corpus data: train on each answer's first N tokens only, so --max-tokens spans more "
                         "conversations (answer beginnings are harder to draft than long answers' ends; features "
                         "are computed for prompt + N tokens)")
+    p.add_argument("--skip-tokens", type=int, default=None, metavar="N",
+                   help="corpus data: leave out the training answers that hold the corpus's first N loss tokens (in its "
+                        "order), so a run that goes on from earlier heads (--init) learns what the corpus gained since "
+                        "they were trained; the validation split stays the same")
     p.add_argument("--topk", type=int, default=16, help="base distribution entries kept per position")
     p.add_argument("--feature-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="precision of the base model while it builds the features (default: bfloat16 for a corpus "
@@ -116,6 +120,11 @@ def run(args: argparse.Namespace) -> int:
     if args.answer_tokens is not None and (corpus is None or args.answer_tokens < 1):
         raise CloverError(f"--answer-tokens {args.answer_tokens}: give at least 1, with --data a corpus folder "
                           "(clover-data grow); other data keeps whole answers")
+    if args.skip_tokens is not None:
+        held = corpus.provenance.totals["response_tokens"] if corpus is not None else 0
+        if corpus is None or not 0 <= args.skip_tokens < held:
+            raise CloverError(f"--skip-tokens {args.skip_tokens}: give 0 up to the corpus's answer tokens ({held}), with "
+                              "--data a corpus folder (clover-data grow; clover-data info shows its size)")
     if args.feature_dtype is None:  # bfloat16 measured on a corpus (README, "Train heads"); float32 as before otherwise
         args.feature_dtype = "bfloat16" if corpus is not None else "float32"
     if args.threads:
@@ -133,13 +142,14 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = Tokenizer.from_dir(base_path)
     spec = FeatureSpec(BaseFingerprint.of(base).lm_head_sha256, args.data if args.data == "sharegpt" else
                        str(Path(args.data).resolve()), args.responses, args.max_tokens, args.seed, args.max_length,
-                       args.max_new_tokens, args.topk, dtype=args.feature_dtype, answer_tokens=args.answer_tokens or 0)
+                       args.max_new_tokens, args.topk, dtype=args.feature_dtype, answer_tokens=args.answer_tokens or 0,
+                       skip_tokens=args.skip_tokens or 0)
     if corpus is not None:  # features named for the corpus shards they read: a grown corpus keeps them
         from dataclasses import replace
 
         from clover.train.features import corpus_shards_used
 
-        used = corpus_shards_used(corpus, spec.budgets, spec.max_length, spec.answer_tokens)
+        used = corpus_shards_used(corpus, spec)
         spec = replace(spec, responses="corpus", max_new_tokens=corpus.provenance.generator.max_new_tokens,
                        corpus=corpus.digest(used))
     teacher = None
@@ -153,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
     bars = []  # created on first progress: a cache hit or an early error prints no bar
     # a corpus smaller than --max-tokens ends the features early: its answer tokens bound the bar
-    available = corpus.provenance.totals["response_tokens"] if corpus is not None else None
+    available = corpus.provenance.totals["response_tokens"] - spec.skip_tokens if corpus is not None else None
 
     def progress(done: int, total: int) -> None:
         total = min(total, available) if available is not None else total
@@ -241,11 +251,11 @@ def corpus_record(corpus, cache) -> dict:
     from clover.train.features import corpus_shards_used
 
     spec = cache.spec
-    used = corpus_shards_used(corpus, spec.budgets, spec.max_length, spec.answer_tokens)
+    used = corpus_shards_used(corpus, spec)
     totals = corpus.provenance.totals
     return {"path": str(corpus.path), "digest": spec.corpus, "shards_used": used, "shards": len(corpus.provenance.shards),
             "corpus_conversations": totals["conversations"], "corpus_response_tokens": totals["response_tokens"],
-            "used_sequences": cache.meta["num_sequences"],
+            "used_sequences": cache.meta["num_sequences"], "skipped_response_tokens": spec.skip_tokens,
             "used_response_tokens": cache.meta["train_loss_tokens"] + cache.meta["validation_loss_tokens"],
             "generator": {k: v for k, v in asdict(corpus.provenance.generator).items() if k != "base_fingerprint"},
             "prompts": corpus.provenance.prompts.source}

@@ -28,7 +28,7 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -37,6 +37,9 @@ from clover import atomic
 from clover.errors import CloverError
 from clover.models.decoder import Decoder, causal_mask
 from clover.train.data import interleave
+
+if TYPE_CHECKING:
+    from clover.train.corpus import Conversation
 
 FORMAT_VERSION = 1
 _ARRAYS = {"tokens": np.int32, "hidden": np.float16, "topk_ids": np.int32, "topk_probs": np.float16,
@@ -63,6 +66,9 @@ class FeatureSpec:
     teacher: str = ""
     # corpus answers: train on each answer's first `answer_tokens` tokens only (0: the whole answer, up to max_length)
     answer_tokens: int = 0
+    # corpus answers: leave out the training conversations that hold its first `skip_tokens` loss tokens (in corpus
+    # order), so a run from earlier heads (--init) learns what the corpus gained since; the validation split stays
+    skip_tokens: int = 0
 
     @property
     def budgets(self) -> tuple[int, int]:
@@ -70,7 +76,7 @@ class FeatureSpec:
         return self.max_tokens, max(1, round(self.max_tokens * self.validation_fraction))
 
     def key(self) -> str:
-        fields = {k: v for k, v in asdict(self).items() if k not in ("corpus", "teacher", "answer_tokens") or v}  # unset: older names
+        fields = {k: v for k, v in asdict(self).items() if k not in ("corpus", "teacher", "answer_tokens", "skip_tokens") or v}  # unset: older names
         blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -282,32 +288,44 @@ def _kept_length(prompt: int, response: int, max_length: int, answer_tokens: int
     return min(prompt + (min(response, answer_tokens) if answer_tokens else response), max_length)
 
 
-def corpus_sequences(corpus, max_length: int, answer_tokens: int = 0) -> Iterator[tuple[list[int], list[bool], bool]]:
-    """A clover.train.corpus folder's conversations as (ids, response mask, is_validation), in the corpus's
-    order, truncated to `max_length` (and each answer to its first `answer_tokens`, if set); validation is the
-    corpus split's (by prompt index), whatever the seed."""
+def _corpus_selection(corpus, spec: FeatureSpec) -> Iterator[tuple[int, Conversation, int, bool]]:
+    """The corpus conversations a 'corpus' spec may use, in corpus order, as (shard index, conversation, kept
+    length, is_validation): those whose prompt leaves room for an answer token, less the training ones that hold
+    its first `skip_tokens` loss tokens. Validation is the corpus split's (by prompt index), whatever the seed."""
     validation = corpus.validation_indices()
-    for c in corpus.conversations():
-        P = len(c.prompt)
-        if P + 1 >= max_length:
-            continue  # no response token would fit
-        ids = np.concatenate((c.prompt, c.response))[:_kept_length(P, len(c.response), max_length, answer_tokens)]
-        yield ids.tolist(), [False] * P + [True] * (len(ids) - P), c.index in validation
-
-
-def corpus_shards_used(corpus, budgets: tuple[int, int], max_length: int, answer_tokens: int = 0) -> int:
-    """How many of the corpus's shards a build with these budgets reads (features_from_dataset's budget rule
-    on lengths alone), so a corpus that grows later keeps the same features."""
-    validation = corpus.validation_indices()
-    taken = [0, 0]
+    skipped = 0
     for s, entry in enumerate(corpus.provenance.shards):
-        if all(taken[v] >= budgets[v] for v in (0, 1)):
-            return s
         for c in corpus.read_shard(entry):
-            is_val = c.index in validation
             P = len(c.prompt)
-            if taken[is_val] < budgets[is_val] and P + 1 < max_length:
-                taken[is_val] += _kept_length(P, len(c.response), max_length, answer_tokens) - P
+            if P + 1 >= spec.max_length:
+                continue  # no response token would fit
+            n = _kept_length(P, len(c.response), spec.max_length, spec.answer_tokens)
+            is_val = c.index in validation
+            if not is_val and skipped < spec.skip_tokens:
+                skipped += n - P
+                continue
+            yield s, c, n, is_val
+
+
+def corpus_sequences(corpus, spec: FeatureSpec) -> Iterator[tuple[list[int], list[bool], bool]]:
+    """A clover.train.corpus folder's conversations as (ids, response mask, is_validation) in the corpus's order
+    (_corpus_selection), each truncated to `spec.max_length` (and its answer to its first `spec.answer_tokens`)."""
+    for _, c, n, is_val in _corpus_selection(corpus, spec):
+        P = len(c.prompt)
+        ids = np.concatenate((c.prompt, c.response))[:n]
+        yield ids.tolist(), [False] * P + [True] * (n - P), is_val
+
+
+def corpus_shards_used(corpus, spec: FeatureSpec) -> int:
+    """How many of the corpus's shards a build of `spec` reads (features_from_dataset's budget rule on lengths
+    alone), so a corpus that grows later keeps the same features."""
+    budgets, taken, used = spec.budgets, [0, 0], 0
+    for s, c, n, is_val in _corpus_selection(corpus, spec):
+        if all(taken[v] >= budgets[v] for v in (0, 1)):
+            return used
+        if taken[is_val] < budgets[is_val]:
+            taken[is_val] += n - len(c.prompt)
+        used = s + 1
     return len(corpus.provenance.shards)
 
 
@@ -422,7 +440,7 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
     budgets = spec.budgets
     corpus = None
     if spec.responses == "corpus":
-        corpus = open_corpus_for(spec, budgets)
+        corpus = open_corpus_for(spec)
     else:
         parts = split(load_conversations(spec.data), spec.seed, spec.validation_fraction)
     writer = FeatureWriter(path, spec, base.config.hidden_size)
@@ -450,7 +468,7 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
 
             features_from_dataset(teacher or base, sequences(), writer, budgets, progress)
         elif spec.responses == "corpus":
-            features_from_dataset(teacher or base, corpus_sequences(corpus, spec.max_length, spec.answer_tokens), writer, budgets, progress)
+            features_from_dataset(teacher or base, corpus_sequences(corpus, spec), writer, budgets, progress)
         else:
             raise CloverError(f"unknown responses {spec.responses!r}: use 'base', 'dataset' or 'corpus'")
         if writer.loss_tokens[0] == 0 or writer.loss_tokens[1] == 0:
@@ -462,7 +480,7 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
     return writer.finish({"base_architecture": base.config.architecture})
 
 
-def open_corpus_for(spec: FeatureSpec, budgets: tuple[int, int]):
+def open_corpus_for(spec: FeatureSpec):
     """The corpus a 'corpus' spec names, checked: made by this base, and its shards used still those named."""
     from clover.train.corpus import Corpus
 
@@ -472,7 +490,7 @@ def open_corpus_for(spec: FeatureSpec, budgets: tuple[int, int]):
         raise CloverError(f"corpus {spec.data} holds the answers of another base (LM head {made_by}; this base's is "
                           f"{spec.base_sha256}): train with --base {corpus.provenance.generator.base}, or grow a corpus "
                           "with this base's artifact")
-    used = corpus_shards_used(corpus, budgets, spec.max_length, spec.answer_tokens)
+    used = corpus_shards_used(corpus, spec)
     if corpus.digest(used) != spec.corpus:
         raise CloverError(f"corpus {spec.data} changed while training started (its first {used} shards are not "
                           "those the features are named for): run clover-train again")

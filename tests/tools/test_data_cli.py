@@ -264,3 +264,15 @@ def test_clover_train_on_the_corpus(setup, capsys):
     # a corpus with --responses dataset is refused
     assert train_main(["--base", str(base), "--data", str(out), "--out", str(root / "h2"), "--responses", "dataset"]) == 2
     assert "corpus of the base's own answers" in capsys.readouterr().err
+    # --skip-tokens: go on from those heads with the answers after the first 150 tokens; the validation split stays
+    more = ["--base", str(base), "--data", str(out), "--cache-dir", str(root / "features"), "--max-tokens", "100",
+            "--max-length", "40", "--batch-tokens", "256", "--topk", "8", "--epochs", "1", "--init", str(heads)]
+    assert train_main([*more, "--out", str(root / "heads-2"), "--skip-tokens", "150"]) == 0, capsys.readouterr().err
+    later = json.loads((root / "heads-2" / "training.json").read_text())["data"]["corpus"]
+    assert later["skipped_response_tokens"] == 150 and later["shards_used"] >= data["corpus"]["shards_used"]
+    capsys.readouterr()
+    held = corpus.provenance.totals["response_tokens"]
+    assert train_main([*more, "--out", str(root / "heads-3"), "--skip-tokens", str(held)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--skip-tokens {held}: give 0 up to the corpus's answer tokens ({held})" in err[0]
+    assert not (root / "heads-3").exists()

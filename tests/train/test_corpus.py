@@ -153,7 +153,7 @@ def test_corpus_features_are_batched_teacher_forced_passes(tmp_path):
     base = tiny_base(seed=1)
     spec = FeatureSpec("feedfacefeedface", str(tmp_path / "c"), "corpus", 10_000, 0, 14, 12, 4, corpus=corpus.digest())
     writer = FeatureWriter(tmp_path / "f", spec, base.config.hidden_size)
-    sequences = list(corpus_sequences(corpus, spec.max_length))
+    sequences = list(corpus_sequences(corpus, spec))
     features_from_dataset(base, iter(sequences), writer, (10_000, 10_000), batch_tokens=40)  # several batches
     cache = writer.finish({})
     validation = set(split_indices(30, 0, 0.1)[1])
@@ -178,26 +178,54 @@ def test_corpus_features_are_batched_teacher_forced_passes(tmp_path):
         assert not cache.arrays["topk_probs"][s:e][~mask].any()  # distributions at loss rows only
 
 
+def corpus_spec(path, max_tokens: int, max_length: int = 64, **kw) -> FeatureSpec:
+    return FeatureSpec("feedfacefeedface", str(path), "corpus", max_tokens, 0, max_length, 12, 4, **kw)
+
+
 def test_shards_used_follow_the_budget_so_growth_keeps_features(tmp_path):
     corpus = grown(tmp_path / "c", shards=((0, 5), (5, 9), (9, 14)))
     first = sum(min(len(c.prompt) + len(c.response), 64) - len(c.prompt)
                 for c in corpus.read_shard(corpus.provenance.shards[0]))
-    assert corpus_shards_used(corpus, (1, 1), 64) == 1
-    assert corpus_shards_used(corpus, (first + 1, 1), 64) >= 2
-    assert corpus_shards_used(corpus, (10**9, 10**9), 64) == 3
+    spec = corpus_spec(tmp_path / "c", first + 1)
+    assert corpus_shards_used(corpus, corpus_spec(tmp_path / "c", 1)) == 1
+    assert corpus_shards_used(corpus, spec) >= 2
+    assert corpus_shards_used(corpus, corpus_spec(tmp_path / "c", 10**9)) == 3
     # --answer-tokens: each answer's first N tokens only, so the same budget spans more conversations
-    cut = list(corpus_sequences(corpus, 64, answer_tokens=2))
+    cut = list(corpus_sequences(corpus, corpus_spec(tmp_path / "c", 1, answer_tokens=2)))
     assert [len(ids) for ids, _, _ in cut] == [min(len(c.prompt) + min(len(c.response), 2), 64)
                                                  for c in corpus.conversations() if len(c.prompt) + 1 < 64]
     assert all(sum(mask) <= 2 for _, mask, _ in cut)
-    assert corpus_shards_used(corpus, (first + 1, 1), 64, answer_tokens=1) > corpus_shards_used(corpus, (first + 1, 1), 64)
+    assert corpus_shards_used(corpus, dataclasses.replace(spec, answer_tokens=1)) > corpus_shards_used(corpus, spec)
     assert corpus.digest(1) != corpus.digest(2) and corpus.digest(1) == Corpus.open(tmp_path / "c").digest(1)
     # a FeatureSpec without a corpus or an artifact teacher keeps the cache name it had before either existed
     plain = FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4)
-    before = {k: v for k, v in asdict(plain).items() if k not in ("corpus", "teacher", "answer_tokens")}
+    before = {k: v for k, v in asdict(plain).items() if k not in ("corpus", "teacher", "answer_tokens", "skip_tokens")}
     assert plain.key() == hashlib.sha256(json.dumps({"format": 1, **before}, sort_keys=True).encode()).hexdigest()[:16]
-    assert plain.key() != FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4, corpus="ab").key()
-    assert plain.key() != FeatureSpec("x", "sharegpt", "base", 10, 0, 64, 8, 4, answer_tokens=2).key()
+    for other in (dict(corpus="ab"), dict(answer_tokens=2), dict(skip_tokens=5)):
+        assert plain.key() != dataclasses.replace(plain, **other).key()
+
+
+def test_skip_tokens_leave_out_the_first_training_answers_and_keep_the_validation_split(tmp_path):
+    """clover-train --skip-tokens: a run from earlier heads learns the answers the corpus gained since."""
+    corpus = grown(tmp_path / "c", shards=((0, 5), (5, 9), (9, 14)))
+    whole = list(corpus_sequences(corpus, corpus_spec(tmp_path / "c", 10**9)))
+    train = [s for s in whole if not s[2]]
+    two, first = (sum(sum(mask) for _, mask, _ in train[:k]) for k in (2, 3))
+    # a conversation is left out while the loss tokens left out before it are fewer than N
+    for skip, left_out in ((0, 0), (1, 1), (two, 2), (two + 1, 3), (first, 3), (first + 1, 4)):
+        rest = list(corpus_sequences(corpus, corpus_spec(tmp_path / "c", 10**9, skip_tokens=skip)))
+        assert [s for s in rest if not s[2]] == train[left_out:]  # whole conversations, in corpus order
+        assert [s for s in rest if s[2]] == [s for s in whole if s[2]]  # validation unchanged
+    # the budget counts from the first conversation kept: a skip reads further into the corpus
+    later = train[3:]
+    spec = corpus_spec(tmp_path / "c", sum(sum(m) for _, m, _ in later[:2]), skip_tokens=first)
+    assert corpus_shards_used(corpus, spec) >= corpus_shards_used(corpus, dataclasses.replace(spec, skip_tokens=0))
+    writer = FeatureWriter(tmp_path / "f", spec, tiny_base(seed=1).config.hidden_size)
+    features_from_dataset(tiny_base(seed=1), corpus_sequences(corpus, spec), writer, spec.budgets)
+    cache = writer.finish({})
+    kept = [cache.arrays["tokens"][cache.offsets[i]:cache.offsets[i + 1]].tolist()
+            for i in cache.sequences(validation=False)]
+    assert sorted(kept) == sorted(ids for ids, _, _ in later[:2])
 
 
 def test_features_from_an_artifacts_graph(tmp_path, tmp_path_factory):
@@ -214,7 +242,7 @@ def test_features_from_an_artifacts_graph(tmp_path, tmp_path_factory):
                        teacher="ort:0123456789abcdef")
     assert spec.key() != dataclasses.replace(spec, teacher="").key()  # another teacher, another cache
     writer = FeatureWriter(tmp_path / "f", spec, base.config.hidden_size)
-    features_from_dataset(runner, corpus_sequences(corpus, spec.max_length), writer, (10_000, 10_000))
+    features_from_dataset(runner, corpus_sequences(corpus, spec), writer, (10_000, 10_000))
     cache = writer.finish({})
     assert cache.meta["num_sequences"] == 9
     for i in range(cache.meta["num_sequences"]):
