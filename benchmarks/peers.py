@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from clover import atomic
+from clover.tools.machine import Bandwidth, bandwidth_limit, measure_bandwidth
 
 HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "peer_workers"
@@ -159,18 +160,6 @@ class Skipped:
     reason: str
 
 
-@dataclass(frozen=True)
-class Bandwidth:
-    """Read bandwidth of summing a float32 array (GB/s = 1e9 bytes/s) with 1 and 2 parallel readers."""
-
-    array_bytes: int
-    repeats: int
-    samples_gbps: dict[int, tuple[float, ...]]  # readers -> one figure per repeat
-
-    def best(self, threads: int) -> float:
-        return max(self.samples_gbps[threads])
-
-
 # ------------------------------------------------------------------------------- pure functions
 
 
@@ -214,11 +203,6 @@ def decode_rate(ms: Sequence[Measurement]) -> float | None:
     tokens = sum(m.new_tokens - 1 for m in ms)
     seconds = sum(m.decode_s for m in ms)
     return tokens / seconds if seconds > 0 and tokens > 0 else None
-
-
-def bandwidth_limit(bandwidth_gbps: float, weight_bytes: int) -> float | None:
-    """Tokens/s of plain decoding if every forward streamed the weights once at the measured bandwidth."""
-    return bandwidth_gbps * 1e9 / weight_bytes if weight_bytes > 0 else None
 
 
 def round_order(n: int, round_index: int, rounds: int) -> list[int]:
@@ -636,39 +620,6 @@ class Worker:
 
 
 # ------------------------------------------------------------------------------- measurement
-
-
-def _timed_sums(n: int, repeats: int, barrier, queue) -> None:
-    import numpy as np
-
-    a = np.ones(n, dtype=np.float32)
-    a.sum()  # pages touched before timing
-    times = []
-    for _ in range(repeats):
-        barrier.wait()
-        t0 = time.perf_counter()
-        a.sum()
-        times.append(time.perf_counter() - t0)
-    queue.put(times)
-
-
-def measure_bandwidth(array_bytes: int, repeats: int, readers: Sequence[int] = (1, 2)) -> Bandwidth:
-    """Sum `array_bytes` of float32 `repeats` times, split over 1 and 2 processes that start each sum together
-    (processes, not threads: no GIL question); a sample is the bytes over the slowest reader's time."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("spawn")
-    samples = {}
-    for k in readers:
-        barrier, queue = ctx.Barrier(k), ctx.Queue()
-        procs = [ctx.Process(target=_timed_sums, args=(array_bytes // 4 // k, repeats, barrier, queue)) for _ in range(k)]
-        for proc in procs:
-            proc.start()
-        times = [queue.get(timeout=600) for _ in procs]
-        for proc in procs:
-            proc.join()
-        samples[k] = tuple(round((array_bytes // 4 // k) * 4 * k / max(ts) / 1e9, 2) for ts in zip(*times))
-    return Bandwidth(array_bytes, repeats, samples)
 
 
 def proc_field(path: str, key: str) -> str:

@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     plain_only = {b.removesuffix(":plain") for b in backends if b.endswith(":plain")}
     backends = [b.removesuffix(":plain") for b in backends]
     trees = tree_specs(args.tree)
-    loaded, plain_of = load_configs(args, backends, trees[0], plain_only, artifacts)
+    loaded, plain_of, artifact_of = load_configs(args, backends, trees[0], plain_only, artifacts)
     configs = [config for b, h, g in loaded  # each head set on every tree
                for config in [(b, h, g)] + [(b, h, Generator(g.runner, g.tokenizer, t, g.drafts)) for t in trees[1:]
                                             if h != "none" and (h != "lookup" or resolve_tree(t).is_chain)]]
@@ -241,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
         plain_tps = plain.new_tokens / plain.seconds if plain.seconds else None
         summaries.append(rows[key(backend, heads, g)].summary(depth, plain_tps))
     print_table(summaries, depth)
+    limits = bandwidth_limits(summaries, artifact_of, args.threads) if ort_on_cpu(configs) else None
+    print_limits(limits)
     held_out = held_out_accuracy(args, configs)
     replayed = {} if args.no_replay else replay_accuracy(args, configs, prompts, outputs, plain_of)
     print_held_out(held_out, summaries, replayed)
@@ -249,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
            "ort_placement": ort_placement(configs),
            "note": "acceptance_length = tokens emitted per verify step, bonus token included; speedup = tokens/s over "
                    "plain decoding on the same backend, measured in this run",
-           "results": summaries, "held_out": held_out, "replay": replayed,
+           "results": summaries, "bandwidth_limit": limits, "held_out": held_out, "replay": replayed,
            "per_prompt": {"/".join(key(b, h, g)): rows[key(b, h, g)].per_prompt_tokens_per_step for b, h, g in configs}}
     if args.json:
         atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
@@ -394,7 +396,7 @@ def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: d
 
 def ort_placement(configs: list[tuple[str, str, "Generator"]]) -> dict | None:
     """Where the ort backend's sessions ran (execution providers, and the one-line note when not where asked)."""
-    placement = next((g.runner.placement for b, _, g in configs if b == "ort"), None)
+    placement = next((g.runner.placement for b, _, g in configs if b.split("@")[0] == "ort"), None)  # ort@FOLDER too
     return None if placement is None else {"providers": list(placement.providers), "note": placement.note}
 
 
@@ -406,11 +408,11 @@ ARTIFACT_BACKENDS = ("ort", "trt")  # run an artifact's graphs / engines; torch 
 
 
 def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None, plain_only: set[str] = frozenset(),
-                 artifacts: list[Path] = ()) -> tuple[list[tuple[str, str, "Generator"]], dict[str, str]]:
+                 artifacts: list[Path] = ()) -> tuple[list[tuple[str, str, "Generator"]], dict[str, str], dict[str, Path]]:
     """(backend, heads name, generator on `tree`) for plain decoding and each head set, on each backend
     (plain decoding only on the backends in `plain_only`), and for each of several artifacts (backend label
-    BACKEND@FOLDER). Also returns label -> the label whose plain run is its reference: an artifact whose base graph
-    files are byte for byte an earlier one's gets no plain run of its own."""
+    BACKEND@FOLDER). Also returns label -> the label whose plain run is its reference (an artifact whose base graph
+    files are byte for byte an earlier one's gets no plain run of its own), and label -> the artifact it runs."""
     from clover.runtime.generator import LOOKUP_SUFFIX, Generator
 
     configs = []
@@ -425,19 +427,20 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
             configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
             for heads in head_sets if backend not in plain_only else ():
                 configs.append((backend, heads, Generator.load(args.base, heads, backend, tree, args.dtype)))
-        return configs, {}
+        return configs, {}, {}
     from clover.artifact import base_graph_sha256, read_manifest
     from clover.runtime.backend import backend_module
     from clover.runtime.tokenizer import Tokenizer
     from clover.runtime.tree import compile_spec
 
-    plain_of, bases = {}, {}
+    plain_of, bases, artifact_of = {}, {}, {}
     for artifact in artifacts:
         manifest = read_manifest(artifact)
         heads = manifest.heads.name if manifest.heads is not None else None
         base_id = base_graph_sha256(manifest)  # same bytes, same plain output
         for backend in backends:
             label = backend if len(artifacts) == 1 else f"{backend}@{artifact.name}"
+            artifact_of[label] = artifact
             if backend in ARTIFACT_BACKENDS:  # the artifact's own graphs / engines, plain and with its heads
                 module = backend_module(backend)
                 tok = Tokenizer.from_dir(module.base_dir(artifact))
@@ -465,7 +468,51 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
                     chosen = tree or (compile_spec(manifest.tree) if manifest.tree else None)
                     configs.append((label, heads, Generator.load(source_base, manifest.sources["heads"], backend, chosen,
                                                                  manifest.dtype)))
-    return configs, plain_of
+    return configs, plain_of, artifact_of
+
+
+BANDWIDTH_BYTES = 1 << 29  # summed per bandwidth sample: well past the caches (~20 ms at 27 GB/s)
+
+
+def ort_on_cpu(configs: list[tuple[str, str, "Generator"]]) -> bool:
+    placement = ort_placement(configs)
+    return placement is not None and placement["providers"] == ["CPUExecutionProvider"]
+
+
+def bandwidth_limits(summaries: list[dict], artifact_of: dict[str, Path], threads: int | None) -> dict | None:
+    """Plain decoding's ceiling on each ONNX Runtime artifact of the run, on the CPU: the weights of its base graph and
+    LM head read once per token (tools.machine.weight_bytes_per_token) at the read bandwidth measured now with as
+    many processes as threads."""
+    from clover.artifact import base_weight_files, read_manifest
+    from clover.tools.machine import bandwidth_limit, measure_bandwidth, weight_bytes_per_token
+
+    plain = {s["backend"]: s for s in summaries
+             if s["heads"] == "none" and s["backend"].split("@")[0] == "ort" and s["backend"] in artifact_of}
+    if not plain:
+        return None
+    readers = threads or os.cpu_count() or 1
+    bandwidth = measure_bandwidth(BANDWIDTH_BYTES, repeats=5, readers=(readers,)).best(readers)
+    limits = {}
+    for label, s in plain.items():
+        artifact = artifact_of[label]
+        weights = weight_bytes_per_token([f for f in base_weight_files(artifact, read_manifest(artifact)) if f.suffix == ".onnx"])
+        limit = bandwidth_limit(bandwidth, weights)
+        limits[label] = {"weight_bytes": weights, "limit_tokens_per_second": round(limit, 1),
+                         "plain_tokens_per_second": s["tokens_per_second"],
+                         "plain_share_of_limit": round(s["tokens_per_second"] / limit, 3)}
+    return {"read_gbps": bandwidth, "readers": readers, "plain": limits}
+
+
+def print_limits(limits: dict | None) -> None:
+    if not limits:
+        return
+    print(f"plain decoding's memory-bandwidth limit (the base graph's and LM head's weights read once per token, at "
+          f"{limits['read_gbps']:.1f} GB/s measured now with {limits['readers']} reader(s)):")
+    for label, x in limits["plain"].items():
+        print(f"  {label}: {x['weight_bytes'] / 1e6:.0f} MB -> <= {x['limit_tokens_per_second']:.1f} tok/s; plain ran at "
+              f"{x['plain_tokens_per_second']:.1f} ({x['plain_share_of_limit']:.0%} of it); speculation verifies several "
+              "tokens per read and can pass it")
+    print()
 
 
 def print_table(summaries: list[dict], depth: int) -> None:

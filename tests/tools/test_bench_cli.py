@@ -192,7 +192,18 @@ def test_several_artifacts_side_by_side(tmp_path_factory, tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     rows = [(r["backend"], r["heads"]) for r in json.loads(out.read_text())["results"]]
     assert rows == [(f"ort@{a.name}", "none"), (f"ort@{a.name}", "random:clover2:0"), (f"ort@{b.name}", "random:clover2:0")]
-    assert all(r["identical_to_plain"] == "1/1" for r in json.loads(out.read_text())["results"])
-    assert f"ort@{b.name}" in capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    assert all(r["identical_to_plain"] == "1/1" for r in doc["results"])
+    printed = capsys.readouterr().out
+    assert f"ort@{b.name}" in printed
+    # plain decoding's memory-bandwidth limit beside its speed: the plain run's artifact, its weight files' bytes
+    from clover.artifact import base_weight_files, read_manifest
+
+    limits = doc["bandwidth_limit"]
+    assert limits["read_gbps"] > 0 and list(limits["plain"]) == [f"ort@{a.name}"]
+    x = limits["plain"][f"ort@{a.name}"]
+    assert 0 < x["weight_bytes"] < sum(f.stat().st_size for f in base_weight_files(a, read_manifest(a)))  # one embedding row
+    assert x["limit_tokens_per_second"] == pytest.approx(limits["read_gbps"] * 1e9 / x["weight_bytes"], rel=1e-2, abs=0.1)
+    assert f"ort@{a.name}: " in printed and "memory-bandwidth limit" in printed
     assert bench_main(["--artifact", f"{a},{b}", "--backend", "ort", "--concurrency", "1"]) == 2
     assert "--concurrency runs one artifact" in capsys.readouterr().err

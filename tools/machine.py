@@ -1,0 +1,104 @@
+"""The machine beside speed results: memory read bandwidth and the ceiling it puts on plain decoding.
+
+Decoding one sequence reads every weight once per forward, so on a CPU plain decoding is bound by bytes of weights
+over read bandwidth (SmolLM2 fp32: ~540 MB per token). The bandwidth is measured in the run that reports speeds
+(shared machines differ from run to run), by summing a float32 array in 1..N processes that start together.
+The bytes a step reads are its graphs' initializers less the tables it only gathers from (`weight_bytes_per_token`).
+Used by clover-bench and benchmarks/peers.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """Read bandwidth of summing a float32 array (GB/s = 1e9 bytes/s), by the number of parallel readers."""
+
+    array_bytes: int
+    repeats: int
+    samples_gbps: dict[int, tuple[float, ...]]  # readers -> one figure per repeat
+
+    def best(self, threads: int) -> float:
+        return max(self.samples_gbps[threads])
+
+
+def bandwidth_limit(bandwidth_gbps: float, weight_bytes: int) -> float | None:
+    """Tokens/s of plain decoding if every forward streamed the weights once at the measured bandwidth."""
+    return bandwidth_gbps * 1e9 / weight_bytes if weight_bytes > 0 else None
+
+
+def _timed_sums(n: int, repeats: int, barrier, queue) -> None:
+    import numpy as np
+
+    a = np.ones(n, dtype=np.float32)
+    a.sum()  # pages touched before timing
+    times = []
+    for _ in range(repeats):
+        barrier.wait()
+        t0 = time.perf_counter()
+        a.sum()
+        times.append(time.perf_counter() - t0)
+    queue.put(times)
+
+
+def measure_bandwidth(array_bytes: int, repeats: int, readers: Sequence[int] = (1, 2)) -> Bandwidth:
+    """Sum `array_bytes` of float32 `repeats` times, split over each of `readers` processes that start each sum together
+    (processes, not threads: no GIL question); a sample is the bytes over the slowest reader's time."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    samples = {}
+    for k in readers:
+        barrier, queue = ctx.Barrier(k), ctx.Queue()
+        procs = [ctx.Process(target=_timed_sums, args=(array_bytes // 4 // k, repeats, barrier, queue)) for _ in range(k)]
+        for proc in procs:
+            proc.start()
+        times = [queue.get(timeout=600) for _ in procs]
+        for proc in procs:
+            proc.join()
+        samples[k] = tuple(round((array_bytes // 4 // k) * 4 * k / max(ts) / 1e9, 2) for ts in zip(*times))
+    return Bandwidth(array_bytes, repeats, samples)
+
+
+GATHERS = ("Gather", "GatherBlockQuantized")  # input 1: the indices; the others: the table (and its scales)
+
+
+def weight_bytes_per_token(graphs: Sequence[Path]) -> int:
+    """Bytes of weights one decode step reads from these ONNX graphs (their external data left on disk): every
+    initializer, less the tables that are only gathered from, as a token embedding is (a step reads one row of it)."""
+    import onnx
+
+    total = 0
+    for path in graphs:
+        graph = onnx.load(str(path), load_external_data=False).graph
+        uses: dict[str, list[tuple[str, int]]] = {}
+        for node in graph.node:
+            for i, name in enumerate(node.input):
+                uses.setdefault(name, []).append((node.op_type, i))
+        for t in graph.initializer:
+            used = uses.get(t.name, [])
+            if used and all(op in GATHERS and i != 1 for op, i in used):
+                continue
+            total += _tensor_bytes(t)
+    return total
+
+
+def _tensor_bytes(t) -> int:
+    from onnx import helper
+
+    external = {e.key: e.value for e in t.external_data}
+    if "length" in external:
+        return int(external["length"])
+    if t.raw_data:
+        return len(t.raw_data)
+    count = 1
+    for d in t.dims:
+        count *= d
+    return count * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
