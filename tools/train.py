@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-tokens", type=int, default=None, metavar="N",
                    help="corpus data: leave out the training answers that hold the corpus's first N loss tokens (in its "
                         "order), so a run that goes on from earlier heads (--init) learns what the corpus gained since "
-                        "they were trained; the validation split stays the same")
+                        "they were trained (validation conversations are never skipped)")
     p.add_argument("--topk", type=int, default=16, help="base distribution entries kept per position")
     p.add_argument("--feature-dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="precision of the base model while it builds the features (default: bfloat16 for a corpus "

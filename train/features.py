@@ -67,7 +67,7 @@ class FeatureSpec:
     # corpus answers: train on each answer's first `answer_tokens` tokens only (0: the whole answer, up to max_length)
     answer_tokens: int = 0
     # corpus answers: leave out the training conversations that hold its first `skip_tokens` loss tokens (in corpus
-    # order), so a run from earlier heads (--init) learns what the corpus gained since; the validation split stays
+    # order), so a run from earlier heads (--init) learns what the corpus gained since; validation is never skipped
     skip_tokens: int = 0
 
     @property
@@ -76,7 +76,8 @@ class FeatureSpec:
         return self.max_tokens, max(1, round(self.max_tokens * self.validation_fraction))
 
     def key(self) -> str:
-        fields = {k: v for k, v in asdict(self).items() if k not in ("corpus", "teacher", "answer_tokens", "skip_tokens") or v}  # unset: older names
+        later = ("corpus", "teacher", "answer_tokens", "skip_tokens")  # fields added later: unset, older names stay
+        fields = {k: v for k, v in asdict(self).items() if k not in later or v}
         blob = json.dumps({"format": FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
