@@ -191,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from clover.runtime.generator import Generator
-    from clover.runtime.tree import resolve_tree
 
     if args.max_new_tokens < 1:
         raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
@@ -220,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     loaded, plain_of, artifact_of = load_configs(args, backends, trees[0], plain_only, artifacts)
     configs = [config for b, h, g in loaded  # each head set on every tree
                for config in [(b, h, g)] + [(b, h, Generator(g.runner, g.tokenizer, t, g.drafts)) for t in trees[1:]
-                                            if h != "none" and (h != "lookup" or resolve_tree(t).is_chain)]]
+                                            if h != "none" and (h != "lookup" or lookup_tree(t))]]
     rows = {key(b, h, g): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
     for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
         g.generate("Hello", max_new_tokens=4, chat=not args.no_chat)
@@ -282,10 +281,10 @@ def head_names(spec: str) -> list[str]:
 
 
 def lookup_tree(tree: str | None) -> bool:
-    """Whether --tree (its first spec) can cap prompt-lookup drafts: a chain."""
-    from clover.runtime.tree import resolve_tree
+    """Whether a --tree spec can cap prompt-lookup drafts: a chain (not a dynamic tree)."""
+    from clover.runtime.tree import dynamic_tree, resolve_tree
 
-    return tree is not None and resolve_tree(tree).is_chain
+    return tree is not None and dynamic_tree(tree) is None and resolve_tree(tree).is_chain
 
 
 def training_record(heads: str) -> Path | None:

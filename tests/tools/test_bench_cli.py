@@ -56,6 +56,12 @@ def test_several_trees_in_one_run(base, tmp_path, capsys):
     assert all(r["identical_to_plain"] == "1/1" for r in doc["results"])
     assert set(doc["per_prompt"]) == {"torch/none/plain", "torch/random:clover2/chain-2", "torch/random:clover2/small",
                                       "torch/random:clover2/[[0],[1]]"}
+    # a dynamic tree beside a chain: the heads run on both, prompt lookup (capped by chains only) on the chain
+    rc = bench_main(["--base", str(base), "--heads", "random:clover2,lookup", "--tree", "chain-2,dynamic-4",
+                     "--prompts", str(prompts), "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    assert [(r["heads"], r["tree"]) for r in json.loads(out.read_text())["results"]] == [
+        ("none", "plain"), ("random:clover2", "chain-2"), ("random:clover2", "dynamic-4"), ("lookup", "chain-2")]
 
 
 def test_plain_only_backend(base, tmp_path, capsys):
