@@ -470,9 +470,6 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
     return configs, plain_of, artifact_of
 
 
-BANDWIDTH_BYTES = 1 << 29  # summed per bandwidth sample: well past the caches (~20 ms at 27 GB/s)
-
-
 def ort_on_cpu(configs: list[tuple[str, str, "Generator"]]) -> bool:
     placement = ort_placement(configs)
     return placement is not None and placement["providers"] == ["CPUExecutionProvider"]
@@ -482,8 +479,7 @@ def bandwidth_limits(summaries: list[dict], artifact_of: dict[str, Path], thread
     """Plain decoding's ceiling on each ONNX Runtime artifact of the run, on the CPU: the weights of its base graph and
     LM head read once per token (tools.machine.weight_bytes_per_token) at the read bandwidth measured now with as
     many processes as threads."""
-    from clover.artifact import base_weight_files, read_manifest
-    from clover.tools.machine import bandwidth_limit, measure_bandwidth, weight_bytes_per_token
+    from clover.tools.machine import BANDWIDTH_BYTES, artifact_weight_bytes, bandwidth_limit, measure_bandwidth
 
     plain = {s["backend"]: s for s in summaries
              if s["heads"] == "none" and s["backend"].split("@")[0] == "ort" and s["backend"] in artifact_of}
@@ -493,8 +489,7 @@ def bandwidth_limits(summaries: list[dict], artifact_of: dict[str, Path], thread
     bandwidth = measure_bandwidth(BANDWIDTH_BYTES, repeats=5, readers=(readers,)).best(readers)
     limits = {}
     for label, s in plain.items():
-        artifact = artifact_of[label]
-        weights = weight_bytes_per_token([f for f in base_weight_files(artifact, read_manifest(artifact)) if f.suffix == ".onnx"])
+        weights = artifact_weight_bytes(artifact_of[label])
         limit = bandwidth_limit(bandwidth, weights)
         limits[label] = {"weight_bytes": weights, "limit_tokens_per_second": round(limit, 1),
                          "plain_tokens_per_second": s["tokens_per_second"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -128,7 +129,8 @@ def demo_tree(artifact: Path) -> str | None:
 
 
 def generators(args: argparse.Namespace):
-    """(speculative, plain, prompt lookup) generators on the chosen backend (the last two share one model)."""
+    """(speculative, plain, prompt lookup) generators on the chosen backend (the last two share one model), and the
+    artifact they run (None on torch)."""
     from clover.runtime.generator import Generator
 
     if args.backend == "ort":
@@ -139,12 +141,12 @@ def generators(args: argparse.Namespace):
         tok = Tokenizer.from_dir(ort_backend.base_dir(artifact))
         spec = Generator(ort_backend.load_runner(artifact), tok, args.tree or demo_tree(artifact))
         plain = Generator(ort_backend.load_runner(artifact, heads="none", checksums=False), tok)
-        return spec, plain, Generator(plain.runner, tok, drafts="lookup")
+        return spec, plain, Generator(plain.runner, tok, drafts="lookup"), artifact
     from clover.runtime.torch_backend import TorchRunner
 
     spec = Generator.load(args.base, args.heads, "torch", args.tree)
     plain = Generator(TorchRunner(spec.runner.base), spec.tokenizer)  # same weights, no heads
-    return spec, plain, Generator(plain.runner, spec.tokenizer, drafts="lookup")
+    return spec, plain, Generator(plain.runner, spec.tokenizer, drafts="lookup"), None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    spec, plain, lookup = generators(args)
+    spec, plain, lookup, artifact = generators(args)
     print(f"base {args.base}, heads {args.heads}, tree {spec.tree.name} ({spec.tree.num_nodes} nodes), "
           f"{args.backend} backend\n")
     stream = spec.stream(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
@@ -175,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
           f"{fast.tokens_per_second / ref.tokens_per_second:.2f}x ({args.backend}, measured in this run)")
     print(f"prompt-lookup drafts ({lookup.tree.name} at most): {looked.tokens_per_second:.1f} tok/s, "
           f"{looked.tokens_per_step:.2f} tokens/step, output {same(looked)} plain greedy decoding")
+    if artifact is not None:  # ONNX Runtime on the CPU, its default threads: one per core
+        from clover.tools.machine import plain_limit_line
+
+        print(plain_limit_line(artifact, os.cpu_count() or 1))
     if args.heads.startswith("random:"):
         print("(untrained heads accept almost nothing, so this shows losslessness, not speed; trained heads "
               "come with clover-train)")

@@ -67,6 +67,7 @@ def measure_bandwidth(array_bytes: int, repeats: int, readers: Sequence[int] = (
     return Bandwidth(array_bytes, repeats, samples)
 
 
+BANDWIDTH_BYTES = 1 << 29  # summed per bandwidth sample: well past the caches (~20 ms at 27 GB/s)
 GATHERS = ("Gather", "GatherBlockQuantized")  # input 1: the indices; the others: the table (and its scales)
 
 
@@ -102,3 +103,19 @@ def _tensor_bytes(t) -> int:
     for d in t.dims:
         count *= d
     return count * np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type)).itemsize
+
+
+def artifact_weight_bytes(artifact: Path) -> int:
+    """Weights a plain decode step of an exported artifact reads: its base graph and the LM head it runs."""
+    from clover.artifact import base_weight_files, read_manifest
+
+    return weight_bytes_per_token([f for f in base_weight_files(artifact, read_manifest(artifact)) if f.suffix == ".onnx"])
+
+
+def plain_limit_line(artifact: Path, readers: int) -> str:
+    """One line: the artifact's plain decoding ceiling at the read bandwidth measured now with `readers` processes."""
+    weights = artifact_weight_bytes(artifact)
+    gbps = measure_bandwidth(BANDWIDTH_BYTES, repeats=5, readers=(readers,)).best(readers)
+    return (f"plain decoding's memory-bandwidth limit here: {weights / 1e6:.0f} MB of weights per token at {gbps:.1f} GB/s "
+            f"({readers} reader(s)) -> <= {bandwidth_limit(gbps, weights):.1f} tok/s; speculation verifies several "
+            "tokens per read and can pass it")

@@ -18,6 +18,7 @@ def test_demo_runs_and_reports_identity(tmp_path, capsys, monkeypatch, backend):
     assert code == 0
     assert "identical to plain greedy decoding" in out and "acceptance length" in out and f"{backend} backend" in out
     assert "DIFFERENT" not in out and f"prompt-lookup drafts (chain-{LOOKUP_DRAFTS} at most)" in out
+    assert ("memory-bandwidth limit here" in out) == (backend == "ort")  # beside the speeds, for the artifact
     if backend == "ort":
         assert "exporting" in err and list((tmp_path / "cache" / "artifacts").iterdir())
         assert main(args) == 0  # the second run reuses the exported artifact
