@@ -395,8 +395,13 @@ def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: d
 
 def ort_placement(configs: list[tuple[str, str, "Generator"]]) -> dict | None:
     """Where the ort backend's sessions ran (execution providers, and the one-line note when not where asked)."""
-    placement = next((g.runner.placement for b, _, g in configs if b.split("@")[0] == "ort"), None)  # ort@FOLDER too
+    placement = next((g.runner.placement for b, _, g in configs if label_backend(b) == "ort"), None)
     return None if placement is None else {"providers": list(placement.providers), "note": placement.note}
+
+
+def label_backend(label: str) -> str:
+    """The backend of a result's label: BACKEND, or BACKEND@FOLDER when several artifacts run (load_configs)."""
+    return label.split("@")[0]
 
 
 def key(backend: str, heads: str, g: "Generator") -> tuple[str, str, str]:
@@ -479,14 +484,14 @@ def bandwidth_limits(summaries: list[dict], artifact_of: dict[str, Path], thread
     """Plain decoding's ceiling on each ONNX Runtime artifact of the run, on the CPU: the weights of its base graph and
     LM head read once per token (tools.machine.weight_bytes_per_token) at the read bandwidth measured now with as
     many processes as threads."""
-    from clover.tools.machine import BANDWIDTH_BYTES, artifact_weight_bytes, bandwidth_limit, measure_bandwidth
+    from clover.tools.machine import artifact_weight_bytes, bandwidth_limit, read_bandwidth
 
     plain = {s["backend"]: s for s in summaries
-             if s["heads"] == "none" and s["backend"].split("@")[0] == "ort" and s["backend"] in artifact_of}
+             if s["heads"] == "none" and label_backend(s["backend"]) == "ort" and s["backend"] in artifact_of}
     if not plain:
         return None
     readers = threads or os.cpu_count() or 1
-    bandwidth = measure_bandwidth(BANDWIDTH_BYTES, repeats=5, readers=(readers,)).best(readers)
+    bandwidth = read_bandwidth(readers)
     limits = {}
     for label, s in plain.items():
         weights = artifact_weight_bytes(artifact_of[label])

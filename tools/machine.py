@@ -35,8 +35,6 @@ def bandwidth_limit(bandwidth_gbps: float, weight_bytes: int) -> float | None:
 
 
 def _timed_sums(n: int, repeats: int, barrier, queue) -> None:
-    import numpy as np
-
     a = np.ones(n, dtype=np.float32)
     a.sum()  # pages touched before timing
     times = []
@@ -68,6 +66,14 @@ def measure_bandwidth(array_bytes: int, repeats: int, readers: Sequence[int] = (
 
 
 BANDWIDTH_BYTES = 1 << 29  # summed per bandwidth sample: well past the caches (~20 ms at 27 GB/s)
+
+
+def read_bandwidth(readers: int) -> float:
+    """GB/s read now by `readers` processes together (the best of 5 sums of BANDWIDTH_BYTES): what a step's weights
+    stream at, beside the speeds of the same run."""
+    return measure_bandwidth(BANDWIDTH_BYTES, repeats=5, readers=(readers,)).best(readers)
+
+
 GATHERS = ("Gather", "GatherBlockQuantized")  # input 1: the indices; the others: the table (and its scales)
 
 
@@ -115,7 +121,7 @@ def artifact_weight_bytes(artifact: Path) -> int:
 def plain_limit_line(artifact: Path, readers: int) -> str:
     """One line: the artifact's plain decoding ceiling at the read bandwidth measured now with `readers` processes."""
     weights = artifact_weight_bytes(artifact)
-    gbps = measure_bandwidth(BANDWIDTH_BYTES, repeats=5, readers=(readers,)).best(readers)
+    gbps = read_bandwidth(readers)
     return (f"plain decoding's memory-bandwidth limit here: {weights / 1e6:.0f} MB of weights per token at {gbps:.1f} GB/s "
             f"({readers} reader(s)) -> <= {bandwidth_limit(gbps, weights):.1f} tok/s; speculation verifies several "
             "tokens per read and can pass it")
