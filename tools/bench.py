@@ -352,6 +352,11 @@ def replay_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Gen
     return out
 
 
+def _confidence_bin(b: dict) -> str:
+    top1 = "n/a" if b["top1"] is None else f"{b['top1']:.2f}"
+    return f"p {b['p'][0]:.1f}-{b['p'][1]:.1f}: top-1 {top1} ({b['share']:.0%} of positions)"
+
+
 def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: dict[str, dict[str, dict]]) -> None:
     """Per head set: held-out accuracy per depth (clover-train), the replay on this run's outputs, and each
     run's live dN (the share of steps accepting >= N drafts)."""
@@ -373,6 +378,9 @@ def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: d
             print(f"    replay on {backend}: top-1 {' '.join(f'{x:.2f}' for x in r['top1'])}; top-3 "
                   f"{' '.join(f'{x:.2f}' for x in r['top3'])}; whole chain right to depth d "
                   f"{' '.join(f'{x:.2f}' for x in r['chain'])} ({r['positions'][0]} positions)")
+            if r.get("top1_by_base_probability"):
+                print("      depth 1 by the base's probability of the token: "
+                      + ", ".join(map(_confidence_bin, r["top1_by_base_probability"])))
         for s in summaries:
             if s["heads"].removesuffix("+lookup") != name:
                 continue
@@ -389,7 +397,8 @@ def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: d
                   + f", accept len {s['acceptance_length']:.2f}" + (f" ({', '.join(estimates)})" if estimates else ""))
     print("live d1 on a chain ~ top-1 at depth 1, on a tree with k candidates there ~ top-k. Held-out above replay: "
           "this run's prompts and first answer tokens are harder than the training split (data); replay above live: "
-          "the loop feeds the heads otherwise than token-by-token decoding does (a skew)")
+          "the loop feeds the heads otherwise than token-by-token decoding does (a skew); misses where the base is "
+          "nearly sure of the token are the heads' own (capacity), where it is unsure they are hard for any draft")
     print()
 
 

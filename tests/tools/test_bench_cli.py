@@ -148,6 +148,8 @@ def test_held_out_accuracy_beside_live_acceptance(base, tmp_path, capsys):
     assert held["top1"] == epoch["val_top1"] and held["top3"] == epoch["val_topk"] and held["epoch"] == 3
     replayed = doc["replay"][str(heads)]["torch"]  # along the plain output: 8 tokens, 7 roots with a next token
     assert replayed["positions"][0] == 7 and "replay on torch: top-1" in table
+    assert sum(round(b["share"] * 7) for b in replayed["top1_by_base_probability"]) == 7
+    assert "depth 1 by the base's probability of the token: p 0.0-0.5: top-1" in table
 
 
 def test_replay_counts_what_a_chain_would_accept(base):
@@ -172,15 +174,25 @@ def test_replay_counts_what_a_chain_would_accept(base):
     assert counts.top1[0] <= counts.topk[0] and counts.chain[0] == counts.top1[0] and counts.chain[2] <= counts.chain[1]
     # by hand: after each token, draft chain-1 from the runner and compare with the next plain token
     r, right = heads.runner, 0
+    bins, bins_right = [0, 0, 0], [0, 0, 0]  # depth 1 by the base's probability of the token: < 0.5, 0.5-0.9, >= 0.9
     r.reset(len(prompt) + len(ids) + 1)
     r.forward(np.array(prompt), np.arange(len(prompt)), np.tri(len(prompt), dtype=bool))
     r.commit(np.arange(len(prompt)), np.append(prompt[1:], ids[0]))
     for i in range(len(ids) - 1):
         draft = draft_tree(r, resolve_tree("chain-1"), ids[i], SamplingParams(), np.random.default_rng(0))
-        right += int(draft.tokens[1] == ids[i + 1])
-        r.forward(np.array(ids[i:i + 1]), np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))
+        hit = int(draft.tokens[1] == ids[i + 1])
+        right += hit
+        logits = r.forward(np.array(ids[i:i + 1]), np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))[-1]
+        p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        b = 0 if p[ids[i + 1]] < 0.5 else 1 if p[ids[i + 1]] < 0.9 else 2
+        bins[b], bins_right[b] = bins[b] + 1, bins_right[b] + hit
         r.commit(np.zeros(1, dtype=np.int64), np.array(ids[i + 1:i + 2]))
     assert right == counts.top1[0]
+    assert counts.by_confidence == bins and counts.top1_by_confidence == bins_right
+    summary = counts.summary()["top1_by_base_probability"]
+    assert [b["p"] for b in summary] == [[0.0, 0.5], [0.5, 0.9], [0.9, 1.0]]
+    assert sum(b["share"] for b in summary) == pytest.approx(1.0, abs=1e-3)
+    assert all(b["top1"] is None if n == 0 else b["top1"] == round(k / n, 4) for b, n, k in zip(summary, bins, bins_right))
 
 
 def test_several_artifacts_side_by_side(tmp_path_factory, tmp_path, capsys):
