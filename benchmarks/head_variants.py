@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -41,6 +40,7 @@ from clover.tools.demo import SHIPPED_CORPUS, cached_artifact
 from clover.train.corpus import Corpus
 from clover.train.data import load_conversations
 from clover.train.objectives import RECIPES, Vocab, distill_loss, mixed_precision
+from clover.train.trainer import TrainConfig, lr_at
 
 HERE = Path(__file__).parent
 AUX_LAYERS = (2, 14, 26)  # low, middle, high of SmolLM2's 30 (EAGLE-3 takes three such)
@@ -239,26 +239,25 @@ def by_confidence(arm: Arm, data: list[dict], lm_bf16) -> list[dict]:
 
 
 def train(arm: Arm, data: list[dict], evals: dict[str, list[dict]], epochs: int, lr: float, base32, lm_bf16) -> dict:
-    """AdamW, 5% warm-up then cosine to 0.1x, clip 0.5 (clover-train's schedule); evaluated after every epoch."""
+    """clover-train's optimiser and cosine schedule (its TrainConfig), with a 5% warm-up; evaluated after every epoch."""
+    cfg = TrainConfig("clover2", DEPTHS, lr=lr, warmup_fraction=0.05)
     params = arm.parameters()
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(params, lr=cfg.peak_lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     rng = random.Random(1)
     plan = [batches(data, rng) for _ in range(epochs)]
     total, step, t0, seen = sum(map(len, plan)), 0, time.time(), 0
-    warm = max(1, total // 20)
     res: dict = {"epochs": []}
     for epoch, order in enumerate(plan, 1):
         for idx in tqdm(order, desc=f"{arm.name} epoch {epoch}/{epochs}", unit="batch"):
-            scale = (step + 1) / warm if step < warm else 0.1 + 0.45 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
             for g in opt.param_groups:
-                g["lr"] = lr * scale
+                g["lr"] = lr_at(step, total, cfg)
             b = collate([data[i] for i in idx])
             bb = without_aux(b)
             loss, _ = distill_loss(arm.heads, bb, DEPTHS, arm.recipe, base32.norm, lm_bf16,
                                    Vocab.of_batch(bb, base32.lm_head.weight), arm.outputs(b))
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 0.5)
+            torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
             opt.step()
             step, seen = step + 1, seen + int(bb["loss_mask"].sum())
         res["epochs"].append({name: evaluate(arm, v, base32, lm_bf16) for name, v in evals.items()})

@@ -88,7 +88,8 @@ def replay(runner: Runner, prompt: Sequence[int], output: Sequence[int], depths:
             counts.top1[d - 1] += int(top[0] == truth)
             counts.topk[d - 1] += int(truth in top)
             counts.chain[d - 1] += int(alive)
-            first_right = first_right or (d == 1 and alive)
+            if d == 1:
+                first_right = alive
             if d < depths and i + d < n - 1:  # the chain node at depth d holds the true token: draft its child
                 logits = runner.draft_step(d, np.array([d]), np.array([d - 1]), np.array([truth]))
         base = runner.forward(output[i:i + 1], np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool), last_only=True)
