@@ -72,9 +72,9 @@ def eval_sequences(per_set: int, new_tokens: int) -> dict[str, list[tuple[list[i
     return out
 
 
-def training_sequences(tokens: int) -> list[tuple[list[int], int]]:
+def training_sequences(tokens: int, corpus_dir: Path = SHIPPED_CORPUS) -> list[tuple[list[int], int]]:
     """The corpus's greedy answers of the training split, in corpus order, up to `tokens` answer tokens."""
-    corpus = Corpus.open(SHIPPED_CORPUS)
+    corpus = Corpus.open(corpus_dir)
     held_out, seqs, n = corpus.validation_indices(), [], 0
     for c in corpus.conversations():
         if c.index in held_out or c.sample != 1 or len(c.prompt) >= MAX_LENGTH - 32:
@@ -272,6 +272,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2, help="epochs of the arms that go on from the shipped heads")
     p.add_argument("--scratch-epochs", type=int, default=5, help="epochs of the arms trained from scratch")
     p.add_argument("--arms", default=",".join(FROM_SHIPPED + FROM_SCRATCH))
+    p.add_argument("--corpus", default=str(SHIPPED_CORPUS), help="corpus folder(s) (clover-data) the arms train on; "
+                   "several, comma-separated: every arm on each, side by side (rows ARM@CORPUS)")
     p.add_argument("--eval-prompts", type=int, default=80, help="prompts per evaluation set (MT-Bench has 80)")
     p.add_argument("--json", default=str(HERE / "results" / "head_variants.json"))
     args = p.parse_args()
@@ -283,29 +285,33 @@ def main() -> None:
     torch.set_num_threads(2)
     evals_seqs = eval_sequences(args.eval_prompts, 128)
     base = load_base(resolve_base("smollm2"), "bfloat16").eval()
-    data = features(base, training_sequences(args.tokens), "training")
     evals = {name: features(base, seqs, name) for name, seqs in evals_seqs.items()}
+    corpora = [Path(c) for c in args.corpus.split(",")]
+    data = {c: features(base, training_sequences(args.tokens, c), f"training {c.name}") for c in corpora}
     del base
     base32 = load_base(resolve_base("smollm2"), "float32").eval().requires_grad_(False)
     lm_bf16 = base32.lm_head.weight.detach().to(torch.bfloat16)
     shipped = make_arm("shipped", base32)
-    doc = {"training_answer_tokens": int(sum(d["loss_mask"].sum() for d in data)), "aux_layers": AUX_LAYERS,
+    doc = {"corpora": {c.name: {"path": str(c), "training_answer_tokens": int(sum(d["loss_mask"].sum() for d in data[c]))}
+                       for c in corpora}, "aux_layers": AUX_LAYERS,
            "depths": DEPTHS, "shipped": {name: evaluate(shipped, v, base32, lm_bf16) for name, v in evals.items()},
            "shipped_by_base_probability": {name: by_confidence(shipped, v, lm_bf16) for name, v in evals.items()},
            "arms": {}}
-    for name in arms:
-        epochs, lr = (args.scratch_epochs, 5e-4) if name in FROM_SCRATCH else (args.epochs, 2.5e-4)
-        doc["arms"][name] = train(make_arm(name, base32), data, evals, epochs, lr, base32, lm_bf16)
-        doc["arms"][name].update(epochs_run=epochs, lr=lr)
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1))
-    print(f"\ndepth-1 / depth-2 top-1, teacher-forced along the fp32 artifact's plain outputs "
-          f"({doc['training_answer_tokens']} training answer tokens)")
-    print(f"{'arm':16s} {'epochs':>6s} " + " ".join(f"{n:>18s}" for n in evals))
+    for c in corpora:
+        for name in arms:
+            epochs, lr = (args.scratch_epochs, 5e-4) if name in FROM_SCRATCH else (args.epochs, 2.5e-4)
+            key = name if len(corpora) == 1 else f"{name}@{c.name}"
+            doc["arms"][key] = train(make_arm(name, base32), data[c], evals, epochs, lr, base32, lm_bf16)
+            doc["arms"][key].update(epochs_run=epochs, lr=lr, corpus=c.name)
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(doc, indent=1))
+    print("\ndepth-1 / depth-2 top-1, teacher-forced along the fp32 artifact's plain outputs (training answer tokens: "
+          + ", ".join(f"{k} {v['training_answer_tokens']}" for k, v in doc["corpora"].items()) + ")")
+    print(f"{'arm':30s} {'epochs':>6s} " + " ".join(f"{n:>18s}" for n in evals))
     row = lambda e: " ".join(f"{e[n]['top1'][0]:8.3f} {e[n]['top1'][1]:8.3f} " for n in evals)  # noqa: E731
-    print(f"{'shipped (as is)':16s} {'':>6s} " + row(doc["shipped"]))
+    print(f"{'shipped (as is)':30s} {'':>6s} " + row(doc["shipped"]))
     for name, r in doc["arms"].items():
-        print(f"{name:16s} {r['epochs_run']:>6d} " + row(r["epochs"][-1]))
+        print(f"{name:30s} {r['epochs_run']:>6d} " + row(r["epochs"][-1]))
     for name, bins in doc["shipped_by_base_probability"].items():
         print(f"shipped heads, depth 1 on {name} by the base's probability of the token: "
               + ", ".join(f"p {b['p'][0]:.1f}-{b['p'][1]:.1f}: {b['top1']} ({b['share']:.0%})" for b in bins))

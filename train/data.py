@@ -60,10 +60,13 @@ def iter_json_array(text: str) -> Iterator[dict]:
         yield obj
 
 
-def normalize(record: dict) -> list[Message] | None:
-    """A conversation as chat messages, or None when it has no usable user -> assistant exchange."""
+def normalize(record: dict, prompts: bool = False) -> list[Message] | None:
+    """A conversation as chat messages, or None when it has no usable user -> assistant exchange (with `prompts`,
+    a lone user turn, a prompt still to answer, is usable too, also as {"prompt": text})."""
     if "messages" in record:
         raw = [(m.get("role"), m.get("content")) for m in record["messages"]]
+    elif prompts and isinstance(record.get("prompt"), str):
+        raw = [("user", record["prompt"])]  # clover-bench's prompt files
     elif "conversations" in record:
         raw = [(_SHAREGPT_ROLES.get(str(m.get("from", "")).lower()), m.get("value")) for m in record["conversations"]]
     else:
@@ -76,13 +79,16 @@ def normalize(record: dict) -> list[Message] | None:
             return None  # two turns of one speaker in a row: not a clean exchange
         messages.append({"role": role, "content": content})
     body = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    if prompts and len(body) == 1 and body[0]["role"] == "user":
+        return messages
     if len(body) < 2 or body[0]["role"] != "user" or body[1]["role"] != "assistant":
         return None
     return messages
 
 
-def load_conversations(source: str) -> list[list[Message]]:
-    """All usable conversations of `source` ('sharegpt' or a JSONL path), in file order."""
+def load_conversations(source: str, prompts: bool = False) -> list[list[Message]]:
+    """All usable conversations of `source` ('sharegpt' or a JSONL path), in file order; with `prompts` (a JSONL
+    path only), also lone user turns to answer (clover-data grow's prompt files)."""
     if source == "sharegpt":
         records: Iterator[dict] = iter_json_array(sharegpt_path().read_text(encoding="utf-8"))
     else:
@@ -90,10 +96,12 @@ def load_conversations(source: str) -> list[list[Message]]:
         if not path.is_file():
             raise CloverError(f"training data {source!r} not found: pass --data sharegpt or a JSONL file of conversations")
         records = _jsonl(path)
-    conversations = [c for c in map(normalize, records) if c is not None]
+    prompts = prompts and source != "sharegpt"  # ShareGPT's prompt order is fixed by its answered conversations
+    conversations = [c for c in (normalize(r, prompts) for r in records) if c is not None]
     if not conversations:
+        need = ("a user turn (or 'prompt' records)" if prompts else "a user turn then an assistant turn")
         raise CloverError(f"no usable conversations in {source}: expected ShareGPT ('conversations' with from/value) "
-                          "or OpenAI ('messages' with role/content) records, each with a user turn then an assistant turn")
+                          f"or OpenAI ('messages' with role/content) records, each with {need}")
     return conversations
 
 
@@ -192,8 +200,10 @@ def answer_order(count: int, seed: int, validation_fraction: float, turns: int,
 def turn_prompt(tokenizer: Tokenizer, messages: list[Message], turn: int = 1) -> list[int] | None:
     """The templated prompt up to the conversation's `turn`-th assistant turn (1: the first, what the base
     answers in --responses base; later ones keep the conversation's own earlier answers as context), or None
-    when it has fewer assistant turns."""
+    when it has fewer assistant turns. A lone user turn (a prompt file's) is its own first turn's prompt."""
     starts = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not starts and messages and messages[-1]["role"] == "user":
+        starts = [len(messages)]
     if len(starts) < turn:
         return None
     return tokenizer.encode_chat(messages[:starts[turn - 1]], add_generation_prompt=True)

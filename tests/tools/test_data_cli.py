@@ -123,6 +123,52 @@ def test_grow_resumes_and_stores_plain_greedy_answers(setup, capsys):
     assert len(err.splitlines()) == 1
 
 
+def test_grow_answers_a_file_of_prompts(setup, capsys):
+    """A prompt file (lone user turns, or clover-bench's {"prompt": ...} lines) is a prompt source too."""
+    root, _, artifact, _ = setup
+    prompts = root / "prompts.jsonl"
+    lines = [{"prompt": "w5 w9 w12"}, {"messages": [{"role": "user", "content": "w7 w8"}]}, {"prompt": "w20 w21"},
+             {"conversations": [{"from": "human", "value": "w30"}]}]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = root / "from-prompts"
+    assert data_main(["grow", "--artifact", str(artifact), "--prompts", str(prompts), "--out", str(out),
+                      "--max-new-tokens", str(MAX_NEW), "--threads", "1"]) == 0
+    capsys.readouterr()
+    convs = list(Corpus.open(out).conversations())
+    tok = Tokenizer.from_dir(artifact / "tokenizer")
+    chats = load_conversations(str(prompts), prompts=True)
+    assert len(chats) == 4 and sorted(c.index for c in convs) == [0, 1, 2, 3]
+    for c in convs:
+        assert c.prompt.tolist() == tok.encode_chat(chats[c.index], add_generation_prompt=True) and len(c.response) > 0
+
+
+def test_self_prompts_write_a_prompt_file_that_grow_answers(setup, capsys, monkeypatch):
+    """benchmarks/self_prompts.py: the base writes the user turns itself (seeded: a rerun writes the same file)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    root, _, artifact, _ = setup
+    spec = importlib.util.spec_from_file_location("self_prompts", Path(__file__).resolve().parents[2] / "benchmarks" / "self_prompts.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tok = Tokenizer.from_dir(artifact / "tokenizer")
+    assert tok.decode(mod.user_header(tok), skip_special_tokens=False) == "w3"  # the tiny template: w3 TEXT w4
+    files = []
+    for run in range(2):
+        files.append(root / f"self-{run}.jsonl")
+        monkeypatch.setattr(sys, "argv", ["self_prompts", "--artifact", str(artifact), "--count", "24", "--out",
+                                          str(files[-1]), "--max-new-tokens", "24", "--threads", "1"])
+        assert mod.main() == 0
+    assert "prompts" in capsys.readouterr().err
+    assert files[0].read_text() == files[1].read_text()
+    chats = load_conversations(str(files[0]), prompts=True)
+    assert 0 < len(chats) <= 24 and len({c[0]["content"] for c in chats}) == len(chats)
+    assert data_main(["grow", "--artifact", str(artifact), "--prompts", str(files[0]), "--out", str(root / "self"),
+                      "--max-new-tokens", str(MAX_NEW), "--threads", "1"]) == 0
+    assert Corpus.open(root / "self").provenance.totals["conversations"] == len(chats)
+
+
 def test_later_turns_continue_a_corpus_whose_first_turns_are_answered(setup, capsys):
     root, _, artifact, prompts = setup
     out = root / "turns"

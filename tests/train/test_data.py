@@ -4,7 +4,8 @@ import pytest
 
 from clover.errors import CloverError
 from clover.runtime.tokenizer import Tokenizer
-from clover.train.data import first_turn_prompt, iter_json_array, load_conversations, normalize, split, tokenize_conversation
+from clover.train.data import (first_turn_prompt, iter_json_array, load_conversations, normalize, split,
+                               tokenize_conversation, turn_prompt)
 from helpers import tiny_tokenizer_dir
 
 
@@ -25,6 +26,28 @@ def test_normalize_sharegpt_and_openai_forms():
     assert normalize({"conversations": [{"from": "human", "value": "x"}, {"from": "human", "value": "y"}]}) is None
     assert normalize({"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": " "}]}) is None
     assert normalize({"text": "plain"}) is None
+
+
+def test_prompt_files_take_lone_user_turns_and_training_data_does_not(tmp_path):
+    lone = {"messages": [{"role": "user", "content": "hi"}]}
+    sg = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "hi"}]}
+    assert normalize(lone) is None and normalize(sg) is None and normalize({"prompt": "hi"}) is None
+    assert normalize(lone, prompts=True) == normalize({"prompt": "hi"}, prompts=True) == [{"role": "user", "content": "hi"}]
+    assert normalize(sg, prompts=True)[-1] == {"role": "user", "content": "hi"}
+    # an exchange followed by an unanswered user turn is kept as before (and its turn 2 has no prompt, below)
+    assert normalize({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                                   {"role": "user", "content": "c"}]}, prompts=True)[-1]["content"] == "c"
+    f = tmp_path / "prompts.jsonl"
+    f.write_text(json.dumps(lone) + "\n" + json.dumps({"prompt": "yo"}) + "\n" + json.dumps({"prompt": " "}) + "\n")
+    assert load_conversations(str(f), prompts=True) == [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
+    with pytest.raises(CloverError, match="each with a user turn then an assistant turn"):
+        load_conversations(str(f))
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "tok"))
+    msgs = [{"role": "user", "content": "w5 w6"}]
+    assert turn_prompt(tok, msgs, 1) == tok.encode_chat(msgs, add_generation_prompt=True)
+    assert turn_prompt(tok, msgs, 2) is None
+    two = msgs + [{"role": "assistant", "content": "w7"}, {"role": "user", "content": "w8"}]
+    assert turn_prompt(tok, two, 2) is None  # only lone prompts gain a turn
 
 
 def test_load_jsonl_errors(tmp_path):
