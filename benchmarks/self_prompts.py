@@ -25,7 +25,9 @@ from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.demo import cached_artifact
 
-SEED_STRIDE = 1_000_003  # prompt i samples with seed SEED_STRIDE * i + 7
+def seed_of(i: int) -> int:
+    """The sampling seed of prompt i (spread out, so neighbouring prompts' generators share no state)."""
+    return 1_000_003 * i + 7
 
 
 def user_header(tokenizer: Tokenizer) -> list[int]:
@@ -55,7 +57,7 @@ def main() -> int:
     with clover.Engine.load(art, heads="none", backend="ort", max_batch=8, threads=args.threads, log=sys.stderr) as eng:
         def sample(i: int):
             return eng.generate(header, max_new_tokens=args.max_new_tokens,
-                                sampling=SamplingParams(args.temperature, args.top_p, seed=SEED_STRIDE * i + 7))
+                                sampling=SamplingParams(args.temperature, args.top_p, seed=seed_of(i)))
 
         seen, tokens, t0 = set(), 0, time.monotonic()
         tmp = args.out.with_name(args.out.name + ".tmp")
@@ -66,7 +68,7 @@ def main() -> int:
                 if r.finish_reason != "stop" or len(r.token_ids) < 4 or text in seen:
                     continue
                 seen.add(text)
-                f.write(json.dumps({"messages": [{"role": "user", "content": text}], "seed": SEED_STRIDE * i + 7}) + "\n")
+                f.write(json.dumps({"messages": [{"role": "user", "content": text}], "seed": seed_of(i)}) + "\n")
         tmp.replace(args.out)  # whole or not at all
     secs = time.monotonic() - t0
     print(f"kept {len(seen)} of {args.count} prompts ({tokens} tokens sampled in {secs:.0f} s, {tokens / secs:.0f} "

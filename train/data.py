@@ -87,8 +87,8 @@ def normalize(record: dict, prompts: bool = False) -> list[Message] | None:
 
 
 def load_conversations(source: str, prompts: bool = False) -> list[list[Message]]:
-    """All usable conversations of `source` ('sharegpt' or a JSONL path), in file order; with `prompts` (a JSONL
-    path only), also lone user turns to answer (clover-data grow's prompt files)."""
+    """All usable conversations of `source` ('sharegpt' or a JSONL path), in file order; with `prompts`, also lone
+    user turns to answer (clover-data grow's prompt files)."""
     if source == "sharegpt":
         records: Iterator[dict] = iter_json_array(sharegpt_path().read_text(encoding="utf-8"))
     else:
@@ -96,7 +96,6 @@ def load_conversations(source: str, prompts: bool = False) -> list[list[Message]
         if not path.is_file():
             raise CloverError(f"training data {source!r} not found: pass --data sharegpt or a JSONL file of conversations")
         records = _jsonl(path)
-    prompts = prompts and source != "sharegpt"  # ShareGPT's prompt order is fixed by its answered conversations
     conversations = [c for c in (normalize(r, prompts) for r in records) if c is not None]
     if not conversations:
         need = ("a user turn (or 'prompt' records)" if prompts else "a user turn then an assistant turn")
