@@ -16,15 +16,21 @@ corpus's n-gram store): lookup alone 1.38x -> 1.43x (MT-Bench) and 1.53x -> 1.60
 1.13x -> 1.26x and 1.28x -> 1.39x on the int4 one, where rows are dear and it verifies fewer.
 
 When the sequence's tail matches nothing of 2+ tokens, an `NgramStore` (clover-export --ngram-store) drafts
-instead: the continuations the base itself wrote most often after that context, counted over a corpus of its
-own answers (REST, arXiv 2311.08252; SuffixDecoding, arXiv 2411.04975). Still no model call: a binary search
-per drafted token. On SmolLM2 int4 with the 735k-token self-distilled corpus, greedy, 128 new tokens, it raised
-prompt lookup's tokens per step from 1.36 to 1.56 on MT-Bench and from 1.66 to 1.88 on the code prompts
-(replayed on fixed greedy outputs); contexts longer than 3 tokens added nothing.
+instead: what the base itself wrote after the longest stored match of the sequence's tail, over corpora of its
+own answers (REST, arXiv 2311.08252; SuffixDecoding, arXiv 2411.04975). Still no model call: binary searches
+over a suffix array, ~0.1 ms a proposal. Session 15's store (2-3 token contexts, at most 3 drafts) raised prompt
+lookup's tokens per step on SmolLM2 int4 from 1.36 to 1.56 on MT-Bench and from 1.66 to 1.88 on the code prompts
+(replayed on fixed greedy outputs); the suffix array's longer matches and longer drafts add 5-8% more on the
+fp32 graph (NgramStore).
 """
 
 from __future__ import annotations
 
+import bisect
+import mmap
+import struct
+import sys
+import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -34,103 +40,155 @@ from clover.artifact import Manifest
 from clover.errors import CloverError
 
 
-STORE_CONTEXT = 3  # tokens of context an n-gram store keys on at most
-STORE_MIN_CONTEXT = 2  # ... and at least: after one token the base's next token is a guess
-STORE_MIN_COUNT = 2  # contexts seen fewer times are left out of a store
+STORE_MIN_CONTEXT = 2  # tokens of the tail a store must match at least: after one token the next is a guess
+STORE_LONGEST = 24  # ... and at most (longer matches are rare and predict no better)
+STORE_SORTED = 64  # the suffix array orders suffixes by this many tokens, ties in text order: matches and drafts
+# read no further (a draft stops there), as the search and the walk rely on that order
+STORE_PROMPT_TAIL = 3  # prompt tokens kept before each answer: the chat template's turn header, so answer starts match
+STORE_FORMAT = 2  # 1: 2-3 token contexts and their most frequent next token (session 15); 2: a suffix array
 MATCH_EXTEND = 32  # a match is measured up to this many tokens back
 MATCH_DRAFTS_PER_TOKEN = 2  # a match of L tokens drafts up to 2L (L, 3L, 4L replayed worse or no better per ms)
-STORE_DRAFTS = 3  # tokens a store drafts at most: each is a guess from 2-3 tokens of context (longer replayed worse)
-_BITS = 21  # bits per token in a packed context key: vocabularies up to 2**21 - 1 tokens, 3 tokens per uint64
+
+
+def suffix_array(tokens: np.ndarray, depth: int = STORE_SORTED) -> np.ndarray:
+    """Start positions of `tokens`' suffixes in the order of their first `depth` tokens (a shorter suffix before
+    its extensions; equal prefixes in text order), by prefix doubling: log2(depth) stable sorts in numpy."""
+    n = len(tokens)
+    rank = np.unique(tokens, return_inverse=True)[1].astype(np.int64).reshape(-1)  # dense: keys below stay < n^2
+    order = np.argsort(rank, kind="stable")
+    k = 1
+    while k < depth and n:
+        after = np.zeros(n, dtype=np.int64)  # rank of the suffix k further on, + 1 (0: past the end)
+        after[:n - k] = rank[k:] + 1
+        key = rank * (n + 1) + after
+        order = np.argsort(key, kind="stable")
+        sorted_key = key[order]
+        rank = np.empty(n, dtype=np.int64)
+        rank[order] = np.cumsum(np.r_[0, sorted_key[1:] != sorted_key[:-1]])
+        k *= 2
+        if rank[order[-1]] == n - 1:  # all distinct already
+            break
+    return order.astype(np.uint32)
 
 
 class NgramStore:
-    """What the base wrote after each short context, over a corpus of its own answers: for every context of
-    STORE_MIN_CONTEXT..STORE_CONTEXT tokens seen at least STORE_MIN_COUNT times, its most frequent next token and
-    that token's share. Contexts are packed exactly into uint64 keys (`_BITS` per token, id + 1, so lengths
-    differ), kept sorted for binary search. Read-only once built: one store serves every sequence and thread."""
+    """Every n-gram the base wrote, with what followed it, over a corpus of its own answers (REST, arXiv
+    2311.08252; SuffixDecoding, arXiv 2411.04975): the answers (each after the last STORE_PROMPT_TAIL tokens of
+    its prompt, then a separator) in one token array, and its suffix array. A draft finds the longest tail of
+    the sequence (STORE_MIN_CONTEXT..STORE_LONGEST tokens) that occurs in it by binary search, then follows the
+    most frequent continuation of those occurrences token by token: suffixes sharing a prefix are adjacent and
+    sorted by what follows, so each drafted token narrows a range, with no per-context table. Session 15's store
+    kept 2-3 token contexts and drafted 3 tokens at most; replayed on the fp32 graph's greedy outputs (80
+    MT-Bench prompts, 16 code prompts, 128 tokens, up to 8 drafts a step), prompt lookup's tokens per step go
+    1.74 -> 1.82 (MT-Bench) and 1.93 -> 2.06 (code) with this one over the same answers plus the fp32 graph's.
+    Read-only once built: one store serves every sequence and thread."""
 
-    def __init__(self, keys: np.ndarray, next_ids: np.ndarray, share: np.ndarray, vocab_size: int) -> None:
-        if vocab_size >= 1 << _BITS:
-            raise CloverError(f"an n-gram store packs token ids in {_BITS} bits, but the vocabulary has {vocab_size} "
+    def __init__(self, tokens: np.ndarray, sa: np.ndarray, vocab_size: int, _mapped: tuple | None = None) -> None:
+        dtype = np.dtype(np.uint16 if vocab_size < 0xFFFF else np.uint32).newbyteorder(">")
+        self.sep = int(np.iinfo(dtype).max)  # between answers; no token has this id
+        if vocab_size >= 0xFFFFFFFF:
+            raise CloverError(f"an n-gram store holds token ids in 32 bits, but the vocabulary has {vocab_size} "
                               "tokens: export without --ngram-store")
-        self.keys = np.asarray(keys, dtype=np.uint64)
-        self.next_ids = np.asarray(next_ids, dtype=np.int64)
-        self.share = np.asarray(share, dtype=np.float32)
+        # big-endian: byte strings of tokens compare like the token sequences, so the search bisects on bytes
+        self.tokens = np.asarray(tokens).astype(dtype, copy=False)
+        self.sa = np.asarray(sa).astype(np.dtype(np.uint32).newbyteorder("<"), copy=False)
         self.vocab_size = int(vocab_size)
-        if not (len(self.keys) == len(self.next_ids) == len(self.share)) or bool(np.any(np.diff(self.keys) <= 0)) or (
-                len(self.next_ids) and (self.next_ids.min() < 0 or self.next_ids.max() >= vocab_size)):
-            raise CloverError("an n-gram store needs sorted distinct keys and one next token below the vocabulary "
-                              "size per key")
+        # a loaded store's file is checksummed with its artifact: checking every entry would read all its pages
+        if len(self.sa) != len(self.tokens) or (len(self.tokens) and (int(self.tokens[-1]) != self.sep or (
+                _mapped is None and (int(self.tokens[self.tokens != self.sep].max(initial=0)) >= vocab_size
+                                     or int(self.sa.max()) >= len(self.tokens))))):
+            raise CloverError("an n-gram store needs answers below the vocabulary size, each ended by the separator, "
+                              "and one suffix-array entry per token")
+        self._width = dtype.itemsize
+        # a loaded store searches its file's pages in place (mmap: shared between processes, read only where
+        # touched); a built one a copy of its tokens' bytes
+        self._text, self._offset = _mapped if _mapped is not None else (self.tokens.tobytes(), 0)
+        native = self.sa if sys.byteorder == "little" else self.sa.astype(np.uint32)  # x86: no copy
+        self._sa = memoryview(np.ascontiguousarray(native)).cast("B").cast("I")  # indexable: plain 'I' items
 
     def __len__(self) -> int:
-        return len(self.keys)
-
-    @staticmethod
-    def pack(context: Sequence[int]) -> int:
-        key = 0
-        for t in context:
-            key = (key << _BITS) | (int(t) + 1)
-        return key
+        """Tokens stored, separators included: each the end of a context the store can match."""
+        return len(self.tokens)
 
     @classmethod
-    def build(cls, sequences: Iterable[tuple[np.ndarray, int]], vocab_size: int) -> "NgramStore":
-        """The store of `sequences`: (tokens, start) pairs, counting the tokens from `start` on (an answer) after
-        the contexts before each (which may reach into its prompt)."""
-        keys, nexts = [], []
+    def build(cls, sequences: Iterable[tuple[Sequence[int], int]], vocab_size: int) -> "NgramStore":
+        """The store of `sequences`: (tokens, start) pairs, an answer from `start` on after its prompt."""
+        dtype = np.uint16 if vocab_size < 0xFFFF else np.uint32
+        sep = np.array([np.iinfo(dtype).max], dtype=dtype)
+        parts = []
         for tokens, start in sequences:
-            t = np.asarray(tokens, dtype=np.uint64) + np.uint64(1)
-            for n in range(STORE_MIN_CONTEXT, STORE_CONTEXT + 1):
-                first = max(start, n)  # positions with n tokens of context
-                if first >= len(t):
-                    continue
-                key = np.zeros(len(t) - first, dtype=np.uint64)
-                for j in range(n, 0, -1):  # oldest token in the highest bits, as pack()
-                    key = (key << np.uint64(_BITS)) | t[first - j:len(t) - j]
-                keys.append(key)
-                nexts.append(np.asarray(tokens[first:], dtype=np.int64))
-        if not keys:
-            return cls(np.zeros(0, np.uint64), np.zeros(0, np.int64), np.zeros(0, np.float32), vocab_size)
-        key, nxt = np.concatenate(keys), np.concatenate(nexts)
-        order = np.lexsort((nxt, key))
-        key, nxt = key[order], nxt[order]
-        # runs of equal (key, next): their counts; then per key the total and the most frequent next token
-        pair_start = np.flatnonzero(np.r_[True, (key[1:] != key[:-1]) | (nxt[1:] != nxt[:-1])])
-        pair_count = np.diff(np.r_[pair_start, len(key)])
-        pair_key, pair_next = key[pair_start], nxt[pair_start]
-        key_start = np.flatnonzero(np.r_[True, pair_key[1:] != pair_key[:-1]])
-        total = np.add.reduceat(pair_count, key_start)
-        best = np.maximum.reduceat(pair_count, key_start)
-        # the first pair of each key with the best count: the smallest such token id (pairs are sorted by id)
-        group = np.repeat(np.arange(len(key_start)), np.diff(np.r_[key_start, len(pair_key)]))
-        best_pairs = np.flatnonzero(pair_count == best[group])
-        first_best = best_pairs[np.r_[True, group[best_pairs][1:] != group[best_pairs][:-1]]]
-        keep = total >= STORE_MIN_COUNT
-        return cls(pair_key[key_start][keep], pair_next[first_best][keep], (best / total)[keep], vocab_size)
+            t = np.asarray(tokens, dtype=np.int64)
+            if start < len(t):
+                parts += [t[max(0, start - STORE_PROMPT_TAIL):].astype(dtype), sep]
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+        return cls(tokens, suffix_array(tokens), vocab_size)
 
-    def next_token(self, context: Sequence[int]) -> tuple[int, float] | None:
-        """The most frequent continuation of the longest stored tail of `context`, and its share; None if none."""
-        for n in range(min(STORE_CONTEXT, len(context)), STORE_MIN_CONTEXT - 1, -1):
-            key = np.uint64(self.pack(context[len(context) - n:]))
-            i = int(np.searchsorted(self.keys, key))
-            if i < len(self.keys) and self.keys[i] == key:
-                return int(self.next_ids[i]), float(self.share[i])
-        return None
+    def _key(self, size: int) -> Callable[[int], bytes]:
+        text, w, o = self._text, self._width, self._offset
+        return lambda s: text[o + s * w:o + s * w + size]
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to k tokens continuing `tokens`, each the store's continuation of the sequence so far."""
-        tail, out = list(tokens[-STORE_CONTEXT:]), []
-        while len(out) < k:
-            found = self.next_token(tail)
-            if found is None:
+    def _first(self, pattern: bytes) -> int:
+        """Index of the first suffix >= `pattern`, and whether it starts with it (-1 if not)."""
+        key = self._key(len(pattern))
+        lo = bisect.bisect_left(self._sa, pattern, key=key)
+        return lo if lo < len(self._sa) and key(self._sa[lo]) == pattern else -1
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, int, int]:
+        """(m, lo, hi): the longest tail of `tokens` of STORE_MIN_CONTEXT..STORE_LONGEST tokens found in the
+        store and the suffix-array range of its occurrences; m = 0 if none. A tail that occurs has every shorter
+        tail occurring too, so m is found by binary search (one bisection per probe; the range's end once)."""
+        big = self.tokens.dtype.newbyteorder(">")
+        tail = np.asarray(tokens[max(0, len(tokens) - STORE_LONGEST):], dtype=np.int64)
+        if len(tail) < STORE_MIN_CONTEXT or not len(self.tokens) or tail.max() >= self.vocab_size or tail.min() < 0:
+            return 0, 0, 0
+        best, low, high = (0, 0, b""), STORE_MIN_CONTEXT, len(tail)
+        while low <= high:
+            m = (low + high) // 2
+            pattern = tail[len(tail) - m:].astype(big).tobytes()
+            lo = self._first(pattern)
+            if lo >= 0:
+                best, low = (m, lo, pattern), m + 1
+            else:
+                high = m - 1
+        m, lo, pattern = best
+        return (m, lo, bisect.bisect_right(self._sa, pattern, lo=lo, key=self._key(len(pattern)))) if m else (0, 0, 0)
+
+    def propose(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens continuing `tokens`: where its longest stored tail occurs, the most frequent next token
+        (ties: the smallest id), then the most frequent after that among the occurrences that went on so, and so
+        on (ending at an answer's end). Also the tail's length (0: no tail of STORE_MIN_CONTEXT tokens occurs)."""
+        m, lo, hi = self.match(tokens) if k > 0 else (0, 0, 0)
+        out: list[int] = []
+        text = self.tokens
+        while m and len(out) < k:
+            # the range is sorted, so what its first and last occurrences share, all of them share: take it
+            d = m + len(out)
+            n = min(k - len(out), STORE_SORTED - d)
+            if n <= 0:
                 break
-            out.append(found[0])
-            tail = tail[1:] + [found[0]]
-        return out
+            first, last = self._sa[lo] + d, self._sa[hi - 1] + d
+            a, b = text[first:first + n].tolist(), text[last:last + n].tolist()
+            same = next((j for j in range(min(len(a), len(b))) if a[j] != b[j] or a[j] == self.sep), min(len(a), len(b)))
+            out += a[:same]
+            if len(out) == k or same < len(a) and a[same] == self.sep or same == len(a):
+                break
+            # they part here: the most frequent next token (runs: the range is sorted by it), then its sub-range
+            d += same
+            nxt = self.tokens[self.sa[lo:hi].astype(np.int64) + d]
+            starts = np.flatnonzero(np.r_[True, nxt[1:] != nxt[:-1]])
+            runs = np.diff(np.r_[starts, len(nxt)])
+            best = int(np.argmax(runs))
+            token = int(nxt[starts[best]])
+            if token == self.sep:
+                break
+            out.append(token)
+            lo, hi = lo + int(starts[best]), lo + int(starts[best]) + int(runs[best])
+        return out[:k], m
 
     def save(self, path: Path) -> None:
-        with open(path, "wb") as f:
-            np.savez_compressed(f, keys=self.keys, next_ids=self.next_ids.astype(np.int32), share=self.share,
-                                vocab_size=np.int64(self.vocab_size))
+        with open(path, "wb") as f:  # stored, not compressed: loading maps the arrays in place
+            np.savez(f, format=np.int64(STORE_FORMAT), tokens=self.tokens, sa=self.sa,
+                     vocab_size=np.int64(self.vocab_size))
 
     @classmethod
     def of_artifact(cls, root: Path, manifest: Manifest) -> "NgramStore | None":
@@ -146,11 +204,43 @@ class NgramStore:
 
     @classmethod
     def load(cls, path: Path) -> "NgramStore":
+        """The store saved at `path`, its arrays mapped from the file rather than read (numpy's npz members are
+        stored uncompressed by `save`: each is a .npy at an offset in the zip)."""
         try:
             with np.load(path, allow_pickle=False) as z:
-                return cls(z["keys"], z["next_ids"], z["share"], int(z["vocab_size"]))
-        except (OSError, ValueError, KeyError) as e:
+                if "format" not in z.files or int(z["format"]) != STORE_FORMAT:
+                    raise CloverError(f"the n-gram store {path} is of an older format: export the artifact again "
+                                      "(or add a store with clover.export.ngram_store.with_ngram_store)")
+                vocab_size = int(z["vocab_size"])
+            with open(path, "rb") as f:
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                if hasattr(mmap, "MADV_RANDOM"):  # binary searches: no read-ahead around each probe
+                    mapped.madvise(mmap.MADV_RANDOM)
+                arrays = {name: _npz_member(f, path, name, mapped) for name in ("tokens", "sa")}
+            tokens = arrays["tokens"][0]
+            if tokens.dtype.byteorder != ">":  # the search compares the file's bytes: big-endian ids only
+                raise ValueError("its tokens are not stored big-endian")
+            return cls(tokens, arrays["sa"][0], vocab_size, (mapped, arrays["tokens"][1]))
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
             raise CloverError(f"cannot read the n-gram store {path} ({e}): export the artifact again") from None
+
+
+def _npz_member(f, path: Path, name: str, mapped: mmap.mmap) -> tuple[np.ndarray, int]:
+    """The array `name` of an uncompressed npz as a view of `mapped` (the file's map), and its data offset."""
+    with zipfile.ZipFile(f) as z:
+        info = z.getinfo(f"{name}.npy")
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise ValueError(f"{name} is compressed")
+    f.seek(info.header_offset + 26)  # the local header's name and extra-field lengths
+    name_len, extra_len = struct.unpack("<HH", f.read(4))
+    f.seek(info.header_offset + 30 + name_len + extra_len)
+    version = np.lib.format.read_magic(f)
+    shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
+                             else np.lib.format.read_array_header_2_0(f))
+    if fortran or len(shape) != 1:
+        raise ValueError(f"{name} is not a flat array")
+    offset = f.tell()
+    return np.frombuffer(mapped, dtype=dtype, count=shape[0], offset=offset), offset
 
 
 class PromptLookup:
@@ -161,7 +251,8 @@ class PromptLookup:
         self.max_ngram, self.min_ngram, self.store = max_ngram, min_ngram, store
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
-        self.match = 0  # the last proposal's match length in the sequence (0: the store's, or none)
+        # the last proposal's match length: > 0 in the sequence itself, < 0 (minus it) in the store, 0 none
+        self.match = 0
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -178,20 +269,25 @@ class PromptLookup:
         """Up to k draft tokens continuing the sequence (empty when its tail occurred nowhere before). A match
         of L tokens (the indexed n-gram extended backwards) drafts at most MATCH_DRAFTS_PER_TOKEN * L: a longer
         matched context predicts a longer continuation, and each drafted token costs a verify row whether or
-        not it is accepted. With a store, a match of one token drafts only if the store has nothing (its 2-3
-        token contexts, counted over many answers, predict better)."""
+        not it is accepted. With a store, a match of one token drafts only if the store has nothing (its
+        matches of 2+ tokens, over many answers, predict better); the store's drafts are capped alike."""
         seq, self.match = self.tokens, 0
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             start = self._next.get(tuple(seq[len(seq) - n:]))
             if start is not None:
                 if n < STORE_MIN_CONTEXT and self.store is not None and k > 0:
-                    stored = self.store.propose(seq, min(k, STORE_DRAFTS))
-                    if stored:
-                        return np.array(stored, dtype=np.int64)
+                    stored = self._stored(k)
+                    if len(stored):
+                        return stored
                 self.match = self.match_length(start, n)
                 return np.array(seq[start:start + min(k, MATCH_DRAFTS_PER_TOKEN * self.match)], dtype=np.int64)
-        stored = self.store.propose(seq, min(k, STORE_DRAFTS)) if self.store is not None and k > 0 else []
-        return np.array(stored, dtype=np.int64)
+        return self._stored(k) if self.store is not None else np.zeros(0, dtype=np.int64)
+
+    def _stored(self, k: int) -> np.ndarray:
+        """The store's draft; `match` becomes minus its matched length (LookupLength learns store drafts apart)."""
+        drafts, m = self.store.propose(self.tokens, k)
+        self.match = -m if drafts else 0
+        return np.array(drafts[:MATCH_DRAFTS_PER_TOKEN * m], dtype=np.int64)
 
     def match_length(self, start: int, n: int) -> int:
         """How many tokens before `start` equal the sequence's tail (n known to), up to MATCH_EXTEND."""
@@ -207,7 +303,8 @@ class LookupLength:
     a bandwidth-bound base (fp32 SmolLM2: 13 rows ~1.9x one row) and dear on a quantized one (int4: 5 rows ~1.9x),
     so one fixed length loses on one of them. The chance that the next drafted token is accepted, given that the
     repeat so far is l tokens long (a match of L whose first j drafts were accepted is a repeat of L + j), is
-    learned online from every verified proposal, starting from PRIOR; the store's drafts have their own.
+    learned online from every verified proposal, starting from PRIOR; the store's drafts (match < 0) have their
+    own estimates, by the length of the store's match plus the drafts before (an answer elsewhere that went on so).
     One per Generator or Engine: every sequence it decodes shares what it learns."""
 
     PRIOR, STRENGTH = 0.6, 4.0  # prior acceptance and its weight in pseudo-trials
@@ -219,18 +316,20 @@ class LookupLength:
 
     def __init__(self, cost: Callable[[int], float]) -> None:
         self.cost = cost
-        self.hits = np.zeros(self.LONGEST + 1)  # index l: repeats of l tokens (0: the store's drafts)
-        self.trials = np.zeros(self.LONGEST + 1)
+        # index l: repeats of l tokens in the sequence; LONGEST + 1 + l: the store's, l tokens matched so far
+        self.hits = np.zeros(2 * (self.LONGEST + 1))
+        self.trials = np.zeros(2 * (self.LONGEST + 1))
         # [kind, arm (0: heads and lookup merged, 1: lookup alone), (tokens, ms, steps)]: running sums of what
         # steps of each kind of proposal (`kind`) emitted and took, per arm
         self.arms = np.zeros((4, 2, 3))
         self.choices = [0] * 4  # decisions per kind, after the warm-up
 
     def _repeats(self, match: int, n: int) -> np.ndarray:
-        return np.zeros(n, dtype=np.int64) if match == 0 else np.minimum(match + np.arange(n), self.LONGEST)
+        at = np.minimum(abs(match) + np.arange(n), self.LONGEST)
+        return at if match >= 0 else at + self.LONGEST + 1
 
     def choose(self, match: int, n: int, rows: int = 1) -> int:
-        """Tokens to verify of a proposal of n from a match of `match` tokens (0: the store), beside `rows` other
+        """Tokens to verify of a proposal of n from a match of `match` tokens (< 0: the store's), beside `rows` other
         rows (the root, and a merged tree's head nodes)."""
         if n == 0:
             return 0
@@ -244,7 +343,7 @@ class LookupLength:
     def kind(match: int, n: int) -> int:
         """What the heads add depends on what the lookup offers: nothing, the store's drafts, a short repeat,
         a long one."""
-        return 0 if n == 0 else 1 if match == 0 else 2 if match < 4 else 3
+        return 0 if n == 0 else 1 if match <= 0 else 2 if match < 4 else 3
 
     def alone(self, match: int, n: int) -> bool:
         """drafts="heads+lookup": whether this step should verify the lookup proposal (n tokens from a match of

@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from clover.errors import CloverError
@@ -29,33 +30,38 @@ def heads_digest(heads: str) -> str:
 
 
 SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "smollm2-sharegpt"  # in a clone, not in a wheel
+# what the demo's extras are counted over: the int4 graph's answers, and the fp32 graph's to the same prompts (an
+# n-gram store over both: prompt lookup replayed on the fp32 graph's MT-Bench outputs, up to 12 drafts a step, makes
+# 1.79 tokens per step from the first alone, 1.83 from both)
+SHIPPED_CORPORA = (SHIPPED_CORPUS, SHIPPED_CORPUS.parent / "smollm2-sharegpt-fp32")
 DRAFT_QUANT_REVISION = 2  # --draft-quant artifacts: 2 = MatMulNBits drafts with their own quantized LM head
 DEMO_DRAFT_VOCAB = 8192  # 99.2% of the corpus's answer tokens; drafting ~25% cheaper on int4 (benchmarks/draft_vocab.py)
 
 
 def cached_artifact(base: str, heads: str, weights: str | None = "int4", draft_quant: str | None = None,
-                    attention: str = "fused", corpus: Path | None = None) -> Path:
+                    attention: str = "fused", corpus: Path | Sequence[Path] | None = None) -> Path:
     """The artifact for (base, heads) in the cache, exported first if it is missing or invalid. int4 weights
     and the fused base graph by default: on CPU the fastest artifact that keeps the heads' acceptance
     (SmolLM2, benchmarks/peers.py); weights=None, draft_quant="int8": the fp32 base graph. `corpus` (the base's
-    own answers, clover-data grow): a copy that also drafts from them, see `with_corpus`."""
+    own answers, clover-data grow; one or several): a copy that also drafts from them, see `with_corpus`."""
     exported = exported_artifact(base, heads, weights, draft_quant, attention)
-    return exported if corpus is None else with_corpus(exported, Path(corpus))
+    return exported if corpus is None else with_corpus(exported, corpus)
 
 
 def demo_artifact(base: str = "smollm2", heads: str = "smollm2-clover2") -> Path:
-    """The demo's artifact: int4, fused, plus the shipped corpus's draft vocabulary and n-gram store when the
-    base is SmolLM2 and the corpus is there (a clone of the repository)."""
+    """The demo's artifact: int4, fused, plus the shipped corpora's draft vocabulary and n-gram store when the
+    base is SmolLM2 and the corpora are there (a clone of the repository)."""
     from clover.train.corpus import is_corpus
 
-    return cached_artifact(base, heads, corpus=SHIPPED_CORPUS if base == "smollm2" and is_corpus(SHIPPED_CORPUS) else None)
+    corpora = [c for c in SHIPPED_CORPORA if is_corpus(c)] if base == "smollm2" else []
+    return cached_artifact(base, heads, corpus=corpora or None)
 
 
-def with_corpus(exported: Path, corpus_dir: Path) -> Path:
-    """A cached copy of `exported` whose prompt lookup also drafts from the n-gram store of `corpus_dir`
-    (clover-export --ngram-store) and whose heads, if any, draft over its DEMO_DRAFT_VOCAB most frequent tokens
-    (--draft-vocab): both change only what is proposed. Keyed by the corpus's digest, so a grown corpus gets
-    a new copy (seconds: no re-export)."""
+def with_corpus(exported: Path, corpora: Path | Sequence[Path]) -> Path:
+    """A cached copy of `exported` whose prompt lookup also drafts from the n-gram store of `corpora` (one corpus
+    folder or several; clover-export --ngram-store) and whose heads, if any, draft over their DEMO_DRAFT_VOCAB most
+    frequent tokens (--draft-vocab): both change only what is proposed. Keyed by the corpora's digests and the
+    store's format, so a grown corpus gets a new copy (seconds: no re-export)."""
     import dataclasses
 
     from clover.artifact import open_artifact
@@ -63,18 +69,22 @@ def with_corpus(exported: Path, corpus_dir: Path) -> Path:
     from clover.export.draft_vocab import draft_vocab_change
     from clover.export.ngram_store import add_ngram_store
     from clover.models.smollm2 import cache_dir
-    from clover.tools.export import corpus_sources
+    from clover.runtime.lookup import STORE_FORMAT
+    from clover.tools.export import corpus_list, corpus_sources
     from clover.train.corpus import Corpus
 
-    key = hashlib.sha256(f"{exported.name}|{Corpus.open(corpus_dir).digest()}".encode()).hexdigest()[:12]
-    out = cache_dir() / "artifacts" / f"{exported.name}-{corpus_dir.name}-{key}"
+    folders = corpus_list(corpora)
+    digests = "|".join(Corpus.open(c).digest() for c in folders)
+    key = hashlib.sha256(f"{exported.name}|{digests}|store {STORE_FORMAT}".encode()).hexdigest()[:12]
+    out = cache_dir() / "artifacts" / f"{exported.name}-{folders[0].name}-{key}"
     try:
         open_artifact(out)
         return out
     except CloverError:
         pass
-    print(f"adding the draft vocabulary and n-gram store of {corpus_dir} to a copy of {exported.name}", file=sys.stderr)
-    store, counts = corpus_sources(corpus_dir)
+    names = ", ".join(str(c) for c in folders)
+    print(f"adding the draft vocabulary and n-gram store of {names} to a copy of {exported.name}", file=sys.stderr)
+    store, counts = corpus_sources(folders)
     draft_vocab = draft_vocab_change(counts, DEMO_DRAFT_VOCAB)
 
     def change(tmp: Path, m):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
+from clover.errors import CloverError
 from clover.tools.cli import run_cli
 from clover.tools.data import DEFAULT_OUT as DEFAULT_CORPUS
 
@@ -59,12 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the heads draft over the K tokens the base emits most often (FR-Spec; counted in "
                         "--draft-vocab-data): their LM head and top-k cost ~K/V as much, and the output is unchanged "
                         "(the base verifies with its full LM head). --backend onnx --dtype float32, with --heads")
-    p.add_argument("--draft-vocab-data", type=Path, default=None, metavar="CORPUS",
-                   help=f"--draft-vocab: a corpus of the base's own answers (clover-data grow; default {DEFAULT_CORPUS})")
-    p.add_argument("--ngram-store", type=Path, nargs="?", const=DEFAULT_CORPUS, default=None, metavar="CORPUS",
+    p.add_argument("--draft-vocab-data", default=None, metavar="CORPUS[,CORPUS]",
+                   help="--draft-vocab: corpora of the base's own answers, comma-separated (clover-data grow; "
+                        f"default {DEFAULT_CORPUS})")
+    p.add_argument("--ngram-store", nargs="?", const=str(DEFAULT_CORPUS), default=None, metavar="CORPUS[,CORPUS]",
                    help="prompt lookup (--heads lookup or NAME+lookup at run time) also drafts what the base wrote "
-                        "most often after the last 2-3 tokens, counted over a corpus of its own answers (clover-data "
-                        f"grow; default {DEFAULT_CORPUS}): no model call, same output")
+                        "after the longest stored match of the sequence's last 2-24 tokens, over corpora of its own "
+                        f"answers, comma-separated (clover-data grow; default {DEFAULT_CORPUS}): no model call, same output")
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 20)")
     p.add_argument("--no-verify", action="store_true", help="skip the export-time ONNX Runtime vs PyTorch parity check")
     return p
@@ -78,9 +81,10 @@ def run(args: argparse.Namespace) -> int:
                           max_prompt=args.max_prompt, timing_cache=args.timing_cache, draft_quant=args.draft_quant,
                           weights=args.weights, block_size=args.block_size, verify=not args.no_verify,
                           max_batch=args.max_batch, draft_vocab=args.draft_vocab)
-    counts_from = Path(args.draft_vocab_data or DEFAULT_CORPUS) if config.draft_vocab is not None else None
-    store_from = Path(args.ngram_store) if args.ngram_store is not None else None
-    if counts_from is not None and store_from is not None and counts_from.resolve() == store_from.resolve():
+    counts_from = corpus_list(args.draft_vocab_data or DEFAULT_CORPUS) if config.draft_vocab is not None else None
+    store_from = corpus_list(args.ngram_store) if args.ngram_store is not None else None
+    if counts_from is not None and store_from is not None and (
+            [f.resolve() for f in counts_from] == [f.resolve() for f in store_from]):
         store, counts = corpus_sources(store_from)  # one read for both
     else:
         counts = corpus_sources(counts_from, store=False)[1] if counts_from is not None else None
@@ -104,22 +108,38 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def corpus_sources(folder: Path, store: bool = True, counts: bool = True):
-    """(n-gram store, token counts) of a corpus's answers, for --ngram-store and --draft-vocab, from one read of
-    its shards (each read checks every shard's sha256); either is None when not asked for. The store's contexts
-    reach into the prompt."""
+def corpus_list(spec: str | Path | Sequence[str | Path]) -> list[Path]:
+    """Corpus folders from a comma-separated list (or one path, or a list of them)."""
+    items = spec.split(",") if isinstance(spec, str) else [spec] if isinstance(spec, Path) else list(spec)
+    folders = [Path(f) for f in (str(i).strip() for i in items) if f]
+    if not folders:
+        raise CloverError("no corpus given: pass one or more corpus folders (clover-data grow), comma-separated")
+    return folders
+
+
+def corpus_sources(folders: str | Path | Sequence[str | Path], store: bool = True, counts: bool = True):
+    """(n-gram store, token counts) of the answers of one or more corpora of the same base, for --ngram-store and
+    --draft-vocab, from one read of their shards (each read checks every shard's sha256); either is None when not
+    asked for. The store keeps each answer after the end of its prompt."""
     import numpy as np
 
+    from clover.artifact import check_corpus_base
     from clover.export.draft_vocab import TokenCounts
     from clover.export.ngram_store import StoreSource
     from clover.runtime.lookup import NgramStore
     from clover.train.corpus import Corpus, answer_counts
 
-    corpus = Corpus.open(folder)
-    fingerprint = corpus.provenance.generator.base_fingerprint
+    conversations, sources, fingerprint = [], [], None
+    for folder in corpus_list(folders):
+        corpus = Corpus.open(folder)
+        fp = corpus.provenance.generator.base_fingerprint
+        if fingerprint is None:
+            fingerprint = fp
+        check_corpus_base(fp, fingerprint, f"corpus {folder}")
+        sources.append(f"{folder.name}: {corpus.provenance.totals['response_tokens']} answer tokens")
+        conversations += corpus.conversations()
     vocab = int(fingerprint["vocab_size"])
-    source = f"{folder.name}: {corpus.provenance.totals['response_tokens']} answer tokens"
-    conversations = list(corpus.conversations())
+    source = " + ".join(sources)
     sequences = ((np.concatenate([c.prompt, c.response]), len(c.prompt)) for c in conversations)
     return (StoreSource(NgramStore.build(sequences, vocab), source, fingerprint) if store else None,
             TokenCounts(answer_counts(conversations, vocab), source, fingerprint) if counts else None)

@@ -39,7 +39,7 @@ def test_a_longer_match_drafts_longer():
     short = PromptLookup([7, 2, 3, 4, 5, 6, 7, 8, 9, 1, 3, 4], max_ngram=3)  # only (3, 4) repeats: L = 2
     assert short.propose(16).tolist() == [5, 6, 7, 8]
     store = NgramStore.build([([5, 6, 7, 8, 9, 1, 2], 0)] * 2, vocab_size=10)
-    assert PromptLookup([3, 5, 6], store=store).propose(16).tolist() == [7, 8, 9]  # a store drafts at most 3
+    assert PromptLookup([3, 5, 6], store=store).propose(16).tolist() == [7, 8, 9, 1]  # its match of 2: up to 4
 
 
 def test_bad_ngram_bounds():
@@ -132,75 +132,116 @@ def test_heads_plus_lookup_spec_and_label(tmp_path):
     assert r.token_ids == plain.token_ids and r.heads.endswith("+lookup")
 
 
-# -- the n-gram store: what the base wrote after short contexts, over a corpus of its own answers ----------------
+# -- the n-gram store: every n-gram of a corpus of the base's own answers, and what followed it ---------------
 
-def reference_store(sequences):
-    """Brute force: {context: (most frequent next token, smallest id on ties), its share} for 2-3 token contexts
-    seen at least twice, counting answer tokens only."""
-    from collections import Counter, defaultdict
+def reference_propose(sequences, tail, k):
+    """Brute force: the longest tail (2..STORE_LONGEST tokens) found in the stored texts (each answer after its
+    prompt's last STORE_PROMPT_TAIL tokens), then per step the most frequent next token of the occurrences still
+    going (smallest id on ties), the end of a text ending the draft."""
+    from collections import Counter
 
-    seen = defaultdict(Counter)
-    for tokens, start in sequences:
-        for i in range(start, len(tokens)):
-            for n in (2, 3):
-                if i >= n:
-                    seen[tuple(tokens[i - n:i])][tokens[i]] += 1
-    out = {}
-    for ctx, c in seen.items():
-        total = sum(c.values())
-        if total >= 2:
-            best = max(c.values())
-            out[ctx] = (min(t for t, v in c.items() if v == best), best / total)
-    return out
+    from clover.runtime.lookup import STORE_LONGEST, STORE_PROMPT_TAIL
+
+    texts = [list(t[max(0, s - STORE_PROMPT_TAIL):]) for t, s in sequences if s < len(t)]
+    best_m, occ = 0, []
+    for m in range(2, min(STORE_LONGEST, len(tail)) + 1):
+        pat = list(tail[-m:])
+        found = [(i, p + m) for i, t in enumerate(texts) for p in range(len(t) - m + 1) if t[p:p + m] == pat]
+        if found:
+            best_m, occ = m, found
+    out = []
+    while best_m and len(out) < k:
+        nxt = Counter(texts[i][p] if p < len(texts[i]) else -1 for i, p in occ)  # -1: the text ends
+        top = max(nxt.values())
+        real = [t for t, c in nxt.items() if c == top and t != -1]
+        if not real:
+            break
+        token = min(real)
+        out.append(token)
+        occ = [(i, p + 1) for i, p in occ if p < len(texts[i]) and texts[i][p] == token]
+    return out, best_m
 
 
-def test_store_counts_the_answers_like_brute_force():
+def test_store_matches_brute_force():
+    """Longest tail by binary search over the suffix array, then the most frequent continuation token by token:
+    equal to a scan of every stored text (answers after their prompt's turn header, small vocabulary so that
+    matches and ties are common)."""
     rng = np.random.default_rng(3)
-    sequences = [(rng.integers(0, 6, n).tolist(), int(s)) for n, s in ((40, 5), (3, 1), (25, 0), (1, 0), (30, 29))]
-    store = NgramStore.build(sequences, vocab_size=6)
-    want = reference_store(sequences)
-    assert len(store) == len(want) > 10
-    for ctx, (token, share) in want.items():
-        got = store.next_token(list(ctx))
-        assert got is not None and got[0] == token and got[1] == pytest.approx(share), ctx
-    assert NgramStore.build([], 6).propose([1, 2], 3) == []
+    sequences = [(rng.integers(0, 5, n).tolist(), int(s)) for n, s in ((60, 5), (3, 1), (40, 0), (1, 0), (30, 29),
+                                                                           (50, 10), (2, 2))]
+    store = NgramStore.build(sequences, vocab_size=5)
+    assert len(store) == sum(len(t) - max(0, s - 3) + 1 for t, s in sequences if s < len(t))
+    for _ in range(300):
+        tail = rng.integers(0, 5, int(rng.integers(1, 12))).tolist()
+        k = int(rng.integers(0, 8))
+        want = reference_propose(sequences, tail, k)
+        got = store.propose(tail, k)
+        assert got == (want if k else ([], 0)), (tail, k, got, want)
+    assert NgramStore.build([], 6).propose([1, 2], 3) == ([], 0)
 
 
-def test_store_prefers_the_longest_context_and_chains():
-    # after (1, 2): 3 twice and 4 twice (a tie: the smaller id); after (0, 1, 2): 4 twice; (2, 4) -> 5 -> 6
+def test_store_prefers_the_longest_match_and_chains():
+    # after (1, 2): 3 twice and 4 twice (a tie: the smaller id); after (0, 1, 2): 4 twice; then 5, 6, the end
     seqs = [([1, 2, 3], 0), ([1, 2, 3], 0), ([0, 1, 2, 4, 5, 6], 0), ([0, 1, 2, 4, 5, 6], 0)]
     store = NgramStore.build(seqs, vocab_size=10)
-    assert store.next_token([1, 2]) == (3, 0.5)
-    assert store.next_token([0, 1, 2]) == (4, 1.0)  # the 3-token context wins over (1, 2)
-    assert store.next_token([9, 9]) is None and store.next_token([2]) is None  # one token of context is too little
-    assert store.propose([7, 0, 1, 2], 3) == [4, 5, 6]
-    assert store.propose([7, 0, 1, 2], 1) == [4]
+    assert store.propose([1, 2], 1) == ([3], 2)
+    assert store.propose([7, 0, 1, 2], 8) == ([4, 5, 6], 3)  # the 3-token match wins over (1, 2); stops at the end
+    assert store.propose([9, 9], 3) == ([], 0) and store.propose([2], 3) == ([], 0)  # one token is too little
+    long = NgramStore.build([(list(range(30)), 0)], vocab_size=40)
+    assert long.match(list(range(30))[:28])[0] == 24  # matched up to STORE_LONGEST tokens back
+    assert long.propose([39] + list(range(5)), 3) == ([5, 6, 7], 5)
 
 
 def test_prompt_lookup_falls_back_to_the_store():
     store = NgramStore.build([([5, 6, 7, 8], 0)] * 2, vocab_size=10)  # (5, 6) -> 7 -> 8
     # a 2-token match in the sequence itself wins over the store
-    assert PromptLookup([5, 6, 1, 5, 6], store=store).propose(3).tolist() == [1, 5, 6]  # 2 matched: up to 4
-    # a 1-token match gives way to the store's 2-token context
-    assert PromptLookup([6, 2, 5, 6], store=store).propose(3).tolist() == [7, 8]
+    look = PromptLookup([5, 6, 1, 5, 6], store=store)
+    assert look.propose(3).tolist() == [1, 5, 6] and look.match == 2  # 2 matched: up to 4
+    # a 1-token match gives way to the store's match of 2+ tokens; `match` is minus the store's
+    look = PromptLookup([6, 2, 5, 6], store=store)
+    assert look.propose(3).tolist() == [7, 8] and look.match == -2
     assert PromptLookup([6, 2, 5, 6]).propose(3).tolist() == [2, 5]  # 1 matched: up to 2
     # no match at all: the store; nothing in the store either: nothing
     assert PromptLookup([9, 5, 6], store=store).propose(2).tolist() == [7, 8]
-    assert PromptLookup([9, 1, 2], store=store).propose(2).tolist() == []
+    look = PromptLookup([9, 1, 2], store=store)
+    assert look.propose(2).tolist() == [] and look.match == 0
     assert PromptLookup([9, 5, 6], store=store).propose(0).tolist() == []
+    # a store match of m tokens drafts at most 2m, like a match in the sequence
+    capped = NgramStore.build([(list(range(20)), 0)] * 2, vocab_size=20)
+    assert PromptLookup([19, 3, 4], store=capped).propose(12).tolist() == [5, 6, 7, 8]
+
+
+def test_lookup_length_learns_store_drafts_apart():
+    """The store's drafts (match < 0) have their own acceptance estimates: a store that is always wrong does
+    not make the sequence's own repeats look bad, and is cut to nothing on a curve where rows cost."""
+    from clover.runtime.lookup import LookupLength
+
+    ll = LookupLength(lambda rows: 10.0 + 3.0 * (rows - 1))
+    for _ in range(50):
+        ll.observe(-2, [1, 2, 3, 4], [9, 9, 9, 9])  # store: never right
+        ll.observe(3, [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6])  # repeats: always right
+    assert ll.choose(-2, 4) == 0 and ll.choose(3, 6) == 6
+    assert LookupLength.kind(-2, 4) == 1 and LookupLength.kind(0, 0) == 0 and LookupLength.kind(5, 4) == 3
 
 
 def test_store_file_round_trip_and_errors(tmp_path):
     store = NgramStore.build([([1, 2, 3, 4], 0)] * 2, vocab_size=8)
     store.save(tmp_path / "s.npz")
     back = NgramStore.load(tmp_path / "s.npz")
-    np.testing.assert_array_equal(back.keys, store.keys)
-    assert back.propose([1, 2], 4) == [3, 4] and back.vocab_size == 8
+    np.testing.assert_array_equal(back.tokens, store.tokens)
+    np.testing.assert_array_equal(back.sa, store.sa)
+    assert back.propose([1, 2], 4) == ([3, 4], 2) and back.vocab_size == 8
     (tmp_path / "bad.npz").write_bytes(b"not a store")
     with pytest.raises(CloverError, match="cannot read the n-gram store .*bad.npz"):
         NgramStore.load(tmp_path / "bad.npz")
-    with pytest.raises(CloverError, match="packs token ids in 21 bits"):
-        NgramStore.build([], vocab_size=1 << 21)
+    np.savez(tmp_path / "old.npz", keys=np.zeros(1, np.uint64), next_ids=np.zeros(1, np.int32),
+             share=np.ones(1, np.float32), vocab_size=np.int64(8))  # session 15's format
+    with pytest.raises(CloverError, match="older format: export the artifact again"):
+        NgramStore.load(tmp_path / "old.npz")
+    with pytest.raises(CloverError, match="separator"):
+        NgramStore(np.array([1, 2, 3]), np.array([0, 1, 2]), vocab_size=8)  # no separator at the end
+    with pytest.raises(CloverError, match="32 bits"):
+        NgramStore.build([], vocab_size=1 << 32)
 
 
 def own_answers_store(art):

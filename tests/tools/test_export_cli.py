@@ -6,10 +6,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from clover.artifact import open_artifact
+from clover.errors import CloverError
 from clover.tools.export import main as export_main
 from clover.tools.generate import main as generate_main
 from helpers import tiny_corpus
@@ -62,7 +64,8 @@ def test_corpus_sources_read_the_shards_once(base_dir, tmp_path, monkeypatch):
     assert np.array_equal(counts.counts, alone_counts.counts) and counts.counts.sum() == alone_counts.counts.sum() > 0
     assert np.array_equal(counts.counts, Corpus.open(corpus).token_counts(len(counts.counts)))
     assert len(store.store) == len(alone_store.store) > 0 and store.source == counts.source
-    assert np.array_equal(store.store.keys, alone_store.store.keys)
+    assert np.array_equal(store.store.tokens, alone_store.store.tokens)
+    assert np.array_equal(store.store.sa, alone_store.store.sa)
 
 
 def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys):
@@ -193,3 +196,22 @@ def test_an_export_sweeps_staging_left_by_a_killed_one(base_dir, tmp_path, capsy
     (tmp_path / f".tmp-art-{dead.pid}-k1" / "tokenizer").mkdir(parents=True)  # what SIGKILL leaves
     code, _, _ = cli(capsys, export_main, "--base", base_dir, "--out", tmp_path / "art", "--no-verify")
     assert code == 0 and [p.name for p in tmp_path.iterdir()] == ["art"]
+
+
+def test_corpus_sources_of_several_corpora(base_dir, tmp_path):
+    """--ngram-store A,B: one store over both corpora's answers; corpora of different bases are refused."""
+    from clover.tools.export import corpus_list, corpus_sources
+
+    a, b = tiny_corpus(base_dir, tmp_path / "a"), tiny_corpus(base_dir, tmp_path / "b")
+    one = corpus_sources(a)
+    both = corpus_sources(f"{a},{b}")
+    assert len(both[0].store) == 2 * len(one[0].store) and (both[1].counts == 2 * one[1].counts).all()
+    assert both[0].source == "a: 32 answer tokens + b: 32 answer tokens"
+    assert corpus_list([a, b]) == [a, b] and corpus_list(" a , b ") == [Path("a"), Path("b")]
+    with pytest.raises(CloverError, match="no corpus given"):
+        corpus_list(",")
+    prov = json.loads((b / "provenance.json").read_text())
+    prov["generator"]["base_fingerprint"].update(lm_head_sha256="0" * 16, lm_head_probe=[1.0])
+    (b / "provenance.json").write_text(json.dumps(prov))
+    with pytest.raises(CloverError, match="another base model"):
+        corpus_sources([a, b])
