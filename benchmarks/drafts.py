@@ -1,8 +1,8 @@
 """Draft sources side by side (issue 15): the artifact's Clover-2 heads, prompt lookup alone, and both in one
 tree (heads "+lookup"), against plain decoding of the same graph, on MT-Bench and on a code prompt set
 (benchmarks/prompts/code.jsonl: completions and edits, where answers repeat their prompt); each on the export
-as it is and on its copy with the shipped corpus's extras (tools/demo.with_corpus: the n-gram store prompt
-lookup falls back to, and the heads' 8192-token draft vocabulary).
+as it is and on its copy with the shipped corpora's extras (tools/demo.with_corpus over SHIPPED_CORPORA, as the
+demo: the n-gram store prompt lookup falls back to, and the heads' 8192-token draft vocabulary).
 
   python benchmarks/drafts.py [--artifact DIR] [--tree chain-2] [--num-prompts 16] [--max-new-tokens 128]
 
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from clover.tools.bench import main
-from clover.tools.demo import SHIPPED_CORPUS, cached_artifact, with_corpus
+from clover.tools.demo import SHIPPED_CORPORA, cached_artifact, with_corpus
 
 HERE = Path(__file__).parent
 SETS = {"mtbench": "mtbench", "code": str(HERE / "prompts" / "code.jsonl")}
@@ -35,7 +35,7 @@ if __name__ == "__main__":
     a = p.parse_args()
     artifact = a.artifact or str(cached_artifact("smollm2", "smollm2-clover2", **(
         {} if a.precision == "int4" else {"weights": None, "draft_quant": "int8"})))
-    artifacts = f"{artifact},{with_corpus(Path(artifact), SHIPPED_CORPUS)}"
+    artifacts = f"{artifact},{with_corpus(Path(artifact), SHIPPED_CORPORA)}"
     worst = 0
     for name in a.sets.split(","):
         print(f"\n== {name}", flush=True)
