@@ -128,7 +128,7 @@ class NgramStore:
         return lambda s: text[o + s * w:o + s * w + size]
 
     def _first(self, pattern: bytes) -> int:
-        """Index of the first suffix >= `pattern`, and whether it starts with it (-1 if not)."""
+        """The suffix-array index of the first suffix that starts with `pattern`, or -1 if none does."""
         key = self._key(len(pattern))
         lo = bisect.bisect_left(self._sa, pattern, key=key)
         return lo if lo < len(self._sa) and key(self._sa[lo]) == pattern else -1
