@@ -211,6 +211,17 @@ def test_prompt_lookup_falls_back_to_the_store():
     assert PromptLookup([19, 3, 4], store=capped).propose(12).tolist() == [5, 6, 7, 8]
 
 
+def test_store_of_a_large_vocabulary(tmp_path):
+    """Ids past 16 bits are stored in 32 (big-endian, so the byte search still orders them), through a file."""
+    big = [70000, 65536, 3, 70001, 65535, 9]
+    store = NgramStore.build([(big, 0), ([1, 70000, 65536, 5], 0), ([1, 70000, 65536, 5], 0)], vocab_size=80000)
+    assert store.tokens.dtype.itemsize == 4 and store.propose([7, 70000, 65536], 4) == ([5], 2)
+    store.save(tmp_path / "big.npz")
+    back = NgramStore.load(tmp_path / "big.npz")
+    assert back.propose([70000, 65536, 3], 3) == ([70001, 65535, 9], 3)
+    assert back.propose([2, 70001, 65535], 3) == ([9], 2)
+
+
 def test_lookup_length_learns_store_drafts_apart():
     """The store's drafts (match < 0) have their own acceptance estimates: a store that is always wrong does
     not make the sequence's own repeats look bad, and is cut to nothing on a curve where rows cost."""
