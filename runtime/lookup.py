@@ -50,6 +50,15 @@ MATCH_EXTEND = 32  # a match is measured up to this many tokens back
 MATCH_DRAFTS_PER_TOKEN = 2  # a match of L tokens drafts up to 2L (L, 3L, 4L replayed worse or no better per ms)
 
 
+def store_dtype(vocab_size: int) -> np.dtype:
+    """How a store holds token ids: big-endian (byte strings then compare like the token sequences, so the search
+    bisects on bytes), 16 bits where the vocabulary leaves room for the separator (the largest value), else 32."""
+    if vocab_size >= 0xFFFFFFFF:
+        raise CloverError(f"an n-gram store holds token ids in 32 bits, but the vocabulary has {vocab_size} "
+                          "tokens: export without --ngram-store")
+    return np.dtype(np.uint16 if vocab_size < 0xFFFF else np.uint32).newbyteorder(">")
+
+
 def suffix_array(tokens: np.ndarray, depth: int = STORE_SORTED) -> np.ndarray:
     """Start positions of `tokens`' suffixes in the order of their first `depth` tokens (a shorter suffix before
     its extensions; equal prefixes in text order), by prefix doubling: log2(depth) stable sorts in numpy."""
@@ -84,12 +93,8 @@ class NgramStore:
     Read-only once built: one store serves every sequence and thread."""
 
     def __init__(self, tokens: np.ndarray, sa: np.ndarray, vocab_size: int, _mapped: tuple | None = None) -> None:
-        dtype = np.dtype(np.uint16 if vocab_size < 0xFFFF else np.uint32).newbyteorder(">")
+        dtype = store_dtype(vocab_size)
         self.sep = int(np.iinfo(dtype).max)  # between answers; no token has this id
-        if vocab_size >= 0xFFFFFFFF:
-            raise CloverError(f"an n-gram store holds token ids in 32 bits, but the vocabulary has {vocab_size} "
-                              "tokens: export without --ngram-store")
-        # big-endian: byte strings of tokens compare like the token sequences, so the search bisects on bytes
         self.tokens = np.asarray(tokens).astype(dtype, copy=False)
         self.sa = np.asarray(sa).astype(np.dtype(np.uint32).newbyteorder("<"), copy=False)
         self.vocab_size = int(vocab_size)
@@ -113,7 +118,7 @@ class NgramStore:
     @classmethod
     def build(cls, sequences: Iterable[tuple[Sequence[int], int]], vocab_size: int) -> "NgramStore":
         """The store of `sequences`: (tokens, start) pairs, an answer from `start` on after its prompt."""
-        dtype = np.uint16 if vocab_size < 0xFFFF else np.uint32
+        dtype = store_dtype(vocab_size)
         sep = np.array([np.iinfo(dtype).max], dtype=dtype)
         parts = []
         for tokens, start in sequences:
@@ -137,14 +142,13 @@ class NgramStore:
         """(m, lo, hi): the longest tail of `tokens` of STORE_MIN_CONTEXT..STORE_LONGEST tokens found in the
         store and the suffix-array range of its occurrences; m = 0 if none. A tail that occurs has every shorter
         tail occurring too, so m is found by binary search (one bisection per probe; the range's end once)."""
-        big = self.tokens.dtype.newbyteorder(">")
         tail = np.asarray(tokens[max(0, len(tokens) - STORE_LONGEST):], dtype=np.int64)
         if len(tail) < STORE_MIN_CONTEXT or not len(self.tokens) or tail.max() >= self.vocab_size or tail.min() < 0:
             return 0, 0, 0
         best, low, high = (0, 0, b""), STORE_MIN_CONTEXT, len(tail)
         while low <= high:
             m = (low + high) // 2
-            pattern = tail[len(tail) - m:].astype(big).tobytes()
+            pattern = tail[len(tail) - m:].astype(self.tokens.dtype).tobytes()
             lo = self._first(pattern)
             if lo >= 0:
                 best, low = (m, lo, pattern), m + 1
@@ -153,11 +157,14 @@ class NgramStore:
         m, lo, pattern = best
         return (m, lo, bisect.bisect_right(self._sa, pattern, lo=lo, key=self._key(len(pattern)))) if m else (0, 0, 0)
 
-    def propose(self, tokens: Sequence[int], k: int) -> tuple[list[int], int]:
-        """Up to k tokens continuing `tokens`: where its longest stored tail occurs, the most frequent next token
-        (ties: the smallest id), then the most frequent after that among the occurrences that went on so, and so
-        on (ending at an answer's end). Also the tail's length (0: no tail of STORE_MIN_CONTEXT tokens occurs)."""
+    def propose(self, tokens: Sequence[int], k: int, per_token: int | None = None) -> tuple[list[int], int]:
+        """Up to k tokens continuing `tokens` (and up to per_token * m for a match of m, if given): where its
+        longest stored tail occurs, the most frequent next token (ties: the smallest id), then the most frequent
+        after that among the occurrences that went on so, and so on (ending at an answer's end). Also the tail's
+        length m (0: no tail of STORE_MIN_CONTEXT tokens occurs)."""
         m, lo, hi = self.match(tokens) if k > 0 else (0, 0, 0)
+        if per_token is not None:
+            k = min(k, per_token * m)
         out: list[int] = []
         text = self.tokens
         while m and len(out) < k:
@@ -216,7 +223,9 @@ class NgramStore:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 if hasattr(mmap, "MADV_RANDOM"):  # binary searches: no read-ahead around each probe
                     mapped.madvise(mmap.MADV_RANDOM)
-                arrays = {name: _npz_member(f, path, name, mapped) for name in ("tokens", "sa")}
+                with zipfile.ZipFile(f) as z:
+                    infos = {name: z.getinfo(f"{name}.npy") for name in ("tokens", "sa")}
+                arrays = {name: _npz_member(f, info, mapped) for name, info in infos.items()}
             tokens = arrays["tokens"][0]
             if tokens.dtype.byteorder != ">":  # the search compares the file's bytes: big-endian ids only
                 raise ValueError("its tokens are not stored big-endian")
@@ -225,10 +234,9 @@ class NgramStore:
             raise CloverError(f"cannot read the n-gram store {path} ({e}): export the artifact again") from None
 
 
-def _npz_member(f, path: Path, name: str, mapped: mmap.mmap) -> tuple[np.ndarray, int]:
-    """The array `name` of an uncompressed npz as a view of `mapped` (the file's map), and its data offset."""
-    with zipfile.ZipFile(f) as z:
-        info = z.getinfo(f"{name}.npy")
+def _npz_member(f, info: zipfile.ZipInfo, mapped: mmap.mmap) -> tuple[np.ndarray, int]:
+    """The npz member `info` (stored uncompressed) as a view of `mapped` (the file's map), and its data offset."""
+    name = info.filename
     if info.compress_type != zipfile.ZIP_STORED:
         raise ValueError(f"{name} is compressed")
     f.seek(info.header_offset + 26)  # the local header's name and extra-field lengths
@@ -285,9 +293,9 @@ class PromptLookup:
 
     def _stored(self, k: int) -> np.ndarray:
         """The store's draft; `match` becomes minus its matched length (LookupLength learns store drafts apart)."""
-        drafts, m = self.store.propose(self.tokens, k)
+        drafts, m = self.store.propose(self.tokens, k, MATCH_DRAFTS_PER_TOKEN)
         self.match = -m if drafts else 0
-        return np.array(drafts[:MATCH_DRAFTS_PER_TOKEN * m], dtype=np.int64)
+        return np.array(drafts, dtype=np.int64)
 
     def match_length(self, start: int, n: int) -> int:
         """How many tokens before `start` equal the sequence's tail (n known to), up to MATCH_EXTEND."""
