@@ -26,6 +26,7 @@ from clover.export.draft_vocab import TokenCounts
 from clover.export.ngram_store import StoreSource
 from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
+from clover.models.clover2 import Clover2Heads
 from clover.models.decoder import Decoder
 from clover.models.heads import BaseFingerprint, DraftHeads
 from clover.artifact import (
@@ -302,14 +303,19 @@ def fused_chains_only(config: ExportConfig) -> bool:
 
 def checked_onnx_from_torch(graph: GraphDef, out_dir: Path, config: ExportConfig,
                             max_context: int) -> tuple[GraphSpec, dict[str, float] | None]:
-    """Export one graph (the fused base: written from its weights), run the ONNX checker on it, and
-    (config.verify) its parity check. bfloat16 graphs get the checker only: ONNX Runtime's CPU provider
-    has no bf16 kernels for most ops."""
+    """Export one graph (fused: the base and Clover-2's draft_begin are written from their weights), run the
+    ONNX checker on it, and (config.verify) its parity check. bfloat16 graphs get the checker only: ONNX
+    Runtime's CPU provider has no bf16 kernels for most ops."""
     if graph.name == "base" and config.attention == "fused":
         from clover.export.fused_graph import write_fused_base
 
         write_fused_base(graph.module.base, out_dir / "base.onnx", max_context, trees=not fused_chains_only(config))
         spec = graph_spec(out_dir / "base.onnx")
+    elif graph.name == "draft_begin" and config.attention == "fused" and isinstance(graph.module.heads, Clover2Heads):
+        from clover.export.fused_graph import write_fused_begin
+
+        write_fused_begin(graph.module.heads, out_dir / "draft_begin.onnx", max_context)
+        spec = graph_spec(out_dir / "draft_begin.onnx")
     else:
         spec = onnx_from_torch(graph, out_dir, config.opset)
     check_onnx(out_dir / spec.file)

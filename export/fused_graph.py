@@ -31,6 +31,9 @@ attends causally and ignores the bias (found by clover-compare: a branching tree
 wrong logits). The runtime never sends one: a prompt is prefilled causally, and trees come after it.
 
 Same inputs and outputs as the portable graph, except that present.{i}.* are the whole buffers.
+
+Clover-2's draft_begin (`fused_begin_model`) is written with the same layer writer: its augmenting block is
+decoder layers over the accepted tokens with a KV cache of its own, updated in place the same way.
 """
 
 from __future__ import annotations
@@ -145,89 +148,113 @@ def check_fusable(base: Decoder) -> None:
         raise CloverError("--attention fused writes float32 graphs for ONNX Runtime's CPU kernels: use --dtype float32")
 
 
-def rope_caches(base: Decoder, max_context: int) -> tuple[np.ndarray, np.ndarray]:
+def rope_caches(inv_freq: torch.Tensor, max_context: int) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin [max_context, D/2] in float32, computed as Decoder's rope_cos_sin does (same products)."""
     positions = torch.arange(max_context, dtype=torch.int64).float()[:, None]
-    freqs = positions * base.inv_freq.float()
+    freqs = positions * inv_freq.float()
     return freqs.cos().numpy(), freqs.sin().numpy()
+
+
+def write_constants(init) -> None:
+    """The small constants attention_rows and the layers read."""
+    for name, value in (("zero_i64", np.array(0, np.int64)), ("zero_1d", np.array([0], np.int64)),
+                        ("one_i64", np.array(1, np.int64)), ("axis0", np.array([0], np.int64)),
+                        ("axis1", np.array([1], np.int64)), ("two", np.array([2], np.int64)),
+                        ("two_i64", np.array(2, np.int64)), ("neg_inf", np.array(-np.inf, np.float32)),
+                        ("zero_f", np.array(0.0, np.float32))):
+        init(name, value)
+
+
+def linear_writer(w: GraphWriter):
+    """linear(x, nn.Linear, name) -> MatMul (+ Add for a bias) with the weight as [in, out]: the form
+    MatMulNBitsQuantizer takes (quant axis 0)."""
+
+    def linear(x: str, layer: torch.nn.Linear, name: str) -> str:
+        y = w.node("MatMul", [x, w.init(f"{name}.weight", _np(layer.weight).T)], name=name)[0]
+        if layer.bias is not None:
+            y = w.node("Add", [y, w.init(f"{name}.bias", _np(layer.bias))], name=f"{name}.bias_add")[0]
+        return y
+
+    return linear
+
+
+def write_layer(w: GraphWriter, layer, cfg, p: str, i: int, rows: AttentionRows, h: str, residual: str,
+                next_norm: torch.nn.Module, next_name: str) -> tuple[str, str, str, str]:
+    """One decoder layer `layer` (named `p`, KV cache index `i`) on the normed rows `h` with the residual
+    stream `residual`, ending in the next layer's input norm (or the final one): (normed, residual, present
+    key, present value)."""
+    node, init, linear = w.node, w.init, linear_writer(w)
+    H, Hq, Hkv, D, eps = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, float(cfg.rms_norm_eps)
+    attn = layer.self_attn
+    qkv = linear(h, attn.qkv_proj, f"{p}.self_attn.qkv_proj")
+    qkv = node("Gather", [qkv, rows.rows], name=f"{p}.self_attn.rows", axis=1)[0]
+    out, k_out, v_out = node(
+        "GroupQueryAttention",
+        [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", rows.seqlens_k, rows.total_len,
+         "cos_cache", "sin_cache", rows.position_ids, rows.bias],
+        [f"{p}.self_attn/out", f"present.{i}.key", f"present.{i}.value"], domain=MS, name=f"{p}.self_attn",
+        **GQA_ATTRIBUTES, num_heads=Hq, kv_num_heads=Hkv, scale=float(D**-0.5))
+    out = node("Slice", [out, "zero_1d", rows.count, "axis1"], name=f"{p}.self_attn.unpad")[0]
+    o = linear(out, attn.o_proj, f"{p}.self_attn.o_proj")
+    normed, _, _, residual = node(
+        "SkipSimplifiedLayerNormalization", [residual, o, init(f"{p}.post_attention_layernorm.weight", _np(layer.post_attention_layernorm.weight))],
+        4, domain=MS, name=f"{p}.post_attention_layernorm", epsilon=eps)
+    mlp = layer.mlp
+    I = cfg.intermediate_size
+    wgu, bgu = mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
+    gate_l = torch.nn.Linear(H, I, bias=bgu is not None)
+    up_l = torch.nn.Linear(H, I, bias=bgu is not None)
+    gate_l.weight.data, up_l.weight.data = wgu[:I], wgu[I:]
+    if bgu is not None:
+        gate_l.bias.data, up_l.bias.data = bgu[:I], bgu[I:]
+    gate = linear(normed, gate_l, f"{p}.mlp.gate_proj")
+    up = linear(normed, up_l, f"{p}.mlp.up_proj")
+    act = node("Mul", [gate, node("Sigmoid", [gate], name=f"{p}.mlp.sigmoid")[0]], name=f"{p}.mlp.silu")[0]
+    down = linear(node("Mul", [act, up], name=f"{p}.mlp.gated")[0], mlp.down_proj, f"{p}.mlp.down_proj")
+    h, _, _, residual = node(
+        "SkipSimplifiedLayerNormalization", [residual, down, init(f"{next_name}.weight", _np(next_norm.weight))],
+        4, domain=MS, name=next_name, epsilon=eps)
+    return h, residual, k_out, v_out
+
+
+def finish_model(w: GraphWriter, name: str, inputs: list, outputs: list):
+    from onnx import helper
+
+    graph = helper.make_graph(w.nodes, name, inputs, outputs, w.inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
+                              producer_name="clover-deploy")
+    model.ir_version = 10
+    return model
 
 
 def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
     """The base decoder as an onnx.ModelProto of fused ONNX Runtime operators (see the module doc).
     trees=False: chains only (tree_mask and position_ids are then unused: a chain's positions are its
     slots, which GroupQueryAttention derives itself, and causal attention is its mask)."""
-    import onnx
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     check_fusable(base)
     cfg = base.config
-    H, Hq, Hkv, D, L = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
+    H, Hkv, D, L = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers
     w = GraphWriter()
-    nodes, inits, init, node = w.nodes, w.inits, w.init, w.node
-
-    def linear(x: str, layer: torch.nn.Linear, name: str) -> str:
-        # MatMul with the weight as [in, out]: the form MatMulNBitsQuantizer takes (quant axis 0).
-        y = node("MatMul", [x, init(f"{name}.weight", _np(layer.weight).T)], name=name)[0]
-        if layer.bias is not None:
-            y = node("Add", [y, init(f"{name}.bias", _np(layer.bias))], name=f"{name}.bias_add")[0]
-        return y
-
+    init, node, linear = w.init, w.node, linear_writer(w)
     eps = float(cfg.rms_norm_eps)
-    cos, sin = rope_caches(base, max_context)
+    cos, sin = rope_caches(base.inv_freq, max_context)
     init("cos_cache", cos)
     init("sin_cache", sin)
-    init("zero_i64", np.array(0, np.int64))
-    init("zero_1d", np.array([0], np.int64))
-    init("one_i64", np.array(1, np.int64))
-    init("axis0", np.array([0], np.int64))
-    init("axis1", np.array([1], np.int64))
-    init("two", np.array([2], np.int64))
-    init("two_i64", np.array(2, np.int64))
-    init("neg_inf", np.array(-np.inf, np.float32))
-    init("zero_f", np.array(0.0, np.float32))
+    write_constants(init)
     new = node("Gather", [node("Shape", ["input_ids"], name="ids_shape")[0], "one_i64"], name="new_len", axis=0)[0]
     solo = attention_rows(node, new, "past_lengths", "tree_mask" if trees else "", "position_ids" if trees else "", "")
     x = node("Gather", [init("embed_tokens.weight", _np(base.embed_tokens.weight)), "input_ids"], name="embed_tokens", axis=0)[0]
     residual = x
     h = node("RMSNormalization", [x, init("layers.0.input_layernorm.weight", _np(base.layers[0].input_layernorm.weight))],
              name="layers.0.input_layernorm", axis=-1, epsilon=eps)[0]
-    outputs_kv: list[str] = []
     for i, layer in enumerate(base.layers):
-        p = f"layers.{i}"
-        attn = layer.self_attn
-        qkv = linear(h, attn.qkv_proj, f"{p}.self_attn.qkv_proj")
-        qkv = node("Gather", [qkv, solo.rows], name=f"{p}.self_attn.rows", axis=1)[0]
-        out, k_out, v_out = node(
-            "GroupQueryAttention",
-            [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", solo.seqlens_k, solo.total_len,
-             "cos_cache", "sin_cache", solo.position_ids, solo.bias],
-            [f"{p}.self_attn/out", f"present.{i}.key", f"present.{i}.value"], domain=MS, name=f"{p}.self_attn",
-            **GQA_ATTRIBUTES, num_heads=Hq, kv_num_heads=Hkv, scale=float(D**-0.5))
-        outputs_kv += [k_out, v_out]
-        out = node("Slice", [out, "zero_1d", solo.count, "axis1"], name=f"{p}.self_attn.unpad")[0]
-        o = linear(out, attn.o_proj, f"{p}.self_attn.o_proj")
-        normed, _, _, residual = node(
-            "SkipSimplifiedLayerNormalization", [residual, o, init(f"{p}.post_attention_layernorm.weight", _np(layer.post_attention_layernorm.weight))],
-            4, domain=MS, name=f"{p}.post_attention_layernorm", epsilon=eps)
-        mlp = layer.mlp
-        I = cfg.intermediate_size
-        w = mlp.gate_up_proj.weight
-        b = mlp.gate_up_proj.bias
-        gate_l = torch.nn.Linear(H, I, bias=b is not None)
-        up_l = torch.nn.Linear(H, I, bias=b is not None)
-        gate_l.weight.data, up_l.weight.data = w[:I], w[I:]
-        if b is not None:
-            gate_l.bias.data, up_l.bias.data = b[:I], b[I:]
-        gate = linear(normed, gate_l, f"{p}.mlp.gate_proj")
-        up = linear(normed, up_l, f"{p}.mlp.up_proj")
-        act = node("Mul", [gate, node("Sigmoid", [gate], name=f"{p}.mlp.sigmoid")[0]], name=f"{p}.mlp.silu")[0]
-        down = linear(node("Mul", [act, up], name=f"{p}.mlp.gated")[0], mlp.down_proj, f"{p}.mlp.down_proj")
-        next_norm = base.layers[i + 1].input_layernorm if i + 1 < L else base.norm
-        next_name = f"layers.{i + 1}.input_layernorm" if i + 1 < L else "norm"
-        h, _, _, residual = node(
-            "SkipSimplifiedLayerNormalization", [residual, down, init(f"{next_name}.weight", _np(next_norm.weight))],
-            4, domain=MS, name=next_name, epsilon=eps)
-    hidden = node("Identity", [residual], ["hidden_states"], name="hidden_states")[0]
+        last = i + 1 == L
+        h, residual, _, _ = write_layer(w, layer, cfg, f"layers.{i}", i, solo, h, residual,
+                                        base.norm if last else base.layers[i + 1].input_layernorm,
+                                        "norm" if last else f"layers.{i + 1}.input_layernorm")
+    node("Identity", [residual], ["hidden_states"], name="hidden_states")
     rows = node("Gather", [h, "logit_rows"], name="logit_rows_gather", axis=1)[0]
     lm = torch.nn.Linear(H, cfg.vocab_size, bias=False)
     lm.weight = base.lm_head.weight
@@ -248,17 +275,108 @@ def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
         helper.make_tensor_value_info("hidden_states", f32, ["batch", "new", H]),
         *[kv(f"present.{i}.{n}") for i in range(L) for n in ("key", "value")],
     ]
-    graph = helper.make_graph(nodes, "base", inputs, outputs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
-                              producer_name="clover-deploy")
-    model.ir_version = 10
-    return model
+    return finish_model(w, "base", inputs, outputs)
+
+
+def save_model(model, path: Path) -> None:
+    """Write a fused graph to `path` with its weights as external data (`<name>.data`)."""
+    import onnx
+
+    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=f"{path.name}.data", size_threshold=1024)
 
 
 def write_fused_base(base: Decoder, path: Path, max_context: int, trees: bool = True) -> None:
-    """Write the fused base graph to `path` with its weights as external data (`<name>.data`)."""
-    import onnx
+    save_model(fused_base_model(base, max_context, trees), path)
 
-    model = fused_base_model(base, max_context, trees)
-    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=f"{path.name}.data", size_threshold=1024)
+
+# -- Clover-2's draft_begin -----------------------------------------------------------------------------------
+
+def fused_begin_model(heads, max_context: int):
+    """Clover-2's draft_begin (export/graphs.BeginGraph, heads.begin) as fused ONNX Runtime operators: the
+    gated fusion of each accepted token's hidden state with the next token's embedding, the augmenting block's
+    decoder layers written as the base's are (GroupQueryAttention over the heads' own KV cache, in place), and
+    the depth-1 head on the last row. Traced, the same graph is ~190 small nodes (decomposed norms, attention,
+    RoPE); written this way, ~60 (SmolLM2, int8 drafts: 0.30-0.45 ms a call back to back instead of 0.40-0.60).
+
+    Accepted tokens form a chain, so attention is causal with positions from the slots (no mask or position
+    input is read), and, as in the base, rows are written at slots past_length + row: the runtime keeps one
+    slot of room beyond a 1-row call (attention_rows repeats a lone row)."""
+    from onnx import helper
+
+    from clover.models.clover2 import Clover2Heads
+
+    if not isinstance(heads, Clover2Heads):
+        raise CloverError(f"the fused draft_begin is written for Clover-2 heads, not {type(heads).__name__}")
+    cfg = heads.config.base_config
+    H, Hq, Hkv, D, V = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    L = heads.num_cache_layers
+    eps = float(cfg.rms_norm_eps)
+    w = GraphWriter()
+    init, node, linear = w.init, w.node, linear_writer(w)
+    cos, sin = rope_caches(heads.augment.inv_freq, max_context)
+    init("cos_cache", cos)
+    init("sin_cache", sin)
+    write_constants(init)
+    init("heads_shape", np.array([0, 0, Hq, -1], np.int64))
+    init("hidden_shape", np.array([0, 0, H], np.int64))
+    init("norm_eps", np.array(heads.fuse.eps, np.float32))
+    init("minus_one", np.array([-1], np.int64))
+    new = node("Gather", [node("Shape", ["next_tokens"], name="tokens_shape")[0], "one_i64"], name="new_len", axis=0)[0]
+    rows = attention_rows(node, new, "past_lengths", "", "", "")
+
+    # fuse (GatedAttentionDecoder): x = h + v(e) * cos(q(norm(h)), k(e)) per attention head
+    fuse = heads.fuse
+    e = node("Gather", [init("embedding.weight", _np(heads.lm_weight)), "next_tokens"], name="embedding", axis=0)[0]
+    normed = node("RMSNormalization", ["hidden_states", init("fuse.norm.weight", _np(fuse.norm.weight))], name="fuse.norm",
+                  axis=-1, epsilon=float(fuse.norm.eps))[0]
+    per_head = lambda t, name: node("Reshape", [t, "heads_shape"], name=name)[0]  # noqa: E731 [B, N, nh, H/nh]
+
+    def unit(t: str, name: str) -> str:  # t / max(|t|, eps) over the last axis (F.cosine_similarity's clamp)
+        norm = node("ReduceL2", [t, "minus_one"], name=f"{name}.l2", keepdims=1)[0]
+        return node("Div", [t, node("Max", [norm, "norm_eps"], name=f"{name}.clamp")[0]], name=f"{name}.unit")[0]
+
+    q = unit(per_head(linear(normed, fuse.q, "fuse.q"), "fuse.q.heads"), "fuse.q")
+    k = unit(per_head(linear(e, fuse.k, "fuse.k"), "fuse.k.heads"), "fuse.k")
+    gate = node("ReduceSum", [node("Mul", [q, k], name="fuse.qk")[0], "minus_one"], name="fuse.gate", keepdims=1)[0]
+    v = per_head(linear(e, fuse.v, "fuse.v"), "fuse.v.heads")
+    gated = node("Reshape", [node("Mul", [v, gate], name="fuse.gated")[0], "hidden_shape"], name="fuse.flat")[0]
+    x = node("Add", ["hidden_states", gated], name="fuse.out")[0]
+
+    # augmenting block: the base's decoder layers over the accepted rows, then its norm
+    layers = heads.augment.layers
+    h = node("RMSNormalization", [x, init("augment.layers.0.input_layernorm.weight", _np(layers[0].input_layernorm.weight))],
+             name="augment.layers.0.input_layernorm", axis=-1, epsilon=eps)[0]
+    residual = x
+    for i, layer in enumerate(layers):
+        last = i + 1 == L
+        h, residual, _, _ = write_layer(w, layer, cfg, f"augment.layers.{i}", i, rows, h, residual,
+                                        heads.augment.norm if last else layers[i + 1].input_layernorm,
+                                        "augment.norm" if last else f"augment.layers.{i + 1}.input_layernorm")
+    state_row = node("Sub", [new, "one_i64"], name="state_row")[0]
+    node("Gather", [h, state_row], ["state"], name="state", axis=1)  # [B, H]
+    head = node("RMSNormalization", [linear("state", heads.fc0, "fc0"), init("head_norm.weight", _np(heads.head_norm.weight))],
+                name="head_norm", axis=-1, epsilon=float(heads.head_norm.eps))[0]
+    lm = torch.nn.Linear(H, V, bias=False)
+    lm.weight = torch.nn.Parameter(heads.lm_weight.detach(), requires_grad=False)
+    node("Identity", [linear(head, lm, "lm_head")], ["logits"], name="logits")
+
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    kv = lambda name: helper.make_tensor_value_info(name, f32, ["batch", Hkv, "slots", D])  # noqa: E731
+    inputs = [
+        helper.make_tensor_value_info("hidden_states", f32, ["batch", "accepted", H]),
+        helper.make_tensor_value_info("next_tokens", i64, ["batch", "accepted"]),
+        helper.make_tensor_value_info("position_ids", i64, ["batch", "accepted"]),
+        helper.make_tensor_value_info("past_lengths", i64, ["batch"]),
+        *[kv(f"past_key_values.{i}.{n}") for i in range(L) for n in ("key", "value")],
+    ]
+    outputs = [
+        helper.make_tensor_value_info("state", f32, ["batch", H]),
+        helper.make_tensor_value_info("logits", f32, ["batch", V]),
+        *[kv(f"present.{i}.{n}") for i in range(L) for n in ("key", "value")],
+    ]
+    return finish_model(w, "draft_begin", inputs, outputs)
+
+
+def write_fused_begin(heads, path: Path, max_context: int) -> None:
+    save_model(fused_begin_model(heads, max_context), path)

@@ -145,8 +145,8 @@ def checking_session(path: Path):
 
 
 def shares_kv_buffers(session) -> bool:
-    """Whether a base graph writes its KV cache in place (--attention fused): its present outputs are the
-    whole [batch, Hkv, slots, D] buffers bound as the past inputs, not the new tokens' rows."""
+    """Whether a graph writes its KV cache in place (--attention fused: the base, Clover-2's draft_begin): its
+    present outputs are the whole [batch, Hkv, slots, D] buffers bound as the past inputs, not the new rows."""
     return any(o.name.startswith("present.") and o.shape[2] == "slots" for o in session.get_outputs())
 
 
@@ -159,7 +159,7 @@ def run_checked(session, outputs: list[str], feeds: dict[str, np.ndarray]) -> li
     import onnxruntime as ort
 
     binding = session.io_binding()
-    new, lengths = feeds["input_ids"].shape[1], feeds["past_lengths"]
+    new, lengths = feeds["input_ids" if "input_ids" in feeds else "next_tokens"].shape[1], feeds["past_lengths"]
     buffers = {}
     for name, value in feeds.items():
         if name.startswith("past_key_values."):

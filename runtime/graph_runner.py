@@ -159,6 +159,13 @@ class KVCache:
             buf[:, :, start:start + count] = new[:, :, :count] if rows is None else self.arrays.take(new, rows, 2)
 
 
+def writes_in_place(spec: GraphSpec) -> bool:
+    """Whether a graph writes its new K/V rows into its cache buffers (fused attention): its present outputs have
+    the past inputs' slot dim, not the new rows'."""
+    past = [t for t in spec.inputs if t.name.startswith(PAST + ".")]
+    return bool(past) and spec.output(PRESENT + past[0].name[len(PAST):]).shape[2] == past[0].shape[2]
+
+
 def kv_bytes_per_token(spec: GraphSpec) -> int:
     """Bytes of K and V one cached token takes over a graph's past inputs [batch, Hkv, slots, D]."""
     return sum(int(t.shape[1]) * int(t.shape[3]) * ITEMSIZE[t.dtype] for t in spec.inputs if t.name.startswith(PAST + "."))
@@ -215,13 +222,14 @@ class TreeDrafter(Drafter):
 
     def __init__(self, begin: EngineGraph, step: EngineGraph, spec: GraphSpec, arrays: Arrays, state_dtype: str) -> None:
         self.begin_graph, self.step_graph, self.spec, self.arrays, self.state_dtype = begin, step, spec, arrays, state_dtype
+        self.in_place = writes_in_place(spec)  # a fused draft_begin (export/fused_graph.py)
 
     @property
     def graphs(self):
         return self.begin_graph, self.step_graph
 
     def open(self, slots, reuse=None):
-        return TreeDraft(reuse if reuse is not None else KVCache(self.spec, slots, self.arrays))
+        return TreeDraft(reuse if reuse is not None else KVCache(self.spec, slots, self.arrays, shared=self.in_place))
 
     def release(self, state):
         return state.cache
@@ -237,7 +245,8 @@ class TreeDrafter(Drafter):
         hidden = state.behind[0][0] if len(state.behind) == 1 else a.concat([h for h, _ in state.behind], 1)  # [1, m, H]
         tokens = np.concatenate([t for _, t in state.behind])
         state.behind.clear()
-        state.cache.ensure(P + m, P, slot.capacity)
+        # in place: the rows land at slots P.. (a lone row is repeated into the slot after it, as in the base)
+        state.cache.ensure(P + max(m, 1 + self.in_place), P, slot.capacity + self.in_place)
         past, into, dims = state.cache.bound(P)
         out = self.begin_graph.run({
             "hidden_states": hidden,
@@ -246,7 +255,8 @@ class TreeDrafter(Drafter):
             "past_lengths": a.put(np.array([P], dtype=np.int64)),  # [1]
             **past,
         }, {"batch": 1, "accepted": m, **dims}, into)
-        state.cache.write(P, out, None, m)
+        if not self.in_place:
+            state.cache.write(P, out, None, m)
         state.root_state, state.root_logits = out["state"], out["logits"][0]
 
     def begin(self, state, slot):

@@ -35,6 +35,7 @@ SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "smollm2-sharegp
 # 1.79 tokens per step from the first alone, 1.83 from both)
 SHIPPED_CORPORA = (SHIPPED_CORPUS, SHIPPED_CORPUS.parent / "smollm2-sharegpt-fp32")
 DRAFT_QUANT_REVISION = 2  # --draft-quant artifacts: 2 = MatMulNBits drafts with their own quantized LM head
+FUSED_REVISION = 2  # --attention fused artifacts: 2 = Clover-2's draft_begin fused too (export/fused_graph.py)
 DEMO_DRAFT_VOCAB = 8192  # 99.2% of the corpus's answer tokens; drafting ~25% cheaper on int4 (benchmarks/draft_vocab.py)
 
 
@@ -107,7 +108,9 @@ def exported_artifact(base: str, heads: str, weights: str | None, draft_quant: s
 
     base_path = resolve_base(base).resolve()
     config = ExportConfig(weights=weights, draft_quant=draft_quant, attention=attention)
-    revision = f"|draft-quant {DRAFT_QUANT_REVISION}" if draft_quant else ""  # an older export is not reused
+    # an older export is not reused
+    revision = (f"|draft-quant {DRAFT_QUANT_REVISION}" if draft_quant else "") + (
+        f"|fused {FUSED_REVISION}" if attention == "fused" else "")
     key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}|{config}{revision}".encode()).hexdigest()[:12]
     out = cache_dir() / "artifacts" / f"{base_path.name}-{heads.replace(':', '-').replace('/', '_')}-{key}"
     try:

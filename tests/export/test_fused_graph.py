@@ -49,6 +49,37 @@ def test_fused_base_is_a_few_fused_nodes_per_layer_and_matches_pytorch(root):
     assert present.shape[2] == "slots"  # the whole buffer, updated in place
 
 
+def test_fused_draft_begin_is_fused_and_drafts_as_the_traced_one(root):
+    """Clover-2's draft_begin in a fused artifact: GroupQueryAttention over the heads' own cache, written in
+    place; fed the same accepted rows (one at a time, several at once, past a cache doubling) it drafts what
+    the traced graph of a portable artifact drafts."""
+    from clover.runtime.backend import Slot
+
+    fused, traced = tiny_artifact(root, "clover2", attention="fused"), tiny_artifact(root, "clover2")
+    m = open_artifact(fused)
+    counts = ops(fused / m.graphs["draft_begin"].file)
+    assert counts["GroupQueryAttention"] == m.heads.num_layers and "Softmax" not in counts
+    assert sum(counts.values()) < 80, counts  # traced: ~190
+    assert m.graphs["draft_begin"].output("present.0.key").shape[2] == "slots"
+    assert m.parity["draft_begin"]["logits"] < 1e-3
+    runners = [load_runner(a, cache_block=4) for a in (fused, traced)]
+    assert runners[0].drafter.in_place and not runners[1].drafter.in_place
+    rng = np.random.default_rng(0)
+    H, V = runners[0].hidden_size, runners[0].vocab_size
+    states = [r.drafter.open(4) for r in runners]
+    slot = Slot(index=0, capacity=64)
+    for rows in (3, 1, 1, 5, 2, 1, 7):  # the cache (4 slots at first) doubles twice
+        hidden = rng.standard_normal((1, rows, H)).astype(np.float32)
+        tokens = rng.integers(0, V, rows)
+        slot.past += rows  # the runner counts accepted rows before the heads see them
+        got = []
+        for r, st in zip(runners, states):
+            r.drafter.accept(st, hidden, tokens)
+            got.append((r.drafter.begin(st, slot), np.asarray(st.root_state)))
+        np.testing.assert_allclose(got[0][0], got[1][0], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(got[0][1], got[1][1], atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("tree", ["chain-3", "mc26"])
 def test_fp32_fused_speculative_equals_plain(root, tree):
     art = tiny_artifact(root, "clover2", attention="fused")
