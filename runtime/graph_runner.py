@@ -127,6 +127,12 @@ class KVCache:
         # weights, and 0 * NaN from uninitialised memory would not be zero.
         return [self.arrays.zeros((1, self.kv_heads, slots, self.head_dim), self.dtype) for _ in self.names]
 
+    def make_room(self, past: int, new: int, capacity: int) -> None:
+        """Room for `new` rows after `past` cached ones, up to `capacity` tokens. Shared buffers keep one slot more:
+        their graph runs attention on at least 2 rows (a lone row is repeated into the slot after it,
+        export/fused_graph.py)."""
+        self.ensure(past + max(new, 1 + self.shared), past, capacity + self.shared)
+
     def ensure(self, needed: int, filled: int, limit: int) -> None:
         """Make room for `needed` slots (at most `limit`), keeping the first `filled`."""
         if needed <= self.slots:
@@ -245,8 +251,7 @@ class TreeDrafter(Drafter):
         hidden = state.behind[0][0] if len(state.behind) == 1 else a.concat([h for h, _ in state.behind], 1)  # [1, m, H]
         tokens = np.concatenate([t for _, t in state.behind])
         state.behind.clear()
-        # in place: the rows land at slots P.. (a lone row is repeated into the slot after it, as in the base)
-        state.cache.ensure(P + max(m, 1 + self.in_place), P, slot.capacity + self.in_place)
+        state.cache.make_room(P, m, slot.capacity)  # in place: the rows land at slots P..
         past, into, dims = state.cache.bound(P)
         out = self.begin_graph.run({
             "hidden_states": hidden,
@@ -255,7 +260,7 @@ class TreeDrafter(Drafter):
             "past_lengths": a.put(np.array([P], dtype=np.int64)),  # [1]
             **past,
         }, {"batch": 1, "accepted": m, **dims}, into)
-        if not self.in_place:
+        if not state.cache.shared:
             state.cache.write(P, out, None, m)
         state.root_state, state.root_logits = out["state"], out["logits"][0]
 
@@ -334,18 +339,19 @@ class GraphSequence:
 
 class GraphRunner(Runner):
     """A Runner over an artifact's graphs, given as EngineGraphs (base, and the heads' draft graphs) and the
-    Arrays they take. `in_place`: the base writes its new K/V rows into the cache (fused attention); such a
-    graph runs attention on at least 2 rows (a 1-token step repeats its row, export/fused_graph.py), so its
-    buffers keep one slot of room beyond a 1-token step."""
+    Arrays they take. A base graph that writes its new K/V rows into the cache (fused attention, `writes_in_place`)
+    runs attention on at least 2 rows (a 1-token step repeats its row, export/fused_graph.py), so its buffers keep
+    one slot of room beyond a 1-token step (KVCache.make_room)."""
 
     def __init__(self, manifest: Manifest, graphs: Mapping[str, EngineGraph], arrays: Arrays, *, use_heads: bool,
-                 backend: str, cache_block: int, max_context: int | None = None, in_place: bool = False,
+                 backend: str, cache_block: int, max_context: int | None = None,
                  chains_only: bool = False, batch_slots: int = 1, draft_vocab: np.ndarray | None = None,
                  ngram_store: NgramStore | None = None) -> None:
         super().__init__()
-        self.manifest, self.arrays, self.cache_block, self.in_place = manifest, arrays, cache_block, in_place
+        self.manifest, self.arrays, self.cache_block = manifest, arrays, cache_block
         self.base = graphs["base"]
         self.base_spec = manifest.graphs["base"]
+        self.in_place = writes_in_place(self.base_spec)
         self.vocab_size = int(manifest.graphs[("lm_head" if "lm_head" in manifest.graphs else "base")].output("logits").shape[-1])
         self.hidden_size = int(self.base_spec.output("hidden_states").shape[-1])
         heads = manifest.heads if use_heads else None
@@ -394,8 +400,8 @@ class GraphRunner(Runner):
             self._free.append((seq.cache, self.drafter.release(seq.draft) if self.drafter is not None else None))
 
     def _make_room(self, slot: Slot, new: int) -> None:
-        """The slot's cache holds its past and `new` rows (an in-place graph: at least 2, see the class doc)."""
-        slot.state.cache.ensure(slot.past + max(new, 1 + self.in_place), slot.past, slot.capacity + self.in_place)
+        """The slot's cache holds its past and `new` rows (KVCache.make_room)."""
+        slot.state.cache.make_room(slot.past, new, slot.capacity)
 
     def teacher_forced(self, tokens: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """One sequence through the base graph on a fresh slot (causal, empty cache): its hidden states [T, H]

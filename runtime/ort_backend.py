@@ -427,10 +427,10 @@ class OrtRunner(GraphRunner):
         if self.placement.note:
             log.warning(self.placement.note)
         self.stream = sessions.cuda.stream if self.placement.cuda else None
-        fused = manifest.attention == "fused"  # in-place KV cache (module doc)
+        fused = manifest.attention == "fused"
         self.batch_slots = int(self.batch.spec.input(ROW_COUNTS).shape[0]) if self.batch is not None else 1
         super().__init__(manifest, graphs, self._arrays(sessions), use_heads=use_heads, backend="ort",
-                         cache_block=options.cache_block, in_place=fused,
+                         cache_block=options.cache_block,
                          chains_only=fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
                          batch_slots=self.batch_slots, draft_vocab=draft_vocab,
                          ngram_store=NgramStore.of_artifact(Path(root), manifest))
