@@ -87,10 +87,6 @@ def _weights(model, node) -> list[np.ndarray]:
     return out
 
 
-def accuracy_level(node) -> int:
-    return next((a.i for a in node.attribute if a.name == "accuracy_level"), 0)
-
-
 def weights_key(model, node) -> str:
     """A digest of what the LM head computes with: its op, matmul shape attributes and weight bytes (not its
     accuracy level: a draft's level only changes what is proposed)."""
@@ -210,7 +206,10 @@ def split_lm_head(folder: Path, specs: dict[str, GraphSpec], graphs: list[GraphD
         after = _logits_of(folder, out, graphs, cut, sizes)
         for name in cut:
             a, b = before[name], after[name]
-            exact = accuracy_level(heads[name][0]) == accuracy_level(base_node)
+            # The base's logit rows meet the head in the same product before and after the cut: bit for bit. A draft
+            # graph's heads may each have run a 1-row product of their own, which some kernels round otherwise
+            # (MatMulNBits on AVX2): within the drafts' tolerance.
+            exact = name == "base"
             if a.shape != b.shape or (not np.array_equal(a, b) if exact else
                                       not np.abs(a - b).max() <= DRAFT_RTOL * max(1.0, float(np.abs(a).max()))):
                 raise CloverError(f"{name}.onnx without its LM head + lm_head.onnx does not give the graph's own "

@@ -341,7 +341,13 @@ class GraphRunner(Runner):
     """A Runner over an artifact's graphs, given as EngineGraphs (base, and the heads' draft graphs) and the
     Arrays they take. A base graph that writes its new K/V rows into the cache (fused attention, `writes_in_place`)
     runs attention on at least 2 rows (a 1-token step repeats its row, export/fused_graph.py), so its buffers keep
-    one slot of room beyond a 1-token step (KVCache.make_room)."""
+    one slot of room beyond a 1-token step (KVCache.make_room).
+
+    Where this machine's kernels compute a lone row otherwise than the same row among others (`lone_row_differs`:
+    ONNX Runtime's MatMulNBits on AVX2 CPUs has a 1-row kernel of its own), every forward runs at least 2 rows: a
+    1-token step runs its token twice (the second row is dropped and its K/V slot overwritten by the next step,
+    as a rejected draft's), and a lone logit row is taken twice. A plain step then equals a chain verify's row
+    bit for bit, as greedy identity needs, and a lone sequence equals the batched graph's rows."""
 
     def __init__(self, manifest: Manifest, graphs: Mapping[str, EngineGraph], arrays: Arrays, *, use_heads: bool,
                  backend: str, cache_block: int, max_context: int | None = None,
@@ -373,6 +379,7 @@ class GraphRunner(Runner):
             draft_vocab=draft_vocab if heads is not None else None, ngram_store=ngram_store,
         )
         self._free: list[tuple[KVCache, Any]] = []  # released sequences' caches of the initial size
+        self.two_rows = False  # run every forward on >= 2 rows (set from lone_row_differs by the backend)
 
     @property
     def cache(self) -> KVCache | None:
@@ -415,10 +422,34 @@ class GraphRunner(Runner):
         finally:
             self.release(slot)
 
+    def lone_row_differs(self) -> bool:
+        """Whether a 1-token step's logits or hidden state differ, in any bit, from the first row of a 2-token
+        chain over the same cache: measured on a short made-up prompt in a slot of its own (lone rows run alone)."""
+        slot, two_rows, self.two_rows = self.open_slot(16), self.two_rows, False
+        try:
+            prompt = np.arange(1, 4, dtype=np.int64) % self.vocab_size
+            self.forward(prompt, np.arange(3), np.tri(3, dtype=bool), slot=slot)
+            self.commit(np.arange(3), np.append(prompt[1:], 4 % self.vocab_size), slot=slot)
+            chain = np.array([4, 5], dtype=np.int64) % self.vocab_size
+            alone = self.forward(chain[:1], np.zeros(1, np.int64), np.ones((1, 1), bool), slot=slot)[0].copy()
+            alone_hidden = self.arrays.host(slot.state.last["hidden_states"])[0, 0].copy()
+            among = self.forward(chain, np.arange(2), np.tri(2, dtype=bool), slot=slot)[0]
+            among_hidden = self.arrays.host(slot.state.last["hidden_states"])[0, 0]
+            slot.state.last = {}
+            return not (np.array_equal(alone, among) and np.array_equal(alone_hidden, among_hidden))
+        finally:
+            self.two_rows = two_rows
+            self.release(slot)
+
     def _forward(self, slot, tokens, depths, mask, last_only, rows=None):
         seq, P, T, a = slot.state, slot.past, tokens.shape[0], self.arrays
         if rows is None:
             rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
+        keep = len(rows)
+        if self.two_rows:  # see the class docstring
+            if T == 1:
+                tokens, depths, mask, T = np.repeat(tokens, 2), depths[0] + np.arange(2), np.tri(2, dtype=bool), 2
+            rows = np.repeat(rows, 2) if keep == 1 else rows
         with a.scope():
             self._make_room(slot, T)
             past, into, dims = seq.cache.bound(P)
@@ -430,7 +461,7 @@ class GraphRunner(Runner):
                 "logit_rows": a.put(rows),  # [R]
                 **past,  # [1, Hkv, slots, D] each
             }, {"batch": 1, "new": T, "rows": len(rows), **dims}, into)
-            return a.host(seq.last["logits"][0])  # [R, V]
+            return a.host(seq.last["logits"][0])[:keep]  # [R, V]
 
     def _commit(self, slot, path, next_tokens):
         seq, P, m = slot.state, slot.past, len(path)

@@ -357,7 +357,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             learn = (whole is not None and d.lookup_length is not None and tree.num_nodes > 1
                      and d.slot.past > len(d.prompt))
             kind = LookupLength.kind(d.lookup.match, len(whole)) if learn else -1
-            if learn and not isinstance(tree, DynamicTree) and d.lookup_length.alone(d.lookup.match, len(whole)):
+            if learn and d.lookup_length.alone(d.lookup.match, len(whole)):
                 proposal = _worth_verifying(d, whole, 1)  # measured faster without the heads, for such proposals
                 use = (True, kind)
                 tree = chain(len(proposal))

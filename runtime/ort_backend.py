@@ -435,6 +435,7 @@ class OrtRunner(GraphRunner):
                          batch_slots=self.batch_slots, draft_vocab=draft_vocab,
                          ngram_store=NgramStore.of_artifact(Path(root), manifest))
         self._idle: dict[int, KVCache] = {}  # 2-slot buffers of the batched graph's slot inputs not in a step
+        self.two_rows = self.lone_row_differs()
 
     def _arrays(self, sessions: Sessions) -> Arrays:
         """Where the runner's tensors live (tests bind torch CPU tensors by address here, as CUDA would)."""

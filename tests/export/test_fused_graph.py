@@ -108,9 +108,13 @@ def test_int4_fused_chains_equal_plain(root, arch):
             assert_identical(got, want, f"fused int4 {arch}, {tree}")
 
 
-def test_a_chain_verify_is_bitwise_a_run_of_plain_steps(root):
+@pytest.mark.parametrize("two_rows", [None, True])
+def test_a_chain_verify_is_bitwise_a_run_of_plain_steps(root, two_rows):
+    """As this machine's kernels need (None: the runner's own probe), and with every forward on >= 2 rows
+    (GraphRunner.two_rows, which AVX2 CPUs need: MatMulNBits has a 1-row kernel of its own there) forced on."""
     art = tiny_artifact(root, "clover2", tree="chain-3", weights="int4", attention="fused")
     runner = load_runner(art, heads="none")
+    runner.two_rows = runner.two_rows if two_rows is None else two_rows
     prompt, chain = np.array(PROMPTS[1]), np.array([5, 17, 30, 9])
 
     def prefilled():
@@ -125,6 +129,26 @@ def test_a_chain_verify_is_bitwise_a_run_of_plain_steps(root):
         step = runner.forward(chain[i:i + 1], np.zeros(1, np.int64), np.ones((1, 1), bool))
         runner.commit(np.zeros(1, np.int64), chain[i + 1:i + 2] if i + 1 < len(chain) else np.array([0]))
         np.testing.assert_array_equal(step[0], verify[i], err_msg=f"row {i} of a chain verify vs a plain step")
+
+
+def test_a_1_row_kernel_is_seen_at_load(root):
+    """lone_row_differs compares a 1-token step with the first row of a 2-token chain, logits and hidden state:
+    a difference in the last bit of a 1-row product (here made up) turns two_rows on."""
+    art = tiny_artifact(root, "clover2", tree="chain-3", weights="int4", attention="fused")
+    runner = load_runner(art, heads="none")
+    machine, run = runner.lone_row_differs(), runner.base.run
+    assert runner.two_rows == machine
+
+    def skewed(inputs, sizes, into=None):
+        out = run(inputs, sizes, into)
+        if sizes["new"] == 1:
+            out["hidden_states"] = np.nextafter(out["hidden_states"], np.inf)
+        return out
+
+    runner.base.run = skewed
+    assert runner.lone_row_differs()
+    runner.base.run = run
+    assert runner.lone_row_differs() == machine
 
 
 def test_branching_trees_are_refused_where_only_chains_are_exact(root):

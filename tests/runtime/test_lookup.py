@@ -374,9 +374,11 @@ def test_lookup_goes_alone_where_the_heads_do_not_pay():
     assert not near.alone(2, 4)
 
 
-def test_heads_plus_lookup_alone_steps_keep_greedy_identity(tmp_path_factory):
+@pytest.mark.parametrize("tree", ["chain-2", "dynamic-4"])
+def test_heads_plus_lookup_alone_steps_keep_greedy_identity(tmp_path_factory, tree):
     """Steps that verify the lookup proposal without drafting the heads (here: every other step) give plain
-    greedy output, and the heads catch up on the skipped rows when they draft again."""
+    greedy output, with static and dynamic trees, and the heads catch up on the skipped rows when they draft
+    again."""
     root = tmp_path_factory.getbasetemp()
     art = tiny_artifact(root, "clover2", tree="chain-3", weights="int4", attention="fused")
     tokenizer = Tokenizer.from_dir(art / open_artifact(art).tokenizer)
@@ -384,7 +386,7 @@ def test_heads_plus_lookup_alone_steps_keep_greedy_identity(tmp_path_factory):
     chosen = []
     for p in PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]:
         want, _ = run_tokens(plain, p, resolve_tree("plain"), 40)
-        gen = Generator(load_runner(art), tokenizer, "chain-2", drafts="heads+lookup")
+        gen = Generator(load_runner(art), tokenizer, tree, drafts="heads+lookup")
         gen.lookup_length.alone = lambda *a: chosen.append(len(chosen) % 2 == 0) or chosen[-1]
         got = gen.generate(p, max_new_tokens=40, ignore_eos=True)
         assert_identical(got.token_ids, want, "heads+lookup with lookup-alone steps")
