@@ -418,7 +418,7 @@ class GraphRunner(Runner):
         try:
             logits = self._forward(slot, np.asarray(tokens, dtype=np.int64), np.arange(T), np.tri(T, dtype=bool), False,
                                    rows=np.asarray(rows, dtype=np.int64))
-            return self.arrays.host(slot.state.last["hidden_states"])[0], logits
+            return self.arrays.host(slot.state.last["hidden_states"])[0, :T], logits
         finally:
             self.release(slot)
 
@@ -471,7 +471,7 @@ class GraphRunner(Runner):
                 seq.cache.write(P, seq.last, None if contiguous else path, m)
             elif not contiguous:  # the graph wrote the rows at slots P + node: gather the path
                 seq.cache.move(P, path)
-            states = seq.last["hidden_states"]  # [1, T, H]
+            states = seq.last["hidden_states"]  # [1, T, H] (T + 1 for a lone row run twice)
             seq.last = {}
             if self.drafter is not None:
                 self.drafter.accept(seq.draft, states[:, :m] if contiguous else self.arrays.take(states, path, 1), next_tokens)
