@@ -418,7 +418,7 @@ class GraphRunner(Runner):
         try:
             logits = self._forward(slot, np.asarray(tokens, dtype=np.int64), np.arange(T), np.tri(T, dtype=bool), False,
                                    rows=np.asarray(rows, dtype=np.int64))
-            return self.arrays.host(slot.state.last["hidden_states"])[0, :T], logits
+            return self.arrays.host(slot.state.last["hidden_states"])[0], logits
         finally:
             self.release(slot)
 
@@ -445,7 +445,7 @@ class GraphRunner(Runner):
         seq, P, T, a = slot.state, slot.past, tokens.shape[0], self.arrays
         if rows is None:
             rows = np.array([T - 1] if last_only else range(T), dtype=np.int64)
-        keep = len(rows)
+        keep, real = len(rows), T
         if self.two_rows:  # see the class docstring
             if T == 1:
                 tokens, depths, mask, T = np.repeat(tokens, 2), depths[0] + np.arange(2), np.tri(2, dtype=bool), 2
@@ -461,6 +461,7 @@ class GraphRunner(Runner):
                 "logit_rows": a.put(rows),  # [R]
                 **past,  # [1, Hkv, slots, D] each
             }, {"batch": 1, "new": T, "rows": len(rows), **dims}, into)
+            seq.last["hidden_states"] = seq.last["hidden_states"][:, :real]  # [1, real, H]: a repeated row drops
             return a.host(seq.last["logits"][0])[:keep]  # [R, V]
 
     def _commit(self, slot, path, next_tokens):
@@ -471,7 +472,7 @@ class GraphRunner(Runner):
                 seq.cache.write(P, seq.last, None if contiguous else path, m)
             elif not contiguous:  # the graph wrote the rows at slots P + node: gather the path
                 seq.cache.move(P, path)
-            states = seq.last["hidden_states"]  # [1, T, H] (T + 1 for a lone row run twice)
+            states = seq.last["hidden_states"]  # [1, T, H]
             seq.last = {}
             if self.drafter is not None:
                 self.drafter.accept(seq.draft, states[:, :m] if contiguous else self.arrays.take(states, path, 1), next_tokens)
