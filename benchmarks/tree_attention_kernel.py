@@ -17,81 +17,22 @@ import platform
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
-import torch.nn.functional as F
+
+from clover.tools.gpu_profile import KERNEL_TOL as TOL, kernel_inputs, sdpa_dense, time_ms
 
 MODELS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}  # name -> (Hq, Hkv, D)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}  # max abs error vs the fp32 reference
 
 
-def random_tree_mask(T: int, gen: torch.Generator) -> torch.Tensor:
+
+def random_tree_mask(T: int, gen: torch.Generator) -> np.ndarray:
     """bool [T, T]: self + ancestors of a random tree rooted at token 0, parents before children."""
-    mask = torch.eye(T, dtype=torch.bool)
+    mask = np.eye(T, dtype=bool)
     for i in range(1, T):
         mask[i] |= mask[int(torch.randint(0, i, (), generator=gen))]
     return mask
-
-
-def make_inputs(Hq: int, Hkv: int, D: int, T: int, P: int, dtype: torch.dtype, device: str) -> dict:
-    """B=1, the whole cache buffer valid (the kernel's worst case: it skips only slots past the length)."""
-    from clover.plugins.tree_attention import pack_tree_mask
-
-    gen = torch.Generator().manual_seed(T * 100003 + P)
-    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
-    mask = random_tree_mask(T, gen).unsqueeze(0)  # [1, T, T]
-    return dict(q=rnd(1, Hq, T, D), k=rnd(1, Hkv, T, D), v=rnd(1, Hkv, T, D), past_k=rnd(1, Hkv, P, D),
-                past_v=rnd(1, Hkv, P, D), past_lengths=torch.tensor([P], dtype=torch.int32, device=device),
-                packed_mask=pack_tree_mask(mask).to(device), scale=D ** -0.5)
-
-
-def portable_attention(inputs: dict):
-    """The portable graph's attention: SDPA over concat(past, new) with a dense boolean mask built once per
-    step (outside the timed call, as the graph shares it across layers). Returns the call to time."""
-    from clover.plugins.tree_attention import unpack_tree_mask
-
-    q = inputs["q"]
-    P, T = inputs["past_k"].shape[2], q.shape[2]
-    past_ok = torch.arange(P, device=q.device) < inputs["past_lengths"].view(-1, 1)  # [B, P]
-    tree = unpack_tree_mask(inputs["packed_mask"], T)  # [B, T, T]
-    dense = torch.cat([past_ok.unsqueeze(1).expand(-1, T, P), tree], dim=-1).unsqueeze(1)  # [B, 1, T, P + T]
-
-    def run():
-        keys = torch.cat([inputs["past_k"], inputs["k"]], dim=2)  # [B, Hkv, P + T, D]
-        values = torch.cat([inputs["past_v"], inputs["v"]], dim=2)
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=dense, scale=inputs["scale"],
-                                              enable_gqa=True)
-
-    return run
-
-
-def time_ms(fn, iters: int, graph: bool) -> float:
-    """Mean milliseconds per call: CUDA events around `iters` calls, replayed from one CUDA graph unless
-    graph=False (then eager launches, Python overhead included)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(10):  # warm-up: Triton compiles, cuDNN/flash picks its kernels
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                fn()
-        g.replay()  # warm replay
-        run = g.replay
-    else:
-        def run():
-            for _ in range(iters):
-                fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def run_case(model: str, dtype_name: str, T: int, P: int, iters: int, graph: bool) -> dict:
@@ -100,8 +41,10 @@ def run_case(model: str, dtype_name: str, T: int, P: int, iters: int, graph: boo
 
     Hq, Hkv, D = MODELS[model]
     dtype = DTYPES[dtype_name]
-    inputs = make_inputs(Hq, Hkv, D, T, P, dtype, "cuda")
-    portable = portable_attention(inputs)
+    # B=1, the whole cache valid (the kernel's worst case: it skips only slots past the length)
+    mask = random_tree_mask(T, torch.Generator().manual_seed(T * 100003 + P))
+    inputs = kernel_inputs(Hq, Hkv, D, mask, P, dtype, "cuda", seed=T * 100003 + P)
+    portable = sdpa_dense(inputs)
     triton_fn = lambda: tree_attention_triton(**inputs)  # noqa: E731
     ref = tree_attention_reference(**inputs).float()
     err_triton = (triton_fn().float() - ref).abs().max().item()

@@ -36,8 +36,15 @@ def pack_tree_mask(mask: Tensor) -> Tensor:
     W = (T + 31) // 32
     bits = F.pad(mask.to(torch.int64), (0, 32 * W - T))  # [..., T, 32 * W]
     bits = bits.reshape(*mask.shape[:-1], W, 32)  # [..., T, W, 32]
-    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.int64, device=mask.device)  # [32]
+    # On CUDA the weights are made once per device: a host-to-device copy cannot run inside CUDA-graph capture.
+    weights = (_bit_weights(mask.device) if mask.is_cuda
+               else torch.tensor(_BIT_WEIGHTS, dtype=torch.int64, device=mask.device))  # [32]
     return (bits * weights).sum(-1).to(torch.int32)  # [..., T, W]
+
+
+@functools.cache
+def _bit_weights(device: torch.device) -> Tensor:
+    return torch.tensor(_BIT_WEIGHTS, dtype=torch.int64, device=device)
 
 
 def unpack_tree_mask(packed: Tensor, T: int) -> Tensor:

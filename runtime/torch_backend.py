@@ -1,20 +1,28 @@
-"""PyTorch reference backend: the base Decoder and DraftHeads modules in eager mode.
+"""PyTorch backend: the base Decoder and DraftHeads modules, eager or with the base's forward in CUDA graphs.
 
 The KV caches are preallocated per sequence (slot: [1, Hkv, capacity, D] per layer) and written in place;
 the decoder reads views of their valid prefix, so no step copies the whole cache. Commit copies only
 the accepted rows of the last forward into the next slots.
+
+On CUDA a small model's step is bound by kernel launches, not by the GPU (hundreds of launches of a few
+microseconds each). `cuda_graphs=True` records the base's forward once per row bucket (1, 2, 4, ... rows) and
+slot, over the slot's whole cache buffers with the Triton tree-attention kernel (it reads only each sequence's
+valid prefix, so the buffers' addresses and shapes stay fixed), and replays it: one host-to-device copy of the
+step's tokens, positions and mask, one replay, one copy of the logits back. Padding rows attend to themselves
+only and are never committed. Prompts longer than the largest bucket run eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from clover.models.decoder import Decoder
+from clover.errors import CloverError
+from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
 from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot
 from clover.runtime.lookup import NgramStore
@@ -31,16 +39,74 @@ class TorchSequence:
     last: Any = None  # DecoderOutput of the last forward
     root_state: torch.Tensor | None = None
     root_logits: torch.Tensor | None = None
+    graphs: dict[int, "ForwardGraph"] = field(default_factory=dict)  # row bucket -> the base's forward (cuda_graphs)
 
+
+def row_bucket(rows: int) -> int:
+    """The CUDA graph a forward of `rows` new tokens replays: the next power of two."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+class ForwardGraph:
+    """The base's forward over one slot's whole cache buffers for `rows` new tokens, recorded as one CUDA graph.
+
+    Its inputs live in one static int64 buffer (one host-to-device copy a step): tokens [R], positions [R], the
+    valid cache length [1] and the tree mask [R, R] flattened. Its outputs (a DecoderOutput with R rows) stay valid
+    until the next replay of this graph."""
+
+    def __init__(self, base: Decoder, keys: list[torch.Tensor], values: list[torch.Tensor], rows: int) -> None:
+        self.rows = R = rows
+        device = keys[0].device
+        self.inputs = torch.zeros(2 * R + 1 + R * R, dtype=torch.int64, device=device)
+        self.host = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=True)
+
+        def forward() -> DecoderOutput:
+            i = self.inputs
+            return base(i[:R][None], i[R:2 * R][None], i[2 * R + 1:].view(1, R, R).bool(), i[2 * R:2 * R + 1],
+                        keys, values)
+
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up off the capture: Triton compiles, cuBLAS picks its kernels
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = forward()
+
+    def __call__(self, past: int, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray) -> DecoderOutput:
+        R, T = self.rows, tokens.shape[0]
+        host = self.host.numpy()
+        host[:] = 0
+        host[:T], host[R:R + T], host[2 * R] = tokens, past + depths, past
+        square = host[2 * R + 1:].reshape(R, R)
+        square[:T, :T] = mask
+        square[np.arange(T, R), np.arange(T, R)] = 1  # padding rows see themselves only
+        self.inputs.copy_(self.host, non_blocking=True)
+        self.graph.replay()
+        return self.out
 
 class TorchRunner(Runner):
     def __init__(self, base: Decoder, heads: DraftHeads | None = None, heads_name: str = "none",
-                 draft_vocab: np.ndarray | None = None, ngram_store: NgramStore | None = None):
+                 draft_vocab: np.ndarray | None = None, ngram_store: NgramStore | None = None,
+                 cuda_graphs: bool = False, max_graph_rows: int = 64):
         """draft_vocab: int64 [K] token ids the heads draft over (their logits' columns); None: all V.
-        ngram_store: what prompt lookup drafts from when the sequence has no match (runtime/lookup.py)."""
+        ngram_store: what prompt lookup drafts from when the sequence has no match (runtime/lookup.py).
+        cuda_graphs: replay the base's forward from CUDA graphs (module doc) for forwards of up to
+        `max_graph_rows` rows; needs the model on a CUDA device and Triton (the plugin attention variant)."""
         super().__init__()
-        self.base, self.heads = base, heads
         self.device = base.lm_head.weight.device
+        self.max_graph_rows = max_graph_rows if cuda_graphs else 0
+        self._spares: list[TorchSequence] = []  # released slots' buffers and graphs (cuda_graphs)
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise CloverError(f"cuda_graphs needs the model on a CUDA device, but it is on {self.device}")
+            if base.config.sliding_window is not None:
+                raise CloverError("cuda_graphs reads whole cache buffers through the tree-attention kernel, which has no "
+                                  f"sliding window; this model has a {base.config.sliding_window}-token window")
+            base = with_attention(base, "plugin")
+        self.base, self.heads = base, heads
         self._vocab = None if draft_vocab is None or heads is None else self._t(np.asarray(draft_vocab, dtype=np.int64))
         self.engine_clock = EngineClock()
         cfg = base.config
@@ -61,9 +127,21 @@ class TorchRunner(Runner):
 
     def _open_slot(self, slot: Slot) -> TorchSequence:
         c = slot.capacity
+        spare = next((s for s in self._spares if s.cache[0][0].shape[2] >= c), None)
+        if spare is not None:  # its recorded graphs stay valid: same buffers, and only the valid prefix is read
+            self._spares.remove(spare)
+            spare.states, spare.last, spare.root_state, spare.root_logits = spare.states[:0], None, None, None
+            return spare
         return TorchSequence(self.base.empty_cache(1, c),
                              self.base.empty_cache(1, c, self.heads.num_cache_layers if self.heads else 0),
                              torch.zeros(0, self.base.config.hidden_size, dtype=self.base.lm_head.weight.dtype))
+
+    def _release(self, slot: Slot) -> None:
+        if self.max_graph_rows:  # kept with its graphs for the next sequence, which then records none
+            self._spares.append(slot.state)
+
+    def close(self) -> None:
+        self._spares.clear()
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.tensor(a, device=self.device)  # small index arrays; copies, so read-only inputs are fine
@@ -72,6 +150,15 @@ class TorchRunner(Runner):
     def _forward(self, slot, tokens, depths, mask, last_only):
         seq, P, T = slot.state, slot.past, tokens.shape[0]
         keys, values = seq.cache
+        if T <= self.max_graph_rows:
+            R = row_bucket(T)
+            graph = seq.graphs.get(R)
+            if graph is None:
+                graph = seq.graphs[R] = ForwardGraph(self.base, keys, values, R)
+            with self.engine_clock:
+                seq.last = out = graph(P, tokens, depths, mask)
+                logits = out.logits[0, T - 1:T] if last_only else out.logits[0, :T]
+                return logits.float().cpu().numpy()
         with self.engine_clock:
             out = self.base(
                 self._t(tokens)[None], (P + self._t(depths).long())[None], self._t(mask)[None],

@@ -11,6 +11,13 @@ One row per check, each pass / fail / not available with a one-line detail (why 
     with the tree-attention plugin, built and decoded with; and greedy identity on the embedded SmolLM2
     with its Clover-2 heads on torch CUDA, ONNX Runtime CUDA and TensorRT (--no-real-model skips those).
 
+--full adds what the GPU path does on this GPU, measured (clover.tools.gpu_profile): the Triton kernel on the
+runtime's trees at 135M / 1B / 8B attention shapes and its time against SDPA, greedy identity of medusa / clover /
+clover2 heads on chains and trees at batch 1 and concurrency 8, eager and with CUDA graphs, the verify-cost curve,
+the step loop's host time and GPU idle share, a projected speedup per tree and what `tree="auto"` picks. None of
+it needs weights or a network (random models of real shapes): `make gpu-check` runs it on an air-gapped CUDA host.
+--json writes the rows, their measurements and the machine to a report (rewritten after every row).
+
 Exit status: 0 every check passed; 1 a check failed; 3 nothing failed but some checks were not available
 here (no GPU, or the gpu extra not installed); 2 a usage error.
 """
@@ -20,7 +27,9 @@ from __future__ import annotations
 import argparse
 import copy
 import ctypes
+import datetime
 import json
+import platform
 import sys
 import tempfile
 import time
@@ -55,10 +64,11 @@ class Row:
 @dataclass(frozen=True)
 class DoctorOptions:
     """real_model: also check the embedded SmolLM2 (exports it, minutes). tokens: tokens generated per
-    identity check."""
+    identity check. full: the GPU measurements too."""
 
     real_model: bool = True
     tokens: int = 24
+    full: bool = False  # the GPU measurements too (GPU_CHECKS)
 
     def __post_init__(self) -> None:
         if self.tokens < 1:
@@ -81,6 +91,7 @@ class Probe:
     def __init__(self, work: Path, options: DoctorOptions) -> None:
         self.work, self.options = work, options
         self._memo: dict[str, tuple[Any, BaseException | None]] = {}
+        self.data: dict[str, Any] = {}  # check name -> its measurements, for the JSON report
 
     def once(self, key: str, make: Callable[[], Any]) -> Any:
         if key not in self._memo:
@@ -158,6 +169,21 @@ class Probe:
         np.testing.assert_allclose(y, x @ w, rtol=1e-5)
         return f"onnxruntime {ort.__version__}: a session runs on CUDAExecutionProvider"
 
+    def export_tools(self) -> None:
+        """What exporting an artifact takes beside torch: onnx, onnxscript and polygraphy (its graph check)."""
+        def make():
+            missing = []
+            for name in ("onnx", "onnxscript", "polygraphy"):
+                try:
+                    __import__(name)
+                except ImportError:
+                    missing.append(name)
+            if missing:
+                raise NotAvailable(f"{', '.join(missing)} not installed (exporting needs the onnx extra; on an offline "
+                                   "host, make gpu-wheels carries polygraphy)")
+
+        return self.once("export_tools", make)
+
     def tensorrt(self):
         def make():
             from clover.export.engines import require_engine_builder
@@ -210,6 +236,7 @@ class Probe:
 
     def tiny_artifact(self, backend: str = "onnx", attention: str = "portable") -> Path:
         def make():
+            self.export_tools()
             from clover.export.artifact import artifact_from_modules
             from clover.export.config import ExportConfig
 
@@ -225,6 +252,7 @@ class Probe:
 
     def real_artifact(self, backend: str = "onnx") -> Path:
         def make():
+            self.export_tools()
             from clover.export.artifact import export_artifact
             from clover.export.config import ExportConfig
 
@@ -451,6 +479,153 @@ def check_real_tensorrt(probe: Probe) -> str:
                            [{"role": "user", "content": REAL_PROMPT}], probe.options.tokens)
 
 
+# -- the GPU measurements (--full) -------------------------------------------------------------------------------
+
+def cuda_and_triton(probe: Probe):
+    """The gpu_profile module, once CUDA and Triton are both here."""
+    probe.cuda()
+    try:
+        probe.triton()
+    except NotAvailable as e:
+        raise NotAvailable(f"{e} (the GPU rows run the Triton tree-attention kernel)") from e
+    from clover.tools import gpu_profile
+
+    return gpu_profile
+
+
+def shaped_135m(probe: Probe):
+    """(fp32 CPU model, tokenizer): SmolLM2-135M's shape with random weights and a word-level tokenizer over its
+    vocabulary."""
+    def make():
+        gp = cuda_and_triton(probe)
+        cfg = gp.SHAPES["135m"]
+        say("making a random SmolLM2-shaped model (135M, fp32)")
+        return gp.random_decoder(cfg), gp.word_tokenizer(probe.work / "shaped-tokenizer", cfg.vocab_size)
+
+    return probe.once("shaped-135m", make)
+
+
+def gpu_identity(probe: Probe, key: str, model: str, graphs: bool) -> str:
+    gp = cuda_and_triton(probe)
+    if model == "tiny":
+        base, tokenizer = probe.tiny()[0], tokenizer_of(probe.tiny()[2])
+    else:
+        base, tokenizer = shaped_135m(probe)
+    result = gp.identity(base, tokenizer, "cuda", graphs, tokens=max(probe.options.tokens, 32))
+    probe.data[key] = result
+    if not result["ok"]:
+        bad = [c for c in result["cases"] if not c["batch1_identical"] or c["engine_first_differences"].count(None)
+               != len(c["engine_first_differences"])]
+        c = bad[0]
+        raise AssertionError(f"{len(bad)} of {len(result['cases'])} cases differ from plain greedy; first: {c['arch']} "
+                             f"{c['tree']} batch 1 at {c['batch1_first_difference']} (top-2 margin "
+                             f"{c['batch1_margin_there']}), engine at {c['engine_first_differences']}")
+    return gp.identity_line(result)
+
+
+def check_gpu_kernel(probe: Probe) -> str:
+    gp = cuda_and_triton(probe)
+    rows = gp.kernel_rows()
+    probe.data["kernel"] = rows
+    bad = [r for r in rows if not r["correct"]]
+    if bad:
+        w = max(bad, key=lambda r: r["max_abs_err"])
+        raise AssertionError(f"{len(bad)} of {len(rows)} cases exceed the tolerance; worst {w['shape']} {w['dtype']} "
+                             f"{w['tree']} P={w['past']}: {w['max_abs_err']:.3g} > {w['tolerance']}")
+    import numpy as np
+
+    speed = {s: float(np.median([r["speedup"] for r in rows if r["shape"] == s])) for s in gp.ATTENTION_SHAPES}
+    return (f"{len(rows)} cases (trees of 1-64 nodes, KV 256/1024, fp16/bf16) within tolerance; vs SDPA with a dense "
+            "mask, median " + ", ".join(f"{s} {x:.2f}x" for s, x in speed.items()))
+
+
+def check_gpu_identity_tiny(probe: Probe) -> str:
+    return gpu_identity(probe, "identity_tiny_eager", "tiny", graphs=False)
+
+
+def check_gpu_identity_tiny_graphs(probe: Probe) -> str:
+    return gpu_identity(probe, "identity_tiny_graphs", "tiny", graphs=True)
+
+
+def check_gpu_identity_135m(probe: Probe) -> str:
+    return gpu_identity(probe, "identity_135m_eager", "135m", graphs=False)
+
+
+def check_gpu_identity_135m_graphs(probe: Probe) -> str:
+    return gpu_identity(probe, "identity_135m_graphs", "135m", graphs=True)
+
+
+def gpu_models(probe: Probe):
+    """{"135m", "1b"} -> bf16 CUDA models of those shapes (random weights), and Clover-2 heads for the 135M."""
+    def make():
+        import torch
+
+        gp = cuda_and_triton(probe)
+        from clover.models.head_io import random_heads
+
+        cpu_base, tokenizer = shaped_135m(probe)
+        say("making a random Llama-3.2-1B-shaped model (bf16, on the GPU)")
+        models = {"135m": gp.moved(cpu_base, "cuda", torch.bfloat16),
+                  "1b": gp.random_decoder(gp.SHAPES["1b"], torch.bfloat16, "cuda")}
+        heads = gp.moved(random_heads(cpu_base, "clover2", 0), "cuda", torch.bfloat16)
+        return models, heads, tokenizer
+
+    return probe.once("gpu-models", make)
+
+
+def check_gpu_curve(probe: Probe) -> str:
+    gp = cuda_and_triton(probe)
+    models, _, _ = gpu_models(probe)
+    curves = {}
+    for name, base in models.items():
+        for kv in gp.CURVE_KV:
+            for graphs in (False, True):
+                key = f"{name} bf16 KV {kv} {'graphs' if graphs else 'eager'}"
+                say(f"  verify-cost curve: {key}")
+                curves[key] = gp.curve(base, graphs, kv)
+    probe.data["verify_curve"] = {k: [p.__dict__ for p in v] for k, v in curves.items()}
+    return gp.curve_line({k: v for k, v in curves.items() if "KV 1024" in k})
+
+
+def gpu_host(probe: Probe) -> list[dict]:
+    def make():
+        gp = cuda_and_triton(probe)
+        models, heads, tokenizer = gpu_models(probe)
+        rows = []
+        for graphs in (False, True):
+            rows += gp.host_time(models["135m"], heads, tokenizer, ("plain", "chain-2", "small", "mc26"), graphs)
+        return rows
+
+    return probe.once("gpu-host", make)
+
+
+def check_gpu_host(probe: Probe) -> str:
+    gp = cuda_and_triton(probe)
+    rows = gpu_host(probe)
+    probe.data["host_time"] = rows
+    return gp.host_line([r for r in rows if r["tree"] in ("plain", "chain-2")])
+
+
+def check_gpu_projection(probe: Probe) -> str:
+    gp = cuda_and_triton(probe)
+    steps = {(r["tree"], r["graphs"]): r["step_ms"] for r in gpu_host(probe)}
+    rows = gp.projection(steps, gp.cpu_acceptance())
+    probe.data["projection"] = rows
+    return "projected (CPU tokens/step x GPU step times): " + gp.projection_line(rows)
+
+
+def check_gpu_tree_auto(probe: Probe) -> str:
+    gp = cuda_and_triton(probe)
+    models, heads, tokenizer = gpu_models(probe)
+    rates = gp.cpu_depth_rates()
+    picks = {("graphs" if g else "eager"): gp.tree_auto(models["135m"], heads, tokenizer, g, rates["top1"], rates["top3"])
+             for g in (False, True)}
+    probe.data["tree_auto"] = picks
+    return "with the shipped heads' CPU acceptance, tree auto rates best: " + ", ".join(
+        f"{k} {v['picked_tree']} ({v['picked_nodes']} nodes, {v['expected_tokens'][v['picked_level']]:.2f} tokens/step)"
+        for k, v in picks.items())
+
+
 def needs(fact: Callable[[], Any], what: str) -> None:
     """A check built on another one: not available here when that one is not, or failed (reported there)."""
     try:
@@ -478,17 +653,72 @@ CHECKS: tuple[tuple[str, Callable[[Probe], str]], ...] = (
 )
 
 
-def run_checks(options: DoctorOptions, work: Path, checks=CHECKS) -> list[Row]:
+GPU_CHECKS: tuple[tuple[str, Callable[[Probe], str]], ...] = (
+    ("GPU: Triton kernel, tree shapes and speed", check_gpu_kernel),
+    ("GPU identity, tiny: eager", check_gpu_identity_tiny),
+    ("GPU identity, tiny: CUDA graphs", check_gpu_identity_tiny_graphs),
+    ("GPU identity, SmolLM2-shaped: eager", check_gpu_identity_135m),
+    ("GPU identity, SmolLM2-shaped: CUDA graphs", check_gpu_identity_135m_graphs),
+    ("GPU: verify-cost curve", check_gpu_curve),
+    ("GPU: step loop host time", check_gpu_host),
+    ("GPU: projected speedup per tree", check_gpu_projection),
+    ("GPU: tree auto on the GPU curve", check_gpu_tree_auto),
+)
+
+
+def machine() -> dict[str, Any]:
+    """The hardware and software behind a report."""
+    from clover.tools.machine import cpu_info
+
+    out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_info()}
+    for name in ("torch", "triton", "onnxruntime", "numpy"):
+        try:
+            out[name] = __import__(name).__version__
+        except ImportError:
+            out[name] = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            out["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1),
+                          "multiprocessors": p.multi_processor_count, "cuda": torch.version.cuda}
+    except ImportError:
+        pass
+    return out
+
+
+def write_report(path: Path, rows: list[Row], probe: Probe, host: dict[str, Any]) -> None:
+    from clover.atomic import write_text
+
+    doc = {"tool": "clover-doctor", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": host, "options": {"real_model": probe.options.real_model, "tokens": probe.options.tokens,
+                                        "full": probe.options.full},
+           "rows": [{"check": r.check, "result": r.result, "detail": r.detail} for r in rows],
+           "exit": exit_code(rows), "data": probe.data}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(doc, indent=1, default=float) + "\n")
+
+
+def run_checks(options: DoctorOptions, work: Path, checks=None, report: Path | None = None) -> list[Row]:
+    if checks is None:
+        checks = CHECKS + (GPU_CHECKS if options.full else ())
     probe = Probe(work, options)
+    host = machine() if report is not None else {}
     rows = []
+    seconds = probe.data.setdefault("seconds", {})  # per row, so a GPU host's time budget can be planned
     for name, check in checks:
+        t0 = time.perf_counter()
         try:
             rows.append(Row(name, PASS, check(probe)))
         except NotAvailable as e:
             rows.append(Row(name, NOT_AVAILABLE, one_line(e)))
         except Exception as e:  # a check that breaks is a failed row, and the next checks still run
             rows.append(Row(name, FAIL, one_line(e)))
-        say(f"{name}: {rows[-1].result}")
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        say(f"{name}: {rows[-1].result} in {seconds[name]:.0f} s ({rows[-1].detail})")
+        if report is not None:  # after every row: a run cut short keeps what it measured
+            write_report(report, rows, probe, host)
     return rows
 
 
@@ -526,13 +756,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-real-model", action="store_true",
                    help="skip the checks on the embedded SmolLM2 (they export it twice: minutes)")
     p.add_argument("--tokens", type=int, default=24, help="tokens generated per identity check (default 24)")
+    p.add_argument("--full", action="store_true",
+                   help="also measure the GPU path: kernel speed, identity with CUDA graphs, the verify-cost curve, "
+                        "host time, projected speedups, tree auto (a few minutes on one GPU; random weights)")
+    p.add_argument("--only", action="append", default=None, metavar="TEXT",
+                   help="run only the rows whose name contains TEXT (repeatable; e.g. --only 'GPU: step')")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="write the rows, their measurements and the machine to PATH (JSON)")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    options = DoctorOptions(real_model=not args.no_real_model, tokens=args.tokens)
+    options = DoctorOptions(real_model=not args.no_real_model, tokens=args.tokens, full=args.full)
     with tempfile.TemporaryDirectory(prefix="clover-doctor-") as work:
-        rows = run_checks(options, Path(work))
+        checks = CHECKS + (GPU_CHECKS if options.full else ())
+        if args.only:
+            checks = tuple((n, c) for n, c in checks if any(t in n for t in args.only))
+            if not checks:
+                raise CloverError(f"--only {' '.join(args.only)} matches no row: rows are {', '.join(n for n, _ in CHECKS + GPU_CHECKS)}")
+        rows = run_checks(options, Path(work), checks, report=args.json)
     print(table(rows))
     print(summary(rows))
     return exit_code(rows)

@@ -1,4 +1,5 @@
-"""The machine beside speed results: memory read bandwidth and the ceiling it puts on plain decoding.
+"""The machine beside speed results: the CPU and its vector ISA, memory read bandwidth and the ceiling it puts on
+plain decoding.
 
 Decoding one sequence reads every weight once per forward, so on a CPU plain decoding is bound by bytes of weights
 over read bandwidth (SmolLM2 fp32: ~540 MB per token). The bandwidth is measured in the run that reports speeds
@@ -13,8 +14,35 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+
+# /proc/cpuinfo flag -> the name results give it. oneDNN, MKL and ONNX Runtime's MLAS pick their kernels by these,
+# so the last bits of a float result (and the speed) depend on them.
+ISA_FLAGS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI",
+             "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX", "amx_int8": "AMX-INT8", "amx_bf16": "AMX-BF16"}
+
+
+def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
+    """{"model", "cores", "isa": [...]}: the CPU's model name, logical cores and vector ISA extensions (of ISA_FLAGS),
+    from /proc/cpuinfo (Linux; elsewhere the model from platform and no ISA list)."""
+    import os
+    import platform
+
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    flags = set(fields.get("flags", "").split())
+    return {"model": fields.get("model name") or platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "isa": [name for flag, name in ISA_FLAGS.items() if flag in flags]}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,479 @@
+"""What the GPU path does on this GPU, measured: the rows `clover-doctor --full` adds (and `make gpu-check` runs).
+
+Nothing here needs weights from anywhere: the models are random decoders of real shapes (SmolLM2-135M and a
+Llama-3.2-1B-shaped one) and the doctor's tiny model, so the check runs unchanged on an air-gapped host with torch
+and Triton alone. Each measurement returns a one-line detail for the doctor's table and a dict for its JSON report.
+
+    kernel_rows        the Triton tree-attention kernel against the torch reference (fp16, bf16) on the runtime's
+                       trees, at 135M / 1B / 8B attention shapes, and its time against SDPA with a dense mask
+    identity           greedy speculative == plain, token for token: medusa / clover / clover2 random heads,
+                       a chain and a branching tree, batch 1 and the engine at concurrency 8, eager and CUDA graphs
+    verify_curve       ms per forward by verify rows (1 .. 64) at KV length 256 and 1024, eager and CUDA graphs:
+                       the runner's wall time (what the loop waits for, logits to the host included) and the GPU's
+    host_time          the step loop's ms per step, the GPU's busy time in it and the idle fraction between kernels
+    projection         decode speedup per tree: GPU step times of these shapes times the tokens per step the
+                       shipped heads reach on the CPU (benchmarks/results), labelled a projection
+    tree_auto          the curve `tree="auto"` calibrates on the GPU runner and the levels it picks with it
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from clover.models.config import BaseConfig, RopeConfig
+from clover.models.decoder import Decoder, rope_inv_freq
+
+# Real models' shapes, random weights. SmolLM2-135M-Instruct's config, and Llama-3.2-1B's.
+SHAPES: dict[str, BaseConfig] = {
+    "135m": BaseConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+                       rope=RopeConfig(theta=100000.0), max_position_embeddings=8192, tie_word_embeddings=True),
+    "1b": BaseConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                     num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
+                     rope=RopeConfig(theta=500000.0), max_position_embeddings=8192, tie_word_embeddings=True),
+}
+ATTENTION_SHAPES = {"135m": (9, 3, 64), "1b": (32, 8, 64), "8b": (32, 8, 128)}  # (Hq, Hkv, D)
+KERNEL_TREES = ("plain", "chain-2", "small", "mc26", "chain-63")  # 1, 3, 10, 26, 64 nodes
+KERNEL_TOL = {torch.float16: 1e-2, torch.bfloat16: 3e-2}  # max abs error vs the fp32 reference (unit-variance data)
+CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64)
+CURVE_KV = (256, 1024)
+ARCHS = ("medusa", "clover", "clover2")
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+# clover-bench runs of the shipped Clover-2 heads on the fp32 SmolLM2 artifact (CPU): tokens per step by tree
+CPU_ACCEPTANCE = ("bench_fp32_s26_mtbench.json", "bench_fp32_s26_code.json", "bench_fp32_s26_dynamic_mtbench.json",
+                  "bench_fp32_s26_dynamic_code.json")
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# -- models ----------------------------------------------------------------------------------------------------
+
+def random_decoder(cfg: BaseConfig, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Decoder:
+    """A Decoder of `cfg`'s shape with random weights made on `device`: embeddings N(0, 1), matrices
+    N(0, 2 / sqrt(fan_in)), norms 1. At SmolLM2's shape its greedy text varies (no loop on one token) and the top-2
+    logit margin is ~3.6 at the median (fp32 rounding on a GPU is ~1e-4 there)."""
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    gen = torch.Generator(device).manual_seed(seed)
+    state = {}
+    for name, p in model.named_parameters():
+        if p.ndim == 1:
+            state[name] = torch.ones(p.shape, dtype=dtype, device=device)
+        else:
+            std = 1.0 if "embed" in name else 2.0 / p.shape[1] ** 0.5
+            state[name] = (torch.randn(p.shape, generator=gen, device=device) * std).to(dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim).to(device), persistent=False)
+    return model.eval().requires_grad_(False)
+
+
+def moved(module: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
+    """A copy of `module` on `device` in `dtype`, RoPE frequencies kept in fp32 (as load_base keeps them)."""
+    out = copy.deepcopy(module).to(device=device, dtype=dtype)
+    for m in out.modules():
+        if isinstance(getattr(m, "inv_freq", None), torch.Tensor):
+            m.inv_freq = m.inv_freq.float()
+    return out
+
+
+def word_tokenizer(folder: Path, vocab: int):
+    from clover.runtime.tokenizer import Tokenizer
+    from clover.tools.doctor import tiny_tokenizer
+
+    return Tokenizer.from_dir(tiny_tokenizer(folder, vocab))
+
+
+def runners(base: Decoder, heads, name: str, graphs: bool):
+    from clover.runtime.torch_backend import TorchRunner
+
+    return TorchRunner(base, heads, name, cuda_graphs=graphs), TorchRunner(base, cuda_graphs=graphs)
+
+
+# -- the tree-attention kernel ---------------------------------------------------------------------------------
+
+def kernel_inputs(Hq: int, Hkv: int, D: int, mask: np.ndarray, P: int, dtype: torch.dtype, device: str,
+                  seed: int = 0) -> dict:
+    """B=1, the whole cache of P valid (the kernel's worst case: it skips only slots past the length)."""
+    from clover.plugins.tree_attention import pack_tree_mask
+
+    T = mask.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    return dict(q=rnd(1, Hq, T, D), k=rnd(1, Hkv, T, D), v=rnd(1, Hkv, T, D), past_k=rnd(1, Hkv, P, D),
+                past_v=rnd(1, Hkv, P, D), past_lengths=torch.tensor([P], dtype=torch.int32, device=device),
+                packed_mask=pack_tree_mask(torch.from_numpy(mask)[None]).to(device), scale=D ** -0.5)
+
+
+def sdpa_dense(inputs: dict) -> Callable[[], torch.Tensor]:
+    """The portable graphs' attention: SDPA over concat(past, new) with a dense boolean mask (built once per step,
+    outside the timed call, as a graph shares it across layers)."""
+    from clover.plugins.tree_attention import unpack_tree_mask
+
+    q = inputs["q"]
+    P, T = inputs["past_k"].shape[2], q.shape[2]
+    past_ok = torch.arange(P, device=q.device) < inputs["past_lengths"].view(-1, 1)  # [B, P]
+    tree = unpack_tree_mask(inputs["packed_mask"], T)  # [B, T, T]
+    dense = torch.cat([past_ok.unsqueeze(1).expand(-1, T, P), tree], dim=-1).unsqueeze(1)  # [B, 1, T, P + T]
+
+    def run():
+        keys = torch.cat([inputs["past_k"], inputs["k"]], dim=2)  # [B, Hkv, P + T, D]
+        values = torch.cat([inputs["past_v"], inputs["v"]], dim=2)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=dense, scale=inputs["scale"], enable_gqa=True)
+
+    return run
+
+
+def time_ms(fn: Callable[[], Any], iters: int, graph: bool = True) -> float:
+    """Mean GPU milliseconds per call: CUDA events around `iters` calls replayed from one CUDA graph (no launch
+    overhead, as in an engine), or launched eagerly (graph=False)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: Triton compiles, SDPA picks its kernels
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(iters):
+                fn()
+        g.replay()
+        run = g.replay
+    else:
+        def run():
+            for _ in range(iters):
+                fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def kernel_rows(device: str = "cuda", shapes: Sequence[str] = tuple(ATTENTION_SHAPES), trees: Sequence[str] = KERNEL_TREES,
+                pasts: Sequence[int] = CURVE_KV, iters: int = 30, timed: bool = True) -> list[dict]:
+    """The Triton kernel against the fp32 torch reference, and (timed) against SDPA with a dense mask."""
+    from clover.plugins.tree_attention import tree_attention_reference
+    from clover.plugins.triton_tree_attention import tree_attention_triton
+    from clover.runtime.tree import resolve_tree
+
+    rows = []
+    for shape in shapes:
+        Hq, Hkv, D = ATTENTION_SHAPES[shape]
+        for dtype in (torch.float16, torch.bfloat16):
+            for name in trees:
+                tree = resolve_tree(name)
+                for P in pasts:
+                    x = kernel_inputs(Hq, Hkv, D, tree.ancestor_mask, P, dtype, device, seed=tree.num_nodes + P)
+                    ref = tree_attention_reference(**x).float()
+                    err = (tree_attention_triton(**x).float() - ref).abs().max().item()
+                    row = {"shape": shape, "num_q_heads": Hq, "num_kv_heads": Hkv, "head_dim": D,
+                           "dtype": str(dtype).removeprefix("torch."), "tree": name, "new_tokens": tree.num_nodes,
+                           "past": P, "max_abs_err": err, "tolerance": KERNEL_TOL[dtype],
+                           "correct": bool(err <= KERNEL_TOL[dtype])}
+                    if timed:
+                        triton_us = 1e3 * time_ms(lambda: tree_attention_triton(**x), iters)  # noqa: B023
+                        sdpa_us = 1e3 * time_ms(sdpa_dense(x), iters)
+                        row.update(triton_us=round(triton_us, 2), sdpa_dense_us=round(sdpa_us, 2),
+                                   speedup=round(sdpa_us / triton_us, 3))
+                    rows.append(row)
+    return rows
+
+
+# -- greedy identity -------------------------------------------------------------------------------------------
+
+def prompts(vocab: int, n: int, length: int = 12, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(8, vocab, length).tolist() for _ in range(n)]
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def identity(cpu_base: Decoder, tokenizer, device: str, graphs: bool, tokens: int = 32, concurrency: int = 8,
+             archs: Sequence[str] = ARCHS, seed: int = 0) -> dict:
+    """Greedy speculative tokens against plain greedy tokens of the same runner kind, per head type and tree
+    (a chain and a branching tree, as deep as the heads draft): batch 1 (Generator) and `concurrency` requests at
+    once through one Engine, on `device` in fp32. `cpu_base`: the model, on the CPU (heads are made from it there).
+    Returns {"cases": [...], "ok": bool}."""
+    from clover.models.head_io import random_heads
+    from clover.runtime.engine import Engine
+    from clover.runtime.generator import Generator
+    from clover.runtime.loop import chain
+    from clover.runtime.tree import default_tree
+
+    cases = []
+    plain_cache: dict[tuple[int, ...], list[int]] = {}
+    base = moved(cpu_base, device, torch.float32)
+    work = prompts(base.config.vocab_size, concurrency, seed=seed)
+    for arch in archs:
+        heads = moved(random_heads(cpu_base, arch, seed=seed), device, torch.float32)
+        spec, plain = runners(base, heads, f"random:{arch}:{seed}", graphs)
+        depth = heads.config.max_depth or 4
+        for tree in (chain(min(3, depth)), default_tree(depth)):
+            gen_spec, gen_plain = Generator(spec, tokenizer, tree), Generator(plain, tokenizer)
+            for p in work:
+                if tuple(p) not in plain_cache:
+                    plain_cache[tuple(p)] = gen_plain.generate(p, max_new_tokens=tokens, ignore_eos=True).token_ids
+            t0 = time.perf_counter()
+            one = gen_spec.generate(work[0], max_new_tokens=tokens, ignore_eos=True)
+            solo_s = time.perf_counter() - t0
+            with Engine(spec, tokenizer, tree=tree, max_batch=concurrency, log=None) as engine:
+                t0 = time.perf_counter()
+                streams = [engine.stream(p, max_new_tokens=tokens, ignore_eos=True) for p in work]
+                many = [s.wait() for s in streams]
+                engine_s = time.perf_counter() - t0
+            want = [plain_cache[tuple(p)] for p in work]
+            diffs = [first_difference(r.token_ids, w) if r.token_ids != w else None for r, w in zip(many, want)]
+            margins = [None if d is None else margin_at(plain, p + w, len(p) + d) for p, w, d in zip(work, want, diffs)]
+            cases.append({
+                "arch": arch, "tree": tree.name, "nodes": tree.num_nodes, "graphs": graphs,
+                "batch1_identical": one.token_ids == want[0],
+                "batch1_first_difference": None if one.token_ids == want[0] else first_difference(one.token_ids, want[0]),
+                "batch1_margin_there": None if one.token_ids == want[0] else margin_at(
+                    plain, work[0] + want[0], len(work[0]) + first_difference(one.token_ids, want[0])),
+                "batch1_tokens_per_step": round(one.tokens_per_step, 3), "batch1_seconds": round(solo_s, 3),
+                "engine_identical": f"{sum(d is None for d in diffs)}/{len(diffs)}",
+                "engine_first_differences": diffs, "engine_margins_there": margins, "engine_seconds": round(engine_s, 3),
+                "engine_tokens_per_step": round(float(np.mean([r.tokens_per_step for r in many])), 3)})
+    ok = all(c["batch1_identical"] and c["engine_identical"].split("/")[0] == c["engine_identical"].split("/")[1]
+             for c in cases)
+    return {"tokens": tokens, "concurrency": concurrency, "cases": cases, "ok": ok}
+
+
+def margin_at(runner, ids: list[int], index: int) -> float:
+    """The top-2 logit margin of plain greedy decoding where token `index` of `ids` was chosen (a mismatch report's
+    second number: how near a tie the diverging token was)."""
+    runner.reset(len(ids) + 1)
+    logits = runner.forward(np.array(ids[:index]), np.arange(index), np.tri(index, dtype=bool), last_only=True)
+    top = np.sort(logits[-1])
+    return round(float(top[-1] - top[-2]), 6)
+
+
+def identity_line(result: dict) -> str:
+    cases = result["cases"]
+    n1 = sum(c["batch1_identical"] for c in cases)
+    ne = sum(int(c["engine_identical"].split("/")[0]) for c in cases)
+    te = sum(int(c["engine_identical"].split("/")[1]) for c in cases)
+    tps = max(c["batch1_tokens_per_step"] for c in cases)
+    return (f"{len(cases)} cases ({', '.join(dict.fromkeys(c['arch'] for c in cases))} x chain + tree): batch 1 "
+            f"{n1}/{len(cases)} identical, engine x{result['concurrency']} {ne}/{te}; up to {tps:.2f} tokens/step")
+
+
+# -- the verify-cost curve -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CurvePoint:
+    rows: int
+    runner_ms: float  # median wall time of runner.forward: what the loop waits for (logits to the host included)
+    gpu_ms: float  # mean GPU time of the forward alone (CUDA events)
+
+
+def curve(base: Decoder, graphs: bool, kv: int, rows: Sequence[int] = CURVE_ROWS, reps: int = 7) -> list[CurvePoint]:
+    """ms per verify forward of R new rows (a chain) after `kv` cached tokens, one sequence."""
+    from clover.runtime.torch_backend import ForwardGraph, TorchRunner, row_bucket
+
+    runner = TorchRunner(base, cuda_graphs=graphs)
+    V, rng = base.config.vocab_size, np.random.default_rng(0)
+    slot = runner.open_slot(kv + max(rows) + 2)
+    chunk = 256  # a long prompt in chunks: eager forwards of a bounded size
+    for start in range(0, kv, chunk):
+        n = min(chunk, kv - start)
+        ids = rng.integers(0, V, n)
+        runner.forward(ids, np.arange(n), np.tri(n, dtype=bool), last_only=True, slot=slot)
+        runner.commit(np.arange(n), ids, slot=slot)
+    points = []
+    for R in rows:
+        tokens, depths, mask = rng.integers(0, V, R), np.arange(R), np.tri(R, dtype=bool)
+        runner.forward(tokens, depths, mask, slot=slot)  # warm-up (and the graph's capture)
+        walls = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            runner.forward(tokens, depths, mask, slot=slot)
+            walls.append(time.perf_counter() - t0)
+        seq = slot.state
+        if not torch.cuda.is_available():
+            gpu = float("nan")
+        elif graphs and R <= runner.max_graph_rows:
+            graph: ForwardGraph = seq.graphs[row_bucket(R)]
+            gpu = time_ms(graph.graph.replay, reps, graph=False)
+        else:
+            keys, values = seq.cache
+            P = slot.past
+            args = (torch.as_tensor(tokens, device=base.lm_head.weight.device)[None],
+                    torch.as_tensor(P + depths, device=base.lm_head.weight.device)[None],
+                    torch.as_tensor(mask, device=base.lm_head.weight.device)[None],
+                    torch.tensor([P], device=base.lm_head.weight.device))
+            with torch.inference_mode():
+                gpu = time_ms(lambda: runner.base(*args, [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values]),  # noqa: B023
+                              reps, graph=False)
+        points.append(CurvePoint(R, round(1e3 * statistics.median(walls), 4), round(gpu, 4)))
+    runner.release(slot)
+    runner.close()
+    return points
+
+
+def curve_line(curves: dict[str, list[CurvePoint]]) -> str:
+    parts = []
+    for key, pts in curves.items():
+        one, top = pts[0], pts[-1]
+        parts.append(f"{key}: 1 row {one.runner_ms:.2f} ms, {top.rows} rows {top.runner_ms:.2f} ms "
+                     f"({top.runner_ms / one.runner_ms:.2f}x)")
+    return "; ".join(parts)
+
+
+# -- the step loop's host time ---------------------------------------------------------------------------------
+
+def gpu_busy_ms(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """(fn's result, wall ms, ms of GPU kernels) of one call, the kernels summed from torch's profiler (CUPTI)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:  # kernels only: CPU-op records would slow the loop
+        t0 = time.perf_counter()
+        out = fn()
+        sync()
+        wall = time.perf_counter() - t0
+    # kernels and copies on the device (one stream here, so they never overlap)
+    busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return out, 1e3 * wall, busy_us / 1e3
+
+
+def host_time(base: Decoder, heads, tokenizer, trees: Sequence[str], graphs: bool, tokens: int = 40) -> list[dict]:
+    """Per tree: the loop's ms per step (Generator, batch 1), the GPU's kernel time in it and the idle share."""
+    from clover.runtime.generator import Generator
+    from clover.runtime.tree import resolve_tree
+
+    spec, plain = runners(base, heads, "random:clover2:0", graphs)
+    prompt = prompts(base.config.vocab_size, 1, length=32, seed=1)[0]
+    out = []
+    for name in trees:
+        tree = resolve_tree(name)
+        gen = Generator(plain if tree.num_nodes == 1 else spec, tokenizer, None if tree.num_nodes == 1 else tree)
+        run = lambda: gen.generate(prompt, max_new_tokens=tokens, ignore_eos=True)  # noqa: E731, B023
+        gen.generate(prompt, max_new_tokens=8, ignore_eos=True)  # warm-up: graphs recorded, kernels compiled
+        sync()
+        t0 = time.perf_counter()
+        result = run()
+        sync()
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+        # The profiler slows every launch down, so it only counts the kernels' time; the wall time is the run above.
+        _, _, busy_ms = gpu_busy_ms(run) if torch.cuda.is_available() else (None, 0.0, float("nan"))
+        steps = max(result.steps, 1)
+        out.append({"tree": name, "nodes": tree.num_nodes, "graphs": graphs, "steps": result.steps,
+                    "step_ms": round(1e3 * float(np.mean(result.step_seconds)), 3),
+                    "gpu_busy_ms_per_step": round(busy_ms / steps, 3),
+                    "gpu_idle_fraction": round(max(0.0, 1 - busy_ms / wall_ms), 3),
+                    "tokens_per_step": round(result.tokens_per_step, 3),
+                    "phase_ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in result.timings.items()}})
+    return out
+
+
+def host_line(rows: list[dict]) -> str:
+    parts = []
+    for r in rows:
+        mode = "graphs" if r["graphs"] else "eager"
+        parts.append(f"{r['tree']} {mode} {r['step_ms']:.2f} ms/step, GPU idle {100 * r['gpu_idle_fraction']:.0f}%")
+    return "; ".join(parts)
+
+
+# -- projection from the CPU's acceptance ----------------------------------------------------------------------
+
+def cpu_acceptance(results: Path = RESULTS) -> list[dict]:
+    """Tokens per step (bonus included) the shipped Clover-2 heads reached on the CPU per fixed tree and draft
+    source, from clover-bench's JSON (fp32 SmolLM2, 16 prompts each of MT-Bench and code)."""
+    rows, seen = [], set()
+    for name in CPU_ACCEPTANCE:
+        doc = json.loads((results / name).read_text())
+        prompts_name = "code" if "code" in name else "mtbench"
+        for r in doc["results"]:
+            # heads' trees of a fixed shape (a dynamic tree's shape follows the heads' confidence, which random
+            # weights lack; lookup alone runs without heads)
+            key = (prompts_name, r["heads"], r["tree"])
+            if r["heads"].startswith("smollm2-clover2") and not r["tree"].startswith("dynamic") and key not in seen:
+                seen.add(key)
+                rows.append({"prompts": prompts_name, "drafts": r["heads"], "tree": r["tree"],
+                             "tokens_per_step": r["acceptance_length"], "cpu_speedup": r["speedup"], "source": name})
+    return rows
+
+
+def projection(step_ms: dict[tuple[str, bool], float], acceptance: list[dict]) -> list[dict]:
+    """Projected decode speedup per (tree, draft source, prompts): tokens per step on the CPU times the GPU's plain
+    step time over its step time for that tree (same loop, same shapes, random weights)."""
+    out = []
+    for a in acceptance:
+        for graphs in (False, True):
+            plain, tree = step_ms.get(("plain", graphs)), step_ms.get((a["tree"], graphs))
+            if plain is None or tree is None:
+                continue
+            out.append({**a, "graphs": graphs, "gpu_plain_step_ms": plain, "gpu_tree_step_ms": tree,
+                        "projected_speedup": round(a["tokens_per_step"] * plain / tree, 3)})
+    return out
+
+
+def projection_line(rows: list[dict]) -> str:
+    best = {}
+    for r in rows:
+        key = (r["prompts"], r["graphs"])
+        if key not in best or r["projected_speedup"] > best[key]["projected_speedup"]:
+            best[key] = r
+    return "; ".join(f"{p} {'graphs' if g else 'eager'}: {r['drafts']} {r['tree']} {r['projected_speedup']:.2f}x"
+                     for (p, g), r in sorted(best.items()))
+
+
+# -- tree auto -------------------------------------------------------------------------------------------------
+
+def cpu_depth_rates(results: Path = RESULTS) -> dict[str, list[float]]:
+    """The shipped Clover-2 heads' replay on MT-Bench (CPU, fp32 SmolLM2): per depth, how often the base's token
+    is the heads' top-1 and within their top-3, the prefix being the base's own tokens (so: given the parent
+    was accepted)."""
+    doc = json.loads((results / CPU_ACCEPTANCE[0]).read_text())
+    replay = doc["replay"]["smollm2-clover2"]["ort"]
+    return {"top1": replay["top1"], "top3": replay["top3"]}
+
+
+def tree_auto(base: Decoder, heads, tokenizer, graphs: bool, top1: Sequence[float], top3: Sequence[float]) -> dict:
+    """The verify-cost curve `tree="auto"` calibrates on this runner at start-up, and the level its policy rates
+    best (expected tokens over verify and drafting time) for a sequence whose per-depth acceptance is the shipped
+    heads' on the CPU: rank 0 accepted at top1[d], ranks 1 and 2 at half of top3[d] - top1[d] each, others never."""
+    from clover.runtime.engine import Engine
+    from clover.runtime.scheduler import AutoTrees
+
+    spec, _ = runners(base, heads, "random:clover2:0", graphs)
+    with Engine(spec, tokenizer, tree="auto", max_batch=1, log=None) as engine:
+        policy: AutoTrees = engine.policy
+        rows_ms = policy.cost.to_dict()["rows_ms"]
+        q = np.zeros(policy.engine.hits.shape)
+        q[0] = 1.0
+        for d in range(1, q.shape[0]):
+            i = min(d - 1, len(top1) - 1)
+            q[d, 0] = top1[i]
+            q[d, 1:3] = (top3[i] - top1[i]) / 2
+        expected = policy.expected_tokens(q)
+        nodes = np.array([t.num_nodes for t in policy.levels])
+        cost = np.array([policy.cost.curve(int(n)) for n in nodes]) + np.maximum.accumulate(policy.draft_ms)
+        level = int(np.argmax(expected / cost))
+    return {"rows_ms": rows_ms, "levels": [t.name for t in policy.levels], "nodes": nodes.tolist(),
+            "expected_tokens": np.round(expected, 3).tolist(), "step_ms": np.round(cost, 3).tolist(),
+            "picked_level": level, "picked_tree": policy.levels[level].name, "picked_nodes": int(nodes[level]),
+            "top1": list(top1), "top3": list(top3)}
