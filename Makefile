@@ -9,7 +9,7 @@ ifeq ($(PYTHON),$(VENV)/bin/python)
 ENV = $(VENV)/bin/python
 endif
 
-.PHONY: install demo serve test test-fast test-gpu gpu-check gpu-wheels bench peers train-data
+.PHONY: install demo serve test test-fast test-isa test-gpu gpu-check gpu-wheels bench peers train-data
 
 $(VENV)/bin/python:
 	$(BOOTSTRAP) -m venv $(VENV)
@@ -35,6 +35,20 @@ test: install
 
 test-fast: install
 	$(PYTHON) -m pytest -q -m "not slow"
+
+# The numerics-sensitive tests once per CPU kernel family this machine can emulate, so a tolerance that holds only on
+# this CPU's kernels fails here rather than on another machine (tests/numerics.py): ATen's vector kernels, oneDNN and
+# MKL capped at AVX2, at AVX-512, and ATen's scalar kernels with oneDNN and MKL at SSE4. ONNX Runtime has no such
+# switch (MLAS picks its kernels from cpuid at load), so its AVX2 / AVX-512 / AMX paths differ only across machines.
+ISA_SETTINGS = "ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2" \
+               "ATEN_CPU_CAPABILITY=avx512 ONEDNN_MAX_CPU_ISA=AVX512_CORE MKL_ENABLE_INSTRUCTIONS=AVX512" \
+               "ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 MKL_ENABLE_INSTRUCTIONS=SSE4_2"
+NUMERICS_TESTS = tests/models tests/plugins/test_tree_attention.py tests/runtime/test_runners.py \
+                 tests/runtime/test_ort_backend.py tests/runtime/test_loop.py tests/runtime/test_engine.py \
+                 tests/export/test_fused_graph.py tests/export/test_plugin_graph.py tests/export/test_draft_quant.py \
+                 tests/train/test_teacher_forced.py tests/train/test_features.py tests/train/test_corpus.py
+test-isa: install
+	@for s in $(ISA_SETTINGS); do echo "make test-isa: $$s"; env $$s $(PYTHON) -m pytest -q -m "not slow" $(NUMERICS_TESTS) || exit 1; done
 
 # The GPU-marked tests (they skip without CUDA), in the environment with the gpu extra (README, "TensorRT"):
 # make test-gpu PYTHON=.venv-gpu/bin/python

@@ -37,6 +37,7 @@ from clover.models.smollm2 import resolve_base
 from clover.runtime.generator import Generator
 from clover.tools.bench import load_prompts
 from clover.tools.demo import SHIPPED_CORPUS, cached_artifact
+from clover.tools.machine import host
 from clover.train.corpus import Corpus
 from clover.train.data import load_conversations
 from clover.train.objectives import RECIPES, Vocab, distill_loss, mixed_precision
@@ -292,7 +293,7 @@ def main() -> None:
     base32 = load_base(resolve_base("smollm2"), "float32").eval().requires_grad_(False)
     lm_bf16 = base32.lm_head.weight.detach().to(torch.bfloat16)
     shipped = make_arm("shipped", base32)
-    doc = {"corpora": {c.name: {"path": str(c), "training_answer_tokens": int(sum(d["loss_mask"].sum() for d in data[c]))}
+    doc = {"host": host(), "corpora": {c.name: {"path": str(c), "training_answer_tokens": int(sum(d["loss_mask"].sum() for d in data[c]))}
                        for c in corpora}, "aux_layers": AUX_LAYERS,
            "depths": DEPTHS, "shipped": {name: evaluate(shipped, v, base32, lm_bf16) for name, v in evals.items()},
            "shipped_by_base_probability": {name: by_confidence(shipped, v, lm_bf16) for name, v in evals.items()},

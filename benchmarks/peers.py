@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from clover import atomic
-from clover.tools.machine import Bandwidth, bandwidth_limit, measure_bandwidth
+from clover.tools.machine import Bandwidth, bandwidth_limit, cpu_info, measure_bandwidth
 
 HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "peer_workers"
@@ -632,7 +632,7 @@ def proc_field(path: str, key: str) -> str:
 
 
 def machine_info() -> dict:
-    return {"cpu": proc_field("/proc/cpuinfo", "model name"), "cores": os.cpu_count(),
+    return {"cpu": proc_field("/proc/cpuinfo", "model name"), "isa": cpu_info()["isa"], "cores": os.cpu_count(),
             "memory": proc_field("/proc/meminfo", "MemTotal"), "platform": platform.platform(),
             "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}

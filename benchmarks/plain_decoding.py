@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from clover.tools.machine import host
+
 PROMPTS = [
     "What is the capital of France? Answer in one paragraph.",
     "Write a short poem about the sea.",
@@ -90,7 +92,7 @@ def main() -> None:
     print(f"clover / transformers speed ratio: {ratio:.2f}x; identical token ids: {same}/{len(runs)}")
     for m in mismatches:
         print(f"  outputs diverge at token {m['index']}: transformers' top-2 logit margin there {m['top2_margin']:.2e}")
-    doc = {"benchmark": "plain_decoding", "base": args.base, "new_tokens": N, "generations": len(runs),
+    doc = {"host": host(), "benchmark": "plain_decoding", "base": args.base, "new_tokens": N, "generations": len(runs),
            "threads": torch.get_num_threads(), "dtype": "float32", "results": rows, "speed_ratio": ratio,
            "identical_outputs": same, "mismatches": mismatches, "torch": torch.__version__, "transformers": transformers.__version__,
            "machine": platform.machine(), "python": platform.python_version()}

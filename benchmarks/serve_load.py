@@ -37,6 +37,7 @@ import numpy as np
 
 from clover import atomic
 from clover.tools.serve import free_port, wait_healthy
+from clover.tools.machine import host
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "clover"
@@ -186,7 +187,7 @@ def load(args: argparse.Namespace, artifact: Path) -> int:
                       f"{HTTP_TARGET:.0%}")
     if any(r["server"]["errors"] for r in rows):
         failed.append("errors under load")
-    doc = {"artifact": str(artifact), "threads": args.threads, "max_batch": args.max_batch, "seconds": args.seconds,
+    doc = {"host": host(), "artifact": str(artifact), "threads": args.threads, "max_batch": args.max_batch, "seconds": args.seconds,
            "rounds": args.rounds, "max_tokens": args.max_tokens, "tree": "auto", "results": rows,
            "targets": {"http_vs_engine_at_8": HTTP_TARGET, "failed": failed}}
     write(RESULTS / "serve_load.json", doc)
@@ -319,7 +320,7 @@ def soak(args: argparse.Namespace, artifact: Path) -> int:
         failed.append(f"slots not freed: running {running}, waiting {waiting}")
     if code != 0:
         failed.append(f"clover-serve exited {code} on SIGTERM")
-    doc = {"artifact": str(artifact), "minutes": args.soak_minutes, "workers": 8, "requests": counts["requests"],
+    doc = {"host": host(), "artifact": str(artifact), "minutes": args.soak_minutes, "workers": 8, "requests": counts["requests"],
            "disconnects": counts["disconnects"], "statuses": statuses, "rss_kb_after_1_min": rss["start"],
            "rss_kb_end": end_kb, "rss_growth": round(growth, 4), "running_at_end": running, "waiting_at_end": waiting,
            "exit_code": code, "rss_samples": rss["samples"], "targets": {"failed": failed}}

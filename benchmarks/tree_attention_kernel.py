@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from clover.tools.gpu_profile import KERNEL_TOL as TOL, kernel_inputs, sdpa_dense, time_ms
+from clover.tools.machine import host
 
 MODELS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}  # name -> (Hq, Hkv, D)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['model']:<6}{r['dtype']:<6}{r['new_tokens']:>4}{r['past']:>6}{r['triton_us']:>11.1f}"
               f"{r['portable_us']:>13.1f}{r['speedup']:>8.2f}x{r['max_abs_err_triton']:>12.1e}"
               f"{r['max_abs_err_portable']:>14.1e}{flag}")
-    doc = {"benchmark": "tree_attention_kernel", "device": device, "timing": timing, "iters": iters,
+    doc = {"host": host(), "benchmark": "tree_attention_kernel", "device": device, "timing": timing, "iters": iters,
            "batch": 1, "results": rows, "all_correct": all(r["correct"] for r in rows),
            "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
            "machine": platform.machine(), "python": platform.python_version()}

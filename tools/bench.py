@@ -27,6 +27,7 @@ import numpy as np
 from clover import atomic
 from clover.errors import CloverError
 from clover.tools.cli import run_cli
+from clover.tools.machine import host
 
 if TYPE_CHECKING:
     from clover.runtime.generator import Generator
@@ -245,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     held_out = held_out_accuracy(args, configs)
     replayed = {} if args.no_replay else replay_accuracy(args, configs, prompts, outputs, plain_of)
     print_held_out(held_out, summaries, replayed)
-    doc = {"base": args.base, "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+    doc = {"host": host(), "base": args.base, "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
            "dtype": args.dtype, "chat": not args.no_chat, "threads": args.threads, "seconds": round(time.time() - started, 1),
            "ort_placement": ort_placement(configs),
            "note": "acceptance_length = tokens emitted per verify step, bonus token included; speedup = tokens/s over "

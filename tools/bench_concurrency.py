@@ -25,6 +25,7 @@ import numpy as np
 from clover import atomic
 from clover.errors import CloverError
 from clover.tools.bench import first_difference, ort_placement
+from clover.tools.machine import host
 
 BANDWIDTH_GBS = 27.0  # this workplace's measured memory read bandwidth (README)
 CONTROL = "plain-2"  # --control: a second plain engine (A/A)
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
     print_table(rows, bound, wb)
     auto_policy = engines[AUTO].policy
     doc = {
-        "backend": backend, "source": str(source), "prompts": args.prompts, "num_prompts": len(prompts),
+        "host": host(), "backend": backend, "source": str(source), "prompts": args.prompts, "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "max_batch": max_batch, "threads": args.threads, "chat": chat,
         "ort_placement": ort_placement([(backend, "none", solo)]),
         "weight_bytes": wb, "batch1_bandwidth_bound_tokens_per_second": round(bound, 1) if bound else None,

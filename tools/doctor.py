@@ -29,7 +29,6 @@ import copy
 import ctypes
 import datetime
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -667,15 +666,10 @@ GPU_CHECKS: tuple[tuple[str, Callable[[Probe], str]], ...] = (
 
 
 def machine() -> dict[str, Any]:
-    """The hardware and software behind a report."""
-    from clover.tools.machine import cpu_info
+    """The hardware and software behind a report: tools.machine.host(), and the GPU."""
+    from clover.tools.machine import host
 
-    out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform(), "cpu": cpu_info()}
-    for name in ("torch", "triton", "onnxruntime", "numpy"):
-        try:
-            out[name] = __import__(name).__version__
-        except ImportError:
-            out[name] = None
+    out = host()
     try:
         import torch
 

@@ -45,6 +45,21 @@ def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
             "cores": os.cpu_count(), "isa": [name for flag, name in ISA_FLAGS.items() if flag in flags]}
 
 
+def host() -> dict[str, Any]:
+    """What results record beside themselves: the CPU (model, cores, vector ISA), the OS and Python, and the versions
+    of the numeric libraries whose kernels produced them (None where not installed)."""
+    import importlib
+    import platform
+
+    out: dict[str, Any] = {"cpu": cpu_info(), "platform": platform.platform(), "python": platform.python_version()}
+    for name in ("numpy", "torch", "onnxruntime", "triton"):
+        try:
+            out[name] = importlib.import_module(name).__version__
+        except ImportError:
+            out[name] = None
+    return out
+
+
 @dataclass(frozen=True)
 class Bandwidth:
     """Read bandwidth of summing a float32 array (GB/s = 1e9 bytes/s), by the number of parallel readers."""

@@ -16,6 +16,7 @@ from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
 from helpers import assert_identical, run_tokens
 from ort_helpers import PROMPTS, tiny_artifact, tiny_modules
+from numerics import assert_close_paths
 
 N = 40
 TREES = {"medusa": "chain-4", "clover": "chain-3", "clover2": "mc26"}
@@ -122,4 +123,4 @@ def test_fold_transposed_weights_keeps_the_function():
     assert [n.op_type for n in model.graph.node] == ["MatMul"]
     onnx.checker.check_model(model)
     y = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    np.testing.assert_allclose(y, x @ w.T, rtol=1e-6)
+    assert_close_paths(y, x @ w.T, reduction=3)  # ONNX Runtime's MatMul against numpy's
