@@ -31,19 +31,20 @@ from clover.errors import CloverError
 from clover.runtime.backend import Runner
 from clover.runtime.cost import verify_cost
 from clover.runtime.generator import (
-    GenerationResult, Progress, check_prompt_fits, choose_tree, drafts_label, encode_prompt, load_backend,
-    lookup_length, with_cost,
+    GenerationResult, Progress, check_prompt_fits, check_token_ids, choose_tree, drafts_label, encode_prompt,
+    load_backend, lookup_length, with_cost,
 )
 from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.scheduler import (
-    AutoTrees, Cancelled, FixedTrees, QueueFull, Request, Scheduler, StreamDelta, check_max_batch, kv_plan,
+    AutoTrees, Cancelled, EngineUnavailable, FixedTrees, QueueFull, Request, Scheduler, StreamDelta, check_max_batch,
+    kv_plan,
 )
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import Tree, default_tree
 
-__all__ = ["Engine", "EngineStream", "QueueFull", "Cancelled", "StreamDelta"]
+__all__ = ["Engine", "EngineStream", "QueueFull", "Cancelled", "EngineUnavailable", "StreamDelta"]
 
 
 class EngineStream:
@@ -65,7 +66,10 @@ class EngineStream:
             self._ready.notify_all()
             loop, event = self._loop, self._event
         if loop is not None:
-            loop.call_soon_threadsafe(event.set)
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the caller's event loop has closed: nobody reads this stream any more
+                self.cancel()
 
     def cancel(self) -> None:
         if self._request is not None:
@@ -164,7 +168,8 @@ class Engine:
             self.tree = with_cost(runner, choose_tree(runner.info, tree, drafts))
             self.policy = FixedTrees()
             self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts)
-        self.error: BaseException | None = None  # what stopped the loop, if anything did
+        self.error: BaseException | None = None  # the last step's failure, or what stopped the loop
+        self.log = log
         self.step_sequences = 0  # sequences in the last forward (prefill chunks included); 0 while idle
         if log is not None and runner.info.kv_bytes_per_token:
             print(kv_plan(max_batch, runner.info.max_context, runner.info.kv_bytes_per_token), file=log)
@@ -193,32 +198,59 @@ class Engine:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def close(self, drain: bool = False) -> None:
+    def close(self, drain: bool = False, timeout: float | None = 60.0) -> None:
         """Stop the loop (idempotent). drain: finish the running and waiting requests first; otherwise they
-        end with Cancelled."""
+        end with Cancelled. timeout: seconds to wait for the step under way (None: as long as it takes); a loop
+        still busy after it is left to end on its own, and the runner stays open for it."""
         with self.scheduler.lock:
             self._stopping = True
+            if self.scheduler.refusing is None:
+                self.scheduler.refusing = EngineUnavailable("the engine is closed: load a new one")
             if not drain:
                 for r in [*self.scheduler.waiting, *self.scheduler.running]:
                     r.cancelled.set()
             self.scheduler.lock.notify_all()
-        self._thread.join()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._say(f"close: the engine's step did not end within {timeout} s; leaving it to finish")
+            return
         self.runner.close()
+
+    @property
+    def alive(self) -> bool:
+        """The loop runs and takes requests (False once closed, or once the loop died on an error)."""
+        return self._thread.is_alive() and self.scheduler.refusing is None
+
+    def _say(self, message: str) -> None:
+        if self.log is not None:
+            print(f"clover.Engine: {message}", file=self.log, flush=True)
 
     @property
     def max_batch(self) -> int:
         return self.scheduler.max_batch
 
     # -- requests ---------------------------------------------------------------------------------
-    def stream(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int = 128,
+    def stream(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int | None = 128,
                sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
                ignore_eos: bool = False) -> EngineStream:
-        """Submit a request; its output arrives through the returned stream. Raises CloverError at once for
-        bad input (an over-long prompt, bad sampling values) and QueueFull when the queue is full."""
+        """Submit a request; its output arrives through the returned stream. Everything it carries is checked
+        here, in the caller's thread, so a bad request fails alone: CloverError at once for bad input (a token id
+        outside the vocabulary, a prompt that fills the context, prompt + max_new_tokens past the context, bad
+        sampling values), QueueFull when the queue is full, EngineUnavailable once the engine is closed or its loop
+        has died. max_new_tokens None: up to the end of the context."""
         if not isinstance(sampling, SamplingParams):
             raise CloverError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        info = self.runner.info
         ids = encode_prompt(self.tokenizer, prompt, chat)
-        check_prompt_fits(ids, self.runner.info.max_context)
+        check_token_ids(ids, info.vocab_size)
+        check_prompt_fits(ids, info.max_context)
+        room = info.max_context - len(ids)
+        if max_new_tokens is None:
+            max_new_tokens = room
+        elif isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens > room:
+            raise CloverError(f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: together they "
+                              f"exceed the model's context of {info.max_context} tokens; ask for at most {room}",
+                              param="max_new_tokens")
         conditions = StopConditions(max_new_tokens=max_new_tokens,
                                     eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
                                     stop_strings=tuple(stop))
@@ -226,12 +258,10 @@ class Engine:
         request = Request(np.array(ids, dtype=np.int64), conditions, sampling, OutputTracker(self.tokenizer, conditions),
                           out._deliver, Progress(len(ids)))
         out._request = request
-        if self._stopping or not self._thread.is_alive():
-            raise CloverError("the engine is closed: load a new one")
-        self.scheduler.submit(request)
+        self.scheduler.submit(request)  # raises EngineUnavailable once closed or dead (under the scheduler's lock)
         return out
 
-    def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int = 128,
+    def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int | None = 128,
                  sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
                  ignore_eos: bool = False) -> GenerationResult:
         """Submit a request and wait for its result."""
@@ -248,6 +278,12 @@ class Engine:
 
     # -- the loop (engine thread) -------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # the loop itself broke: nothing will serve the pending requests again
+            self._die(e)
+
+    def _serve(self) -> None:
         sched = self.scheduler
         while True:
             with sched.lock:
@@ -258,8 +294,21 @@ class Engine:
                     return
             try:
                 self._iteration()
-            except BaseException as e:  # a failed step fails the requests in it; the engine keeps serving
+            except Exception as e:  # a failed step fails the requests in it; the engine keeps serving
                 self._fail_running(e)
+
+    def _die(self, error: BaseException) -> None:
+        """Every waiting and running request ends with an error now, and new ones are refused."""
+        self.error = error
+        self._say(f"the loop stopped: {error!r}")
+        failure = EngineUnavailable(f"the engine stopped ({type(error).__name__}): restart the service")
+        with self.scheduler.lock:
+            self.scheduler.refusing = failure
+            pending = [*self.scheduler.waiting, *self.scheduler.running]
+            self.scheduler.waiting.clear()
+            self.scheduler.running.clear()
+        for r in pending:
+            r.deliver(failure)
 
     def _iteration(self) -> None:
         sched, runner = self.scheduler, self.runner
@@ -307,7 +356,11 @@ class Engine:
         r.deliver(end)
 
     def _fail_running(self, error: BaseException) -> None:
+        """The requests in a failed step end with the error. An internal one reaches callers as its type only (its
+        message can carry a backend's internals and paths); the engine's log has it whole."""
         self.error = error
-        failure = error if isinstance(error, CloverError) else CloverError(f"the engine's step failed: {error!r}")
+        self._say(f"a step failed: {error!r}")
+        failure = error if isinstance(error, CloverError) else CloverError(
+            f"the engine's step failed ({type(error).__name__}); the server log has the details")
         for r in list(self.scheduler.running):
             self._retire(r, failure)

@@ -119,7 +119,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[
             raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file", param="prompt")
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}]) if chat else tokenizer.encode(prompt)
     else:
-        ids = [int(t) for t in prompt]
+        ids = list(prompt)  # checked by check_token_ids: a float or a wrapped negative id is not a token
     if not ids:
         raise CloverError("the prompt is empty: pass some text with --prompt or --prompt-file", param="prompt")
     return ids
@@ -128,6 +128,14 @@ def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[
 def drafts_label(drafts: str, info: RunnerInfo) -> str:
     """What drafted, for results and reports: lookup, the heads' name, or NAME+lookup."""
     return "lookup" if drafts == "lookup" else info.heads_name + (LOOKUP_SUFFIX if drafts == "heads+lookup" else "")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """Every id an int in [0, vocab_size): anything else would index outside the embedding table (or wrap)."""
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+            raise CloverError(f"token id {t!r} at position {i} of the prompt is not in the vocabulary: ids are ints "
+                              f"from 0 to {vocab_size - 1}", param="prompt")
 
 
 def check_prompt_fits(ids: Sequence[int], context: int) -> None:
@@ -242,6 +250,7 @@ class Generator:
                ignore_eos: bool = False) -> "GenerationStream":
         """An iterator of text deltas; its `.result` is set once it is exhausted."""
         ids = self.encode_prompt(prompt, chat)
+        check_token_ids(ids, self.runner.info.vocab_size)
         check_prompt_fits(ids, self.runner.info.max_context)
         conditions = StopConditions(max_new_tokens=max_new_tokens,
                                     eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,

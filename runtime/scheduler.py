@@ -32,6 +32,10 @@ class Cancelled(CloverError):
     """The request was cancelled before it finished."""
 
 
+class EngineUnavailable(CloverError):
+    """The engine takes no more requests: it was closed, or its loop stopped on an error (a server answers 503)."""
+
+
 @dataclass(frozen=True)
 class StreamDelta:
     """What one step added to a request's output: text that can no longer change, and the new token ids."""
@@ -72,9 +76,12 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.lock = threading.Condition()
+        self.refusing: EngineUnavailable | None = None  # set once the engine closes or dies: every submit raises it
 
     def submit(self, request: Request) -> None:
         with self.lock:
+            if self.refusing is not None:
+                raise self.refusing
             if len(self.waiting) >= self.max_waiting:
                 raise QueueFull(f"the engine's queue is full ({self.max_waiting} requests waiting, {len(self.running)} "
                                 "running): retry later, or raise max_waiting / max_batch")

@@ -1,12 +1,14 @@
 """The OpenAI-compatible ASGI app over one `clover.Engine` (FastAPI; no model code, no torch).
 
     POST /v1/chat/completions, POST /v1/completions   (stream: server-sent events ending with `data: [DONE]`)
-    GET  /v1/models, GET /health (200 once warmed up, else 503), GET /metrics (Prometheus text)
+    GET  /v1/models, GET /health (200 "ok" once warmed up; 503 "warming up", or "dead" once the engine's loop has
+    stopped), GET /metrics (Prometheus text)
 
 Every error is OpenAI's error shape ({"error": {"message", "type", "param", "code"}}) with its status: 400 for a
-malformed body, a bad field or a prompt longer than the context; 401 for a missing or wrong API key; 404 for an
-unknown model; 503 with Retry-After when the engine's queue is full or it is still warming up. A client that
-disconnects cancels its request, which frees its slot at the engine's next step.
+malformed body, a bad field, a token id outside the vocabulary, a prompt longer than the context or prompt +
+max_tokens past it (checked before the request reaches the engine, so it fails alone); 401 for a missing or wrong
+API key; 404 for an unknown model; 503 with Retry-After when the engine's queue is full, it is still warming up,
+or it has stopped. A client that disconnects cancels its request, which frees its slot at the engine's next step.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover.errors import CloverError
-from clover.runtime.engine import Cancelled, Engine, EngineStream, QueueFull
+from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
 from clover.runtime.generator import GenerationResult
 from clover.runtime.sampling import SamplingParams
 from clover.serve.metrics import Metrics
@@ -81,8 +83,16 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
         task = None
         if warmup:
             async def warm() -> None:
-                await engine.agenerate(WARMUP_PROMPT, max_new_tokens=2)
-                app.state.ready = True
+                while True:  # a warm-up that failed (in a step with a failing request) is tried again
+                    try:
+                        await engine.agenerate(WARMUP_PROMPT, max_new_tokens=2)
+                    except EngineUnavailable:
+                        return
+                    except CloverError:
+                        await asyncio.sleep(RETRY_AFTER_S)
+                        continue
+                    app.state.ready = True
+                    return
 
             task = asyncio.create_task(warm())
         yield
@@ -116,8 +126,9 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
     # -- routes -----------------------------------------------------------------------------------------
     @app.get("/health")
     async def health(request: Request) -> Response:
-        ready = request.app.state.ready and engine.error is None
-        return JSONResponse({"status": "ok" if ready else "warming up"}, status_code=200 if ready else 503)
+        # the engine's real state: a request that failed its step says nothing about the next ones
+        status = "dead" if not engine.alive else "ok" if request.app.state.ready else "warming up"
+        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
@@ -147,10 +158,14 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-            return engine.stream(prompt, max_new_tokens=body.token_limit() or context, sampling=sampling,
+            # no max_tokens: up to the end of the context; more than the context leaves room for: 400
+            return engine.stream(prompt, max_new_tokens=body.token_limit(), sampling=sampling,
                                  stop=body.stop_strings(), ignore_eos=body.ignore_eos)
         except QueueFull as e:
             raise ApiError(503, f"the server is busy ({e}): retry later", "service_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineUnavailable as e:
+            raise ApiError(503, f"the server cannot take requests: {e}", "service_unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except CloverError as e:
             raise ApiError(400, str(e), param=request_param(e.param, body)) from None
@@ -169,6 +184,8 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
                     return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         except Cancelled:
             return Response(status_code=499)
+        except EngineUnavailable as e:  # the engine's loop stopped under this request
+            raise ApiError(503, str(e), "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except CloverError as e:  # the engine failed this request's step
             raise ApiError(500, str(e), "server_error") from None
         result = out.result

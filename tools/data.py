@@ -154,7 +154,8 @@ def grow(corpus, engine, order: list[tuple[int, int, int]], prompt_ids: Callable
 
     def answer(position: int, ids: list[int]) -> Conversation:
         index, turn, sample = order[position]
-        r = engine.generate(ids, max_new_tokens=max_new_tokens, sampling=sampling(position, sample))
+        room = engine.runner.info.max_context - len(ids)  # a long prompt gets what the context leaves
+        r = engine.generate(ids, max_new_tokens=min(max_new_tokens, room), sampling=sampling(position, sample))
         return Conversation(index, ids, r.token_ids, r.finish_reason, turn, sample)
 
     def write(end: int) -> None:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from clover.errors import CloverError
-from clover.runtime.engine import Cancelled, Engine, QueueFull
+from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.sampling import SamplingParams
@@ -198,6 +198,109 @@ def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(artifacts):
         for s in streams:
             s.wait()
         assert engine.generate(PROMPTS[0], max_new_tokens=3, ignore_eos=True).new_tokens == 3
+
+
+def test_bad_token_ids_and_lengths_fail_alone_in_the_callers_thread(artifacts):
+    """Checked before the engine sees them: ids outside [0, V), non-int ids, prompt + max_new_tokens past the
+    context. A request decoding meanwhile emits its solo tokens; None asks for the rest of the context."""
+    path = artifacts["clover2"]
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    want = solo_plain(load_runner(path, heads="none"), tok)[1]
+    with Engine(load_runner(path), tok, "chain-2", max_batch=2, log=None) as engine:
+        V, context = engine.runner.info.vocab_size, engine.runner.info.max_context
+        canary = engine.stream(PROMPTS[1], max_new_tokens=BUDGETS[1], ignore_eos=True)
+        for ids in ([1, 2, V], [-1, 3], [2**63], [1, 2.5], [True, 3], [99999999]):
+            with pytest.raises(CloverError, match="not in the vocabulary") as e:
+                engine.stream(ids, max_new_tokens=4)
+            assert e.value.param == "prompt"
+        with pytest.raises(CloverError, match="exceed the model's context") as e:
+            engine.stream(PROMPTS[0], max_new_tokens=10**30)
+        assert e.value.param == "max_new_tokens" and f"at most {context - len(PROMPTS[0])}" in str(e.value)
+        assert_identical(canary.wait().token_ids, want, "a request decoding beside the bad ones")
+        rest = engine.generate(PROMPTS[0], max_new_tokens=None, ignore_eos=True)
+        assert rest.finish_reason == "length" and rest.prompt_tokens + rest.new_tokens == context
+        assert engine.alive
+
+
+def test_a_failed_step_fails_its_requests_alone_and_says_no_internals(artifacts):
+    """A step that raises ends the requests in it with a message naming only the error's type; the engine keeps
+    serving, and the next request emits its solo tokens."""
+    path = artifacts["clover2"]
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    want = solo_plain(load_runner(path, heads="none"), tok)[2]
+    with Engine(load_runner(path), tok, "chain-2", max_batch=2, log=None) as engine:
+        forward_batch, calls = engine.runner.forward_batch, []
+
+        def broken_once(batch):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("/secret/path node_embedding Gather index out of bounds")
+            return forward_batch(batch)
+
+        engine.runner.forward_batch = broken_once
+        with pytest.raises(CloverError) as e:
+            engine.generate(PROMPTS[0], max_new_tokens=4)
+        assert "RuntimeError" in str(e.value) and "/secret" not in str(e.value) and "Gather" not in str(e.value)
+        assert engine.alive
+        assert_identical(engine.generate(PROMPTS[2], max_new_tokens=BUDGETS[2], ignore_eos=True).token_ids, want,
+                         "after a failed step")
+
+
+def test_a_dead_loop_fails_every_caller_at_once_and_refuses_new_ones(artifacts):
+    """If the loop itself dies, the running and the waiting requests get EngineUnavailable within a second (no
+    caller hangs), new requests are refused with it, and close() returns."""
+    path = artifacts["clover2"]
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    engine = Engine(load_runner(path), tok, "chain-2", max_batch=1, log=None)
+    gate = threading.Event()
+
+    def dying():
+        gate.wait(5)
+        raise SystemExit("the loop breaks")  # not an Exception: _serve does not catch it
+
+    engine._iteration = dying
+    streams = [engine.stream(p, max_new_tokens=8) for p in PROMPTS[:3]]  # one running, two waiting
+    gate.set()
+    errors = []
+
+    def read(s):
+        try:
+            s.wait()
+        except EngineUnavailable as e:
+            errors.append(e)
+
+    readers = [threading.Thread(target=read, args=(s,)) for s in streams]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join(timeout=1.0)
+    assert not any(r.is_alive() for r in readers) and len(errors) == 3, errors
+    assert not engine.alive and isinstance(engine.error, SystemExit)
+    with pytest.raises(EngineUnavailable, match="stopped"):
+        engine.stream(PROMPTS[0], max_new_tokens=2)
+    engine.close(timeout=5)
+    with pytest.raises(EngineUnavailable):
+        engine.stream(PROMPTS[0], max_new_tokens=2)
+
+
+def test_a_caller_whose_event_loop_closed_cancels_its_stream_instead_of_breaking_the_step():
+    stream = EngineStream()
+    loop = asyncio.new_event_loop()
+    stream._loop, stream._event = loop, asyncio.Event()
+    loop.close()
+    cancelled = threading.Event()
+    stream._request = type("R", (), {"cancelled": cancelled})()
+    stream._deliver(Cancelled("x"))  # would raise RuntimeError('Event loop is closed') inside the engine's step
+    assert cancelled.is_set()
+
+
+def test_closing_refuses_new_requests_under_the_schedulers_lock(artifacts):
+    path = artifacts["clover2"]
+    engine = Engine(load_runner(path), Tokenizer.from_dir(path / "tokenizer"), "chain-2", log=None)
+    engine.close()
+    assert not engine.alive
+    with pytest.raises(EngineUnavailable, match="closed"):
+        engine.generate(PROMPTS[0], max_new_tokens=2)
 
 
 def rss_bytes() -> int:

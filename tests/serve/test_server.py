@@ -150,6 +150,60 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, arti
     assert r.choices[0].message.content is not None
 
 
+def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(server, solo):
+    """The rows the trusted servers answer with 400 (vLLM, llama.cpp): token ids outside the vocabulary, negative,
+    past int64; max_tokens past the context. Each is refused before it reaches the engine, so a request streaming
+    meanwhile gets its solo text and /health stays 200."""
+    import threading
+
+    base = server.url
+    post = lambda body: httpx.post(base + "/completions", json=body, timeout=10)  # noqa: E731
+    got = {}
+
+    def canary():
+        stream = client(server).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[5]}], temperature=0, max_tokens=MAX_TOKENS,
+            stream=True)
+        got["text"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    t = threading.Thread(target=canary)
+    t.start()
+    for prompt in ([1, 2, 99999999], [-5, 3], [9223372036854775808], [1, 2, 96]):
+        r = post({"model": MODEL, "prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 400, (prompt, r.text)
+        err = r.json()["error"]
+        assert err["param"] == "prompt" and "vocabulary" in err["message"], r.text
+        assert "Gather" not in err["message"] and "node_" not in err["message"], r.text  # no backend internals
+    for limit in (10**6, 10**30, 1e30):  # past the context (the engine says so), past what a field holds (pydantic)
+        r = post({"model": MODEL, "prompt": "w10 w11", "max_tokens": limit})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        assert limit != 10**6 or "context" in r.json()["error"]["message"], r.text
+    t.join(timeout=60)
+    assert not t.is_alive() and got["text"] == solo(PROMPTS[5]).text
+    health = httpx.get(base.removesuffix("/v1") + "/health", timeout=5)
+    assert health.status_code == 200 and health.json() == {"status": "ok"}
+
+
+def test_health_says_dead_and_requests_get_503_once_the_engine_loop_died(artifact):
+    engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
+    s = Server(engine, MODEL)
+    try:
+        def dying():
+            raise SystemExit("the loop breaks")
+
+        engine._iteration = dying
+        r = httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 4}, timeout=10)
+        assert r.status_code == 503 and r.headers["retry-after"], r.text
+        assert "stopped" in r.json()["error"]["message"]
+        health = httpx.get(s.url.removesuffix("/v1") + "/health", timeout=5)
+        assert health.status_code == 503 and health.json() == {"status": "dead"}
+        r = httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 4}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable", r.text
+    finally:
+        s.close()
+        engine.close(timeout=5)
+
+
 def test_a_disconnected_stream_frees_its_slot(server):
     engine, base = server.engine, server.url.removesuffix("/v1")
     aborted = lambda: sum(float(line.split()[-1]) for line in httpx.get(base + "/metrics", timeout=5).text.splitlines()
