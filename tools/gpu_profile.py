@@ -117,7 +117,7 @@ def kernel_inputs(Hq: int, Hkv: int, D: int, mask: np.ndarray, P: int, dtype: to
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
     return dict(q=rnd(1, Hq, T, D), k=rnd(1, Hkv, T, D), v=rnd(1, Hkv, T, D), past_k=rnd(1, Hkv, P, D),
                 past_v=rnd(1, Hkv, P, D), past_lengths=torch.tensor([P], dtype=torch.int32, device=device),
-                packed_mask=pack_tree_mask(torch.from_numpy(mask)[None]).to(device), scale=D ** -0.5)
+                packed_mask=pack_tree_mask(torch.from_numpy(np.array(mask))[None]).to(device), scale=D ** -0.5)
 
 
 def sdpa_dense(inputs: dict) -> Callable[[], torch.Tensor]:
@@ -169,8 +169,10 @@ def time_ms(fn: Callable[[], Any], iters: int, graph: bool = True) -> float:
 
 
 def kernel_rows(device: str = "cuda", shapes: Sequence[str] = tuple(ATTENTION_SHAPES), trees: Sequence[str] = KERNEL_TREES,
-                pasts: Sequence[int] = CURVE_KV, iters: int = 30, timed: bool = True) -> list[dict]:
-    """The Triton kernel against the fp32 torch reference, and (timed) against SDPA with a dense mask."""
+                pasts: Sequence[int] = CURVE_KV, iters: int = 30, timed_past: int | None = max(CURVE_KV),
+                dtypes: Sequence[torch.dtype] = (torch.float16, torch.bfloat16)) -> list[dict]:
+    """The Triton kernel against the fp32 torch reference at every cache length, and at `timed_past` (None: none)
+    its time against SDPA with a dense mask."""
     from clover.plugins.tree_attention import tree_attention_reference
     from clover.plugins.triton_tree_attention import tree_attention_triton
     from clover.runtime.tree import resolve_tree
@@ -178,7 +180,7 @@ def kernel_rows(device: str = "cuda", shapes: Sequence[str] = tuple(ATTENTION_SH
     rows = []
     for shape in shapes:
         Hq, Hkv, D = ATTENTION_SHAPES[shape]
-        for dtype in (torch.float16, torch.bfloat16):
+        for dtype in dtypes:
             for name in trees:
                 tree = resolve_tree(name)
                 for P in pasts:
@@ -189,7 +191,7 @@ def kernel_rows(device: str = "cuda", shapes: Sequence[str] = tuple(ATTENTION_SH
                            "dtype": str(dtype).removeprefix("torch."), "tree": name, "new_tokens": tree.num_nodes,
                            "past": P, "max_abs_err": err, "tolerance": KERNEL_TOL[dtype],
                            "correct": bool(err <= KERNEL_TOL[dtype])}
-                    if timed:
+                    if P == timed_past:
                         triton_us = 1e3 * time_ms(lambda: tree_attention_triton(**x), iters)  # noqa: B023
                         sdpa_us = 1e3 * time_ms(sdpa_dense(x), iters)
                         row.update(triton_us=round(triton_us, 2), sdpa_dense_us=round(sdpa_us, 2),

@@ -6,6 +6,8 @@ token-identical to plain greedy decoding."""
 
 import dataclasses
 import json
+import os
+import subprocess
 import sys
 
 import numpy as np
@@ -114,6 +116,19 @@ def test_curve_host_time_projection_and_tree_auto_on_the_cpu(small):
     assert picked["levels"][0] == "plain" and 0 <= picked["picked_level"] < len(picked["levels"])
     assert picked["expected_tokens"][0] == 1.0 and picked["expected_tokens"] == sorted(picked["expected_tokens"])
     assert set(picked["rows_ms"]) >= {1, 2, 4}
+
+
+def test_kernel_rows_check_the_kernel_on_the_runtimes_trees():
+    """In a process of its own under TRITON_INTERPRET=1 (set before triton is imported); fp16 only (the
+    interpreter's bf16 dot is numpy's, which has no bf16)."""
+    code = ("import json, torch; from clover.tools import gpu_profile as gp; print(json.dumps(gp.kernel_rows("
+            "'cpu', ('135m',), ('plain', 'small'), (40,), timed_past=None, dtypes=(torch.float16,))))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [(r["tree"], r["new_tokens"], r["past"]) for r in rows] == [("plain", 1, 40), ("small", 10, 40)]
+    assert all(r["correct"] and r["max_abs_err"] <= r["tolerance"] and "speedup" not in r for r in rows), rows
 
 
 def test_cuda_graphs_need_a_cuda_device(small):
