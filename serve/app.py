@@ -30,6 +30,7 @@ from clover.errors import CloverError
 from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
 from clover.runtime.generator import GenerationResult
 from clover.runtime.sampling import SamplingParams
+from clover.serve.limits import RequestLimits
 from clover.serve.metrics import Metrics
 from clover.serve.schemas import (
     ChatCompletionRequest, CompletionRequest, Speculation, Usage, error_body, new_id, now,
@@ -71,9 +72,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else f"the request body is invalid: {msg}"), param
 
 
-def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: bool = True) -> FastAPI:
+def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: bool = True,
+               limits: RequestLimits = RequestLimits()) -> FastAPI:
     """The app serving `engine` as model `model`; with `api_key`, /v1 routes need `Authorization: Bearer KEY`.
-    warmup: /health turns 200 after one short request has run (False: at once)."""
+    warmup: /health turns 200 after one short request has run (False: at once). limits: what one request may ask."""
     metrics = Metrics(engine)
     context = engine.runner.info.max_context
 
@@ -157,6 +159,7 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
             raise ApiError(503, "the server is warming up: retry in a moment", "service_unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
+            limits.check(body.stop_strings(), body.ignore_eos)
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
             # no max_tokens: up to the end of the context; more than the context leaves room for: 400
             return engine.stream(prompt, max_new_tokens=body.token_limit(), sampling=sampling,

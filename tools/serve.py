@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="the model name clients send (default: the artifact folder's name; smollm2-clover2 with --demo)")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM / SIGINT, wait this long at most "
                    "for in-flight requests")
+    p.add_argument("--max-stop-strings", type=int, default=4, help="stop strings per request (default 4, as OpenAI)")
+    p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string (default 256)")
+    p.add_argument("--allow-ignore-eos", action="store_true", help="honour vLLM's ignore_eos extension (requests run to "
+                   "max_tokens past end-of-sequence; for load tests); off: such requests get 400")
     return p
 
 
@@ -118,12 +122,15 @@ def run(args: argparse.Namespace) -> int:
         raise CloverError(f"--port must be in 1..65535, got {args.port}")
     if args.drain_seconds < 0:
         raise CloverError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+    from clover.serve.limits import RequestLimits
+
+    limits = RequestLimits(args.max_stop_strings, args.max_stop_chars, args.allow_ignore_eos)  # before minutes of loading
     backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
     engine = Engine.load(args.artifact, backend=backend, tree=args.tree, max_batch=args.max_batch, threads=args.threads,
                          max_waiting=args.max_waiting, providers=args.providers)
     model = args.model or (DEMO_MODEL if args.demo else args.artifact.resolve().name)
     try:
-        app = create_app(engine, model, api_key=args.api_key or None)
+        app = create_app(engine, model, api_key=args.api_key or None, limits=limits)
         print(f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "
               f"{args.tree}{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
         serve(app, args.host, args.port, args.drain_seconds)

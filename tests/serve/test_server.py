@@ -184,6 +184,25 @@ def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
+def test_request_limits_stop_strings_and_ignore_eos(artifact):
+    from clover.serve.limits import RequestLimits
+
+    engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
+    s = Server(engine, MODEL, limits=RequestLimits(max_stop_strings=2, max_stop_chars=8))
+    post = lambda body: httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 4,  # noqa: E731
+                                                                 **body}, timeout=10)
+    try:
+        for body, words in (({"stop": ["w1", "w2", "w3"]}, "at most 2"), ({"stop": "w" * 9}, "at most 8"),
+                            ({"stop": ["w"] * 10_000}, "at most 2"), ({"ignore_eos": True}, "--allow-ignore-eos")):
+            r = post(body)
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+            assert r.json()["error"]["param"] == ("ignore_eos" if "ignore_eos" in body else "stop")
+        assert post({"stop": ["w1", "w" * 8]}).status_code == 200
+    finally:
+        s.close()
+        engine.close(timeout=5)
+
+
 def test_health_says_dead_and_requests_get_503_once_the_engine_loop_died(artifact):
     engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
     s = Server(engine, MODEL)
@@ -282,7 +301,7 @@ def test_api_key_and_a_full_queue(artifact):
 def test_clover_serve_drains_on_sigterm_and_exits_0(artifact):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "clover.tools.serve", "--artifact", str(artifact), "--port", str(port),
-                             "--max-batch", "2", "--tree", "plain", "--model", MODEL],
+                             "--max-batch", "2", "--tree", "plain", "--model", MODEL, "--allow-ignore-eos"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "CLOVER_API_KEY": ""})
     try:
         if not wait_healthy(port, 60):
