@@ -16,21 +16,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import secrets
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover.errors import CloverError
 from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
 from clover.runtime.generator import GenerationResult
 from clover.runtime.sampling import SamplingParams
-from clover.serve.limits import RequestLimits
+from clover.serve.limits import RequestGuard, RequestLimits
 from clover.serve.metrics import Metrics
 from clover.serve.schemas import (
     ChatCompletionRequest, CompletionRequest, Speculation, Usage, error_body, new_id, now,
@@ -102,6 +102,8 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
             task.cancel()
 
     app = FastAPI(title="clover-serve", lifespan=lifespan)
+    # the API key (/v1 routes) and the body's size are checked before the body is read
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -117,14 +119,6 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return _error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
 
-    async def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with the "
-                           "key clover-serve was started with", "authentication_error", code="invalid_api_key")
-
     # -- routes -----------------------------------------------------------------------------------------
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -136,17 +130,17 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
     async def metrics_text() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "clover-deploy",
                                             "max_model_len": context}]}
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
         return await _complete(request, body, messages, chat=True)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _complete(request, body, body.prompt_input(), chat=False)
 
@@ -174,7 +168,8 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
             raise ApiError(400, str(e), param=request_param(e.param, body)) from None
 
     async def _complete(request: Request, body, prompt: Any, chat: bool) -> Response:
-        out = submit(request, body, prompt)
+        # templating and tokenizing run in a worker thread: a huge prompt must not stall /health and every stream
+        out = await run_in_threadpool(submit, request, body, prompt)
         rid = new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             return StreamingResponse(_events(out, rid, body, chat), media_type="text/event-stream",

@@ -4,25 +4,32 @@ alone, with 400 and the field in OpenAI's `param`). The engine itself checks tok
 
 from __future__ import annotations
 
+import json
+import secrets
 from dataclasses import dataclass
 
 from clover.errors import CloverError
+from clover.serve.schemas import error_body
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """max_stop_strings / max_stop_chars: stop strings per request and characters per string (each is searched for
     in the output at every step, on the engine's thread, for every request: OpenAI allows 4). allow_ignore_eos:
-    honour vLLM's `ignore_eos` extension (it makes a request run to max_tokens; for load tests)."""
+    honour vLLM's `ignore_eos` extension (it makes a request run to max_tokens; for load tests). max_body_bytes: a
+    request body's size (RequestGuard: refused before it is read)."""
 
     max_stop_strings: int = 4
     max_stop_chars: int = 256
     allow_ignore_eos: bool = False
+    max_body_bytes: int = 2 * 2**20  # a request body's bytes (RequestGuard), checked before it is read
 
     def __post_init__(self) -> None:
         if self.max_stop_strings < 0 or self.max_stop_chars < 1:
             raise CloverError(f"stop-string limits must be >= 0 strings and >= 1 character, got {self.max_stop_strings} "
                               f"and {self.max_stop_chars}")
+        if self.max_body_bytes < 1024:
+            raise CloverError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
 
     def check(self, stop: tuple[str, ...], ignore_eos: bool) -> None:
         """CloverError (with its param) for a request over a limit."""
@@ -36,3 +43,60 @@ class RequestLimits:
         if ignore_eos and not self.allow_ignore_eos:
             raise CloverError("ignore_eos is off on this server (clover-serve --allow-ignore-eos turns it on)",
                               param="ignore_eos")
+
+
+class RequestGuard:
+    """Pure-ASGI middleware that refuses before any body is read: a /v1 request without the API key (401), and a body
+    over `max_body_bytes` (413), by its Content-Length or, for a chunked body, as the bytes arrive. FastAPI would
+    otherwise read and parse a whole body (an unauthenticated multi-GB POST included) before its dependencies run."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.key = None if api_key is None else f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.key is not None and scope["path"].startswith("/v1"):
+            if not secrets.compare_digest(headers.get(b"authorization", b""), self.key):
+                return await _refuse(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer "
+                                     "<key>' with the key clover-serve was started with", "authentication_error",
+                                     "invalid_api_key")
+        length = headers.get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            return await _refuse(send, 413, self._too_large(), "invalid_request_error", "request_too_large")
+        seen, refused = 0, False
+
+        async def counted():  # a chunked body: counted as it arrives; past the limit the app sees a disconnect
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body_bytes:
+                    refused = True
+                    await _refuse(send, 413, self._too_large(), "invalid_request_error", "request_too_large")
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def quiet_after_refusal(message) -> None:
+            if not refused:
+                await send(message)
+
+        try:
+            await self.app(scope, counted, quiet_after_refusal)
+        except Exception:
+            if not refused:  # the app's own failure; after a refusal, only the disconnect it was shown
+                raise
+
+    def _too_large(self) -> str:
+        return f"the request body is over {self.max_body_bytes} bytes (clover-serve --max-body-bytes)"
+
+
+async def _refuse(send, status: int, message: str, type_: str, code: str) -> None:
+    body = json.dumps(error_body(message, type_, None, code)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "for in-flight requests")
     p.add_argument("--max-stop-strings", type=int, default=4, help="stop strings per request (default 4, as OpenAI)")
     p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string (default 256)")
+    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20, help="largest request body, refused before it is "
+                   "read (default 2 MiB)")
     p.add_argument("--allow-ignore-eos", action="store_true", help="honour vLLM's ignore_eos extension (requests run to "
                    "max_tokens past end-of-sequence; for load tests); off: such requests get 400")
     return p
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         raise CloverError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     from clover.serve.limits import RequestLimits
 
-    limits = RequestLimits(args.max_stop_strings, args.max_stop_chars, args.allow_ignore_eos)  # before minutes of loading
+    limits = RequestLimits(args.max_stop_strings, args.max_stop_chars, args.allow_ignore_eos,
+                           args.max_body_bytes)  # checked before minutes of loading
     backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
     engine = Engine.load(args.artifact, backend=backend, tree=args.tree, max_batch=args.max_batch, threads=args.threads,
                          max_waiting=args.max_waiting, providers=args.providers)

@@ -203,6 +203,39 @@ def test_request_limits_stop_strings_and_ignore_eos(artifact):
         engine.close(timeout=5)
 
 
+def test_key_and_body_size_are_refused_before_the_body_is_read(artifact):
+    """A 50 MB body without the key: 401 from the headers alone; with the key, 413 by its Content-Length; a chunked
+    body is cut off at the limit; deep JSON within the limit is a 400. The server keeps serving."""
+    from clover.serve.limits import RequestLimits
+
+    engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
+    s = Server(engine, MODEL, api_key="sesame", limits=RequestLimits(max_body_bytes=64 * 1024))
+    key = {"authorization": "Bearer sesame", "content-type": "application/json"}
+    try:
+        big = b"x" * (50 * 2**20)
+        t0 = time.perf_counter()
+        r = httpx.post(s.url + "/completions", content=big, headers={"content-type": "application/json"}, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        r = httpx.post(s.url + "/completions", content=big, headers=key, timeout=30)
+        assert r.status_code == 413 and "--max-body-bytes" in r.json()["error"]["message"], r.text
+        assert time.perf_counter() - t0 < 10
+
+        def chunks():
+            for _ in range(64):
+                yield b" " * 4096
+
+        r = httpx.post(s.url + "/completions", content=chunks(), headers=key, timeout=30)
+        assert r.status_code == 413, r.text
+        r = httpx.post(s.url + "/completions", content="[" * 30_000 + "]" * 30_000, headers=key, timeout=30)
+        assert r.status_code == 400, r.text
+        ok = httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2}, headers=key,
+                        timeout=30)
+        assert ok.status_code == 200 and httpx.get(s.url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
+    finally:
+        s.close()
+        engine.close(timeout=5)
+
+
 def test_health_says_dead_and_requests_get_503_once_the_engine_loop_died(artifact):
     engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
     s = Server(engine, MODEL)
@@ -232,8 +265,8 @@ def test_a_disconnected_stream_frees_its_slot(server):
         with httpx.stream("POST", server.url + "/completions", timeout=10, json={
                 "model": MODEL, "prompt": PROMPTS[4], "max_tokens": 200, "temperature": 0, "stream": True,
                 "ignore_eos": True}) as r:
-            next(r.iter_lines())  # the first event
-            running = len(engine.scheduler.running)
+            next(r.iter_lines())  # the first event (the role chunk: the request may not have joined a step yet)
+            running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         if running:
             break
     assert running == 1, "every request ended before its client disconnected"
