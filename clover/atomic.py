@@ -2,7 +2,9 @@
 
 Every write that replaces a file in place goes through here. The temporary sibling gets a unique name
 (mkstemp), so two writers of one path (two exports sharing a timing cache) never write into each
-other's temporary file: the last rename wins with a whole file.
+other's temporary file: the last rename wins with a whole file. Files are synced before their rename and the
+folder holding the rename after it, so a power cut leaves the old version or the new one on disk, not an empty file
+under the final name.
 """
 
 from __future__ import annotations
@@ -35,9 +37,36 @@ def replacing(path: str | Path, mode: str = "wb") -> Iterator[IO]:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a published file is for everyone
         os.replace(tmp, path)
+        fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def fsync_dir(folder: str | Path) -> None:
+    """Make a rename or a new entry in `folder` durable (POSIX; a no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on a folder: nothing more can be done there
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Sync every file and folder under `folder` (before it is renamed into place)."""
+    for root, _, files in os.walk(folder):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
 
 
 def write_bytes(path: str | Path, data: bytes) -> None:
@@ -94,13 +123,13 @@ def sweep_stale(dest: Path) -> list[Path]:
     swept = []
     for entry in dest.parent.iterdir() if dest.parent.is_dir() else ():
         m = pattern.match(entry.name)
-        if m and entry.is_dir() and not _alive(int(m[1])):
+        if m and entry.is_dir() and not process_alive(int(m[1])):
             shutil.rmtree(entry, ignore_errors=True)
             swept.append(entry)
     return swept
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -119,9 +148,11 @@ def publish_folder(tmp: Path, dest: Path) -> None:
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; what we publish is for everyone
+    fsync_tree(tmp)  # its contents on disk before the rename makes them the real thing
     old = dest.parent / f".old-{dest.name}-{os.getpid()}" if dest.exists() else None
     if old is not None:
         os.replace(dest, old)
     os.replace(tmp, dest)
+    fsync_dir(dest.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -82,12 +82,26 @@ class FeatureSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def sweep_partials(path: Path) -> list[Path]:
+    """Delete the `.partial-<pid>` siblings of `path` whose writing process is gone (killed: GBs nobody finishes)."""
+    from clover.atomic import process_alive
+
+    swept = []
+    for entry in path.parent.glob(f"{path.name}.partial-*") if path.parent.is_dir() else ():
+        pid = entry.name.rsplit("-", 1)[1]
+        if pid.isdigit() and entry.is_dir() and not process_alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+            swept.append(entry)
+    return swept
+
+
 class FeatureWriter:
     """Appends sequences' features to a `.partial` folder; `finish()` makes it a cache."""
 
     def __init__(self, path: Path, spec: FeatureSpec, hidden_size: int):
         self.path, self.spec, self.hidden_size = path, spec, hidden_size
         self.tmp = path.with_name(path.name + f".partial-{os.getpid()}")
+        sweep_partials(path)
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self.files = {name: open(self.tmp / f"{name}.bin", "wb") for name in _ARRAYS}

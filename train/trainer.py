@@ -122,7 +122,7 @@ class Trainer:
         ckpts = sorted(self.out.glob("checkpoints/epoch-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
         if not ckpts:
             raise CloverError(f"--resume: no checkpoint in {self.out / 'checkpoints'}: start without --resume")
-        state = torch.load(ckpts[-1], weights_only=False)
+        state = torch.load(ckpts[-1], weights_only=True)  # tensors, numbers, strings and containers only: no code runs
         saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in state["config"].items()}
         mine = asdict(self.cfg)
         differs = [k for k in mine if k not in ("epochs",) and saved.get(k) != mine[k]]

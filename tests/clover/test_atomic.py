@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -84,3 +85,25 @@ def test_stale_staging_of_dead_processes_is_swept_live_ones_kept(tmp_path):
     with atomic.staging_folder(dest) as tmp:
         left = sorted(p.name for p in tmp_path.iterdir() if p != tmp)
     assert left == [f".tmp-art-{live}-x2", f".tmp-other-{dead}-x3"]
+
+
+def test_renames_are_made_durable_files_synced_then_their_folder(tmp_path, monkeypatch):
+    """A file's rename is followed by an fsync of its folder; a published folder's files and folders are synced
+    before the rename, and the parent after it (else a power cut can leave an empty file under the final name)."""
+    from clover import atomic
+
+    synced_dirs, real_fsync, synced_fds = [], os.fsync, []
+    monkeypatch.setattr(atomic, "fsync_dir", lambda folder: synced_dirs.append(Path(folder)))
+    monkeypatch.setattr(atomic.os, "fsync", lambda fd: (synced_fds.append(fd), real_fsync(fd)))
+    atomic.write_text(tmp_path / "a.json", "{}")
+    assert synced_dirs == [tmp_path] and len(synced_fds) == 1
+    synced_dirs.clear()
+    with atomic.staging_folder(tmp_path / "art") as tmp:
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "g.onnx").write_bytes(b"x")
+        (tmp / "manifest.json").write_text("{}")
+        synced_fds.clear()
+        atomic.publish_folder(tmp, tmp_path / "art")
+    assert len(synced_fds) == 2  # both files
+    assert synced_dirs[-1] == tmp_path and {d.name for d in synced_dirs[:-1]} >= {"sub"}
+    assert (tmp_path / "art" / "sub" / "g.onnx").read_bytes() == b"x"

@@ -1,5 +1,7 @@
 """The feature cache holds exactly what the base computes, and generated answers are its greedy ones."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -70,6 +72,23 @@ def test_dataset_features_align_loss_mask_with_next_token(tmp_path):
     assert b["loss_mask"][0].tolist() == [False] * 4 + [True] * 3 + [False]  # p_t predicts an assistant token
     hidden, top, _ = reference_features(base, ids, spec.topk)
     assert_stored(b["hidden"][0, :-1], hidden[:-1])
+
+
+def test_a_killed_writers_partial_folder_is_swept_and_a_live_ones_kept(tmp_path):
+    import subprocess
+
+    from clover.train.features import sweep_partials
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale, live = tmp_path / f"c.partial-{dead.pid}", tmp_path / f"c.partial-{os.getpid()}"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "hidden.bin").write_bytes(b"x" * 10)
+    assert sweep_partials(tmp_path / "c") == [stale]
+    assert not stale.exists() and live.exists()
+    writer = FeatureWriter(tmp_path / "d", _spec(), 64)  # a new writer sweeps its own name's leftovers too
+    writer.abort()
 
 
 def test_unfinished_build_is_never_a_cache(tmp_path):
