@@ -288,7 +288,8 @@ def is_artifact(path: Path) -> bool:
 
 
 def read_manifest(path: str | Path) -> Manifest:
-    """Parse and version-check `path/manifest.json` (files are not checked: see `verify_files`)."""
+    """Parse and version-check `path/manifest.json`, and check the paths it names stay inside the artifact (the
+    files themselves are not read: see `verify_files`)."""
     root = Path(path)
     if not root.is_dir():
         raise CloverError(f"artifact {root} does not exist: make one with clover-export --base B --heads H --out {root}")
@@ -314,6 +315,7 @@ def read_manifest(path: str | Path) -> Manifest:
         manifest = Manifest.from_dict(doc)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CloverError(f"{mfile} is incomplete or malformed ({e!r}): export the artifact again") from e
+    check_names(root, manifest)
     if manifest.weights is not None and manifest.weights.scheme not in KNOWN_WEIGHTS:
         raise CloverError(
             f"artifact {root} stores {manifest.weights.scheme!r} weights, which this clover-deploy cannot run (it "
@@ -321,17 +323,49 @@ def read_manifest(path: str | Path) -> Manifest:
     return manifest
 
 
-def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None:
-    """Every graph's files are listed; every listed file exists, with its size and (optionally) sha256."""
-    for name, graph in manifest.graphs.items():
-        for f in (graph.file, *graph.external_data):
-            if f not in manifest.files:
-                raise CloverError(f"artifact {root}: graph {name} needs {f}, which {MANIFEST_FILE} does not list: "
-                                  "export it again")
-    for name, engine in manifest.engines.items():
-        if engine.file not in manifest.files:
-            raise CloverError(f"artifact {root}: engine {name} ({engine.file}) is not listed in {MANIFEST_FILE}: "
+def member(root: Path, rel: Any, what: str) -> Path:
+    """`root / rel` for a path the manifest names, refused unless it is a relative POSIX path that stays inside the
+    artifact once symlinks are resolved: an artifact is a trust boundary, and its manifest must not make the
+    runtime read (or hash) anything outside its folder."""
+    from pathlib import PurePosixPath
+
+    parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
+    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel or ":" in rel or "\0" in rel:
+        raise CloverError(f"artifact {root}: {MANIFEST_FILE} names {rel!r} for {what}, which is not a relative path "
+                          "inside the artifact: the manifest was edited or crafted; export the artifact again")
+    inside = root.resolve()
+    full = (root / rel).resolve()
+    if not full.is_relative_to(inside):
+        raise CloverError(f"artifact {root}: {what} ({rel}) resolves outside the artifact (a symbolic link?): "
+                          "export the artifact again")
+    return full
+
+
+def named_files(manifest: Manifest) -> list[tuple[str, str]]:
+    """(what, path) of every file the manifest names outside its file list: graphs, engines, tables."""
+    out = [(f"graph {n}", f) for n, g in manifest.graphs.items() for f in (g.file, *g.external_data)]
+    out += [(f"engine {n}", e.file) for n, e in manifest.engines.items()]
+    if manifest.draft_vocab is not None:
+        out.append(("the draft vocabulary", manifest.draft_vocab.file))
+    if manifest.ngram_store is not None:
+        out.append(("the n-gram store", manifest.ngram_store.file))
+    return out
+
+
+def check_names(root: Path, manifest: Manifest) -> None:
+    """Every path the manifest names stays inside the artifact (`member`), and every graph, engine and table it
+    names is in its file list (so it is checksummed)."""
+    for rel in manifest.files:
+        member(root, rel, "a listed file")
+    for what, rel in named_files(manifest):
+        member(root, rel, what)
+        if rel not in manifest.files:
+            raise CloverError(f"artifact {root}: {what} needs {rel}, which {MANIFEST_FILE} does not list: "
                               "export it again")
+
+
+def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None:
+    """Every listed file exists, with its size and (optionally) sha256 (names were checked by read_manifest)."""
     for rel, entry in manifest.files.items():
         p = root / rel
         if not p.is_file():

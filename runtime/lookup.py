@@ -226,10 +226,19 @@ class NgramStore:
                 with zipfile.ZipFile(f) as z:
                     infos = {name: z.getinfo(f"{name}.npy") for name in ("tokens", "sa")}
                 arrays = {name: _npz_member(f, info, mapped) for name, info in infos.items()}
-            tokens = arrays["tokens"][0]
+            tokens, sa = arrays["tokens"][0], arrays["sa"][0]
             if tokens.dtype.byteorder != ">":  # the search compares the file's bytes: big-endian ids only
                 raise ValueError("its tokens are not stored big-endian")
-            return cls(tokens, arrays["sa"][0], vocab_size, (mapped, arrays["tokens"][1]))
+            # bounds, once at load (one pass over the map): a crafted store must fail here, not inside a step
+            if sa.dtype.kind not in "iu" or (len(sa) and (int(sa.min()) < 0 or int(sa.max()) >= len(tokens))):
+                raise ValueError("its suffix array points outside its tokens")
+            if tokens.dtype != store_dtype(vocab_size):
+                raise ValueError(f"its tokens are {tokens.dtype}, not {store_dtype(vocab_size)} for a vocabulary of "
+                                 f"{vocab_size}")
+            sep = np.iinfo(tokens.dtype).max  # between sequences
+            if len(tokens) and int(np.where(tokens == sep, 0, tokens).max()) >= vocab_size:
+                raise ValueError(f"its tokens are not ids below its vocabulary size {vocab_size}")
+            return cls(tokens, sa, vocab_size, (mapped, arrays["tokens"][1]))
         except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:
             raise CloverError(f"cannot read the n-gram store {path} ({e}): export the artifact again") from None
 

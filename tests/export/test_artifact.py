@@ -3,6 +3,7 @@ validation errors a runtime raises on a damaged or mismatched artifact."""
 
 import dataclasses
 import json
+import os
 import shutil
 
 import pytest
@@ -204,6 +205,53 @@ def test_corrupt_manifest(copy, damage, message):
         open_artifact(copy)
 
 
+def _outside_reads(root):
+    """An audit hook on open(): the paths outside `root` that were opened while the hook was on (Python's audit
+    hooks cannot be removed, so the hook reads a switch)."""
+    import sys
+
+    seen, state = [], {"on": False}
+
+    def hook(event, args):
+        if state["on"] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            p = os.path.realpath(os.fsdecode(args[0]))
+            if p.startswith("/") and not p.startswith(os.path.realpath(root)) and "site-packages" not in p \
+                    and not p.startswith(sys.prefix) and not p.startswith(sys.base_prefix):
+                seen.append(p)
+
+    sys.addaudithook(hook)
+    return seen, state
+
+
+@pytest.mark.parametrize("craft,message", [
+    (lambda root: edit_manifest(root, lambda d: d["files"].update({"../secret": {"sha256": "0", "bytes": 1}})),
+     "not a relative path inside the artifact"),
+    (lambda root: edit_manifest(root, lambda d: d["files"].update({"/etc/hostname": {"sha256": "0", "bytes": 1}})),
+     "not a relative path inside the artifact"),
+    (lambda root: edit_manifest(root, lambda d: d["graphs"]["base"].update(file="../outside.onnx")),
+     "not a relative path inside the artifact"),
+    (lambda root: (os.replace(root / "base.onnx", root / "base.moved"), os.symlink("/etc/hostname", root / "base.onnx")),
+     "resolves outside the artifact"),
+    (lambda root: edit_manifest(root, lambda d: d["graphs"]["base"].update(file="unlisted.onnx")),
+     "which manifest.json does not list"),
+    (lambda root: edit_manifest(root, lambda d: d["graphs"]["base"].update(file=["a", "b"])),
+     "not a relative path inside the artifact"),
+])
+def test_crafted_manifests_are_refused_at_load_without_reading_outside(copy, craft, message):
+    """An artifact is a trust boundary: a manifest that names a path outside the folder (traversal, an absolute
+    path, a symlink out, an unlisted graph) is one CloverError line at load, and nothing outside is opened."""
+    craft(copy)
+    seen, state = _outside_reads(copy)
+    state["on"] = True
+    try:
+        with pytest.raises(CloverError, match=message) as e:
+            open_artifact(copy)
+    finally:
+        state["on"] = False
+    assert "\n" not in str(e.value)
+    assert not [p for p in seen if p.startswith("/etc") or "secret" in p or "outside" in p], seen
+
+
 def test_errors_are_one_line(copy, tmp_path):
     (copy / "base.onnx").unlink()
     for path in (copy, tmp_path / "nope", tmp_path):
@@ -229,5 +277,5 @@ def test_engine_entries_round_trip_and_are_checked(copy):
     unlisted = dict(manifest.files)
     del unlisted["engines/base.engine"]
     write_manifest(copy, dataclasses.replace(manifest, files=unlisted))
-    with pytest.raises(CloverError, match="engine base .engines/base.engine. is not listed"):
+    with pytest.raises(CloverError, match="engine base needs engines/base.engine, which manifest.json does not list"):
         open_artifact(copy)

@@ -391,3 +391,34 @@ def test_heads_plus_lookup_alone_steps_keep_greedy_identity(tmp_path_factory, tr
         got = gen.generate(p, max_new_tokens=40, ignore_eos=True)
         assert_identical(got.token_ids, want, "heads+lookup with lookup-alone steps")
     assert len(chosen) > 10
+
+
+def test_a_crafted_store_is_refused_at_load(tmp_path):
+    """Bounds are checked once at load: a suffix array pointing past the tokens, ids past the vocabulary, a
+    truncated file: one CloverError line, never an index error inside a step."""
+    store = NgramStore.build([([5, 6, 7, 8, 9, 1, 2], 0)] * 2, vocab_size=10)
+    good = tmp_path / "good.npz"
+    store.save(good)
+    assert len(NgramStore.load(good)) == len(store)
+
+    def crafted(name, **arrays):
+        path = tmp_path / name
+        parts = dict(format=np.int64(3), tokens=store.tokens, sa=store.sa, vocab_size=np.int64(10))
+        with np.load(good) as z:
+            parts["format"] = z["format"]
+        parts.update(arrays)
+        with open(path, "wb") as f:
+            np.savez(f, **parts)
+        return path
+
+    sa = np.array(store.sa)
+    sa[0] = len(store.tokens) + 5
+    for path, words in ((crafted("sa.npz", sa=sa), "points outside"),
+                        (crafted("vocab.npz", vocab_size=np.int64(3)), "below its vocabulary")):
+        with pytest.raises(CloverError, match=words) as e:
+            NgramStore.load(path)
+        assert "\n" not in str(e.value)
+    truncated = tmp_path / "cut.npz"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(CloverError, match="cannot read the n-gram store"):
+        NgramStore.load(truncated)
