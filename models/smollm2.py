@@ -70,17 +70,17 @@ def _convert(gguf: Path, out: Path) -> None:
         raise CloverError(f"converting the GGUF needs transformers, gguf and accelerate: pip install transformers gguf accelerate ({e})") from e
     import torch
 
-    kwargs = dict(gguf_file=gguf.name)
+    kwargs = dict(gguf_file=gguf.name, local_files_only=True)  # the package's own file: never the Hub
     start = time.perf_counter()
 
     def step(n: int, what: str) -> None:  # the slow parts print nothing of their own
         print(f"clover:   [{n}/4] {what} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
 
     step(1, "tokenizer: rebuilding the fast tokenizer from the GGUF vocabulary")
-    tok = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)  # nosec B615: a local folder, local_files_only
     step(2, "weights: de-quantizing the Q4_1 tensors to float32")
-    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
-    config = AutoConfig.from_pretrained(gguf.parent, **kwargs)
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)  # nosec B615: local
+    config = AutoConfig.from_pretrained(gguf.parent, **kwargs)  # nosec B615: a local folder, local_files_only
     # Rebuild a plain (unquantized) model from the config and load the dequantized weights into it.
     if hasattr(config, "quantization_config"):
         del config.quantization_config
