@@ -150,10 +150,16 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, arti
     assert r.choices[0].message.content is not None
 
 
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(server, solo):
     """The rows the trusted servers answer with 400 (vLLM, llama.cpp): token ids outside the vocabulary, negative,
-    past int64; max_tokens past the context. Each is refused before it reaches the engine, so a request streaming
-    meanwhile gets its solo text and /health stays 200."""
+    past int64; max_tokens past the context; and abuse: 10,000 stop strings, a 50 MB body, JSON nested 100,000 deep,
+    100,000 messages (over the body limit) and 20,000 (past the context). Each is refused within a second before it
+    reaches the engine, memory stays put, a request streaming meanwhile gets its solo text and /health stays 200."""
     import threading
 
     base = server.url
@@ -161,13 +167,15 @@ def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(
     got = {}
 
     def canary():
-        stream = client(server).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPTS[5]}], temperature=0, max_tokens=MAX_TOKENS,
-            stream=True)
+        stream = client(server).chat.completions.create(  # long enough to outlast the abuse below
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[5]}], temperature=0, max_tokens=200,
+            stream=True, extra_body={"ignore_eos": True})
         got["text"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     t = threading.Thread(target=canary)
     t.start()
+    while not server.engine.scheduler.running and t.is_alive():  # the canary is decoding before the abuse starts
+        time.sleep(0.005)
     for prompt in ([1, 2, 99999999], [-5, 3], [9223372036854775808], [1, 2, 96]):
         r = post({"model": MODEL, "prompt": prompt, "max_tokens": 4})
         assert r.status_code == 400, (prompt, r.text)
@@ -178,8 +186,25 @@ def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(
         r = post({"model": MODEL, "prompt": "w10 w11", "max_tokens": limit})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         assert limit != 10**6 or "context" in r.json()["error"]["message"], r.text
+    raw = lambda path, body: httpx.post(base + path, content=body, timeout=10,  # noqa: E731
+                                        headers={"content-type": "application/json"})
+    rss = rss_bytes()
+    for path, body, status in (
+            ("/completions", json.dumps({"model": MODEL, "prompt": "w1", "stop": ["w"] * 10_000}), 400),
+            ("/completions", b"x" * (50 * 2**20), 413),
+            ("/completions", "[" * 100_000 + "]" * 100_000, 400),
+            ("/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 100_000}),
+             413),
+            ("/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 20_000}),
+             400)):
+        t0 = time.perf_counter()
+        r = raw(path, body)
+        assert r.status_code == status and r.json()["error"]["message"], (len(body), r.text[:200])
+        assert time.perf_counter() - t0 < 1.0, len(body)
+    assert rss_bytes() - rss < 200 * 2**20
+    assert t.is_alive() or len(got.get("text", "")) > 0  # it decoded through the abuse (or just finished)
     t.join(timeout=60)
-    assert not t.is_alive() and got["text"] == solo(PROMPTS[5]).text
+    assert not t.is_alive() and got["text"] == solo(PROMPTS[5], max_tokens=200, ignore_eos=True).text
     health = httpx.get(base.removesuffix("/v1") + "/health", timeout=5)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
@@ -260,8 +285,9 @@ def test_a_disconnected_stream_frees_its_slot(server):
     engine, base = server.engine, server.url.removesuffix("/v1")
     aborted = lambda: sum(float(line.split()[-1]) for line in httpx.get(base + "/metrics", timeout=5).text.splitlines()
                           if line.startswith('clover:request_success_total{finished_reason="abort"}'))
-    before = aborted()
+    before, attempts = aborted(), 0
     for _ in range(5):  # the tiny model is fast: retry until the request is still running when the client leaves
+        attempts += 1  # each attempt leaves before reading its end: an abort, whether or not it still ran
         with httpx.stream("POST", server.url + "/completions", timeout=10, json={
                 "model": MODEL, "prompt": PROMPTS[4], "max_tokens": 200, "temperature": 0, "stream": True,
                 "ignore_eos": True}) as r:
@@ -274,7 +300,7 @@ def test_a_disconnected_stream_frees_its_slot(server):
     while (engine.scheduler.running or aborted() == before) and time.time() < deadline:
         time.sleep(0.02)
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert aborted() == before + 1
+    assert aborted() == before + attempts
     assert "clover:num_requests_running 0.0" in httpx.get(base + "/metrics", timeout=5).text
 
 
