@@ -73,9 +73,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: bool = True,
-               limits: RequestLimits = RequestLimits()) -> FastAPI:
-    """The app serving `engine` as model `model`; with `api_key`, /v1 routes need `Authorization: Bearer KEY`.
-    warmup: /health turns 200 after one short request has run (False: at once). limits: what one request may ask."""
+               limits: RequestLimits = RequestLimits(), docs: bool = True, metrics_need_key: bool = False) -> FastAPI:
+    """The app serving `engine` as model `model`; with `api_key`, /v1 routes (and /metrics with `metrics_need_key`)
+    need `Authorization: Bearer KEY`. warmup: /health turns 200 after one short request has run (False: at once).
+    limits: what one request may ask. docs: serve /docs, /redoc and /openapi.json."""
     metrics = Metrics(engine)
     context = engine.runner.info.max_context
 
@@ -101,9 +102,12 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
         if task is not None:
             task.cancel()
 
-    app = FastAPI(title="clover-serve", lifespan=lifespan)
-    # the API key (/v1 routes) and the body's size are checked before the body is read
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limits.max_body_bytes)
+    hidden = {} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="clover-serve", lifespan=lifespan, **hidden)
+    # the API key, the body's size and the requests in flight are checked before the body is read
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
+                       max_concurrent=limits.max_concurrent_requests, metrics_need_key=metrics_need_key,
+                       retry_after_s=RETRY_AFTER_S)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:

@@ -23,6 +23,7 @@ class RequestLimits:
     max_stop_chars: int = 256
     allow_ignore_eos: bool = False
     max_body_bytes: int = 2 * 2**20  # a request body's bytes (RequestGuard), checked before it is read
+    max_concurrent_requests: int | None = None  # /v1 requests in flight at once (RequestGuard); more get 503
 
     def __post_init__(self) -> None:
         if self.max_stop_strings < 0 or self.max_stop_chars < 1:
@@ -30,6 +31,8 @@ class RequestLimits:
                               f"and {self.max_stop_chars}")
         if self.max_body_bytes < 1024:
             raise CloverError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
+            raise CloverError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
 
     def check(self, stop: tuple[str, ...], ignore_eos: bool) -> None:
         """CloverError (with its param) for a request over a limit."""
@@ -46,19 +49,25 @@ class RequestLimits:
 
 
 class RequestGuard:
-    """Pure-ASGI middleware that refuses before any body is read: a /v1 request without the API key (401), and a body
-    over `max_body_bytes` (413), by its Content-Length or, for a chunked body, as the bytes arrive. FastAPI would
-    otherwise read and parse a whole body (an unauthenticated multi-GB POST included) before its dependencies run."""
+    """Pure-ASGI middleware that refuses before any body is read: a request without the API key to a /v1 route (and
+    /metrics with `metrics_need_key`) gets 401, a body over `max_body_bytes` 413 (by its Content-Length or, for a
+    chunked body, as the bytes arrive), a /v1 request beyond `max_concurrent` in flight 503 with Retry-After. FastAPI
+    would otherwise read and parse a whole body (an unauthenticated multi-GB POST included) before its dependencies
+    run."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.max_body_bytes = app, max_body_bytes
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, max_concurrent: int | None = None,
+                 metrics_need_key: bool = False, retry_after_s: int = 1) -> None:
+        self.app, self.max_body_bytes, self.max_concurrent = app, max_body_bytes, max_concurrent
         self.key = None if api_key is None else f"Bearer {api_key}".encode()
+        self.keyed = ("/v1", "/metrics") if metrics_need_key else ("/v1",)
+        self.retry_after = str(retry_after_s).encode()
+        self.in_flight = 0  # /v1 requests being answered (one event loop: no lock needed)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        if self.key is not None and scope["path"].startswith("/v1"):
+        if self.key is not None and scope["path"].startswith(self.keyed):
             if not secrets.compare_digest(headers.get(b"authorization", b""), self.key):
                 return await _refuse(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer "
                                      "<key>' with the key clover-serve was started with", "authentication_error",
@@ -66,6 +75,20 @@ class RequestGuard:
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await _refuse(send, 413, self._too_large(), "invalid_request_error", "request_too_large")
+        if not scope["path"].startswith("/v1"):
+            return await self._pass(scope, receive, send)
+        if self.max_concurrent is not None and self.in_flight >= self.max_concurrent:
+            return await _refuse(send, 503, f"the server is answering {self.in_flight} requests, its limit "
+                                 "(clover-serve --max-concurrent-requests): retry later", "service_unavailable",
+                                 "too_many_requests", [(b"retry-after", self.retry_after)])
+        self.in_flight += 1
+        try:
+            await self._pass(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    async def _pass(self, scope, receive, send) -> None:
+        """The app, with the body counted as it arrives (a chunked body past the limit: 413)."""
         seen, refused = 0, False
 
         async def counted():  # a chunked body: counted as it arrives; past the limit the app sees a disconnect
@@ -95,8 +118,10 @@ class RequestGuard:
         return f"the request body is over {self.max_body_bytes} bytes (clover-serve --max-body-bytes)"
 
 
-async def _refuse(send, status: int, message: str, type_: str, code: str) -> None:
+async def _refuse(send, status: int, message: str, type_: str, code: str,
+                  headers: list[tuple[bytes, bytes]] = ()) -> None:
     body = json.dumps(error_body(message, type_, None, code)).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
     await send({"type": "http.response.body", "body": body})

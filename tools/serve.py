@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string (default 256)")
     p.add_argument("--max-body-bytes", type=int, default=2 * 2**20, help="largest request body, refused before it is "
                    "read (default 2 MiB)")
+    p.add_argument("--max-concurrent-requests", type=int, default=None, help="/v1 requests answered at once; more get "
+                   "503 with Retry-After (default: no limit beyond --max-waiting)")
+    p.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file (its first line) "
+                   "instead of --api-key, so it stays out of the process list")
+    p.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the API key too")
+    p.add_argument("--disable-docs", action="store_true", help="serve no /docs, /redoc or /openapi.json")
     p.add_argument("--allow-ignore-eos", action="store_true", help="honour vLLM's ignore_eos extension (requests run to "
                    "max_tokens past end-of-sequence; for load tests); off: such requests get 400")
     return p
@@ -128,13 +134,22 @@ def run(args: argparse.Namespace) -> int:
     from clover.serve.limits import RequestLimits
 
     limits = RequestLimits(args.max_stop_strings, args.max_stop_chars, args.allow_ignore_eos,
-                           args.max_body_bytes)  # checked before minutes of loading
+                           args.max_body_bytes, args.max_concurrent_requests)  # checked before minutes of loading
+    if args.api_key_file is not None:
+        try:
+            lines = args.api_key_file.read_text().splitlines()
+        except OSError as e:
+            raise CloverError(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror})") from None
+        if not lines or not lines[0].strip():
+            raise CloverError(f"--api-key-file {args.api_key_file} is empty: put the key on its first line")
+        args.api_key = lines[0].strip()
     backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
     engine = Engine.load(args.artifact, backend=backend, tree=args.tree, max_batch=args.max_batch, threads=args.threads,
                          max_waiting=args.max_waiting, providers=args.providers)
     model = args.model or (DEMO_MODEL if args.demo else args.artifact.resolve().name)
     try:
-        app = create_app(engine, model, api_key=args.api_key or None, limits=limits)
+        app = create_app(engine, model, api_key=args.api_key or None, limits=limits, docs=not args.disable_docs,
+                         metrics_need_key=args.metrics_need_key)
         print(f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "
               f"{args.tree}{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
         serve(app, args.host, args.port, args.drain_seconds)

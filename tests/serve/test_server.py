@@ -261,6 +261,43 @@ def test_key_and_body_size_are_refused_before_the_body_is_read(artifact):
         engine.close(timeout=5)
 
 
+def test_concurrency_limit_metrics_key_docs_off_and_key_file(artifact, tmp_path):
+    from clover.serve.limits import RequestLimits
+    from clover.tools.serve import main as serve_main
+
+    engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
+    s = Server(engine, MODEL, api_key="k", limits=RequestLimits(allow_ignore_eos=True, max_concurrent_requests=1),
+               docs=False, metrics_need_key=True)
+    key = {"authorization": "Bearer k"}
+    root = s.url.removesuffix("/v1")
+    forward_batch, calls = engine.runner.forward_batch, []
+    engine.runner.forward_batch = lambda batch: (calls.append(1), time.sleep(0.02), forward_batch(batch))[2]
+    try:
+        body = {"model": MODEL, "prompt": "w10", "max_tokens": 200, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", s.url + "/completions", json=body, headers=key, timeout=30) as first:
+            assert first.status_code == 200
+            lines = first.iter_lines()  # kept: a dropped iterator closes the stream (a disconnect)
+            next(lines)
+            busy = httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2},
+                              headers=key, timeout=10)
+            assert busy.status_code == 503 and busy.headers["retry-after"] == "1", (busy.text, len(calls))
+            assert "--max-concurrent-requests" in busy.json()["error"]["message"]
+            assert httpx.get(root + "/health", timeout=5).status_code == 200  # not counted
+        ok = httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2}, headers=key,
+                        timeout=10)
+        assert ok.status_code == 200, ok.text
+        assert httpx.get(root + "/metrics", timeout=5).status_code == 401
+        assert httpx.get(root + "/metrics", headers=key, timeout=5).status_code == 200
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(root + path, timeout=5).status_code == 404, path
+    finally:
+        s.close()
+        engine.close(timeout=5)
+    assert serve_main(["--artifact", str(artifact), "--api-key-file", str(tmp_path / "nope")]) == 2
+    (tmp_path / "empty").write_text("\n")
+    assert serve_main(["--artifact", str(artifact), "--api-key-file", str(tmp_path / "empty")]) == 2
+
+
 def test_health_says_dead_and_requests_get_503_once_the_engine_loop_died(artifact):
     engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
     s = Server(engine, MODEL)
