@@ -28,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover.errors import CloverError
 from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
-from clover.runtime.generator import GenerationResult
+from clover.runtime.generator import GenerationResult, encode_prompt
 from clover.runtime.sampling import SamplingParams
 from clover.serve.limits import RequestGuard, RequestLimits
 from clover.serve.metrics import Metrics
@@ -159,9 +159,11 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
         try:
             limits.check(body.stop_strings(), body.ignore_eos)
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
-            # no max_tokens: up to the end of the context; more than the context leaves room for: 400
-            return engine.stream(prompt, max_new_tokens=body.token_limit(), sampling=sampling,
-                                 stop=body.stop_strings(), ignore_eos=body.ignore_eos)
+            ids = encode_prompt(engine.tokenizer, prompt)  # messages through the chat template; text; ids as given
+            # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
+            new = limits.new_tokens(len(ids), body.token_limit(), context)
+            return engine.stream(ids, max_new_tokens=new, sampling=sampling, stop=body.stop_strings(),
+                                 ignore_eos=body.ignore_eos)
         except QueueFull as e:
             raise ApiError(503, f"the server is busy ({e}): retry later", "service_unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None

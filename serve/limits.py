@@ -24,6 +24,8 @@ class RequestLimits:
     allow_ignore_eos: bool = False
     max_body_bytes: int = 2 * 2**20  # a request body's bytes (RequestGuard), checked before it is read
     max_concurrent_requests: int | None = None  # /v1 requests in flight at once (RequestGuard); more get 503
+    max_input_tokens: int | None = None  # a prompt's tokens, after the chat template (None: the context's)
+    max_tokens_cap: int | None = None  # the most tokens one request may ask for (None: what the context leaves)
 
     def __post_init__(self) -> None:
         if self.max_stop_strings < 0 or self.max_stop_chars < 1:
@@ -31,8 +33,23 @@ class RequestLimits:
                               f"and {self.max_stop_chars}")
         if self.max_body_bytes < 1024:
             raise CloverError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.max_concurrent_requests is not None and self.max_concurrent_requests < 1:
-            raise CloverError(f"--max-concurrent-requests must be >= 1, got {self.max_concurrent_requests}")
+        for flag, value in (("--max-concurrent-requests", self.max_concurrent_requests),
+                            ("--max-input-tokens", self.max_input_tokens), ("--max-tokens-cap", self.max_tokens_cap)):
+            if value is not None and value < 1:
+                raise CloverError(f"{flag} must be >= 1, got {value}")
+
+    def new_tokens(self, prompt_tokens: int, asked: int | None, context: int) -> int | None:
+        """What to ask the engine for: `asked` (max_tokens), refused over the cap or with a prompt over
+        max_input_tokens; no max_tokens: None (the rest of the context), or the cap where it is less."""
+        if self.max_input_tokens is not None and prompt_tokens > self.max_input_tokens:
+            raise CloverError(f"the prompt has {prompt_tokens} tokens: this server takes at most {self.max_input_tokens}",
+                              param="prompt")
+        if asked is not None and self.max_tokens_cap is not None and asked > self.max_tokens_cap:
+            raise CloverError(f"max_tokens is {asked}: this server generates at most {self.max_tokens_cap} tokens per "
+                              "request", param="max_new_tokens")
+        if asked is None and self.max_tokens_cap is not None:
+            return min(self.max_tokens_cap, max(context - prompt_tokens, 1))
+        return asked
 
     def check(self, stop: tuple[str, ...], ignore_eos: bool) -> None:
         """CloverError (with its param) for a request over a limit."""

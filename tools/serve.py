@@ -78,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "read (default 2 MiB)")
     p.add_argument("--max-concurrent-requests", type=int, default=None, help="/v1 requests answered at once; more get "
                    "503 with Retry-After (default: no limit beyond --max-waiting)")
+    p.add_argument("--max-input-tokens", type=int, default=None, help="a prompt's tokens after the chat template "
+                   "(default: what the context allows)")
+    p.add_argument("--max-tokens-cap", type=int, default=None, help="the most tokens one request may ask for; requests "
+                   "without max_tokens get at most this many (default: what the context leaves)")
     p.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file (its first line) "
                    "instead of --api-key, so it stays out of the process list")
     p.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the API key too")
@@ -134,7 +138,8 @@ def run(args: argparse.Namespace) -> int:
     from clover.serve.limits import RequestLimits
 
     limits = RequestLimits(args.max_stop_strings, args.max_stop_chars, args.allow_ignore_eos,
-                           args.max_body_bytes, args.max_concurrent_requests)  # checked before minutes of loading
+                           args.max_body_bytes, args.max_concurrent_requests, args.max_input_tokens,
+                           args.max_tokens_cap)  # checked before minutes of loading
     if args.api_key_file is not None:
         try:
             lines = args.api_key_file.read_text().splitlines()

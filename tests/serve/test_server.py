@@ -209,11 +209,12 @@ def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
-def test_request_limits_stop_strings_and_ignore_eos(artifact):
+def test_request_limits_stop_strings_ignore_eos_prompt_and_max_tokens(artifact):
     from clover.serve.limits import RequestLimits
 
     engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
-    s = Server(engine, MODEL, limits=RequestLimits(max_stop_strings=2, max_stop_chars=8))
+    s = Server(engine, MODEL, limits=RequestLimits(max_stop_strings=2, max_stop_chars=8, max_input_tokens=6,
+                                                   max_tokens_cap=5))
     post = lambda body: httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 4,  # noqa: E731
                                                                  **body}, timeout=10)
     try:
@@ -223,6 +224,13 @@ def test_request_limits_stop_strings_and_ignore_eos(artifact):
             assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
             assert r.json()["error"]["param"] == ("ignore_eos" if "ignore_eos" in body else "stop")
         assert post({"stop": ["w1", "w" * 8]}).status_code == 200
+        r = post({"prompt": "w10 w11 w12 w13 w14 w15 w16"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "at most 6" in r.text, r.text
+        r = post({"max_tokens": 6})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens" and "at most 5" in r.text, r.text
+        capped = httpx.post(s.url + "/chat/completions", json={"model": MODEL, "messages": [  # no max_tokens: the cap
+            {"role": "user", "content": "w10"}]}, timeout=10)
+        assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] <= 5, capped.text
     finally:
         s.close()
         engine.close(timeout=5)
