@@ -252,6 +252,43 @@ def test_crafted_manifests_are_refused_at_load_without_reading_outside(copy, cra
     assert not [p for p in seen if p.startswith("/etc") or "secret" in p or "outside" in p], seen
 
 
+def test_mutated_manifest_paths_load_or_fail_with_one_clover_error(clover2, tmp_path):
+    """Property-based (hypothesis): any string put where the manifest names a file (a listed file's key, the base
+    graph's file, its external data) gives a loaded artifact or one CloverError line, never another exception, and
+    nothing outside the folder is opened."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    root = shutil.copytree(clover2, tmp_path / "art")
+    original = (root / MANIFEST_FILE).read_text()
+    seen, state = _outside_reads(root)
+    paths = st.one_of(st.text(max_size=40), st.sampled_from(["../x", "/etc/hostname", "a/../../b", "./base.onnx",
+                                                              "base.onnx/", "C:\\x", "\x00", "~/x", "tokenizer/.."]))
+    where = st.sampled_from(["files", "graph", "external"])
+
+    @given(path=paths, where=where)
+    @settings(max_examples=150, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    def mutate(path, where):
+        doc = json.loads(original)
+        if where == "files":
+            doc["files"][path] = doc["files"].pop("base.onnx")
+        elif where == "graph":
+            doc["graphs"]["base"]["file"] = path
+        else:
+            doc["graphs"]["base"]["external_data"] = [path]
+        (root / MANIFEST_FILE).write_text(json.dumps(doc))
+        state["on"] = True
+        try:
+            open_artifact(root, checksums=False)
+        except CloverError as e:
+            assert "\n" not in str(e)
+        finally:
+            state["on"] = False
+
+    mutate()
+    assert not [p for p in seen if p.startswith(("/etc", os.path.expanduser("~")))], seen
+
+
 def test_errors_are_one_line(copy, tmp_path):
     (copy / "base.onnx").unlink()
     for path in (copy, tmp_path / "nope", tmp_path):
