@@ -330,11 +330,16 @@ def member(root: Path, rel: Any, what: str) -> Path:
     from pathlib import PurePosixPath
 
     parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
-    if not parts or PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel or ":" in rel or "\0" in rel:
+    if (not parts or PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel or ":" in rel
+            or any(ord(c) < 32 for c in rel)):  # control characters: no real file, and they would break messages
         raise CloverError(f"artifact {root}: {MANIFEST_FILE} names {rel!r} for {what}, which is not a relative path "
                           "inside the artifact: the manifest was edited or crafted; export the artifact again")
     inside = root.resolve()
-    full = (root / rel).resolve()
+    try:
+        full = (root / rel).resolve()
+    except (OSError, ValueError) as e:  # a name the filesystem cannot hold (a lone surrogate, too long)
+        raise CloverError(f"artifact {root}: {MANIFEST_FILE} names {rel!r} for {what}, which is not a file name "
+                          f"({type(e).__name__}): export the artifact again") from None
     if not full.is_relative_to(inside):
         raise CloverError(f"artifact {root}: {what} ({rel}) resolves outside the artifact (a symbolic link?): "
                           "export the artifact again")

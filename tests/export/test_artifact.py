@@ -262,8 +262,9 @@ def test_mutated_manifest_paths_load_or_fail_with_one_clover_error(clover2, tmp_
     root = shutil.copytree(clover2, tmp_path / "art")
     original = (root / MANIFEST_FILE).read_text()
     seen, state = _outside_reads(root)
-    paths = st.one_of(st.text(max_size=40), st.sampled_from(["../x", "/etc/hostname", "a/../../b", "./base.onnx",
-                                                              "base.onnx/", "C:\\x", "\x00", "~/x", "tokenizer/.."]))
+    crafted = ["../x", "/etc/hostname", "a/../../b", "./base.onnx", "base.onnx/", "C:\\x", "\x00", "~/x",
+               "tokenizer/..", "\ud800", "x" * 300]
+    paths = st.one_of(st.text(max_size=40), st.sampled_from(crafted))
     where = st.sampled_from(["files", "graph", "external"])
 
     @given(path=paths, where=where)
