@@ -3,6 +3,7 @@ identity assertion (`assert_identical`)."""
 
 from __future__ import annotations
 
+import os
 import json
 import subprocess
 import sys
@@ -226,3 +227,9 @@ def tiny_corpus(base_dir, path):
         corpus.append([Conversation(i, np.array([5, 6], np.int32), np.array([7, 8, 9, 7, 8, 9, 7, 8], np.int32), "length")
                        for i in range(4)], 4, 0)
     return path
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from clover.models.config import BaseConfig, RopeConfig
 from clover.models.decoder import Decoder, rope_inv_freq
+from clover.tools.bench import first_difference
 
 # Real models' shapes, random weights. SmolLM2-135M-Instruct's config, and Llama-3.2-1B's.
 SHAPES: dict[str, BaseConfig] = {
@@ -205,10 +206,6 @@ def kernel_rows(device: str = "cuda", shapes: Sequence[str] = tuple(ATTENTION_SH
 def prompts(vocab: int, n: int, length: int = 12, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(8, vocab, length).tolist() for _ in range(n)]
-
-
-def first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def identity(cpu_base: Decoder, tokenizer, device: str, graphs: bool, tokens: int = 32, concurrency: int = 8,

@@ -4,7 +4,6 @@ decoding, at any concurrency, with requests joining and leaving mid-batch."""
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 
 import numpy as np
@@ -17,7 +16,7 @@ from clover.runtime.ort_backend import load_runner
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
-from helpers import assert_identical
+from helpers import assert_identical, rss_bytes
 from ort_helpers import tiny_artifact, tiny_modules
 
 ARCHS = ("medusa", "clover", "clover2")
@@ -301,11 +300,6 @@ def test_closing_refuses_new_requests_under_the_schedulers_lock(artifacts):
     assert not engine.alive
     with pytest.raises(EngineUnavailable, match="closed"):
         engine.generate(PROMPTS[0], max_new_tokens=2)
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_threads_and_asyncio_callers_together_and_rss_flat_over_500_requests(artifacts):

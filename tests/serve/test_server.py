@@ -19,7 +19,7 @@ from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.serve import free_port, wait_healthy
-from helpers import Server
+from helpers import Server, rss_bytes
 from ort_helpers import tiny_artifact
 
 openai = pytest.importorskip("openai")
@@ -148,11 +148,6 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, arti
     # still serving
     r = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w10 w11"}], max_tokens=4)
     assert r.choices[0].message.content is not None
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(server, solo):
