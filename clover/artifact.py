@@ -263,6 +263,21 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def check_pin(path: str | Path, sha256: str) -> None:
+    """CloverError unless `path/manifest.json` has this sha256 (hex). The manifest lists every file's sha256 and
+    loading checks them, so pinning it pins the whole artifact (what a deployment reviewed is what it runs)."""
+    want = sha256.strip().lower()
+    if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
+        raise CloverError(f"--manifest-sha256 must be 64 hex digits (sha256sum ARTIFACT/{MANIFEST_FILE}), got {sha256!r}")
+    mfile = Path(path) / MANIFEST_FILE
+    if not mfile.is_file():
+        raise CloverError(f"{Path(path)} is not a clover artifact: it has no {MANIFEST_FILE}")
+    got = sha256_file(mfile)
+    if got != want:
+        raise CloverError(f"{mfile} has sha256 {got}, not the pinned {want}: this is not the artifact that was pinned "
+                          "(export or copy the reviewed one, or pin this one after reviewing it)")
+
+
 def file_entries(root: Path) -> dict[str, dict[str, Any]]:
     """sha256 and size of every file under `root` (the manifest excluded), by POSIX relative path."""
     out = {}

@@ -232,12 +232,13 @@ class Engine:
     # -- requests ---------------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int | None = 128,
                sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
-               ignore_eos: bool = False) -> EngineStream:
+               ignore_eos: bool = False, request_id: str | None = None) -> EngineStream:
         """Submit a request; its output arrives through the returned stream. Everything it carries is checked
         here, in the caller's thread, so a bad request fails alone: CloverError at once for bad input (a token id
         outside the vocabulary, a prompt that fills the context, prompt + max_new_tokens past the context, bad
         sampling values), QueueFull when the queue is full, EngineUnavailable once the engine is closed or its loop
-        has died. max_new_tokens None: up to the end of the context."""
+        has died. max_new_tokens None: up to the end of the context. request_id: names the request in the engine's
+        log and in an internal failure's message (a server's response id)."""
         if not isinstance(sampling, SamplingParams):
             raise CloverError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         info = self.runner.info
@@ -256,7 +257,7 @@ class Engine:
                                     stop_strings=tuple(stop))
         out = EngineStream()
         request = Request(np.array(ids, dtype=np.int64), conditions, sampling, OutputTracker(self.tokenizer, conditions),
-                          out._deliver, Progress(len(ids)))
+                          out._deliver, Progress(len(ids)), id=request_id)
         out._request = request
         self.scheduler.submit(request)  # raises EngineUnavailable once closed or dead (under the scheduler's lock)
         return out
@@ -317,18 +318,28 @@ class Engine:
                 self._retire(r, Cancelled("the request was cancelled"))
         for r in sched.admit():  # joins this step: its prompt is prefilled in the same forward as the others' steps
             capacity = min(runner.info.max_context, len(r.prompt) + r.stop.max_new_tokens + self.tree.num_nodes)
-            r.decoding = Decoding(runner.open_slot(capacity), r.prompt, self.tree, r.sampling,
-                                  np.random.default_rng(r.sampling.seed), self.drafts, self.prefill_chunk,
-                                  lookup_length=self.lookup_length)
+            try:
+                r.decoding = Decoding(runner.open_slot(capacity), r.prompt, self.tree, r.sampling,
+                                      np.random.default_rng(r.sampling.seed), self.drafts, self.prefill_chunk,
+                                      lookup_length=self.lookup_length)
+            except Exception as e:
+                self._fail(r, e)
         batch = list(sched.running)
         self.step_sequences = len(batch)
         if not batch:
             return
         decodings = [r.decoding for r in batch]
-        steps = step(runner, decodings, self.policy.choose(decodings))
-        self.policy.observe(decodings, steps)
+        # a sequence whose part of the step failed ends alone (loop.step keeps failures to their sequence)
+        steps = step(runner, decodings, self.policy.choose(decodings), isolate=True)
+        if all(st.error is None for st in steps):  # a step with a failure (and forwards run again) teaches nothing
+            self.policy.observe(decodings, steps)
         for r, st in zip(batch, steps):
-            self._emit(r, st)
+            try:
+                if st.error is not None:
+                    raise st.error
+                self._emit(r, st)
+            except Exception as e:
+                self._fail(r, e)
 
     def _emit(self, r: Request, st) -> None:
         r.progress.add(st)
@@ -355,12 +366,20 @@ class Engine:
         self.scheduler.retire(r)
         r.deliver(end)
 
-    def _fail_running(self, error: BaseException) -> None:
-        """The requests in a failed step end with the error. An internal one reaches callers as its type only (its
-        message can carry a backend's internals and paths); the engine's log has it whole."""
+    def _fail(self, r: Request, error: BaseException) -> None:
+        """End one request with an error. An internal one reaches the caller as its type only (its message can
+        carry a backend's internals and paths) with the request's id; the engine's log has it whole."""
         self.error = error
-        self._say(f"a step failed: {error!r}")
-        failure = error if isinstance(error, CloverError) else CloverError(
-            f"the engine's step failed ({type(error).__name__}); the server log has the details")
+        self._say(f"request {r.id or '(no id)'} failed: {error!r}")
+        if not isinstance(error, CloverError):
+            ref = f" (request {r.id})" if r.id else ""
+            error = CloverError(f"the engine's step failed{ref} ({type(error).__name__}); the server log has the details")
+        if r in self.scheduler.running:
+            self._retire(r, error)
+        else:
+            r.deliver(error)
+
+    def _fail_running(self, error: BaseException) -> None:
+        """The step failed outside any one request's part (the engine's own bookkeeping): all in it fail."""
         for r in list(self.scheduler.running):
-            self._retire(r, failure)
+            self._fail(r, error)

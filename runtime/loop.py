@@ -56,6 +56,7 @@ class Step:
     # draft / verify / accept / commit (prefill for step 0), and "engine": the part of the step spent in the
     # engine's own calls (absent where the backend cannot tell); the rest of the step is host time.
     seconds: dict[str, float] = field(default_factory=dict)
+    error: BaseException | None = None  # step(isolate=True): this sequence's part failed (it emitted nothing)
 
     @property
     def wall(self) -> float:
@@ -315,108 +316,155 @@ class Decoding:
         return self.slot.past + 1 > self.slot.capacity
 
 
-def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None = None) -> list[Step]:
+def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None = None,
+         isolate: bool = False) -> list[Step]:
     """One step of every sequence in `batch`, all verified in one forward. A sequence still prefilling runs
     its next prompt chunk (and emits its first token after the last one); the others draft their tree, have it
     verified, accept their tokens and commit their KV. `trees`: this step's tree per sequence (default: each
     one's own; ignored while prefilling); a sequence too full for its tree steps plain. Returns what each
-    sequence emitted (nothing for a prompt chunk that is not the last)."""
+    sequence emitted (nothing for a prompt chunk that is not the last).
+
+    A failure is kept to the sequence it belongs to: drafting, accepting and committing are per sequence, and a
+    batched forward that fails is run again one sequence at a time (a forward only writes the rows after a
+    slot's cached tokens, so running it again changes nothing already committed). isolate: a failed
+    sequence's Step carries its `error` and the others step normally (the engine fails that request alone);
+    otherwise the first error is raised after the others have stepped."""
     clock = time.perf_counter
     engine = runner.engine_clock
     t0, e0 = clock(), engine.seconds if engine else 0.0
-    step_trees, drafts, draft_seconds, verify = [], [], [], []
-    proposals: list[tuple[int, np.ndarray] | None] = []  # per sequence: its lookup match length and whole proposal
-    # per sequence, drafts="heads+lookup" with learned lookup lengths: (True if the lookup went alone, else False:
-    # merged with the heads; the kind of its proposal), to be learned from; None otherwise
-    heads_use: list[tuple[bool, int] | None] = []
+    n = len(batch)
+    errors: list[BaseException | None] = [None] * n
+    planned: list[_Planned | None] = [None] * n
     for i, d in enumerate(batch):                                                                # 1. draft
-        td = clock()
-        if d.prefilling:
-            chunk = d.prompt[d.prefilled:d.prefilled + d.prefill_chunk]
-            n = len(chunk)
-            verify.append(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=True))
-            step_trees.append(None)
-            drafts.append(None)
-            draft_seconds.append(0.0)
-            proposals.append(None)
-            heads_use.append(None)
-            continue
-        tree = trees[i] if trees is not None else d.tree
-        room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
-        whole, use = None, None
-        if d.drafts == "lookup":
-            whole = d.lookup.propose(min(tree.max_depth, room))
-            proposal = _worth_verifying(d, whole, 1)
-            tree = chain(len(proposal))
-            draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
-        else:
-            tree = tree if tree.num_nodes - 1 <= room else PLAIN
-            if d.lookup is not None:  # heads+lookup
-                whole = d.lookup.propose(min(LOOKUP_DRAFTS, room))
-            # steps learned from (heads drafted or not): not the first after the prompt (its heads draft over all of it)
-            learn = (whole is not None and d.lookup_length is not None and tree.num_nodes > 1
-                     and d.slot.past > len(d.prompt))
-            kind = LookupLength.kind(d.lookup.match, len(whole)) if learn else -1
-            if learn and d.lookup_length.alone(d.lookup.match, len(whole)):
-                proposal = _worth_verifying(d, whole, 1)  # measured faster without the heads, for such proposals
-                use = (True, kind)
-                tree = chain(len(proposal))
-                draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
-            else:
-                use = (False, kind) if learn else None
-                if isinstance(tree, DynamicTree):
-                    tree, draft = draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot)
-                else:
-                    draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
-                if whole is not None:  # the lookup path joins the heads' tree, in the rows left
-                    whole = whole[:max(0, room - tree.num_nodes + 1)]
-                    proposal = _worth_verifying(d, whole, tree.num_nodes)
-                    tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
-        heads_use.append(use)
-        proposals.append((d.lookup.match, whole) if whole is not None and d.lookup_length is not None else None)
-        step_trees.append(tree)
-        drafts.append(draft)
-        draft_seconds.append(clock() - td)
-        verify.append(Verify(d.slot, draft.tokens, tree.depth, tree.ancestor_mask))
+        try:
+            planned[i] = _plan(runner, d, trees[i] if trees is not None else d.tree)
+        except Exception as e:
+            errors[i] = e
     t1 = clock()
-    logits = runner.forward_batch(verify)                                                       # 2. verify
+    logits: list[np.ndarray | None] = [None] * n                                                 # 2. verify
+    live = [i for i in range(n) if errors[i] is None]
+    try:
+        for i, lg in zip(live, runner.forward_batch([planned[i].verify for i in live]) if live else ()):
+            logits[i] = lg
+    except Exception as e:
+        if len(live) == 1:
+            errors[live[0]] = e
+        for i in live if len(live) > 1 else ():  # whose rows failed: each sequence on its own
+            try:
+                logits[i] = runner.forward_batch([planned[i].verify])[0]
+            except Exception as e_i:
+                errors[i] = e_i
     t2 = clock()
-    accepted = [accept(t, dr, lg, d.sampling, d.rng) if t is not None else None                  # 3. accept
-                for d, dr, t, lg in zip(batch, drafts, step_trees, logits)]
+    accepted: list[Acceptance | None] = [None] * n                                               # 3. accept
+    for i, (d, p) in enumerate(zip(batch, planned)):
+        if errors[i] is None and p.tree is not None:
+            try:
+                accepted[i] = accept(p.tree, p.draft, logits[i], d.sampling, d.rng)
+            except Exception as e:
+                errors[i] = e
     t3 = clock()
     steps = []
-    for d, v, dr, t, acc, lg, ds, pr, use in zip(batch, verify, drafts, step_trees, accepted, logits, draft_seconds,
-                                                proposals, heads_use):                           # 4. commit
-        if t is None:
-            steps.append(_prefilled(runner, d, v.tokens, lg))
-            continue
-        if dr.confidence is not None and isinstance(d.tree, DynamicTree) and d.tree.confidence is not None:
-            d.tree.confidence.observe(dr.confidence[1:], np.isin(np.arange(1, t.num_nodes), acc.path))
-        emitted = [int(x) for x in dr.tokens[acc.accepted_nodes]] + [acc.bonus_token]
-        runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
-        if d.lookup is not None:
-            d.lookup.extend(emitted)
-        if pr is not None:
-            d.lookup_length.observe(*pr, emitted)
-        d.root = acc.bonus_token
-        st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=ds)
-        if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
-            in_heads = dr.heads[acc.path]
-            st.heads_tree, st.heads_path = dr.heads_tree, in_heads[in_heads >= 0]
-        elif use is not None and use[0]:  # the heads drafted nothing
-            st.heads_tree, st.heads_path = PLAIN, acc.path[:1]
-        steps.append(st)
+    for i, (d, p) in enumerate(zip(batch, planned)):                                             # 4. commit
+        try:
+            if errors[i] is None:
+                steps.append(_committed(runner, d, p, accepted[i], logits[i]))
+                continue
+        except Exception as e:  # this slot's state is now unknown: its sequence ends, the others go on
+            errors[i] = e
+        steps.append(Step([], 0, error=errors[i]))
     seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
     if engine:
         seconds["engine"] = engine.seconds - e0
     for st in steps:
         # the batch's step: every sequence waited for all of it; a prompt chunk's step is prefill time
         st.seconds = dict(seconds) if st.tree is not None else {"prefill": sum(seconds.values()) - seconds.get("engine", 0.0)}
-    shared = (t3 - t1 + seconds["commit"]) / len(batch)  # verify, accept, commit: a share per sequence
-    for d, st, use, ds in zip(batch, steps, heads_use, draft_seconds):
-        if use is not None:  # what this kind of step gave and took, the lookup alone or merged with the heads
-            d.lookup_length.observe_step(use[1], use[0], len(st.tokens), (ds + shared) * 1e3)
+    shared = (t3 - t1 + seconds["commit"]) / n  # verify, accept, commit: a share per sequence
+    for d, st, p in zip(batch, steps, planned):
+        if st.error is None and p.use is not None:  # what this kind of step gave and took, the lookup alone or merged
+            d.lookup_length.observe_step(p.use[1], p.use[0], len(st.tokens), (p.draft_seconds + shared) * 1e3)
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None and not isolate:
+        raise failed
     return steps
+
+
+@dataclass
+class _Planned:
+    """One sequence's part of a step, drafted: its forward rows, and for a speculative step its tree and draft,
+    its lookup proposal (match length, whole proposal) and, for heads+lookup with learned lengths, whether the
+    lookup went alone (and its kind), to be learned from."""
+
+    verify: Verify
+    tree: Tree | None = None  # None: a prompt chunk
+    draft: Draft | None = None
+    proposal: tuple[int, np.ndarray] | None = None
+    use: tuple[bool, int] | None = None
+    draft_seconds: float = 0.0
+
+
+def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
+    """Draft one sequence's step (its next prompt chunk while prefilling)."""
+    td = time.perf_counter()
+    if d.prefilling:
+        chunk = d.prompt[d.prefilled:d.prefilled + d.prefill_chunk]
+        n = len(chunk)
+        return _Planned(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=True))
+    room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
+    whole, use = None, None
+    if d.drafts == "lookup":
+        whole = d.lookup.propose(min(tree.max_depth, room))
+        proposal = _worth_verifying(d, whole, 1)
+        tree = chain(len(proposal))
+        draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
+    else:
+        tree = tree if tree.num_nodes - 1 <= room else PLAIN
+        if d.lookup is not None:  # heads+lookup
+            whole = d.lookup.propose(min(LOOKUP_DRAFTS, room))
+        # steps learned from (heads drafted or not): not the first after the prompt (its heads draft over all of it)
+        learn = (whole is not None and d.lookup_length is not None and tree.num_nodes > 1
+                 and d.slot.past > len(d.prompt))
+        kind = LookupLength.kind(d.lookup.match, len(whole)) if learn else -1
+        if learn and d.lookup_length.alone(d.lookup.match, len(whole)):
+            proposal = _worth_verifying(d, whole, 1)  # measured faster without the heads, for such proposals
+            use = (True, kind)
+            tree = chain(len(proposal))
+            draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
+        else:
+            use = (False, kind) if learn else None
+            if isinstance(tree, DynamicTree):
+                tree, draft = draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot)
+            else:
+                draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
+            if whole is not None:  # the lookup path joins the heads' tree, in the rows left
+                whole = whole[:max(0, room - tree.num_nodes + 1)]
+                proposal = _worth_verifying(d, whole, tree.num_nodes)
+                tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
+    return _Planned(Verify(d.slot, draft.tokens, tree.depth, tree.ancestor_mask), tree, draft,
+                    (d.lookup.match, whole) if whole is not None and d.lookup_length is not None else None, use,
+                    time.perf_counter() - td)
+
+
+def _committed(runner: Runner, d: Decoding, p: _Planned, acc: Acceptance | None, logits: np.ndarray) -> Step:
+    """Commit one sequence's accepted path (or prompt chunk) and say what it emitted."""
+    if p.tree is None:
+        return _prefilled(runner, d, p.verify.tokens, logits)
+    t, dr = p.tree, p.draft
+    if dr.confidence is not None and isinstance(d.tree, DynamicTree) and d.tree.confidence is not None:
+        d.tree.confidence.observe(dr.confidence[1:], np.isin(np.arange(1, t.num_nodes), acc.path))
+    emitted = [int(x) for x in dr.tokens[acc.accepted_nodes]] + [acc.bonus_token]
+    runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
+    if d.lookup is not None:
+        d.lookup.extend(emitted)
+    if p.proposal is not None:
+        d.lookup_length.observe(*p.proposal, emitted)
+    d.root = acc.bonus_token
+    st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=p.draft_seconds)
+    if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
+        in_heads = dr.heads[acc.path]
+        st.heads_tree, st.heads_path = dr.heads_tree, in_heads[in_heads >= 0]
+    elif p.use is not None and p.use[0]:  # the heads drafted nothing
+        st.heads_tree, st.heads_path = PLAIN, acc.path[:1]
+    return st
 
 
 def _worth_verifying(d: Decoding, proposal: np.ndarray, rows: int) -> np.ndarray:

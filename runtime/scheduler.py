@@ -57,6 +57,7 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event)
     decoding: Decoding | None = None  # set when it joins the batch
     sent: int = 0  # token ids delivered so far
+    id: str | None = None  # the caller's name for it (a server's response id), for the engine's log
 
 
 def check_max_batch(max_batch: int) -> None:

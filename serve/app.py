@@ -141,15 +141,25 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _check_prompt(body, len(body.messages), 0)  # before the messages are even copied
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        _check_prompt(body, len(messages), sum(len(m["content"]) for m in messages))
         return await _complete(request, body, messages, chat=True)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _complete(request, body, body.prompt_input(), chat=False)
+        prompt = body.prompt_input()
+        _check_prompt(body, None, len(prompt) if isinstance(prompt, str) else 0)
+        return await _complete(request, body, prompt, chat=False)
+
+    def _check_prompt(body, messages: int | None, chars: int) -> None:
+        try:
+            limits.check_prompt(messages, chars)
+        except CloverError as e:
+            raise ApiError(400, str(e), param=request_param(e.param, body)) from None
 
     # -- the work -----------------------------------------------------------------------------------------
-    def submit(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: Any) -> EngineStream:
+    def submit(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: Any, rid: str) -> EngineStream:
         if body.model != model:
             raise ApiError(404, f"model {body.model!r} does not exist: this server serves {model!r} (GET /v1/models)",
                            param="model", code="model_not_found")
@@ -163,7 +173,7 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
             # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
             new = limits.new_tokens(len(ids), body.token_limit(), context)
             return engine.stream(ids, max_new_tokens=new, sampling=sampling, stop=body.stop_strings(),
-                                 ignore_eos=body.ignore_eos)
+                                 ignore_eos=body.ignore_eos, request_id=rid)
         except QueueFull as e:
             raise ApiError(503, f"the server is busy ({e}): retry later", "service_unavailable",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
@@ -175,11 +185,11 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
 
     async def _complete(request: Request, body, prompt: Any, chat: bool) -> Response:
         # templating and tokenizing run in a worker thread: a huge prompt must not stall /health and every stream
-        out = await run_in_threadpool(submit, request, body, prompt)
-        rid = new_id("chatcmpl" if chat else "cmpl")
+        rid = new_id("chatcmpl" if chat else "cmpl")  # also names the request in the engine's log
+        out = await run_in_threadpool(submit, request, body, prompt, rid)
         if body.stream:
             return StreamingResponse(_events(out, rid, body, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
         try:
             async for _ in out:
                 if await request.is_disconnected():
@@ -190,8 +200,8 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
             return Response(status_code=499)
         except EngineUnavailable as e:  # the engine's loop stopped under this request
             raise ApiError(503, str(e), "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
-        except CloverError as e:  # the engine failed this request's step
-            raise ApiError(500, str(e), "server_error") from None
+        except CloverError as e:  # the engine failed this request's step (the server log has it, by this id)
+            raise ApiError(500, str(e), "server_error", headers={"X-Request-Id": rid}) from None
         result = out.result
         reason = finish_reason(result)
         metrics.finished(result, reason)
@@ -203,7 +213,7 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
         return JSONResponse({
             "id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(), "model": model,
             "choices": [choice], "usage": usage(result).model_dump(), "clover": speculation(result).model_dump(),
-        })
+        }, headers={"X-Request-Id": rid})
 
     async def _events(out: EngineStream, rid: str, body, chat: bool) -> AsyncIterator[str]:
         created, kind = now(), "chat.completion.chunk" if chat else "text_completion"

@@ -26,6 +26,9 @@ class RequestLimits:
     max_concurrent_requests: int | None = None  # /v1 requests in flight at once (RequestGuard); more get 503
     max_input_tokens: int | None = None  # a prompt's tokens, after the chat template (None: the context's)
     max_tokens_cap: int | None = None  # the most tokens one request may ask for (None: what the context leaves)
+    # checked before templating and tokenizing, the costly part of a request before the engine
+    max_messages: int = 1024  # messages in one chat request
+    max_prompt_chars: int = 262_144  # a prompt's characters (a chat's: its messages' together); ~32 per token at 8k
 
     def __post_init__(self) -> None:
         if self.max_stop_strings < 0 or self.max_stop_chars < 1:
@@ -34,7 +37,8 @@ class RequestLimits:
         if self.max_body_bytes < 1024:
             raise CloverError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
         for flag, value in (("--max-concurrent-requests", self.max_concurrent_requests),
-                            ("--max-input-tokens", self.max_input_tokens), ("--max-tokens-cap", self.max_tokens_cap)):
+                            ("--max-input-tokens", self.max_input_tokens), ("--max-tokens-cap", self.max_tokens_cap),
+                            ("--max-messages", self.max_messages), ("--max-prompt-chars", self.max_prompt_chars)):
             if value is not None and value < 1:
                 raise CloverError(f"{flag} must be >= 1, got {value}")
 
@@ -50,6 +54,16 @@ class RequestLimits:
         if asked is None and self.max_tokens_cap is not None:
             return min(self.max_tokens_cap, max(context - prompt_tokens, 1))
         return asked
+
+    def check_prompt(self, messages: int | None, chars: int) -> None:
+        """CloverError for a chat of more than max_messages messages (None: a completion) or a prompt of more than
+        max_prompt_chars characters."""
+        if messages is not None and messages > self.max_messages:
+            raise CloverError(f"{messages} messages: this server takes at most {self.max_messages} per request",
+                              param="messages")
+        if chars > self.max_prompt_chars:
+            raise CloverError(f"the prompt has {chars} characters: this server takes at most {self.max_prompt_chars}",
+                              param="prompt")
 
     def check(self, stop: tuple[str, ...], ignore_eos: bool) -> None:
         """CloverError (with its param) for a request over a limit."""

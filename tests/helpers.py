@@ -233,3 +233,42 @@ def rss_bytes() -> int:
     """This process's resident memory (Linux)."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+POISON = [5, 5, 5, 5, 5, 5]  # a prompt no test's other prompt starts with (the engine tests' ids are 6-89)
+
+
+class Faulty:
+    """A fault in one request's part of every step: the runner's `where` ("forward", "commit", "draft") raises for
+    the slot whose prompt is POISON, every time it is asked (a forward raises whenever that slot is in it)."""
+
+    def __init__(self, runner, where: str) -> None:
+        self.slots, self.where, self.raised = [], where, 0
+        forward_batch, commit, draft_begin = runner.forward_batch, runner.commit, runner.draft_begin
+
+        def poisoned(slot) -> bool:
+            return any(slot is s for s in self.slots)
+
+        def fail():
+            self.raised += 1
+            raise RuntimeError(f"/secret/path {where} fault")
+
+        def forward(batch):
+            for v in batch:
+                if v.last_only and v.slot.past == 0 and list(v.tokens[:len(POISON)]) == POISON:
+                    self.slots.append(v.slot)
+            if where == "forward" and any(poisoned(v.slot) for v in batch):
+                fail()
+            return forward_batch(batch)
+
+        def commit_(path, next_tokens, slot=None):
+            if where == "commit" and poisoned(slot):
+                fail()
+            return commit(path, next_tokens, slot=slot)
+
+        def draft(slot=None):
+            if where == "draft" and poisoned(slot):
+                fail()
+            return draft_begin(slot)
+
+        runner.forward_batch, runner.commit, runner.draft_begin = forward, commit_, draft

@@ -82,8 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: what the context allows)")
     p.add_argument("--max-tokens-cap", type=int, default=None, help="the most tokens one request may ask for; requests "
                    "without max_tokens get at most this many (default: what the context leaves)")
+    p.add_argument("--max-messages", type=int, default=1024, help="messages in one chat request (default 1024)")
+    p.add_argument("--max-prompt-chars", type=int, default=262_144, help="a prompt's characters, a chat's messages "
+                   "together, checked before templating and tokenizing (default 262144)")
     p.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file (its first line) "
                    "instead of --api-key, so it stays out of the process list")
+    p.add_argument("--manifest-sha256", default=None, metavar="HEX", help="refuse to start unless the artifact's "
+                   "manifest.json has this sha256 (it lists every file's checksum, so this pins the whole artifact; an "
+                   "artifact is trusted code: TensorRT engines are executable)")
     p.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the API key too")
     p.add_argument("--disable-docs", action="store_true", help="serve no /docs, /redoc or /openapi.json")
     p.add_argument("--allow-ignore-eos", action="store_true", help="honour vLLM's ignore_eos extension (requests run to "
@@ -123,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise CloverError(f"clover-serve needs the serve extra ({e.name} is missing): pip install 'clover-deploy[serve]'") from None
-    from clover.artifact import read_manifest
+    from clover.artifact import check_pin, read_manifest
     from clover.runtime.engine import Engine
     from clover.serve.app import create_app
 
@@ -139,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
     limits = RequestLimits(args.max_stop_strings, args.max_stop_chars, args.allow_ignore_eos,
                            args.max_body_bytes, args.max_concurrent_requests, args.max_input_tokens,
-                           args.max_tokens_cap)  # checked before minutes of loading
+                           args.max_tokens_cap, args.max_messages, args.max_prompt_chars)  # before minutes of loading
     if args.api_key_file is not None:
         try:
             lines = args.api_key_file.read_text().splitlines()
@@ -148,6 +154,8 @@ def run(args: argparse.Namespace) -> int:
         if not lines or not lines[0].strip():
             raise CloverError(f"--api-key-file {args.api_key_file} is empty: put the key on its first line")
         args.api_key = lines[0].strip()
+    if args.manifest_sha256 is not None:
+        check_pin(args.artifact, args.manifest_sha256)
     backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
     engine = Engine.load(args.artifact, backend=backend, tree=args.tree, max_batch=args.max_batch, threads=args.threads,
                          max_waiting=args.max_waiting, providers=args.providers)

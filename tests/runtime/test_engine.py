@@ -4,7 +4,9 @@ decoding, at any concurrency, with requests joining and leaving mid-batch."""
 from __future__ import annotations
 
 import asyncio
+import io
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -16,7 +18,7 @@ from clover.runtime.ort_backend import load_runner
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
-from helpers import assert_identical, rss_bytes
+from helpers import POISON, Faulty, assert_identical, rss_bytes
 from ort_helpers import tiny_artifact, tiny_modules
 
 ARCHS = ("medusa", "clover", "clover2")
@@ -243,6 +245,59 @@ def test_a_failed_step_fails_its_requests_alone_and_says_no_internals(artifacts)
         assert engine.alive
         assert_identical(engine.generate(PROMPTS[2], max_new_tokens=BUDGETS[2], ignore_eos=True).token_ids, want,
                          "after a failed step")
+
+
+@pytest.mark.parametrize("where,tree", [("forward", "chain-2"), ("forward", "auto"), ("commit", "small"),
+                                        ("draft", "chain-2")])
+def test_a_fault_in_one_requests_part_of_the_step_fails_that_request_alone(artifacts, where, tree):
+    """One request whose forward rows, commit or drafting raise at every step, among 5 others decoding in the same
+    batched steps: it ends with an error naming only the error's type and its request id (the log has the whole
+    error), every other request emits its solo tokens, and the engine keeps serving."""
+    path = artifacts["clover2"]
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    want = solo_plain(load_runner(path, heads="none"), tok)
+    log = io.StringIO()
+    with Engine(load_runner(path), tok, tree, max_batch=6, log=log) as engine:
+        fault = Faulty(engine.runner, where)
+        streams = [engine.stream(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True) for i in range(3)]
+        bad = engine.stream(POISON, max_new_tokens=20, ignore_eos=True, request_id="cmpl-poisoned")
+        streams += [engine.stream(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True) for i in range(3, 5)]
+        with pytest.raises(CloverError) as e:
+            bad.wait()
+        message = str(e.value)
+        assert "RuntimeError" in message and "cmpl-poisoned" in message and "/secret" not in message, message
+        for i, s in enumerate(streams):
+            assert_identical(s.wait().token_ids, want[i], f"{where} fault, {tree}: the request beside it, prompt {i}")
+        assert fault.raised >= 1 and engine.alive
+        assert "cmpl-poisoned" in log.getvalue() and "/secret/path" in log.getvalue()  # the log has it whole
+        assert engine.runner.open_slots == 0
+        assert_identical(engine.generate(PROMPTS[5], max_new_tokens=BUDGETS[5], ignore_eos=True).token_ids, want[5],
+                         "after the fault")
+
+
+def test_a_caller_whose_event_loop_closes_mid_stream_does_not_disturb_the_others(artifacts):
+    """An asyncio caller reads one delta and its loop closes without cancelling: the engine cancels that request
+    at its next delivery, and the requests beside it emit their solo tokens."""
+    path = artifacts["clover2"]
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    want = solo_plain(load_runner(path, heads="none"), tok)
+    with Engine(load_runner(path), tok, "chain-2", max_batch=4, log=None) as engine:
+        streams = [engine.stream(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True) for i in range(3)]
+
+        async def read_one():
+            s = engine.stream(PROMPTS[7], max_new_tokens=200, ignore_eos=True)
+            await s.__aiter__().__anext__()
+            return s
+
+        loop = asyncio.new_event_loop()
+        abandoned = loop.run_until_complete(read_one())
+        loop.close()
+        for i, s in enumerate(streams):
+            assert_identical(s.wait().token_ids, want[i], f"beside a closed caller loop, prompt {i}")
+        deadline = time.monotonic() + 10
+        while engine.runner.open_slots and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert abandoned._request.cancelled.is_set() and engine.runner.open_slots == 0 and engine.alive
 
 
 def test_a_dead_loop_fails_every_caller_at_once_and_refuses_new_ones(artifacts):
