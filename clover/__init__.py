@@ -4,20 +4,31 @@ Importing `clover` has no side effects and needs neither torch, onnxruntime nor 
 subpackages import heavy dependencies where they are used.
 """
 
+import importlib
+
 from clover.errors import CloverError
 
-__all__ = ["CloverError", "Engine", "SamplingParams"]
+# the public API, imported on first use (numpy only; backends load lazily): name -> its module
+_LAZY = {
+    "Engine": "clover.runtime.engine",
+    "EngineStream": "clover.runtime.engine",
+    "Generator": "clover.runtime.generator",
+    "GenerationResult": "clover.runtime.generator",
+    "SamplingParams": "clover.runtime.sampling",
+    "StreamDelta": "clover.runtime.scheduler",
+    "QueueFull": "clover.runtime.scheduler",
+    "Cancelled": "clover.runtime.scheduler",
+    "EngineUnavailable": "clover.runtime.scheduler",
+}
+__all__ = ["CloverError", *_LAZY]
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    """`clover.Engine` and `clover.SamplingParams`, imported on first use (numpy only; backends load lazily)."""
-    if name == "Engine":
-        from clover.runtime.engine import Engine
-
-        return Engine
-    if name == "SamplingParams":
-        from clover.runtime.sampling import SamplingParams
-
-        return SamplingParams
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'clover' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

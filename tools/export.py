@@ -121,6 +121,11 @@ def corpus_sources(folders: str | Path | Sequence[str | Path], store: bool = Tru
     """(n-gram store, token counts) of the answers of one or more corpora of the same base, for --ngram-store and
     --draft-vocab, from one read of their shards (each read checks every shard's sha256); either is None when not
     asked for. The store keeps each answer after the end of its prompt."""
+    for folder in corpus_list(folders):  # before the imports below (torch): a wheel has no data/ folder
+        if not folder.is_dir():
+            raise CloverError(f"corpus folder {folder} does not exist: --ngram-store and --draft-vocab-data take corpus "
+                              f"folders grown by clover-data grow (their default, {DEFAULT_CORPUS}, is relative to the "
+                              "current folder and comes with a clone of the repository, not with an installed wheel)")
     import numpy as np
 
     from clover.artifact import check_corpus_base
