@@ -52,8 +52,8 @@ CURVE_KV = (256, 1024)
 ARCHS = ("medusa", "clover", "clover2")
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 # clover-bench runs of the shipped Clover-2 heads on the fp32 SmolLM2 artifact (CPU): tokens per step by tree
-CPU_ACCEPTANCE = ("bench_fp32_s26_mtbench.json", "bench_fp32_s26_code.json", "bench_fp32_s26_dynamic_mtbench.json",
-                  "bench_fp32_s26_dynamic_code.json")
+CPU_ACCEPTANCE = ("bench_fp32_2026-11-27_mtbench.json", "bench_fp32_2026-11-27_code.json",
+                  "bench_fp32_2026-11-27_dynamic_mtbench.json", "bench_fp32_2026-11-27_dynamic_code.json")
 
 
 def sync() -> None:
