@@ -1,4 +1,4 @@
-"""clover.Engine under concurrent load on the embedded default, CPU (issue 13 targets).
+"""clover.Engine under concurrent load on the embedded default, CPU, against its targets (below).
 
   python benchmarks/concurrency.py [--precision int4|fp32|both] [--num-prompts N] [--max-new-tokens N]
 

@@ -1,4 +1,4 @@
-"""Draft vocabulary sizes side by side (issue 15, item 2): the demo's int4 artifact as exported (the heads draft
+"""Draft vocabulary sizes side by side: the demo's int4 artifact as exported (the heads draft
 over all 49,152 tokens) and copies of it whose heads draft over the K tokens the base emits most often in
 data/smollm2-sharegpt, for several K, in one clover-bench run (every artifact interleaved per prompt; the copies
 share the original's base graph, so one plain run is every artifact's reference).

@@ -1,4 +1,4 @@
-"""Draft sources side by side (issue 15): the artifact's Clover-2 heads, prompt lookup alone, and both in one
+"""Draft sources side by side: the artifact's Clover-2 heads, prompt lookup alone, and both in one
 tree (heads "+lookup"), against plain decoding of the same graph, on MT-Bench and on a code prompt set
 (benchmarks/prompts/code.jsonl: completions and edits, where answers repeat their prompt); each on the export
 as it is and on its copy with the shipped corpora's extras (tools/demo.with_corpus over SHIPPED_CORPORA, as the

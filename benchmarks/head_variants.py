@@ -1,4 +1,4 @@
-"""Clover-2 draft-head variants at equal budgets (issue 15): does capacity, richer features or the objective move
+"""Clover-2 draft-head variants at equal budgets: does capacity, richer features or the objective move
 depth-1 accuracy on MT-Bench, where the shipped heads draft the base's next token a third of the time?
 
 Every arm trains on the same features (the corpus's greedy first answers, training split, bfloat16 base) for the

@@ -1,4 +1,4 @@
-"""clover-serve under closed-loop load, beside the same engine called in-process (issue 14's targets).
+"""clover-serve under closed-loop load, beside the same engine called in-process, against its targets (below).
 
     python benchmarks/serve_load.py [--clients 1,2,4,8,16] [--seconds 30] [--rounds 2] [--artifact DIR]
     python benchmarks/serve_load.py --soak [--soak-minutes 10]

@@ -1,4 +1,4 @@
-"""clover.export: torch -> ONNX graphs and the artifact directory (DESIGN.md "Exported artifact").
+"""clover.export: torch -> ONNX graphs and the artifact directory (docs/design.md "Exported artifact").
 
 Small loaders, composed by `clover-export` (STYLE.md 6):
     config.ExportConfig                    what to make (backend, dtype, opset, tree, max context)

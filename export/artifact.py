@@ -1,4 +1,4 @@
-"""Build an artifact directory (DESIGN.md "Exported artifact") from a base model and draft heads.
+"""Build an artifact directory (docs/design.md "Exported artifact") from a base model and draft heads.
 
     export_artifact("smollm2", "heads/", "out/", ExportConfig())        # from CLI-style specs
     artifact_from_modules(base, heads, tokenizer_dir, "out/", config)    # from loaded modules

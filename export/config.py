@@ -24,7 +24,7 @@ class ExportConfig:
       typed engines in this precision. bfloat16 is for TensorRT (ONNX Runtime's CPU provider lacks
       bf16 kernels, so its export-time check is the ONNX checker only).
     attention: "portable": standard ONNX ops with an explicit mask; "plugin": one tree-attention node
-      per decoder layer for the TensorRT plugin (DESIGN.md). Same graph inputs and outputs. "fused": the
+      per decoder layer for the TensorRT plugin (docs/design.md). Same graph inputs and outputs. "fused": the
       base written as ONNX Runtime's fused CPU operators (GroupQueryAttention writing the KV cache in
       place, SkipSimplifiedLayerNormalization; export/fused_graph.py): ONNX Runtime only, float32.
     opset: default-domain ONNX opset.

@@ -2,7 +2,7 @@
 
 `torch.onnx.export(dynamo=True)` wants tensors in and tensors out; these wrappers unpack flat inputs
 into the models' forward arguments and flatten their outputs, so every graph input and output is one
-named tensor. Graphs and their I/O (dims named; see DESIGN.md for the names):
+named tensor. Graphs and their I/O (dims named; see docs/design.md for the names):
 
 base          input_ids [batch, new] int64, position_ids [batch, new] int64, tree_mask [batch, new, new]
               bool, past_lengths [batch] int64, logit_rows [rows] int64,

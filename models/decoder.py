@@ -9,7 +9,7 @@ lets a backend keep its cache wherever it likes.
 Attention is computed in two parts (past keys, new keys) joined by one softmax, so the past cache is
 never concatenated (copied) per step: cost is O(past) reads, not O(past) copies.
 
-Two attention variants with the same inputs and outputs (DESIGN.md): `portable` builds an additive
+Two attention variants with the same inputs and outputs (docs/design.md): `portable` builds an additive
 mask from standard ops; `plugin` packs the tree mask into int32 bit rows once and calls the
 tree-attention op (clover.plugins), one custom ONNX node per layer when exported. `with_attention`
 gives a decoder sharing all weights that uses the other variant.

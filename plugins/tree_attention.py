@@ -1,7 +1,7 @@
 """Tree attention: T new tokens (a token tree under verification) attend to the valid KV-cache prefix plus
 their own tree ancestors.
 
-The tree mask travels packed, ceil(T/32) int32 words per row (DESIGN.md "Trees"), so the same buffer feeds
+The tree mask travels packed, ceil(T/32) int32 words per row (docs/design.md "Trees"), so the same buffer feeds
 the PyTorch reference, the Triton kernel, the ONNX node and the TensorRT plugin. This module imports torch
 only; the Triton kernel is imported lazily by `tree_attention` when it can run.
 """

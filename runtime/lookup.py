@@ -18,7 +18,7 @@ corpus's n-gram store): lookup alone 1.38x -> 1.43x (MT-Bench) and 1.53x -> 1.60
 When the sequence's tail matches nothing of 2+ tokens, an `NgramStore` (clover-export --ngram-store) drafts
 instead: what the base itself wrote after the longest stored match of the sequence's tail, over corpora of its
 own answers (REST, arXiv 2311.08252; SuffixDecoding, arXiv 2411.04975). Still no model call: binary searches
-over a suffix array, ~0.1 ms a proposal. Session 15's store (2-3 token contexts, at most 3 drafts) raised prompt
+over a suffix array, ~0.1 ms a proposal. The format-1 store (2-3 token contexts, at most 3 drafts) raised prompt
 lookup's tokens per step on SmolLM2 int4 from 1.36 to 1.56 on MT-Bench and from 1.66 to 1.88 on the code prompts
 (replayed on fixed greedy outputs); the suffix array's longer matches and longer drafts add 5-8% more on the
 fp32 graph (NgramStore).
@@ -45,7 +45,7 @@ STORE_LONGEST = 24  # ... and at most (longer matches are rare and predict no be
 STORE_SORTED = 64  # the suffix array orders suffixes by this many tokens, ties in text order: matches and drafts
 # read no further (a draft stops there), as the search and the walk rely on that order
 STORE_PROMPT_TAIL = 3  # prompt tokens kept before each answer: the chat template's turn header, so answer starts match
-STORE_FORMAT = 2  # 1: 2-3 token contexts and their most frequent next token (session 15); 2: a suffix array
+STORE_FORMAT = 2  # 1: 2-3 token contexts and their most frequent next token; 2: a suffix array
 MATCH_EXTEND = 32  # a match is measured up to this many tokens back
 MATCH_DRAFTS_PER_TOKEN = 2  # a match of L tokens drafts up to 2L (L, 3L, 4L replayed worse or no better per ms)
 
@@ -86,7 +86,7 @@ class NgramStore:
     its prompt, then a separator) in one token array, and its suffix array. A draft finds the longest tail of
     the sequence (STORE_MIN_CONTEXT..STORE_LONGEST tokens) that occurs in it by binary search, then follows the
     most frequent continuation of those occurrences token by token: suffixes sharing a prefix are adjacent and
-    sorted by what follows, so each drafted token narrows a range, with no per-context table. Session 15's store
+    sorted by what follows, so each drafted token narrows a range, with no per-context table. The format-1 store
     kept 2-3 token contexts and drafted 3 tokens at most; replayed on the fp32 graph's greedy outputs (80
     MT-Bench prompts, 16 code prompts, 128 tokens, up to 8 drafts a step), prompt lookup's tokens per step go
     1.74 -> 1.82 (MT-Bench) and 1.93 -> 2.06 (code) with this one over the same answers plus the fp32 graph's.

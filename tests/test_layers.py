@@ -1,4 +1,4 @@
-"""The import contract (DESIGN.md "Arrows point one way"), checked on the source: every `import` and
+"""The import contract (docs/design.md "Arrows point one way"), checked on the source: every `import` and
 `from ... import` of a clover module, lazy ones inside functions included, must point down this stack.
 
     tools                  CLI entry points

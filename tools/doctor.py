@@ -6,7 +6,7 @@ One row per check, each pass / fail / not available with a one-line detail (why 
     CUDA driver, torch CUDA, the ONNX Runtime CUDA provider (available, and used by a session), TensorRT
     and Polygraphy, the Triton tree-attention kernel against the PyTorch reference (on CUDA);
     greedy identity (speculative output token-identical to plain greedy decoding on the same backend,
-    DESIGN.md "Ground truth") on a tiny random model exported with clover's export API: ONNX Runtime on the
+    docs/design.md "Ground truth") on a tiny random model exported with clover's export API: ONNX Runtime on the
     CPU (the check every machine can run), torch CUDA, ONNX Runtime CUDA, TensorRT; a tiny TensorRT engine
     with the tree-attention plugin, built and decoded with; and greedy identity on the embedded SmolLM2
     with its Clover-2 heads on torch CUDA, ONNX Runtime CUDA and TensorRT (--no-real-model skips those).

@@ -2,7 +2,7 @@
 edge sizes included (no past, one new token, one candidate) up to the largest tree (mc26, 26 nodes),
 through the export's comparison (clover.export.compare: Polygraphy's runners and Comparator).
 
-DESIGN.md: fp32 max abs logit error < 1e-3. The errors are printed (pytest -s) for the report.
+docs/design.md: fp32 max abs logit error < 1e-3. The errors are printed (pytest -s) for the report.
 """
 
 import numpy as np
@@ -34,7 +34,7 @@ BEGIN_SIZES = [
     {"batch": 2, "accepted": 3, "past": 5},
 ]
 STEP_SIZES = [{"candidates": n} for n in (1, 4, LARGEST_TREE)]
-FP32_LIMIT = 1e-3  # DESIGN.md, on logits
+FP32_LIMIT = 1e-3  # docs/design.md, on logits
 FP16_LIMITS = {"logits": 0.02, "state": 0.01}  # fp16 graph vs fp32 PyTorch, relative to the outputs' magnitude
 
 

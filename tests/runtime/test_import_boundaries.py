@@ -1,4 +1,4 @@
-"""The runtime core imports neither torch nor model code (DESIGN.md: a CPU service runs it with numpy +
+"""The runtime core imports neither torch nor model code (docs/design.md: a CPU service runs it with numpy +
 onnxruntime only); importing `clover` has no side effects."""
 
 from helpers import run_python

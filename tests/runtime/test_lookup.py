@@ -246,7 +246,7 @@ def test_store_file_round_trip_and_errors(tmp_path):
     with pytest.raises(CloverError, match="cannot read the n-gram store .*bad.npz"):
         NgramStore.load(tmp_path / "bad.npz")
     np.savez(tmp_path / "old.npz", keys=np.zeros(1, np.uint64), next_ids=np.zeros(1, np.int32),
-             share=np.ones(1, np.float32), vocab_size=np.int64(8))  # session 15's format
+             share=np.ones(1, np.float32), vocab_size=np.int64(8))  # STORE_FORMAT 1
     with pytest.raises(CloverError, match="older format: export the artifact again"):
         NgramStore.load(tmp_path / "old.npz")
     with pytest.raises(CloverError, match="separator"):

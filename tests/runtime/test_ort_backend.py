@@ -183,7 +183,7 @@ def test_runs_without_torch(artifacts, torch_plain):
 
 
 def test_fp16_artifact_speculative_equals_plain(tmp_path_factory):
-    """DESIGN.md ground truth holds per backend and precision: ORT fp16 speculative == ORT fp16 plain."""
+    """docs/design.md "Ground truth" holds per backend and precision: ORT fp16 speculative == ORT fp16 plain."""
     path = tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", "float16")
     plain, spec = load_runner(path, heads="none"), load_runner(path)
     assert plain.cache is None and spec.info.default_tree.name == read_manifest(path).tree.name
