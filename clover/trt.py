@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 SUPPORTED_MAJORS = (10, 11)
 MISSING = ("TensorRT is not installed: clover-export --backend trt and the trt runtime backend need TensorRT 10.x or "
-           "11.x and a CUDA GPU (pip install -e '.[torch,gpu]' in an environment of its own, see the README); "
+           "11.x and a CUDA GPU (pip install -e '.[torch,gpu]' in an environment of its own, see docs/gpu.md); "
            "use --backend onnx / --backend ort to run on ONNX Runtime")
 # numpy dtype name -> trt.DataType member name, and bytes per element: the tensor types engines bind
 TRT_DTYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16", "int64": "INT64", "int32": "INT32",

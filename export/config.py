@@ -29,7 +29,8 @@ class ExportConfig:
       place, SkipSimplifiedLayerNormalization; export/fused_graph.py): ONNX Runtime only, float32.
     opset: default-domain ONNX opset.
     tree: default token tree recorded in the manifest (any tree runs on ONNX Runtime: the tree dims are
-      dynamic); None: mc26, pruned to the heads' depth.
+      dynamic); None: ONNX artifacts with heads time the candidate trees on their graphs and record the
+      fastest (export/tree_timing.py); TensorRT and plugin exports record mc26, pruned to the heads' depth.
     max_context: longest sequence (prompt + generated) the artifact serves; None: the base's
       max_position_embeddings.
     max_prompt: longest prompt the TensorRT prefill profile accepts; None: min(max_context, 2048).

@@ -65,7 +65,7 @@ ENGINES_DIR = "engines"
 PLUGIN_OP_TYPE = "CloverTreeAttention"  # clover.plugins.onnx_node.OP_TYPE (that module imports torch)
 DEFAULT_WORKSPACE_BYTES = 4 << 30  # tactic scratch memory the builder may use; TensorRT's default is the whole GPU
 POLYGRAPHY_MISSING = ("Polygraphy is not installed: clover-export --backend trt builds engines with it "
-                      "(pip install -e '.[torch,gpu]' in an environment of its own, see the README)")
+                      "(pip install -e '.[torch,gpu]' in an environment of its own, see docs/gpu.md)")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""The n-gram store an artifact carries for prompt lookup (clover-export --ngram-store): the base's most
-frequent continuation of each 2-3 token context, counted over a corpus of its own answers
-(clover.runtime.lookup.NgramStore, which also reads it). Drafting from it costs no model call; only what is
+"""The n-gram store an artifact carries for prompt lookup (clover-export --ngram-store): a suffix array over a
+corpus of the base's own answers, from which the longest match of a sequence's tail gives its most frequent
+continuation (clover.runtime.lookup.NgramStore, which also reads it). Drafting from it costs no model call; only what is
 proposed changes, so output stays lossless."""
 
 from __future__ import annotations

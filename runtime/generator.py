@@ -62,7 +62,7 @@ class GenerationResult:
 
 def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:
     """The tree a runner speculates with, checked against its heads. drafts "lookup": a chain (default
-    chain-3) capping the prompt-lookup drafts per step; "heads": `tree`, else the artifact's, else mc26."""
+    chain-12, LOOKUP_DRAFTS) capping the prompt-lookup drafts per step; "heads": `tree`, else the artifact's, else mc26."""
     if drafts not in DRAFT_SOURCES:
         raise CloverError(f"unknown draft source {drafts!r}: use one of {', '.join(DRAFT_SOURCES)}")
     if drafts == "lookup":
@@ -212,7 +212,7 @@ class Progress:
 
 class Generator:
     """drafts: "heads" (the runner's draft heads fill `tree`) or "lookup" (prompt lookup, no model: `tree`
-    is a chain whose depth caps the drafts per step, chain-3 by default; any runner, heads or not)."""
+    is a chain whose depth caps the drafts per step, chain-12 by default; any runner, heads or not)."""
 
     def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None, drafts: str = "heads"):
         self.runner, self.tokenizer, self.drafts = runner, tokenizer, drafts

@@ -27,7 +27,7 @@ from clover.errors import CloverError
 from clover.tools.bench import first_difference, ort_placement
 from clover.tools.machine import host
 
-BANDWIDTH_GBS = 27.0  # this workplace's measured memory read bandwidth (README)
+BANDWIDTH_GBS = 27.0  # memory read bandwidth of the first AMD EPYC AVX-512 2-vCPU hosts measured (docs/experiments.md)
 CONTROL = "plain-2"  # --control: a second plain engine (A/A)
 
 

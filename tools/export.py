@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "ONNX reference function); fused: the base as ONNX Runtime's fused CPU operators "
                         "(GroupQueryAttention, in-place KV cache; ~2x faster decoding on CPU; --backend onnx, float32)")
     p.add_argument("--tree", default=None,
-                   help="default token tree recorded in the artifact (default: mc26, pruned to the heads' depth)")
+                   help="default token tree recorded in the artifact (default: ONNX artifacts with heads time plain and the "
+                   "candidate trees on their graphs and record the fastest; TensorRT and plugin exports: mc26, pruned "
+                   "to the heads' depth)")
     p.add_argument("--dtype", default="float32", help="float32, float16, or bfloat16 (TensorRT)")
     p.add_argument("--max-context", type=int, default=None,
                    help="longest sequence the artifact serves (default: the base's max_position_embeddings)")

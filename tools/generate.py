@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", default=None,
                    help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), none (default: none; "
                         "with --artifact: the artifact's heads, or none for plain decoding), or lookup: prompt-lookup "
-                        "drafts on the base alone (--tree chain-N caps the drafts per step; default chain-3)")
+                        "drafts on the base alone (--tree chain-N caps the drafts per step; default chain-12)")
     p.add_argument("--artifact", type=Path, default=None,
                    help="artifact folder written by clover-export (ort and trt backends)")
     p.add_argument("--backend", default=None,

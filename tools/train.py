@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         if corpus is None or not 0 <= args.skip_tokens < held:
             raise CloverError(f"--skip-tokens {args.skip_tokens}: give 0 up to the corpus's answer tokens ({held}), with "
                               "--data a corpus folder (clover-data grow; clover-data info shows its size)")
-    if args.feature_dtype is None:  # bfloat16 measured on a corpus (README, "Train heads"); float32 as before otherwise
+    if args.feature_dtype is None:  # bfloat16 measured on a corpus (docs/training.md, "Features and the cache"); float32 as before otherwise
         args.feature_dtype = "bfloat16" if corpus is not None else "float32"
     if args.threads:
         torch.set_num_threads(args.threads)
