@@ -4,11 +4,13 @@ Every write that replaces a file in place goes through here. The temporary sibli
 (mkstemp), so two writers of one path (two exports sharing a timing cache) never write into each
 other's temporary file: the last rename wins with a whole file. Files are synced before their rename and the
 folder holding the rename after it, so a power cut leaves the old version or the new one on disk, not an empty file
-under the final name.
+under the final name. A write that finds no room (a full device, a quota, a file size limit) raises one CloverError line
+naming what was being written.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import shutil
@@ -19,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO
+
+from clover.errors import CloverError
 
 
 @contextmanager
@@ -38,8 +42,11 @@ def replacing(path: str | Path, mode: str = "wb") -> Iterator[IO]:
         os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it 0600; a published file is for everyone
         os.replace(tmp, path)
         fsync_dir(path.parent)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        no_room = space_error(e, path, path.parent)
+        if no_room is not None:
+            raise no_room from e
         raise
 
 
@@ -101,6 +108,11 @@ def staging_folder(dest: str | Path) -> Iterator[Path]:
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield tmp
+    except BaseException as e:
+        no_room = space_error(e, dest, tmp)  # before the staging folder's files are deleted (and their room freed)
+        if no_room is not None:
+            raise no_room from e
+        raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing left once published
         _stopped.pop(tmp, None)
@@ -118,15 +130,56 @@ def _raise_for(signum: int) -> None:
 
 
 def sweep_stale(dest: Path) -> list[Path]:
-    """Delete `dest`'s staging and set-aside folders whose writing process is gone; returns them."""
-    pattern = re.compile(rf"^\.(?:tmp|old)-{re.escape(dest.name)}-(\d+)(?:-.*)?$")
+    """Delete `dest`'s staging and set-aside folders whose writing process is gone; returns them. A set-aside folder
+    with no `dest` beside it is the old `dest` of a process killed between publish_folder's two renames: unless empty,
+    it is moved back to `dest`, not deleted."""
+    pattern = re.compile(rf"^\.(tmp|old)-{re.escape(dest.name)}-(\d+)(?:-.*)?$")
     swept = []
     for entry in dest.parent.iterdir() if dest.parent.is_dir() else ():
         m = pattern.match(entry.name)
-        if m and entry.is_dir() and not process_alive(int(m[1])):
-            shutil.rmtree(entry, ignore_errors=True)
+        if m and entry.is_dir() and not process_alive(int(m[2])):
+            if m[1] == "old" and not dest.exists() and any(entry.iterdir()):
+                os.replace(entry, dest)
+                fsync_dir(dest.parent)
+            else:
+                shutil.rmtree(entry, ignore_errors=True)
             swept.append(entry)
     return swept
+
+
+# errno -> what it means for a write, and what to do
+NO_ROOM = {errno.ENOSPC: ("no space left on device", "free space there or choose another folder"),
+           errno.EDQUOT: ("disk quota exceeded", "free space there or choose another folder"),
+           errno.EFBIG: ("file too large (the file system's or this process's file size limit, ulimit -f)",
+                         "raise the limit or choose another folder")}
+LOW_SPACE = 1 << 20  # bytes
+
+
+def space_error(error: BaseException, path: Path, folder: Path) -> CloverError | None:
+    """One CloverError line naming `path` when `error`, or an exception it was raised from, is a write that found no
+    room: an OSError with an errno of NO_ROOM, or one without an errno (numpy's tofile, which torch.onnx writes weights
+    with, drops it) while the device of `folder` (where the writing went) has under LOW_SPACE bytes free. None
+    otherwise (always for a Ctrl-C or a SIGTERM, whatever they interrupted)."""
+    seen: set[int] = set()
+    while isinstance(error, Exception) and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            code = error.errno
+            if code is None and free_bytes(folder) < LOW_SPACE:
+                code = errno.ENOSPC
+            if code in NO_ROOM:
+                what, fix = NO_ROOM[code]
+                return CloverError(f"{what} writing {path}: {fix}")
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def free_bytes(folder: Path) -> int:
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return LOW_SPACE
+    return st.f_bavail * st.f_frsize
 
 
 def process_alive(pid: int) -> bool:

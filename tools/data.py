@@ -265,7 +265,7 @@ def batch_slots(manifest) -> int:
 def run_grow(args: argparse.Namespace) -> int:
     import clover
     from clover.tools.train import cpu_model
-    from clover.train.corpus import Corpus, RunRecord, bytes_per_million, is_corpus
+    from clover.train.corpus import PROVENANCE, Corpus, RunRecord, bytes_per_million, is_corpus
     from clover.train.data import answer_order, turn_prompt
 
     started_at = time.monotonic()
@@ -279,7 +279,9 @@ def run_grow(args: argparse.Namespace) -> int:
         raise CloverError(f"--minutes must be positive, got {args.minutes}")
     if args.out.exists() and not args.out.is_dir():
         raise CloverError(f"--out {args.out} is a file: pass a corpus folder")
-    if args.out.is_dir() and any(args.out.iterdir()) and not is_corpus(args.out):
+    # a run killed while writing a new corpus's first provenance leaves its temporary file (removed when writing)
+    if args.out.is_dir() and not is_corpus(args.out) and any(
+            not (p.name.startswith(f".{PROVENANCE}.") and p.name.endswith(".tmp")) for p in args.out.iterdir()):
         raise CloverError(f"--out {args.out} is not empty and holds no corpus: choose a new or empty folder")
     if args.artifact is None:
         from clover.tools.demo import cached_artifact
