@@ -10,6 +10,7 @@ naming what was being written.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import re
@@ -99,6 +100,7 @@ def staging_folder(dest: str | Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{dest.name}-{os.getpid()}-", dir=dest.parent))
     previous = {}
     if threading.current_thread() is threading.main_thread():
+
         def stop(signum: int, frame: object) -> None:
             # remembered too: a library may catch the exception raised here, and a stopped build must
             # still never be published (publish_folder raises it again)
@@ -148,10 +150,14 @@ def sweep_stale(dest: Path) -> list[Path]:
 
 
 # errno -> what it means for a write, and what to do
-NO_ROOM = {errno.ENOSPC: ("no space left on device", "free space there or choose another folder"),
-           errno.EDQUOT: ("disk quota exceeded", "free space there or choose another folder"),
-           errno.EFBIG: ("file too large (the file system's or this process's file size limit, ulimit -f)",
-                         "raise the limit or choose another folder")}
+NO_ROOM = {
+    errno.ENOSPC: ("no space left on device", "free space there or choose another folder"),
+    errno.EDQUOT: ("disk quota exceeded", "free space there or choose another folder"),
+    errno.EFBIG: (
+        "file too large (the file system's or this process's file size limit, ulimit -f)",
+        "raise the limit or choose another folder",
+    ),
+}
 LOW_SPACE = 1 << 20  # bytes
 
 
@@ -193,8 +199,9 @@ def process_alive(pid: int) -> bool:
 
 
 def publish_folder(tmp: Path, dest: Path) -> None:
-    """Make the finished folder `tmp` (a sibling of `dest`) become `dest`. An old `dest` is moved aside
-    first and deleted last, so a crash never leaves neither the old folder nor the new one. A build stopped by
+    """Make the finished folder `tmp` (a sibling of `dest`) become `dest`. An old `dest` is swapped with `tmp` in one
+    atomic exchange where the system can (Linux), else moved aside first and deleted last: a crash never leaves
+    neither the old folder nor the new one. A build stopped by
     SIGINT / SIGTERM (staging_folder) is not published, even if something caught the exception it raised."""
     if tmp in _stopped:
         _raise_for(_stopped[tmp])
@@ -202,10 +209,35 @@ def publish_folder(tmp: Path, dest: Path) -> None:
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; what we publish is for everyone
     fsync_tree(tmp)  # its contents on disk before the rename makes them the real thing
+    if dest.exists() and exchange(tmp, dest):  # one atomic step: `dest` is never missing, even for a moment
+        fsync_dir(dest.parent)
+        shutil.rmtree(tmp, ignore_errors=True)  # the old folder, now under the staging name
+        return
     old = dest.parent / f".old-{dest.name}-{os.getpid()}" if dest.exists() else None
-    if old is not None:
+    if old is not None:  # no exchange here: a crash between the renames leaves `old`, which sweep_stale moves back
         os.replace(dest, old)
     os.replace(tmp, dest)
     fsync_dir(dest.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE, glibc >= 2.28); False where the system or the file
+    system cannot, and the caller renames in two steps instead."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd = -100  # AT_FDCWD
+    if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))

@@ -107,3 +107,27 @@ def test_renames_are_made_durable_files_synced_then_their_folder(tmp_path, monke
     assert len(synced_fds) == 2  # both files
     assert synced_dirs[-1] == tmp_path and {d.name for d in synced_dirs[:-1]} >= {"sub"}
     assert (tmp_path / "art" / "sub" / "g.onnx").read_bytes() == b"x"
+
+
+def test_publishing_over_a_folder_swaps_them_in_one_step(tmp_path, monkeypatch):
+    """Where the system can exchange two paths atomically (Linux renameat2), publishing over an old folder never
+    renames it aside: `dest` names the old folder or the new one at every moment, a SIGKILL included."""
+    probe_a, probe_b = tmp_path / "a", tmp_path / "b"
+    probe_a.mkdir()
+    probe_b.mkdir()
+    if not atomic.exchange(probe_a, probe_b):
+        pytest.skip("this system or file system cannot exchange two paths atomically")
+    dest = tmp_path / "artifact"
+    dest.mkdir()
+    (dest / "old.txt").write_text("old")
+    with atomic.staging_folder(dest) as tmp:
+        (tmp / "new.txt").write_text("new")
+
+        def no_two_step_rename(*args, **kwargs):
+            raise AssertionError("publish_folder renamed in two steps")
+
+        monkeypatch.setattr(atomic.os, "replace", no_two_step_rename)
+        atomic.publish_folder(tmp, dest)
+        monkeypatch.undo()
+    assert sorted(p.name for p in dest.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "artifact", "b"]  # the old folder is gone
