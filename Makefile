@@ -9,7 +9,7 @@ ifeq ($(PYTHON),$(VENV)/bin/python)
 ENV = $(VENV)/bin/python
 endif
 
-.PHONY: install demo serve test test-fast test-isa test-gpu gpu-check gpu-wheels bench peers train-data
+.PHONY: install demo serve lint test test-fast test-isa test-gpu gpu-check gpu-wheels bench peers train-data
 
 $(VENV)/bin/python:
 	$(BOOTSTRAP) -m venv $(VENV)
@@ -30,7 +30,13 @@ demo: install
 serve: install
 	$(PYTHON) -m clover.tools.serve --demo
 
-test: install
+# ruff (pinned in the test extra, configured in pyproject.toml): lint rules and the formatter's layout, also run by
+# .pre-commit-config.yaml before each commit
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
+
+test: lint
 	$(PYTHON) -m pytest -q
 
 test-fast: install

@@ -11,9 +11,24 @@ from pathlib import Path
 
 from clover.tools.bench import main
 
-DEFAULTS = ["--base", "smollm2", "--heads", "smollm2-medusa,smollm2-clover,smollm2-clover2", "--tree", "mc26",
-            "--prompts", "mtbench", "--num-prompts", "16", "--max-new-tokens", "128", "--threads", "2",
-            "--json", str(Path(__file__).parent / "results" / "acceptance.json")]
+DEFAULTS = [
+    "--base",
+    "smollm2",
+    "--heads",
+    "smollm2-medusa,smollm2-clover,smollm2-clover2",
+    "--tree",
+    "mc26",
+    "--prompts",
+    "mtbench",
+    "--num-prompts",
+    "16",
+    "--max-new-tokens",
+    "128",
+    "--threads",
+    "2",
+    "--json",
+    str(Path(__file__).parent / "results" / "acceptance.json"),
+]
 
 if __name__ == "__main__":
     sys.exit(main(DEFAULTS + sys.argv[1:]))  # later options override the defaults

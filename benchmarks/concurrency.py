@@ -47,8 +47,10 @@ def check(doc: dict) -> list[str]:
     if (1, "plain") in tps and (8, "plain") in tps:
         best8 = max(v for (c, _), v in tps.items() if c == 8)
         if best8 < SCALE_TARGET * tps[(1, "plain")]:
-            failed.append(f"concurrency 8 reaches {best8 / tps[(1, 'plain')]:.2f}x concurrency 1 plain "
-                          f"({best8:.0f} vs {tps[(1, 'plain')]:.0f} tok/s), target {SCALE_TARGET:.0f}x")
+            failed.append(
+                f"concurrency 8 reaches {best8 / tps[(1, 'plain')]:.2f}x concurrency 1 plain "
+                f"({best8:.0f} vs {tps[(1, 'plain')]:.0f} tok/s), target {SCALE_TARGET:.0f}x"
+            )
     noise = noise_floor(tps)
     for c in sorted({c for c, _ in tps}):
         auto, a = tps.get((c, "auto")), tps.get((c, "plain"))
@@ -57,11 +59,15 @@ def check(doc: dict) -> list[str]:
         plain = (a + tps.get((c, CONTROL), a)) / 2
         best = max([plain] + [v for (cc, m), v in tps.items() if cc == c and m not in ("auto", "plain", CONTROL)])
         if auto < plain * (1 - noise):
-            failed.append(f"concurrency {c}: auto {auto:.0f} < plain {plain:.0f} tok/s by more than the A/A noise "
-                          f"floor {noise:.1%}")
+            failed.append(
+                f"concurrency {c}: auto {auto:.0f} < plain {plain:.0f} tok/s by more than the A/A noise "
+                f"floor {noise:.1%}"
+            )
         if auto < (1 - AUTO_SLACK) * best:
-            failed.append(f"concurrency {c}: auto {auto:.0f} is more than {AUTO_SLACK:.0%} below the best fixed "
-                          f"tree ({best:.0f} tok/s)")
+            failed.append(
+                f"concurrency {c}: auto {auto:.0f} is more than {AUTO_SLACK:.0%} below the best fixed "
+                f"tree ({best:.0f} tok/s)"
+            )
     return failed
 
 
@@ -77,15 +83,40 @@ def main() -> int:
         artifact = cached_artifact("smollm2", "smollm2-clover2", **ARTIFACTS[precision])
         out = RESULTS / f"concurrency_{precision}.json"
         print(f"== {precision}: {artifact}", flush=True)
-        rc = bench_main(["--artifact", str(artifact), "--backend", "ort", "--concurrency", args.concurrency,
-                         "--tree", "chain-1", "--control", "--prompts", "mtbench", "--num-prompts", str(args.num_prompts),
-                         "--max-new-tokens", str(args.max_new_tokens), "--threads", "2", "--max-batch", "8",
-                         "--json", str(out)])
+        rc = bench_main(
+            [
+                "--artifact",
+                str(artifact),
+                "--backend",
+                "ort",
+                "--concurrency",
+                args.concurrency,
+                "--tree",
+                "chain-1",
+                "--control",
+                "--prompts",
+                "mtbench",
+                "--num-prompts",
+                str(args.num_prompts),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--threads",
+                "2",
+                "--max-batch",
+                "8",
+                "--json",
+                str(out),
+            ]
+        )
         doc = json.loads(out.read_text())
         failed[precision] = check(doc) + ([] if rc == 0 else ["a request's tokens differ from its solo plain decoding"])
         tps = {(r["concurrency"], r["mode"]): r["tokens_per_second"] for r in doc["results"]}
-        doc["targets"] = {"failed": failed[precision], "scale_target": SCALE_TARGET, "auto_slack": AUTO_SLACK,
-                          "aa_noise_floor": round(noise_floor(tps), 4)}
+        doc["targets"] = {
+            "failed": failed[precision],
+            "scale_target": SCALE_TARGET,
+            "auto_slack": AUTO_SLACK,
+            "aa_noise_floor": round(noise_floor(tps), 4),
+        }
         out.write_text(json.dumps(doc, indent=2) + "\n")
     for precision, lines in failed.items():
         print(f"{precision}: " + ("all targets met" if not lines else "; ".join(lines)))

@@ -48,14 +48,17 @@ EXPORT = [sys.executable, "-m", "clover.tools.export"]
 DATA = [sys.executable, "-m", "clover.tools.data"]
 PAGE = 4096
 # Two exports of one base that differ in every graph's weights: each replaces the other in turn.
-HEADS_VARIANTS = (("--heads", "random:clover2:1", "--tree", "small"),
-                  ("--heads", "random:clover2:2", "--tree", "small"))
+HEADS_VARIANTS = (
+    ("--heads", "random:clover2:1", "--tree", "small"),
+    ("--heads", "random:clover2:2", "--tree", "small"),
+)
 # The same with the fused base alone (~3 s an export instead of ~15 s on 2 cores): the CI version.
 FUSED_VARIANTS = (("--attention", "fused", "--max-batch", "2"), ("--attention", "fused", "--max-batch", "4"))
 GROW_FLAGS = ("--max-new-tokens", "12", "--max-batch", "4", "--threads", "1", "--shard-tokens", "60")
 
 
 # -- running a command, killing it -------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -65,14 +68,20 @@ class Outcome:
     phase: str  # what it was doing when killed (watch's answer), or "finished" when it ended first
 
 
-def launch(argv: list[str], kill_after: float | None = None, watch: Callable[[int], str] | None = None,
-           preexec: Callable[[], None] | None = None, timeout: float = 1800) -> Outcome:
+def launch(
+    argv: list[str],
+    kill_after: float | None = None,
+    watch: Callable[[int], str] | None = None,
+    preexec: Callable[[], None] | None = None,
+    timeout: float = 1800,
+) -> Outcome:
     """Run `argv` in its own session; with `kill_after`, SIGKILL its process group that many seconds after the start
     unless it ended first (`watch(pid)` names its phase just before). stderr goes through a pipe: a file size limit
     (preexec) applies to the command's files, not to its output."""
     t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                            preexec_fn=preexec)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True, preexec_fn=preexec
+    )
     chunks: list[bytes] = []
     reader = threading.Thread(target=lambda: chunks.append(proc.stderr.read()), daemon=True)
     reader.start()
@@ -100,6 +109,7 @@ def completed(argv: list[str]) -> Outcome:
 
 
 # -- clover-export ------------------------------------------------------------------------------------
+
 
 def export_argv(base: str, dest: Path, variant: tuple[str, ...]) -> list[str]:
     return [*EXPORT, "--base", base, "--out", str(dest), "--no-verify", *variant]
@@ -130,6 +140,7 @@ def artifact_state(dest: Path, known: dict[str, dict]) -> tuple[str, str]:
 
 def export_phase(dest: Path, inode: int | None) -> Callable[[int], str]:
     """What the export with process id pid is doing, from what it has written beside `dest` so far."""
+
     def phase(pid: int) -> str:
         names = [p.name for p in dest.parent.iterdir()]
         if any(n.startswith(f".old-{dest.name}-{pid}") for n in names):
@@ -139,6 +150,7 @@ def export_phase(dest: Path, inode: int | None) -> Callable[[int], str]:
         if any(n.startswith(f".tmp-{dest.name}-{pid}-") for n in names):
             return "staging"
         return "loading"  # imports, the model, before the staging folder exists
+
     return phase
 
 
@@ -174,8 +186,9 @@ class ExportKill:
     left: list[str]  # beside the destination after the kill
 
 
-def export_kills(refs: Exports, folder: Path, kills: int, rng: random.Random,
-                 say: Callable[[str], None] = print) -> dict:
+def export_kills(
+    refs: Exports, folder: Path, kills: int, rng: random.Random, say: Callable[[str], None] = print
+) -> dict:
     """Export variant 1 over a copy of variant 0 (timed), then `kills` exports, each of the other variant over the
     artifact there, killed at a uniform random moment of that duration; finally one export runs to its end (it must
     sweep what the killed ones left)."""
@@ -188,31 +201,50 @@ def export_kills(refs: Exports, folder: Path, kills: int, rng: random.Random,
         new = 1 - current
         delay = rng.uniform(0, seconds)
         inode = dest.stat().st_ino if dest.exists() else None
-        out = launch(export_argv(refs.base, dest, refs.variants[new]), kill_after=delay,
-                     watch=export_phase(dest, inode))
+        out = launch(
+            export_argv(refs.base, dest, refs.variants[new]), kill_after=delay, watch=export_phase(dest, inode)
+        )
         known = {"new": refs.files[new], **({"old": refs.files[current]} if current is not None else {})}
         state, verify = artifact_state(dest, known)
         rows.append(ExportKill(round(delay, 2), out.phase, state, verify, beside(dest)))
-        say(f"  kill {k + 1:2d} at {delay:6.2f} s ({out.phase}): {state}, {verify}; beside it: "
-            f"{', '.join(rows[-1].left) or '-'}")
+        say(
+            f"  kill {k + 1:2d} at {delay:6.2f} s ({out.phase}): {state}, {verify}; beside it: "
+            f"{', '.join(rows[-1].left) or '-'}"
+        )
         current = new if state == "new" else current if state == "old" else None
     seen = sorted({name for r in rows for name in r.left})  # what killed runs left, over all the kills
     new = 1 - current if current is not None else 0
     final = completed(export_argv(refs.base, dest, refs.variants[new]))
     state, verify = artifact_state(dest, {"new": refs.files[new]})
-    return {"variants": [" ".join(v) for v in refs.variants], "uninterrupted_s": round(seconds, 2),
-            "uninterrupted_new_s": [round(t, 2) for t in refs.seconds],
-            "kills": [asdict(r) for r in rows], "states": dict(Counter(r.state for r in rows)),
-            "left_seen": seen, "next_run": {"seconds": round(final.seconds, 2), "state": state, "verify": verify,
-                                            "left": beside(dest)},
-            "artifact_bytes": sum(f["bytes"] for f in refs.files[1].values())}
+    return {
+        "variants": [" ".join(v) for v in refs.variants],
+        "uninterrupted_s": round(seconds, 2),
+        "uninterrupted_new_s": [round(t, 2) for t in refs.seconds],
+        "kills": [asdict(r) for r in rows],
+        "states": dict(Counter(r.state for r in rows)),
+        "left_seen": seen,
+        "next_run": {"seconds": round(final.seconds, 2), "state": state, "verify": verify, "left": beside(dest)},
+        "artifact_bytes": sum(f["bytes"] for f in refs.files[1].values()),
+    }
 
 
 # -- clover-data grow ----------------------------------------------------------------------------------
 
+
 def grow_argv(artifact: Path, prompts: Path, corpus: Path, target: int) -> list[str]:
-    return [*DATA, "grow", "--artifact", str(artifact), "--prompts", str(prompts), "--out", str(corpus),
-            "--target-tokens", str(target), *GROW_FLAGS]
+    return [
+        *DATA,
+        "grow",
+        "--artifact",
+        str(artifact),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(corpus),
+        "--target-tokens",
+        str(target),
+        *GROW_FLAGS,
+    ]
 
 
 def write_prompts(path: Path, count: int, seed: int = 0) -> Path:
@@ -223,8 +255,10 @@ def write_prompts(path: Path, count: int, seed: int = 0) -> Path:
     with path.open("w") as f:
         for _ in range(count):
             user = " ".join(f"w{x}" for x in rng.integers(6, 96, size=rng.integers(2, 9)))
-            f.write(json.dumps({"messages": [{"role": "user", "content": user},
-                                             {"role": "assistant", "content": "w10"}]}) + "\n")
+            f.write(
+                json.dumps({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "w10"}]})
+                + "\n"
+            )
     return path
 
 
@@ -242,7 +276,7 @@ def corpus_state(folder: Path, before) -> tuple[str, str, int]:
     prov = corpus.provenance
     added = len(prov.shards) - len(before.shards)
     verify = f"{len(prov.shards)} shards ({n} answers), sha256 ok"
-    if prov.shards[:len(before.shards)] != before.shards:
+    if prov.shards[: len(before.shards)] != before.shards:
         return "rewritten", verify + ", but its earlier shards changed", added
     state = "new" if len(prov.runs) > len(before.runs) else "grown" if added else "old"
     return state, verify, added
@@ -254,15 +288,20 @@ def corpus_leftovers(folder: Path) -> list[str]:
     from clover.train.corpus import Corpus
 
     listed = {s.file for s in Corpus.open(folder).provenance.shards}
-    return sorted(p.name for p in folder.iterdir()
-                  if p.name.endswith(".tmp") or (p.name.startswith("shard-") and p.name not in listed))
+    return sorted(
+        p.name
+        for p in folder.iterdir()
+        if p.name.endswith(".tmp") or (p.name.startswith("shard-") and p.name not in listed)
+    )
 
 
 def answers(folder: Path) -> list[tuple]:
     from clover.train.corpus import Corpus
 
-    return [(c.index, c.turn, c.sample, c.prompt.tolist(), c.response.tolist(), c.finish_reason)
-            for c in Corpus.open(folder).conversations()]
+    return [
+        (c.index, c.turn, c.sample, c.prompt.tolist(), c.response.tolist(), c.finish_reason)
+        for c in Corpus.open(folder).conversations()
+    ]
 
 
 @dataclass
@@ -275,8 +314,15 @@ class GrowKill:
     left: list[str]
 
 
-def grow_kills(artifact: Path, prompts: Path, folder: Path, kills: int, rng: random.Random, tokens: int,
-               say: Callable[[str], None] = print) -> dict:
+def grow_kills(
+    artifact: Path,
+    prompts: Path,
+    folder: Path,
+    kills: int,
+    rng: random.Random,
+    tokens: int,
+    say: Callable[[str], None] = print,
+) -> dict:
     """A corpus grown once (the seed), a copy of it grown by `tokens` response tokens (timed), then `kills` runs each
     asked to add `tokens` to the corpus, killed at a uniform random moment of that duration; then one run to its
     end (it must remove what the killed ones left), and a fresh corpus grown in one run to the same size: every
@@ -299,21 +345,33 @@ def grow_kills(artifact: Path, prompts: Path, folder: Path, kills: int, rng: ran
         state, verify, added = corpus_state(corpus, before)
         left = corpus_leftovers(corpus) if state != "broken" else []
         rows.append(GrowKill(round(delay, 2), out.phase, state, added, verify, left))
-        say(f"  kill {k + 1:2d} at {delay:5.2f} s ({out.phase}): {state}, +{added} shards, {verify}; left: "
-            f"{', '.join(left) or '-'}")
+        say(
+            f"  kill {k + 1:2d} at {delay:5.2f} s ({out.phase}): {state}, +{added} shards, {verify}; left: "
+            f"{', '.join(left) or '-'}"
+        )
     seen = sorted({name for r in rows for name in r.left})  # what killed runs left, over all the kills
     total = Corpus.open(corpus).provenance.totals["response_tokens"] + tokens
     final = completed(grow_argv(artifact, prompts, corpus, total))
     reference = folder / "reference"  # a little further than the corpus: it holds an answer for each of its positions
     completed(grow_argv(artifact, prompts, reference, total + tokens // 2))
     got, want = answers(corpus), answers(reference)
-    same = len(want) >= len(got) and got == want[:len(got)]
+    same = len(want) >= len(got) and got == want[: len(got)]
     positions = Corpus.open(corpus).provenance.next_position
-    return {"tokens_per_run": tokens, "uninterrupted_s": round(seconds, 2), "kills": [asdict(r) for r in rows],
-            "states": dict(Counter(r.state for r in rows)), "left_seen": seen,
-            "next_run": {"seconds": round(final.seconds, 2), "left": corpus_leftovers(corpus), "answers": len(got),
-                         "positions": positions},
-            "answers_equal_uninterrupted": same, "compared_answers": len(got)}
+    return {
+        "tokens_per_run": tokens,
+        "uninterrupted_s": round(seconds, 2),
+        "kills": [asdict(r) for r in rows],
+        "states": dict(Counter(r.state for r in rows)),
+        "left_seen": seen,
+        "next_run": {
+            "seconds": round(final.seconds, 2),
+            "left": corpus_leftovers(corpus),
+            "answers": len(got),
+            "positions": positions,
+        },
+        "answers_equal_uninterrupted": same,
+        "compared_answers": len(got),
+    }
 
 
 # -- kills at the two narrow windows --------------------------------------------------------------------
@@ -351,11 +409,14 @@ def kill_between_renames(refs: Exports, folder: Path) -> dict:
     swept = artifact_state(dest, known)[0], beside(dest)
     completed(export_argv(refs.base, dest, refs.variants[0]))
     after = artifact_state(dest, known)[0], beside(dest)
-    return {"case": "clover-export killed between its two renames", "returncode": out.returncode,
-            "after_kill": f"{killed[0]}; beside it: {', '.join(killed[1]) or '-'}",
-            "after_sweep": f"{swept[0]}; beside it: {', '.join(swept[1]) or '-'}",
-            "after_next_run": f"{after[0]}; beside it: {', '.join(after[1]) or '-'}",
-            "passed": swept == ("old", []) and after == ("new", [])}
+    return {
+        "case": "clover-export killed between its two renames",
+        "returncode": out.returncode,
+        "after_kill": f"{killed[0]}; beside it: {', '.join(killed[1]) or '-'}",
+        "after_sweep": f"{swept[0]}; beside it: {', '.join(swept[1]) or '-'}",
+        "after_next_run": f"{after[0]}; beside it: {', '.join(after[1]) or '-'}",
+        "passed": swept == ("old", []) and after == ("new", []),
+    }
 
 
 def kill_creating_corpus(artifact: Path, prompts: Path, folder: Path, tokens: int) -> dict:
@@ -373,14 +434,18 @@ def kill_creating_corpus(artifact: Path, prompts: Path, folder: Path, tokens: in
     except CloverError as e:
         verify, n = str(e), 0
     left = corpus_leftovers(corpus) if after.returncode == 0 else []
-    return {"case": "clover-data grow killed writing a new corpus's first provenance", "returncode": out.returncode,
-            "after_kill": ", ".join(killed) or "-",
-            "after_next_run": f"exit {after.returncode}: {verify or said(after.stderr, 'clover-data')}; left: "
-                              f"{', '.join(left) or '-'}",
-            "passed": after.returncode == 0 and n > 0 and not left}
+    return {
+        "case": "clover-data grow killed writing a new corpus's first provenance",
+        "returncode": out.returncode,
+        "after_kill": ", ".join(killed) or "-",
+        "after_next_run": f"exit {after.returncode}: {verify or said(after.stderr, 'clover-data')}; left: "
+        f"{', '.join(left) or '-'}",
+        "passed": after.returncode == 0 and n > 0 and not left,
+    }
 
 
 # -- a full device -------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Device:
@@ -397,14 +462,16 @@ def file_size_limit(limit: int) -> Callable[[], None]:
     def preexec() -> None:  # in the child: a write past the limit fails with EFBIG instead of a SIGXFSZ
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
     return preexec
 
 
 def mount_tmpfs(folder: Path, size: int) -> str:
     """'' once a tmpfs of `size` bytes is mounted on `folder`, else why not."""
     try:
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True
+        )
     except OSError as e:
         return str(e)
     return "" if r.returncode == 0 else (r.stderr.strip() or f"mount exited {r.returncode}")
@@ -461,8 +528,9 @@ def full_device_export(refs: Exports, folder: Path, replace: bool, allow_mount: 
     need = pages(refs.paths[0]) if replace else 0
     biggest = max(p.stat().st_size for p in refs.paths[1].rglob("*") if p.is_file())
     known = {"new": refs.files[1], **({"old": refs.files[0]} if replace else {})}
-    with small_device(folder / ("full-replace" if replace else "full-new"), need + room // 2, biggest // 2,
-                      allow_mount) as device:
+    with small_device(
+        folder / ("full-replace" if replace else "full-new"), need + room // 2, biggest // 2, allow_mount
+    ) as device:
         dest = device.folder / "art"
         if replace:
             shutil.copytree(refs.paths[0], dest)
@@ -471,15 +539,30 @@ def full_device_export(refs: Exports, folder: Path, replace: bool, allow_mount: 
         left = beside(dest)
     errors = error_lines(out.stderr, "clover-export")
     want = "old" if replace else "absent"
-    ok = (out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr and state == want and not left
-          and bool(re.search("no space left|file too large", errors[0] if errors else "")))
-    return FullDevice("clover-export, replacing an artifact" if replace else "clover-export, new artifact",
-                      device.how, device.bytes, out.returncode, said(out.stderr, "clover-export"),
-                      "Traceback" in out.stderr, state, left, ok)
+    ok = (
+        out.returncode == 2
+        and len(errors) == 1
+        and "Traceback" not in out.stderr
+        and state == want
+        and not left
+        and bool(re.search("no space left|file too large", errors[0] if errors else ""))
+    )
+    return FullDevice(
+        "clover-export, replacing an artifact" if replace else "clover-export, new artifact",
+        device.how,
+        device.bytes,
+        out.returncode,
+        said(out.stderr, "clover-export"),
+        "Traceback" in out.stderr,
+        state,
+        left,
+        ok,
+    )
 
 
-def full_device_grow(artifact: Path, prompts: Path, corpus: Path, folder: Path, tokens: int,
-                     allow_mount: bool = True) -> FullDevice:
+def full_device_grow(
+    artifact: Path, prompts: Path, corpus: Path, folder: Path, tokens: int, allow_mount: bool = True
+) -> FullDevice:
     """Grow a copy of `corpus` by `tokens` on a device with room for a few more shards: a clean error, every shard
     the provenance lists (the old ones unchanged) reads back with its sha256, no temporary file left."""
     from clover.train.corpus import Corpus
@@ -490,27 +573,45 @@ def full_device_grow(artifact: Path, prompts: Path, corpus: Path, folder: Path, 
     with small_device(folder / "full-grow", pages(corpus) + room, biggest + 2048, allow_mount) as device:
         dest = device.folder / "corpus"
         shutil.copytree(corpus, dest)
-        out = launch(grow_argv(artifact, prompts, dest, before.totals["response_tokens"] + tokens),
-                     preexec=device.preexec)
+        out = launch(
+            grow_argv(artifact, prompts, dest, before.totals["response_tokens"] + tokens), preexec=device.preexec
+        )
         state, verify, added = corpus_state(dest, before)
         left = corpus_leftovers(dest) if state != "broken" else []
     errors = error_lines(out.stderr, "clover-data")
     temporary = [n for n in left if n.endswith(".tmp")]
-    ok = (out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr and state in ("old", "grown")
-          and not temporary and bool(re.search("no space left|file too large", errors[0] if errors else "")))
-    return FullDevice("clover-data grow, adding shards", device.how, device.bytes, out.returncode,
-                      said(out.stderr, "clover-data"), "Traceback" in out.stderr,
-                      f"{state} (+{added} shards; {verify})", left, ok)
+    ok = (
+        out.returncode == 2
+        and len(errors) == 1
+        and "Traceback" not in out.stderr
+        and state in ("old", "grown")
+        and not temporary
+        and bool(re.search("no space left|file too large", errors[0] if errors else ""))
+    )
+    return FullDevice(
+        "clover-data grow, adding shards",
+        device.how,
+        device.bytes,
+        out.returncode,
+        said(out.stderr, "clover-data"),
+        "Traceback" in out.stderr,
+        f"{state} (+{added} shards; {verify})",
+        left,
+        ok,
+    )
 
 
 # -- the report ----------------------------------------------------------------------------------------
 
+
 def commit() -> str:
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True,
-                               text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO, capture_output=True, text=True
+        ).stdout.strip()
         return rev + ("+uncommitted changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -518,45 +619,67 @@ def commit() -> str:
 
 def print_tables(doc: dict) -> None:
     e, g = doc["export"], doc["grow"]
-    print(f"\nclover-export, {doc['export_model']}: {len(e['kills'])} SIGKILLs, uninterrupted "
-          f"{e['uninterrupted_s']:.1f} s (replacing an artifact)")
+    print(
+        f"\nclover-export, {doc['export_model']}: {len(e['kills'])} SIGKILLs, uninterrupted "
+        f"{e['uninterrupted_s']:.1f} s (replacing an artifact)"
+    )
     print(f"{'kill':>4} {'delay s':>8}  {'phase':<11} {'destination':<12} {'verified':<26} left beside it")
     for i, r in enumerate(e["kills"], 1):
-        print(f"{i:>4} {r['delay_s']:>8.2f}  {r['phase']:<11} {r['state']:<12} {r['verify'][:26]:<26} "
-              f"{len(r['left'])} ({', '.join(r['left'])[:60] or '-'})")
+        print(
+            f"{i:>4} {r['delay_s']:>8.2f}  {r['phase']:<11} {r['state']:<12} {r['verify'][:26]:<26} "
+            f"{len(r['left'])} ({', '.join(r['left'])[:60] or '-'})"
+        )
     n = e["next_run"]
-    print(f"destinations: {e['states']}; the kills left {len(e['left_seen'])} staging / set-aside folders; after "
-          f"the next run: {n['state']}, {n['verify']}, {len(n['left'])} left")
-    print(f"\nclover-data grow, {doc['grow_model']}: {len(g['kills'])} SIGKILLs, uninterrupted "
-          f"{g['uninterrupted_s']:.2f} s for {g['tokens_per_run']} response tokens")
+    print(
+        f"destinations: {e['states']}; the kills left {len(e['left_seen'])} staging / set-aside folders; after "
+        f"the next run: {n['state']}, {n['verify']}, {len(n['left'])} left"
+    )
+    print(
+        f"\nclover-data grow, {doc['grow_model']}: {len(g['kills'])} SIGKILLs, uninterrupted "
+        f"{g['uninterrupted_s']:.2f} s for {g['tokens_per_run']} response tokens"
+    )
     print(f"{'kill':>4} {'delay s':>8}  {'phase':<9} {'corpus':<7} {'+shards':>7}  {'verified':<40} left")
     for i, r in enumerate(g["kills"], 1):
-        print(f"{i:>4} {r['delay_s']:>8.2f}  {r['phase']:<9} {r['state']:<7} {r['shards_added']:>7}  "
-              f"{r['verify'][:40]:<40} {', '.join(r['left']) or '-'}")
+        print(
+            f"{i:>4} {r['delay_s']:>8.2f}  {r['phase']:<9} {r['state']:<7} {r['shards_added']:>7}  "
+            f"{r['verify'][:40]:<40} {', '.join(r['left']) or '-'}"
+        )
     n = g["next_run"]
-    print(f"corpora: {g['states']}; the kills left {len(g['left_seen'])} temporary or unlisted files; after the next "
-          f"run {len(n['left'])}; the {g['compared_answers']} answers kept equal an uninterrupted run's: "
-          f"{g['answers_equal_uninterrupted']}")
+    print(
+        f"corpora: {g['states']}; the kills left {len(g['left_seen'])} temporary or unlisted files; after the next "
+        f"run {len(n['left'])}; the {g['compared_answers']} answers kept equal an uninterrupted run's: "
+        f"{g['answers_equal_uninterrupted']}"
+    )
     print()
     for w in doc["windows"]:
-        print(f"{w['case']}: after the kill {w['after_kill']}"
-              + (f"; after the sweep {w['after_sweep']}" if "after_sweep" in w else "")
-              + f"; after the next run {w['after_next_run']}: {'ok' if w['passed'] else 'FAILED'}")
+        print(
+            f"{w['case']}: after the kill {w['after_kill']}"
+            + (f"; after the sweep {w['after_sweep']}" if "after_sweep" in w else "")
+            + f"; after the next run {w['after_next_run']}: {'ok' if w['passed'] else 'FAILED'}"
+        )
     print(f"\n{'full device':<38} {'device':<18} {'exit':>4}  {'under the final name':<28} ok  error line")
     for r in doc["full_device"]:
         device = f"{r['device'].split(' ')[0]} {r['device_bytes'] // 1024} KiB"
-        print(f"{r['case']:<38} {device:<18} {r['returncode']:>4}  {r['state'][:28]:<28} "
-              f"{'yes' if r['passed'] else 'NO':<3} {r['error']}")
+        print(
+            f"{r['case']:<38} {device:<18} {r['returncode']:>4}  {r['state'][:28]:<28} "
+            f"{'yes' if r['passed'] else 'NO':<3} {r['error']}"
+        )
 
 
 def failures(doc: dict) -> list[str]:
     e, g = doc["export"], doc["grow"]
-    bad = [f"export kill {i}: {r['state']} ({r['verify']})" for i, r in enumerate(e["kills"], 1)
-           if r["state"] not in ("old", "new")]
+    bad = [
+        f"export kill {i}: {r['state']} ({r['verify']})"
+        for i, r in enumerate(e["kills"], 1)
+        if r["state"] not in ("old", "new")
+    ]
     if e["next_run"]["left"] or e["next_run"]["state"] != "new":
         bad.append(f"export's next run: {e['next_run']}")
-    bad += [f"grow kill {i}: {r['state']} ({r['verify']})" for i, r in enumerate(g["kills"], 1)
-            if r["state"] not in ("old", "grown", "new")]
+    bad += [
+        f"grow kill {i}: {r['state']} ({r['verify']})"
+        for i, r in enumerate(g["kills"], 1)
+        if r["state"] not in ("old", "grown", "new")
+    ]
     if g["next_run"]["left"]:
         bad.append(f"grow's next run left {g['next_run']['left']}")
     if not g["answers_equal_uninterrupted"]:
@@ -571,10 +694,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kills", type=int, default=20, help="SIGKILLs per command (default 20)")
     ap.add_argument("--seed", type=int, default=None, help="seed of the kill moments (default: a random one, printed)")
     mode = ap.add_mutually_exclusive_group()
-    mode.add_argument("--quick", action="store_true", help="export the fused base alone (~3 s an export): the CI "
-                      "version's exports, instead of the portable graphs with random Clover-2 heads (~15 s)")
-    mode.add_argument("--real", action="store_true", help="clover-export exports the embedded SmolLM2-135M base "
-                      "(minutes an export on 2 cores) instead of the tiny random Llama; grow keeps the tiny artifact")
+    mode.add_argument(
+        "--quick",
+        action="store_true",
+        help="export the fused base alone (~3 s an export): the CI "
+        "version's exports, instead of the portable graphs with random Clover-2 heads (~15 s)",
+    )
+    mode.add_argument(
+        "--real",
+        action="store_true",
+        help="clover-export exports the embedded SmolLM2-135M base "
+        "(minutes an export on 2 cores) instead of the tiny random Llama; grow keeps the tiny artifact",
+    )
     ap.add_argument("--grow-tokens", type=int, default=1500, help="response tokens each grow run adds (default 1500)")
     ap.add_argument("--no-mount", action="store_true", help="use the file size limit even where a tmpfs can be mounted")
     ap.add_argument("--json", type=Path, default=REPO / "benchmarks" / "results" / "crash_safety.json")
@@ -593,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(scratch)
         tiny = str(tiny_hf_folder(root / "tiny-base"))
         base = "smollm2" if args.real else tiny
-        model = ("SmolLM2-135M (embedded)" if args.real else "tiny random Llama (2 layers, hidden 64, vocab 96)")
+        model = "SmolLM2-135M (embedded)" if args.real else "tiny random Llama (2 layers, hidden 64, vocab 96)"
         export_model = f"{model}, {' / '.join(' '.join(v) for v in variants)}, --no-verify"
         refs = reference_exports(base, root / "references", variants)
         export = export_kills(refs, root / "export", args.kills, rng)
@@ -602,16 +733,27 @@ def main(argv: list[str] | None = None) -> int:
         count = (args.kills + 4) * args.grow_tokens // 6  # up to 12 tokens an answer: twice the prompts the runs use
         prompts = write_prompts(root / "prompts.jsonl", count)
         grow = grow_kills(artifact, prompts, root / "grow", args.kills, rng, args.grow_tokens)
-        windows = [kill_between_renames(refs, root / "renames"),
-                   kill_creating_corpus(artifact, prompts, root, args.grow_tokens)]
+        windows = [
+            kill_between_renames(refs, root / "renames"),
+            kill_creating_corpus(artifact, prompts, root, args.grow_tokens),
+        ]
         full = [full_device_export(refs, root, replace, not args.no_mount) for replace in (False, True)]
         seed_corpus = root / "seed-corpus"
         completed(grow_argv(artifact, prompts, seed_corpus, args.grow_tokens))
         full.append(full_device_grow(artifact, prompts, seed_corpus, root, args.grow_tokens, not args.no_mount))
-    doc = {"benchmark": "crash_safety", "date": datetime.datetime.now().isoformat(timespec="seconds"),
-           "commit": commit(), "host": host(), "seed": seed, "export_model": export_model,
-           "grow_model": "tiny random Llama, fused float32 artifact, " + " ".join(GROW_FLAGS),
-           "export": export, "grow": grow, "windows": windows, "full_device": [asdict(r) for r in full]}
+    doc = {
+        "benchmark": "crash_safety",
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "commit": commit(),
+        "host": host(),
+        "seed": seed,
+        "export_model": export_model,
+        "grow_model": "tiny random Llama, fused float32 artifact, " + " ".join(GROW_FLAGS),
+        "export": export,
+        "grow": grow,
+        "windows": windows,
+        "full_device": [asdict(r) for r in full],
+    }
     doc = json.loads(json.dumps(doc).replace(scratch, "SCRATCH"))  # where it ran says nothing
     doc["failures"] = failures(doc)
     print_tables(doc)

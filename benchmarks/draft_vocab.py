@@ -37,6 +37,25 @@ if __name__ == "__main__":
         out = cache_dir() / "artifacts" / f"{base.name}-dv{k}"
         print(f"draft vocabulary {k}: {out}", file=sys.stderr, flush=True)
         artifacts.append(with_draft_vocab(base, out, counts, k))
-    sys.exit(main(["--artifact", ",".join(map(str, artifacts)), "--backend", "ort", "--tree", a.tree,
-                   "--prompts", a.prompts, "--num-prompts", a.num_prompts, "--max-new-tokens", a.max_new_tokens,
-                   "--threads", "2", "--json", str(HERE / "results" / "draft_vocab_int4.json")]))
+    sys.exit(
+        main(
+            [
+                "--artifact",
+                ",".join(map(str, artifacts)),
+                "--backend",
+                "ort",
+                "--tree",
+                a.tree,
+                "--prompts",
+                a.prompts,
+                "--num-prompts",
+                a.num_prompts,
+                "--max-new-tokens",
+                a.max_new_tokens,
+                "--threads",
+                "2",
+                "--json",
+                str(HERE / "results" / "draft_vocab_int4.json"),
+            ]
+        )
+    )

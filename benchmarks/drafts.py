@@ -25,22 +25,47 @@ SETS = {"mtbench": "mtbench", "code": str(HERE / "prompts" / "code.jsonl")}
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--artifact", default=None,
-                   help="default: the demo's (int4); --precision fp32: the fp32 graph with int8 drafts")
+    p.add_argument(
+        "--artifact", default=None, help="default: the demo's (int4); --precision fp32: the fp32 graph with int8 drafts"
+    )
     p.add_argument("--precision", choices=("int4", "fp32"), default="int4")
     p.add_argument("--tree", default="chain-2")
     p.add_argument("--num-prompts", default="16")
     p.add_argument("--max-new-tokens", default="128")
     p.add_argument("--sets", default="mtbench,code")
     a = p.parse_args()
-    artifact = a.artifact or str(cached_artifact("smollm2", "smollm2-clover2", **(
-        {} if a.precision == "int4" else {"weights": None, "draft_quant": "int8"})))
+    artifact = a.artifact or str(
+        cached_artifact(
+            "smollm2", "smollm2-clover2", **({} if a.precision == "int4" else {"weights": None, "draft_quant": "int8"})
+        )
+    )
     artifacts = f"{artifact},{with_corpus(Path(artifact), SHIPPED_CORPORA)}"
     worst = 0
     for name in a.sets.split(","):
         print(f"\n== {name}", flush=True)
-        worst = max(worst, main(["--artifact", artifacts, "--backend", "ort", "--heads", "artifact,lookup,+lookup",
-                                 "--tree", a.tree, "--prompts", SETS[name], "--num-prompts", a.num_prompts,
-                                 "--max-new-tokens", a.max_new_tokens, "--threads", "2",
-                                 "--json", str(HERE / "results" / f"drafts_{a.precision}_{name}.json")]))
+        worst = max(
+            worst,
+            main(
+                [
+                    "--artifact",
+                    artifacts,
+                    "--backend",
+                    "ort",
+                    "--heads",
+                    "artifact,lookup,+lookup",
+                    "--tree",
+                    a.tree,
+                    "--prompts",
+                    SETS[name],
+                    "--num-prompts",
+                    a.num_prompts,
+                    "--max-new-tokens",
+                    a.max_new_tokens,
+                    "--threads",
+                    "2",
+                    "--json",
+                    str(HERE / "results" / f"drafts_{a.precision}_{name}.json"),
+                ]
+            ),
+        )
     sys.exit(worst)

@@ -20,8 +20,9 @@ from pathlib import Path
 MODEL = "tiny"
 
 
-def fuzz(app, examples: int, headers: dict[str, str] | None = None, case_seconds: float = 10.0,
-         model: str = MODEL) -> dict[tuple[str, str], list[int]]:
+def fuzz(
+    app, examples: int, headers: dict[str, str] | None = None, case_seconds: float = 10.0, model: str = MODEL
+) -> dict[tuple[str, str], list[int]]:
     """Every operation of `app`'s schema, `examples` cases each; returns the status codes seen per operation."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
@@ -42,8 +43,11 @@ def fuzz(app, examples: int, headers: dict[str, str] | None = None, case_seconds
             r = case.call(headers=headers)
             took = time.perf_counter() - t0
             seen.setdefault((op.method.upper(), op.path), []).append(r.status_code)
-            assert r.status_code < 500 or (r.status_code == 503 and "retry-after" in r.headers), \
-                (case.body, r.status_code, r.text[:300])
+            assert r.status_code < 500 or (r.status_code == 503 and "retry-after" in r.headers), (
+                case.body,
+                r.status_code,
+                r.text[:300],
+            )
             assert took < case_seconds, (case.body, took)
             assert health.get("/health").status_code == 200, case.body
 
@@ -54,7 +58,9 @@ def fuzz(app, examples: int, headers: dict[str, str] | None = None, case_seconds
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--examples", type=int, default=2000, help="cases per operation (default 2000)")
-    ap.add_argument("--artifact", type=Path, default=None, help="default: the tiny test artifact, made in a temp folder")
+    ap.add_argument(
+        "--artifact", type=Path, default=None, help="default: the tiny test artifact, made in a temp folder"
+    )
     ap.add_argument("--case-seconds", type=float, default=10.0)
     ap.add_argument("--json", type=Path, default=Path(__file__).parent / "results" / "fuzz_serve.json")
     args = ap.parse_args(argv)
@@ -77,19 +83,31 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 app = create_app(engine, MODEL, api_key=key, warmup=False, limits=RequestLimits(allow_ignore_eos=True))
                 t0 = time.perf_counter()
-                seen = fuzz(app, args.examples, None if key is None else {"authorization": f"Bearer {key}"},
-                            args.case_seconds)
+                seen = fuzz(
+                    app, args.examples, None if key is None else {"authorization": f"Bearer {key}"}, args.case_seconds
+                )
                 seconds = time.perf_counter() - t0
             finally:
                 engine.close(timeout=10)
             for (method, path), codes in sorted(seen.items()):
-                rows.append({"key": key is not None, "operation": f"{method} {path}", "cases": len(codes),
-                             "codes": dict(sorted(collections.Counter(codes).items())), "seconds": round(seconds, 1)})
+                rows.append(
+                    {
+                        "key": key is not None,
+                        "operation": f"{method} {path}",
+                        "cases": len(codes),
+                        "codes": dict(sorted(collections.Counter(codes).items())),
+                        "seconds": round(seconds, 1),
+                    }
+                )
     print(f"{'key':<5}{'operation':<28}{'cases':>7}  status codes")
     for r in rows:
         print(f"{'yes' if r['key'] else 'no':<5}{r['operation']:<28}{r['cases']:>7}  {r['codes']}")
-    doc = {"host": host(), "examples_per_operation": args.examples, "rows": rows,
-           "note": "no 5xx other than 503 with Retry-After, every case within case_seconds, /health 200 after each"}
+    doc = {
+        "host": host(),
+        "examples_per_operation": args.examples,
+        "rows": rows,
+        "note": "no 5xx other than 503 with Retry-After, every case within case_seconds, /health 200 after each",
+    }
     atomic.write_text(args.json, json.dumps(doc, indent=1, default=str) + "\n")
     print(f"wrote {args.json}")
     return 0

@@ -56,11 +56,17 @@ def eval_sequences(per_set: int, new_tokens: int) -> dict[str, list[tuple[list[i
     ONNX artifact with the shipped heads: what clover-bench's replay scores along."""
     corpus = Corpus.open(SHIPPED_CORPUS)
     conversations = load_conversations("sharegpt")
-    sharegpt = [conversations[i][0]["content"] for i in sorted(corpus.validation_indices())
-                if conversations[i][0]["role"] == "user" and 20 < len(conversations[i][0]["content"]) < 800]
+    sharegpt = [
+        conversations[i][0]["content"]
+        for i in sorted(corpus.validation_indices())
+        if conversations[i][0]["role"] == "user" and 20 < len(conversations[i][0]["content"]) < 800
+    ]
     art = cached_artifact("smollm2", "smollm2-clover2", weights=None, draft_quant="int8", corpus=SHIPPED_CORPUS)
     gen = Generator.load(art, heads=None, backend="ort", tree="plain", threads=2)
-    sets = {"mtbench": load_prompts("mtbench", per_set), "sharegpt-val": sharegpt[:: max(1, len(sharegpt) // per_set)][:per_set]}
+    sets = {
+        "mtbench": load_prompts("mtbench", per_set),
+        "sharegpt-val": sharegpt[:: max(1, len(sharegpt) // per_set)][:per_set],
+    }
     out = {}
     for name, prompts in sets.items():
         seqs = []
@@ -93,32 +99,47 @@ def features(base, seqs: list[tuple[list[int], int]], desc: str) -> list[dict[st
     """Per sequence: tokens, last-layer hidden (pre-norm), the AUX_LAYERS' hidden states, the base's top-k next
     tokens at answer positions and the loss mask (as clover.train.features, plus the aux states)."""
     captured: dict[int, torch.Tensor] = {}
-    hooks = [base.layers[i].register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0]))
-             for i in AUX_LAYERS]
+    hooks = [
+        base.layers[i].register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0])) for i in AUX_LAYERS
+    ]
     res, order = [], sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]))
     bar = tqdm(total=sum(len(s[0]) for s in seqs), desc=f"features {desc}", unit="tok", unit_scale=True)
     i = 0
     while i < len(order):
-        group = [seqs[j] for j in order[i:i + max(1, BATCH_TOKENS // len(seqs[order[i]][0]))]]
+        group = [seqs[j] for j in order[i : i + max(1, BATCH_TOKENS // len(seqs[order[i]][0]))]]
         i += len(group)
         B, L = len(group), max(len(s[0]) for s in group)
         ids = torch.zeros(B, L, dtype=torch.long)
         for b, (x, _) in enumerate(group):
-            ids[b, :len(x)] = torch.tensor(x)
+            ids[b, : len(x)] = torch.tensor(x)
         keys, values = base.empty_cache(B, 0)
-        out = base(ids, torch.arange(L).expand(B, L), causal_mask(L, B), torch.zeros(B, dtype=torch.long), keys, values,
-                   logit_rows=torch.zeros(0, dtype=torch.long))
+        out = base(
+            ids,
+            torch.arange(L).expand(B, L),
+            causal_mask(L, B),
+            torch.zeros(B, dtype=torch.long),
+            keys,
+            values,
+            logit_rows=torch.zeros(0, dtype=torch.long),
+        )
         for b, (x, prompt) in enumerate(group):
             n = len(x)
             h = out.hidden_states[b, :n]
             mask = np.zeros(n, dtype=bool)
-            mask[prompt - 1:n - 1] = True  # p_t is over an answer token
+            mask[prompt - 1 : n - 1] = True  # p_t is over an answer token
             probs = torch.softmax(base.lm_head(base.norm(h[torch.from_numpy(mask)])).float(), -1).topk(TOPK, -1)
             tk_ids, tk_p = np.zeros((n, TOPK), np.int32), np.zeros((n, TOPK), np.float16)
             tk_ids[mask], tk_p[mask] = probs.indices.numpy(), probs.values.numpy()
-            res.append({"tokens": np.array(x, np.int32), "hidden": h.to(torch.float16).numpy(),
-                        "aux": torch.cat([captured[j][b, :n] for j in AUX_LAYERS], -1).to(torch.float16).numpy(),
-                        "topk_ids": tk_ids, "topk_probs": tk_p, "loss_mask": mask})
+            res.append(
+                {
+                    "tokens": np.array(x, np.int32),
+                    "hidden": h.to(torch.float16).numpy(),
+                    "aux": torch.cat([captured[j][b, :n] for j in AUX_LAYERS], -1).to(torch.float16).numpy(),
+                    "topk_ids": tk_ids,
+                    "topk_probs": tk_p,
+                    "loss_mask": mask,
+                }
+            )
             bar.update(n)
     bar.close()
     for h in hooks:
@@ -132,7 +153,7 @@ def collate(items: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     for k, a in items[0].items():
         arr = np.zeros((len(items), L) + a.shape[1:], a.dtype)
         for b, it in enumerate(items):
-            arr[b, :len(it[k])] = it[k]
+            arr[b, : len(it[k])] = it[k]
         out[k] = torch.from_numpy(arr)
     return out
 
@@ -211,11 +232,16 @@ def evaluate(arm: Arm, data: list[dict], base32, lm_bf16) -> dict:
     right, top3, count = [0.0] * DEPTHS, [0.0] * DEPTHS, [0] * DEPTHS
     for idx in batches(data, random.Random(0)):
         b = collate([data[i] for i in idx])
-        _, stats = distill_loss(arm.heads, without_aux(b), DEPTHS, arm.recipe, base32.norm, lm_bf16, None, arm.outputs(b))
+        _, stats = distill_loss(
+            arm.heads, without_aux(b), DEPTHS, arm.recipe, base32.norm, lm_bf16, None, arm.outputs(b)
+        )
         for d, st in enumerate(stats):
             right[d], top3[d], count[d] = right[d] + st.correct, top3[d] + st.in_topk, count[d] + st.count
-    return {"top1": [round(r / max(1, c), 4) for r, c in zip(right, count)],
-            "top3": [round(r / max(1, c), 4) for r, c in zip(top3, count)], "positions": count}
+    return {
+        "top1": [round(r / max(1, c), 4) for r, c in zip(right, count)],
+        "top3": [round(r / max(1, c), 4) for r, c in zip(top3, count)],
+        "positions": count,
+    }
 
 
 @torch.no_grad()
@@ -235,8 +261,14 @@ def by_confidence(arm: Arm, data: list[dict], lm_bf16) -> list[dict]:
     conf, right = np.array(conf), np.array(right)
     edges = (0.0, *CONFIDENCE_EDGES, 1.0)
     bins = np.searchsorted(CONFIDENCE_EDGES, conf, side="right")
-    return [{"p": [edges[i], edges[i + 1]], "share": round(float((bins == i).mean()), 4),
-             "top1": round(float(right[bins == i].mean()), 4) if (bins == i).any() else None} for i in range(len(edges) - 1)]
+    return [
+        {
+            "p": [edges[i], edges[i + 1]],
+            "share": round(float((bins == i).mean()), 4),
+            "top1": round(float(right[bins == i].mean()), 4) if (bins == i).any() else None,
+        }
+        for i in range(len(edges) - 1)
+    ]
 
 
 def train(arm: Arm, data: list[dict], evals: dict[str, list[dict]], epochs: int, lr: float, base32, lm_bf16) -> dict:
@@ -254,8 +286,16 @@ def train(arm: Arm, data: list[dict], evals: dict[str, list[dict]], epochs: int,
                 g["lr"] = lr_at(step, total, cfg)
             b = collate([data[i] for i in idx])
             bb = without_aux(b)
-            loss, _ = distill_loss(arm.heads, bb, DEPTHS, arm.recipe, base32.norm, lm_bf16,
-                                   Vocab.of_batch(bb, base32.lm_head.weight), arm.outputs(b))
+            loss, _ = distill_loss(
+                arm.heads,
+                bb,
+                DEPTHS,
+                arm.recipe,
+                base32.norm,
+                lm_bf16,
+                Vocab.of_batch(bb, base32.lm_head.weight),
+                arm.outputs(b),
+            )
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -273,15 +313,21 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2, help="epochs of the arms that go on from the shipped heads")
     p.add_argument("--scratch-epochs", type=int, default=5, help="epochs of the arms trained from scratch")
     p.add_argument("--arms", default=",".join(FROM_SHIPPED + FROM_SCRATCH))
-    p.add_argument("--corpus", default=str(SHIPPED_CORPUS), help="corpus folder(s) (clover-data) the arms train on; "
-                   "several, comma-separated: every arm on each, side by side (rows ARM@CORPUS)")
+    p.add_argument(
+        "--corpus",
+        default=str(SHIPPED_CORPUS),
+        help="corpus folder(s) (clover-data) the arms train on; "
+        "several, comma-separated: every arm on each, side by side (rows ARM@CORPUS)",
+    )
     p.add_argument("--eval-prompts", type=int, default=80, help="prompts per evaluation set (MT-Bench has 80)")
     p.add_argument("--json", default=str(HERE / "results" / "head_variants.json"))
     args = p.parse_args()
     arms = args.arms.split(",")
     unknown = sorted(set(arms) - set(FROM_SHIPPED + FROM_SCRATCH))
     if unknown:
-        raise SystemExit(f"head_variants: unknown arm(s) {unknown}: choose from {', '.join(FROM_SHIPPED + FROM_SCRATCH)}")
+        raise SystemExit(
+            f"head_variants: unknown arm(s) {unknown}: choose from {', '.join(FROM_SHIPPED + FROM_SCRATCH)}"
+        )
     torch.manual_seed(0)
     torch.set_num_threads(2)
     evals_seqs = eval_sequences(args.eval_prompts, 128)
@@ -293,11 +339,18 @@ def main() -> None:
     base32 = load_base(resolve_base("smollm2"), "float32").eval().requires_grad_(False)
     lm_bf16 = base32.lm_head.weight.detach().to(torch.bfloat16)
     shipped = make_arm("shipped", base32)
-    doc = {"host": host(), "corpora": {c.name: {"path": str(c), "training_answer_tokens": int(sum(d["loss_mask"].sum() for d in data[c]))}
-                       for c in corpora}, "aux_layers": AUX_LAYERS,
-           "depths": DEPTHS, "shipped": {name: evaluate(shipped, v, base32, lm_bf16) for name, v in evals.items()},
-           "shipped_by_base_probability": {name: by_confidence(shipped, v, lm_bf16) for name, v in evals.items()},
-           "arms": {}}
+    doc = {
+        "host": host(),
+        "corpora": {
+            c.name: {"path": str(c), "training_answer_tokens": int(sum(d["loss_mask"].sum() for d in data[c]))}
+            for c in corpora
+        },
+        "aux_layers": AUX_LAYERS,
+        "depths": DEPTHS,
+        "shipped": {name: evaluate(shipped, v, base32, lm_bf16) for name, v in evals.items()},
+        "shipped_by_base_probability": {name: by_confidence(shipped, v, lm_bf16) for name, v in evals.items()},
+        "arms": {},
+    }
     for c in corpora:
         for name in arms:
             epochs, lr = (args.scratch_epochs, 5e-4) if name in FROM_SCRATCH else (args.epochs, 2.5e-4)
@@ -306,16 +359,21 @@ def main() -> None:
             doc["arms"][key].update(epochs_run=epochs, lr=lr, corpus=c.name)
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(doc, indent=1))
-    print("\ndepth-1 / depth-2 top-1, teacher-forced along the fp32 artifact's plain outputs (training answer tokens: "
-          + ", ".join(f"{k} {v['training_answer_tokens']}" for k, v in doc["corpora"].items()) + ")")
+    print(
+        "\ndepth-1 / depth-2 top-1, teacher-forced along the fp32 artifact's plain outputs (training answer tokens: "
+        + ", ".join(f"{k} {v['training_answer_tokens']}" for k, v in doc["corpora"].items())
+        + ")"
+    )
     print(f"{'arm':30s} {'epochs':>6s} " + " ".join(f"{n:>18s}" for n in evals))
     row = lambda e: " ".join(f"{e[n]['top1'][0]:8.3f} {e[n]['top1'][1]:8.3f} " for n in evals)  # noqa: E731
     print(f"{'shipped (as is)':30s} {'':>6s} " + row(doc["shipped"]))
     for name, r in doc["arms"].items():
         print(f"{name:30s} {r['epochs_run']:>6d} " + row(r["epochs"][-1]))
     for name, bins in doc["shipped_by_base_probability"].items():
-        print(f"shipped heads, depth 1 on {name} by the base's probability of the token: "
-              + ", ".join(f"p {b['p'][0]:.1f}-{b['p'][1]:.1f}: {b['top1']} ({b['share']:.0%})" for b in bins))
+        print(
+            f"shipped heads, depth 1 on {name} by the base's probability of the token: "
+            + ", ".join(f"p {b['p'][0]:.1f}-{b['p'][1]:.1f}: {b['top1']} ({b['share']:.0%})" for b in bins)
+        )
     print(f"wrote {args.json}")
 
 

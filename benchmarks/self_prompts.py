@@ -25,6 +25,7 @@ from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.demo import cached_artifact
 
+
 def seed_of(i: int) -> int:
     """The sampling seed of prompt i (spread out, so neighbouring prompts' generators share no state)."""
     return 1_000_003 * i + 7
@@ -34,7 +35,7 @@ def user_header(tokenizer: Tokenizer) -> list[int]:
     """The chat template's ids up to where a user's text starts (its default system turn included)."""
     marker = "\x00"
     text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False)
-    return tokenizer.encode(text[:text.index(marker)], add_special_tokens=False)
+    return tokenizer.encode(text[: text.index(marker)], add_special_tokens=False)
 
 
 def main() -> int:
@@ -55,14 +56,20 @@ def main() -> int:
     from tqdm import tqdm
 
     with clover.Engine.load(art, heads="none", backend="ort", max_batch=8, threads=args.threads, log=sys.stderr) as eng:
+
         def sample(i: int):
-            return eng.generate(header, max_new_tokens=args.max_new_tokens,
-                                sampling=SamplingParams(args.temperature, args.top_p, seed=seed_of(i)))
+            return eng.generate(
+                header,
+                max_new_tokens=args.max_new_tokens,
+                sampling=SamplingParams(args.temperature, args.top_p, seed=seed_of(i)),
+            )
 
         seen, tokens, t0 = set(), 0, time.monotonic()
         tmp = args.out.with_name(args.out.name + ".tmp")
         with tmp.open("w", encoding="utf-8") as f, ThreadPoolExecutor(10) as pool:
-            for i, r in enumerate(tqdm(pool.map(sample, range(args.count)), total=args.count, desc="prompts", unit="prompt")):
+            for i, r in enumerate(
+                tqdm(pool.map(sample, range(args.count)), total=args.count, desc="prompts", unit="prompt")
+            ):
                 tokens += len(r.token_ids)
                 text = tok.decode(r.token_ids).strip()
                 if r.finish_reason != "stop" or len(r.token_ids) < 4 or text in seen:
@@ -71,8 +78,11 @@ def main() -> int:
                 f.write(json.dumps({"messages": [{"role": "user", "content": text}], "seed": seed_of(i)}) + "\n")
         tmp.replace(args.out)  # whole or not at all
     secs = time.monotonic() - t0
-    print(f"kept {len(seen)} of {args.count} prompts ({tokens} tokens sampled in {secs:.0f} s, {tokens / secs:.0f} "
-          f"tokens/s) -> {args.out}", file=sys.stderr)
+    print(
+        f"kept {len(seen)} of {args.count} prompts ({tokens} tokens sampled in {secs:.0f} s, {tokens / secs:.0f} "
+        f"tokens/s) -> {args.out}",
+        file=sys.stderr,
+    )
     return 0
 
 

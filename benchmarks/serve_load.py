@@ -36,8 +36,8 @@ import httpx
 import numpy as np
 
 from clover import atomic
-from clover.tools.serve import free_port, wait_healthy
 from clover.tools.machine import host
+from clover.tools.serve import free_port, wait_healthy
 
 RESULTS = Path(__file__).parent / "results"
 MODEL = "clover"
@@ -46,9 +46,26 @@ RSS_TARGET = 0.10
 
 
 def start_server(artifact: Path, port: int, threads: int, max_batch: int) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "clover.tools.serve", "--artifact", str(artifact), "--port", str(port),
-                             "--threads", str(threads), "--max-batch", str(max_batch), "--model", MODEL],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "CLOVER_API_KEY": ""})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clover.tools.serve",
+            "--artifact",
+            str(artifact),
+            "--port",
+            str(port),
+            "--threads",
+            str(threads),
+            "--max-batch",
+            str(max_batch),
+            "--model",
+            MODEL,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "CLOVER_API_KEY": ""},
+    )
     if wait_healthy(port, 300, alive=lambda: proc.poll() is None):
         return proc
     if proc.poll() is not None:
@@ -63,6 +80,7 @@ def pct(values: list[float], q: float) -> float:
 
 # -- load ---------------------------------------------------------------------------------------------------
 
+
 async def http_load(url: str, prompts: list[str], clients: int, seconds: float, max_tokens: int) -> dict:
     import openai
 
@@ -76,9 +94,14 @@ async def http_load(url: str, prompts: list[str], clients: int, seconds: float, 
             prompt = prompts[next(counter) % len(prompts)]
             t0 = last = time.perf_counter()
             try:
-                stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
-                                                         temperature=0, max_tokens=max_tokens, stream=True,
-                                                         stream_options={"include_usage": True})
+                stream = await c.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": prompt}],
+                    temperature=0,
+                    max_tokens=max_tokens,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
                 first = True
                 async for chunk in stream:
                     now = time.perf_counter()
@@ -124,18 +147,28 @@ def engine_load(engine, prompts: list[str], clients: int, seconds: float, max_to
     threads = [threading.Thread(target=caller) for _ in range(clients)]
     [t.start() for t in threads]
     [t.join() for t in threads]
-    return {"requests": done[0], "errors": 0, "tokens": tokens[0], "seconds": time.perf_counter() - start,
-            "ttft": ttft, "gaps": gaps}
+    return {
+        "requests": done[0],
+        "errors": 0,
+        "tokens": tokens[0],
+        "seconds": time.perf_counter() - start,
+        "ttft": ttft,
+        "gaps": gaps,
+    }
 
 
 def summary(runs: list[dict]) -> dict:
     seconds = sum(r["seconds"] for r in runs)
     ttft = [t for r in runs for t in r["ttft"]]
     gaps = [g for r in runs for g in r["gaps"]]
-    return {"requests": sum(r["requests"] for r in runs), "errors": sum(r["errors"] for r in runs),
-            "requests_per_second": round(sum(r["requests"] for r in runs) / seconds, 3),
-            "output_tokens_per_second": round(sum(r["tokens"] for r in runs) / seconds, 2),
-            **{f"ttft_p{q}_ms": pct(ttft, q) for q in (50, 95, 99)}, **{f"itl_p{q}_ms": pct(gaps, q) for q in (50, 95, 99)}}
+    return {
+        "requests": sum(r["requests"] for r in runs),
+        "errors": sum(r["errors"] for r in runs),
+        "requests_per_second": round(sum(r["requests"] for r in runs) / seconds, 3),
+        "output_tokens_per_second": round(sum(r["tokens"] for r in runs) / seconds, 2),
+        **{f"ttft_p{q}_ms": pct(ttft, q) for q in (50, 95, 99)},
+        **{f"itl_p{q}_ms": pct(gaps, q) for q in (50, 95, 99)},
+    }
 
 
 def load(args: argparse.Namespace, artifact: Path) -> int:
@@ -156,40 +189,63 @@ def load(args: argparse.Namespace, artifact: Path) -> int:
             for n in levels:
                 http, local = [], []
                 for r in range(args.rounds):  # alternate, order flipped each round
-                    for side in (("http", "engine") if r % 2 == 0 else ("engine", "http")):
+                    for side in ("http", "engine") if r % 2 == 0 else ("engine", "http"):
                         if side == "http":
                             http.append(asyncio.run(http_load(url, prompts, n, args.seconds, args.max_tokens)))
                         else:
                             local.append(engine_load(engine, prompts, n, args.seconds, args.max_tokens))
                         bar.update()
                 s, e = summary(http), summary(local)
-                rows.append({"clients": n, "server": s, "engine": e,
-                             "server_vs_engine": round(s["output_tokens_per_second"] / e["output_tokens_per_second"], 3)})
+                rows.append(
+                    {
+                        "clients": n,
+                        "server": s,
+                        "engine": e,
+                        "server_vs_engine": round(s["output_tokens_per_second"] / e["output_tokens_per_second"], 3),
+                    }
+                )
     finally:
         engine.close()
         server.terminate()
         server.wait(60)
-    head = (f"{'clients':>7} {'req/s':>6} {'tok/s':>7} {'engine':>7} {'ratio':>6} {'ttft p50':>8} {'p95':>6} {'p99':>6} "
-            f"{'itl p50':>7} {'p95':>6} {'p99':>6} {'errors':>6}")
+    head = (
+        f"{'clients':>7} {'req/s':>6} {'tok/s':>7} {'engine':>7} {'ratio':>6} {'ttft p50':>8} {'p95':>6} {'p99':>6} "
+        f"{'itl p50':>7} {'p95':>6} {'p99':>6} {'errors':>6}"
+    )
     print(head + "\n" + "-" * len(head))
     for row in rows:
         s = row["server"]
-        print(f"{row['clients']:>7} {s['requests_per_second']:>6.2f} {s['output_tokens_per_second']:>7.1f} "
-              f"{row['engine']['output_tokens_per_second']:>7.1f} {row['server_vs_engine']:>5.2f}x {s['ttft_p50_ms']:>8.0f} "
-              f"{s['ttft_p95_ms']:>6.0f} {s['ttft_p99_ms']:>6.0f} {s['itl_p50_ms']:>7.1f} {s['itl_p95_ms']:>6.1f} "
-              f"{s['itl_p99_ms']:>6.1f} {s['errors']:>6}")
-    print("tok/s: output tokens/s through HTTP; engine: the same load on clover.Engine in-process (clover-bench "
-          "--concurrency); ms: ttft = time to first token, itl = gap between streamed chunks")
+        print(
+            f"{row['clients']:>7} {s['requests_per_second']:>6.2f} {s['output_tokens_per_second']:>7.1f} "
+            f"{row['engine']['output_tokens_per_second']:>7.1f} {row['server_vs_engine']:>5.2f}x {s['ttft_p50_ms']:>8.0f} "
+            f"{s['ttft_p95_ms']:>6.0f} {s['ttft_p99_ms']:>6.0f} {s['itl_p50_ms']:>7.1f} {s['itl_p95_ms']:>6.1f} "
+            f"{s['itl_p99_ms']:>6.1f} {s['errors']:>6}"
+        )
+    print(
+        "tok/s: output tokens/s through HTTP; engine: the same load on clover.Engine in-process (clover-bench "
+        "--concurrency); ms: ttft = time to first token, itl = gap between streamed chunks"
+    )
     at8 = next((r for r in rows if r["clients"] == 8), None)
     failed = []
     if at8 is not None and at8["server_vs_engine"] < HTTP_TARGET:
-        failed.append(f"8 clients: the server keeps {at8['server_vs_engine']:.0%} of the engine's tokens/s, target "
-                      f"{HTTP_TARGET:.0%}")
+        failed.append(
+            f"8 clients: the server keeps {at8['server_vs_engine']:.0%} of the engine's tokens/s, target "
+            f"{HTTP_TARGET:.0%}"
+        )
     if any(r["server"]["errors"] for r in rows):
         failed.append("errors under load")
-    doc = {"host": host(), "artifact": str(artifact), "threads": args.threads, "max_batch": args.max_batch, "seconds": args.seconds,
-           "rounds": args.rounds, "max_tokens": args.max_tokens, "tree": "auto", "results": rows,
-           "targets": {"http_vs_engine_at_8": HTTP_TARGET, "failed": failed}}
+    doc = {
+        "host": host(),
+        "artifact": str(artifact),
+        "threads": args.threads,
+        "max_batch": args.max_batch,
+        "seconds": args.seconds,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "tree": "auto",
+        "results": rows,
+        "targets": {"http_vs_engine_at_8": HTTP_TARGET, "failed": failed},
+    }
     write(RESULTS / "serve_load.json", doc)
     plot(rows, RESULTS / "serve_load.png")
     print("; ".join(failed) or "all targets met")
@@ -224,6 +280,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 # -- soak ----------------------------------------------------------------------------------------------------
 
+
 def rss_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -239,7 +296,8 @@ def metric(base: str, name: str) -> float:
 
 
 BAD = [
-    ("{not json", 400), ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400),
+    ("{not json", 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400),
     ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "go " * 9000}]}, 400),
@@ -272,13 +330,20 @@ def soak(args: argparse.Namespace, artifact: Path) -> int:
                 roll = rng.random()
                 if roll < 0.1:
                     body, _ = rng.choice(BAD)
-                    r = h.post(base + "/v1/chat/completions", content=body if isinstance(body, str) else json.dumps(body),
-                               headers={"content-type": "application/json"})
+                    r = h.post(
+                        base + "/v1/chat/completions",
+                        content=body if isinstance(body, str) else json.dumps(body),
+                        headers={"content-type": "application/json"},
+                    )
                     note(str(r.status_code))
                     continue
-                body = {"model": MODEL, "messages": [{"role": "user", "content": rng.choice(prompts)}],
-                        "max_tokens": rng.choice((8, 32, 128)), "temperature": rng.choice((0, 0.8)),
-                        "stream": rng.random() < 0.5}
+                body = {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": rng.choice(prompts)}],
+                    "max_tokens": rng.choice((8, 32, 128)),
+                    "temperature": rng.choice((0, 0.8)),
+                    "stream": rng.random() < 0.5,
+                }
                 if body["stream"] and roll < 0.25:  # disconnect after the first event
                     with h.stream("POST", base + "/v1/chat/completions", json=body) as r:
                         note(str(r.status_code), disconnect=True)
@@ -300,8 +365,12 @@ def soak(args: argparse.Namespace, artifact: Path) -> int:
         rss["samples"].append((round(time.time() - t0), kb))
         if rss["start"] is None and time.time() - t0 >= 60:
             rss["start"] = kb
-        print(f"\rsoak: {time.time() - t0:5.0f} s, {counts['requests']} requests, RSS {kb / 1024:.0f} MB, statuses {statuses}",
-              end="", file=sys.stderr, flush=True)
+        print(
+            f"\rsoak: {time.time() - t0:5.0f} s, {counts['requests']} requests, RSS {kb / 1024:.0f} MB, statuses {statuses}",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
     print(file=sys.stderr)
     time.sleep(1)
     running, waiting = metric(base, "clover:num_requests_running"), metric(base, "clover:num_requests_waiting")
@@ -320,13 +389,28 @@ def soak(args: argparse.Namespace, artifact: Path) -> int:
         failed.append(f"slots not freed: running {running}, waiting {waiting}")
     if code != 0:
         failed.append(f"clover-serve exited {code} on SIGTERM")
-    doc = {"host": host(), "artifact": str(artifact), "minutes": args.soak_minutes, "workers": 8, "requests": counts["requests"],
-           "disconnects": counts["disconnects"], "statuses": statuses, "rss_kb_after_1_min": rss["start"],
-           "rss_kb_end": end_kb, "rss_growth": round(growth, 4), "running_at_end": running, "waiting_at_end": waiting,
-           "exit_code": code, "rss_samples": rss["samples"], "targets": {"failed": failed}}
+    doc = {
+        "host": host(),
+        "artifact": str(artifact),
+        "minutes": args.soak_minutes,
+        "workers": 8,
+        "requests": counts["requests"],
+        "disconnects": counts["disconnects"],
+        "statuses": statuses,
+        "rss_kb_after_1_min": rss["start"],
+        "rss_kb_end": end_kb,
+        "rss_growth": round(growth, 4),
+        "running_at_end": running,
+        "waiting_at_end": waiting,
+        "exit_code": code,
+        "rss_samples": rss["samples"],
+        "targets": {"failed": failed},
+    }
     write(RESULTS / "serve_soak.json", doc)
-    print(f"soak: {counts['requests']} requests ({counts['disconnects']} disconnects), statuses {statuses}, RSS "
-          f"{rss['start']} -> {end_kb} kB ({growth:+.1%}), running {running}, waiting {waiting}, exit {code}")
+    print(
+        f"soak: {counts['requests']} requests ({counts['disconnects']} disconnects), statuses {statuses}, RSS "
+        f"{rss['start']} -> {end_kb} kB ({growth:+.1%}), running {running}, waiting {waiting}, exit {code}"
+    )
     print("; ".join(failed) or "all targets met")
     return 1 if failed else 0
 

@@ -20,12 +20,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from clover.tools.gpu_profile import KERNEL_TOL as TOL, kernel_inputs, sdpa_dense, time_ms
+from clover.tools.gpu_profile import KERNEL_TOL as TOL
+from clover.tools.gpu_profile import kernel_inputs, sdpa_dense, time_ms
 from clover.tools.machine import host
 
 MODELS = {"1b": (32, 8, 64), "8b": (32, 8, 128)}  # name -> (Hq, Hkv, D)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
-
 
 
 def random_tree_mask(T: int, gen: torch.Generator) -> np.ndarray:
@@ -51,10 +51,21 @@ def run_case(model: str, dtype_name: str, T: int, P: int, iters: int, graph: boo
     err_triton = (triton_fn().float() - ref).abs().max().item()
     err_portable = (portable().float() - ref).abs().max().item()
     t_triton, t_portable = time_ms(triton_fn, iters, graph), time_ms(portable, iters, graph)
-    return {"model": model, "num_q_heads": Hq, "num_kv_heads": Hkv, "head_dim": D, "dtype": dtype_name,
-            "new_tokens": T, "past": P, "triton_us": 1e3 * t_triton, "portable_us": 1e3 * t_portable,
-            "speedup": t_portable / t_triton, "max_abs_err_triton": err_triton,
-            "max_abs_err_portable": err_portable, "correct": err_triton <= TOL[dtype]}
+    return {
+        "model": model,
+        "num_q_heads": Hq,
+        "num_kv_heads": Hkv,
+        "head_dim": D,
+        "dtype": dtype_name,
+        "new_tokens": T,
+        "past": P,
+        "triton_us": 1e3 * t_triton,
+        "portable_us": 1e3 * t_portable,
+        "speedup": t_portable / t_triton,
+        "max_abs_err_triton": err_triton,
+        "max_abs_err_portable": err_portable,
+        "correct": err_triton <= TOL[dtype],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,24 +82,42 @@ def main(argv: list[str] | None = None) -> int:
 
     new_tokens, pasts = ([1, 26], [512, 2048]) if args.quick else ([1, 26, 64], [512, 2048, 8192])
     iters = args.iters or (50 if args.quick else 200)
-    rows = [run_case(m, d, T, P, iters, not args.eager)
-            for m in MODELS for d in DTYPES for T in new_tokens for P in pasts]
+    rows = [
+        run_case(m, d, T, P, iters, not args.eager) for m in MODELS for d in DTYPES for T in new_tokens for P in pasts
+    ]
 
     device = torch.cuda.get_device_name()
     timing = "eager launches" if args.eager else "CUDA-graph replays"
-    print(f"\ntree attention, B=1, {device}, mean of {iters} {timing}; portable = SDPA + dense mask over "
-          "concat(past, new)")
-    print(f"{'model':<6}{'dtype':<6}{'T':>4}{'P':>6}{'triton us':>11}{'portable us':>13}{'speedup':>9}"
-          f"{'err triton':>12}{'err portable':>14}")
+    print(
+        f"\ntree attention, B=1, {device}, mean of {iters} {timing}; portable = SDPA + dense mask over "
+        "concat(past, new)"
+    )
+    print(
+        f"{'model':<6}{'dtype':<6}{'T':>4}{'P':>6}{'triton us':>11}{'portable us':>13}{'speedup':>9}"
+        f"{'err triton':>12}{'err portable':>14}"
+    )
     for r in rows:
         flag = "" if r["correct"] else "  WRONG"
-        print(f"{r['model']:<6}{r['dtype']:<6}{r['new_tokens']:>4}{r['past']:>6}{r['triton_us']:>11.1f}"
-              f"{r['portable_us']:>13.1f}{r['speedup']:>8.2f}x{r['max_abs_err_triton']:>12.1e}"
-              f"{r['max_abs_err_portable']:>14.1e}{flag}")
-    doc = {"host": host(), "benchmark": "tree_attention_kernel", "device": device, "timing": timing, "iters": iters,
-           "batch": 1, "results": rows, "all_correct": all(r["correct"] for r in rows),
-           "torch": torch.__version__, "triton": triton.__version__, "cuda": torch.version.cuda,
-           "machine": platform.machine(), "python": platform.python_version()}
+        print(
+            f"{r['model']:<6}{r['dtype']:<6}{r['new_tokens']:>4}{r['past']:>6}{r['triton_us']:>11.1f}"
+            f"{r['portable_us']:>13.1f}{r['speedup']:>8.2f}x{r['max_abs_err_triton']:>12.1e}"
+            f"{r['max_abs_err_portable']:>14.1e}{flag}"
+        )
+    doc = {
+        "host": host(),
+        "benchmark": "tree_attention_kernel",
+        "device": device,
+        "timing": timing,
+        "iters": iters,
+        "batch": 1,
+        "results": rows,
+        "all_correct": all(r["correct"] for r in rows),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+    }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(doc, indent=1))
     print(f"wrote {args.json}")

@@ -57,7 +57,7 @@ class TensorSpec:
     shape: tuple[int | str, ...]
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TensorSpec":
+    def from_dict(cls, d: dict[str, Any]) -> TensorSpec:
         return cls(d["name"], d["dtype"], tuple(d["shape"]))
 
 
@@ -83,9 +83,13 @@ class GraphSpec:
         return any(t.name == name for t in self.outputs)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GraphSpec":
-        return cls(d["file"], tuple(d.get("external_data", ())), tuple(map(TensorSpec.from_dict, d["inputs"])),
-                   tuple(map(TensorSpec.from_dict, d["outputs"])))
+    def from_dict(cls, d: dict[str, Any]) -> GraphSpec:
+        return cls(
+            d["file"],
+            tuple(d.get("external_data", ())),
+            tuple(map(TensorSpec.from_dict, d["inputs"])),
+            tuple(map(TensorSpec.from_dict, d["outputs"])),
+        )
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,7 @@ class HeadsSpec:
     base: dict[str, Any]  # BaseFingerprint of the base they were trained for
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "HeadsSpec":
+    def from_dict(cls, d: dict[str, Any]) -> HeadsSpec:
         return cls(d["name"], d["arch"], d["num_heads"], d["num_layers"], d["own_lm_head"], d["max_depth"], d["base"])
 
 
@@ -113,7 +117,7 @@ class ProfileSpec:
     shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ProfileSpec":
+    def from_dict(cls, d: dict[str, Any]) -> ProfileSpec:
         return cls(d["name"], {k: tuple(tuple(int(x) for x in s) for s in v) for k, v in d["shapes"].items()})
 
 
@@ -131,9 +135,16 @@ class EngineSpec:
     compute_capability: str  # e.g. "9.0"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "EngineSpec":
-        return cls(d["graph"], d["file"], tuple(map(ProfileSpec.from_dict, d["profiles"])), d["precision"],
-                   d["tensorrt_version"], d["device_name"], d["compute_capability"])
+    def from_dict(cls, d: dict[str, Any]) -> EngineSpec:
+        return cls(
+            d["graph"],
+            d["file"],
+            tuple(map(ProfileSpec.from_dict, d["profiles"])),
+            d["precision"],
+            d["tensorrt_version"],
+            d["device_name"],
+            d["compute_capability"],
+        )
 
 
 KNOWN_WEIGHTS = ("int8", "int4")  # the weight-only schemes this runtime runs
@@ -152,9 +163,16 @@ class WeightsSpec:
     agreement: dict[str, float]  # greedy top-1 agreement with fp32 PyTorch: prompts, positions, top1
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "WeightsSpec":
-        return cls(d["scheme"], int(d["block_size"]), bool(d["symmetric"]), int(d["accuracy_level"]),
-                   int(d["draft_accuracy_level"]), d["embedding"], dict(d.get("agreement", {})))
+    def from_dict(cls, d: dict[str, Any]) -> WeightsSpec:
+        return cls(
+            d["scheme"],
+            int(d["block_size"]),
+            bool(d["symmetric"]),
+            int(d["accuracy_level"]),
+            int(d["draft_accuracy_level"]),
+            d["embedding"],
+            dict(d.get("agreement", {})),
+        )
 
 
 @dataclass(frozen=True)
@@ -168,7 +186,7 @@ class DraftVocabSpec:
     graphs: tuple[str, ...]  # the draft graphs whose logits it gives (through draft_lm_head.onnx)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DraftVocabSpec":
+    def from_dict(cls, d: dict[str, Any]) -> DraftVocabSpec:
         return cls(int(d["size"]), d["file"], d["source"], float(d["coverage"]), tuple(d["graphs"]))
 
 
@@ -181,7 +199,7 @@ class NgramStoreSpec:
     contexts: int  # contexts stored
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "NgramStoreSpec":
+    def from_dict(cls, d: dict[str, Any]) -> NgramStoreSpec:
         return cls(d["file"], d["source"], int(d["contexts"]))
 
 
@@ -197,12 +215,18 @@ class TreeSpec:
         return {"name": self.name, "choices": [list(p) for p in self.choices]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "TreeSpec":
+    def from_dict(cls, d: dict[str, Any]) -> TreeSpec:
         choices = d.get("choices") if isinstance(d, dict) else None
-        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(choices, list) or not all(
-                isinstance(p, list) and all(isinstance(r, int) and r >= 0 for r in p) for p in choices):
-            raise CloverError(f"the manifest's tree is malformed ({str(d)[:80]}): expected "
-                              "{\"name\": str, \"choices\": [[rank, ...], ...]}; export the artifact again")
+        if (
+            not isinstance(d, dict)
+            or not isinstance(d.get("name"), str)
+            or not isinstance(choices, list)
+            or not all(isinstance(p, list) and all(isinstance(r, int) and r >= 0 for r in p) for p in choices)
+        ):
+            raise CloverError(
+                f"the manifest's tree is malformed ({str(d)[:80]}): expected "
+                '{"name": str, "choices": [[rank, ...], ...]}; export the artifact again'
+            )
         return cls(d["name"], tuple(tuple(p) for p in choices))
 
 
@@ -236,22 +260,31 @@ class Manifest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Manifest":
+    def from_dict(cls, d: dict[str, Any]) -> Manifest:
         return cls(
-            backend=d["backend"], dtype=d["dtype"], attention=d["attention"], opset=int(d["opset"]),
-            max_context=int(d["max_context"]), base_config=dict(d["base_config"]),
-            base_fingerprint=dict(d["base_fingerprint"]), sources=dict(d.get("sources", {})),
+            backend=d["backend"],
+            dtype=d["dtype"],
+            attention=d["attention"],
+            opset=int(d["opset"]),
+            max_context=int(d["max_context"]),
+            base_config=dict(d["base_config"]),
+            base_fingerprint=dict(d["base_fingerprint"]),
+            sources=dict(d.get("sources", {})),
             heads=HeadsSpec.from_dict(d["heads"]) if d.get("heads") else None,
             tree=TreeSpec.from_dict(d["tree"]) if d.get("tree") else None,
-            graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()}, tokenizer=d["tokenizer"],
-            tools=dict(d.get("tools", {})), parity=dict(d.get("parity", {})), files=dict(d["files"]),
+            graphs={k: GraphSpec.from_dict(g) for k, g in d["graphs"].items()},
+            tokenizer=d["tokenizer"],
+            tools=dict(d.get("tools", {})),
+            parity=dict(d.get("parity", {})),
+            files=dict(d["files"]),
             engines={k: EngineSpec.from_dict(e) for k, e in d.get("engines", {}).items()},
             draft_quant=d.get("draft_quant"),
             draft_vocab=DraftVocabSpec.from_dict(d["draft_vocab"]) if d.get("draft_vocab") else None,
             ngram_store=NgramStoreSpec.from_dict(d["ngram_store"]) if d.get("ngram_store") else None,
             weights=WeightsSpec.from_dict(d["weights"]) if d.get("weights") else None,
             tree_timing=d.get("tree_timing"),
-            format_version=d["format_version"], kind=d["kind"],
+            format_version=d["format_version"],
+            kind=d["kind"],
         )
 
 
@@ -268,14 +301,18 @@ def check_pin(path: str | Path, sha256: str) -> None:
     loading checks them, so pinning it pins the whole artifact (what a deployment reviewed is what it runs)."""
     want = sha256.strip().lower()
     if len(want) != 64 or any(c not in "0123456789abcdef" for c in want):
-        raise CloverError(f"--manifest-sha256 must be 64 hex digits (sha256sum ARTIFACT/{MANIFEST_FILE}), got {sha256!r}")
+        raise CloverError(
+            f"--manifest-sha256 must be 64 hex digits (sha256sum ARTIFACT/{MANIFEST_FILE}), got {sha256!r}"
+        )
     mfile = Path(path) / MANIFEST_FILE
     if not mfile.is_file():
         raise CloverError(f"{Path(path)} is not a clover artifact: it has no {MANIFEST_FILE}")
     got = sha256_file(mfile)
     if got != want:
-        raise CloverError(f"{mfile} has sha256 {got}, not the pinned {want}: this is not the artifact that was pinned "
-                          "(export or copy the reviewed one, or pin this one after reviewing it)")
+        raise CloverError(
+            f"{mfile} has sha256 {got}, not the pinned {want}: this is not the artifact that was pinned "
+            "(export or copy the reviewed one, or pin this one after reviewing it)"
+        )
 
 
 def file_entries(root: Path) -> dict[str, dict[str, Any]]:
@@ -307,7 +344,9 @@ def read_manifest(path: str | Path) -> Manifest:
     files themselves are not read: see `verify_files`)."""
     root = Path(path)
     if not root.is_dir():
-        raise CloverError(f"artifact {root} does not exist: make one with clover-export --base B --heads H --out {root}")
+        raise CloverError(
+            f"artifact {root} does not exist: make one with clover-export --base B --heads H --out {root}"
+        )
     mfile = root / MANIFEST_FILE
     if not mfile.is_file():
         raise CloverError(
@@ -319,7 +358,7 @@ def read_manifest(path: str | Path) -> Manifest:
     except ValueError as e:
         raise CloverError(f"{mfile} is not valid JSON ({e}): the artifact is corrupt, export it again") from e
     if not isinstance(doc, dict) or doc.get("kind") != KIND:
-        raise CloverError(f"{mfile} was not written by clover-export (no \"kind\": \"{KIND}\"): pass an artifact folder")
+        raise CloverError(f'{mfile} was not written by clover-export (no "kind": "{KIND}"): pass an artifact folder')
     version = doc.get("format_version")
     if version != FORMAT_VERSION:
         raise CloverError(
@@ -334,7 +373,8 @@ def read_manifest(path: str | Path) -> Manifest:
     if manifest.weights is not None and manifest.weights.scheme not in KNOWN_WEIGHTS:
         raise CloverError(
             f"artifact {root} stores {manifest.weights.scheme!r} weights, which this clover-deploy cannot run (it "
-            f"runs {', '.join(KNOWN_WEIGHTS)}): export it again with clover-export --weights int4 (or int8)")
+            f"runs {', '.join(KNOWN_WEIGHTS)}): export it again with clover-export --weights int4 (or int8)"
+        )
     return manifest
 
 
@@ -345,19 +385,31 @@ def member(root: Path, rel: Any, what: str) -> Path:
     from pathlib import PurePosixPath
 
     parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
-    if (not parts or PurePosixPath(rel).is_absolute() or ".." in parts or "\\" in rel or ":" in rel
-            or any(ord(c) < 32 for c in rel)):  # control characters: no real file, and they would break messages
-        raise CloverError(f"artifact {root}: {MANIFEST_FILE} names {rel!r} for {what}, which is not a relative path "
-                          "inside the artifact: the manifest was edited or crafted; export the artifact again")
+    if (
+        not parts
+        or PurePosixPath(rel).is_absolute()
+        or ".." in parts
+        or "\\" in rel
+        or ":" in rel
+        or any(ord(c) < 32 for c in rel)
+    ):  # control characters: no real file, and they would break messages
+        raise CloverError(
+            f"artifact {root}: {MANIFEST_FILE} names {rel!r} for {what}, which is not a relative path "
+            "inside the artifact: the manifest was edited or crafted; export the artifact again"
+        )
     inside = root.resolve()
     try:
         full = (root / rel).resolve()
     except (OSError, ValueError) as e:  # a name the filesystem cannot hold (a lone surrogate, too long)
-        raise CloverError(f"artifact {root}: {MANIFEST_FILE} names {rel!r} for {what}, which is not a file name "
-                          f"({type(e).__name__}): export the artifact again") from None
+        raise CloverError(
+            f"artifact {root}: {MANIFEST_FILE} names {rel!r} for {what}, which is not a file name "
+            f"({type(e).__name__}): export the artifact again"
+        ) from None
     if not full.is_relative_to(inside):
-        raise CloverError(f"artifact {root}: {what} ({rel}) resolves outside the artifact (a symbolic link?): "
-                          "export the artifact again")
+        raise CloverError(
+            f"artifact {root}: {what} ({rel}) resolves outside the artifact (a symbolic link?): "
+            "export the artifact again"
+        )
     return full
 
 
@@ -380,8 +432,9 @@ def check_names(root: Path, manifest: Manifest) -> None:
     for what, rel in named_files(manifest):
         member(root, rel, what)
         if rel not in manifest.files:
-            raise CloverError(f"artifact {root}: {what} needs {rel}, which {MANIFEST_FILE} does not list: "
-                              "export it again")
+            raise CloverError(
+                f"artifact {root}: {what} needs {rel}, which {MANIFEST_FILE} does not list: export it again"
+            )
 
 
 def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None:
@@ -389,8 +442,10 @@ def verify_files(root: Path, manifest: Manifest, checksums: bool = True) -> None
     for rel, entry in manifest.files.items():
         p = root / rel
         if not p.is_file():
-            raise CloverError(f"artifact {root} is missing {rel} (listed in {MANIFEST_FILE}): the artifact is incomplete, "
-                              "export it again")
+            raise CloverError(
+                f"artifact {root} is missing {rel} (listed in {MANIFEST_FILE}): the artifact is incomplete, "
+                "export it again"
+            )
         if p.stat().st_size != entry["bytes"] or (checksums and sha256_file(p) != entry["sha256"]):
             raise CloverError(
                 f"artifact {root}: {rel} does not match its checksum in {MANIFEST_FILE} (changed or corrupted "
@@ -430,8 +485,10 @@ def check_corpus_base(corpus_base: dict[str, Any], base: dict[str, Any], what: s
     """One-line error unless `what`, counted over a corpus of answers (clover-data grow), was written by the base
     `base` (fingerprints as dicts)."""
     if not fingerprints_match(corpus_base, base) or corpus_base.get("vocab_size") != base.get("vocab_size"):
-        raise CloverError(f"{what} comes from answers of another base model: grow a corpus with this base "
-                          "(clover-data grow) and use that")
+        raise CloverError(
+            f"{what} comes from answers of another base model: grow a corpus with this base "
+            "(clover-data grow) and use that"
+        )
 
 
 def check_heads_match_base(root: Path, manifest: Manifest) -> None:
@@ -459,8 +516,10 @@ def uses_exported_heads(root: str | Path, manifest: Manifest, heads: str) -> boo
     if heads == ARTIFACT_HEADS or (exported is not None and heads == exported.name):
         return exported is not None
     have = f"{exported.arch} heads from {exported.name}" if exported else "no heads"
-    raise CloverError(f"artifact {root} carries {have}; --heads {heads} cannot be added to an exported artifact: "
-                      "omit --heads to use the artifact's, pass --heads none for plain decoding, or export these heads")
+    raise CloverError(
+        f"artifact {root} carries {have}; --heads {heads} cannot be added to an exported artifact: "
+        "omit --heads to use the artifact's, pass --heads none for plain decoding, or export these heads"
+    )
 
 
 def tokenizer_dir(root: str | Path) -> Path:
@@ -476,7 +535,9 @@ def base_weight_files(root: Path, manifest: Manifest) -> list[Path]:
 
 def _base_files(manifest: Manifest) -> list[str]:
     graphs = manifest.graphs
-    return [f for name in ("base", "lm_head") if name in graphs for f in (graphs[name].file, *graphs[name].external_data)]
+    return [
+        f for name in ("base", "lm_head") if name in graphs for f in (graphs[name].file, *graphs[name].external_data)
+    ]
 
 
 def base_graph_sha256(manifest: Manifest) -> str:

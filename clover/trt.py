@@ -21,12 +21,22 @@ if TYPE_CHECKING:
     from clover.artifact import EngineSpec
 
 SUPPORTED_MAJORS = (10, 11)
-MISSING = ("TensorRT is not installed: clover-export --backend trt and the trt runtime backend need TensorRT 10.x or "
-           "11.x and a CUDA GPU (pip install -e '.[torch,gpu]' in an environment of its own, see docs/gpu.md); "
-           "use --backend onnx / --backend ort to run on ONNX Runtime")
+MISSING = (
+    "TensorRT is not installed: clover-export --backend trt and the trt runtime backend need TensorRT 10.x or "
+    "11.x and a CUDA GPU (pip install -e '.[torch,gpu]' in an environment of its own, see docs/gpu.md); "
+    "use --backend onnx / --backend ort to run on ONNX Runtime"
+)
 # numpy dtype name -> trt.DataType member name, and bytes per element: the tensor types engines bind
-TRT_DTYPES = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16", "int64": "INT64", "int32": "INT32",
-              "bool": "BOOL", "int8": "INT8", "uint8": "UINT8"}
+TRT_DTYPES = {
+    "float32": "FLOAT",
+    "float16": "HALF",
+    "bfloat16": "BF16",
+    "int64": "INT64",
+    "int32": "INT32",
+    "bool": "BOOL",
+    "int8": "INT8",
+    "uint8": "UINT8",
+}
 ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1, "int8": 1, "uint8": 1}
 FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -52,8 +62,10 @@ def parse_version(version: str) -> tuple[int, int, int]:
 def check_version(version: str) -> tuple[int, int, int]:
     v = parse_version(version)
     if v[0] not in SUPPORTED_MAJORS:
-        raise CloverError(f"TensorRT {version} is installed, clover supports TensorRT "
-                          f"{' and '.join(f'{m}.x' for m in SUPPORTED_MAJORS)}: pip install 'tensorrt-cu13>=10.13.2,<12'")
+        raise CloverError(
+            f"TensorRT {version} is installed, clover supports TensorRT "
+            f"{' and '.join(f'{m}.x' for m in SUPPORTED_MAJORS)}: pip install 'tensorrt-cu13>=10.13.2,<12'"
+        )
     return v
 
 
@@ -70,12 +82,16 @@ def check_engine_compatible(spec: EngineSpec, tensorrt_version: str, device_name
     if not same_engine_version(spec.tensorrt_version, tensorrt_version):
         built = ".".join(map(str, parse_version(spec.tensorrt_version)))
         here = ".".join(map(str, parse_version(tensorrt_version)))
-        raise CloverError(f"engine {spec.file} was built with TensorRT {built} but TensorRT {here} is installed: "
-                          f"{rebuild}, or install the TensorRT it was built with (pip install 'tensorrt=={built}.*')")
+        raise CloverError(
+            f"engine {spec.file} was built with TensorRT {built} but TensorRT {here} is installed: "
+            f"{rebuild}, or install the TensorRT it was built with (pip install 'tensorrt=={built}.*')"
+        )
     if spec.compute_capability != compute_capability or spec.device_name != device_name:
-        raise CloverError(f"engine {spec.file} was built for {spec.device_name} (compute capability "
-                          f"{spec.compute_capability}) but this GPU is {device_name} (compute capability "
-                          f"{compute_capability}): {rebuild}")
+        raise CloverError(
+            f"engine {spec.file} was built for {spec.device_name} (compute capability "
+            f"{spec.compute_capability}) but this GPU is {device_name} (compute capability "
+            f"{compute_capability}): {rebuild}"
+        )
 
 
 @dataclass(frozen=True)
@@ -93,8 +109,10 @@ def device_info(device: int = 0) -> DeviceInfo:
     except ImportError as e:
         raise CloverError("TensorRT engines need torch with CUDA here (pip install torch from the CUDA index)") from e
     if not torch.cuda.is_available() or device >= torch.cuda.device_count():
-        raise CloverError(f"TensorRT needs a CUDA GPU, but torch sees {torch.cuda.device_count()} CUDA devices "
-                          f"(asked for device {device}): run on a GPU machine, or use --backend ort")
+        raise CloverError(
+            f"TensorRT needs a CUDA GPU, but torch sees {torch.cuda.device_count()} CUDA devices "
+            f"(asked for device {device}): run on a GPU machine, or use --backend ort"
+        )
     major, minor = torch.cuda.get_device_capability(device)
     free, _ = torch.cuda.mem_get_info(device)
     return DeviceInfo(torch.cuda.get_device_name(device), f"{major}.{minor}", int(free))

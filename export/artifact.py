@@ -19,25 +19,40 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
+from clover.artifact import (
+    MANIFEST_FILE,
+    TOKENIZER_DIR,
+    GraphSpec,
+    HeadsSpec,
+    Manifest,
+    WeightsSpec,
+    file_entries,
+    is_artifact,
+    open_artifact,
+    write_manifest,
+)
 from clover.atomic import publish_folder, staging_folder
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.draft_vocab import TokenCounts
-from clover.export.ngram_store import StoreSource
 from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
+from clover.export.ngram_store import StoreSource
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
 from clover.models.clover2 import Clover2Heads
 from clover.models.decoder import Decoder
 from clover.models.heads import BaseFingerprint, DraftHeads
-from clover.artifact import (
-    MANIFEST_FILE, TOKENIZER_DIR, GraphSpec, HeadsSpec, Manifest, WeightsSpec, file_entries, is_artifact, open_artifact,
-    write_manifest,
-)
-from clover.runtime.tree import Tree, default_tree as runtime_default_tree, resolve_tree, tree_spec
+from clover.runtime.tree import Tree, resolve_tree, tree_spec
+from clover.runtime.tree import default_tree as runtime_default_tree
 
 Progress = Callable[[str], None]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
-                   "special_tokens_map.json", "config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "generation_config.json",
+    "special_tokens_map.json",
+    "config.json",
+)
 # Export-time parity check: an edge case (no past, one new token) and a small tree over a past.
 VERIFY_SIZES: list[Sizes] = [
     {"batch": 1, "new": 1, "past": 0, "rows": 1, "accepted": 1, "candidates": 1},
@@ -49,15 +64,25 @@ DEFAULT_MAX_PROMPT = 2048  # TensorRT prefill profile when --max-prompt is not g
 # with fp32 is the real check, and below BROKEN_AGREEMENT the graph is broken (a wrong block layout or zero point).
 BROKEN_AGREEMENT = 0.5
 # --weights: greedy agreement with fp32 PyTorch is measured on these texts (24 generated tokens each).
-AGREEMENT_TEXTS = ("The capital of France is", "def fibonacci(n):", "Photosynthesis is the process by which",
-                   "Here are three tips for staying productive:")
+AGREEMENT_TEXTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Photosynthesis is the process by which",
+    "Here are three tips for staying productive:",
+)
 AGREEMENT_TOKENS = 24
 TOOLS = ("clover-deploy", "torch", "onnx", "onnxscript", "onnxruntime")
 
 
-def export_artifact(base: str | Path, heads: str, out: str | Path, config: ExportConfig,
-                    progress: Progress | None = None, token_counts: TokenCounts | None = None,
-                    ngram_store: StoreSource | None = None) -> Path:
+def export_artifact(
+    base: str | Path,
+    heads: str,
+    out: str | Path,
+    config: ExportConfig,
+    progress: Progress | None = None,
+    token_counts: TokenCounts | None = None,
+    ngram_store: StoreSource | None = None,
+) -> Path:
     """Load `base` (an HF folder or 'smollm2') and `heads` (a folder, random:ARCH[:SEED] or none) in
     config.dtype and export them to the artifact directory `out` (config.draft_vocab: its tokens are the most
     frequent of `token_counts`; `ngram_store`: what prompt lookup drafts from, export/ngram_store.py)."""
@@ -73,36 +98,62 @@ def export_artifact(base: str | Path, heads: str, out: str | Path, config: Expor
     head_set = resolve_heads(heads, model)
     # Folders as absolute paths: the artifact may be used from elsewhere (e.g. to compare with torch).
     named = heads in ("none", "") or heads.startswith("random:") or heads in pretrained_names()
-    sources = {"base": str(base) if str(base) == "smollm2" else str(base_path.resolve()),
-               "heads": heads if named else str(Path(heads).resolve())}
-    return artifact_from_modules(model, head_set, base_path, out, config, heads_name=heads, sources=sources,
-                                 progress=progress, token_counts=token_counts, ngram_store=ngram_store)
+    sources = {
+        "base": str(base) if str(base) == "smollm2" else str(base_path.resolve()),
+        "heads": heads if named else str(Path(heads).resolve()),
+    }
+    return artifact_from_modules(
+        model,
+        head_set,
+        base_path,
+        out,
+        config,
+        heads_name=heads,
+        sources=sources,
+        progress=progress,
+        token_counts=token_counts,
+        ngram_store=ngram_store,
+    )
 
 
-def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir: Path, out: str | Path,
-                          config: ExportConfig, heads_name: str = "none", sources: dict[str, str] | None = None,
-                          progress: Progress | None = None, token_counts: TokenCounts | None = None,
-                          ngram_store: StoreSource | None = None) -> Path:
+def artifact_from_modules(
+    base: Decoder,
+    heads: DraftHeads | None,
+    tokenizer_dir: Path,
+    out: str | Path,
+    config: ExportConfig,
+    heads_name: str = "none",
+    sources: dict[str, str] | None = None,
+    progress: Progress | None = None,
+    token_counts: TokenCounts | None = None,
+    ngram_store: StoreSource | None = None,
+) -> Path:
     """Export `base` (+ `heads`) with the tokenizer files of `tokenizer_dir` into the artifact `out`."""
     say = progress or (lambda _: None)
     out = Path(out)
     check_target(out)
     dtype = str(base.lm_head.weight.dtype).removeprefix("torch.")
     if dtype != config.dtype:
-        raise CloverError(f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}")
+        raise CloverError(
+            f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}"
+        )
     draft_ids = draft_vocab_ids(base, heads, config, token_counts)
     tree = default_tree(heads, config.tree)
     max_context = resolve_max_context(base, config.max_context)
     # The fused base is written from the module's weights (export/fused_graph.py); the portable GraphDef is
     # its PyTorch reference and example maker all the same.
     traced = "portable" if config.attention == "fused" else config.attention
-    graphs = [base_graph(base, traced, chains=fused_chains_only(config))] + (draft_graphs(heads) if heads is not None else [])
+    graphs = [base_graph(base, traced, chains=fused_chains_only(config))] + (
+        draft_graphs(heads) if heads is not None else []
+    )
     # No --tree: time the candidate trees on the graphs (ONNX Runtime on this machine) and keep the fastest.
     time_trees = config.tree is None and heads is not None and config.backend == "onnx" and config.attention != "plugin"
     # ONNX Runtime artifacts with heads: one LM head for all graphs (export/lm_head.py); TensorRT keeps one per
     # engine. float32 only: ONNX Runtime's CPU runs float16 matmuls in float32 between Casts it elides inside a
     # graph, so a float16 base cut before its LM head would round the rows it hands over (not bit-exact).
-    share_lm_head = config.shared_lm_head and heads is not None and config.backend == "onnx" and config.dtype == "float32"
+    share_lm_head = (
+        config.shared_lm_head and heads is not None and config.backend == "onnx" and config.dtype == "float32"
+    )
     # Fused artifacts: a batched base for several sequences per forward (export/batch_graph.py).
     batched = config.attention == "fused" and config.max_batch > 1
     # --draft-quant with the shared LM head: the drafts run a quantized copy of it (draft_lm_head.onnx), over the
@@ -130,16 +181,20 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
                 errors = quantized(graph, tmp / specs[graph.name].file, config, base_head)
                 if errors is not None:
                     parity[f"{graph.name}.{config.draft_quant}"] = errors
-                say(f"      {config.draft_quant} weights: {progress_note(errors, config.dtype)} "
-                    f"({time.perf_counter() - t0:.1f} s)")
+                say(
+                    f"      {config.draft_quant} weights: {progress_note(errors, config.dtype)} "
+                    f"({time.perf_counter() - t0:.1f} s)"
+                )
             if config.weights:
                 t0 = time.perf_counter()
                 stored, errors = weights_quantized(graph, tmp / specs[graph.name].file, config)
                 embedding = stored if graph.name == "base" else embedding
                 if errors is not None:
                     parity[f"{graph.name}.{config.weights}"] = errors
-                say(f"      {config.weights} weights (MatMulNBits, blocks of {config.block_size}): "
-                    f"{progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)")
+                say(
+                    f"      {config.weights} weights (MatMulNBits, blocks of {config.block_size}): "
+                    f"{progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)"
+                )
         weights = None
         if config.weights:
             agreement = {}
@@ -150,11 +205,19 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
                 if not agreement["top1"] >= BROKEN_AGREEMENT:
                     raise CloverError(
                         f"the {config.weights} base graph picks fp32's greedy token at only {agreement['top1']:.0%} of "
-                        f"positions (< {BROKEN_AGREEMENT:.0%}): this is a clover-export bug, please report it")
+                        f"positions (< {BROKEN_AGREEMENT:.0%}): this is a clover-export bug, please report it"
+                    )
             from clover.export.quantize import DRAFT_ACCURACY_LEVEL, SYMMETRIC, base_accuracy_level
 
-            weights = WeightsSpec(config.weights, config.block_size, SYMMETRIC, base_accuracy_level(config.attention),
-                                  DRAFT_ACCURACY_LEVEL, embedding, agreement)
+            weights = WeightsSpec(
+                config.weights,
+                config.block_size,
+                SYMMETRIC,
+                base_accuracy_level(config.attention),
+                DRAFT_ACCURACY_LEVEL,
+                embedding,
+                agreement,
+            )
         if share_lm_head:
             from clover.export.lm_head import LM_HEAD, LM_INPUT, split_lm_head
 
@@ -162,8 +225,11 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             say(f"[{len(graphs) + 1}/{steps}] {LM_HEAD}: one LM head for the base and the draft graphs")
             specs = split_lm_head(tmp, specs, graphs, VERIFY_SIZES[1], verify=config.verify)
             shared = [n for n, s in specs.items() if s.has_output(LM_INPUT)]
-            say(f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)" if shared else
-                "      the draft graphs have their own LM head: nothing shared")
+            say(
+                f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)"
+                if shared
+                else "      the draft graphs have their own LM head: nothing shared"
+            )
         draft_vocab = None
         if draft_head:
             import numpy as np
@@ -175,8 +241,10 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             step = f"[{len(graphs) + 1 + share_lm_head}/{steps}]"
             ids = None
             if draft_ids is not None:
-                say(f"{step} draft vocabulary: the {len(draft_ids)} tokens the base emits most often "
-                    f"({token_counts.source})")
+                say(
+                    f"{step} draft vocabulary: the {len(draft_ids)} tokens the base emits most often "
+                    f"({token_counts.source})"
+                )
                 ids, source, covered = draft_ids, token_counts.source, coverage(token_counts.counts, draft_ids)
             elif LM_HEAD in specs and any(s.has_output(LM_INPUT) for n, s in specs.items() if n != "base"):
                 say(f"{step} the drafts' {config.draft_quant} LM head")
@@ -185,16 +253,23 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
                 say(f"{step} the draft graphs keep their own {config.draft_quant} LM heads")
             if ids is not None:
                 specs, draft_vocab = add_draft_vocab(tmp, specs, ids, source, covered, quant=config.draft_quant)
-                which = ("over the whole vocabulary" if source == WHOLE_VOCABULARY else
-                         f"over {draft_vocab.coverage:.2%} of the tokens counted there")
-                say(f"      draft_lm_head.onnx ({which}) serves {', '.join(draft_vocab.graphs)} "
-                    f"({time.perf_counter() - t0:.1f} s)")
+                which = (
+                    "over the whole vocabulary"
+                    if source == WHOLE_VOCABULARY
+                    else f"over {draft_vocab.coverage:.2%} of the tokens counted there"
+                )
+                say(
+                    f"      draft_lm_head.onnx ({which}) serves {', '.join(draft_vocab.graphs)} "
+                    f"({time.perf_counter() - t0:.1f} s)"
+                )
         if batched:
             from clover.export.batch_graph import BATCH_GRAPH, write_batched_base
 
             t0 = time.perf_counter()
-            say(f"[{len(graphs) + 1 + share_lm_head + draft_head}/{steps}] {BATCH_GRAPH}: "
-                f"{config.max_batch} sequences per forward")
+            say(
+                f"[{len(graphs) + 1 + share_lm_head + draft_head}/{steps}] {BATCH_GRAPH}: "
+                f"{config.max_batch} sequences per forward"
+            )
             specs[BATCH_GRAPH] = graph_spec(write_batched_base(tmp, specs["base"].file, config.max_batch))
             check_onnx(tmp / specs[BATCH_GRAPH].file)
         engines = {}
@@ -202,8 +277,9 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             from clover.export.engines import build_engines
 
             say(f"[{steps - 1}/{steps}] TensorRT engines")
-            engines = build_engines(tmp, specs, config.dtype, engine_limits(config, tree, max_context),
-                                    timing_cache_path(config), say)
+            engines = build_engines(
+                tmp, specs, config.dtype, engine_limits(config, tree, max_context), timing_cache_path(config), say
+            )
         fingerprint = dataclasses.asdict(BaseFingerprint.of(base))
         store = None
         if ngram_store is not None:
@@ -212,13 +288,25 @@ def artifact_from_modules(base: Decoder, heads: DraftHeads | None, tokenizer_dir
             store = add_ngram_store(tmp, ngram_store, fingerprint)
             say(f"      n-gram store for prompt lookup: {store.contexts} contexts ({ngram_store.source})")
         manifest = Manifest(
-            backend=config.backend, dtype=config.dtype, attention=config.attention, opset=config.opset,
-            max_context=max_context, base_config=base.config.to_dict(),
-            base_fingerprint=fingerprint, sources=dict(sources or {}),
+            backend=config.backend,
+            dtype=config.dtype,
+            attention=config.attention,
+            opset=config.opset,
+            max_context=max_context,
+            base_config=base.config.to_dict(),
+            base_fingerprint=fingerprint,
+            sources=dict(sources or {}),
             heads=heads_spec(heads, heads_name) if heads is not None else None,
             tree=tree_spec(tree) if tree is not None else None,
-            graphs=specs, tokenizer=TOKENIZER_DIR, tools=tool_versions(), parity=parity, files={},
-            engines=engines, draft_quant=config.draft_quant, weights=weights, draft_vocab=draft_vocab,
+            graphs=specs,
+            tokenizer=TOKENIZER_DIR,
+            tools=tool_versions(),
+            parity=parity,
+            files={},
+            engines=engines,
+            draft_quant=config.draft_quant,
+            weights=weights,
+            draft_vocab=draft_vocab,
             ngram_store=store,
         )
         if batched and config.verify:
@@ -270,8 +358,8 @@ def derived_artifact(src: Path, out: Path, drop: set[str], change: Callable[[Pat
 
 # -- steps ---------------------------------------------------------------------------------------------
 
-def draft_vocab_ids(base: Decoder, heads: DraftHeads | None, config: ExportConfig,
-                    token_counts: TokenCounts | None):
+
+def draft_vocab_ids(base: Decoder, heads: DraftHeads | None, config: ExportConfig, token_counts: TokenCounts | None):
     """config.draft_vocab: the K most frequent tokens of `token_counts` (checked against the base), else None."""
     if config.draft_vocab is None:
         return None
@@ -283,14 +371,21 @@ def draft_vocab_ids(base: Decoder, heads: DraftHeads | None, config: ExportConfi
     vocab = base.config.vocab_size
     check_size(config.draft_vocab, vocab)
     if token_counts is None:
-        raise CloverError("--draft-vocab needs token counts of the base's own output: pass --draft-vocab-data CORPUS "
-                          "(a folder grown by clover-data grow)")
-    check_corpus_base(token_counts.base_fingerprint, dataclasses.asdict(BaseFingerprint.of(base)),
-                      f"--draft-vocab-data ({token_counts.source})")
+        raise CloverError(
+            "--draft-vocab needs token counts of the base's own output: pass --draft-vocab-data CORPUS "
+            "(a folder grown by clover-data grow)"
+        )
+    check_corpus_base(
+        token_counts.base_fingerprint,
+        dataclasses.asdict(BaseFingerprint.of(base)),
+        f"--draft-vocab-data ({token_counts.source})",
+    )
     if len(token_counts.counts) != vocab:
-        raise CloverError(f"--draft-vocab-data counts {len(token_counts.counts)} tokens, the base has {vocab}: grow a "
-                          "corpus with this base (clover-data grow)")
-    return ranked_ids(token_counts.counts)[:config.draft_vocab]
+        raise CloverError(
+            f"--draft-vocab-data counts {len(token_counts.counts)} tokens, the base has {vocab}: grow a "
+            "corpus with this base (clover-data grow)"
+        )
+    return ranked_ids(token_counts.counts)[: config.draft_vocab]
 
 
 def fused_chains_only(config: ExportConfig) -> bool:
@@ -301,8 +396,9 @@ def fused_chains_only(config: ExportConfig) -> bool:
     return config.attention == "fused" and config.weights is not None and base_accuracy_level(config.attention) != 0
 
 
-def checked_onnx_from_torch(graph: GraphDef, out_dir: Path, config: ExportConfig,
-                            max_context: int) -> tuple[GraphSpec, dict[str, float] | None]:
+def checked_onnx_from_torch(
+    graph: GraphDef, out_dir: Path, config: ExportConfig, max_context: int
+) -> tuple[GraphSpec, dict[str, float] | None]:
     """Export one graph (fused: the base and Clover-2's draft_begin are written from their weights), run the
     ONNX checker on it, and (config.verify) its parity check. bfloat16 graphs get the checker only: ONNX
     Runtime's CPU provider has no bf16 kernels for most ops."""
@@ -366,9 +462,14 @@ def engine_limits(config: ExportConfig, tree: Tree | None, max_context: int):
     from clover.export.engines import EngineLimits
 
     nodes = tree.num_nodes if tree is not None else 1
-    return EngineLimits(max_batch=1, max_prompt=config.max_prompt or min(max_context, DEFAULT_MAX_PROMPT),
-                        max_tree=nodes, max_context=max_context,
-                        max_accepted=(tree.max_depth + 1) if tree is not None else 1, max_candidates=nodes)
+    return EngineLimits(
+        max_batch=1,
+        max_prompt=config.max_prompt or min(max_context, DEFAULT_MAX_PROMPT),
+        max_tree=nodes,
+        max_context=max_context,
+        max_accepted=(tree.max_depth + 1) if tree is not None else 1,
+        max_candidates=nodes,
+    )
 
 
 def timing_cache_path(config: ExportConfig) -> Path:
@@ -425,8 +526,9 @@ def resolve_max_context(base: Decoder, requested: int | None) -> int:
     return requested
 
 
-def verified_parity(graph: GraphDef, path: Path, dtype: str, weights: str | None = None,
-                    draft_quant: str | None = None) -> dict[str, float]:
+def verified_parity(
+    graph: GraphDef, path: Path, dtype: str, weights: str | None = None, draft_quant: str | None = None
+) -> dict[str, float]:
     """Max abs error per output of the graph at `path` on ONNX Runtime against PyTorch (float32 PyTorch for a
     float16 or quantized graph) on VERIFY_SIZES, through Polygraphy (clover.export.compare, as clover-compare);
     an output beyond the export's tolerance (compare.export_tolerance) is a bug, not noise, and fails the export."""
@@ -437,16 +539,25 @@ def verified_parity(graph: GraphDef, path: Path, dtype: str, weights: str | None
     for r in rows:
         if not r.passed:
             found = r.note or f"differs by {r.max_abs:.3g} (relative to its largest value {r.max_rel:.2g})"
-            raise CloverError(f"{path.name} does not match PyTorch: output {r.output} {found}, beyond atol "
-                              f"{tolerance.atol:g} / rtol {tolerance.rtol:g}: this is a clover-export bug, please "
-                              "report it")
+            raise CloverError(
+                f"{path.name} does not match PyTorch: output {r.output} {found}, beyond atol "
+                f"{tolerance.atol:g} / rtol {tolerance.rtol:g}: this is a clover-export bug, please "
+                "report it"
+            )
     return {r.output: r.max_abs for r in rows}
 
 
 def heads_spec(heads: DraftHeads, name: str) -> HeadsSpec:
     c = heads.config
-    return HeadsSpec(name=name, arch=c.arch, num_heads=c.num_heads, num_layers=c.num_layers, own_lm_head=c.own_lm_head,
-                     max_depth=c.max_depth, base=dataclasses.asdict(c.base))
+    return HeadsSpec(
+        name=name,
+        arch=c.arch,
+        num_heads=c.num_heads,
+        num_layers=c.num_layers,
+        own_lm_head=c.own_lm_head,
+        max_depth=c.max_depth,
+        base=dataclasses.asdict(c.base),
+    )
 
 
 def copy_tokenizer(src: Path, dst: Path) -> None:

@@ -26,9 +26,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from clover.artifact import BATCH_GRAPH, ROW_COUNTS, slot_name
 from clover.errors import CloverError
 from clover.export.fused_graph import MS, AttentionRows, GraphWriter, attention_rows
-from clover.artifact import BATCH_GRAPH, ROW_COUNTS, slot_name
 
 PAST, PRESENT = "past_key_values", "present"
 
@@ -37,27 +37,52 @@ def slot_attention_rows(node, init, slots: int, trees: bool) -> list[AttentionRo
     """The batched graph's per-sequence attention inputs: sequence b owns packed rows start_b .. start_b + n_b
     (n = row_counts, in slot order). A sequence without rows in this step (n_b = 0) still runs its nodes on
     2 dummy rows over its idle 2-slot buffer (past 0): a graph cannot skip nodes, and these cost a few us."""
-    starts = node("Sub", [node("CumSum", [ROW_COUNTS, "zero_i64"], name="row_ends")[0], ROW_COUNTS], name="row_starts")[0]
-    packed = node("Gather", [node("Shape", ["input_ids"], name="ids_shape")[0], "one_i64"], name="packed_len", axis=0)[0]
+    starts = node("Sub", [node("CumSum", [ROW_COUNTS, "zero_i64"], name="row_ends")[0], ROW_COUNTS], name="row_starts")[
+        0
+    ]
+    packed = node("Gather", [node("Shape", ["input_ids"], name="ids_shape")[0], "one_i64"], name="packed_len", axis=0)[
+        0
+    ]
     last_packed = node("Sub", [packed, "one_i64"], name="last_packed")[0]
     out = []
     for b in range(slots):
         at = init(f"slot{b}", np.array([b], np.int64))
-        n = node("Squeeze", [node("Gather", [ROW_COUNTS, at], name=f"count{b}", axis=0)[0], "axis0"], name=f"new_len{b}")[0]
-        start = node("Squeeze", [node("Gather", [starts, at], name=f"start{b}", axis=0)[0], "axis0"], name=f"start_s{b}")[0]
-        start = node("Min", [start, last_packed], name=f"start_in{b}")[0]  # an idle sequence at the end reads row 0.. as dummies
+        n = node(
+            "Squeeze", [node("Gather", [ROW_COUNTS, at], name=f"count{b}", axis=0)[0], "axis0"], name=f"new_len{b}"
+        )[0]
+        start = node(
+            "Squeeze", [node("Gather", [starts, at], name=f"start{b}", axis=0)[0], "axis0"], name=f"start_s{b}"
+        )[0]
+        start = node("Min", [start, last_packed], name=f"start_in{b}")[
+            0
+        ]  # an idle sequence at the end reads row 0.. as dummies
         past = node("Gather", ["past_lengths", at], name=f"past{b}", axis=0)[0]  # [1]
         mask = ""
         if trees:  # its diagonal block of the packed mask (one dummy row when idle)
             lo = node("Unsqueeze", [start, "axis0"], name=f"mask_lo{b}")[0]
-            hi = node("Add", [lo, node("Unsqueeze", [node("Max", [n, "one_i64"], name=f"n_eff{b}")[0], "axis0"], name=f"n_eff1{b}")[0]],
-                      name=f"mask_hi{b}")[0]
-            mask = node("Slice", [node("Slice", ["tree_mask", lo, hi, "axis1"], name=f"mask_rows{b}")[0], lo, hi, init(f"axis2_{b}", np.array([2], np.int64))],
-                        name=f"mask{b}")[0]
+            hi = node(
+                "Add",
+                [
+                    lo,
+                    node("Unsqueeze", [node("Max", [n, "one_i64"], name=f"n_eff{b}")[0], "axis0"], name=f"n_eff1{b}")[
+                        0
+                    ],
+                ],
+                name=f"mask_hi{b}",
+            )[0]
+            mask = node(
+                "Slice",
+                [
+                    node("Slice", ["tree_mask", lo, hi, "axis1"], name=f"mask_rows{b}")[0],
+                    lo,
+                    hi,
+                    init(f"axis2_{b}", np.array([2], np.int64)),
+                ],
+                name=f"mask{b}",
+            )[0]
         # its rows start + 0..n-1 (start + [0, 0] when idle) stay inside the packed rows: start is clamped above
         out.append(attention_rows(node, n, past, mask, "position_ids" if trees else "", f".s{b}", offset=start))
     return out
-
 
 
 def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
@@ -67,8 +92,9 @@ def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
     g = solo.graph
     gqa = [n for n in g.node if n.op_type == "GroupQueryAttention" and n.domain == MS]
     if not gqa:
-        raise CloverError("the batched graph is made from a fused base (--attention fused); this base has no "
-                          "GroupQueryAttention node")
+        raise CloverError(
+            "the batched graph is made from a fused base (--attention fused); this base has no GroupQueryAttention node"
+        )
     trees = bool(gqa[0].input[10]) if len(gqa[0].input) > 10 else False
     w = GraphWriter()
     nodes, inits, init, node = w.nodes, w.inits, w.init, w.node
@@ -91,11 +117,25 @@ def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
         outs = []
         for b, sl in enumerate(per_slot):
             q = node("Gather", [rows.input[0], sl.rows], name=f"{att.name}.rows{b}", axis=1)[0]
-            o = node("GroupQueryAttention",
-                     [q, "", "", slot_name(att.input[3], b), slot_name(att.input[4], b), sl.seqlens_k, sl.total_len,
-                      att.input[7], att.input[8], sl.position_ids, sl.bias],
-                     [f"{att.name}/out{b}", slot_name(att.output[1], b), slot_name(att.output[2], b)],
-                     domain=MS, name=f"{att.name}{b}")[0]
+            o = node(
+                "GroupQueryAttention",
+                [
+                    q,
+                    "",
+                    "",
+                    slot_name(att.input[3], b),
+                    slot_name(att.input[4], b),
+                    sl.seqlens_k,
+                    sl.total_len,
+                    att.input[7],
+                    att.input[8],
+                    sl.position_ids,
+                    sl.bias,
+                ],
+                [f"{att.name}/out{b}", slot_name(att.output[1], b), slot_name(att.output[2], b)],
+                domain=MS,
+                name=f"{att.name}{b}",
+            )[0]
             nodes[-1].attribute.extend(att.attribute)
             outs.append(node("Slice", [o, "zero_1d", sl.count, "axis1"], name=f"{att.name}.unpad{b}")[0])
         node("Concat", outs, [unpad.output[0]], name=f"{att.name}.concat", axis=1)
@@ -112,8 +152,10 @@ def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
     kv_in = [i for i in g.input if i.name.startswith(PAST + ".")]
     kv_out = [o for o in g.output if o.name.startswith(PRESENT + ".")]
     kv = lambda t, b: helper.make_tensor_value_info(  # noqa: E731 [1, Hkv, slots_b, D]
-        slot_name(t.name, b), t.type.tensor_type.elem_type,
-        [1, t.type.tensor_type.shape.dim[1].dim_value, f"slots{b}", t.type.tensor_type.shape.dim[3].dim_value])
+        slot_name(t.name, b),
+        t.type.tensor_type.elem_type,
+        [1, t.type.tensor_type.shape.dim[1].dim_value, f"slots{b}", t.type.tensor_type.shape.dim[3].dim_value],
+    )
     packed = {"input_ids", "position_ids", "tree_mask", "hidden_states", "logits", "lm_input"}
 
     def one_batch(t):
@@ -124,14 +166,17 @@ def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
         return t
 
     inputs = [one_batch(i) for i in g.input if not i.name.startswith(PAST + ".") and i.name != "past_lengths"]
-    inputs += [helper.make_tensor_value_info("past_lengths", TensorProto.INT64, [slots]),
-               helper.make_tensor_value_info(ROW_COUNTS, TensorProto.INT64, [slots])]
+    inputs += [
+        helper.make_tensor_value_info("past_lengths", TensorProto.INT64, [slots]),
+        helper.make_tensor_value_info(ROW_COUNTS, TensorProto.INT64, [slots]),
+    ]
     inputs += [kv(t, b) for b in range(slots) for t in kv_in]
     outputs = [one_batch(o) for o in g.output if not o.name.startswith(PRESENT + ".")]
     outputs += [kv(t, b) for b in range(slots) for t in kv_out]
     used = {i for n in nodes + body for i in n.input}
-    graph = helper.make_graph(nodes + body, BATCH_GRAPH, inputs, outputs,
-                              [t for t in g.initializer if t.name in used] + inits)
+    graph = helper.make_graph(
+        nodes + body, BATCH_GRAPH, inputs, outputs, [t for t in g.initializer if t.name in used] + inits
+    )
     model = helper.make_model(graph, opset_imports=list(solo.opset_import), producer_name="clover-deploy")
     model.ir_version = solo.ir_version
     return model
@@ -179,7 +224,8 @@ def check_batched(folder: Path, manifest, sequences: int = 3, seed: int = 0) -> 
                 raise CloverError(
                     f"the batched base graph differs from the base graph for sequence {i} of {n} (max |diff| "
                     f"{np.abs(g - want).max():.3g}): this is a clover-export bug, please report it; export with "
-                    "--max-batch 1 meanwhile")
+                    "--max-batch 1 meanwhile"
+                )
         for s, t in zip(batched + solo, tokens + tokens):
             runner.commit(np.arange(len(t)), t, slot=s)
     runner.close()

@@ -46,8 +46,10 @@ try:  # Polygraphy imports TensorRT and ONNX Runtime lazily, when a runner is ac
     from polygraphy.exception import PolygraphyException
     from polygraphy.logger import G_LOGGER
 except ImportError as e:
-    raise CloverError("comparing graphs with PyTorch needs polygraphy: pip install 'clover-deploy[onnx]' (or "
-                      "polygraphy==0.53.6); clover-export skips the check with --no-verify") from e
+    raise CloverError(
+        "comparing graphs with PyTorch needs polygraphy: pip install 'clover-deploy[onnx]' (or "
+        "polygraphy==0.53.6); clover-export skips the check with --no-verify"
+    ) from e
 from clover.export.graphs import EXPORT_SIZES, GraphDef, Sizes, float32_twin, reference_outputs
 from clover.export.onnx_graph import checking_session, run_checked
 
@@ -69,6 +71,7 @@ Progress = Callable[[str], None]
 
 
 # -- tolerances and results ---------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -98,8 +101,10 @@ def export_tolerance(graph: str, dtype: str, weights: str | None = None, draft_q
     elif dtype in BROKEN_RELATIVE_ERROR:
         limit, why = BROKEN_RELATIVE_ERROR[dtype], dtype if dtype == "float32" else f"{dtype} vs float32"
     else:
-        raise CloverError(f"the export sets no tolerance for {dtype} graphs (ONNX Runtime cannot run them, so it "
-                          "does not check them): pass --atol and --rtol")
+        raise CloverError(
+            f"the export sets no tolerance for {dtype} graphs (ONNX Runtime cannot run them, so it "
+            "does not check them): pass --atol and --rtol"
+        )
     return Tolerance(limit, limit, why)
 
 
@@ -136,6 +141,7 @@ def _relative(err: float, scale: float) -> float:
 
 # -- runners ------------------------------------------------------------------------------------------
 
+
 class TorchRunner(BaseRunner):
     """The PyTorch modules behind `graph`, called as the runtime calls them (graphs.reference_outputs).
     `reference`: run this module instead (a float16 graph's float32 twin), on float32 copies of the inputs."""
@@ -148,8 +154,10 @@ class TorchRunner(BaseRunner):
     def activate_impl(self) -> None:
         # dtypes and ranks from small example inputs (no past: no forward pass); dynamic dims as None
         probe = self.graph.example(dict(dict.fromkeys(EXPORT_SIZES, 1), past=0), torch.Generator().manual_seed(0))
-        self.inputs = [(name, tensor.dtype, [None if i in dims else n for i, n in enumerate(tensor.shape)])
-                       for name, tensor, dims in zip(self.graph.inputs, probe, self.graph.dims)]
+        self.inputs = [
+            (name, tensor.dtype, [None if i in dims else n for i, n in enumerate(tensor.shape)])
+            for name, tensor, dims in zip(self.graph.inputs, probe, self.graph.dims)
+        ]
 
     def get_input_metadata_impl(self) -> TensorMetadata:
         meta = TensorMetadata()  # a new one each call: get_input_metadata() converts its dtypes in place
@@ -207,11 +215,14 @@ class OrtRunner(OnnxrtRunner):
 def fitting_profile(profiles: Sequence[ProfileSpec], shapes: dict[str, tuple[int, ...]]) -> int:
     """The index of the first optimization profile whose [min, max] ranges hold every input shape."""
     for index, profile in enumerate(profiles):
-        if all(name not in shapes or all(lo <= s <= hi for lo, s, hi in zip(r[0], shapes[name], r[2]))
-               for name, r in profile.shapes.items()):
+        if all(
+            name not in shapes or all(lo <= s <= hi for lo, s, hi in zip(r[0], shapes[name], r[2]))
+            for name, r in profile.shapes.items()
+        ):
             return index
-    raise CloverError(f"input shapes {shapes} fit none of the engine's optimization profiles "
-                      f"({', '.join(p.name for p in profiles)})")
+    raise CloverError(
+        f"input shapes {shapes} fit none of the engine's optimization profiles ({', '.join(p.name for p in profiles)})"
+    )
 
 
 class ProfileTrtRunner(TrtRunner):
@@ -243,7 +254,9 @@ def trt_runner(root: Path, manifest: Manifest, graph: str, name: str = "trt") ->
     no engine, no TensorRT or GPU, or an engine built for another GPU or TensorRT."""
     spec = manifest.engines.get(graph)
     if spec is None:
-        raise CloverError(f"the artifact has no TensorRT engine for {graph} (exported with --backend {manifest.backend})")
+        raise CloverError(
+            f"the artifact has no TensorRT engine for {graph} (exported with --backend {manifest.backend})"
+        )
     from clover.trt import check_engine_compatible, device_info, require_tensorrt
 
     trt = require_tensorrt()
@@ -261,6 +274,7 @@ def trt_runner(root: Path, manifest: Manifest, graph: str, name: str = "trt") ->
 
 # -- inputs and comparison -----------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Case:
     """Inputs of one kind for a graph (a prompt, a tree over a past), judged together."""
@@ -276,8 +290,9 @@ def feeds(graph: GraphDef, sizes: Sequence[Sizes], seed: int = 0) -> list[Ordere
     return [OrderedDict((name, t.numpy()) for name, t in zip(graph.inputs, graph.example(s, g))) for s in sizes]
 
 
-def compare(runners: Sequence[BaseRunner], cases: Sequence[Case], tolerance: Tolerance,
-            seed: int = 0) -> list[OutputError]:
+def compare(
+    runners: Sequence[BaseRunner], cases: Sequence[Case], tolerance: Tolerance, seed: int = 0
+) -> list[OutputError]:
     """Run every case's inputs through `runners` (Comparator.run) and judge each output of each runner against
     runners[0] (Comparator.compare_accuracy), one row per case, runner and output."""
     loader = [feed for i, c in enumerate(cases) for feed in feeds(c.inputs, c.sizes, seed + i)]
@@ -304,34 +319,77 @@ def _judge(results: RunResults, start: int, stop: int, label: str, tolerance: To
     scale = {n: max((float(np.abs(r[n]).max()) if r[n].size else 0.0) for r in ref_iters) for n in names}
     count = {n: [r[n].size for r in ref_iters] for n in names}
     compare_func = SimpleCompareFunc(
-        atol={n: tolerance.bound(scale[n]) for n in names}, rtol=0.0, check_error_stat="max",
-        find_output_func=lambda name, index, result: [name] if name in result else None)
-    accuracy = Comparator.compare_accuracy(case, comparisons=[(0, i) for i in range(1, len(case))],
-                                           compare_func=compare_func)[0]
+        atol={n: tolerance.bound(scale[n]) for n in names},
+        rtol=0.0,
+        check_error_stat="max",
+        find_output_func=lambda name, index, result: [name] if name in result else None,
+    )
+    accuracy = Comparator.compare_accuracy(
+        case, comparisons=[(0, i) for i in range(1, len(case))], compare_func=compare_func
+    )[0]
     rows = []
     for backend, iters in others:
         per_iteration = accuracy[(reference, backend)]  # [iteration] -> {output: OutputCompareResult or False}
         for n in names:
             found = [it.get(n) for it in per_iteration]
             if any(r is None for r in found):
-                rows.append(OutputError(label, n, backend, reference, float("nan"), float("nan"), scale[n], tolerance,
-                                        False, f"{backend} has no output {n}"))
+                rows.append(
+                    OutputError(
+                        label,
+                        n,
+                        backend,
+                        reference,
+                        float("nan"),
+                        float("nan"),
+                        scale[n],
+                        tolerance,
+                        False,
+                        f"{backend} has no output {n}",
+                    )
+                )
             elif not all(hasattr(r, "max_absdiff") for r in found):  # Polygraphy's verdict without statistics
                 shapes = {np.shape(it[n]) for it in iters if n in it}
-                rows.append(OutputError(label, n, backend, reference, float("nan"), float("nan"), scale[n], tolerance,
-                                        False, f"shapes differ: {backend} {sorted(shapes)}, {reference} "
-                                               f"{sorted({r[n].shape for r in ref_iters})}"))
+                rows.append(
+                    OutputError(
+                        label,
+                        n,
+                        backend,
+                        reference,
+                        float("nan"),
+                        float("nan"),
+                        scale[n],
+                        tolerance,
+                        False,
+                        f"shapes differ: {backend} {sorted(shapes)}, {reference} "
+                        f"{sorted({r[n].shape for r in ref_iters})}",
+                    )
+                )
             else:
                 weights = count[n] if sum(count[n]) else [1] * len(found)
-                rows.append(OutputError(
-                    label, n, backend, reference, max(r.max_absdiff for r in found),
-                    float(np.average([r.mean_absdiff for r in found], weights=weights)), scale[n], tolerance,
-                    all(bool(r) for r in found)))
+                rows.append(
+                    OutputError(
+                        label,
+                        n,
+                        backend,
+                        reference,
+                        max(r.max_absdiff for r in found),
+                        float(np.average([r.mean_absdiff for r in found], weights=weights)),
+                        scale[n],
+                        tolerance,
+                        all(bool(r) for r in found),
+                    )
+                )
     return rows
 
 
-def parity(graph: GraphDef, path: Path, sizes: Sequence[Sizes], tolerance: Tolerance,
-           reference: GraphDef | None = None, seed: int = 0) -> list[OutputError]:
+def parity(
+    graph: GraphDef,
+    path: Path,
+    sizes: Sequence[Sizes],
+    tolerance: Tolerance,
+    reference: GraphDef | None = None,
+    seed: int = 0,
+) -> list[OutputError]:
     """ONNX Runtime (CPU) on the graph at `path` against PyTorch on random inputs of each of `sizes`, judged
     together (one row per output): the export's parity check. `reference`: for float16 graphs,
     graphs.float32_twin(graph)."""
@@ -340,6 +398,7 @@ def parity(graph: GraphDef, path: Path, sizes: Sequence[Sizes], tolerance: Toler
 
 
 # -- an artifact ----------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class ArtifactComparison:
@@ -360,12 +419,23 @@ class ArtifactComparison:
         return [r for r in self.rows if not r.passed]
 
     def to_dict(self) -> dict:
-        return {"artifact": self.artifact, "backends": list(self.backends), "unavailable": self.unavailable,
-                "notes": list(self.notes), "passed": self.passed, "rows": [r.to_dict() for r in self.rows]}
+        return {
+            "artifact": self.artifact,
+            "backends": list(self.backends),
+            "unavailable": self.unavailable,
+            "notes": list(self.notes),
+            "passed": self.passed,
+            "rows": [r.to_dict() for r in self.rows],
+        }
 
 
-def compare_artifact(root: str | Path, backends: Sequence[str] = ("torch", "ort"), tolerance: Tolerance | None = None,
-                     seed: int = 0, say: Progress | None = None) -> ArtifactComparison:
+def compare_artifact(
+    root: str | Path,
+    backends: Sequence[str] = ("torch", "ort"),
+    tolerance: Tolerance | None = None,
+    seed: int = 0,
+    say: Progress | None = None,
+) -> ArtifactComparison:
     """Compare the artifact's graphs (base at a prefill and at a tree verify, the draft graphs) on `backends`
     (torch, ort, trt; the first is the reference) on seeded inputs. The PyTorch modules are rebuilt from the
     sources the manifest records. `tolerance`: None for the export's own, per graph (export_tolerance)."""
@@ -391,17 +461,25 @@ def compare_artifact(root: str | Path, backends: Sequence[str] = ("torch", "ort"
     ran = tuple(b for b in backends if b not in unavailable)
     if len(ran) < 2:
         why = "; ".join(f"{b}: {w}" for b, w in unavailable.items())
-        raise CloverError(f"nothing to compare: only {', '.join(ran) or 'no backend'} can run {root} here"
-                          + (f" ({why})" if why else "") + ": pass two or more of --backends torch,ort,trt")
-    say(f"loading the PyTorch modules from {manifest.sources.get('base', '?')} and {manifest.sources.get('heads', '?')}")
+        raise CloverError(
+            f"nothing to compare: only {', '.join(ran) or 'no backend'} can run {root} here"
+            + (f" ({why})" if why else "")
+            + ": pass two or more of --backends torch,ort,trt"
+        )
+    say(
+        f"loading the PyTorch modules from {manifest.sources.get('base', '?')} and {manifest.sources.get('heads', '?')}"
+    )
     graphs = source_graphs(root, manifest)
     cases = artifact_cases(manifest, graphs)
     rows = []
     for i, (name, graph) in enumerate(graphs.items(), 1):
-        tol = tolerance or export_tolerance(name, manifest.dtype, manifest.weights and manifest.weights.scheme,
-                                            manifest.draft_quant)
-        say(f"[{i}/{len(graphs)}] {name}: {' vs '.join(ran[1:])} vs {ran[0]} on "
-            + ", ".join(f"{c.label} ({describe(c.sizes[0])})" for c in cases[name]))
+        tol = tolerance or export_tolerance(
+            name, manifest.dtype, manifest.weights and manifest.weights.scheme, manifest.draft_quant
+        )
+        say(
+            f"[{i}/{len(graphs)}] {name}: {' vs '.join(ran[1:])} vs {ran[0]} on "
+            + ", ".join(f"{c.label} ({describe(c.sizes[0])})" for c in cases[name])
+        )
         t0 = time.perf_counter()
         runners = [artifact_runner(root, manifest, graph, b) for b in ran]
         rows += compare(runners, cases[name], tol, seed)
@@ -421,12 +499,16 @@ def source_graphs(root: Path, manifest: Manifest) -> dict[str, GraphDef]:
 
     base_spec, heads_spec = manifest.sources.get("base"), manifest.sources.get("heads", "none")
     if not base_spec:
-        raise CloverError(f"artifact {root} does not record its source model (manifest.json has no sources): "
-                          "export it again with clover-export")
+        raise CloverError(
+            f"artifact {root} does not record its source model (manifest.json has no sources): "
+            "export it again with clover-export"
+        )
     base = load_base(resolve_base(base_spec), manifest.dtype)
     if not fingerprints_match(dataclasses.asdict(BaseFingerprint.of(base)), manifest.base_fingerprint):
-        raise CloverError(f"the base model at {base_spec} is not the one artifact {root} was exported from (its LM "
-                          "head differs): export the artifact again, or restore that model")
+        raise CloverError(
+            f"the base model at {base_spec} is not the one artifact {root} was exported from (its LM "
+            "head differs): export the artifact again, or restore that model"
+        )
     heads = resolve_heads(heads_spec, base) if manifest.heads is not None else None
     graphs = [base_graph(base, traced_attention(manifest), chains=verifies_chains(manifest))]
     graphs += draft_graphs(heads) if heads is not None else []
@@ -459,9 +541,14 @@ def artifact_cases(manifest: Manifest, graphs: dict[str, GraphDef]) -> dict[str,
         if name == "base":
             chain = base_graph(graph.module.base, traced_attention(manifest), chains=True)
             prompt = dataclasses.replace(graph, example=chain.example)  # a prompt attends causally
-            cases = (Case("base/prefill", prompt, ({"batch": 1, "new": min(PREFILL_TOKENS, manifest.max_context),
-                                                   "past": 0, "rows": 1},)),
-                     Case("base/verify", graph, ({"batch": 1, "new": nodes, "past": past, "rows": nodes},)))
+            cases = (
+                Case(
+                    "base/prefill",
+                    prompt,
+                    ({"batch": 1, "new": min(PREFILL_TOKENS, manifest.max_context), "past": 0, "rows": 1},),
+                ),
+                Case("base/verify", graph, ({"batch": 1, "new": nodes, "past": past, "rows": nodes},)),
+            )
         elif name == "draft_begin":
             cases = (Case(name, graph, ({"batch": 1, "accepted": accepted, "past": past},)),)
         elif name == "draft_step":
@@ -486,8 +573,12 @@ def within_profiles(manifest: Manifest, graph: str, cases: tuple[Case, ...]) -> 
     for case in cases:
         profile = by_name.get(case.label.rpartition("/")[2], engine.profiles[0])
         lo, hi = profile_sizes(spec, profile, 0), profile_sizes(spec, profile, 2)
-        out.append(dataclasses.replace(case, sizes=tuple({k: min(max(v, lo.get(k, v)), hi.get(k, v))
-                                                          for k, v in s.items()} for s in case.sizes)))
+        out.append(
+            dataclasses.replace(
+                case,
+                sizes=tuple({k: min(max(v, lo.get(k, v)), hi.get(k, v)) for k, v in s.items()} for s in case.sizes),
+            )
+        )
     return tuple(out)
 
 
@@ -511,24 +602,34 @@ def artifact_notes(manifest: Manifest, tolerance: Tolerance | None) -> tuple[str
     w = manifest.weights
     if w is not None:
         agreement = w.agreement
-        measured = (f" (this artifact: {agreement['top1']:.1%} of {int(agreement['positions'])} tokens)"
-                    if agreement.get("positions") else "")
+        measured = (
+            f" (this artifact: {agreement['top1']:.1%} of {int(agreement['positions'])} tokens)"
+            if agreement.get("positions")
+            else ""
+        )
         notes.append(
             f"{w.scheme} weights (MatMulNBits, blocks of {w.block_size}, base accuracy_level {w.accuracy_level}): the "
             f"ONNX graphs compute with {w.scheme} weights and PyTorch with the float32 ones, so the errors below are "
             f"quantization, not export error. The export's {w.scheme} limit (rel "
             f"{BROKEN_WEIGHTS_RELATIVE_ERROR[w.scheme]}) only catches a broken block layout or zero point; its real check "
-            f"is greedy agreement with float32 PyTorch, at least {BROKEN_AGREEMENT:.0%}{measured}.")
+            f"is greedy agreement with float32 PyTorch, at least {BROKEN_AGREEMENT:.0%}{measured}."
+        )
     if manifest.draft_quant is not None:
-        notes.append(f"--draft-quant {manifest.draft_quant}: the draft graphs' weights are {manifest.draft_quant}, "
-                     f"compared with float32 PyTorch at the export's limit (rel "
-                     f"{BROKEN_WEIGHTS_RELATIVE_ERROR[manifest.draft_quant]}); the base "
-                     f"keeps {manifest.dtype}.")
+        notes.append(
+            f"--draft-quant {manifest.draft_quant}: the draft graphs' weights are {manifest.draft_quant}, "
+            f"compared with float32 PyTorch at the export's limit (rel "
+            f"{BROKEN_WEIGHTS_RELATIVE_ERROR[manifest.draft_quant]}); the base "
+            f"keeps {manifest.dtype}."
+        )
     if manifest.dtype != "float32":
-        notes.append(f"{manifest.dtype} graphs against float32 PyTorch (float16 PyTorch on the CPU rounds at other "
-                     "places than ONNX Runtime, so neither is the truth).")
+        notes.append(
+            f"{manifest.dtype} graphs against float32 PyTorch (float16 PyTorch on the CPU rounds at other "
+            "places than ONNX Runtime, so neither is the truth)."
+        )
     if verifies_chains(manifest):
-        notes.append("the fused base computes with int8 activations and verifies chains only: base/verify runs a chain.")
+        notes.append(
+            "the fused base computes with int8 activations and verifies chains only: base/verify runs a chain."
+        )
     if "lm_head" in manifest.graphs:
         notes.append("graphs that output lm_input are compared on their logits through lm_head.onnx (one LM head).")
     if tolerance is not None:

@@ -79,38 +79,51 @@ class ExportConfig:
             raise CloverError(f"opset {self.opset} is not supported: use {OPSETS.start}..{OPSETS.stop - 1}")
         if self.max_context is not None and self.max_context < 2:
             raise CloverError(
-                f"--max-context must be at least 2 (one prompt and one generated token), got {self.max_context}")
+                f"--max-context must be at least 2 (one prompt and one generated token), got {self.max_context}"
+            )
         if self.max_prompt is not None and self.max_prompt < 1:
             raise CloverError(f"--max-prompt must be at least 1 token, got {self.max_prompt}")
         if self.draft_quant is not None:
             if self.draft_quant not in DRAFT_QUANT:
                 raise CloverError(f"unknown --draft-quant {self.draft_quant!r}: use one of {', '.join(DRAFT_QUANT)}")
             if self.backend != "onnx" or self.dtype != "float32":
-                raise CloverError(f"--draft-quant {self.draft_quant} quantizes float32 draft graphs for ONNX Runtime: use it with "
-                                  "--backend onnx --dtype float32 (TensorRT engines take --dtype float16/bfloat16)")
+                raise CloverError(
+                    f"--draft-quant {self.draft_quant} quantizes float32 draft graphs for ONNX Runtime: use it with "
+                    "--backend onnx --dtype float32 (TensorRT engines take --dtype float16/bfloat16)"
+                )
         if self.attention == "fused" and (self.backend != "onnx" or self.dtype != "float32"):
-            raise CloverError("--attention fused writes ONNX Runtime's CPU operators: use it with --backend onnx "
-                              "--dtype float32 (TensorRT takes --attention portable or plugin)")
+            raise CloverError(
+                "--attention fused writes ONNX Runtime's CPU operators: use it with --backend onnx "
+                "--dtype float32 (TensorRT takes --attention portable or plugin)"
+            )
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or not 1 <= self.max_batch <= 64:
             raise CloverError(f"--max-batch must be an int in 1..64 (sequences per forward), got {self.max_batch!r}")
         if self.weights is not None:
             if self.weights not in WEIGHTS:
                 raise CloverError(f"unknown --weights {self.weights!r}: use one of {', '.join(WEIGHTS)}")
             if self.backend != "onnx" or self.dtype != "float32" or self.attention == "plugin":
-                raise CloverError(f"--weights {self.weights} quantizes float32 graphs for ONNX Runtime: use it with "
-                                  "--backend onnx --dtype float32 and --attention fused or portable")
+                raise CloverError(
+                    f"--weights {self.weights} quantizes float32 graphs for ONNX Runtime: use it with "
+                    "--backend onnx --dtype float32 and --attention fused or portable"
+                )
             if self.draft_quant is not None:
                 raise CloverError(f"--weights {self.weights} already quantizes the draft graphs: drop --draft-quant")
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise CloverError(f"--block-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits), got "
-                              f"{self.block_size}")
+            raise CloverError(
+                f"--block-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits), got {self.block_size}"
+            )
         if self.draft_vocab is not None:
             if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 64:
-                raise CloverError(f"--draft-vocab must be an int >= 64 (tokens the heads draft over), got "
-                                  f"{self.draft_vocab!r}")
+                raise CloverError(
+                    f"--draft-vocab must be an int >= 64 (tokens the heads draft over), got {self.draft_vocab!r}"
+                )
             if self.backend != "onnx" or self.dtype != "float32" or not self.shared_lm_head:
-                raise CloverError("--draft-vocab cuts the shared LM head of float32 ONNX Runtime artifacts: use it "
-                                  "with --backend onnx --dtype float32")
+                raise CloverError(
+                    "--draft-vocab cuts the shared LM head of float32 ONNX Runtime artifacts: use it "
+                    "with --backend onnx --dtype float32"
+                )
         if self.backend == "onnx" and self.max_prompt is not None:
-            raise CloverError("--max-prompt sizes TensorRT's prefill profile: use it with --backend trt "
-                              "(ONNX Runtime takes any prompt length up to --max-context)")
+            raise CloverError(
+                "--max-prompt sizes TensorRT's prefill profile: use it with --backend trt "
+                "(ONNX Runtime takes any prompt length up to --max-context)"
+            )

@@ -57,8 +57,10 @@ def coverage(counts: np.ndarray, ids: np.ndarray) -> float:
 
 def check_size(size: int, vocab_size: int) -> None:
     if isinstance(size, bool) or not isinstance(size, int) or not MIN_SIZE <= size <= vocab_size:
-        raise CloverError(f"--draft-vocab must be an int in {MIN_SIZE}..{vocab_size} (tokens the heads draft over; the "
-                          f"base's vocabulary has {vocab_size}), got {size!r}")
+        raise CloverError(
+            f"--draft-vocab must be an int in {MIN_SIZE}..{vocab_size} (tokens the heads draft over; the "
+            f"base's vocabulary has {vocab_size}), got {size!r}"
+        )
 
 
 def draft_lm_head_model(lm_model, ids: np.ndarray):
@@ -77,8 +79,14 @@ def draft_lm_head_model(lm_model, ids: np.ndarray):
                 continue
             w = inits[name]
             rows = w.reshape(N, -1)[ids]
-            weights.append(numpy_helper.from_array(np.ascontiguousarray(rows.reshape((len(ids), *w.shape[1:]))
-                                                                        if w.shape[0] == N else rows.reshape(-1)), name))
+            weights.append(
+                numpy_helper.from_array(
+                    np.ascontiguousarray(
+                        rows.reshape((len(ids), *w.shape[1:])) if w.shape[0] == N else rows.reshape(-1)
+                    ),
+                    name,
+                )
+            )
         copy = helper.make_node(node.op_type, list(node.input), ["logits"], name=DRAFT_LM_HEAD, domain=node.domain)
         copy.attribute.extend(helper.make_attribute("N", len(ids)) if a.name == "N" else a for a in node.attribute)
     elif node.op_type == "MatMul":  # weight [H, V]
@@ -86,19 +94,23 @@ def draft_lm_head_model(lm_model, ids: np.ndarray):
         weights.append(numpy_helper.from_array(np.ascontiguousarray(inits[name][:, ids]), name))
         copy = helper.make_node("MatMul", list(node.input), ["logits"], name=DRAFT_LM_HEAD)
     else:
-        raise CloverError(f"{LM_HEAD}.onnx computes with {node.op_type}, which a draft vocabulary cannot slice: "
-                          "export without --draft-vocab")
+        raise CloverError(
+            f"{LM_HEAD}.onnx computes with {node.op_type}, which a draft vocabulary cannot slice: "
+            "export without --draft-vocab"
+        )
     out = lm_model.graph.output[0].type.tensor_type
     inp = lm_model.graph.input[0]
-    graph = helper.make_graph([copy], DRAFT_LM_HEAD, [inp],
-                              [helper.make_tensor_value_info("logits", out.elem_type, ["n", len(ids)])], weights)
+    graph = helper.make_graph(
+        [copy], DRAFT_LM_HEAD, [inp], [helper.make_tensor_value_info("logits", out.elem_type, ["n", len(ids)])], weights
+    )
     model = helper.make_model(graph, opset_imports=list(lm_model.opset_import), producer_name="clover-deploy")
     model.ir_version = lm_model.ir_version
     return model
 
 
-def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, source: str, covered: float,
-                    quant: str | None = None) -> tuple[dict[str, GraphSpec], DraftVocabSpec]:
+def add_draft_vocab(
+    folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, source: str, covered: float, quant: str | None = None
+) -> tuple[dict[str, GraphSpec], DraftVocabSpec]:
     """Write draft_lm_head.onnx and draft_vocab.npy into `folder` (an artifact being built, whose draft graphs
     share lm_head.onnx) for the draft vocabulary `ids`; checks that its logits are lm_head.onnx's columns `ids`,
     then (`quant`: the artifact's --draft-quant) quantizes its weights."""
@@ -108,8 +120,10 @@ def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, 
 
     shared = [n for n, s in specs.items() if n not in ("base", "base_batch") and s.has_output(LM_INPUT)]
     if LM_HEAD not in specs or not shared:
-        raise CloverError("--draft-vocab needs draft graphs that share the base's LM head (ONNX Runtime, float32, "
-                          "Clover or Clover-2 heads): export without --draft-vocab otherwise")
+        raise CloverError(
+            "--draft-vocab needs draft graphs that share the base's LM head (ONNX Runtime, float32, "
+            "Clover or Clover-2 heads): export without --draft-vocab otherwise"
+        )
     ids = np.asarray(ids, dtype=np.int64)
     vocab = int(specs[LM_HEAD].output("logits").shape[-1])
     check_size(len(ids), vocab)
@@ -124,8 +138,10 @@ def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, 
     full = checking_session(lm_path).run(["logits"], {LM_INPUT: x})[0]
     small = checking_session(folder / f"{DRAFT_LM_HEAD}.onnx").run(["logits"], {LM_INPUT: x})[0]
     if not np.array_equal(full[:, ids], small):
-        raise CloverError(f"{DRAFT_LM_HEAD}.onnx does not give lm_head.onnx's logits of its tokens: this is a "
-                          "clover-export bug, please report it")
+        raise CloverError(
+            f"{DRAFT_LM_HEAD}.onnx does not give lm_head.onnx's logits of its tokens: this is a "
+            "clover-export bug, please report it"
+        )
     if quant is not None:
         from clover.export.quantize import quantize_draft_graph
 
@@ -133,8 +149,9 @@ def add_draft_vocab(folder: Path, specs: dict[str, GraphSpec], ids: np.ndarray, 
         check_onnx(folder / f"{DRAFT_LM_HEAD}.onnx")
     out = dict(specs)
     out[DRAFT_LM_HEAD] = graph_spec(folder / f"{DRAFT_LM_HEAD}.onnx")
-    return out, DraftVocabSpec(size=len(ids), file=DRAFT_VOCAB_FILE, source=source, coverage=round(covered, 5),
-                               graphs=tuple(sorted(shared)))
+    return out, DraftVocabSpec(
+        size=len(ids), file=DRAFT_VOCAB_FILE, source=source, coverage=round(covered, 5), graphs=tuple(sorted(shared))
+    )
 
 
 def draft_vocab_change(token_counts: TokenCounts, size: int) -> Callable[[Path, Manifest], Manifest]:
@@ -146,8 +163,9 @@ def draft_vocab_change(token_counts: TokenCounts, size: int) -> Callable[[Path, 
 
     def change(tmp: Path, manifest: Manifest) -> Manifest:
         graphs = {k: v for k, v in manifest.graphs.items() if k != DRAFT_LM_HEAD}
-        graphs, spec = add_draft_vocab(tmp, graphs, ids, token_counts.source, coverage(token_counts.counts, ids),
-                                       quant=manifest.draft_quant)
+        graphs, spec = add_draft_vocab(
+            tmp, graphs, ids, token_counts.source, coverage(token_counts.counts, ids), quant=manifest.draft_quant
+        )
         return dataclasses.replace(manifest, graphs=graphs, draft_vocab=spec)
 
     return change
@@ -160,8 +178,21 @@ def with_draft_vocab(src: Path, out: Path, token_counts: TokenCounts, size: int)
     from clover.export.artifact import derived_artifact
 
     manifest = open_artifact(src)
-    check_corpus_base(token_counts.base_fingerprint, manifest.base_fingerprint, f"the token counts ({token_counts.source})")
+    check_corpus_base(
+        token_counts.base_fingerprint, manifest.base_fingerprint, f"the token counts ({token_counts.source})"
+    )
     old = manifest.draft_vocab
-    drop = {old.file, *(f for g in (DRAFT_LM_HEAD,) if g in manifest.graphs
-                        for f in (manifest.graphs[g].file, *manifest.graphs[g].external_data))} if old else set()
+    drop = (
+        {
+            old.file,
+            *(
+                f
+                for g in (DRAFT_LM_HEAD,)
+                if g in manifest.graphs
+                for f in (manifest.graphs[g].file, *manifest.graphs[g].external_data)
+            ),
+        }
+        if old
+        else set()
+    )
     return derived_artifact(src, out, drop, draft_vocab_change(token_counts, size))

@@ -51,21 +51,37 @@ from types import ModuleType
 from typing import IO, Any
 
 from clover import atomic
-from clover.errors import CloverError
 from clover.artifact import EngineSpec, GraphSpec, ProfileSpec, TensorSpec
+from clover.errors import CloverError
 from clover.trt import FLOAT_DTYPES, ITEMSIZE, check_engine_compatible, device_info, parse_version, require_tensorrt
 
-__all__ = ["EngineLimits", "dim_ranges", "profiles_for", "profile_sizes", "build_memory", "estimate_build_memory",
-           "memory_note", "build_engines", "uses_plugin", "check_engine_compatible", "require_engine_builder",
-           "network_loader", "config_loader", "engine_loader", "polygraphy_profiles"]
+__all__ = [
+    "EngineLimits",
+    "dim_ranges",
+    "profiles_for",
+    "profile_sizes",
+    "build_memory",
+    "estimate_build_memory",
+    "memory_note",
+    "build_engines",
+    "uses_plugin",
+    "check_engine_compatible",
+    "require_engine_builder",
+    "network_loader",
+    "config_loader",
+    "engine_loader",
+    "polygraphy_profiles",
+]
 
 Progress = Callable[[str], None]
 Range = tuple[int, int, int]  # (min, opt, max) of one dim
 ENGINES_DIR = "engines"
 PLUGIN_OP_TYPE = "CloverTreeAttention"  # clover.plugins.onnx_node.OP_TYPE (that module imports torch)
 DEFAULT_WORKSPACE_BYTES = 4 << 30  # tactic scratch memory the builder may use; TensorRT's default is the whole GPU
-POLYGRAPHY_MISSING = ("Polygraphy is not installed: clover-export --backend trt builds engines with it "
-                      "(pip install -e '.[torch,gpu]' in an environment of its own, see docs/gpu.md)")
+POLYGRAPHY_MISSING = (
+    "Polygraphy is not installed: clover-export --backend trt builds engines with it "
+    "(pip install -e '.[torch,gpu]' in an environment of its own, see docs/gpu.md)"
+)
 
 
 @dataclass(frozen=True)
@@ -92,23 +108,35 @@ class EngineLimits:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise CloverError(f"TensorRT engine limit {name} must be a positive integer, got {value!r}")
-        for small, big in (("max_prompt", "max_context"), ("max_tree", "max_context"),
-                           ("max_accepted", "max_tree"), ("max_candidates", "max_tree")):
+        for small, big in (
+            ("max_prompt", "max_context"),
+            ("max_tree", "max_context"),
+            ("max_accepted", "max_tree"),
+            ("max_candidates", "max_tree"),
+        ):
             if getattr(self, small) > getattr(self, big):
-                raise CloverError(f"TensorRT engine limit {small} ({getattr(self, small)}) exceeds {big} "
-                                  f"({getattr(self, big)}): lower {small.replace('_', '-')} or raise {big.replace('_', '-')}")
+                raise CloverError(
+                    f"TensorRT engine limit {small} ({getattr(self, small)}) exceeds {big} "
+                    f"({getattr(self, big)}): lower {small.replace('_', '-')} or raise {big.replace('_', '-')}"
+                )
 
     @classmethod
-    def for_tree(cls, num_nodes: int, max_depth: int, widest_level: int, max_context: int,
-                 max_prompt: int | None = None) -> "EngineLimits":
+    def for_tree(
+        cls, num_nodes: int, max_depth: int, widest_level: int, max_context: int, max_prompt: int | None = None
+    ) -> EngineLimits:
         """Limits that fit one token tree (clover.runtime.tree.Tree: num_nodes, max_depth,
         max(len(level) for level in levels)); max_prompt defaults to min(max_context, 2048)."""
-        return cls(max_prompt=max_prompt if max_prompt is not None else min(max_context, 2048),
-                   max_tree=num_nodes, max_context=max_context, max_accepted=max_depth + 1,
-                   max_candidates=widest_level)
+        return cls(
+            max_prompt=max_prompt if max_prompt is not None else min(max_context, 2048),
+            max_tree=num_nodes,
+            max_context=max_context,
+            max_accepted=max_depth + 1,
+            max_candidates=widest_level,
+        )
 
 
 # -- profiles ---------------------------------------------------------------------------------------------
+
 
 def dim_ranges(name: str, limits: EngineLimits) -> dict[str, dict[str, Range]]:
     """Per profile of graph `name`: dim name -> (min, opt, max). Opt is the shape each profile runs most:
@@ -118,20 +146,31 @@ def dim_ranges(name: str, limits: EngineLimits) -> dict[str, dict[str, Range]]:
     past = (0, L.max_context // 2, L.max_context)
     if name == "base":
         return {
-            "prefill": {"batch": batch, "new": (1, cdiv(L.max_prompt, 2), L.max_prompt), "rows": (1, 1, 1),
-                        "past": (0, 0, L.max_context)},  # a prompt meets an empty cache
-            "verify": {"batch": batch, "new": (1, L.max_tree, L.max_tree), "rows": (1, L.max_tree, L.max_tree),
-                       "past": past},
+            "prefill": {
+                "batch": batch,
+                "new": (1, cdiv(L.max_prompt, 2), L.max_prompt),
+                "rows": (1, 1, 1),
+                "past": (0, 0, L.max_context),
+            },  # a prompt meets an empty cache
+            "verify": {
+                "batch": batch,
+                "new": (1, L.max_tree, L.max_tree),
+                "rows": (1, L.max_tree, L.max_tree),
+                "past": past,
+            },
         }
     if name == "draft_begin":
-        return {"draft": {"batch": batch, "accepted": (1, L.max_accepted, max(L.max_prompt, L.max_accepted)),
-                          "past": past}}
+        return {
+            "draft": {"batch": batch, "accepted": (1, L.max_accepted, max(L.max_prompt, L.max_accepted)), "past": past}
+        }
     if name == "draft_step":
         return {"draft": {"candidates": (1, L.max_candidates, L.max_candidates)}}
     if name == "medusa_heads":
         return {"draft": {"batch": batch, "accepted": (1, 1, L.max_accepted)}}
-    raise CloverError(f"no TensorRT profiles are defined for graph {name!r}: expected base, draft_begin, draft_step "
-                      "or medusa_heads (this is a clover bug, please report it)")
+    raise CloverError(
+        f"no TensorRT profiles are defined for graph {name!r}: expected base, draft_begin, draft_step "
+        "or medusa_heads (this is a clover bug, please report it)"
+    )
 
 
 def cdiv(a: int, b: int) -> int:
@@ -143,8 +182,10 @@ def tensor_range(tensor: TensorSpec, dims: Mapping[str, Range], graph: str) -> t
     shapes: list[list[int]] = [[], [], []]
     for d in tensor.shape:
         if isinstance(d, str) and d not in dims:
-            raise CloverError(f"graph {graph}: {tensor.name} has dynamic dim {d!r}, which has no TensorRT range "
-                              f"(known: {', '.join(dims)}): this is a clover-export bug, please report it")
+            raise CloverError(
+                f"graph {graph}: {tensor.name} has dynamic dim {d!r}, which has no TensorRT range "
+                f"(known: {', '.join(dims)}): this is a clover-export bug, please report it"
+            )
         lo, opt, hi = dims[d] if isinstance(d, str) else (int(d),) * 3
         for s, v in zip(shapes, (lo, opt, hi)):
             s.append(v)
@@ -162,6 +203,7 @@ def profiles_for(name: str, graph: GraphSpec, limits: EngineLimits) -> tuple[Pro
 
 
 # -- memory estimate ----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class BuildMemory:
@@ -187,8 +229,9 @@ def profile_sizes(graph: GraphSpec, profile: ProfileSpec, which: int = 2) -> dic
     return sizes
 
 
-def build_memory(root: Path, graph: GraphSpec, profiles: tuple[ProfileSpec, ...],
-                 workspace: int = DEFAULT_WORKSPACE_BYTES) -> BuildMemory:
+def build_memory(
+    root: Path, graph: GraphSpec, profiles: tuple[ProfileSpec, ...], workspace: int = DEFAULT_WORKSPACE_BYTES
+) -> BuildMemory:
     """The terms of `estimate_build_memory`, for printing."""
     weights = sum((Path(root) / f).stat().st_size for f in (graph.file, *graph.external_data))
     best, best_profile = 0, ""
@@ -200,8 +243,13 @@ def build_memory(root: Path, graph: GraphSpec, profiles: tuple[ProfileSpec, ...]
     return BuildMemory(weights, best, best_profile, int(workspace))
 
 
-def estimate_build_memory(root: Path, graph: GraphSpec, profiles: tuple[ProfileSpec, ...], precision: str,
-                          workspace: int = DEFAULT_WORKSPACE_BYTES) -> int:
+def estimate_build_memory(
+    root: Path,
+    graph: GraphSpec,
+    profiles: tuple[ProfileSpec, ...],
+    precision: str,
+    workspace: int = DEFAULT_WORKSPACE_BYTES,
+) -> int:
     """Bytes of GPU memory the build needs at least:
 
         weights (the ONNX file and its external data, already in `precision`; the builder holds a device copy)
@@ -219,8 +267,10 @@ def estimate_build_memory(root: Path, graph: GraphSpec, profiles: tuple[ProfileS
 def check_precision(graph: GraphSpec, precision: str) -> None:
     floats = sorted({t.dtype for t in (*graph.inputs, *graph.outputs) if t.dtype in FLOAT_DTYPES})
     if floats and floats != [precision]:
-        raise CloverError(f"graph {graph.file} has {'/'.join(floats)} tensors, but engines are asked for in {precision}: "
-                          f"export with --dtype {precision} (TensorRT builds strongly typed engines in the graph's types)")
+        raise CloverError(
+            f"graph {graph.file} has {'/'.join(floats)} tensors, but engines are asked for in {precision}: "
+            f"export with --dtype {precision} (TensorRT builds strongly typed engines in the graph's types)"
+        )
 
 
 def tensor_bytes(tensor: TensorSpec, sizes: Mapping[str, int]) -> int:
@@ -236,11 +286,14 @@ def human_bytes(n: float) -> str:
 
 
 def memory_note(name: str, m: BuildMemory) -> str:
-    return (f"{name}: weights {human_bytes(m.weights)} + I/O at max shapes ({m.io_profile}) {human_bytes(m.io)} + "
-            f"workspace {human_bytes(m.workspace)} = at least {human_bytes(m.total)} of GPU memory")
+    return (
+        f"{name}: weights {human_bytes(m.weights)} + I/O at max shapes ({m.io_profile}) {human_bytes(m.io)} + "
+        f"workspace {human_bytes(m.workspace)} = at least {human_bytes(m.total)} of GPU memory"
+    )
 
 
 # -- the loader chain ---------------------------------------------------------------------------------------
+
 
 def require_engine_builder() -> ModuleType:
     """The tensorrt module once TensorRT and Polygraphy are both importable, else one CloverError line."""
@@ -273,22 +326,38 @@ def polygraphy_profiles(profiles: Sequence[ProfileSpec]) -> list[Any]:
     return out
 
 
-def config_loader(trt: ModuleType, profiles: Sequence[ProfileSpec], workspace: int = DEFAULT_WORKSPACE_BYTES,
-                  timing_cache: Path | None = None, progress: Progress | None = None) -> Any:
+def config_loader(
+    trt: ModuleType,
+    profiles: Sequence[ProfileSpec],
+    workspace: int = DEFAULT_WORKSPACE_BYTES,
+    timing_cache: Path | None = None,
+    progress: Progress | None = None,
+) -> Any:
     """CreateConfig: the profiles, the workspace pool limit, TF32 off, tactic timings loaded from
     `timing_cache` when that file exists (Polygraphy reads it under a lock file), and a progress monitor
     that reports the builder's top-level phases through `progress`."""
     from polygraphy.backend.trt import CreateConfig
 
     cache = str(timing_cache) if timing_cache is not None and Path(timing_cache).is_file() else None
-    return CreateConfig(profiles=polygraphy_profiles(profiles), tf32=False,
-                        memory_pool_limits={trt.MemoryPoolType.WORKSPACE: int(workspace)}, load_timing_cache=cache,
-                        progress_monitor=progress_monitor(trt, progress) if progress is not None else None)
+    return CreateConfig(
+        profiles=polygraphy_profiles(profiles),
+        tf32=False,
+        memory_pool_limits={trt.MemoryPoolType.WORKSPACE: int(workspace)},
+        load_timing_cache=cache,
+        progress_monitor=progress_monitor(trt, progress) if progress is not None else None,
+    )
 
 
-def engine_loader(trt: ModuleType, onnx_path: Path, profiles: Sequence[ProfileSpec], *,
-                  workspace: int = DEFAULT_WORKSPACE_BYTES, timing_cache: Path | None = None,
-                  save_timing_cache: IO[bytes] | None = None, progress: Progress | None = None) -> Any:
+def engine_loader(
+    trt: ModuleType,
+    onnx_path: Path,
+    profiles: Sequence[ProfileSpec],
+    *,
+    workspace: int = DEFAULT_WORKSPACE_BYTES,
+    timing_cache: Path | None = None,
+    save_timing_cache: IO[bytes] | None = None,
+    progress: Progress | None = None,
+) -> Any:
     """The loader chain of one engine, not yet run: EngineBytesFromNetwork(network_loader, config_loader).
 
     Args:
@@ -303,9 +372,11 @@ def engine_loader(trt: ModuleType, onnx_path: Path, profiles: Sequence[ProfileSp
     """
     from polygraphy.backend.trt import EngineBytesFromNetwork
 
-    return EngineBytesFromNetwork(network_loader(onnx_path, trt.__version__),
-                                  config_loader(trt, profiles, workspace, timing_cache, progress),
-                                  save_timing_cache=save_timing_cache)
+    return EngineBytesFromNetwork(
+        network_loader(onnx_path, trt.__version__),
+        config_loader(trt, profiles, workspace, timing_cache, progress),
+        save_timing_cache=save_timing_cache,
+    )
 
 
 def progress_monitor(trt: ModuleType, say: Progress) -> Any:
@@ -333,8 +404,15 @@ def progress_monitor(trt: ModuleType, say: Progress) -> Any:
 
 # -- building -----------------------------------------------------------------------------------------------
 
-def build_engine(trt: ModuleType, onnx_path: Path, profiles: Sequence[ProfileSpec], timing_cache: Path | None,
-                 progress: Progress, workspace: int = DEFAULT_WORKSPACE_BYTES) -> bytes:
+
+def build_engine(
+    trt: ModuleType,
+    onnx_path: Path,
+    profiles: Sequence[ProfileSpec],
+    timing_cache: Path | None,
+    progress: Progress,
+    workspace: int = DEFAULT_WORKSPACE_BYTES,
+) -> bytes:
     """Run one engine's loader chain; its serialized engine.
 
     The timing cache is replaced atomically under a unique temporary name (clover.atomic), so exports that
@@ -349,19 +427,34 @@ def build_engine(trt: ModuleType, onnx_path: Path, profiles: Sequence[ProfileSpe
         cache_out = stack.enter_context(atomic.replacing(timing_cache, "w+b")) if timing_cache is not None else None
         stack.enter_context(G_LOGGER.verbosity(G_LOGGER.WARNING))
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # stdout is clover-export's result
-        loader = engine_loader(trt, onnx_path, profiles, workspace=workspace, timing_cache=timing_cache,
-                               save_timing_cache=cache_out, progress=progress)
+        loader = engine_loader(
+            trt,
+            onnx_path,
+            profiles,
+            workspace=workspace,
+            timing_cache=timing_cache,
+            save_timing_cache=cache_out,
+            progress=progress,
+        )
         try:
             return bytes(loader())  # IHostMemory supports the buffer protocol
         except PolygraphyException as e:
             first = next((line for line in str(e).splitlines() if line.strip()), "no error reported")
-            raise CloverError(f"TensorRT could not build an engine from {Path(onnx_path).name}: {first} (the log "
-                              "above says why); try a smaller --max-prompt / --max-context, or --backend onnx") from e
+            raise CloverError(
+                f"TensorRT could not build an engine from {Path(onnx_path).name}: {first} (the log "
+                "above says why); try a smaller --max-prompt / --max-context, or --backend onnx"
+            ) from e
 
 
-def build_engines(root: Path, graphs: Mapping[str, GraphSpec], precision: str, limits: EngineLimits,
-                  timing_cache: Path | None, progress: Progress, workspace: int = DEFAULT_WORKSPACE_BYTES
-                  ) -> dict[str, EngineSpec]:
+def build_engines(
+    root: Path,
+    graphs: Mapping[str, GraphSpec],
+    precision: str,
+    limits: EngineLimits,
+    timing_cache: Path | None,
+    progress: Progress,
+    workspace: int = DEFAULT_WORKSPACE_BYTES,
+) -> dict[str, EngineSpec]:
     """Build one engine per graph into root/engines/<name>.engine and describe each for the manifest.
 
     Args:
@@ -378,14 +471,18 @@ def build_engines(root: Path, graphs: Mapping[str, GraphSpec], precision: str, l
     engines = {}
     for i, (name, graph) in enumerate(graphs.items(), 1):
         profiles = profiles_for(name, graph, limits)
-        say(f"[engine {i}/{len(graphs)}] {name}: TensorRT {trt.__version__} on {device.name} "
-            f"(sm {device.compute_capability}), {precision}, profiles {', '.join(p.name for p in profiles)}")
+        say(
+            f"[engine {i}/{len(graphs)}] {name}: TensorRT {trt.__version__} on {device.name} "
+            f"(sm {device.compute_capability}), {precision}, profiles {', '.join(p.name for p in profiles)}"
+        )
         check_precision(graph, precision)
         memory = build_memory(root, graph, profiles, workspace)
         say(f"      {memory_note(name, memory)}")
         if memory.total > device.free_memory:
-            say(f"      warning: that is more than the {human_bytes(device.free_memory)} free on this GPU; the build "
-                "may fail (lower --max-prompt / --max-context, or free the GPU)")
+            say(
+                f"      warning: that is more than the {human_bytes(device.free_memory)} free on this GPU; the build "
+                "may fail (lower --max-prompt / --max-context, or free the GPU)"
+            )
         onnx_path = Path(root) / graph.file
         if uses_plugin(onnx_path):
             from clover.plugins.trt_plugin import register
@@ -396,9 +493,15 @@ def build_engines(root: Path, graphs: Mapping[str, GraphSpec], precision: str, l
         rel = f"{ENGINES_DIR}/{name}.engine"
         atomic.write_bytes(Path(root) / rel, plan)
         say(f"      {rel}: {human_bytes(len(plan))} ({time.perf_counter() - t0:.1f} s)")
-        engines[name] = EngineSpec(graph=name, file=rel, profiles=profiles, precision=precision,
-                                   tensorrt_version=trt.__version__, device_name=device.name,
-                                   compute_capability=device.compute_capability)
+        engines[name] = EngineSpec(
+            graph=name,
+            file=rel,
+            profiles=profiles,
+            precision=precision,
+            tensorrt_version=trt.__version__,
+            device_name=device.name,
+            compute_capability=device.compute_capability,
+        )
     return engines
 
 

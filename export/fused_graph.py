@@ -55,6 +55,7 @@ OPSET = 23  # RMSNormalization
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).cpu().numpy()
 
+
 class GraphWriter:
     """Collects ONNX nodes and initializers: `node` returns its output names (named after the node)."""
 
@@ -68,8 +69,9 @@ class GraphWriter:
         self.inits.append(numpy_helper.from_array(np.require(array, requirements="C"), name))  # keeps 0-d scalars 0-d
         return name
 
-    def node(self, op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "", name: str = "",
-             **attrs) -> list[str]:
+    def node(
+        self, op: str, inputs: list[str], outputs: list[str] | int = 1, domain: str = "", name: str = "", **attrs
+    ) -> list[str]:
         from onnx import helper
 
         name = name or f"{op}_{len(self.nodes)}"
@@ -102,14 +104,24 @@ def attention_rows(node, new: str, past: str, mask: str, positions: str, tag: st
     of a chain verify would not equal the same row of a plain step bit for bit. The repeat writes its K/V to
     the slot after the step (the next step overwrites it); its output is dropped."""
     rows = node("Max", [new, "two_i64"], name=f"attention_rows{tag}")[0]
-    last_row = node("Max", [node("Sub", [new, "one_i64"], name=f"last_row_sub{tag}")[0], "zero_i64"], name=f"last_row{tag}")[0]
-    index = node("Clip", [node("Range", ["zero_i64", rows, "one_i64"], name=f"row_range{tag}")[0], "zero_i64", last_row],
-                 name=f"row_index{tag}")[0]  # [0, 1, ..., new - 1] or [0, 0]
+    last_row = node(
+        "Max", [node("Sub", [new, "one_i64"], name=f"last_row_sub{tag}")[0], "zero_i64"], name=f"last_row{tag}"
+    )[0]
+    index = node(
+        "Clip",
+        [node("Range", ["zero_i64", rows, "one_i64"], name=f"row_range{tag}")[0], "zero_i64", last_row],
+        name=f"row_index{tag}",
+    )[0]  # [0, 1, ..., new - 1] or [0, 0]
     packed = node("Add", [index, offset], name=f"packed_rows{tag}")[0] if offset else index
     position_ids = node("Gather", [positions, packed], name=f"attention_positions{tag}", axis=1)[0] if positions else ""
 
     total = node("Add", [past, rows], name=f"totals{tag}")[0]  # [B]
-    seqlens_k = node("Cast", [node("Sub", [total, "one_i64"], name=f"seqlens_sub{tag}")[0]], name=f"seqlens_k{tag}", to=TensorProto.INT32)[0]
+    seqlens_k = node(
+        "Cast",
+        [node("Sub", [total, "one_i64"], name=f"seqlens_sub{tag}")[0]],
+        name=f"seqlens_k{tag}",
+        to=TensorProto.INT32,
+    )[0]
     total_max = node("ReduceMax", [total], name=f"total_max{tag}", keepdims=0)[0]
     total_len = node("Cast", [total_max], name=f"total_sequence_length{tag}", to=TensorProto.INT32)[0]
     bias = ""
@@ -117,22 +129,48 @@ def attention_rows(node, new: str, past: str, mask: str, positions: str, tag: st
         # attention_bias [B, 1, rows, total]: key slot j of sequence b is a past slot (j < past_b) or new row
         # j - past_b, which row s may see iff mask[b, s, j - past_b].
         key_slots = node("Range", ["zero_i64", total_max, "one_i64"], name=f"key_slots{tag}")[0]  # [total]
-        rel = node("Sub", [node("Unsqueeze", [key_slots, "axis0"], name=f"slots_row{tag}")[0],
-                           node("Unsqueeze", [past, "axis1"], name=f"past_col{tag}")[0]], name=f"rel{tag}")[0]  # [B, total]
+        rel = node(
+            "Sub",
+            [
+                node("Unsqueeze", [key_slots, "axis0"], name=f"slots_row{tag}")[0],
+                node("Unsqueeze", [past, "axis1"], name=f"past_col{tag}")[0],
+            ],
+            name=f"rel{tag}",
+        )[0]  # [B, total]
         clipped = node("Clip", [rel, "zero_i64", last_row], name=f"rel_clip{tag}")[0]  # [B, total]
         mask_shape = node("Shape", [mask], name=f"mask_shape{tag}")[0]  # [B, new, new]
-        index_shape = node("Concat", [node("Slice", [mask_shape, "zero_1d", "two"], name=f"bn{tag}")[0],
-                                      node("Unsqueeze", [total_max, "axis0"], name=f"total_1d{tag}")[0]], name=f"index_shape{tag}", axis=0)[0]
-        index_rows = node("Expand", [node("Unsqueeze", [clipped, "axis1"], name=f"rel_rows{tag}")[0], index_shape], name=f"index_rows{tag}")[0]
+        index_shape = node(
+            "Concat",
+            [
+                node("Slice", [mask_shape, "zero_1d", "two"], name=f"bn{tag}")[0],
+                node("Unsqueeze", [total_max, "axis0"], name=f"total_1d{tag}")[0],
+            ],
+            name=f"index_shape{tag}",
+            axis=0,
+        )[0]
+        index_rows = node(
+            "Expand",
+            [node("Unsqueeze", [clipped, "axis1"], name=f"rel_rows{tag}")[0], index_shape],
+            name=f"index_rows{tag}",
+        )[0]
         seen = node("GatherElements", [mask, index_rows], name=f"tree_seen{tag}", axis=2)[0]  # [B, new, total]
         is_past = node("Less", [rel, "zero_i64"], name=f"is_past{tag}")[0]  # [B, total]
         is_new = node("Less", [rel, new], name=f"is_new{tag}")[0]
         row_cols = lambda t, name: node("Unsqueeze", [t, "axis1"], name=name)[0]  # noqa: E731 [B, total] -> [B, 1, total]
-        allowed = node("Or", [row_cols(is_past, f"is_past_rows{tag}"),
-                              node("And", [seen, row_cols(is_new, f"is_new_rows{tag}")], name=f"tree_seen_new{tag}")[0]],
-                       name=f"allowed{tag}")[0]
-        rows_bias = node("Gather", [node("Where", [allowed, "zero_f", "neg_inf"], name=f"bias{tag}")[0], index],
-                         name=f"bias_rows{tag}", axis=1)[0]
+        allowed = node(
+            "Or",
+            [
+                row_cols(is_past, f"is_past_rows{tag}"),
+                node("And", [seen, row_cols(is_new, f"is_new_rows{tag}")], name=f"tree_seen_new{tag}")[0],
+            ],
+            name=f"allowed{tag}",
+        )[0]
+        rows_bias = node(
+            "Gather",
+            [node("Where", [allowed, "zero_f", "neg_inf"], name=f"bias{tag}")[0], index],
+            name=f"bias_rows{tag}",
+            axis=1,
+        )[0]
         bias = node("Unsqueeze", [rows_bias, "axis1"], name=f"attention_bias{tag}")[0]  # [B, 1, rows, total]
     count = node("Unsqueeze", [new, "axis0"], name=f"new_1d{tag}")[0]
     return AttentionRows(packed, count, seqlens_k, total_len, position_ids, bias)
@@ -142,8 +180,10 @@ def check_fusable(base: Decoder) -> None:
     """One-line errors for the decoders this builder does not write."""
     cfg = base.config
     if cfg.sliding_window is not None:
-        raise CloverError(f"--attention fused has no sliding window, but this {cfg.architecture} uses a "
-                          f"{cfg.sliding_window}-token window: export it with --attention portable")
+        raise CloverError(
+            f"--attention fused has no sliding window, but this {cfg.architecture} uses a "
+            f"{cfg.sliding_window}-token window: export it with --attention portable"
+        )
     if next(base.parameters()).dtype != torch.float32:
         raise CloverError("--attention fused writes float32 graphs for ONNX Runtime's CPU kernels: use --dtype float32")
 
@@ -157,11 +197,17 @@ def rope_caches(inv_freq: torch.Tensor, max_context: int) -> tuple[np.ndarray, n
 
 def write_constants(init) -> None:
     """The small constants attention_rows and the layers read."""
-    for name, value in (("zero_i64", np.array(0, np.int64)), ("zero_1d", np.array([0], np.int64)),
-                        ("one_i64", np.array(1, np.int64)), ("axis0", np.array([0], np.int64)),
-                        ("axis1", np.array([1], np.int64)), ("two", np.array([2], np.int64)),
-                        ("two_i64", np.array(2, np.int64)), ("neg_inf", np.array(-np.inf, np.float32)),
-                        ("zero_f", np.array(0.0, np.float32))):
+    for name, value in (
+        ("zero_i64", np.array(0, np.int64)),
+        ("zero_1d", np.array([0], np.int64)),
+        ("one_i64", np.array(1, np.int64)),
+        ("axis0", np.array([0], np.int64)),
+        ("axis1", np.array([1], np.int64)),
+        ("two", np.array([2], np.int64)),
+        ("two_i64", np.array(2, np.int64)),
+        ("neg_inf", np.array(-np.inf, np.float32)),
+        ("zero_f", np.array(0.0, np.float32)),
+    ):
         init(name, value)
 
 
@@ -178,8 +224,18 @@ def linear_writer(w: GraphWriter):
     return linear
 
 
-def write_layer(w: GraphWriter, layer, cfg, p: str, i: int, rows: AttentionRows, h: str, residual: str,
-                next_norm: torch.nn.Module, next_name: str) -> tuple[str, str, str, str]:
+def write_layer(
+    w: GraphWriter,
+    layer,
+    cfg,
+    p: str,
+    i: int,
+    rows: AttentionRows,
+    h: str,
+    residual: str,
+    next_norm: torch.nn.Module,
+    next_name: str,
+) -> tuple[str, str, str, str]:
     """One decoder layer `layer` (named `p`, KV cache index `i`) on the normed rows `h` with the residual
     stream `residual`, ending in the next layer's input norm (or the final one): (normed, residual, present
     key, present value)."""
@@ -190,30 +246,57 @@ def write_layer(w: GraphWriter, layer, cfg, p: str, i: int, rows: AttentionRows,
     qkv = node("Gather", [qkv, rows.rows], name=f"{p}.self_attn.rows", axis=1)[0]
     out, k_out, v_out = node(
         "GroupQueryAttention",
-        [qkv, "", "", f"past_key_values.{i}.key", f"past_key_values.{i}.value", rows.seqlens_k, rows.total_len,
-         "cos_cache", "sin_cache", rows.position_ids, rows.bias],
-        [f"{p}.self_attn/out", f"present.{i}.key", f"present.{i}.value"], domain=MS, name=f"{p}.self_attn",
-        **GQA_ATTRIBUTES, num_heads=Hq, kv_num_heads=Hkv, scale=float(D**-0.5))
+        [
+            qkv,
+            "",
+            "",
+            f"past_key_values.{i}.key",
+            f"past_key_values.{i}.value",
+            rows.seqlens_k,
+            rows.total_len,
+            "cos_cache",
+            "sin_cache",
+            rows.position_ids,
+            rows.bias,
+        ],
+        [f"{p}.self_attn/out", f"present.{i}.key", f"present.{i}.value"],
+        domain=MS,
+        name=f"{p}.self_attn",
+        **GQA_ATTRIBUTES,
+        num_heads=Hq,
+        kv_num_heads=Hkv,
+        scale=float(D**-0.5),
+    )
     out = node("Slice", [out, "zero_1d", rows.count, "axis1"], name=f"{p}.self_attn.unpad")[0]
     o = linear(out, attn.o_proj, f"{p}.self_attn.o_proj")
     normed, _, _, residual = node(
-        "SkipSimplifiedLayerNormalization", [residual, o, init(f"{p}.post_attention_layernorm.weight", _np(layer.post_attention_layernorm.weight))],
-        4, domain=MS, name=f"{p}.post_attention_layernorm", epsilon=eps)
+        "SkipSimplifiedLayerNormalization",
+        [residual, o, init(f"{p}.post_attention_layernorm.weight", _np(layer.post_attention_layernorm.weight))],
+        4,
+        domain=MS,
+        name=f"{p}.post_attention_layernorm",
+        epsilon=eps,
+    )
     mlp = layer.mlp
-    I = cfg.intermediate_size
+    inter = cfg.intermediate_size
     wgu, bgu = mlp.gate_up_proj.weight, mlp.gate_up_proj.bias
-    gate_l = torch.nn.Linear(H, I, bias=bgu is not None)
-    up_l = torch.nn.Linear(H, I, bias=bgu is not None)
-    gate_l.weight.data, up_l.weight.data = wgu[:I], wgu[I:]
+    gate_l = torch.nn.Linear(H, inter, bias=bgu is not None)
+    up_l = torch.nn.Linear(H, inter, bias=bgu is not None)
+    gate_l.weight.data, up_l.weight.data = wgu[:inter], wgu[inter:]
     if bgu is not None:
-        gate_l.bias.data, up_l.bias.data = bgu[:I], bgu[I:]
+        gate_l.bias.data, up_l.bias.data = bgu[:inter], bgu[inter:]
     gate = linear(normed, gate_l, f"{p}.mlp.gate_proj")
     up = linear(normed, up_l, f"{p}.mlp.up_proj")
     act = node("Mul", [gate, node("Sigmoid", [gate], name=f"{p}.mlp.sigmoid")[0]], name=f"{p}.mlp.silu")[0]
     down = linear(node("Mul", [act, up], name=f"{p}.mlp.gated")[0], mlp.down_proj, f"{p}.mlp.down_proj")
     h, _, _, residual = node(
-        "SkipSimplifiedLayerNormalization", [residual, down, init(f"{next_name}.weight", _np(next_norm.weight))],
-        4, domain=MS, name=next_name, epsilon=eps)
+        "SkipSimplifiedLayerNormalization",
+        [residual, down, init(f"{next_name}.weight", _np(next_norm.weight))],
+        4,
+        domain=MS,
+        name=next_name,
+        epsilon=eps,
+    )
     return h, residual, k_out, v_out
 
 
@@ -221,8 +304,9 @@ def finish_model(w: GraphWriter, name: str, inputs: list, outputs: list):
     from onnx import helper
 
     graph = helper.make_graph(w.nodes, name, inputs, outputs, w.inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)],
-                              producer_name="clover-deploy")
+    model = helper.make_model(
+        graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name="clover-deploy"
+    )
     model.ir_version = 10
     return model
 
@@ -245,15 +329,31 @@ def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
     write_constants(init)
     new = node("Gather", [node("Shape", ["input_ids"], name="ids_shape")[0], "one_i64"], name="new_len", axis=0)[0]
     solo = attention_rows(node, new, "past_lengths", "tree_mask" if trees else "", "position_ids" if trees else "", "")
-    x = node("Gather", [init("embed_tokens.weight", _np(base.embed_tokens.weight)), "input_ids"], name="embed_tokens", axis=0)[0]
+    x = node(
+        "Gather", [init("embed_tokens.weight", _np(base.embed_tokens.weight)), "input_ids"], name="embed_tokens", axis=0
+    )[0]
     residual = x
-    h = node("RMSNormalization", [x, init("layers.0.input_layernorm.weight", _np(base.layers[0].input_layernorm.weight))],
-             name="layers.0.input_layernorm", axis=-1, epsilon=eps)[0]
+    h = node(
+        "RMSNormalization",
+        [x, init("layers.0.input_layernorm.weight", _np(base.layers[0].input_layernorm.weight))],
+        name="layers.0.input_layernorm",
+        axis=-1,
+        epsilon=eps,
+    )[0]
     for i, layer in enumerate(base.layers):
         last = i + 1 == L
-        h, residual, _, _ = write_layer(w, layer, cfg, f"layers.{i}", i, solo, h, residual,
-                                        base.norm if last else base.layers[i + 1].input_layernorm,
-                                        "norm" if last else f"layers.{i + 1}.input_layernorm")
+        h, residual, _, _ = write_layer(
+            w,
+            layer,
+            cfg,
+            f"layers.{i}",
+            i,
+            solo,
+            h,
+            residual,
+            base.norm if last else base.layers[i + 1].input_layernorm,
+            "norm" if last else f"layers.{i + 1}.input_layernorm",
+        )
     node("Identity", [residual], ["hidden_states"], name="hidden_states")
     rows = node("Gather", [h, "logit_rows"], name="logit_rows_gather", axis=1)[0]
     lm = torch.nn.Linear(H, cfg.vocab_size, bias=False)
@@ -282,8 +382,14 @@ def save_model(model, path: Path) -> None:
     """Write a fused graph to `path` with its weights as external data (`<name>.data`)."""
     import onnx
 
-    onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-              location=f"{path.name}.data", size_threshold=1024)
+    onnx.save(
+        model,
+        str(path),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location=f"{path.name}.data",
+        size_threshold=1024,
+    )
 
 
 def write_fused_base(base: Decoder, path: Path, max_context: int, trees: bool = True) -> None:
@@ -291,6 +397,7 @@ def write_fused_base(base: Decoder, path: Path, max_context: int, trees: bool = 
 
 
 # -- Clover-2's draft_begin -----------------------------------------------------------------------------------
+
 
 def fused_begin_model(heads, max_context: int):
     """Clover-2's draft_begin (export/graphs.BeginGraph, heads.begin) as fused ONNX Runtime operators: the
@@ -328,8 +435,13 @@ def fused_begin_model(heads, max_context: int):
     # fuse (GatedAttentionDecoder): x = h + v(e) * cos(q(norm(h)), k(e)) per attention head
     fuse = heads.fuse
     e = node("Gather", [init("embedding.weight", _np(heads.lm_weight)), "next_tokens"], name="embedding", axis=0)[0]
-    normed = node("RMSNormalization", ["hidden_states", init("fuse.norm.weight", _np(fuse.norm.weight))], name="fuse.norm",
-                  axis=-1, epsilon=float(fuse.norm.eps))[0]
+    normed = node(
+        "RMSNormalization",
+        ["hidden_states", init("fuse.norm.weight", _np(fuse.norm.weight))],
+        name="fuse.norm",
+        axis=-1,
+        epsilon=float(fuse.norm.eps),
+    )[0]
     per_head = lambda t, name: node("Reshape", [t, "heads_shape"], name=name)[0]  # noqa: E731 [B, N, nh, H/nh]
 
     def unit(t: str, name: str) -> str:  # t / max(|t|, eps) over the last axis (F.cosine_similarity's clamp)
@@ -345,18 +457,37 @@ def fused_begin_model(heads, max_context: int):
 
     # augmenting block: the base's decoder layers over the accepted rows, then its norm
     layers = heads.augment.layers
-    h = node("RMSNormalization", [x, init("augment.layers.0.input_layernorm.weight", _np(layers[0].input_layernorm.weight))],
-             name="augment.layers.0.input_layernorm", axis=-1, epsilon=eps)[0]
+    h = node(
+        "RMSNormalization",
+        [x, init("augment.layers.0.input_layernorm.weight", _np(layers[0].input_layernorm.weight))],
+        name="augment.layers.0.input_layernorm",
+        axis=-1,
+        epsilon=eps,
+    )[0]
     residual = x
     for i, layer in enumerate(layers):
         last = i + 1 == L
-        h, residual, _, _ = write_layer(w, layer, cfg, f"augment.layers.{i}", i, rows, h, residual,
-                                        heads.augment.norm if last else layers[i + 1].input_layernorm,
-                                        "augment.norm" if last else f"augment.layers.{i + 1}.input_layernorm")
+        h, residual, _, _ = write_layer(
+            w,
+            layer,
+            cfg,
+            f"augment.layers.{i}",
+            i,
+            rows,
+            h,
+            residual,
+            heads.augment.norm if last else layers[i + 1].input_layernorm,
+            "augment.norm" if last else f"augment.layers.{i + 1}.input_layernorm",
+        )
     state_row = node("Sub", [new, "one_i64"], name="state_row")[0]
     node("Gather", [h, state_row], ["state"], name="state", axis=1)  # [B, H]
-    head = node("RMSNormalization", [linear("state", heads.fc0, "fc0"), init("head_norm.weight", _np(heads.head_norm.weight))],
-                name="head_norm", axis=-1, epsilon=float(heads.head_norm.eps))[0]
+    head = node(
+        "RMSNormalization",
+        [linear("state", heads.fc0, "fc0"), init("head_norm.weight", _np(heads.head_norm.weight))],
+        name="head_norm",
+        axis=-1,
+        epsilon=float(heads.head_norm.eps),
+    )[0]
     lm = torch.nn.Linear(H, V, bias=False)
     lm.weight = torch.nn.Parameter(heads.lm_weight.detach(), requires_grad=False)
     node("Identity", [linear(head, lm, "lm_head")], ["logits"], name="logits")

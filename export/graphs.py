@@ -76,6 +76,7 @@ def interleave(keys: list[torch.Tensor], values: list[torch.Tensor]) -> list[tor
 
 # -- example inputs ------------------------------------------------------------------------------------
 
+
 def _float_dtype(module: nn.Module) -> torch.dtype:
     return next(p.dtype for p in module.parameters() if p.is_floating_point())
 
@@ -98,8 +99,9 @@ def random_past_lengths(batch: int, past: int, g: torch.Generator) -> torch.Tens
     return lengths
 
 
-def random_cache(n: int, batch: int, kv_heads: int, past: int, head_dim: int, dtype: torch.dtype,
-                 g: torch.Generator) -> list[torch.Tensor]:
+def random_cache(
+    n: int, batch: int, kv_heads: int, past: int, head_dim: int, dtype: torch.dtype, g: torch.Generator
+) -> list[torch.Tensor]:
     return [torch.randn(batch, kv_heads, past, head_dim, generator=g).to(dtype) for _ in range(n)]
 
 
@@ -110,12 +112,18 @@ def model_cache(base: Decoder, batch: int, past: int, g: torch.Generator) -> lis
         return interleave(*base.empty_cache(batch, 0))
     tokens = torch.randint(0, base.config.vocab_size, (batch, past), generator=g)
     with torch.inference_mode():
-        out = base(tokens, torch.arange(past).expand(batch, -1), causal_mask(past, batch),
-                   torch.zeros(batch, dtype=torch.int64), *base.empty_cache(batch, 0))
+        out = base(
+            tokens,
+            torch.arange(past).expand(batch, -1),
+            causal_mask(past, batch),
+            torch.zeros(batch, dtype=torch.int64),
+            *base.empty_cache(batch, 0),
+        )
     return [t.clone() for t in interleave(out.new_keys, out.new_values)]
 
 
 # -- the base decoder -------------------------------------------------------------------------------------
+
 
 class BaseGraph(nn.Module):
     def __init__(self, base: Decoder):
@@ -124,7 +132,9 @@ class BaseGraph(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         input_ids, position_ids, tree_mask, past_lengths, logit_rows, *past = inputs
-        out = self.base(input_ids, position_ids, tree_mask, past_lengths, list(past[0::2]), list(past[1::2]), logit_rows)
+        out = self.base(
+            input_ids, position_ids, tree_mask, past_lengths, list(past[0::2]), list(past[1::2]), logit_rows
+        )
         return (out.logits, out.hidden_states, *interleave(out.new_keys, out.new_values))
 
 
@@ -140,20 +150,42 @@ def base_graph(base: Decoder, attention: str = "portable", chains: bool = False)
         depth, mask = (torch.arange(T), torch.ones(T, T, dtype=torch.bool).tril()) if chains else random_tree(T, g)
         lengths = random_past_lengths(B, P, g)
         rows = torch.tensor([T - 1]) if R == 1 else torch.sort(torch.randperm(T, generator=g)[:R]).values
-        return (torch.randint(0, cfg.vocab_size, (B, T), generator=g), lengths[:, None] + depth,
-                mask[None].expand(B, -1, -1).contiguous(), lengths, rows, *model_cache(base, B, P, g))
+        return (
+            torch.randint(0, cfg.vocab_size, (B, T), generator=g),
+            lengths[:, None] + depth,
+            mask[None].expand(B, -1, -1).contiguous(),
+            lengths,
+            rows,
+            *model_cache(base, B, P, g),
+        )
 
     bn = {0: "batch", 1: "new"}
     return GraphDef(
-        name="base", module=BaseGraph(base),
-        inputs=("input_ids", "position_ids", "tree_mask", "past_lengths", "logit_rows", *kv_names("past_key_values", L)),
+        name="base",
+        module=BaseGraph(base),
+        inputs=(
+            "input_ids",
+            "position_ids",
+            "tree_mask",
+            "past_lengths",
+            "logit_rows",
+            *kv_names("past_key_values", L),
+        ),
         outputs=("logits", "hidden_states", *kv_names("present", L)),
-        dims=(bn, bn, {0: "batch", 1: "new", 2: "new"}, {0: "batch"}, {0: "rows"}, *[{0: "batch", 2: "past"}] * (2 * L)),
+        dims=(
+            bn,
+            bn,
+            {0: "batch", 1: "new", 2: "new"},
+            {0: "batch"},
+            {0: "rows"},
+            *[{0: "batch", 2: "past"}] * (2 * L),
+        ),
         example=example,
     )
 
 
 # -- draft heads ------------------------------------------------------------------------------------------
+
 
 class BeginGraph(nn.Module):
     """heads.begin over the accepted tokens, with the augmenting block's own KV cache (clover, clover2)."""
@@ -234,21 +266,36 @@ def draft_graphs(heads: DraftHeads) -> list[GraphDef]:
         return torch.randn(s["batch"], s["accepted"], H, generator=g).to(dtype)
 
     if isinstance(heads, MedusaHeads):
-        return [GraphDef("medusa_heads", MedusaGraph(heads), ("hidden_states",), ("logits",),
-                         ({0: "batch", 1: "accepted"},), lambda s, g: (hidden_example(s, g),))]
+        return [
+            GraphDef(
+                "medusa_heads",
+                MedusaGraph(heads),
+                ("hidden_states",),
+                ("logits",),
+                ({0: "batch", 1: "accepted"},),
+                lambda s, g: (hidden_example(s, g),),
+            )
+        ]
 
     def begin_example(s: Sizes, g: torch.Generator) -> tuple[torch.Tensor, ...]:
         B, N, P = s["batch"], s["accepted"], s["past"]
         lengths = random_past_lengths(B, P, g)
-        return (hidden_example(s, g), torch.randint(0, V, (B, N), generator=g), lengths[:, None] + torch.arange(N),
-                lengths, *random_cache(2 * L, B, cfg.num_kv_heads, P, cfg.head_dim, dtype, g))
+        return (
+            hidden_example(s, g),
+            torch.randint(0, V, (B, N), generator=g),
+            lengths[:, None] + torch.arange(N),
+            lengths,
+            *random_cache(2 * L, B, cfg.num_kv_heads, P, cfg.head_dim, dtype, g),
+        )
 
     bn = {0: "batch", 1: "accepted"}
     begin = GraphDef(
-        "draft_begin", BeginGraph(heads),
+        "draft_begin",
+        BeginGraph(heads),
         ("hidden_states", "next_tokens", "position_ids", "past_lengths", *kv_names("past_key_values", L)),
         ("state", "logits", *kv_names("present", L)),
-        (bn, bn, bn, {0: "batch"}, *[{0: "batch", 2: "past"}] * (2 * L)), begin_example,
+        (bn, bn, bn, {0: "batch"}, *[{0: "batch", 2: "past"}] * (2 * L)),
+        begin_example,
     )
 
     def step_inputs(s: Sizes, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,12 +306,17 @@ def draft_graphs(heads: DraftHeads) -> list[GraphDef]:
     if isinstance(heads, CloverHeads):
         depths = heads.config.num_heads
         step = GraphDef(
-            "draft_step", CloverStepGraph(heads), ("depth", "parent_state", "tokens"), ("state", "logits"),
-            ({}, n, n), lambda s, g: (torch.tensor(s.get("depth", depths - 1), dtype=torch.int64), *step_inputs(s, g)),
+            "draft_step",
+            CloverStepGraph(heads),
+            ("depth", "parent_state", "tokens"),
+            ("state", "logits"),
+            ({}, n, n),
+            lambda s, g: (torch.tensor(s.get("depth", depths - 1), dtype=torch.int64), *step_inputs(s, g)),
         )
     elif isinstance(heads, Clover2Heads):
-        step = GraphDef("draft_step", Clover2StepGraph(heads), ("parent_state", "tokens"), ("state", "logits"),
-                        (n, n), step_inputs)
+        step = GraphDef(
+            "draft_step", Clover2StepGraph(heads), ("parent_state", "tokens"), ("state", "logits"), (n, n), step_inputs
+        )
     else:
         raise TypeError(f"no export graphs for {type(heads).__name__}")
     return [begin, step]
@@ -298,7 +350,7 @@ def reference_outputs(graph: GraphDef, inputs: tuple[torch.Tensor, ...]) -> list
             (hidden,) = inputs
             h, per_sequence = m.heads, []
             for b in range(hidden.shape[0]):
-                begin = h.begin(hidden[b:b + 1], None, None, None, [], [])
+                begin = h.begin(hidden[b : b + 1], None, None, None, [], [])
                 token = torch.zeros(1, dtype=torch.int64)  # Medusa ignores the drafted token
                 depths = [begin.logits] + [h.step(k, begin.state, token)[1] for k in range(1, h.config.num_heads)]
                 per_sequence.append(torch.stack(depths, dim=1))  # [1, K, V]

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from clover.artifact import GraphSpec
 from clover.errors import CloverError
 from clover.export.graphs import GraphDef, Sizes
 from clover.export.quantize import replace_graph
-from clover.artifact import GraphSpec
 
 LM_HEAD = "lm_head"  # manifest key and file stem
 LM_INPUT = "lm_input"  # what a cut graph outputs instead of logits
@@ -110,8 +110,13 @@ def lm_head_model(model, node, hidden: int):
     out = next(o for o in model.graph.output if o.name == "logits")
     elem = out.type.tensor_type.elem_type
     vocab = out.type.tensor_type.shape.dim[-1].dim_value
-    graph = helper.make_graph([copy], LM_HEAD, [helper.make_tensor_value_info(LM_INPUT, elem, ["n", hidden])],
-                              [helper.make_tensor_value_info("logits", elem, ["n", vocab])], weights)
+    graph = helper.make_graph(
+        [copy],
+        LM_HEAD,
+        [helper.make_tensor_value_info(LM_INPUT, elem, ["n", hidden])],
+        [helper.make_tensor_value_info("logits", elem, ["n", vocab])],
+        weights,
+    )
     lm = helper.make_model(graph, opset_imports=list(model.opset_import), producer_name="clover-deploy")
     lm.ir_version = model.ir_version
     return lm
@@ -168,12 +173,22 @@ def save_model(model, path: Path) -> None:
     """Write `model` to `path` with its weights in `<name>.data`, replacing any old files whole."""
     import onnx
 
-    replace_graph(path, lambda out: onnx.save(model, str(out), save_as_external_data=True, all_tensors_to_one_file=True,
-                                              location=f"{path.name}.data", size_threshold=1024))
+    replace_graph(
+        path,
+        lambda out: onnx.save(
+            model,
+            str(out),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=f"{path.name}.data",
+            size_threshold=1024,
+        ),
+    )
 
 
-def split_lm_head(folder: Path, specs: dict[str, GraphSpec], graphs: list[GraphDef], sizes: Sizes,
-                  verify: bool = True) -> dict[str, GraphSpec]:
+def split_lm_head(
+    folder: Path, specs: dict[str, GraphSpec], graphs: list[GraphDef], sizes: Sizes, verify: bool = True
+) -> dict[str, GraphSpec]:
     """Cut the base's LM head out of the base and of every draft graph that shares its weights, into
     folder/lm_head.onnx; returns the updated specs (with "lm_head"), or `specs` unchanged when no draft
     graph shares it. verify: the cut graphs + lm_head.onnx give the logits of the whole graphs."""
@@ -187,8 +202,11 @@ def split_lm_head(folder: Path, specs: dict[str, GraphSpec], graphs: list[GraphD
         return specs
     base_node = heads["base"][0]
     key = weights_key(models["base"], base_node)
-    cut = ["base"] + [n for n, nodes in heads.items()
-                      if n != "base" and nodes and all(weights_key(models[n], x) == key for x in nodes)]
+    cut = ["base"] + [
+        n
+        for n, nodes in heads.items()
+        if n != "base" and nodes and all(weights_key(models[n], x) == key for x in nodes)
+    ]
     if len(cut) == 1:
         return specs  # no draft graph shares the base's LM head: splitting would only add a call per step
     hidden = int(specs["base"].output("hidden_states").shape[-1])
@@ -210,15 +228,21 @@ def split_lm_head(folder: Path, specs: dict[str, GraphSpec], graphs: list[GraphD
             # graph's heads may each have run a 1-row product of their own, which some kernels round otherwise
             # (MatMulNBits on AVX2): within the drafts' tolerance.
             exact = name == "base"
-            if a.shape != b.shape or (not np.array_equal(a, b) if exact else
-                                      not np.abs(a - b).max() <= DRAFT_RTOL * max(1.0, float(np.abs(a).max()))):
-                raise CloverError(f"{name}.onnx without its LM head + lm_head.onnx does not give the graph's own "
-                                  "logits: this is a clover-export bug, please report it")
+            if a.shape != b.shape or (
+                not np.array_equal(a, b)
+                if exact
+                else not np.abs(a - b).max() <= DRAFT_RTOL * max(1.0, float(np.abs(a).max()))
+            ):
+                raise CloverError(
+                    f"{name}.onnx without its LM head + lm_head.onnx does not give the graph's own "
+                    "logits: this is a clover-export bug, please report it"
+                )
     return out
 
 
-def _logits_of(folder: Path, specs: dict[str, GraphSpec], graphs: list[GraphDef], names: list[str],
-               sizes: Sizes) -> dict[str, np.ndarray]:
+def _logits_of(
+    folder: Path, specs: dict[str, GraphSpec], graphs: list[GraphDef], names: list[str], sizes: Sizes
+) -> dict[str, np.ndarray]:
     """Each graph's logits on its example inputs: its own output, or lm_input through lm_head.onnx."""
     import torch
 

@@ -28,8 +28,10 @@ def add_ngram_store(folder: Path, source: StoreSource, base_fingerprint: dict[st
     """Write the store into `folder` (an artifact being built for the base `base_fingerprint`)."""
     check_corpus_base(source.base_fingerprint, base_fingerprint, f"the n-gram store ({source.source})")
     if source.store.vocab_size != base_fingerprint.get("vocab_size"):
-        raise CloverError(f"the n-gram store counts a {source.store.vocab_size}-token vocabulary, the base has "
-                          f"{base_fingerprint.get('vocab_size')}: build it from this base's corpus")
+        raise CloverError(
+            f"the n-gram store counts a {source.store.vocab_size}-token vocabulary, the base has "
+            f"{base_fingerprint.get('vocab_size')}: build it from this base's corpus"
+        )
     source.store.save(folder / NGRAM_STORE_FILE)
     return NgramStoreSpec(NGRAM_STORE_FILE, source.source, len(source.store))
 

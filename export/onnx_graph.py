@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from clover.artifact import GraphSpec, TensorSpec
 from clover.errors import CloverError
 from clover.export.graphs import EXPORT_SIZES, GraphDef, kv_names
 from clover.models.decoder import Decoder, causal_mask
-from clover.artifact import GraphSpec, TensorSpec
 
 
 @contextlib.contextmanager
@@ -45,8 +45,15 @@ def onnx_from_torch(graph: GraphDef, out_dir: Path, opset: int) -> GraphSpec:
     try:
         with _quiet_exporter(), torch.inference_mode(False), torch.no_grad():
             torch.onnx.export(
-                graph.module, args, str(path), input_names=list(graph.inputs), output_names=list(graph.outputs),
-                dynamic_shapes=graph.dynamic_shapes(), opset_version=opset, dynamo=True, external_data=True,
+                graph.module,
+                args,
+                str(path),
+                input_names=list(graph.inputs),
+                output_names=list(graph.outputs),
+                dynamic_shapes=graph.dynamic_shapes(),
+                opset_version=opset,
+                dynamo=True,
+                external_data=True,
                 verbose=False,
             )
     except Exception as e:  # the exporter raises many types; keep the first line of its summary
@@ -136,8 +143,9 @@ def checking_session(path: Path):
     try:
         import onnxruntime as ort
     except ImportError as e:
-        raise CloverError("checking graphs against PyTorch needs onnxruntime: pip install onnxruntime, "
-                          "or pass --no-verify") from e
+        raise CloverError(
+            "checking graphs against PyTorch needs onnxruntime: pip install onnxruntime, or pass --no-verify"
+        ) from e
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     with runnable_by_ort(path) as runnable:
@@ -176,11 +184,11 @@ def run_checked(session, outputs: list[str], feeds: dict[str, np.ndarray]) -> li
     for name in plain:
         binding.bind_output(name, "cpu")
     session.run_with_iobinding(binding)
-    got = dict(zip(plain, binding.copy_outputs_to_cpu()[-len(plain):] if plain else []))
+    got = dict(zip(plain, binding.copy_outputs_to_cpu()[-len(plain) :] if plain else []))
     for name in outputs:
         if name.startswith("present."):
             buf = buffers["past_key_values." + name.removeprefix("present.")]
-            got[name] = np.stack([buf[b, :, int(p):int(p) + new] for b, p in enumerate(lengths)])
+            got[name] = np.stack([buf[b, :, int(p) : int(p) + new] for b, p in enumerate(lengths)])
     return [got[o] for o in outputs]
 
 
@@ -196,14 +204,25 @@ def greedy_agreement(base: Decoder, path: Path, prompts: list[list[int]], new_to
         with torch.inference_mode():
             for _ in range(new_tokens):  # no cache: a few dozen short forwards
                 T = ids.shape[1]
-                out = base(ids, torch.arange(T)[None], causal_mask(T), torch.zeros(1, dtype=torch.int64),
-                           *base.empty_cache(1, 0), logit_rows=torch.tensor([T - 1]))
+                out = base(
+                    ids,
+                    torch.arange(T)[None],
+                    causal_mask(T),
+                    torch.zeros(1, dtype=torch.int64),
+                    *base.empty_cache(1, 0),
+                    logit_rows=torch.tensor([T - 1]),
+                )
                 ids = torch.cat((ids, out.logits[:, -1].argmax(-1, keepdim=True)), dim=1)
         T, P = ids.shape[1], len(prompt)
         empty = np.zeros((1, c.num_kv_heads, 0, c.head_dim), np.float32)
-        feeds = {"input_ids": ids.numpy(), "position_ids": np.arange(T)[None], "tree_mask": np.tri(T, dtype=bool)[None],
-                 "past_lengths": np.zeros(1, np.int64), "logit_rows": np.arange(P - 1, T - 1),
-                 **{n: empty for n in kv_names("past_key_values", c.num_layers)}}
+        feeds = {
+            "input_ids": ids.numpy(),
+            "position_ids": np.arange(T)[None],
+            "tree_mask": np.tri(T, dtype=bool)[None],
+            "past_lengths": np.zeros(1, np.int64),
+            "logit_rows": np.arange(P - 1, T - 1),
+            **{n: empty for n in kv_names("past_key_values", c.num_layers)},
+        }
         logits = run_checked(session, ["logits"], feeds)[0][0]  # [new_tokens, V]: the choice of each generated token
         agree += int((logits.argmax(-1) == ids[0, P:].numpy()).sum())
         total += new_tokens

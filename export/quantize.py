@@ -42,7 +42,9 @@ def fold_transposed_weights(model) -> int:
             continue
         w = numpy_helper.to_array(inits[node.input[0]])
         perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
-        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(np.transpose(w, perm)), node.output[0]))
+        model.graph.initializer.append(
+            numpy_helper.from_array(np.ascontiguousarray(np.transpose(w, perm)), node.output[0])
+        )
         model.graph.node.remove(node)
         folded += 1
     return folded
@@ -57,13 +59,19 @@ def gemms_as_matmul(model) -> int:
     rewritten = 0
     for node in list(model.graph.node):
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        if (node.op_type != "Gemm" or node.input[1] not in inits or attrs.get("transA", 0)
-                or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0):
+        if (
+            node.op_type != "Gemm"
+            or node.input[1] not in inits
+            or attrs.get("transA", 0)
+            or attrs.get("alpha", 1.0) != 1.0
+            or attrs.get("beta", 1.0) != 1.0
+        ):
             continue
         w = numpy_helper.to_array(inits[node.input[1]])
         name = f"{node.input[1]}.matmul"
-        model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T if attrs.get("transB", 0) else w),
-                                                               name))
+        model.graph.initializer.append(
+            numpy_helper.from_array(np.ascontiguousarray(w.T if attrs.get("transB", 0) else w), name)
+        )
         bias = len(node.input) > 2 and node.input[2]
         product = f"{node.output[0]}.matmul" if bias else node.output[0]
         i = list(model.graph.node).index(node)
@@ -110,8 +118,9 @@ def _onnx_quantization():
     return onnx, quantization
 
 
-def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: int, gemms: bool = False,
-                     keep_lm_head: str | None = None) -> str:
+def quantize_weights(
+    path: Path, scheme: str, block_size: int, accuracy_level: int, gemms: bool = False, keep_lm_head: str | None = None
+) -> str:
     """Rewrite the fp32 graph at `path` with MatMulNBits weights computing at `accuracy_level`, except Gemm nodes
     (unless `gemms`) and the LM head whose weights `keep_lm_head` names (lm_head.weights_key: the base's, which
     the draft graphs share); returns how the token embedding is stored ("int4" or "float32": onnxruntime
@@ -129,10 +138,16 @@ def quantize_weights(path: Path, scheme: str, block_size: int, accuracy_level: i
     embedding_lookups_as_gather(model)  # ... and Gathers (the heads' embedding rows, 113 MB in fp32 for SmolLM2)
     ops = ("MatMul", "Gather") if scheme == "int4" else ("MatMul",)
     config = DefaultWeightOnlyQuantConfig(
-        block_size=block_size, is_symmetric=SYMMETRIC, accuracy_level=accuracy_level or None, bits=BITS[scheme],
-        op_types_to_quantize=ops, quant_axes=(("MatMul", 0), ("Gather", 1)))
-    quantizer = MatMulNBitsQuantizer(model, nodes_to_exclude=list(lm_head_names(model, keep_lm_head)),
-                                     algo_config=config)
+        block_size=block_size,
+        is_symmetric=SYMMETRIC,
+        accuracy_level=accuracy_level or None,
+        bits=BITS[scheme],
+        op_types_to_quantize=ops,
+        quant_axes=(("MatMul", 0), ("Gather", 1)),
+    )
+    quantizer = MatMulNBitsQuantizer(
+        model, nodes_to_exclude=list(lm_head_names(model, keep_lm_head)), algo_config=config
+    )
     with quiet_root_logger(), np.errstate(invalid="ignore", divide="ignore"):  # all-zero blocks: scale 0, handled
         quantizer.process()
     replace_graph(path, lambda out: quantizer.model.save_model_to_file(str(out), use_external_data_format=True))
@@ -155,7 +170,9 @@ def embedding_lookups_as_gather(model) -> int:
             continue
         if numpy_helper.to_array(inits[unsqueeze.input[1]]).tolist() != [-1]:
             continue
-        gather = helper.make_node("Gather", [node.input[0], unsqueeze.input[0]], list(node.output), name=node.name, axis=0)
+        gather = helper.make_node(
+            "Gather", [node.input[0], unsqueeze.input[0]], list(node.output), name=node.name, axis=0
+        )
         model.graph.node.insert(list(model.graph.node).index(node), gather)
         model.graph.node.remove(node)
         if not any(unsqueeze.output[0] in n.input for n in model.graph.node):

@@ -20,8 +20,11 @@ from clover.artifact import Manifest
 from clover.runtime.tree import Tree, compile_tree, resolve_tree
 
 CANDIDATES = ("chain-1", "chain-2", "chain-3", "small", "mc26")
-PROMPTS = ("Give me three tips for staying healthy.", "Explain how a rainbow forms.",
-           "Write a short poem about the sea.")
+PROMPTS = (
+    "Give me three tips for staying healthy.",
+    "Explain how a rainbow forms.",
+    "Write a short poem about the sea.",
+)
 NEW_TOKENS = 40  # per prompt and tree, prefill excluded
 ROUNDS = 2  # interleaved, so machine noise hits every tree alike
 
@@ -30,8 +33,11 @@ def candidate_trees(max_depth: int | None, chains_only: bool = False) -> list[Tr
     """Plain decoding and the named trees the heads can draft (Medusa / Clover heads have a fixed depth) and
     the base verifies exactly (RunnerInfo.chains_only)."""
     trees = [compile_tree([], name="plain")]
-    return trees + [t for t in map(resolve_tree, CANDIDATES)
-                    if (max_depth is None or t.max_depth <= max_depth) and (t.is_chain or not chains_only)]
+    return trees + [
+        t
+        for t in map(resolve_tree, CANDIDATES)
+        if (max_depth is None or t.max_depth <= max_depth) and (t.is_chain or not chains_only)
+    ]
 
 
 def decode_seconds(runner, prompt: list[int], tree: Tree, new_tokens: int) -> tuple[int, float]:
@@ -41,8 +47,9 @@ def decode_seconds(runner, prompt: list[int], tree: Tree, new_tokens: int) -> tu
 
     tokens, seconds = 0, 0.0
     capacity = len(prompt) + new_tokens + tree.num_nodes + 1
-    steps = speculative_steps(runner, np.array(prompt, dtype=np.int64), tree, SamplingParams(),
-                              np.random.default_rng(0), capacity)
+    steps = speculative_steps(
+        runner, np.array(prompt, dtype=np.int64), tree, SamplingParams(), np.random.default_rng(0), capacity
+    )
     next(steps)  # the prefill
     for step in steps:
         tokens, seconds = tokens + len(step.tokens), seconds + step.wall
@@ -51,8 +58,9 @@ def decode_seconds(runner, prompt: list[int], tree: Tree, new_tokens: int) -> tu
     return tokens, seconds
 
 
-def fastest_tree(root: Path, manifest: Manifest, threads: int = 0,
-                 say: Callable[[str], None] | None = None) -> tuple[Tree, dict]:
+def fastest_tree(
+    root: Path, manifest: Manifest, threads: int = 0, say: Callable[[str], None] | None = None
+) -> tuple[Tree, dict]:
     """Time every candidate tree on the artifact's graphs in `root` (its manifest given, not yet written);
     returns the fastest and the record of the timing for the manifest."""
     from clover.runtime.ort_backend import OrtOptions, OrtRunner
@@ -66,7 +74,7 @@ def fastest_tree(root: Path, manifest: Manifest, threads: int = 0,
     totals = {t.name: [0, 0.0] for t in trees}
     for r in range(ROUNDS):
         for prompt in prompts:
-            for tree in trees[r % len(trees):] + trees[:r % len(trees)]:  # rotated per round
+            for tree in trees[r % len(trees) :] + trees[: r % len(trees)]:  # rotated per round
                 tokens, seconds = decode_seconds(runner, prompt, tree, NEW_TOKENS)
                 totals[tree.name][0] += tokens
                 totals[tree.name][1] += seconds
@@ -74,6 +82,17 @@ def fastest_tree(root: Path, manifest: Manifest, threads: int = 0,
     speed = {name: round(n / s, 2) if s else 0.0 for name, (n, s) in totals.items()}
     best = max(trees, key=lambda t: speed[t.name])
     if say:
-        say("      " + ", ".join(f"{name} {tps:.1f}" for name, tps in speed.items()) + f" tok/s: default tree {best.name}")
-    return best, {"tokens_per_second": speed, "chosen": best.name, "prompts": len(prompts), "new_tokens": NEW_TOKENS,
-                  "rounds": ROUNDS, "threads": threads, "when": time.strftime("%Y-%m-%d %H:%M:%S")}
+        say(
+            "      "
+            + ", ".join(f"{name} {tps:.1f}" for name, tps in speed.items())
+            + f" tok/s: default tree {best.name}"
+        )
+    return best, {
+        "tokens_per_second": speed,
+        "chosen": best.name,
+        "prompts": len(prompts),
+        "new_tokens": NEW_TOKENS,
+        "rounds": ROUNDS,
+        "threads": threads,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }

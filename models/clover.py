@@ -14,8 +14,8 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from clover.models.decoder import Decoder
 from clover.models.heads import AugmentingBlock, BeginOutput, DraftHeads, HeadConfig, ResBlock, shifted

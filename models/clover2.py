@@ -16,8 +16,8 @@ Embeddings are rows of the (frozen) LM-head weight, as in the official code.
 from __future__ import annotations
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from clover.models.config import BaseConfig
 from clover.models.decoder import Decoder

@@ -70,14 +70,14 @@ class BaseConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BaseConfig":
+    def from_dict(cls, d: dict[str, Any]) -> BaseConfig:
         d = dict(d)
         d["rope"] = RopeConfig(**d["rope"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "BaseConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> BaseConfig:
         """Build from the dict of an HF `config.json`; unsupported models raise CloverError."""
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
@@ -127,7 +127,7 @@ class BaseConfig:
         )
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "BaseConfig":
+    def from_dir(cls, path: str | Path) -> BaseConfig:
         cfg = Path(path) / "config.json"
         if not cfg.is_file():
             raise CloverError(f"{path} is not a Hugging Face model folder: no config.json in it")

@@ -50,7 +50,9 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     return inv_freq
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [B, 1, T, D] for positions [B, T] (computed in float32 like transformers)."""
     freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -64,8 +66,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention_mask(
-    tree_mask: torch.Tensor, past_lengths: torch.Tensor, past_len: int, position_ids: torch.Tensor,
-    sliding_window: int | None = None, dtype: torch.dtype = torch.float32,
+    tree_mask: torch.Tensor,
+    past_lengths: torch.Tensor,
+    past_len: int,
+    position_ids: torch.Tensor,
+    sliding_window: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Additive mask [B, 1, 1, T, P + T] over (past keys, new keys): 0 = attend, -inf = masked.
 
@@ -117,15 +123,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | PluginMask,
-        past_k: torch.Tensor, past_v: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | PluginMask,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         G = H // Hkv
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2Hkv, T, D]
         qk = apply_rope(qkv[:, : H + Hkv], cos, sin)
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # [B, H, T, D], [B, Hkv, T, D] x 2
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]  # [B, H, T, D], [B, Hkv, T, D] x 2
         if isinstance(mask, PluginMask):
             out = tree_attention_node(q, k, v, past_k, past_v, mask.past_lengths, mask.packed, D**-0.5)  # [B, H, T, D]
             return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D)), k, v
@@ -163,8 +174,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-        past_k: torch.Tensor, past_v: torch.Tensor,
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
         x = x + attn
@@ -208,8 +224,9 @@ class Decoder(nn.Module):
         if self.attention == "plugin":
             mask: torch.Tensor | PluginMask = plugin_mask(tree_mask, past_lengths)
         else:
-            mask = attention_mask(tree_mask, past_lengths, past_keys[0].shape[2], position_ids,
-                                  self.config.sliding_window, x.dtype)
+            mask = attention_mask(
+                tree_mask, past_lengths, past_keys[0].shape[2], position_ids, self.config.sliding_window, x.dtype
+            )
         new_keys, new_values = [], []
         for layer, pk, pv in zip(self.layers, past_keys, past_values):
             x, k, v = layer(x, cos, sin, mask, pk, pv)
@@ -218,7 +235,9 @@ class Decoder(nn.Module):
         out = x if logit_rows is None else x[:, logit_rows]
         return DecoderOutput(self.lm_head(self.norm(out)), x, new_keys, new_values)
 
-    def empty_cache(self, batch: int = 1, length: int = 0, layers: int | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def empty_cache(
+        self, batch: int = 1, length: int = 0, layers: int | None = None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Zero-filled per-layer K and V tensors [B, Hkv, length, D] on the model's device and dtype
         (`layers` defaults to this model's; draft heads' augmenting blocks use the same shapes)."""
         c = self.config
@@ -235,7 +254,8 @@ def with_attention(base: Decoder, variant: str) -> Decoder:
     if variant == "plugin" and base.config.sliding_window is not None:
         raise CloverError(
             f"the plugin attention variant has no sliding window, but this {base.config.architecture} uses a "
-            f"{base.config.sliding_window}-token window: export it with --attention portable")
+            f"{base.config.sliding_window}-token window: export it with --attention portable"
+        )
     if variant == base.attention:
         return base
     clone = copy.copy(base)  # shallow: modules, parameters and buffers are shared

@@ -35,14 +35,21 @@ CLASSES: dict[str, type[DraftHeads]] = {"medusa": MedusaHeads, "clover": CloverH
 DEFAULT_SIZES = {"medusa": (4, 1), "clover": (3, 1), "clover2": (5, 2)}
 
 
-def build_heads(base: Decoder, arch: str, num_heads: int | None = None, num_layers: int | None = None,
-                own_lm_head: bool = False) -> DraftHeads:
+def build_heads(
+    base: Decoder, arch: str, num_heads: int | None = None, num_layers: int | None = None, own_lm_head: bool = False
+) -> DraftHeads:
     """A head set for `base` with uninitialised weights (call init_weights or load a state dict)."""
     if arch not in CLASSES:
         raise CloverError(f"unknown head architecture {arch!r}: use one of {', '.join(ARCHITECTURES)}")
     d_heads, d_layers = DEFAULT_SIZES[arch]
-    cfg = HeadConfig(arch=arch, base=BaseFingerprint.of(base), base_config=base.config,
-                     num_heads=num_heads or d_heads, num_layers=num_layers or d_layers, own_lm_head=own_lm_head)
+    cfg = HeadConfig(
+        arch=arch,
+        base=BaseFingerprint.of(base),
+        base_config=base.config,
+        num_heads=num_heads or d_heads,
+        num_layers=num_layers or d_layers,
+        own_lm_head=own_lm_head,
+    )
     w = base.lm_head.weight
     return CLASSES[arch](cfg, base).to(device=w.device, dtype=w.dtype)
 
@@ -97,8 +104,12 @@ def read_head_config(path: str | Path) -> HeadConfig:
     try:
         base = dict(doc["base"], lm_head_probe=tuple(doc["base"].get("lm_head_probe", ())))
         return HeadConfig(
-            arch=doc["arch"], base=BaseFingerprint(**base), base_config=BaseConfig.from_dict(doc["base_config"]),
-            num_heads=doc["num_heads"], num_layers=doc["num_layers"], own_lm_head=doc.get("own_lm_head", False),
+            arch=doc["arch"],
+            base=BaseFingerprint(**base),
+            base_config=BaseConfig.from_dict(doc["base_config"]),
+            num_heads=doc["num_heads"],
+            num_layers=doc["num_layers"],
+            own_lm_head=doc.get("own_lm_head", False),
         )
     except (KeyError, TypeError) as e:
         raise CloverError(f"{cfg_file} is incomplete or malformed ({e!r}): save the heads again") from e
@@ -115,7 +126,9 @@ def load_heads(path: str | Path, base: Decoder) -> DraftHeads:
     state = load_file(str(weights))
     missing, unexpected = heads.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise CloverError(f"{weights} does not match {cfg.arch} heads: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise CloverError(
+            f"{weights} does not match {cfg.arch} heads: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     return heads.eval().requires_grad_(False)
 
 
@@ -139,10 +152,14 @@ def resolve_heads(spec: str, base: Decoder) -> DraftHeads | None:
     if spec.startswith("random:"):
         parts = spec.split(":")
         if len(parts) not in (2, 3) or parts[1] not in CLASSES or (len(parts) == 3 and not parts[2].isdecimal()):
-            raise CloverError(f"bad heads spec {spec!r}: expected random:ARCH[:SEED] with ARCH one of {', '.join(ARCHITECTURES)}")
+            raise CloverError(
+                f"bad heads spec {spec!r}: expected random:ARCH[:SEED] with ARCH one of {', '.join(ARCHITECTURES)}"
+            )
         return random_heads(base, parts[1], int(parts[2]) if len(parts) == 3 else 0)
     if not Path(spec).is_dir():
         names = ", ".join(pretrained_names()) or "none shipped"
-        raise CloverError(f"heads {spec!r} not found: pass a shipped name ({names}), a head checkpoint folder, "
-                          "random:ARCH[:SEED] or none")
+        raise CloverError(
+            f"heads {spec!r} not found: pass a shipped name ({names}), a head checkpoint folder, "
+            "random:ARCH[:SEED] or none"
+        )
     return load_heads(spec, base)

@@ -26,7 +26,15 @@ from torch import nn
 
 from clover.errors import CloverError
 from clover.models.config import BaseConfig
-from clover.models.decoder import Decoder, DecoderLayer, RMSNorm, attention_mask, causal_mask, rope_cos_sin, rope_inv_freq
+from clover.models.decoder import (
+    Decoder,
+    DecoderLayer,
+    RMSNorm,
+    attention_mask,
+    causal_mask,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 ARCHITECTURES = ("medusa", "clover", "clover2")
 
@@ -47,7 +55,7 @@ class BaseFingerprint:
     lm_head_probe: tuple[float, ...] = ()
 
     @classmethod
-    def of(cls, base: Decoder) -> "BaseFingerprint":
+    def of(cls, base: Decoder) -> BaseFingerprint:
         w = base.lm_head.weight
         cached = getattr(base, "_clover_fingerprint", None)
         if cached is None or cached[0] != (w.dtype, w.data_ptr()):
@@ -60,9 +68,12 @@ class BaseFingerprint:
             base._clover_fingerprint = cached  # hashing ~100 MB once per loaded base
         return cached[1]
 
-    def matches(self, other: "BaseFingerprint") -> bool:
+    def matches(self, other: BaseFingerprint) -> bool:
         same_shape = (self.architecture, self.hidden_size, self.vocab_size) == (
-            other.architecture, other.hidden_size, other.vocab_size)
+            other.architecture,
+            other.hidden_size,
+            other.vocab_size,
+        )
         if not same_shape:
             return False
         if self.lm_head_sha256 == other.lm_head_sha256:
@@ -102,7 +113,9 @@ class HeadConfig:
         if self.arch not in ARCHITECTURES:
             raise CloverError(f"unknown head architecture {self.arch!r}: use one of {', '.join(ARCHITECTURES)}")
         if self.num_heads < 1 or self.num_layers < 1:
-            raise CloverError(f"{self.arch} heads need num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}")
+            raise CloverError(
+                f"{self.arch} heads need num_heads >= 1 and num_layers >= 1, got {self.num_heads}, {self.num_layers}"
+            )
 
     @property
     def max_depth(self) -> int | None:
@@ -144,8 +157,13 @@ class DraftHeads(nn.Module):
         return self.base_norm_weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype)
 
     def begin(
-        self, hidden: torch.Tensor, next_tokens: torch.Tensor, position_ids: torch.Tensor,
-        past_lengths: torch.Tensor, past_keys: list[torch.Tensor], past_values: list[torch.Tensor],
+        self,
+        hidden: torch.Tensor,
+        next_tokens: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_lengths: torch.Tensor,
+        past_keys: list[torch.Tensor],
+        past_values: list[torch.Tensor],
     ) -> BeginOutput:
         """hidden [B, N, H] (pre-norm, accepted tokens), next_tokens [B, N], position_ids [B, N]."""
         raise NotImplementedError
@@ -176,7 +194,6 @@ class DraftHeads(nn.Module):
 def shifted(tokens: torch.Tensor, j: int) -> torch.Tensor:
     """tokens[:, t + j] at row t, zero-padded past the end: [B, L]."""
     return torch.nn.functional.pad(tokens[:, j:], (0, j)) if j else tokens
-
 
 
 class ResBlock(nn.Module):
@@ -212,13 +229,18 @@ class AugmentingBlock(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
 
     def forward(
-        self, x: torch.Tensor, position_ids: torch.Tensor, past_lengths: torch.Tensor,
-        past_keys: list[torch.Tensor], past_values: list[torch.Tensor],
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        past_lengths: torch.Tensor,
+        past_keys: list[torch.Tensor],
+        past_values: list[torch.Tensor],
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         B, N, _ = x.shape
         cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
-        mask = attention_mask(causal_mask(N, B, x.device), past_lengths, past_keys[0].shape[2], position_ids,
-                              self.sliding_window, x.dtype)
+        mask = attention_mask(
+            causal_mask(N, B, x.device), past_lengths, past_keys[0].shape[2], position_ids, self.sliding_window, x.dtype
+        )
         new_keys, new_values = [], []
         for layer, pk, pv in zip(self.layers, past_keys, past_values):
             x, k, v = layer(x, cos, sin, mask, pk, pv)
@@ -229,7 +251,9 @@ class AugmentingBlock(nn.Module):
     def over_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """Causal pass over whole sequences [B, L, H] from position 0, no cache (training)."""
         B, L, _ = x.shape
-        empty = [x.new_zeros(B, self.layers[0].self_attn.num_kv_heads, 0, self.layers[0].self_attn.head_dim)] * len(self.layers)
+        empty = [x.new_zeros(B, self.layers[0].self_attn.num_kv_heads, 0, self.layers[0].self_attn.head_dim)] * len(
+            self.layers
+        )
         positions = torch.arange(L, device=x.device).expand(B, L)
         return self.forward(x, positions, torch.zeros(B, dtype=torch.long, device=x.device), empty, empty)[0]
 

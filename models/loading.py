@@ -12,8 +12,14 @@ from clover.errors import CloverError
 from clover.models.config import BaseConfig
 from clover.models.decoder import Decoder, rope_inv_freq
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -30,7 +36,9 @@ def safetensors_files(path: Path) -> list[Path]:
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         missing = [s for s in shards if not (path / s).is_file()]
         if missing:
-            raise CloverError(f"{path} is missing checkpoint shards {missing} listed in {index.name}: download them again")
+            raise CloverError(
+                f"{path} is missing checkpoint shards {missing} listed in {index.name}: download them again"
+            )
         return [path / s for s in shards]
     single = path / "model.safetensors"
     if single.is_file():
@@ -43,7 +51,7 @@ def safetensors_files(path: Path) -> list[Path]:
 
 def _our_name(hf_name: str) -> str | None:
     if hf_name.startswith("model."):
-        return hf_name[len("model."):]
+        return hf_name[len("model.") :]
     if hf_name == "lm_head.weight":
         return hf_name
     return None
@@ -52,8 +60,10 @@ def _our_name(hf_name: str) -> str | None:
 def fuse_projections(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """HF's separate q/k/v and gate/up projections -> our fused qkv_proj and gate_up_proj (in place)."""
     for i in range(num_layers):
-        for fused, parts in ((f"layers.{i}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
-                             (f"layers.{i}.mlp.gate_up_proj", ("gate_proj", "up_proj"))):
+        for fused, parts in (
+            (f"layers.{i}.self_attn.qkv_proj", ("q_proj", "k_proj", "v_proj")),
+            (f"layers.{i}.mlp.gate_up_proj", ("gate_proj", "up_proj")),
+        ):
             prefix = fused.rsplit(".", 1)[0]
             for kind in ("weight", "bias"):
                 names = [f"{prefix}.{p}.{kind}" for p in parts]

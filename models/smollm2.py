@@ -67,7 +67,9 @@ def _convert(gguf: Path, out: Path) -> None:
     try:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
-        raise CloverError(f"converting the GGUF needs transformers, gguf and accelerate: pip install transformers gguf accelerate ({e})") from e
+        raise CloverError(
+            f"converting the GGUF needs transformers, gguf and accelerate: pip install transformers gguf accelerate ({e})"
+        ) from e
     import torch
 
     kwargs = dict(gguf_file=gguf.name, local_files_only=True)  # the package's own file: never the Hub

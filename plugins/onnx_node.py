@@ -27,15 +27,25 @@ PLUGIN_VERSION = "1"
 INPUTS = ("q", "k", "v", "past_k", "past_v", "past_lengths", "packed_mask")
 
 
-def tree_attention_node(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor,
-                        past_v: torch.Tensor, past_lengths: torch.Tensor, packed_mask: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+def tree_attention_node(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    past_k: torch.Tensor,
+    past_v: torch.Tensor,
+    past_lengths: torch.Tensor,
+    packed_mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """[B, Hq, T, D]: one `clover::CloverTreeAttention` node under ONNX export, the op itself otherwise."""
     if torch.onnx.is_in_onnx_export():
         return torch.onnx.ops.symbolic(
-            f"{DOMAIN}::{OP_TYPE}", (q, k, v, past_k, past_v, past_lengths, packed_mask),
+            f"{DOMAIN}::{OP_TYPE}",
+            (q, k, v, past_k, past_v, past_lengths, packed_mask),
             {"plugin_namespace": PLUGIN_NAMESPACE, "plugin_version": PLUGIN_VERSION, "scale": float(scale)},
-            dtype=q.dtype, shape=q.shape, version=1,
+            dtype=q.dtype,
+            shape=q.shape,
+            version=1,
         )
     from clover.plugins.tree_attention import tree_attention
 

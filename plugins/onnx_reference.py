@@ -16,7 +16,9 @@ from clover.plugins.onnx_node import DOMAIN, INPUTS, OP_TYPE
 
 
 def _const(name: str, values: list[int]) -> onnx.NodeProto:
-    return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(values)], values))
+    return helper.make_node(
+        "Constant", [], [name], value=helper.make_tensor(name, TensorProto.INT64, [len(values)], values)
+    )
 
 
 def reference_function(opset: int) -> onnx.FunctionProto:
@@ -24,50 +26,84 @@ def reference_function(opset: int) -> onnx.FunctionProto:
     default-domain `opset` of the model it joins (the checker wants them equal); needs 18 or newer."""
     n = helper.make_node
     scale = helper.make_node("Constant", [], ["scale"])
-    scale.attribute.append(onnx.AttributeProto(name="value_float", ref_attr_name="scale", type=onnx.AttributeProto.FLOAT))
+    scale.attribute.append(
+        onnx.AttributeProto(name="value_float", ref_attr_name="scale", type=onnx.AttributeProto.FLOAT)
+    )
     nodes = [
-        _const("c0", [0]), _const("c1", [1]), _const("c2", [2]), _const("c3", [3]), _const("cm1", [-1]),
-        _const("two32", [1 << 32]), _const("two", [2]), scale,
+        _const("c0", [0]),
+        _const("c1", [1]),
+        _const("c2", [2]),
+        _const("c3", [3]),
+        _const("cm1", [-1]),
+        _const("two32", [1 << 32]),
+        _const("two", [2]),
+        scale,
         # dims: B, Hq, T, D from q; Hkv, P from past_k
-        n("Shape", ["q"], ["q_shape"]), n("Shape", ["past_k"], ["pk_shape"]),
-        n("Gather", ["q_shape", "c0"], ["B"]), n("Gather", ["q_shape", "c1"], ["Hq"]),
-        n("Gather", ["q_shape", "c2"], ["T"]), n("Gather", ["q_shape", "c3"], ["D"]),
-        n("Gather", ["pk_shape", "c1"], ["Hkv"]), n("Gather", ["pk_shape", "c2"], ["P"]),
+        n("Shape", ["q"], ["q_shape"]),
+        n("Shape", ["past_k"], ["pk_shape"]),
+        n("Gather", ["q_shape", "c0"], ["B"]),
+        n("Gather", ["q_shape", "c1"], ["Hq"]),
+        n("Gather", ["q_shape", "c2"], ["T"]),
+        n("Gather", ["q_shape", "c3"], ["D"]),
+        n("Gather", ["pk_shape", "c1"], ["Hkv"]),
+        n("Gather", ["pk_shape", "c2"], ["P"]),
         # GQA: q [B, Hq, T, D] -> [B, Hkv, G, T, D]; keys/values [B, Hkv, 1, P + T, D]
         n("Concat", ["B", "Hkv", "cm1", "T", "D"], ["q5_shape"], axis=0),
         n("Reshape", ["q", "q5_shape"], ["q5"]),
-        n("Concat", ["past_k", "k"], ["keys"], axis=2), n("Concat", ["past_v", "v"], ["values"], axis=2),
-        n("Unsqueeze", ["keys", "c2"], ["keys5"]), n("Unsqueeze", ["values", "c2"], ["values5"]),
-        n("Cast", ["q5"], ["q5f"], to=TensorProto.FLOAT), n("Cast", ["keys5"], ["keys5f"], to=TensorProto.FLOAT),
+        n("Concat", ["past_k", "k"], ["keys"], axis=2),
+        n("Concat", ["past_v", "v"], ["values"], axis=2),
+        n("Unsqueeze", ["keys", "c2"], ["keys5"]),
+        n("Unsqueeze", ["values", "c2"], ["values5"]),
+        n("Cast", ["q5"], ["q5f"], to=TensorProto.FLOAT),
+        n("Cast", ["keys5"], ["keys5f"], to=TensorProto.FLOAT),
         n("Cast", ["values5"], ["values5f"], to=TensorProto.FLOAT),
         n("Transpose", ["keys5f"], ["keys5t"], perm=[0, 1, 2, 4, 3]),
-        n("MatMul", ["q5f", "keys5t"], ["raw_scores"]), n("Mul", ["raw_scores", "scale"], ["scores"]),  # [B, Hkv, G, T, P+T]
+        n("MatMul", ["q5f", "keys5t"], ["raw_scores"]),
+        n("Mul", ["raw_scores", "scale"], ["scores"]),  # [B, Hkv, G, T, P+T]
         # cache part of the mask: slot j < past_lengths[b] -> [B, T, P]
-        n("Squeeze", ["P", "c0"], ["P0"]), n("Squeeze", ["c0"], ["c0_s"]), n("Squeeze", ["c1"], ["c1_s"]),
+        n("Squeeze", ["P", "c0"], ["P0"]),
+        n("Squeeze", ["c0"], ["c0_s"]),
+        n("Squeeze", ["c1"], ["c1_s"]),
         n("Range", ["c0_s", "P0", "c1_s"], ["slots"]),
         n("Cast", ["past_lengths"], ["lengths64"], to=TensorProto.INT64),
-        n("Unsqueeze", ["lengths64", "c1"], ["lengths_col"]), n("Less", ["slots", "lengths_col"], ["past_ok"]),  # [B, P]
+        n("Unsqueeze", ["lengths64", "c1"], ["lengths_col"]),
+        n("Less", ["slots", "lengths_col"], ["past_ok"]),  # [B, P]
         n("Unsqueeze", ["past_ok", "c1"], ["past_ok3"]),
-        n("Concat", ["B", "T", "P"], ["btp"], axis=0), n("Expand", ["past_ok3", "btp"], ["past_mask"]),
+        n("Concat", ["B", "T", "P"], ["btp"], axis=0),
+        n("Expand", ["past_ok3", "btp"], ["past_mask"]),
         # tree part: unpack bits of the int32 words (bit 31 is the sign) -> [B, T, T]
         n("Cast", ["packed_mask"], ["words"], to=TensorProto.INT64),
-        n("Less", ["words", "c0"], ["negative"]), n("Add", ["words", "two32"], ["words_u"]),
-        n("Where", ["negative", "words_u", "words"], ["unsigned"]), n("Unsqueeze", ["unsigned", "cm1"], ["unsigned4"]),
+        n("Less", ["words", "c0"], ["negative"]),
+        n("Add", ["words", "two32"], ["words_u"]),
+        n("Where", ["negative", "words_u", "words"], ["unsigned"]),
+        n("Unsqueeze", ["unsigned", "cm1"], ["unsigned4"]),
         _const("powers", [1 << b for b in range(32)]),
-        n("Div", ["unsigned4", "powers"], ["shifted"]), n("Mod", ["shifted", "two"], ["bits"]),  # [B, T, W, 32]
-        n("Concat", ["B", "T", "cm1"], ["bt_flat"], axis=0), n("Reshape", ["bits", "bt_flat"], ["bits_flat"]),
-        n("Slice", ["bits_flat", "c0", "T", "cm1"], ["tree_bits"]), n("Cast", ["tree_bits"], ["tree_mask"], to=TensorProto.BOOL),
+        n("Div", ["unsigned4", "powers"], ["shifted"]),
+        n("Mod", ["shifted", "two"], ["bits"]),  # [B, T, W, 32]
+        n("Concat", ["B", "T", "cm1"], ["bt_flat"], axis=0),
+        n("Reshape", ["bits", "bt_flat"], ["bits_flat"]),
+        n("Slice", ["bits_flat", "c0", "T", "cm1"], ["tree_bits"]),
+        n("Cast", ["tree_bits"], ["tree_mask"], to=TensorProto.BOOL),
         n("Concat", ["past_mask", "tree_mask"], ["mask"], axis=-1),  # [B, T, P + T]
-        _const("axes12", [1, 2]), n("Unsqueeze", ["mask", "axes12"], ["mask5"]),
+        _const("axes12", [1, 2]),
+        n("Unsqueeze", ["mask", "axes12"], ["mask5"]),
         n("Constant", [], ["neg_inf"], value=helper.make_tensor("neg_inf", TensorProto.FLOAT, [], [float("-inf")])),
-        n("Where", ["mask5", "scores", "neg_inf"], ["masked"]), n("Softmax", ["masked"], ["probs"], axis=-1),
+        n("Where", ["mask5", "scores", "neg_inf"], ["masked"]),
+        n("Softmax", ["masked"], ["probs"], axis=-1),
         n("MatMul", ["probs", "values5f"], ["out5"]),  # [B, Hkv, G, T, D]
-        n("Shape", ["q"], ["out_shape"]), n("Reshape", ["out5", "out_shape"], ["out_f"]),
+        n("Shape", ["q"], ["out_shape"]),
+        n("Reshape", ["out5", "out_shape"], ["out_f"]),
         n("CastLike", ["out_f", "q"], ["out"]),
     ]
-    return helper.make_function(DOMAIN, OP_TYPE, list(INPUTS), ["out"], nodes,
-                                [helper.make_opsetid("", opset)],
-                                attributes=["scale", "plugin_namespace", "plugin_version"])
+    return helper.make_function(
+        DOMAIN,
+        OP_TYPE,
+        list(INPUTS),
+        ["out"],
+        nodes,
+        [helper.make_opsetid("", opset)],
+        attributes=["scale", "plugin_namespace", "plugin_version"],
+    )
 
 
 def with_reference_function(model: onnx.ModelProto) -> onnx.ModelProto:

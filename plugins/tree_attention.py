@@ -37,8 +37,9 @@ def pack_tree_mask(mask: Tensor) -> Tensor:
     bits = F.pad(mask.to(torch.int64), (0, 32 * W - T))  # [..., T, 32 * W]
     bits = bits.reshape(*mask.shape[:-1], W, 32)  # [..., T, W, 32]
     # On CUDA the weights are made once per device: a host-to-device copy cannot run inside CUDA-graph capture.
-    weights = (_bit_weights(mask.device) if mask.is_cuda
-               else torch.tensor(_BIT_WEIGHTS, dtype=torch.int64, device=mask.device))  # [32]
+    weights = (
+        _bit_weights(mask.device) if mask.is_cuda else torch.tensor(_BIT_WEIGHTS, dtype=torch.int64, device=mask.device)
+    )  # [32]
     return (bits * weights).sum(-1).to(torch.int32)  # [..., T, W]
 
 
@@ -55,8 +56,16 @@ def unpack_tree_mask(packed: Tensor, T: int) -> Tensor:
     return bits.flatten(-2)[..., :T].bool()  # [..., T, T]
 
 
-def tree_attention_reference(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor,
-                             past_lengths: Tensor, packed_mask: Tensor, scale: float) -> Tensor:
+def tree_attention_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    past_k: Tensor,
+    past_v: Tensor,
+    past_lengths: Tensor,
+    packed_mask: Tensor,
+    scale: float,
+) -> Tensor:
     """Tree attention in plain PyTorch (dense scores, fp32 softmax): the ground truth for the kernel.
 
     Args:
@@ -99,8 +108,16 @@ def _triton_available() -> bool:
     return True
 
 
-def tree_attention(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, past_lengths: Tensor,
-                   packed_mask: Tensor, scale: float) -> Tensor:
+def tree_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    past_k: Tensor,
+    past_v: Tensor,
+    past_lengths: Tensor,
+    packed_mask: Tensor,
+    scale: float,
+) -> Tensor:
     """Tree attention: the Triton kernel for CUDA tensors when triton is installed, else the reference.
 
     Same arguments and result as `tree_attention_reference`.

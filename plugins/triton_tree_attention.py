@@ -45,9 +45,24 @@ def _online_softmax_step(s, v, m_i, l_i, acc):
 
 
 @triton.jit
-def tree_attention_kernel(Q, K, V, PK, PV, LENS, MASK, T, P, OUT,
-                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def tree_attention_kernel(
+    Q,
+    K,
+    V,
+    PK,
+    PV,
+    LENS,
+    MASK,
+    T,
+    P,
+    OUT,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Grid (cdiv(T, BLOCK_M), B * HQ). Q, OUT [B, HQ, T, D]; K, V [B, HKV, T, D]; PK, PV [B, HKV, P, D];
     LENS [B] int32; MASK [B, T, cdiv(T, 32)] int32. All contiguous."""
     pid_m = tl.program_id(0)
@@ -94,8 +109,9 @@ def tree_attention_kernel(Q, K, V, PK, PV, LENS, MASK, T, P, OUT,
         kv_offs = new_base + cols[:, None] * D + offs_d[None, :]
         k = tl.load(K + kv_offs, mask=col_ok[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(V + kv_offs, mask=col_ok[:, None], other=0.0)  # [BLOCK_N, D]
-        words = tl.load(mask_rows[:, None] + cols[None, :] // 32,
-                        mask=row_ok[:, None] & col_ok[None, :], other=0)  # [BLOCK_M, BLOCK_N] int32
+        words = tl.load(
+            mask_rows[:, None] + cols[None, :] // 32, mask=row_ok[:, None] & col_ok[None, :], other=0
+        )  # [BLOCK_M, BLOCK_N] int32
         allowed = ((words >> (cols[None, :] % 32)) & 1) != 0
         s = _dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(allowed, s, float("-inf"))
@@ -103,8 +119,7 @@ def tree_attention_kernel(Q, K, V, PK, PV, LENS, MASK, T, P, OUT,
 
     # Padding rows (offs_m >= T) saw nothing, so l_i == 0 there; they are not stored anyway.
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(OUT + q_base + offs_m[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(OUT + q_base + offs_m[:, None] * D + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,12 +141,22 @@ def launch_config(head_dim: int, num_new_tokens: int | None = None) -> LaunchCon
 
 def _check_head_dim(head_dim: int) -> None:
     if head_dim < 16 or head_dim & (head_dim - 1):
-        raise CloverError(f"the Triton tree-attention kernel needs a head dim that is a power of two >= 16 "
-                          f"(tl.dot tiles and tl.arange), but got {head_dim}; use tree_attention_reference")
+        raise CloverError(
+            f"the Triton tree-attention kernel needs a head dim that is a power of two >= 16 "
+            f"(tl.dot tiles and tl.arange), but got {head_dim}; use tree_attention_reference"
+        )
 
 
-def tree_attention_triton(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, past_lengths: Tensor,
-                          packed_mask: Tensor, scale: float) -> Tensor:
+def tree_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    past_k: Tensor,
+    past_v: Tensor,
+    past_lengths: Tensor,
+    packed_mask: Tensor,
+    scale: float,
+) -> Tensor:
     """Runs `tree_attention_kernel`; same arguments and result as `tree_attention_reference`.
 
     Tensors must be on CUDA, or on the CPU under TRITON_INTERPRET=1 (tests).
@@ -139,14 +164,21 @@ def tree_attention_triton(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_
     B, Hq, T, D = q.shape
     Hkv, P = past_k.shape[1], past_k.shape[2]
     _check_head_dim(D)
-    if Hq % Hkv or k.shape != (B, Hkv, T, D) or v.shape != k.shape or past_v.shape != past_k.shape \
-            or past_k.shape != (B, Hkv, P, D) or past_lengths.shape != (B,) \
-            or packed_mask.shape != (B, T, (T + 31) // 32):
+    if (
+        Hq % Hkv
+        or k.shape != (B, Hkv, T, D)
+        or v.shape != k.shape
+        or past_v.shape != past_k.shape
+        or past_k.shape != (B, Hkv, P, D)
+        or past_lengths.shape != (B,)
+        or packed_mask.shape != (B, T, (T + 31) // 32)
+    ):
         raise CloverError(
             f"tree attention expects q [B, Hq, T, D], k/v [B, Hkv, T, D], past_k/past_v [B, Hkv, P, D], "
             f"past_lengths [B], packed_mask [B, T, ceil(T/32)] with Hq % Hkv == 0; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}, past_k {tuple(past_k.shape)}, past_v {tuple(past_v.shape)}, "
-            f"past_lengths {tuple(past_lengths.shape)}, packed_mask {tuple(packed_mask.shape)}")
+            f"past_lengths {tuple(past_lengths.shape)}, packed_mask {tuple(packed_mask.shape)}"
+        )
     dtype = q.dtype
     k, v, past_k, past_v = (x.to(dtype).contiguous() for x in (k, v, past_k, past_v))
     q = q.contiguous()
@@ -155,9 +187,25 @@ def tree_attention_triton(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_
     out = torch.empty_like(q)  # [B, Hq, T, D]
     cfg = launch_config(D, T)
     grid = (triton.cdiv(T, cfg.block_m), B * Hq)
-    tree_attention_kernel[grid](q, k, v, past_k, past_v, lens, mask, T, P, out,
-                                HQ=Hq, HKV=Hkv, D=D, SCALE=float(scale),
-                                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    tree_attention_kernel[grid](
+        q,
+        k,
+        v,
+        past_k,
+        past_v,
+        lens,
+        mask,
+        T,
+        P,
+        out,
+        HQ=Hq,
+        HKV=Hkv,
+        D=D,
+        SCALE=float(scale),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+    )
     return out
 
 
@@ -186,8 +234,9 @@ AOT_PTX_VERSION = 80
 _DTYPES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "fp32": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
 
-def compile_for_tensorrt(dtype: str, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                         compute_capability: tuple[int, int]) -> AotKernel:
+def compile_for_tensorrt(
+    dtype: str, num_q_heads: int, num_kv_heads: int, head_dim: int, scale: float, compute_capability: tuple[int, int]
+) -> AotKernel:
     """Compiles `tree_attention_kernel` to PTX for the TensorRT plugin; needs no GPU (Triton bundles ptxas).
 
     Args:
@@ -201,11 +250,13 @@ def compile_for_tensorrt(dtype: str, num_q_heads: int, num_kv_heads: int, head_d
         The PTX and the launch parameters the plugin needs.
     """
     if dtype not in _DTYPES:
-        raise CloverError(f"tree-attention AOT compile: dtype {dtype!r} is not supported; available: "
-                          f"{', '.join(_DTYPES)}")
+        raise CloverError(
+            f"tree-attention AOT compile: dtype {dtype!r} is not supported; available: {', '.join(_DTYPES)}"
+        )
     if num_q_heads % num_kv_heads:
-        raise CloverError(f"tree attention needs num_q_heads divisible by num_kv_heads, got {num_q_heads} "
-                          f"and {num_kv_heads}")
+        raise CloverError(
+            f"tree attention needs num_q_heads divisible by num_kv_heads, got {num_q_heads} and {num_kv_heads}"
+        )
     _check_head_dim(head_dim)
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -213,27 +264,56 @@ def compile_for_tensorrt(dtype: str, num_q_heads: int, num_kv_heads: int, head_d
 
     fn = tree_attention_kernel
     if not isinstance(fn, JITFunction):
-        raise CloverError("tree-attention AOT compile: this process imported Triton with TRITON_INTERPRET=1, "
-                          "which leaves nothing to compile; compile in a process without it")
+        raise CloverError(
+            "tree-attention AOT compile: this process imported Triton with TRITON_INTERPRET=1, "
+            "which leaves nothing to compile; compile in a process without it"
+        )
     ty = "*" + _DTYPES[dtype]
     cfg = launch_config(head_dim)
-    signature = {"Q": ty, "K": ty, "V": ty, "PK": ty, "PV": ty, "LENS": "*i32", "MASK": "*i32", "T": "i32",
-                 "P": "i32", "OUT": ty, "HQ": "constexpr", "HKV": "constexpr", "D": "constexpr",
-                 "SCALE": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"}
-    constexprs = {"HQ": num_q_heads, "HKV": num_kv_heads, "D": head_dim, "SCALE": float(scale),
-                  "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n}
+    signature = {
+        "Q": ty,
+        "K": ty,
+        "V": ty,
+        "PK": ty,
+        "PV": ty,
+        "LENS": "*i32",
+        "MASK": "*i32",
+        "T": "i32",
+        "P": "i32",
+        "OUT": ty,
+        "HQ": "constexpr",
+        "HKV": "constexpr",
+        "D": "constexpr",
+        "SCALE": "constexpr",
+        "BLOCK_M": "constexpr",
+        "BLOCK_N": "constexpr",
+    }
+    constexprs = {
+        "HQ": num_q_heads,
+        "HKV": num_kv_heads,
+        "D": head_dim,
+        "SCALE": float(scale),
+        "BLOCK_M": cfg.block_m,
+        "BLOCK_N": cfg.block_n,
+    }
     # 16-byte alignment of every buffer lets Triton vectorize loads; CUDA and TensorRT allocations give it.
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]]
-             for name in ("Q", "K", "V", "PK", "PV", "LENS", "MASK", "OUT")}
+    attrs = {
+        (fn.arg_names.index(name),): [["tt.divisibility", 16]]
+        for name in ("Q", "K", "V", "PK", "PV", "LENS", "MASK", "OUT")
+    }
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     major, minor = compute_capability
-    compiled = triton.compile(src, target=GPUTarget("cuda", major * 10 + minor, 32),
-                              options={"num_warps": cfg.num_warps, "ptx_version": AOT_PTX_VERSION})
+    compiled = triton.compile(
+        src,
+        target=GPUTarget("cuda", major * 10 + minor, 32),
+        options={"num_warps": cfg.num_warps, "ptx_version": AOT_PTX_VERSION},
+    )
     name = compiled.metadata.name
     num_args = sum(kind != "constexpr" for kind in signature.values())
     ptx = _drop_scratch_params(compiled.asm["ptx"], name, num_args, compiled.metadata)
-    return AotKernel(kernel_name=name, ptx=ptx, num_warps=cfg.num_warps, shared_mem=compiled.metadata.shared,
-                     block_m=cfg.block_m)
+    return AotKernel(
+        kernel_name=name, ptx=ptx, num_warps=cfg.num_warps, shared_mem=compiled.metadata.shared, block_m=cfg.block_m
+    )
 
 
 def _drop_scratch_params(ptx: str, name: str, num_args: int, metadata) -> str:
@@ -243,15 +323,18 @@ def _drop_scratch_params(ptx: str, name: str, num_args: int, metadata) -> str:
     read past the argument list. This kernel needs no scratch, so they are unused and can go.
     """
     if getattr(metadata, "global_scratch_size", 0) or getattr(metadata, "profile_scratch_size", 0):
-        raise CloverError(f"the tree-attention kernel now needs Triton scratch memory (global "
-                          f"{metadata.global_scratch_size} B, profile {metadata.profile_scratch_size} B), which "
-                          "TensorRT's AOT launch cannot provide (this is a clover bug, please report it)")
+        raise CloverError(
+            f"the tree-attention kernel now needs Triton scratch memory (global "
+            f"{metadata.global_scratch_size} B, profile {metadata.profile_scratch_size} B), which "
+            "TensorRT's AOT launch cannot provide (this is a clover bug, please report it)"
+        )
     entry = re.search(r"(\.entry\s+" + re.escape(name) + r"\s*\()([^)]*)\)", ptx)
     assert entry is not None, f"no .entry {name} in the PTX"
     params = [p.strip() for p in entry.group(2).split(",")]
     assert len(params) >= num_args, params
     dropped = [p.split()[-1] for p in params[num_args:]]
-    assert not any(re.search(re.escape(d) + r"\b", ptx[entry.end():]) for d in dropped), \
+    assert not any(re.search(re.escape(d) + r"\b", ptx[entry.end() :]) for d in dropped), (
         f"the kernel body reads Triton's scratch parameters {dropped}"
+    )
     kept = ",\n\t".join(params[:num_args])
-    return ptx[:entry.start()] + entry.group(1) + "\n\t" + kept + "\n)" + ptx[entry.end():]
+    return ptx[: entry.start()] + entry.group(1) + "\n\t" + kept + "\n)" + ptx[entry.end() :]

@@ -47,6 +47,7 @@ _registered = False
 
 # -- pure parts (tested without TensorRT) ---------------------------------------------------------------
 
+
 def io_types() -> str:
     """The AutoTuneCombination type string: q, k, v, past_k, past_v and the output share one float type
     ("a|b|c" in several positions is a *dependent* choice: all take the first, or all the second, ...);
@@ -75,14 +76,19 @@ def check_kernel_args(runtime_args: Sequence[str]) -> None:
         raise CloverError(
             f"the Triton tree-attention kernel takes ({', '.join(runtime_args)}), but a TensorRT AOT plugin launches "
             f"kernels as inputs, scalars, outputs: ({', '.join(KERNEL_ARGS)}); reorder the kernel's arguments in "
-            "clover.plugins.triton_tree_attention (this is a clover bug, please report it)")
+            "clover.plugins.triton_tree_attention (this is a clover bug, please report it)"
+        )
 
 
-def cuda_array_interface(ptr: int, shape: Sequence[int], strides: Sequence[int], typestr: str,
-                         itemsize: int) -> dict:
+def cuda_array_interface(ptr: int, shape: Sequence[int], strides: Sequence[int], typestr: str, itemsize: int) -> dict:
     """__cuda_array_interface__ (v3) of a device buffer; strides in elements, as TensorRT gives them."""
-    return {"shape": tuple(int(s) for s in shape), "typestr": typestr, "data": (int(ptr), False),
-            "strides": tuple(int(s) * itemsize for s in strides), "version": 3}
+    return {
+        "shape": tuple(int(s) for s in shape),
+        "typestr": typestr,
+        "data": (int(ptr), False),
+        "strides": tuple(int(s) * itemsize for s in strides),
+        "version": 3,
+    }
 
 
 class _CudaArray:
@@ -93,6 +99,7 @@ class _CudaArray:
 
 
 # -- registration --------------------------------------------------------------------------------------
+
 
 def register() -> None:
     """Register the plugin with TensorRT's plugin registry (once per process; later calls do nothing)."""
@@ -105,9 +112,11 @@ def register() -> None:
     try:
         import tensorrt.plugin as trtp
     except ImportError as e:
-        raise CloverError(f"TensorRT {trt.__version__} has no tensorrt.plugin module (Python plugins need TensorRT "
-                          ">= 10.7, AOT plugins >= 10.9): pip install -U 'tensorrt>=10.9,<12', or export with "
-                          "--attention portable") from e
+        raise CloverError(
+            f"TensorRT {trt.__version__} has no tensorrt.plugin module (Python plugins need TensorRT "
+            ">= 10.7, AOT plugins >= 10.9): pip install -U 'tensorrt>=10.9,<12', or export with "
+            "--attention portable"
+        ) from e
     if not _already_defined(trtp):
         _define(trt, trtp)
     _registered = True
@@ -120,22 +129,46 @@ def _already_defined(trtp) -> bool:
 
 def _define(trt, trtp) -> None:
     @trtp.register(PLUGIN_ID)
-    def describe(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, past_k: trtp.TensorDesc,
-                 past_v: trtp.TensorDesc, past_lengths: trtp.TensorDesc, packed_mask: trtp.TensorDesc,
-                 scale: float) -> trtp.TensorDesc:
+    def describe(
+        q: trtp.TensorDesc,
+        k: trtp.TensorDesc,
+        v: trtp.TensorDesc,
+        past_k: trtp.TensorDesc,
+        past_v: trtp.TensorDesc,
+        past_lengths: trtp.TensorDesc,
+        packed_mask: trtp.TensorDesc,
+        scale: float,
+    ) -> trtp.TensorDesc:
         return q.like()  # [B, Hq, T, D] in q's dtype; B and T stay symbolic (dynamic)
 
     @trtp.autotune(PLUGIN_ID)
-    def formats(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, past_k: trtp.TensorDesc,
-                past_v: trtp.TensorDesc, past_lengths: trtp.TensorDesc, packed_mask: trtp.TensorDesc,
-                outputs: tuple[trtp.TensorDesc]) -> list[trtp.AutoTuneCombination]:
+    def formats(
+        q: trtp.TensorDesc,
+        k: trtp.TensorDesc,
+        v: trtp.TensorDesc,
+        past_k: trtp.TensorDesc,
+        past_v: trtp.TensorDesc,
+        past_lengths: trtp.TensorDesc,
+        packed_mask: trtp.TensorDesc,
+        outputs: tuple[trtp.TensorDesc],
+    ) -> list[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(io_types(), "LINEAR")]
 
     if not hasattr(trtp, "aot_impl"):  # TensorRT < 10.9: the JIT implementation alone
+
         @trtp.impl(PLUGIN_ID)
-        def run_jit(q: trtp.Tensor, k: trtp.Tensor, v: trtp.Tensor, past_k: trtp.Tensor, past_v: trtp.Tensor,
-                    past_lengths: trtp.Tensor, packed_mask: trtp.Tensor, scale: float,
-                    outputs: tuple[trtp.Tensor], stream: int) -> None:
+        def run_jit(
+            q: trtp.Tensor,
+            k: trtp.Tensor,
+            v: trtp.Tensor,
+            past_k: trtp.Tensor,
+            past_v: trtp.Tensor,
+            past_lengths: trtp.Tensor,
+            packed_mask: trtp.Tensor,
+            scale: float,
+            outputs: tuple[trtp.Tensor],
+            stream: int,
+        ) -> None:
             import torch
 
             from clover.plugins.triton_tree_attention import tree_attention_triton
@@ -143,13 +176,22 @@ def _define(trt, trtp) -> None:
             with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # TensorRT's stream, not torch's
                 args = [_as_torch(trt, t) for t in (q, k, v, past_k, past_v, past_lengths, packed_mask)]
                 _as_torch(trt, outputs[0]).copy_(tree_attention_triton(*args, scale))
+
         return
 
     @trtp.aot_impl(PLUGIN_ID)
-    def compile_aot(q: trtp.TensorDesc, k: trtp.TensorDesc, v: trtp.TensorDesc, past_k: trtp.TensorDesc,
-                    past_v: trtp.TensorDesc, past_lengths: trtp.TensorDesc, packed_mask: trtp.TensorDesc,
-                    scale: float, outputs: tuple[trtp.TensorDesc], tactic: int
-                    ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
+    def compile_aot(
+        q: trtp.TensorDesc,
+        k: trtp.TensorDesc,
+        v: trtp.TensorDesc,
+        past_k: trtp.TensorDesc,
+        past_v: trtp.TensorDesc,
+        past_lengths: trtp.TensorDesc,
+        packed_mask: trtp.TensorDesc,
+        scale: float,
+        outputs: tuple[trtp.TensorDesc],
+        tactic: int,
+    ) -> tuple[str | bytes, str | bytes, trtp.KernelLaunchParams, trtp.SymExprs]:
         import torch
 
         from clover.plugins import triton_tree_attention as tta
@@ -158,8 +200,13 @@ def _define(trt, trtp) -> None:
         B, HQ, T, D = q.shape_expr  # [B, Hq, T, D]
         P = past_k.shape_expr[2]  # [B, Hkv, P, D]
         kernel = tta.compile_for_tensorrt(
-            COMPILE_DTYPES[q.dtype.name], _static(HQ, "query heads"), _static(k.shape_expr[1], "kv heads"),
-            _static(D, "head dim"), scale, torch.cuda.get_device_capability())
+            COMPILE_DTYPES[q.dtype.name],
+            _static(HQ, "query heads"),
+            _static(k.shape_expr[1], "kv heads"),
+            _static(D, "head dim"),
+            scale,
+            torch.cuda.get_device_capability(),
+        )
         grid_x, grid_y, grid_z = launch_grid(B, HQ, T, kernel.block_m, ceil_div=trtp.cdiv)
         params = trtp.KernelLaunchParams()
         params.grid_x, params.grid_y, params.grid_z = grid_x, grid_y, grid_z

@@ -53,9 +53,7 @@ def _acceptance(path: list[int], bonus: int) -> Acceptance:
 def _check_rows(tree: Tree, node_tokens: np.ndarray, rows: np.ndarray, what: str) -> None:
     t = tree.num_nodes
     if node_tokens.shape != (t,):
-        raise CloverError(
-            f"expected node_tokens of shape [{t}] for tree '{tree.name}', got {node_tokens.shape}"
-        )
+        raise CloverError(f"expected node_tokens of shape [{t}] for tree '{tree.name}', got {node_tokens.shape}")
     if rows.ndim != 2 or rows.shape[0] != t:
         raise CloverError(f"expected {what} of shape [{t}, V] for tree '{tree.name}', got {rows.shape}")
 
@@ -85,7 +83,10 @@ def accept_greedy(tree: Tree, node_tokens: np.ndarray, target_logits: np.ndarray
 
 
 def verify_node(
-    p: np.ndarray, q: np.ndarray, candidates: Sequence[int] | np.ndarray, rng: np.random.Generator,
+    p: np.ndarray,
+    q: np.ndarray,
+    candidates: Sequence[int] | np.ndarray,
+    rng: np.random.Generator,
     point: int | None = None,
 ) -> tuple[int, int]:
     """Recursive rejection sampling over one node's siblings; the emitted token has law p exactly.
@@ -197,13 +198,11 @@ def accept_sampling(
     _check_rows(tree, node_tokens, target_probs, "target_probs")
     if node_valid.shape != (tree.num_nodes,):
         raise CloverError(
-            f"expected node_valid of shape [{tree.num_nodes}] for tree '{tree.name}', "
-            f"got {node_valid.shape}"
+            f"expected node_valid of shape [{tree.num_nodes}] for tree '{tree.name}', got {node_valid.shape}"
         )
     if draft_probs.shape != target_probs.shape:
         raise CloverError(
-            f"expected draft_probs of shape {target_probs.shape} like target_probs, "
-            f"got {draft_probs.shape}"
+            f"expected draft_probs of shape {target_probs.shape} like target_probs, got {draft_probs.shape}"
         )
     node = 0
     path = [0]
@@ -211,8 +210,13 @@ def accept_sampling(
         kids = [int(c) for c in tree.children[node] if node_valid[c]]
         sampled = [c for c in kids if point is None or not point[c]]
         points = [] if point is None else [c for c in kids if point[c]]  # at most one, verified last
-        idx, token = verify_node(target_probs[node], draft_probs[node], node_tokens[sampled], rng,
-                                 int(node_tokens[points[0]]) if points else None)
+        idx, token = verify_node(
+            target_probs[node],
+            draft_probs[node],
+            node_tokens[sampled],
+            rng,
+            int(node_tokens[points[0]]) if points else None,
+        )
         if idx < 0:
             return _acceptance(path, token)
         node = (sampled + points)[idx]

@@ -48,8 +48,10 @@ class RunnerInfo:
             raise CloverError(f"tree {tree.name} branches, but {CHAINS_ONLY}")
 
 
-CHAINS_ONLY = ("this artifact's base graph (fused attention, int8 compute) verifies only chains exactly: use plain "
-               "or chain-N, or export with --attention portable for branching trees")
+CHAINS_ONLY = (
+    "this artifact's base graph (fused attention, int8 compute) verifies only chains exactly: use plain "
+    "or chain-N, or export with --attention portable for branching trees"
+)
 
 
 class EngineClock:
@@ -60,7 +62,7 @@ class EngineClock:
         self.seconds = 0.0
         self._start = 0.0
 
-    def __enter__(self) -> "EngineClock":
+    def __enter__(self) -> EngineClock:
         self._start = time.perf_counter()
         return self
 
@@ -107,7 +109,7 @@ class Runner(abc.ABC):
         self._solo: Slot | None = None
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def __enter__(self) -> "Runner":
+    def __enter__(self) -> Runner:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -119,7 +121,9 @@ class Runner(abc.ABC):
     def open_slot(self, capacity: int) -> Slot:
         """A new sequence with room for `capacity` cached tokens."""
         if not 1 <= capacity <= self.info.max_context:
-            raise CloverError(f"sequence capacity {capacity} is outside 1..{self.info.max_context} (the model's context)")
+            raise CloverError(
+                f"sequence capacity {capacity} is outside 1..{self.info.max_context} (the model's context)"
+            )
         index = next(i for i in range(len(self._open) + 1) if i not in self._open)
         slot = Slot(index, capacity)
         slot.state = self._open_slot(slot)
@@ -159,8 +163,14 @@ class Runner(abc.ABC):
         return self.solo.capacity
 
     # -- the step ---------------------------------------------------------------------------------
-    def forward(self, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray, last_only: bool = False,
-                slot: Slot | None = None) -> np.ndarray:
+    def forward(
+        self,
+        tokens: np.ndarray,
+        depths: np.ndarray,
+        mask: np.ndarray,
+        last_only: bool = False,
+        slot: Slot | None = None,
+    ) -> np.ndarray:
         """Run new tokens over one slot's cache (the solo one by default); see `Verify`. Returns logits
         [T, V] float32 ([1, V] if last_only)."""
         return self.forward_batch([Verify(slot or self.solo, tokens, depths, mask, last_only)])[0]
@@ -175,7 +185,9 @@ class Runner(abc.ABC):
             if self.info.chains_only and not np.array_equal(v.mask, np.tri(T, dtype=bool)):
                 raise CloverError(f"a branching tree was given, but {CHAINS_ONLY}")
             if v.slot.past + T > v.slot.capacity:
-                raise CloverError(f"{T} new tokens after {v.slot.past} cached exceed the sequence capacity {v.slot.capacity}")
+                raise CloverError(
+                    f"{T} new tokens after {v.slot.past} cached exceed the sequence capacity {v.slot.capacity}"
+                )
         assert len({v.slot.index for v in batch}) == len(batch), "runner.forward: a slot appears twice"
         for v in batch:
             v.slot.pending = v.tokens.shape[0]
@@ -196,8 +208,9 @@ class Runner(abc.ABC):
             raise CloverError("this runner has no draft heads: use the plain tree")
         return self._draft_begin(slot or self.solo)
 
-    def draft_step(self, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray,
-                   slot: Slot | None = None) -> np.ndarray:
+    def draft_step(
+        self, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray, slot: Slot | None = None
+    ) -> np.ndarray:
         """For tree nodes at `depth` with their parents and tokens: draft logits [n, V] for their children."""
         return self._draft_step(slot or self.solo, depth, nodes, parents, tokens)
 
@@ -213,7 +226,9 @@ class Runner(abc.ABC):
         """Default: one engine call per slot (backends whose graphs batch override this)."""
         return [self._forward(v.slot, v.tokens, v.depths, v.mask, v.last_only) for v in batch]
 
-    def _forward(self, slot: Slot, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray, last_only: bool) -> np.ndarray:
+    def _forward(
+        self, slot: Slot, tokens: np.ndarray, depths: np.ndarray, mask: np.ndarray, last_only: bool
+    ) -> np.ndarray:
         raise NotImplementedError
 
     @abc.abstractmethod
@@ -223,10 +238,16 @@ class Runner(abc.ABC):
     def _draft_begin(self, slot: Slot) -> np.ndarray: ...
 
     @abc.abstractmethod
-    def _draft_step(self, slot: Slot, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray: ...
+    def _draft_step(
+        self, slot: Slot, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray
+    ) -> np.ndarray: ...
 
 
-BACKENDS = {"torch": "clover.runtime.torch_backend", "ort": "clover.runtime.ort_backend", "trt": "clover.runtime.trt_backend"}
+BACKENDS = {
+    "torch": "clover.runtime.torch_backend",
+    "ort": "clover.runtime.ort_backend",
+    "trt": "clover.runtime.trt_backend",
+}
 
 
 def backend_module(name: str):

@@ -46,8 +46,10 @@ class VerifyCost:
         self.correction[sequences] = ratio if old is None else 0.9 * old + 0.1 * ratio
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rows_ms": {int(r): round(float(m), 3) for r, m in zip(self.rows, self.ms)},
-                "correction_by_batch": {b: round(c, 3) for b, c in sorted(self.correction.items())}}
+        return {
+            "rows_ms": {int(r): round(float(m), 3) for r, m in zip(self.rows, self.ms)},
+            "correction_by_batch": {b: round(c, 3) for b, c in sorted(self.correction.items())},
+        }
 
 
 def calibrate(runner: Runner, max_rows: int, reps: int = 7) -> VerifyCost:
@@ -60,7 +62,7 @@ def calibrate(runner: Runner, max_rows: int, reps: int = 7) -> VerifyCost:
     than with the median: 1.79 vs 1.84 tokens per step, MT-Bench)."""
     rng = np.random.default_rng(0)
     V = runner.info.vocab_size
-    rows = sorted({1, 2, 3, 4, max_rows} | {int(round(1.5 ** k)) for k in range(4, 40) if 1.5 ** k < max_rows})
+    rows = sorted({1, 2, 3, 4, max_rows} | {int(round(1.5**k)) for k in range(4, 40) if 1.5**k < max_rows})
     slot = runner.open_slot(min(runner.info.max_context, 32 + max_rows + 2))
     try:
         prompt = rng.integers(0, V, 32)
@@ -79,7 +81,7 @@ def calibrate(runner: Runner, max_rows: int, reps: int = 7) -> VerifyCost:
     return VerifyCost(dict(zip(rows, map(float, ms))))
 
 
-_MEASURED: "weakref.WeakKeyDictionary[Runner, dict[int, float]]" = weakref.WeakKeyDictionary()
+_MEASURED: weakref.WeakKeyDictionary[Runner, dict[int, float]] = weakref.WeakKeyDictionary()
 
 
 def verify_cost(runner: Runner, max_rows: int) -> VerifyCost:

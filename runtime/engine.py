@@ -31,14 +31,30 @@ from clover.errors import CloverError
 from clover.runtime.backend import Runner
 from clover.runtime.cost import verify_cost
 from clover.runtime.generator import (
-    GenerationResult, Progress, check_prompt_fits, check_token_ids, choose_tree, drafts_label, encode_prompt,
-    load_backend, lookup_length, with_cost,
+    GenerationResult,
+    Progress,
+    check_prompt_fits,
+    check_token_ids,
+    choose_tree,
+    drafts_label,
+    encode_prompt,
+    load_backend,
+    lookup_length,
+    with_cost,
 )
 from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.scheduler import (
-    AutoTrees, Cancelled, EngineUnavailable, FixedTrees, QueueFull, Request, Scheduler, StreamDelta, check_max_batch,
+    AutoTrees,
+    Cancelled,
+    EngineUnavailable,
+    FixedTrees,
+    QueueFull,
+    Request,
+    Scheduler,
+    StreamDelta,
+    check_max_batch,
     kv_plan,
 )
 from clover.runtime.tokenizer import Tokenizer
@@ -146,8 +162,17 @@ class Engine:
     decoded at once; `max_waiting`: queued requests beyond those (more raise QueueFull); `prefill_chunk`: prompt
     rows a joining request adds to one step (a long prompt is prefilled over several steps)."""
 
-    def __init__(self, runner: Runner, tokenizer: Tokenizer, tree: Tree | str | None = None, drafts: str = "heads",
-                 max_batch: int = 8, max_waiting: int = 256, log=sys.stderr, prefill_chunk: int = PREFILL_CHUNK) -> None:
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Tokenizer,
+        tree: Tree | str | None = None,
+        drafts: str = "heads",
+        max_batch: int = 8,
+        max_waiting: int = 256,
+        log=sys.stderr,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ) -> None:
         if prefill_chunk < 1:
             raise CloverError(f"prefill_chunk must be >= 1 prompt rows per step, got {prefill_chunk}")
         self.runner, self.tokenizer, self.drafts, self.prefill_chunk = runner, tokenizer, drafts, prefill_chunk
@@ -156,14 +181,19 @@ class Engine:
             self.tree = auto_full_tree(runner.info, drafts)
             t0 = time.perf_counter()
             # up to a full batch of full trees plus a prompt chunk: the rows a step may run
-            cost = verify_cost(runner, max(1, min(runner.info.max_context - 40, max_batch * self.tree.num_nodes + prefill_chunk)))
+            cost = verify_cost(
+                runner, max(1, min(runner.info.max_context - 40, max_batch * self.tree.num_nodes + prefill_chunk))
+            )
             self.policy: AutoTrees | FixedTrees = AutoTrees(self.tree, cost)
             self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts, cost)
             if log is not None:
                 took = time.perf_counter() - t0  # ~0 when this runner's curve was measured before
                 how = f"calibrated in {took:.1f} s" if took >= 0.05 else "measured earlier on this runner"
-                print(f"tree auto: plain up to {self.tree.name}; verify cost {how}: "
-                      + ", ".join(f"{r} rows {m:.1f} ms" for r, m in cost.to_dict()["rows_ms"].items()), file=log)
+                print(
+                    f"tree auto: plain up to {self.tree.name}; verify cost {how}: "
+                    + ", ".join(f"{r} rows {m:.1f} ms" for r, m in cost.to_dict()["rows_ms"].items()),
+                    file=log,
+                )
         else:
             self.tree = with_cost(runner, choose_tree(runner.info, tree, drafts))
             self.policy = FixedTrees()
@@ -178,21 +208,31 @@ class Engine:
         self._thread.start()
 
     @classmethod
-    def load(cls, base_or_artifact: str | Path, heads: str | None = None, backend: str = "ort",
-             tree: str | None = AUTO, max_batch: int = 8, threads: int | None = None, max_waiting: int = 256,
-             log=sys.stderr, providers: str | Sequence[str] | None = None) -> "Engine":
+    def load(
+        cls,
+        base_or_artifact: str | Path,
+        heads: str | None = None,
+        backend: str = "ort",
+        tree: str | None = AUTO,
+        max_batch: int = 8,
+        threads: int | None = None,
+        max_waiting: int = 256,
+        log=sys.stderr,
+        providers: str | Sequence[str] | None = None,
+    ) -> Engine:
         """Mirrors Generator.load: `base_or_artifact` is an artifact folder (ort, trt) or an HF folder /
         'smollm2' (torch); heads "lookup": prompt-lookup drafts on the base alone; tree "auto" (default), a
         tree for every step, or None (the artifact's default); providers: the ort backend's execution
         providers, e.g. "cuda,cpu" (None: the CPU)."""
         check_max_batch(max_batch)  # before minutes of loading
         batch = {"batch": max_batch > 1} if backend == "ort" else {}  # the artifact's batched base graph, if any
-        runner, tokenizer, drafts = load_backend(base_or_artifact, heads, backend, threads=threads, providers=providers,
-                                                 **batch)
+        runner, tokenizer, drafts = load_backend(
+            base_or_artifact, heads, backend, threads=threads, providers=providers, **batch
+        )
         return cls(runner, tokenizer, tree, drafts, max_batch, max_waiting, log)
 
     # -- lifecycle --------------------------------------------------------------------------------
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -230,9 +270,17 @@ class Engine:
         return self.scheduler.max_batch
 
     # -- requests ---------------------------------------------------------------------------------
-    def stream(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int | None = 128,
-               sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
-               ignore_eos: bool = False, request_id: str | None = None) -> EngineStream:
+    def stream(
+        self,
+        prompt: str | Sequence[int] | list[dict[str, str]],
+        *,
+        max_new_tokens: int | None = 128,
+        sampling: SamplingParams = SamplingParams(),
+        stop: Sequence[str] = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+        request_id: str | None = None,
+    ) -> EngineStream:
         """Submit a request; its output arrives through the returned stream. Everything it carries is checked
         here, in the caller's thread, so a bad request fails alone: CloverError at once for bad input (a token id
         outside the vocabulary, a prompt that fills the context, prompt + max_new_tokens past the context, bad
@@ -249,25 +297,44 @@ class Engine:
         if max_new_tokens is None:
             max_new_tokens = room
         elif isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens > room:
-            raise CloverError(f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: together they "
-                              f"exceed the model's context of {info.max_context} tokens; ask for at most {room}",
-                              param="max_new_tokens")
-        conditions = StopConditions(max_new_tokens=max_new_tokens,
-                                    eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
-                                    stop_strings=tuple(stop))
+            raise CloverError(
+                f"the prompt has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: together they "
+                f"exceed the model's context of {info.max_context} tokens; ask for at most {room}",
+                param="max_new_tokens",
+            )
+        conditions = StopConditions(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
+            stop_strings=tuple(stop),
+        )
         out = EngineStream()
-        request = Request(np.array(ids, dtype=np.int64), conditions, sampling, OutputTracker(self.tokenizer, conditions),
-                          out._deliver, Progress(len(ids)), id=request_id)
+        request = Request(
+            np.array(ids, dtype=np.int64),
+            conditions,
+            sampling,
+            OutputTracker(self.tokenizer, conditions),
+            out._deliver,
+            Progress(len(ids)),
+            id=request_id,
+        )
         out._request = request
         self.scheduler.submit(request)  # raises EngineUnavailable once closed or dead (under the scheduler's lock)
         return out
 
-    def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int | None = 128,
-                 sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
-                 ignore_eos: bool = False) -> GenerationResult:
+    def generate(
+        self,
+        prompt: str | Sequence[int] | list[dict[str, str]],
+        *,
+        max_new_tokens: int | None = 128,
+        sampling: SamplingParams = SamplingParams(),
+        stop: Sequence[str] = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+    ) -> GenerationResult:
         """Submit a request and wait for its result."""
-        return self.stream(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat,
-                           ignore_eos=ignore_eos).wait()
+        return self.stream(
+            prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat, ignore_eos=ignore_eos
+        ).wait()
 
     async def agenerate(self, prompt: str | Sequence[int] | list[dict[str, str]], **kwargs: Any) -> GenerationResult:
         """generate() for asyncio callers: awaits the result without blocking the event loop."""
@@ -319,9 +386,16 @@ class Engine:
         for r in sched.admit():  # joins this step: its prompt is prefilled in the same forward as the others' steps
             capacity = min(runner.info.max_context, len(r.prompt) + r.stop.max_new_tokens + self.tree.num_nodes)
             try:
-                r.decoding = Decoding(runner.open_slot(capacity), r.prompt, self.tree, r.sampling,
-                                      np.random.default_rng(r.sampling.seed), self.drafts, self.prefill_chunk,
-                                      lookup_length=self.lookup_length)
+                r.decoding = Decoding(
+                    runner.open_slot(capacity),
+                    r.prompt,
+                    self.tree,
+                    r.sampling,
+                    np.random.default_rng(r.sampling.seed),
+                    self.drafts,
+                    self.prefill_chunk,
+                    lookup_length=self.lookup_length,
+                )
             except Exception as e:
                 self._fail(r, e)
         batch = list(sched.running)
@@ -352,12 +426,19 @@ class Engine:
             r.tracker.finish("length")  # only reached with the context full
             text += r.tracker.flush()
         if text or len(ids) > r.sent:
-            r.deliver(StreamDelta(text, tuple(ids[r.sent:])))
+            r.deliver(StreamDelta(text, tuple(ids[r.sent :])))
             r.sent = len(ids)
         if done:
             info = self.runner.info
-            self._retire(r, r.progress.result(r.tracker, info.backend, drafts_label(self.drafts, info),
-                                              AUTO if isinstance(self.policy, AutoTrees) else self.tree.name))
+            self._retire(
+                r,
+                r.progress.result(
+                    r.tracker,
+                    info.backend,
+                    drafts_label(self.drafts, info),
+                    AUTO if isinstance(self.policy, AutoTrees) else self.tree.name,
+                ),
+            )
 
     def _retire(self, r: Request, end: GenerationResult | BaseException) -> None:
         if r.decoding is not None:
@@ -373,7 +454,9 @@ class Engine:
         self._say(f"request {r.id or '(no id)'} failed: {error!r}")
         if not isinstance(error, CloverError):
             ref = f" (request {r.id})" if r.id else ""
-            error = CloverError(f"the engine's step failed{ref} ({type(error).__name__}); the server log has the details")
+            error = CloverError(
+                f"the engine's step failed{ref} ({type(error).__name__}); the server log has the details"
+            )
         if r in self.scheduler.running:
             self._retire(r, error)
         else:

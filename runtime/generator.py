@@ -1,10 +1,10 @@
 """`Generator`: load once, `generate()` many times; streaming text deltas; per-step statistics.
 
-    from clover.runtime.generator import Generator
-    gen = Generator.load(base="smollm2", heads="random:clover2", backend="torch")
-    result = gen.generate("Tell me a joke.", chat=True, max_new_tokens=64)
-    for delta in gen.stream("Tell me a joke.", chat=True):
-        print(delta, end="")
+from clover.runtime.generator import Generator
+gen = Generator.load(base="smollm2", heads="random:clover2", backend="torch")
+result = gen.generate("Tell me a joke.", chat=True, max_new_tokens=64)
+for delta in gen.stream("Tell me a joke.", chat=True):
+    print(delta, end="")
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:
     if drafts == "lookup":
         chosen = chain(LOOKUP_DRAFTS) if tree is None else resolve_tree(tree) if isinstance(tree, str) else tree
         if not chosen.is_chain:
-            raise CloverError(f"prompt lookup drafts one continuation, but tree {chosen.name} branches: use "
-                              "chain-N (N = most drafted tokens per step)")
+            raise CloverError(
+                f"prompt lookup drafts one continuation, but tree {chosen.name} branches: use "
+                "chain-N (N = most drafted tokens per step)"
+            )
         return chosen
     if info.heads is None:
         if tree not in (None, "plain") and not (isinstance(tree, Tree) and tree.num_nodes == 1):
@@ -78,8 +80,11 @@ def choose_tree(info: RunnerInfo, tree: Tree | str | None, drafts: str) -> Tree:
     if isinstance(tree, str) and (dynamic := dynamic_tree(tree, info.heads_max_depth)) is not None:
         # a chains-only base verifies dynamic chains: `dynamic` picks the chain's length each step
         tree = dataclasses.replace(dynamic, width=1) if info.chains_only and "-w" not in tree else dynamic
-    chosen = (info.default_tree or default_tree(info.heads_max_depth)) if tree is None else (
-        resolve_tree(tree) if isinstance(tree, str) else tree)
+    chosen = (
+        (info.default_tree or default_tree(info.heads_max_depth))
+        if tree is None
+        else (resolve_tree(tree) if isinstance(tree, str) else tree)
+    )
     info.check_tree(chosen)
     if info.heads_max_depth is not None and chosen.max_depth > info.heads_max_depth:
         raise CloverError(
@@ -94,8 +99,11 @@ def with_cost(runner: Runner, tree: Tree | DynamicTree) -> Tree | DynamicTree:
     """A dynamic tree sized by this runner's verify-cost curve (measured here, once: one to a few seconds)."""
     if not isinstance(tree, DynamicTree) or tree.cost is not None:
         return tree
-    return dataclasses.replace(tree, cost=verify_cost(runner, min(tree.budget + 1, runner.info.max_context - 40)).curve,
-                               confidence=tree.confidence or DraftConfidence())
+    return dataclasses.replace(
+        tree,
+        cost=verify_cost(runner, min(tree.budget + 1, runner.info.max_context - 40)).curve,
+        confidence=tree.confidence or DraftConfidence(),
+    )
 
 
 def lookup_length(runner: Runner, tree_rows: int, drafts: str, cost: VerifyCost | None = None) -> LookupLength | None:
@@ -109,7 +117,9 @@ def lookup_length(runner: Runner, tree_rows: int, drafts: str, cost: VerifyCost 
     return LookupLength(cost.curve)
 
 
-def encode_prompt(tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
+def encode_prompt(
+    tokenizer: Tokenizer, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False
+) -> list[int]:
     """Token ids of a prompt: chat messages (rendered with the chat template), text (`chat`: as one user
     message), or ids."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
@@ -134,21 +144,31 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
     """Every id an int in [0, vocab_size): anything else would index outside the embedding table (or wrap)."""
     for i, t in enumerate(ids):
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
-            raise CloverError(f"token id {t!r} at position {i} of the prompt is not in the vocabulary: ids are ints "
-                              f"from 0 to {vocab_size - 1}", param="prompt")
+            raise CloverError(
+                f"token id {t!r} at position {i} of the prompt is not in the vocabulary: ids are ints "
+                f"from 0 to {vocab_size - 1}",
+                param="prompt",
+            )
 
 
 def check_prompt_fits(ids: Sequence[int], context: int) -> None:
     if len(ids) >= context:
         raise CloverError(
             f"the prompt has {len(ids)} tokens but the model's context is {context}: shorten the prompt "
-            "to leave room for at least one generated token", param="prompt"
+            "to leave room for at least one generated token",
+            param="prompt",
         )
 
 
-def load_backend(base: str | Path, heads: str | None, backend: str, dtype: str | None = None,
-                 threads: int | None = None, providers: str | Sequence[str] | None = None,
-                 **options: Any) -> tuple[Runner, Tokenizer, str]:
+def load_backend(
+    base: str | Path,
+    heads: str | None,
+    backend: str,
+    dtype: str | None = None,
+    threads: int | None = None,
+    providers: str | Sequence[str] | None = None,
+    **options: Any,
+) -> tuple[Runner, Tokenizer, str]:
     """The backend's runner, the base's tokenizer and the draft source, from CLI-style specs (Generator.load,
     Engine.load): heads "lookup" is prompt lookup on the base alone, "NAME+lookup" (or "+lookup" for the
     backend's default heads) adds its drafts to the heads' tree; heads and dtype left None take the
@@ -164,8 +184,9 @@ def load_backend(base: str | Path, heads: str | None, backend: str, dtype: str |
         given["threads"] = threads
     if providers is not None:
         if backend != "ort":
-            raise CloverError(f"--providers chooses ONNX Runtime's execution providers: use it with --backend ort, "
-                              f"not {backend}")
+            raise CloverError(
+                f"--providers chooses ONNX Runtime's execution providers: use it with --backend ort, not {backend}"
+            )
         given["providers"] = providers
     return module.load_runner(base, **given), Tokenizer.from_dir(module.base_dir(base)), drafts
 
@@ -197,16 +218,29 @@ class Progress:
             self.draft_steps += step.tree_nodes > 1
             self.step_seconds.append(step.wall)
 
-    def result(self, tracker: OutputTracker, backend: str, heads: str, tree: str) -> "GenerationResult":
+    def result(self, tracker: OutputTracker, backend: str, heads: str, tree: str) -> GenerationResult:
         seconds = time.perf_counter() - self.start
         n, acc = tracker.num_tokens, self.accepted
         return GenerationResult(
-            token_ids=list(tracker.token_ids), text=tracker.text, finish_reason=tracker.finish_reason or "length",
-            prompt_tokens=self.prompt_tokens, new_tokens=n, steps=len(acc),
-            tokens_per_step=float(np.mean(acc)) if acc else 0.0, accepted_per_step=acc, step_seconds=self.step_seconds,
-            seconds=seconds, tokens_per_second=n / seconds if seconds > 0 else 0.0, timings=self.timings,
-            backend=backend, heads=heads, tree=tree, time_to_first_token=self.first_token or 0.0,
-            drafted_tokens=self.drafted, accepted_tokens=sum(acc) - len(acc), draft_steps=self.draft_steps,
+            token_ids=list(tracker.token_ids),
+            text=tracker.text,
+            finish_reason=tracker.finish_reason or "length",
+            prompt_tokens=self.prompt_tokens,
+            new_tokens=n,
+            steps=len(acc),
+            tokens_per_step=float(np.mean(acc)) if acc else 0.0,
+            accepted_per_step=acc,
+            step_seconds=self.step_seconds,
+            seconds=seconds,
+            tokens_per_second=n / seconds if seconds > 0 else 0.0,
+            timings=self.timings,
+            backend=backend,
+            heads=heads,
+            tree=tree,
+            time_to_first_token=self.first_token or 0.0,
+            drafted_tokens=self.drafted,
+            accepted_tokens=sum(acc) - len(acc),
+            draft_steps=self.draft_steps,
         )
 
 
@@ -221,9 +255,16 @@ class Generator:
         self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts)
 
     @classmethod
-    def load(cls, base: str | Path, heads: str | None = None, backend: str = "torch", tree: str | None = None,
-             dtype: str | None = None, threads: int | None = None,
-             providers: str | Sequence[str] | None = None) -> "Generator":
+    def load(
+        cls,
+        base: str | Path,
+        heads: str | None = None,
+        backend: str = "torch",
+        tree: str | None = None,
+        dtype: str | None = None,
+        threads: int | None = None,
+        providers: str | Sequence[str] | None = None,
+    ) -> Generator:
         """Build the backend's runner and the base's tokenizer from CLI-style specs. `base` is an HF folder
         or 'smollm2' for torch, an artifact folder for ort and trt; heads and dtype left None take the
         backend's defaults (torch: none, float32; ort, trt: the artifact's); heads "lookup": prompt-lookup
@@ -236,25 +277,42 @@ class Generator:
     def encode_prompt(self, prompt: str | Sequence[int] | list[dict[str, str]], chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)
 
-    def generate(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int = 128,
-                 sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
-                 ignore_eos: bool = False) -> GenerationResult:
-        stream = self.stream(prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat,
-                             ignore_eos=ignore_eos)
+    def generate(
+        self,
+        prompt: str | Sequence[int] | list[dict[str, str]],
+        *,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        stop: Sequence[str] = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+    ) -> GenerationResult:
+        stream = self.stream(
+            prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat, ignore_eos=ignore_eos
+        )
         for _ in stream:
             pass
         return stream.result
 
-    def stream(self, prompt: str | Sequence[int] | list[dict[str, str]], *, max_new_tokens: int = 128,
-               sampling: SamplingParams = SamplingParams(), stop: Sequence[str] = (), chat: bool = False,
-               ignore_eos: bool = False) -> "GenerationStream":
+    def stream(
+        self,
+        prompt: str | Sequence[int] | list[dict[str, str]],
+        *,
+        max_new_tokens: int = 128,
+        sampling: SamplingParams = SamplingParams(),
+        stop: Sequence[str] = (),
+        chat: bool = False,
+        ignore_eos: bool = False,
+    ) -> GenerationStream:
         """An iterator of text deltas; its `.result` is set once it is exhausted."""
         ids = self.encode_prompt(prompt, chat)
         check_token_ids(ids, self.runner.info.vocab_size)
         check_prompt_fits(ids, self.runner.info.max_context)
-        conditions = StopConditions(max_new_tokens=max_new_tokens,
-                                    eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
-                                    stop_strings=tuple(stop))
+        conditions = StopConditions(
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
+            stop_strings=tuple(stop),
+        )
         return GenerationStream(self, ids, conditions, sampling)
 
 
@@ -276,8 +334,16 @@ class GenerationStream:
         progress = Progress(len(self._ids))
         rng = np.random.default_rng(self._sampling.seed)
         capacity = min(runner.info.max_context, len(self._ids) + self._stop.max_new_tokens + gen.tree.num_nodes)
-        for step in speculative_steps(runner, np.array(self._ids, dtype=np.int64), gen.tree, self._sampling, rng,
-                                      capacity, gen.drafts, gen.lookup_length):
+        for step in speculative_steps(
+            runner,
+            np.array(self._ids, dtype=np.int64),
+            gen.tree,
+            self._sampling,
+            rng,
+            capacity,
+            gen.drafts,
+            gen.lookup_length,
+        ):
             progress.add(step)
             delta = tracker.add(step.tokens)
             if delta:
@@ -288,5 +354,6 @@ class GenerationStream:
         tail = tracker.flush()
         if tail:
             yield tail
-        self.result = progress.result(tracker, runner.info.backend,
-                                      drafts_label(gen.drafts, runner.info), gen.tree.name)
+        self.result = progress.result(
+            tracker, runner.info.backend, drafts_label(gen.drafts, runner.info), gen.tree.name
+        )

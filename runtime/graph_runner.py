@@ -44,7 +44,9 @@ class EngineGraph(Protocol):
 
     def has_input(self, name: str) -> bool: ...
 
-    def run(self, inputs: Mapping[str, Any], sizes: Mapping[str, int], into: Mapping[str, Any] | None = None) -> dict[str, Any]: ...
+    def run(
+        self, inputs: Mapping[str, Any], sizes: Mapping[str, int], into: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]: ...
 
 
 class Arrays(abc.ABC):
@@ -149,35 +151,42 @@ class KVCache:
         if key not in self._bound:  # built once per buffer set: a step binds 2 x layers arrays per sequence
             views = self.buffers if key[1] else [b[:, :, :0] for b in self.buffers]  # [1, Hkv, S, D]
             name = (lambda n: n) if slot is None else (lambda n: slot_name(n, slot))
-            into = {name(PRESENT + n[len(PAST):]): b for n, b in zip(self.names, self.buffers)} if self.shared else {}
-            self._bound[key] = ({name(n): v for n, v in zip(self.names, views)}, into, {self.dim: views[0].shape[2] if views else 0})
+            into = {name(PRESENT + n[len(PAST) :]): b for n, b in zip(self.names, self.buffers)} if self.shared else {}
+            self._bound[key] = (
+                {name(n): v for n, v in zip(self.names, views)},
+                into,
+                {self.dim: views[0].shape[2] if views else 0},
+            )
         return self._bound[key]
 
     def move(self, start: int, rows: np.ndarray) -> None:
         """Shared buffers: move slots start + rows to start, start + 1, ... (an accepted tree path)."""
         for buf in self.buffers:
-            buf[:, :, start:start + len(rows)] = self.arrays.take(buf, start + rows, 2)
+            buf[:, :, start : start + len(rows)] = self.arrays.take(buf, start + rows, 2)
 
     def write(self, start: int, outputs: Mapping[str, Any], rows: np.ndarray | None, count: int) -> None:
         """Copy `count` new rows (the rows `rows` of `present`, or its first `count`) to slots start.."""
         for name, buf in zip(self.names, self.buffers):
-            new = outputs[PRESENT + name[len(PAST):]]  # [1, Hkv, T, D]
-            buf[:, :, start:start + count] = new[:, :, :count] if rows is None else self.arrays.take(new, rows, 2)
+            new = outputs[PRESENT + name[len(PAST) :]]  # [1, Hkv, T, D]
+            buf[:, :, start : start + count] = new[:, :, :count] if rows is None else self.arrays.take(new, rows, 2)
 
 
 def writes_in_place(spec: GraphSpec) -> bool:
     """Whether a graph writes its new K/V rows into its cache buffers (fused attention): its present outputs have
     the past inputs' slot dim, not the new rows'."""
     past = [t for t in spec.inputs if t.name.startswith(PAST + ".")]
-    return bool(past) and spec.output(PRESENT + past[0].name[len(PAST):]).shape[2] == past[0].shape[2]
+    return bool(past) and spec.output(PRESENT + past[0].name[len(PAST) :]).shape[2] == past[0].shape[2]
 
 
 def kv_bytes_per_token(spec: GraphSpec) -> int:
     """Bytes of K and V one cached token takes over a graph's past inputs [batch, Hkv, slots, D]."""
-    return sum(int(t.shape[1]) * int(t.shape[3]) * ITEMSIZE[t.dtype] for t in spec.inputs if t.name.startswith(PAST + "."))
+    return sum(
+        int(t.shape[1]) * int(t.shape[3]) * ITEMSIZE[t.dtype] for t in spec.inputs if t.name.startswith(PAST + ".")
+    )
 
 
 # -- draft heads ---------------------------------------------------------------------------------------------
+
 
 class Drafter(abc.ABC):
     """One head family's drafting over its graphs, with per-sequence state of its own (`open`)."""
@@ -226,8 +235,16 @@ class TreeDrafter(Drafter):
 
     graph_names = ("draft_begin", "draft_step")
 
-    def __init__(self, begin: EngineGraph, step: EngineGraph, spec: GraphSpec, arrays: Arrays, state_dtype: str) -> None:
-        self.begin_graph, self.step_graph, self.spec, self.arrays, self.state_dtype = begin, step, spec, arrays, state_dtype
+    def __init__(
+        self, begin: EngineGraph, step: EngineGraph, spec: GraphSpec, arrays: Arrays, state_dtype: str
+    ) -> None:
+        self.begin_graph, self.step_graph, self.spec, self.arrays, self.state_dtype = (
+            begin,
+            step,
+            spec,
+            arrays,
+            state_dtype,
+        )
         self.in_place = writes_in_place(spec)  # a fused draft_begin (export/fused_graph.py)
 
     @property
@@ -248,18 +265,24 @@ class TreeDrafter(Drafter):
         a = self.arrays
         m = sum(len(t) for _, t in state.behind)
         P = slot.past - m  # where the first waiting row sits in the sequence
-        hidden = state.behind[0][0] if len(state.behind) == 1 else a.concat([h for h, _ in state.behind], 1)  # [1, m, H]
+        hidden = (
+            state.behind[0][0] if len(state.behind) == 1 else a.concat([h for h, _ in state.behind], 1)
+        )  # [1, m, H]
         tokens = np.concatenate([t for _, t in state.behind])
         state.behind.clear()
         state.cache.make_room(P, m, slot.capacity)  # in place: the rows land at slots P..
         past, into, dims = state.cache.bound(P)
-        out = self.begin_graph.run({
-            "hidden_states": hidden,
-            "next_tokens": a.put(tokens[None]),  # [1, m]
-            "position_ids": a.put(np.arange(P, P + m, dtype=np.int64)[None]),  # [1, m]
-            "past_lengths": a.put(np.array([P], dtype=np.int64)),  # [1]
-            **past,
-        }, {"batch": 1, "accepted": m, **dims}, into)
+        out = self.begin_graph.run(
+            {
+                "hidden_states": hidden,
+                "next_tokens": a.put(tokens[None]),  # [1, m]
+                "position_ids": a.put(np.arange(P, P + m, dtype=np.int64)[None]),  # [1, m]
+                "past_lengths": a.put(np.array([P], dtype=np.int64)),  # [1]
+                **past,
+            },
+            {"batch": 1, "accepted": m, **dims},
+            into,
+        )
         if not state.cache.shared:
             state.cache.write(P, out, None, m)
         state.root_state, state.root_logits = out["state"], out["logits"][0]
@@ -277,8 +300,10 @@ class TreeDrafter(Drafter):
             grown = a.zeros((need, state.states.shape[1]), self.state_dtype)
             grown[: state.states.shape[0]] = state.states
             state.states = grown
-        inputs = {"parent_state": a.take(state.states, parents, 0),  # [n, H]
-                  "tokens": a.put(tokens.astype(np.int64, copy=False))}  # [n]
+        inputs = {
+            "parent_state": a.take(state.states, parents, 0),  # [n, H]
+            "tokens": a.put(tokens.astype(np.int64, copy=False)),
+        }  # [n]
         if self.step_graph.has_input("depth"):
             inputs["depth"] = a.put(np.array(depth, dtype=np.int64))  # []
         out = self.step_graph.run(inputs, {"candidates": len(nodes)})
@@ -311,7 +336,9 @@ class MedusaDrafter(Drafter):
         state.hidden = hidden[:, -1:]  # its heads only read the last accepted token's state
 
     def begin(self, state, slot):
-        state.logits = self.arrays.host(self.graph.run({"hidden_states": state.hidden}, {"batch": 1, "accepted": 1})["logits"][0])
+        state.logits = self.arrays.host(
+            self.graph.run({"hidden_states": state.hidden}, {"batch": 1, "accepted": 1})["logits"][0]
+        )
         return state.logits[0]
 
     def step(self, state, depth, nodes, parents, tokens):
@@ -327,6 +354,7 @@ def graphs_used(manifest: Manifest, use_heads: bool) -> tuple[str, ...]:
 
 
 # -- the runner -------------------------------------------------------------------------------------------------
+
 
 @dataclass(eq=False)
 class GraphSequence:
@@ -349,16 +377,29 @@ class GraphRunner(Runner):
     as a rejected draft's), and a lone logit row is taken twice. A plain step then equals a chain verify's row
     bit for bit, as greedy identity needs, and a lone sequence equals the batched graph's rows."""
 
-    def __init__(self, manifest: Manifest, graphs: Mapping[str, EngineGraph], arrays: Arrays, *, use_heads: bool,
-                 backend: str, cache_block: int, max_context: int | None = None,
-                 chains_only: bool = False, batch_slots: int = 1, draft_vocab: np.ndarray | None = None,
-                 ngram_store: NgramStore | None = None) -> None:
+    def __init__(
+        self,
+        manifest: Manifest,
+        graphs: Mapping[str, EngineGraph],
+        arrays: Arrays,
+        *,
+        use_heads: bool,
+        backend: str,
+        cache_block: int,
+        max_context: int | None = None,
+        chains_only: bool = False,
+        batch_slots: int = 1,
+        draft_vocab: np.ndarray | None = None,
+        ngram_store: NgramStore | None = None,
+    ) -> None:
         super().__init__()
         self.manifest, self.arrays, self.cache_block = manifest, arrays, cache_block
         self.base = graphs["base"]
         self.base_spec = manifest.graphs["base"]
         self.in_place = writes_in_place(self.base_spec)
-        self.vocab_size = int(manifest.graphs[("lm_head" if "lm_head" in manifest.graphs else "base")].output("logits").shape[-1])
+        self.vocab_size = int(
+            manifest.graphs[("lm_head" if "lm_head" in manifest.graphs else "base")].output("logits").shape[-1]
+        )
         self.hidden_size = int(self.base_spec.output("hidden_states").shape[-1])
         heads = manifest.heads if use_heads else None
         self.arch = heads.arch if heads is not None else None
@@ -366,17 +407,28 @@ class GraphRunner(Runner):
         if self.arch == "medusa":
             self.drafter = MedusaDrafter(graphs["medusa_heads"], arrays)
         elif self.arch is not None:
-            self.drafter = TreeDrafter(graphs["draft_begin"], graphs["draft_step"], manifest.graphs["draft_begin"], arrays,
-                                       self.base_spec.output("hidden_states").dtype)
+            self.drafter = TreeDrafter(
+                graphs["draft_begin"],
+                graphs["draft_step"],
+                manifest.graphs["draft_begin"],
+                arrays,
+                self.base_spec.output("hidden_states").dtype,
+            )
         tree = manifest.tree if heads is not None else None
         caches = [self.base_spec] + ([manifest.graphs["draft_begin"]] if isinstance(self.drafter, TreeDrafter) else [])
         self.info = RunnerInfo(
-            backend=backend, vocab_size=self.vocab_size, max_context=max_context or manifest.max_context, heads=self.arch,
+            backend=backend,
+            vocab_size=self.vocab_size,
+            max_context=max_context or manifest.max_context,
+            heads=self.arch,
             heads_max_depth=heads.max_depth if heads is not None else None,
             heads_name=heads.name if heads is not None else "none",
             default_tree=compile_spec(tree) if tree else None,
-            chains_only=chains_only, kv_bytes_per_token=sum(map(kv_bytes_per_token, caches)), batch_slots=batch_slots,
-            draft_vocab=draft_vocab if heads is not None else None, ngram_store=ngram_store,
+            chains_only=chains_only,
+            kv_bytes_per_token=sum(map(kv_bytes_per_token, caches)),
+            batch_slots=batch_slots,
+            draft_vocab=draft_vocab if heads is not None else None,
+            ngram_store=ngram_store,
         )
         self._free: list[tuple[KVCache, Any]] = []  # released sequences' caches of the initial size
         self.two_rows = False  # run every forward on >= 2 rows (set from lone_row_differs by the backend)
@@ -416,8 +468,14 @@ class GraphRunner(Runner):
         T = len(tokens)
         slot = self.open_slot(T + 2)
         try:
-            logits = self._forward(slot, np.asarray(tokens, dtype=np.int64), np.arange(T), np.tri(T, dtype=bool), False,
-                                   rows=np.asarray(rows, dtype=np.int64))
+            logits = self._forward(
+                slot,
+                np.asarray(tokens, dtype=np.int64),
+                np.arange(T),
+                np.tri(T, dtype=bool),
+                False,
+                rows=np.asarray(rows, dtype=np.int64),
+            )
             return self.arrays.host(slot.state.last["hidden_states"])[0], logits
         finally:
             self.release(slot)
@@ -453,14 +511,18 @@ class GraphRunner(Runner):
         with a.scope():
             self._make_room(slot, T)
             past, into, dims = seq.cache.bound(P)
-            seq.last = self.base.run({
-                "input_ids": a.put(tokens.astype(np.int64, copy=False)[None]),  # [1, T]
-                "position_ids": a.put((P + depths.astype(np.int64))[None]),  # [1, T]
-                "tree_mask": a.put(mask.astype(bool, copy=False)[None]),  # [1, T, T]
-                "past_lengths": a.put(np.array([P], dtype=np.int64)),  # [1]
-                "logit_rows": a.put(rows),  # [R]
-                **past,  # [1, Hkv, slots, D] each
-            }, {"batch": 1, "new": T, "rows": len(rows), **dims}, into)
+            seq.last = self.base.run(
+                {
+                    "input_ids": a.put(tokens.astype(np.int64, copy=False)[None]),  # [1, T]
+                    "position_ids": a.put((P + depths.astype(np.int64))[None]),  # [1, T]
+                    "tree_mask": a.put(mask.astype(bool, copy=False)[None]),  # [1, T, T]
+                    "past_lengths": a.put(np.array([P], dtype=np.int64)),  # [1]
+                    "logit_rows": a.put(rows),  # [R]
+                    **past,  # [1, Hkv, slots, D] each
+                },
+                {"batch": 1, "new": T, "rows": len(rows), **dims},
+                into,
+            )
             seq.last["hidden_states"] = seq.last["hidden_states"][:, :real]  # [1, real, H]: a repeated row drops
             return a.host(seq.last["logits"][0])[:keep]  # [R, V]
 
@@ -475,7 +537,9 @@ class GraphRunner(Runner):
             states = seq.last["hidden_states"]  # [1, T, H]
             seq.last = {}
             if self.drafter is not None:
-                self.drafter.accept(seq.draft, states[:, :m] if contiguous else self.arrays.take(states, path, 1), next_tokens)
+                self.drafter.accept(
+                    seq.draft, states[:, :m] if contiguous else self.arrays.take(states, path, 1), next_tokens
+                )
 
     def _draft_begin(self, slot):
         with self.arrays.scope():

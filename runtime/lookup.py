@@ -39,7 +39,6 @@ import numpy as np
 from clover.artifact import Manifest
 from clover.errors import CloverError
 
-
 STORE_MIN_CONTEXT = 2  # tokens of the tail a store must match at least: after one token the next is a guess
 STORE_LONGEST = 24  # ... and at most (longer matches are rare and predict no better)
 STORE_SORTED = 64  # the suffix array orders suffixes by this many tokens, ties in text order: matches and drafts
@@ -54,8 +53,10 @@ def store_dtype(vocab_size: int) -> np.dtype:
     """How a store holds token ids: big-endian (byte strings then compare like the token sequences, so the search
     bisects on bytes), 16 bits where the vocabulary leaves room for the separator (the largest value), else 32."""
     if vocab_size >= 0xFFFFFFFF:
-        raise CloverError(f"an n-gram store holds token ids in 32 bits, but the vocabulary has {vocab_size} "
-                          "tokens: export without --ngram-store")
+        raise CloverError(
+            f"an n-gram store holds token ids in 32 bits, but the vocabulary has {vocab_size} "
+            "tokens: export without --ngram-store"
+        )
     return np.dtype(np.uint16 if vocab_size < 0xFFFF else np.uint32).newbyteorder(">")
 
 
@@ -68,7 +69,7 @@ def suffix_array(tokens: np.ndarray, depth: int = STORE_SORTED) -> np.ndarray:
     k = 1
     while k < depth and n:
         after = np.zeros(n, dtype=np.int64)  # rank of the suffix k further on, + 1 (0: past the end)
-        after[:n - k] = rank[k:] + 1
+        after[: n - k] = rank[k:] + 1
         key = rank * (n + 1) + after
         order = np.argsort(key, kind="stable")
         sorted_key = key[order]
@@ -99,11 +100,23 @@ class NgramStore:
         self.sa = np.asarray(sa).astype(np.dtype(np.uint32).newbyteorder("<"), copy=False)
         self.vocab_size = int(vocab_size)
         # a loaded store's file is checksummed with its artifact: checking every entry would read all its pages
-        if len(self.sa) != len(self.tokens) or (len(self.tokens) and (int(self.tokens[-1]) != self.sep or (
-                _mapped is None and (int(self.tokens[self.tokens != self.sep].max(initial=0)) >= vocab_size
-                                     or int(self.sa.max()) >= len(self.tokens))))):
-            raise CloverError("an n-gram store needs answers below the vocabulary size, each ended by the separator, "
-                              "and one suffix-array entry per token")
+        if len(self.sa) != len(self.tokens) or (
+            len(self.tokens)
+            and (
+                int(self.tokens[-1]) != self.sep
+                or (
+                    _mapped is None
+                    and (
+                        int(self.tokens[self.tokens != self.sep].max(initial=0)) >= vocab_size
+                        or int(self.sa.max()) >= len(self.tokens)
+                    )
+                )
+            )
+        ):
+            raise CloverError(
+                "an n-gram store needs answers below the vocabulary size, each ended by the separator, "
+                "and one suffix-array entry per token"
+            )
         self._width = dtype.itemsize
         # a loaded store searches its file's pages in place (mmap: shared between processes, read only where
         # touched); a built one a copy of its tokens' bytes
@@ -116,7 +129,7 @@ class NgramStore:
         return len(self.tokens)
 
     @classmethod
-    def build(cls, sequences: Iterable[tuple[Sequence[int], int]], vocab_size: int) -> "NgramStore":
+    def build(cls, sequences: Iterable[tuple[Sequence[int], int]], vocab_size: int) -> NgramStore:
         """The store of `sequences`: (tokens, start) pairs, an answer from `start` on after its prompt."""
         dtype = store_dtype(vocab_size)
         sep = np.array([np.iinfo(dtype).max], dtype=dtype)
@@ -124,13 +137,13 @@ class NgramStore:
         for tokens, start in sequences:
             t = np.asarray(tokens, dtype=np.int64)
             if start < len(t):
-                parts += [t[max(0, start - STORE_PROMPT_TAIL):].astype(dtype), sep]
+                parts += [t[max(0, start - STORE_PROMPT_TAIL) :].astype(dtype), sep]
         tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
         return cls(tokens, suffix_array(tokens), vocab_size)
 
     def _key(self, size: int) -> Callable[[int], bytes]:
         text, w, o = self._text, self._width, self._offset
-        return lambda s: text[o + s * w:o + s * w + size]
+        return lambda s: text[o + s * w : o + s * w + size]
 
     def _first(self, pattern: bytes) -> int:
         """The suffix-array index of the first suffix that starts with `pattern`, or -1 if none does."""
@@ -142,13 +155,13 @@ class NgramStore:
         """(m, lo, hi): the longest tail of `tokens` of STORE_MIN_CONTEXT..STORE_LONGEST tokens found in the
         store and the suffix-array range of its occurrences; m = 0 if none. A tail that occurs has every shorter
         tail occurring too, so m is found by binary search (one bisection per probe; the range's end once)."""
-        tail = np.asarray(tokens[max(0, len(tokens) - STORE_LONGEST):], dtype=np.int64)
+        tail = np.asarray(tokens[max(0, len(tokens) - STORE_LONGEST) :], dtype=np.int64)
         if len(tail) < STORE_MIN_CONTEXT or not len(self.tokens) or tail.max() >= self.vocab_size or tail.min() < 0:
             return 0, 0, 0
         best, low, high = (0, 0, b""), STORE_MIN_CONTEXT, len(tail)
         while low <= high:
             m = (low + high) // 2
-            pattern = tail[len(tail) - m:].astype(self.tokens.dtype).tobytes()
+            pattern = tail[len(tail) - m :].astype(self.tokens.dtype).tobytes()
             lo = self._first(pattern)
             if lo >= 0:
                 best, low = (m, lo, pattern), m + 1
@@ -174,8 +187,10 @@ class NgramStore:
             if n <= 0:
                 break
             first, last = self._sa[lo] + d, self._sa[hi - 1] + d
-            a, b = text[first:first + n].tolist(), text[last:last + n].tolist()
-            same = next((j for j in range(min(len(a), len(b))) if a[j] != b[j] or a[j] == self.sep), min(len(a), len(b)))
+            a, b = text[first : first + n].tolist(), text[last : last + n].tolist()
+            same = next(
+                (j for j in range(min(len(a), len(b))) if a[j] != b[j] or a[j] == self.sep), min(len(a), len(b))
+            )
             out += a[:same]
             if len(out) == k or same < len(a) and a[same] == self.sep or same == len(a):
                 break
@@ -194,30 +209,35 @@ class NgramStore:
 
     def save(self, path: Path) -> None:
         with open(path, "wb") as f:  # stored, not compressed: loading maps the arrays in place
-            np.savez(f, format=np.int64(STORE_FORMAT), tokens=self.tokens, sa=self.sa,
-                     vocab_size=np.int64(self.vocab_size))
+            np.savez(
+                f, format=np.int64(STORE_FORMAT), tokens=self.tokens, sa=self.sa, vocab_size=np.int64(self.vocab_size)
+            )
 
     @classmethod
-    def of_artifact(cls, root: Path, manifest: Manifest) -> "NgramStore | None":
+    def of_artifact(cls, root: Path, manifest: Manifest) -> NgramStore | None:
         """The artifact's store (clover-export --ngram-store), or None if it has none."""
         if manifest.ngram_store is None:
             return None
         store = cls.load(Path(root) / manifest.ngram_store.file)
         vocab = int(manifest.base_config.get("vocab_size", 0))
         if store.vocab_size != vocab or len(store) != manifest.ngram_store.contexts:
-            raise CloverError(f"artifact {root}: {manifest.ngram_store.file} does not match its manifest entry "
-                              f"({manifest.ngram_store.contexts} contexts, vocabulary {vocab}): export it again")
+            raise CloverError(
+                f"artifact {root}: {manifest.ngram_store.file} does not match its manifest entry "
+                f"({manifest.ngram_store.contexts} contexts, vocabulary {vocab}): export it again"
+            )
         return store
 
     @classmethod
-    def load(cls, path: Path) -> "NgramStore":
+    def load(cls, path: Path) -> NgramStore:
         """The store saved at `path`, its arrays mapped from the file rather than read (numpy's npz members are
         stored uncompressed by `save`: each is a .npy at an offset in the zip)."""
         try:
             with np.load(path, allow_pickle=False) as z:
                 if "format" not in z.files or int(z["format"]) != STORE_FORMAT:
-                    raise CloverError(f"the n-gram store {path} is of an older format: export the artifact again "
-                                      "(or add a store with clover.export.ngram_store.with_ngram_store)")
+                    raise CloverError(
+                        f"the n-gram store {path} is of an older format: export the artifact again "
+                        "(or add a store with clover.export.ngram_store.with_ngram_store)"
+                    )
                 vocab_size = int(z["vocab_size"])
             with open(path, "rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -233,8 +253,9 @@ class NgramStore:
             if sa.dtype.kind not in "iu" or (len(sa) and (int(sa.min()) < 0 or int(sa.max()) >= len(tokens))):
                 raise ValueError("its suffix array points outside its tokens")
             if tokens.dtype != store_dtype(vocab_size):
-                raise ValueError(f"its tokens are {tokens.dtype}, not {store_dtype(vocab_size)} for a vocabulary of "
-                                 f"{vocab_size}")
+                raise ValueError(
+                    f"its tokens are {tokens.dtype}, not {store_dtype(vocab_size)} for a vocabulary of {vocab_size}"
+                )
             sep = np.iinfo(tokens.dtype).max  # between sequences
             if len(tokens) and int(np.where(tokens == sep, 0, tokens).max()) >= vocab_size:
                 raise ValueError(f"its tokens are not ids below its vocabulary size {vocab_size}")
@@ -252,8 +273,9 @@ def _npz_member(f, info: zipfile.ZipInfo, mapped: mmap.mmap) -> tuple[np.ndarray
     name_len, extra_len = struct.unpack("<HH", f.read(4))
     f.seek(info.header_offset + 30 + name_len + extra_len)
     version = np.lib.format.read_magic(f)
-    shape, fortran, dtype = (np.lib.format.read_array_header_1_0(f) if version == (1, 0)
-                             else np.lib.format.read_array_header_2_0(f))
+    shape, fortran, dtype = (
+        np.lib.format.read_array_header_1_0(f) if version == (1, 0) else np.lib.format.read_array_header_2_0(f)
+    )
     if fortran or len(shape) != 1:
         raise ValueError(f"{name} is not a flat array")
     offset = f.tell()
@@ -261,8 +283,9 @@ def _npz_member(f, info: zipfile.ZipInfo, mapped: mmap.mmap) -> tuple[np.ndarray
 
 
 class PromptLookup:
-    def __init__(self, tokens: Sequence[int], max_ngram: int = 3, min_ngram: int = 1,
-                 store: NgramStore | None = None) -> None:
+    def __init__(
+        self, tokens: Sequence[int], max_ngram: int = 3, min_ngram: int = 1, store: NgramStore | None = None
+    ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise CloverError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.max_ngram, self.min_ngram, self.store = max_ngram, min_ngram, store
@@ -280,7 +303,7 @@ class PromptLookup:
             end = len(seq) - 1  # the n-grams ending just before the new token now have a continuation
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n >= 0:
-                    self._next[tuple(seq[end - n:end])] = end
+                    self._next[tuple(seq[end - n : end])] = end
 
     def propose(self, k: int) -> np.ndarray:
         """Up to k draft tokens continuing the sequence (empty when its tail occurred nowhere before). A match
@@ -290,14 +313,14 @@ class PromptLookup:
         matches of 2+ tokens, over many answers, predict better); the store's drafts are capped alike."""
         seq, self.match = self.tokens, 0
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            start = self._next.get(tuple(seq[len(seq) - n:]))
+            start = self._next.get(tuple(seq[len(seq) - n :]))
             if start is not None:
                 if n < STORE_MIN_CONTEXT and self.store is not None and k > 0:
                     stored = self._stored(k)
                     if len(stored):
                         return stored
                 self.match = self.match_length(start, n)
-                return np.array(seq[start:start + min(k, MATCH_DRAFTS_PER_TOKEN * self.match)], dtype=np.int64)
+                return np.array(seq[start : start + min(k, MATCH_DRAFTS_PER_TOKEN * self.match)], dtype=np.int64)
         return self._stored(k) if self.store is not None else np.zeros(0, dtype=np.int64)
 
     def _stored(self, k: int) -> np.ndarray:
@@ -389,5 +412,5 @@ class LookupLength:
         n = min(len(proposal), len(emitted))
         right = next((j for j in range(n) if proposal[j] != emitted[j]), n)
         at = self._repeats(match, n)
-        np.add.at(self.trials, at[:min(right + 1, n)], 1.0)
+        np.add.at(self.trials, at[: min(right + 1, n)], 1.0)
         np.add.at(self.hits, at[:right], 1.0)

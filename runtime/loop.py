@@ -79,8 +79,14 @@ class Draft:
     confidence: np.ndarray | None = None
 
 
-def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingParams, rng: np.random.Generator,
-               slot: Slot | None = None) -> Draft:
+def draft_tree(
+    runner: Runner,
+    tree: Tree,
+    root_token: int,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+    slot: Slot | None = None,
+) -> Draft:
     """Fill the tree depth by depth (from `slot`'s heads, the solo one by default): greedy takes each node's
     top-k, sampling draws without replacement. With a draft vocabulary the heads' logits cover its K tokens
     only: their columns map back to token ids, and the draft law is zero elsewhere."""
@@ -109,7 +115,7 @@ def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingPa
                 drawn = sample_without_replacement(law[r], len(kids), rng)
                 drawn = drawn if vocab is None else vocab[drawn]
                 tokens[kids[: len(drawn)]] = drawn
-                valid[kids[len(drawn):]] = False
+                valid[kids[len(drawn) :]] = False
         valid[tree.levels[depth]] &= valid[tree.parent[tree.levels[depth]]]
         rows = np.array([n for n in tree.levels[depth] if len(tree.children[n])], dtype=np.int64)
         if depth == tree.max_depth or len(rows) == 0:
@@ -118,8 +124,14 @@ def draft_tree(runner: Runner, tree: Tree, root_token: int, sampling: SamplingPa
     return Draft(tokens, valid, probs)
 
 
-def draft_dynamic(runner: Runner, spec: DynamicTree, root_token: int, sampling: SamplingParams,
-                  rng: np.random.Generator, slot: Slot | None = None) -> tuple[Tree, Draft]:
+def draft_dynamic(
+    runner: Runner,
+    spec: DynamicTree,
+    root_token: int,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+    slot: Slot | None = None,
+) -> tuple[Tree, Draft]:
     """This step's tree, drafted by confidence (tree.DynamicTree): depth by depth the `width` drafted nodes of
     highest cumulative draft probability get `width` children each; greedy keeps the best nodes (by cumulative
     probability: ancestors first) up to the count that maximises expected tokens per verify millisecond,
@@ -137,7 +149,11 @@ def draft_dynamic(runner: Runner, spec: DynamicTree, root_token: int, sampling: 
         probs = (law or probs_from_logits)(logits, sampling if law else greedy_law)  # [n, K]
         # Greedy drafts `width` children per expanded node and picks the budget after; sampling verifies all it
         # draws, so it spreads the budget over the depths left (decided before drawing: sampling stays exact).
-        room = len(frontier) * spec.width if law is None else -(-(spec.budget - len(tokens) + 1) // (spec.depth - depth + 1))
+        room = (
+            len(frontier) * spec.width
+            if law is None
+            else -(-(spec.budget - len(tokens) + 1) // (spec.depth - depth + 1))
+        )
         per_node = max(1, min(spec.width, room // len(frontier)))
         new = []
         for r, node in enumerate(frontier):
@@ -145,7 +161,7 @@ def draft_dynamic(runner: Runner, spec: DynamicTree, root_token: int, sampling: 
             if k <= 0:
                 break
             if law is None:
-                cols = topk_tokens(logits[r:r + 1], k)[0]
+                cols = topk_tokens(logits[r : r + 1], k)[0]
             else:
                 cols = sample_without_replacement(probs[r], k, rng)
                 laws[int(node)] = (probs[r], len(cols))
@@ -156,16 +172,22 @@ def draft_dynamic(runner: Runner, spec: DynamicTree, root_token: int, sampling: 
                 score.append(score[node] * float(probs[r, c]))
         if depth == spec.depth or not new or (law is not None and len(tokens) - 1 >= spec.budget):
             break
-        frontier = np.array(sorted(new, key=lambda i: -score[i])[:spec.width], dtype=np.int64)
+        frontier = np.array(sorted(new, key=lambda i: -score[i])[: spec.width], dtype=np.int64)
         # Another depth drafts at most `width` nodes worth no more than the best frontier node: stop when even
         # that could not raise the expected tokens per millisecond (verify + drafting so far + one more call).
         if spec.cost is not None:
             spent = (time.perf_counter() - t0) * 1e3
-            step_ms = spent / calls if spec.confidence is None or spec.confidence.draft_ms is None else spec.confidence.draft_ms
+            step_ms = (
+                spent / calls
+                if spec.confidence is None or spec.confidence.draft_ms is None
+                else spec.confidence.draft_ms
+            )
             n, rate = _best_count(spec, worth, score, spent)
             top = float(worth(np.array([score[frontier[0]]]))[0])
-            if all((1 + rate[0] + k * top) / (spec.cost(1 + n + k) + spent + step_ms) <= rate[1]
-                   for k in range(1, spec.width + 1)):
+            if all(
+                (1 + rate[0] + k * top) / (spec.cost(1 + n + k) + spent + step_ms) <= rate[1]
+                for k in range(1, spec.width + 1)
+            ):
                 break
         p = np.array(parent)[frontier]
         logits = runner.draft_step(depth, frontier, p, np.array(tokens)[frontier], slot)
@@ -187,15 +209,23 @@ def _by_score(score: list[float]) -> list[int]:
 def _best_count(spec: DynamicTree, worth, score: list[float], spent_ms: float) -> tuple[int, tuple[float, float]]:
     """How many of the best drafted nodes to verify (at most the budget), with (their expected accepted drafts,
     the expected tokens per ms) at that count."""
-    order = _by_score(score)[:spec.budget]
+    order = _by_score(score)[: spec.budget]
     gain = np.concatenate(([0.0], np.cumsum(worth(np.array([score[i] for i in order])) if order else [])))
     rate = (1.0 + gain) / (np.array([spec.cost(1 + m) for m in range(len(gain))]) + spent_ms)
     n = int(np.argmax(rate))
     return n, (float(gain[n]), float(rate[n]))
 
 
-def _compiled_draft(kept: np.ndarray, tokens: list[int], parent: list[int], score: list[float], laws: dict,
-                    vocab_size: int, vocab: np.ndarray | None, name: str) -> tuple[Tree, Draft]:
+def _compiled_draft(
+    kept: np.ndarray,
+    tokens: list[int],
+    parent: list[int],
+    score: list[float],
+    laws: dict,
+    vocab_size: int,
+    vocab: np.ndarray | None,
+    name: str,
+) -> tuple[Tree, Draft]:
     """The kept drafted nodes (draft-order ids, root first, parents before children) as a compiled tree: sibling
     ranks renumbered in their draw order, the draft laws of sampled nodes and every node's cumulative probability."""
     path = {0: ()}
@@ -277,7 +307,9 @@ def merge_lookup(tree: Tree, draft: Draft, proposal: np.ndarray, chains_only: bo
     return new, Draft(tokens, valid, probs, point, heads, tree)
 
 
-def accept(tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator) -> Acceptance:
+def accept(
+    tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator
+) -> Acceptance:
     if sampling.greedy:
         return accept_greedy(tree, draft.tokens, logits)
     target = probs_from_logits(logits, sampling)
@@ -316,8 +348,9 @@ class Decoding:
         return self.slot.past + 1 > self.slot.capacity
 
 
-def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None = None,
-         isolate: bool = False) -> list[Step]:
+def step(
+    runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None = None, isolate: bool = False
+) -> list[Step]:
     """One step of every sequence in `batch`, all verified in one forward. A sequence still prefilling runs
     its next prompt chunk (and emits its first token after the last one); the others draft their tree, have it
     verified, accept their tokens and commit their KV. `trees`: this step's tree per sequence (default: each
@@ -335,13 +368,13 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
     n = len(batch)
     errors: list[BaseException | None] = [None] * n
     planned: list[_Planned | None] = [None] * n
-    for i, d in enumerate(batch):                                                                # 1. draft
+    for i, d in enumerate(batch):  # 1. draft
         try:
             planned[i] = _plan(runner, d, trees[i] if trees is not None else d.tree)
         except Exception as e:
             errors[i] = e
     t1 = clock()
-    logits: list[np.ndarray | None] = [None] * n                                                 # 2. verify
+    logits: list[np.ndarray | None] = [None] * n  # 2. verify
     live = [i for i in range(n) if errors[i] is None]
     try:
         for i, lg in zip(live, runner.forward_batch([planned[i].verify for i in live]) if live else ()):
@@ -355,7 +388,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
             except Exception as e_i:
                 errors[i] = e_i
     t2 = clock()
-    accepted: list[Acceptance | None] = [None] * n                                               # 3. accept
+    accepted: list[Acceptance | None] = [None] * n  # 3. accept
     for i, (d, p) in enumerate(zip(batch, planned)):
         if errors[i] is None and p.tree is not None:
             try:
@@ -364,7 +397,7 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
                 errors[i] = e
     t3 = clock()
     steps = []
-    for i, (d, p) in enumerate(zip(batch, planned)):                                             # 4. commit
+    for i, (d, p) in enumerate(zip(batch, planned)):  # 4. commit
         try:
             if errors[i] is None:
                 steps.append(_committed(runner, d, p, accepted[i], logits[i]))
@@ -377,7 +410,9 @@ def step(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None
         seconds["engine"] = engine.seconds - e0
     for st in steps:
         # the batch's step: every sequence waited for all of it; a prompt chunk's step is prefill time
-        st.seconds = dict(seconds) if st.tree is not None else {"prefill": sum(seconds.values()) - seconds.get("engine", 0.0)}
+        st.seconds = (
+            dict(seconds) if st.tree is not None else {"prefill": sum(seconds.values()) - seconds.get("engine", 0.0)}
+        )
     shared = (t3 - t1 + seconds["commit"]) / n  # verify, accept, commit: a share per sequence
     for d, st, p in zip(batch, steps, planned):
         if st.error is None and p.use is not None:  # what this kind of step gave and took, the lookup alone or merged
@@ -406,7 +441,7 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
     """Draft one sequence's step (its next prompt chunk while prefilling)."""
     td = time.perf_counter()
     if d.prefilling:
-        chunk = d.prompt[d.prefilled:d.prefilled + d.prefill_chunk]
+        chunk = d.prompt[d.prefilled : d.prefilled + d.prefill_chunk]
         n = len(chunk)
         return _Planned(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=True))
     room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
@@ -421,8 +456,7 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
         if d.lookup is not None:  # heads+lookup
             whole = d.lookup.propose(min(LOOKUP_DRAFTS, room))
         # steps learned from (heads drafted or not): not the first after the prompt (its heads draft over all of it)
-        learn = (whole is not None and d.lookup_length is not None and tree.num_nodes > 1
-                 and d.slot.past > len(d.prompt))
+        learn = whole is not None and d.lookup_length is not None and tree.num_nodes > 1 and d.slot.past > len(d.prompt)
         kind = LookupLength.kind(d.lookup.match, len(whole)) if learn else -1
         if learn and d.lookup_length.alone(d.lookup.match, len(whole)):
             proposal = _worth_verifying(d, whole, 1)  # measured faster without the heads, for such proposals
@@ -436,12 +470,17 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
             else:
                 draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
             if whole is not None:  # the lookup path joins the heads' tree, in the rows left
-                whole = whole[:max(0, room - tree.num_nodes + 1)]
+                whole = whole[: max(0, room - tree.num_nodes + 1)]
                 proposal = _worth_verifying(d, whole, tree.num_nodes)
                 tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
-    return _Planned(Verify(d.slot, draft.tokens, tree.depth, tree.ancestor_mask), tree, draft,
-                    (d.lookup.match, whole) if whole is not None and d.lookup_length is not None else None, use,
-                    time.perf_counter() - td)
+    return _Planned(
+        Verify(d.slot, draft.tokens, tree.depth, tree.ancestor_mask),
+        tree,
+        draft,
+        (d.lookup.match, whole) if whole is not None and d.lookup_length is not None else None,
+        use,
+        time.perf_counter() - td,
+    )
 
 
 def _committed(runner: Runner, d: Decoding, p: _Planned, acc: Acceptance | None, logits: np.ndarray) -> Step:
@@ -471,7 +510,7 @@ def _worth_verifying(d: Decoding, proposal: np.ndarray, rows: int) -> np.ndarray
     """The part of a lookup proposal worth its verify rows (d.lookup_length), beside `rows` other rows."""
     if d.lookup_length is None or not len(proposal):
         return proposal
-    return proposal[:d.lookup_length.choose(d.lookup.match, len(proposal), rows)]
+    return proposal[: d.lookup_length.choose(d.lookup.match, len(proposal), rows)]
 
 
 def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarray) -> Step:
@@ -479,25 +518,37 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     start, n = d.prefilled, len(chunk)
     d.prefilled += n
     if d.prefilling:
-        runner.commit(np.arange(n), d.prompt[start + 1:start + n + 1], slot=d.slot)
+        runner.commit(np.arange(n), d.prompt[start + 1 : start + n + 1], slot=d.slot)
         return Step([], 0, rows=n)
     first = accept(PLAIN, Draft(chunk[-1:], np.ones(1, bool), None), logits, d.sampling, d.rng).bonus_token
-    runner.commit(np.arange(n), np.append(d.prompt[start + 1:], first), slot=d.slot)
+    runner.commit(np.arange(n), np.append(d.prompt[start + 1 :], first), slot=d.slot)
     d.root = first
-    d.lookup = PromptLookup(list(d.prompt) + [first], store=runner.info.ngram_store) if d.drafts in ("lookup", "heads+lookup") else None
+    d.lookup = (
+        PromptLookup(list(d.prompt) + [first], store=runner.info.ngram_store)
+        if d.drafts in ("lookup", "heads+lookup")
+        else None
+    )
     return Step([first], 1, rows=n)
 
 
-def speculative_steps(runner: Runner, prompt: np.ndarray, tree: Tree, sampling: SamplingParams,
-                      rng: np.random.Generator, capacity: int, drafts: str = "heads",
-                      lookup_length: LookupLength | None = None) -> Iterator[Step]:
+def speculative_steps(
+    runner: Runner,
+    prompt: np.ndarray,
+    tree: Tree,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+    capacity: int,
+    drafts: str = "heads",
+    lookup_length: LookupLength | None = None,
+) -> Iterator[Step]:
     """One sequence (the runner's solo slot): yield the tokens of each step until the sequence is full; the
     caller stops iterating when done. drafts: "heads" (the runner's draft heads fill `tree`) or "lookup"
     (prompt lookup; `tree` is a chain whose depth caps the drafts per step); `lookup_length`: how much of each
     lookup proposal to verify (None: all)."""
     runner.reset(capacity)
-    d = Decoding(runner.solo, np.asarray(prompt, dtype=np.int64), tree, sampling, rng, drafts,
-                 lookup_length=lookup_length)
+    d = Decoding(
+        runner.solo, np.asarray(prompt, dtype=np.int64), tree, sampling, rng, drafts, lookup_length=lookup_length
+    )
     while not d.full:
         for st in step(runner, [d]):
             if st.tokens:

@@ -42,12 +42,19 @@ from typing import Any
 
 import numpy as np
 
-from clover.errors import CloverError
 from clover.artifact import (
-    ARTIFACT_HEADS, BATCH_GRAPH, DRAFT_LM_HEAD, ROW_COUNTS, GraphSpec, Manifest, open_artifact, read_draft_vocab,
+    ARTIFACT_HEADS,
+    BATCH_GRAPH,
+    DRAFT_LM_HEAD,
+    ROW_COUNTS,
+    GraphSpec,
+    Manifest,
+    open_artifact,
+    read_draft_vocab,
     uses_exported_heads,
 )
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
+from clover.errors import CloverError
 from clover.runtime.backend import EngineClock
 from clover.runtime.graph_runner import Arrays, GraphRunner, KVCache, NumpyArrays, graphs_used
 from clover.runtime.lookup import NgramStore
@@ -58,10 +65,15 @@ CUDA, CPU = PROVIDERS["cuda"], PROVIDERS["cpu"]
 CUDA_GRAPHS = ("medusa_heads", "draft_step")  # the graphs whose calls repeat their shapes (module doc)
 CUDA_GRAPH_SHAPES = 16  # captured shapes per graph; calls of other shapes run uncaptured
 # I/O element types for binding by address; 16 = onnx.TensorProto.BFLOAT16 (numpy has no bfloat16).
-ELEMENT_TYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": 16, "int64": np.int64, "int32": np.int32,
-                 "bool": np.bool_}
-GPU_EXTRA = ("install the gpu extra in an environment of its own (onnxruntime-gpu cannot share one with "
-             "onnxruntime)")
+ELEMENT_TYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": 16,
+    "int64": np.int64,
+    "int32": np.int32,
+    "bool": np.bool_,
+}
+GPU_EXTRA = "install the gpu extra in an environment of its own (onnxruntime-gpu cannot share one with onnxruntime)"
 log = logging.getLogger(__name__)
 
 
@@ -112,8 +124,10 @@ class OrtOptions:
         if self.device < 0:
             raise CloverError(f"device must be a CUDA device index >= 0, got {self.device}")
         if self.cuda_graphs and "cuda" not in self.providers:
-            raise CloverError(f"CUDA graphs need the cuda provider, but providers are {','.join(self.providers)}: "
-                              "use --providers cuda,cpu")
+            raise CloverError(
+                f"CUDA graphs need the cuda provider, but providers are {','.join(self.providers)}: "
+                "use --providers cuda,cpu"
+            )
 
 
 def parse_providers(given: str | Sequence[str]) -> tuple[str, ...]:
@@ -128,8 +142,10 @@ def parse_providers(given: str | Sequence[str]) -> tuple[str, ...]:
     if len(set(names)) < len(names):
         raise CloverError(f"--providers {shown!r} names a provider twice: {choices}")
     if names[-1] != "cpu" and "cpu" in names:
-        raise CloverError(f"--providers {shown!r} lists cpu before {names[-1]}, which would then run nothing (the CPU "
-                          f"provider has a kernel for every node): put cpu last, e.g. {names[-1]},cpu")
+        raise CloverError(
+            f"--providers {shown!r} lists cpu before {names[-1]}, which would then run nothing (the CPU "
+            f"provider has a kernel for every node): put cpu last, e.g. {names[-1]},cpu"
+        )
     return names
 
 
@@ -151,12 +167,12 @@ def place(options: OrtOptions, available: Sequence[str] | None = None) -> Placem
     available = list(ort.get_available_providers() if available is None else available)
     asked = options.providers
     if "cuda" in asked and CUDA not in available:
-        why = (f"this onnxruntime ({ort.__version__}) has no CUDA execution provider (it has "
-               f"{', '.join(available)})")
+        why = f"this onnxruntime ({ort.__version__}) has no CUDA execution provider (it has {', '.join(available)})"
         if "cpu" not in asked:
             raise CloverError(f"{why}: for CUDA {GPU_EXTRA}; or pass --providers cpu")
-        return Placement((CPU,), False, f"--providers {','.join(asked)}: running on the CPU, as {why}; for CUDA "
-                                        f"{GPU_EXTRA}")
+        return Placement(
+            (CPU,), False, f"--providers {','.join(asked)}: running on the CPU, as {why}; for CUDA {GPU_EXTRA}"
+        )
     return Placement(tuple(PROVIDERS[n] for n in asked), asked[0] == "cuda")
 
 
@@ -167,10 +183,12 @@ def check_session(placement: Placement, session, name: str) -> Placement:
     got = session.get_providers()
     if CUDA not in placement.providers or CUDA in got:
         return placement
-    why = (f"onnxruntime {_ort().__version__} lists the CUDA execution provider, but created the session for {name} "
-           f"with {', '.join(got)} only: the CUDA 12/13 runtime or cuDNN 9 libraries were not found (python -c "
-           "\"import onnxruntime; onnxruntime.preload_dlls()\" names the missing one; pip install "
-           "'onnxruntime-gpu[cuda,cudnn]' brings the nvidia-* wheels)")
+    why = (
+        f"onnxruntime {_ort().__version__} lists the CUDA execution provider, but created the session for {name} "
+        f"with {', '.join(got)} only: the CUDA 12/13 runtime or cuDNN 9 libraries were not found (python -c "
+        '"import onnxruntime; onnxruntime.preload_dlls()" names the missing one; pip install '
+        "'onnxruntime-gpu[cuda,cudnn]' brings the nvidia-* wheels)"
+    )
     if CPU not in placement.providers:
         raise CloverError(why)
     return Placement((CPU,), False, f"{why}: running on the CPU")
@@ -248,8 +266,9 @@ class Graph:
         bound[name] = array
         (self.binding.bind_ortvalue_output if output else self.binding.bind_ortvalue_input)(name, self._ortvalue(array))
 
-    def run(self, inputs: Mapping[str, Any], sizes: Mapping[str, int],
-            into: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def run(
+        self, inputs: Mapping[str, Any], sizes: Mapping[str, int], into: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Run with the outputs in `into` written there in place and every other output straight into a new
         array shaped by `sizes` (a later run never overwrites what this one returned). A graph cut before the
         shared LM head gives `logits` all the same: its LM_INPUT rows go through `lm_head`."""
@@ -261,16 +280,22 @@ class Graph:
         if self.lm_head is not None:
             rows = outs.pop(LM_INPUT)
             flat = rows.reshape(-1, rows.shape[-1])
-            logits = self.lm_head.run({LM_INPUT: flat}, {self.lm_head.spec.input(LM_INPUT).shape[0]: flat.shape[0]})["logits"]
+            logits = self.lm_head.run({LM_INPUT: flat}, {self.lm_head.spec.input(LM_INPUT).shape[0]: flat.shape[0]})[
+                "logits"
+            ]
             outs["logits"] = logits.reshape(*rows.shape[:-1], -1)
         return outs
 
-    def _run(self, inputs: Mapping[str, Any], sizes: Mapping[str, int], into: Mapping[str, Any] | None) -> dict[str, Any]:
+    def _run(
+        self, inputs: Mapping[str, Any], sizes: Mapping[str, int], into: Mapping[str, Any] | None
+    ) -> dict[str, Any]:
         for name, array in inputs.items():
             self._bind(self._inputs, name, array, output=False)
         for name, array in (into or {}).items():
             self._bind(self._into, name, array, output=True)
-        outs = {name: self._empty(dims, dtype, sizes) for name, dims, dtype in self._outputs if not into or name not in into}
+        outs = {
+            name: self._empty(dims, dtype, sizes) for name, dims, dtype in self._outputs if not into or name not in into
+        }
         for name, array in outs.items():
             if self.device is not None:
                 bind_address(self.binding, name, array, dtype=self._dtypes[name], device=self.device, output=True)
@@ -295,7 +320,7 @@ class Graph:
             self.session.run_with_iobinding(shape.binding, shape.run_options)
         return {name: array.clone() for name, array in shape.outputs.items()}  # the next call of this shape reuses them
 
-    def use_lm_head(self, lm_head: "Graph") -> None:
+    def use_lm_head(self, lm_head: Graph) -> None:
         """This graph stops before the shared LM head (it outputs LM_INPUT): `run` runs `lm_head` after it."""
         self.lm_head = lm_head
 
@@ -330,11 +355,15 @@ class CudaDevice:
         try:
             import torch
         except ImportError as e:
-            raise CloverError("the ort backend keeps its CUDA tensors in torch: install torch with CUDA (the gpu "
-                              "extra), or pass --providers cpu") from e
+            raise CloverError(
+                "the ort backend keeps its CUDA tensors in torch: install torch with CUDA (the gpu "
+                "extra), or pass --providers cpu"
+            ) from e
         if not torch.cuda.is_available():
-            raise CloverError(f"torch {torch.__version__} sees no CUDA device (a CPU build, or no driver): install "
-                              "torch with CUDA (the gpu extra), or pass --providers cpu")
+            raise CloverError(
+                f"torch {torch.__version__} sees no CUDA device (a CPU build, or no driver): install "
+                "torch with CUDA (the gpu extra), or pass --providers cpu"
+            )
         if index >= torch.cuda.device_count():
             raise CloverError(f"CUDA device {index} does not exist: torch sees {torch.cuda.device_count()}")
         self.index, self.device = index, torch.device("cuda", index)
@@ -368,8 +397,10 @@ class Sessions:
         """The graph `name` of the manifest (`spec`) with session options `so`."""
         ort, path = _ort(), self.root / spec.file
         capture = self.options.cuda_graphs and self.placement.cuda and name in CUDA_GRAPHS
-        for cuda_graph in ((True, False) if capture else (False,)):
-            providers = [(p, self.cuda.provider_options(cuda_graph)) if p == CUDA else p for p in self.placement.providers]
+        for cuda_graph in (True, False) if capture else (False,):
+            providers = [
+                (p, self.cuda.provider_options(cuda_graph)) if p == CUDA else p for p in self.placement.providers
+            ]
             try:
                 session = ort.InferenceSession(str(path), so, providers=providers)
                 break
@@ -398,7 +429,9 @@ class Sessions:
 class OrtRunner(GraphRunner):
     """A Runner over an artifact's ONNX graphs; use `load_runner` to build one from a folder."""
 
-    def __init__(self, root: str | Path, manifest: Manifest, use_heads: bool = True, options: OrtOptions = OrtOptions()):
+    def __init__(
+        self, root: str | Path, manifest: Manifest, use_heads: bool = True, options: OrtOptions = OrtOptions()
+    ):
         so = session_options(options)
         self.options = options
         self.engine_clock = clock = EngineClock()
@@ -429,11 +462,18 @@ class OrtRunner(GraphRunner):
         self.stream = sessions.cuda.stream if self.placement.cuda else None
         fused = manifest.attention == "fused"
         self.batch_slots = int(self.batch.spec.input(ROW_COUNTS).shape[0]) if self.batch is not None else 1
-        super().__init__(manifest, graphs, self._arrays(sessions), use_heads=use_heads, backend="ort",
-                         cache_block=options.cache_block,
-                         chains_only=fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
-                         batch_slots=self.batch_slots, draft_vocab=draft_vocab,
-                         ngram_store=NgramStore.of_artifact(Path(root), manifest))
+        super().__init__(
+            manifest,
+            graphs,
+            self._arrays(sessions),
+            use_heads=use_heads,
+            backend="ort",
+            cache_block=options.cache_block,
+            chains_only=fused and manifest.weights is not None and manifest.weights.accuracy_level != 0,
+            batch_slots=self.batch_slots,
+            draft_vocab=draft_vocab,
+            ngram_store=NgramStore.of_artifact(Path(root), manifest),
+        )
         self._idle: dict[int, KVCache] = {}  # 2-slot buffers of the batched graph's slot inputs not in a step
         self.two_rows = self.lone_row_differs()
 
@@ -453,7 +493,10 @@ class OrtRunner(GraphRunner):
         if self.batch is None or len(packed) < 2:
             return super()._forward_batch(batch)
         out = dict(zip((id(v) for v in packed), self._forward_packed(packed)))
-        return [out[id(v)] if id(v) in out else self._forward(v.slot, v.tokens, v.depths, v.mask, v.last_only) for v in batch]
+        return [
+            out[id(v)] if id(v) in out else self._forward(v.slot, v.tokens, v.depths, v.mask, v.last_only)
+            for v in batch
+        ]
 
     def _forward_packed(self, packed):
         with self.arrays.scope():
@@ -467,7 +510,9 @@ class OrtRunner(GraphRunner):
         for b in range(N):
             v = by_slot.get(b)
             if v is None:  # not in this step: its nodes run on 2 dummy rows over an idle 2-slot buffer
-                cache = self._idle.get(b) or self._idle.setdefault(b, KVCache(self.base_spec, 2, self.arrays, shared=True))
+                cache = self._idle.get(b) or self._idle.setdefault(
+                    b, KVCache(self.base_spec, 2, self.arrays, shared=True)
+                )
             else:
                 self._make_room(v.slot, len(v.tokens))
                 cache, counts[b], pasts[b] = v.slot.state.cache, len(v.tokens), v.slot.past
@@ -479,32 +524,49 @@ class OrtRunner(GraphRunner):
         mask = np.zeros((1, R, R), dtype=bool)  # [1, R, R] block diagonal: each sequence's own tree
         for v, end in zip(packed, ends):
             T = len(v.tokens)
-            mask[0, end - T:end, end - T:end] = v.mask
+            mask[0, end - T : end, end - T : end] = v.mask
         # logit rows: a prompt's last row, every row of a tree
-        rows = np.concatenate([[end - 1] if v.last_only else np.arange(end - len(v.tokens), end) for v, end in zip(packed, ends)])
-        out = self.batch.run({
-            "input_ids": a.put(np.concatenate([v.tokens for v in packed]).astype(np.int64)[None]),  # [1, R]
-            "position_ids": a.put(np.concatenate([v.slot.past + v.depths.astype(np.int64) for v in packed])[None]),  # [1, R]
-            "tree_mask": a.put(mask),
-            "past_lengths": a.put(pasts),  # [N]
-            ROW_COUNTS: a.put(counts),  # [N]
-            "logit_rows": a.put(np.asarray(rows, dtype=np.int64)),
-            **caches,
-        }, {"new": R, "rows": len(rows)}, into)
+        rows = np.concatenate(
+            [[end - 1] if v.last_only else np.arange(end - len(v.tokens), end) for v, end in zip(packed, ends)]
+        )
+        out = self.batch.run(
+            {
+                "input_ids": a.put(np.concatenate([v.tokens for v in packed]).astype(np.int64)[None]),  # [1, R]
+                "position_ids": a.put(
+                    np.concatenate([v.slot.past + v.depths.astype(np.int64) for v in packed])[None]
+                ),  # [1, R]
+                "tree_mask": a.put(mask),
+                "past_lengths": a.put(pasts),  # [N]
+                ROW_COUNTS: a.put(counts),  # [N]
+                "logit_rows": a.put(np.asarray(rows, dtype=np.int64)),
+                **caches,
+            },
+            {"new": R, "rows": len(rows)},
+            into,
+        )
         logits = a.host(out["logits"][0])  # [rows, V]
         results, at = [], 0
         for v, end in zip(packed, ends):
             T, n = len(v.tokens), 1 if v.last_only else len(v.tokens)
-            v.slot.state.last = {"hidden_states": out["hidden_states"][:, end - T:end]}  # [1, T, H]
-            results.append(logits[at:at + n])
+            v.slot.state.last = {"hidden_states": out["hidden_states"][:, end - T : end]}  # [1, T, H]
+            results.append(logits[at : at + n])
             at += n
         return results
 
 
-def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | None = None,
-                threads: int = 0, spin: bool = True, checksums: bool = True, cache_block: int = 256,
-                batch: bool = False, providers: str | Sequence[str] = ("cpu",), device: int = 0,
-                cuda_graphs: bool = False) -> OrtRunner:
+def load_runner(
+    artifact: str | Path,
+    heads: str = ARTIFACT_HEADS,
+    dtype: str | None = None,
+    threads: int = 0,
+    spin: bool = True,
+    checksums: bool = True,
+    cache_block: int = 256,
+    batch: bool = False,
+    providers: str | Sequence[str] = ("cpu",),
+    device: int = 0,
+    cuda_graphs: bool = False,
+) -> OrtRunner:
     """Open and validate an artifact folder and build its runner.
 
     Args:
@@ -516,15 +578,26 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
         providers, device, cuda_graphs: see OrtOptions (providers: e.g. "cuda,cpu"; the runner's `placement`
             says where it runs).
     """
-    options = OrtOptions(threads=threads, spin=spin, checksums=checksums, cache_block=cache_block, batch=batch,
-                         providers=providers, device=device, cuda_graphs=cuda_graphs)
+    options = OrtOptions(
+        threads=threads,
+        spin=spin,
+        checksums=checksums,
+        cache_block=cache_block,
+        batch=batch,
+        providers=providers,
+        device=device,
+        cuda_graphs=cuda_graphs,
+    )
     manifest = open_artifact(artifact, checksums=options.checksums)
     if manifest.attention == "plugin":
         raise CloverError(
             f"artifact {artifact} was exported with --attention {manifest.attention}: its tree-attention nodes are "
-            "TensorRT plugins that ONNX Runtime cannot run; use --backend trt, or export with --attention portable")
+            "TensorRT plugins that ONNX Runtime cannot run; use --backend trt, or export with --attention portable"
+        )
     if dtype is not None and dtype != manifest.dtype:
-        raise CloverError(f"artifact {artifact} holds {manifest.dtype} graphs, not {dtype}: omit --dtype, or export "
-                          f"again with clover-export --dtype {dtype}")
+        raise CloverError(
+            f"artifact {artifact} holds {manifest.dtype} graphs, not {dtype}: omit --dtype, or export "
+            f"again with clover-export --dtype {dtype}"
+        )
     use_heads = uses_exported_heads(artifact, manifest, heads)
     return OrtRunner(artifact, manifest, use_heads=use_heads, options=options)

@@ -39,18 +39,23 @@ class StopConditions:
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
-            raise CloverError(f"max_new_tokens should be an int >= 1, got {self.max_new_tokens!r}", param="max_new_tokens")
+            raise CloverError(
+                f"max_new_tokens should be an int >= 1, got {self.max_new_tokens!r}", param="max_new_tokens"
+            )
         if self.max_new_tokens < 1:
             raise CloverError(f"max_new_tokens should be >= 1, got {self.max_new_tokens}", param="max_new_tokens")
         if isinstance(self.stop_strings, str):
             raise CloverError(
                 f"stop_strings should be a sequence of strings, got the string {self.stop_strings!r}; "
-                f"write ({self.stop_strings!r},)", param="stop"
+                f"write ({self.stop_strings!r},)",
+                param="stop",
             )
         stop_strings = tuple(self.stop_strings)
         for s in stop_strings:
             if not isinstance(s, str) or not s:
-                raise CloverError(f"stop strings should be non-empty strings, got {s!r} in {stop_strings!r}", param="stop")
+                raise CloverError(
+                    f"stop strings should be non-empty strings, got {s!r} in {stop_strings!r}", param="stop"
+                )
         eos_token_ids = tuple(self.eos_token_ids)
         for i in eos_token_ids:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:

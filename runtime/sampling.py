@@ -33,8 +33,7 @@ class SamplingParams:
                 f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}", param="temperature"
             )
         if not (0 < self.top_p <= 1):
-            raise CloverError(f"top_p must be in (0, 1], got {self.top_p}: use 1.0 to disable top-p",
-                              param="top_p")
+            raise CloverError(f"top_p must be in (0, 1], got {self.top_p}: use 1.0 to disable top-p", param="top_p")
 
     @property
     def greedy(self) -> bool:
@@ -43,9 +42,7 @@ class SamplingParams:
 
 def _check_2d(logits: np.ndarray) -> None:
     if logits.ndim != 2:
-        raise CloverError(
-            f"expected logits of shape [N, V], got shape {logits.shape}: add a leading axis for one row"
-        )
+        raise CloverError(f"expected logits of shape [N, V], got shape {logits.shape}: add a leading axis for one row")
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:

@@ -52,7 +52,7 @@ class Request:
     stop: StopConditions
     sampling: SamplingParams
     tracker: OutputTracker
-    deliver: Callable[["StreamDelta | GenerationResult | BaseException"], None]
+    deliver: Callable[[StreamDelta | GenerationResult | BaseException], None]
     progress: Progress
     cancelled: threading.Event = field(default_factory=threading.Event)
     decoding: Decoding | None = None  # set when it joins the batch
@@ -84,8 +84,10 @@ class Scheduler:
             if self.refusing is not None:
                 raise self.refusing
             if len(self.waiting) >= self.max_waiting:
-                raise QueueFull(f"the engine's queue is full ({self.max_waiting} requests waiting, {len(self.running)} "
-                                "running): retry later, or raise max_waiting / max_batch")
+                raise QueueFull(
+                    f"the engine's queue is full ({self.max_waiting} requests waiting, {len(self.running)} "
+                    "running): retry later, or raise max_waiting / max_batch"
+                )
             self.waiting.append(request)
             self.lock.notify_all()
 
@@ -116,11 +118,14 @@ class Scheduler:
 def kv_plan(max_batch: int, context: int, bytes_per_token: int) -> str:
     """One line: the KV memory the engine may use at most (every slot at full context)."""
     total = max_batch * context * bytes_per_token
-    return (f"KV cache plan: up to {max_batch} sequences x {context} tokens x {bytes_per_token / 1024:.1f} KiB/token "
-            f"= {total / 2**20:.0f} MiB at most (allocated as sequences grow)")
+    return (
+        f"KV cache plan: up to {max_batch} sequences x {context} tokens x {bytes_per_token / 1024:.1f} KiB/token "
+        f"= {total / 2**20:.0f} MiB at most (allocated as sequences grow)"
+    )
 
 
 # -- what each sequence speculates ------------------------------------------------------------------------
+
 
 class RankAcceptance:
     """Online acceptance by depth and rank: q[d, r] = P(the rank-r draft at depth d is the accepted token |
@@ -132,7 +137,7 @@ class RankAcceptance:
         self.version = 0  # bumped by every observation
         self.prior_q, self.prior = prior_q, prior
 
-    def q(self, base: "RankAcceptance | None" = None) -> np.ndarray:
+    def q(self, base: RankAcceptance | None = None) -> np.ndarray:
         """[depth + 1, ranks] estimates; shrunk toward `base`'s (a sequence's own toward the engine's)."""
         prior = base.q() if base is not None else self.prior_q
         return (self.hits + self.prior * prior) / (self.trials + self.prior)
@@ -197,7 +202,7 @@ class AutoTrees:
         for t in self.levels:
             paths = np.full((t.num_nodes - 1, max(t.max_depth, 1)), -1, dtype=np.int64)
             for i, c in enumerate(t.choices):
-                paths[i, :len(c)] = c
+                paths[i, : len(c)] = c
             self._paths.append(paths)
         one_row = cost.curve(1)
         self.draft_ms = np.array([0.1 * one_row * lv for lv in range(len(self.levels))])  # per sequence, by level

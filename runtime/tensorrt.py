@@ -28,8 +28,10 @@ def deserialize_engine(path: Path) -> Any:
         _RUNTIME = trt.Runtime(logger())
     engine = _RUNTIME.deserialize_cuda_engine(Path(path).read_bytes())
     if engine is None:
-        raise CloverError(f"TensorRT {trt.__version__} cannot load the engine {path} (its log above says why): "
-                          "rebuild it with clover-export --backend trt on this machine")
+        raise CloverError(
+            f"TensorRT {trt.__version__} cannot load the engine {path} (its log above says why): "
+            "rebuild it with clover-export --backend trt on this machine"
+        )
     return engine
 
 
@@ -59,8 +61,10 @@ def create_context(engine: Any, profile: int, stream: int) -> Any:
         raise CloverError("TensorRT could not create an execution context (out of GPU memory?)")
     # Asynchronous: later work on `stream` sees the new profile, nothing else needs to wait.
     if not context.set_optimization_profile_async(profile, stream):
-        raise CloverError(f"TensorRT could not select optimization profile {profile} "
-                          f"(the engine has {engine.num_optimization_profiles})")
+        raise CloverError(
+            f"TensorRT could not select optimization profile {profile} "
+            f"(the engine has {engine.num_optimization_profiles})"
+        )
     return context
 
 
@@ -70,8 +74,10 @@ def run_context(context: Any, shapes: Mapping[str, tuple[int, ...]], addresses: 
     Addresses must stay valid until the stream has run the engine."""
     for name, shape in shapes.items():
         if not context.set_input_shape(name, tuple(shape)):
-            raise CloverError(f"TensorRT rejected shape {tuple(shape)} for input {name}: it is outside the "
-                              "engine's optimization profile")
+            raise CloverError(
+                f"TensorRT rejected shape {tuple(shape)} for input {name}: it is outside the "
+                "engine's optimization profile"
+            )
     for name, address in addresses.items():
         if not context.set_tensor_address(name, int(address)):
             raise CloverError(f"TensorRT rejected the device address of tensor {name}")

@@ -253,8 +253,9 @@ def _jinja_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     def raise_exception(message: str) -> None:
         raise CloverError(f"chat template rejected the messages: {message}")
 
-    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
+    def tojson(
+        x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+    ) -> str:
         # Jinja's own tojson escapes HTML characters; transformers overrides it the same way.
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -294,8 +295,7 @@ def _token_content(value: Any, key: str, folder: Path) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return value["content"]
     raise CloverError(
-        f"{folder / TOKENIZER_CONFIG_FILE}: {key} should be a string or a dict with a 'content' string, "
-        f"found {value!r}"
+        f"{folder / TOKENIZER_CONFIG_FILE}: {key} should be a string or a dict with a 'content' string, found {value!r}"
     )
 
 

@@ -39,7 +39,7 @@ class TorchSequence:
     last: Any = None  # DecoderOutput of the last forward
     root_state: torch.Tensor | None = None
     root_logits: torch.Tensor | None = None
-    graphs: dict[int, "ForwardGraph"] = field(default_factory=dict)  # row bucket -> the base's forward (cuda_graphs)
+    graphs: dict[int, ForwardGraph] = field(default_factory=dict)  # row bucket -> the base's forward (cuda_graphs)
 
 
 def row_bucket(rows: int) -> int:
@@ -62,8 +62,9 @@ class ForwardGraph:
 
         def forward() -> DecoderOutput:
             i = self.inputs
-            return base(i[:R][None], i[R:2 * R][None], i[2 * R + 1:].view(1, R, R).bool(), i[2 * R:2 * R + 1],
-                        keys, values)
+            return base(
+                i[:R][None], i[R : 2 * R][None], i[2 * R + 1 :].view(1, R, R).bool(), i[2 * R : 2 * R + 1], keys, values
+            )
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -79,18 +80,26 @@ class ForwardGraph:
         R, T = self.rows, tokens.shape[0]
         host = self.host.numpy()
         host[:] = 0
-        host[:T], host[R:R + T], host[2 * R] = tokens, past + depths, past
-        square = host[2 * R + 1:].reshape(R, R)
+        host[:T], host[R : R + T], host[2 * R] = tokens, past + depths, past
+        square = host[2 * R + 1 :].reshape(R, R)
         square[:T, :T] = mask
         square[np.arange(T, R), np.arange(T, R)] = 1  # padding rows see themselves only
         self.inputs.copy_(self.host, non_blocking=True)
         self.graph.replay()
         return self.out
 
+
 class TorchRunner(Runner):
-    def __init__(self, base: Decoder, heads: DraftHeads | None = None, heads_name: str = "none",
-                 draft_vocab: np.ndarray | None = None, ngram_store: NgramStore | None = None,
-                 cuda_graphs: bool = False, max_graph_rows: int = 64):
+    def __init__(
+        self,
+        base: Decoder,
+        heads: DraftHeads | None = None,
+        heads_name: str = "none",
+        draft_vocab: np.ndarray | None = None,
+        ngram_store: NgramStore | None = None,
+        cuda_graphs: bool = False,
+        max_graph_rows: int = 64,
+    ):
         """draft_vocab: int64 [K] token ids the heads draft over (their logits' columns); None: all V.
         ngram_store: what prompt lookup drafts from when the sequence has no match (runtime/lookup.py).
         cuda_graphs: replay the base's forward from CUDA graphs (module doc) for forwards of up to
@@ -103,19 +112,26 @@ class TorchRunner(Runner):
             if self.device.type != "cuda":
                 raise CloverError(f"cuda_graphs needs the model on a CUDA device, but it is on {self.device}")
             if base.config.sliding_window is not None:
-                raise CloverError("cuda_graphs reads whole cache buffers through the tree-attention kernel, which has no "
-                                  f"sliding window; this model has a {base.config.sliding_window}-token window")
+                raise CloverError(
+                    "cuda_graphs reads whole cache buffers through the tree-attention kernel, which has no "
+                    f"sliding window; this model has a {base.config.sliding_window}-token window"
+                )
             base = with_attention(base, "plugin")
         self.base, self.heads = base, heads
         self._vocab = None if draft_vocab is None or heads is None else self._t(np.asarray(draft_vocab, dtype=np.int64))
         self.engine_clock = EngineClock()
         cfg = base.config
         self.info = RunnerInfo(
-            backend="torch", vocab_size=cfg.vocab_size, max_context=cfg.max_position_embeddings,
+            backend="torch",
+            vocab_size=cfg.vocab_size,
+            max_context=cfg.max_position_embeddings,
             heads=heads.config.arch if heads is not None else None,
             heads_max_depth=heads.config.max_depth if heads is not None else None,
             heads_name=heads_name if heads is not None else "none",
-            kv_bytes_per_token=2 * cfg.num_kv_heads * cfg.head_dim * base.lm_head.weight.element_size()
+            kv_bytes_per_token=2
+            * cfg.num_kv_heads
+            * cfg.head_dim
+            * base.lm_head.weight.element_size()
             * (cfg.num_layers + (heads.num_cache_layers if heads is not None else 0)),
             draft_vocab=None if self._vocab is None else np.asarray(draft_vocab, dtype=np.int64),
             ngram_store=ngram_store,
@@ -132,9 +148,11 @@ class TorchRunner(Runner):
             self._spares.remove(spare)
             spare.states, spare.last, spare.root_state, spare.root_logits = spare.states[:0], None, None, None
             return spare
-        return TorchSequence(self.base.empty_cache(1, c),
-                             self.base.empty_cache(1, c, self.heads.num_cache_layers if self.heads else 0),
-                             torch.zeros(0, self.base.config.hidden_size, dtype=self.base.lm_head.weight.dtype))
+        return TorchSequence(
+            self.base.empty_cache(1, c),
+            self.base.empty_cache(1, c, self.heads.num_cache_layers if self.heads else 0),
+            torch.zeros(0, self.base.config.hidden_size, dtype=self.base.lm_head.weight.dtype),
+        )
 
     def _release(self, slot: Slot) -> None:
         if self.max_graph_rows:  # kept with its graphs for the next sequence, which then records none
@@ -157,12 +175,16 @@ class TorchRunner(Runner):
                 graph = seq.graphs[R] = ForwardGraph(self.base, keys, values, R)
             with self.engine_clock:
                 seq.last = out = graph(P, tokens, depths, mask)
-                logits = out.logits[0, T - 1:T] if last_only else out.logits[0, :T]
+                logits = out.logits[0, T - 1 : T] if last_only else out.logits[0, :T]
                 return logits.float().cpu().numpy()
         with self.engine_clock:
             out = self.base(
-                self._t(tokens)[None], (P + self._t(depths).long())[None], self._t(mask)[None],
-                torch.tensor([P], device=self.device), [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values],
+                self._t(tokens)[None],
+                (P + self._t(depths).long())[None],
+                self._t(mask)[None],
+                torch.tensor([P], device=self.device),
+                [k[:, :, :P] for k in keys],
+                [v[:, :, :P] for v in values],
                 logit_rows=torch.tensor([T - 1], device=self.device) if last_only else None,
             )
         seq.last = out
@@ -174,17 +196,23 @@ class TorchRunner(Runner):
         rows = self._t(path)
         contiguous = bool(path[0] == 0 and path[-1] == m - 1)  # prefill / plain step: no gather needed
         for store, new in zip(seq.cache[0] + seq.cache[1], seq.last.new_keys + seq.last.new_values):
-            store[:, :, P:P + m] = new[:, :, :m] if contiguous else new.index_select(2, rows)
+            store[:, :, P : P + m] = new[:, :, :m] if contiguous else new.index_select(2, rows)
         if self.heads is None:
             return
         keys, values = seq.head_cache
         hidden = seq.last.hidden_states.index_select(1, rows)  # [1, m, H]
         positions = torch.arange(P, P + m, device=self.device)[None]
         with self.engine_clock:
-            out = self.heads.begin(hidden, self._t(next_tokens)[None], positions, torch.tensor([P], device=self.device),
-                                   [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values])
+            out = self.heads.begin(
+                hidden,
+                self._t(next_tokens)[None],
+                positions,
+                torch.tensor([P], device=self.device),
+                [k[:, :, :P] for k in keys],
+                [v[:, :, :P] for v in values],
+            )
         for store, new in zip(keys + values, out.new_keys + out.new_values):
-            store[:, :, P:P + m] = new
+            store[:, :, P : P + m] = new
         seq.root_state, seq.root_logits = out.state, out.logits
 
     @torch.inference_mode()
@@ -218,7 +246,9 @@ def base_dir(base: str | Path) -> Path:
     return resolve_base(base)
 
 
-def load_runner(base: str | Path, heads: str = "none", dtype: str = "float32", threads: int | None = None) -> TorchRunner:
+def load_runner(
+    base: str | Path, heads: str = "none", dtype: str = "float32", threads: int | None = None
+) -> TorchRunner:
     """Build a runner from CLI-style specs: base = folder or 'smollm2'; heads = folder, random:ARCH[:SEED] or none;
     threads: torch's intra-op threads (process-wide; None leaves torch's default)."""
     from clover.models.head_io import resolve_heads

@@ -94,8 +94,10 @@ class DynamicTree:
 
     def __post_init__(self) -> None:
         if not (1 <= self.budget < MAX_TREE_NODES and 1 <= self.width and 1 <= self.depth):
-            raise CloverError(f"a dynamic tree needs 1 <= budget < {MAX_TREE_NODES}, width >= 1 and depth >= 1, got "
-                              f"budget {self.budget}, width {self.width}, depth {self.depth}")
+            raise CloverError(
+                f"a dynamic tree needs 1 <= budget < {MAX_TREE_NODES}, width >= 1 and depth >= 1, got "
+                f"budget {self.budget}, width {self.width}, depth {self.depth}"
+            )
 
     @property
     def num_nodes(self) -> int:
@@ -151,9 +153,7 @@ def _normalize_choices(choices: Any) -> list[RankPath]:
                 f"of type {type(raw).__name__}: write each path as a list like [0, 1]"
             )
         if len(raw) == 0:
-            raise CloverError(
-                "tree path [] is empty: the root is implicit, list only non-root nodes such as [0]"
-            )
+            raise CloverError("tree path [] is empty: the root is implicit, list only non-root nodes such as [0]")
         for x in raw:
             # bool is an int subclass but never a meaningful rank
             if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)) or x < 0:
@@ -169,8 +169,7 @@ def _validate_structure(paths: list[RankPath]) -> None:
     """Duplicates, node count, missing parents, non-contiguous sibling ranks."""
     if len(paths) + 1 > MAX_TREE_NODES:
         raise CloverError(
-            f"tree has {len(paths) + 1} nodes (root included), the limit is {MAX_TREE_NODES}: "
-            "use a smaller tree"
+            f"tree has {len(paths) + 1} nodes (root included), the limit is {MAX_TREE_NODES}: use a smaller tree"
         )
     seen: set[RankPath] = set()
     for p in paths:
@@ -180,8 +179,7 @@ def _validate_structure(paths: list[RankPath]) -> None:
     for p in sorted(paths, key=lambda q: (len(q), q)):
         if len(p) > 1 and p[:-1] not in seen:
             raise CloverError(
-                f"tree path {_fmt(p)} has no parent {_fmt(p[:-1])}: every prefix of a path must "
-                "also be in the tree"
+                f"tree path {_fmt(p)} has no parent {_fmt(p[:-1])}: every prefix of a path must also be in the tree"
             )
         if p[-1] > 0 and p[:-1] + (p[-1] - 1,) not in seen:
             sib = p[:-1] + (p[-1] - 1,)
@@ -266,9 +264,7 @@ def compile_tree(choices: Sequence[Sequence[int]], name: str = "custom") -> Tree
         packed_mask=_readonly(pack_mask(anc)),
         leaf_paths=_readonly(leaf_paths),
         children=tuple(_readonly(np.asarray(c, dtype=np.int32)) for c in child_lists),
-        levels=tuple(
-            _readonly(np.flatnonzero(depth == d).astype(np.int32)) for d in range(max_depth + 1)
-        ),
+        levels=tuple(_readonly(np.flatnonzero(depth == d).astype(np.int32)) for d in range(max_depth + 1)),
         max_children=max(len(c) for c in child_lists),
     )
 
@@ -277,7 +273,9 @@ def prune_tree(tree: Tree, depth: int) -> Tree:
     """`tree` without its nodes deeper than `depth` (itself when none are; 0: the root-only tree)."""
     if depth >= tree.max_depth:
         return tree
-    return compile_tree([c for c in tree.choices if len(c) <= depth], name=f"{tree.name}-d{depth}" if depth else "plain")
+    return compile_tree(
+        [c for c in tree.choices if len(c) <= depth], name=f"{tree.name}-d{depth}" if depth else "plain"
+    )
 
 
 NAMED_TREES: dict[str, tuple[RankPath, ...]] = {
@@ -324,9 +322,7 @@ def resolve_tree(spec: str) -> Tree:
         if n < 1:
             raise CloverError(f"tree '{spec}' has no draft tokens: use chain-N with N >= 1, or 'plain'")
         if n + 1 > MAX_TREE_NODES:
-            raise CloverError(
-                f"tree '{spec}' has {n + 1} nodes, the limit is {MAX_TREE_NODES}: use a shorter chain"
-            )
+            raise CloverError(f"tree '{spec}' has {n + 1} nodes, the limit is {MAX_TREE_NODES}: use a shorter chain")
         return compile_tree([[0] * d for d in range(1, n + 1)], name=spec)
     if spec.lstrip().startswith("["):
         choices = _parse_json(spec, "inline tree spec")
@@ -342,8 +338,7 @@ def resolve_tree(spec: str) -> Tree:
     if spec.endswith(".json") or "/" in spec:
         raise CloverError(f"tree file {spec} not found: pass an existing JSON file or a tree name")
     raise CloverError(
-        f"unknown tree '{spec}': available names are {', '.join(sorted(NAMED_TREES))}; "
-        f"also accepted: {_FORMS}"
+        f"unknown tree '{spec}': available names are {', '.join(sorted(NAMED_TREES))}; also accepted: {_FORMS}"
     )
 
 
@@ -351,9 +346,7 @@ def _parse_json(text: str, what: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise CloverError(
-            f"{what} is not valid JSON ({e}): expected a list of paths like [[0], [1], [0, 0]]"
-        ) from e
+        raise CloverError(f"{what} is not valid JSON ({e}): expected a list of paths like [[0], [1], [0, 0]]") from e
 
 
 def tree_spec(tree: Tree) -> TreeSpec:

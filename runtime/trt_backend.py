@@ -30,18 +30,24 @@ from typing import Any
 
 import numpy as np
 
-from clover.errors import CloverError
-from clover.runtime import tensorrt as rt
-from clover.trt import ITEMSIZE, check_engine_compatible, device_info, require_tensorrt
 from clover.artifact import (
-    ARTIFACT_HEADS, EngineSpec, GraphSpec, Manifest, ProfileSpec, open_artifact, uses_exported_heads,
+    ARTIFACT_HEADS,
+    EngineSpec,
+    GraphSpec,
+    Manifest,
+    ProfileSpec,
+    open_artifact,
+    uses_exported_heads,
 )
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
-from clover.runtime.lookup import NgramStore
+from clover.errors import CloverError
+from clover.runtime import tensorrt as rt
 from clover.runtime.graph_runner import Arrays, GraphRunner, graphs_used  # noqa: F401 (graphs_used: tests, tools)
-
+from clover.runtime.lookup import NgramStore
+from clover.trt import ITEMSIZE, check_engine_compatible, device_info, require_tensorrt
 
 # -- pure parts: binding tables and profile choice ----------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Binding:
@@ -73,7 +79,7 @@ class BindingTable:
     profiles: tuple[ProfileSpec, ...]
 
     @classmethod
-    def of(cls, name: str, graph: GraphSpec, profiles: Sequence[ProfileSpec]) -> "BindingTable":
+    def of(cls, name: str, graph: GraphSpec, profiles: Sequence[ProfileSpec]) -> BindingTable:
         io = lambda ts: tuple(Binding(t.name, t.dtype, tuple(t.shape)) for t in ts)  # noqa: E731
         return cls(name, io(graph.inputs), io(graph.outputs), tuple(profiles))
 
@@ -122,11 +128,15 @@ def dim_bounds(profile: ProfileSpec, graph_inputs: Sequence[Binding]) -> dict[st
 
 
 def no_profile_message(table: BindingTable, sizes: Mapping[str, int]) -> str:
-    built = "; ".join(p.name + " " + ", ".join(f"{d} {a}..{z}" for d, (a, z) in dim_bounds(p, table.inputs).items())
-                      for p in table.profiles)
+    built = "; ".join(
+        p.name + " " + ", ".join(f"{d} {a}..{z}" for d, (a, z) in dim_bounds(p, table.inputs).items())
+        for p in table.profiles
+    )
     asked = ", ".join(f"{k} {v}" for k, v in sizes.items())
-    return (f"TensorRT engine {table.graph} has no optimization profile for {asked} (it was built for {built}): use a "
-            "shorter prompt or a smaller tree, or rebuild the engines with clover-export --backend trt and larger limits")
+    return (
+        f"TensorRT engine {table.graph} has no optimization profile for {asked} (it was built for {built}): use a "
+        "shorter prompt or a smaller tree, or rebuild the engines with clover-export --backend trt and larger limits"
+    )
 
 
 def max_slots(table: BindingTable) -> int:
@@ -136,6 +146,7 @@ def max_slots(table: BindingTable) -> int:
 
 
 # -- the GPU side --------------------------------------------------------------------------------------------
+
 
 def _torch():
     try:
@@ -147,8 +158,14 @@ def _torch():
 
 def torch_dtype(name: str):
     torch = _torch()
-    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int64": torch.int64,
-            "int32": torch.int32, "bool": torch.bool}[name]
+    return {
+        "float32": torch.float32,
+        "float16": torch.float16,
+        "bfloat16": torch.bfloat16,
+        "int64": torch.int64,
+        "int32": torch.int32,
+        "bool": torch.bool,
+    }[name]
 
 
 class EngineGraph:
@@ -169,17 +186,26 @@ class EngineGraph:
         self.contexts = []  # contexts before their engine
         self.engine = None
 
-    def run(self, inputs: Mapping[str, Any], sizes: Mapping[str, int], into: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def run(
+        self, inputs: Mapping[str, Any], sizes: Mapping[str, int], into: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
         """Enqueue one call on the runner's stream; outputs are new device tensors (from torch's caching
         allocator, on that stream, so they are reused only after this call has read and written them)."""
         torch = _torch()
         assert not into, "TensorRT engines return their outputs (no in-place KV cache: that is ORT's fused attention)"
         profile = self.table.profile(sizes)
-        outputs = {n: torch.empty(s, dtype=self.out_dtypes[n], device=self.device)
-                   for n, s in self.table.output_shapes(sizes).items()}
+        outputs = {
+            n: torch.empty(s, dtype=self.out_dtypes[n], device=self.device)
+            for n, s in self.table.output_shapes(sizes).items()
+        }
         inputs = {n: t.contiguous() for n, t in inputs.items()}  # addresses of dense tensors
         for b in self.table.inputs:
-            assert tuple(inputs[b.name].shape) == b.shape(sizes), (self.table.graph, b.name, inputs[b.name].shape, sizes)
+            assert tuple(inputs[b.name].shape) == b.shape(sizes), (
+                self.table.graph,
+                b.name,
+                inputs[b.name].shape,
+                sizes,
+            )
         addresses = {n: t.data_ptr() for n, t in (*inputs.items(), *outputs.items())}
         rt.run_context(self.contexts[profile], self.table.input_shapes(sizes), addresses, self.stream.cuda_stream)
         return outputs
@@ -190,8 +216,10 @@ def check_engine_io(table: BindingTable, io: Mapping[str, tuple[bool, str]], fil
     want = {b.name: (True, b.dtype) for b in table.inputs} | {b.name: (False, b.dtype) for b in table.outputs}
     if dict(io) != want:
         diff = sorted(set(io.items()) ^ set(want.items()))
-        raise CloverError(f"engine {file} does not match graph {table.graph} of the manifest (differs in "
-                          f"{', '.join(n for n, _ in diff[:4])}): export the artifact again")
+        raise CloverError(
+            f"engine {file} does not match graph {table.graph} of the manifest (differs in "
+            f"{', '.join(n for n, _ in diff[:4])}): export the artifact again"
+        )
 
 
 class TorchArrays(Arrays):
@@ -233,8 +261,9 @@ class TorchArrays(Arrays):
 class TrtRunner(GraphRunner):
     """A Runner over an artifact's TensorRT engines; use `load_runner` to build one from a folder."""
 
-    def __init__(self, root: str | Path, manifest: Manifest, use_heads: bool = True, device: int = 0,
-                 cache_block: int = 256) -> None:
+    def __init__(
+        self, root: str | Path, manifest: Manifest, use_heads: bool = True, device: int = 0, cache_block: int = 256
+    ) -> None:
         torch = _torch()
         trt = require_tensorrt()
         if cache_block < 1:
@@ -244,8 +273,10 @@ class TrtRunner(GraphRunner):
         names = graphs_used(manifest, use_heads)
         for name in names:
             if name not in manifest.engines:
-                raise CloverError(f"artifact {root} has no TensorRT engine for graph {name}: export it again with "
-                                  "clover-export --backend trt")
+                raise CloverError(
+                    f"artifact {root} has no TensorRT engine for graph {name}: export it again with "
+                    "clover-export --backend trt"
+                )
             check_engine_compatible(manifest.engines[name], trt.__version__, here.name, here.compute_capability)
         if manifest.attention == "plugin":
             from clover.plugins.trt_plugin import register
@@ -257,16 +288,31 @@ class TrtRunner(GraphRunner):
             engines = {n: EngineGraph(root, n, manifest.graphs[n], manifest.engines[n], cuda, stream) for n in names}
         self._setup(manifest, use_heads, engines, cuda, stream, cache_block, NgramStore.of_artifact(root, manifest))
 
-    def _setup(self, manifest: Manifest, use_heads: bool, engines: Mapping[str, Any], device, stream,
-               cache_block: int, ngram_store: NgramStore | None = None) -> None:
+    def _setup(
+        self,
+        manifest: Manifest,
+        use_heads: bool,
+        engines: Mapping[str, Any],
+        device,
+        stream,
+        cache_block: int,
+        ngram_store: NgramStore | None = None,
+    ) -> None:
         """Everything but loading: `engines` maps graph names to objects with EngineGraph's run / table /
         has_input. stream None runs torch ops on the current stream (CPU tests of the bookkeeping drive this
         class with ONNX Runtime in place of the engines)."""
         self.stream = stream
         slot_limit = min(max_slots(engines[n].table) for n in ("base", "draft_begin") if n in engines)
-        super().__init__(manifest, engines, TorchArrays(device, stream), use_heads=use_heads, backend="trt",
-                         cache_block=cache_block, max_context=min(manifest.max_context, slot_limit),
-                         ngram_store=ngram_store)
+        super().__init__(
+            manifest,
+            engines,
+            TorchArrays(device, stream),
+            use_heads=use_heads,
+            backend="trt",
+            cache_block=cache_block,
+            max_context=min(manifest.max_context, slot_limit),
+            ngram_store=ngram_store,
+        )
 
     def close(self) -> None:
         if self.stream is not None:
@@ -278,8 +324,14 @@ class TrtRunner(GraphRunner):
         self._free = []
 
 
-def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | None = None, checksums: bool = True,
-                device: int = 0, cache_block: int = 256) -> TrtRunner:
+def load_runner(
+    artifact: str | Path,
+    heads: str = ARTIFACT_HEADS,
+    dtype: str | None = None,
+    checksums: bool = True,
+    device: int = 0,
+    cache_block: int = 256,
+) -> TrtRunner:
     """Open and validate an artifact folder with TensorRT engines and build its runner.
 
     Args:
@@ -294,10 +346,14 @@ def load_runner(artifact: str | Path, heads: str = ARTIFACT_HEADS, dtype: str | 
     manifest = open_artifact(artifact, checksums=checksums)
     require_tensorrt()
     if dtype is not None and dtype != manifest.dtype:
-        raise CloverError(f"artifact {artifact} holds {manifest.dtype} engines, not {dtype}: omit --dtype, or export "
-                          f"again with clover-export --backend trt --dtype {dtype}")
+        raise CloverError(
+            f"artifact {artifact} holds {manifest.dtype} engines, not {dtype}: omit --dtype, or export "
+            f"again with clover-export --backend trt --dtype {dtype}"
+        )
     use_heads = uses_exported_heads(artifact, manifest, heads)
     if not manifest.engines:
-        raise CloverError(f"artifact {artifact} has no TensorRT engines (exported with --backend {manifest.backend}): "
-                          "export it with clover-export --backend trt on this GPU machine, or run it with --backend ort")
+        raise CloverError(
+            f"artifact {artifact} has no TensorRT engines (exported with --backend {manifest.backend}): "
+            "export it with clover-export --backend trt on this GPU machine, or run it with --backend ort"
+        )
     return TrtRunner(artifact, manifest, use_heads=use_heads, device=device, cache_block=cache_block)

@@ -33,7 +33,13 @@ from clover.runtime.sampling import SamplingParams
 from clover.serve.limits import RequestGuard, RequestLimits
 from clover.serve.metrics import Metrics
 from clover.serve.schemas import (
-    ChatCompletionRequest, CompletionRequest, Speculation, Usage, error_body, new_id, now,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Speculation,
+    Usage,
+    error_body,
+    new_id,
+    now,
 )
 
 RETRY_AFTER_S = 1
@@ -43,10 +49,24 @@ WARMUP_PROMPT = "Hello"
 class ApiError(Exception):
     """An error answered in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+        self.status, self.message, self.type, self.param, self.code, self.headers = (
+            status,
+            message,
+            type_,
+            param,
+            code,
+            headers,
+        )
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -72,8 +92,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else f"the request body is invalid: {msg}"), param
 
 
-def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: bool = True,
-               limits: RequestLimits = RequestLimits(), docs: bool = True, metrics_need_key: bool = False) -> FastAPI:
+def create_app(
+    engine: Engine,
+    model: str,
+    api_key: str | None = None,
+    warmup: bool = True,
+    limits: RequestLimits = RequestLimits(),
+    docs: bool = True,
+    metrics_need_key: bool = False,
+) -> FastAPI:
     """The app serving `engine` as model `model`; with `api_key`, /v1 routes (and /metrics with `metrics_need_key`)
     need `Authorization: Bearer KEY`. warmup: /health turns 200 after one short request has run (False: at once).
     limits: what one request may ask. docs: serve /docs, /redoc and /openapi.json."""
@@ -85,6 +112,7 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
         app.state.ready = not warmup
         task = None
         if warmup:
+
             async def warm() -> None:
                 while True:  # a warm-up that failed (in a step with a failing request) is tried again
                     try:
@@ -105,9 +133,14 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
     hidden = {} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="clover-serve", lifespan=lifespan, **hidden)
     # the API key, the body's size and the requests in flight are checked before the body is read
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=limits.max_body_bytes,
-                       max_concurrent=limits.max_concurrent_requests, metrics_need_key=metrics_need_key,
-                       retry_after_s=RETRY_AFTER_S)
+    app.add_middleware(
+        RequestGuard,
+        api_key=api_key,
+        max_body_bytes=limits.max_body_bytes,
+        max_concurrent=limits.max_concurrent_requests,
+        metrics_need_key=metrics_need_key,
+        retry_after_s=RETRY_AFTER_S,
+    )
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -136,8 +169,12 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "clover-deploy",
-                                            "max_model_len": context}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": model, "object": "model", "created": 0, "owned_by": "clover-deploy", "max_model_len": context}
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -159,27 +196,51 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
             raise ApiError(400, str(e), param=request_param(e.param, body)) from None
 
     # -- the work -----------------------------------------------------------------------------------------
-    def submit(request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: Any, rid: str) -> EngineStream:
+    def submit(
+        request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: Any, rid: str
+    ) -> EngineStream:
         if body.model != model:
-            raise ApiError(404, f"model {body.model!r} does not exist: this server serves {model!r} (GET /v1/models)",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"model {body.model!r} does not exist: this server serves {model!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         if not request.app.state.ready:
-            raise ApiError(503, "the server is warming up: retry in a moment", "service_unavailable",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise ApiError(
+                503,
+                "the server is warming up: retry in a moment",
+                "service_unavailable",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         try:
             limits.check(body.stop_strings(), body.ignore_eos)
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
             ids = encode_prompt(engine.tokenizer, prompt)  # messages through the chat template; text; ids as given
             # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
             new = limits.new_tokens(len(ids), body.token_limit(), context)
-            return engine.stream(ids, max_new_tokens=new, sampling=sampling, stop=body.stop_strings(),
-                                 ignore_eos=body.ignore_eos, request_id=rid)
+            return engine.stream(
+                ids,
+                max_new_tokens=new,
+                sampling=sampling,
+                stop=body.stop_strings(),
+                ignore_eos=body.ignore_eos,
+                request_id=rid,
+            )
         except QueueFull as e:
-            raise ApiError(503, f"the server is busy ({e}): retry later", "service_unavailable",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise ApiError(
+                503,
+                f"the server is busy ({e}): retry later",
+                "service_unavailable",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
         except EngineUnavailable as e:
-            raise ApiError(503, f"the server cannot take requests: {e}", "service_unavailable",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise ApiError(
+                503,
+                f"the server cannot take requests: {e}",
+                "service_unavailable",
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            ) from None
         except CloverError as e:
             raise ApiError(400, str(e), param=request_param(e.param, body)) from None
 
@@ -188,8 +249,11 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
         rid = new_id("chatcmpl" if chat else "cmpl")  # also names the request in the engine's log
         out = await run_in_threadpool(submit, request, body, prompt, rid)
         if body.stream:
-            return StreamingResponse(_events(out, rid, body, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            return StreamingResponse(
+                _events(out, rid, body, chat),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+            )
         try:
             async for _ in out:
                 if await request.is_disconnected():
@@ -206,21 +270,39 @@ def create_app(engine: Engine, model: str, api_key: str | None = None, warmup: b
         reason = finish_reason(result)
         metrics.finished(result, reason)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": result.text}, "finish_reason": reason,
-                      "logprobs": None}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "finish_reason": reason,
+                "logprobs": None,
+            }
         else:
             choice = {"index": 0, "text": result.text, "finish_reason": reason, "logprobs": None}
-        return JSONResponse({
-            "id": rid, "object": "chat.completion" if chat else "text_completion", "created": now(), "model": model,
-            "choices": [choice], "usage": usage(result).model_dump(), "clover": speculation(result).model_dump(),
-        }, headers={"X-Request-Id": rid})
+        return JSONResponse(
+            {
+                "id": rid,
+                "object": "chat.completion" if chat else "text_completion",
+                "created": now(),
+                "model": model,
+                "choices": [choice],
+                "usage": usage(result).model_dump(),
+                "clover": speculation(result).model_dump(),
+            },
+            headers={"X-Request-Id": rid},
+        )
 
     async def _events(out: EngineStream, rid: str, body, chat: bool) -> AsyncIterator[str]:
         created, kind = now(), "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choice: dict[str, Any] | None, **extra: Any) -> str:
-            doc = {"id": rid, "object": kind, "created": created, "model": model,
-                   "choices": [] if choice is None else [{"index": 0, "logprobs": None, **choice}], **extra}
+            doc = {
+                "id": rid,
+                "object": kind,
+                "created": created,
+                "model": model,
+                "choices": [] if choice is None else [{"index": 0, "logprobs": None, **choice}],
+                **extra,
+            }
             return f"data: {json.dumps(doc)}\n\n"
 
         def piece(text: str, reason: str | None = None) -> dict[str, Any]:
@@ -258,10 +340,18 @@ def finish_reason(result: GenerationResult) -> str:
 
 
 def usage(result: GenerationResult) -> Usage:
-    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.new_tokens,
-                 total_tokens=result.prompt_tokens + result.new_tokens)
+    return Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.new_tokens,
+        total_tokens=result.prompt_tokens + result.new_tokens,
+    )
 
 
 def speculation(result: GenerationResult) -> Speculation:
-    return Speculation(acceptance_length=round(result.tokens_per_step, 4), steps=result.steps,
-                       drafted_tokens=result.drafted_tokens, accepted_tokens=result.accepted_tokens, tree=result.tree)
+    return Speculation(
+        acceptance_length=round(result.tokens_per_step, 4),
+        steps=result.steps,
+        drafted_tokens=result.drafted_tokens,
+        accepted_tokens=result.accepted_tokens,
+        tree=result.tree,
+    )

@@ -32,13 +32,19 @@ class RequestLimits:
 
     def __post_init__(self) -> None:
         if self.max_stop_strings < 0 or self.max_stop_chars < 1:
-            raise CloverError(f"stop-string limits must be >= 0 strings and >= 1 character, got {self.max_stop_strings} "
-                              f"and {self.max_stop_chars}")
+            raise CloverError(
+                f"stop-string limits must be >= 0 strings and >= 1 character, got {self.max_stop_strings} "
+                f"and {self.max_stop_chars}"
+            )
         if self.max_body_bytes < 1024:
             raise CloverError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        for flag, value in (("--max-concurrent-requests", self.max_concurrent_requests),
-                            ("--max-input-tokens", self.max_input_tokens), ("--max-tokens-cap", self.max_tokens_cap),
-                            ("--max-messages", self.max_messages), ("--max-prompt-chars", self.max_prompt_chars)):
+        for flag, value in (
+            ("--max-concurrent-requests", self.max_concurrent_requests),
+            ("--max-input-tokens", self.max_input_tokens),
+            ("--max-tokens-cap", self.max_tokens_cap),
+            ("--max-messages", self.max_messages),
+            ("--max-prompt-chars", self.max_prompt_chars),
+        ):
             if value is not None and value < 1:
                 raise CloverError(f"{flag} must be >= 1, got {value}")
 
@@ -46,11 +52,15 @@ class RequestLimits:
         """What to ask the engine for: `asked` (max_tokens), refused over the cap or with a prompt over
         max_input_tokens; no max_tokens: None (the rest of the context), or the cap where it is less."""
         if self.max_input_tokens is not None and prompt_tokens > self.max_input_tokens:
-            raise CloverError(f"the prompt has {prompt_tokens} tokens: this server takes at most {self.max_input_tokens}",
-                              param="prompt")
+            raise CloverError(
+                f"the prompt has {prompt_tokens} tokens: this server takes at most {self.max_input_tokens}",
+                param="prompt",
+            )
         if asked is not None and self.max_tokens_cap is not None and asked > self.max_tokens_cap:
-            raise CloverError(f"max_tokens is {asked}: this server generates at most {self.max_tokens_cap} tokens per "
-                              "request", param="max_new_tokens")
+            raise CloverError(
+                f"max_tokens is {asked}: this server generates at most {self.max_tokens_cap} tokens per request",
+                param="max_new_tokens",
+            )
         if asked is None and self.max_tokens_cap is not None:
             return min(self.max_tokens_cap, max(context - prompt_tokens, 1))
         return asked
@@ -59,24 +69,30 @@ class RequestLimits:
         """CloverError for a chat of more than max_messages messages (None: a completion) or a prompt of more than
         max_prompt_chars characters."""
         if messages is not None and messages > self.max_messages:
-            raise CloverError(f"{messages} messages: this server takes at most {self.max_messages} per request",
-                              param="messages")
+            raise CloverError(
+                f"{messages} messages: this server takes at most {self.max_messages} per request", param="messages"
+            )
         if chars > self.max_prompt_chars:
-            raise CloverError(f"the prompt has {chars} characters: this server takes at most {self.max_prompt_chars}",
-                              param="prompt")
+            raise CloverError(
+                f"the prompt has {chars} characters: this server takes at most {self.max_prompt_chars}", param="prompt"
+            )
 
     def check(self, stop: tuple[str, ...], ignore_eos: bool) -> None:
         """CloverError (with its param) for a request over a limit."""
         if len(stop) > self.max_stop_strings:
-            raise CloverError(f"{len(stop)} stop strings: this server takes at most {self.max_stop_strings}",
-                              param="stop")
+            raise CloverError(
+                f"{len(stop)} stop strings: this server takes at most {self.max_stop_strings}", param="stop"
+            )
         longest = max(map(len, stop), default=0)
         if longest > self.max_stop_chars:
-            raise CloverError(f"a stop string of {longest} characters: this server takes at most {self.max_stop_chars} "
-                              "per string", param="stop")
+            raise CloverError(
+                f"a stop string of {longest} characters: this server takes at most {self.max_stop_chars} per string",
+                param="stop",
+            )
         if ignore_eos and not self.allow_ignore_eos:
-            raise CloverError("ignore_eos is off on this server (clover-serve --allow-ignore-eos turns it on)",
-                              param="ignore_eos")
+            raise CloverError(
+                "ignore_eos is off on this server (clover-serve --allow-ignore-eos turns it on)", param="ignore_eos"
+            )
 
 
 class RequestGuard:
@@ -86,8 +102,15 @@ class RequestGuard:
     would otherwise read and parse a whole body (an unauthenticated multi-GB POST included) before its dependencies
     run."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, max_concurrent: int | None = None,
-                 metrics_need_key: bool = False, retry_after_s: int = 1) -> None:
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_body_bytes: int,
+        max_concurrent: int | None = None,
+        metrics_need_key: bool = False,
+        retry_after_s: int = 1,
+    ) -> None:
         self.app, self.max_body_bytes, self.max_concurrent = app, max_body_bytes, max_concurrent
         self.key = None if api_key is None else f"Bearer {api_key}".encode()
         self.keyed = ("/v1", "/metrics") if metrics_need_key else ("/v1",)
@@ -100,18 +123,29 @@ class RequestGuard:
         headers = dict(scope.get("headers") or ())
         if self.key is not None and scope["path"].startswith(self.keyed):
             if not secrets.compare_digest(headers.get(b"authorization", b""), self.key):
-                return await _refuse(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer "
-                                     "<key>' with the key clover-serve was started with", "authentication_error",
-                                     "invalid_api_key")
+                return await _refuse(
+                    send,
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer "
+                    "<key>' with the key clover-serve was started with",
+                    "authentication_error",
+                    "invalid_api_key",
+                )
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await _refuse(send, 413, self._too_large(), "invalid_request_error", "request_too_large")
         if not scope["path"].startswith("/v1"):
             return await self._pass(scope, receive, send)
         if self.max_concurrent is not None and self.in_flight >= self.max_concurrent:
-            return await _refuse(send, 503, f"the server is answering {self.in_flight} requests, its limit "
-                                 "(clover-serve --max-concurrent-requests): retry later", "service_unavailable",
-                                 "too_many_requests", [(b"retry-after", self.retry_after)])
+            return await _refuse(
+                send,
+                503,
+                f"the server is answering {self.in_flight} requests, its limit "
+                "(clover-serve --max-concurrent-requests): retry later",
+                "service_unavailable",
+                "too_many_requests",
+                [(b"retry-after", self.retry_after)],
+            )
         self.in_flight += 1
         try:
             await self._pass(scope, receive, send)
@@ -149,10 +183,15 @@ class RequestGuard:
         return f"the request body is over {self.max_body_bytes} bytes (clover-serve --max-body-bytes)"
 
 
-async def _refuse(send, status: int, message: str, type_: str, code: str,
-                  headers: list[tuple[bytes, bytes]] = ()) -> None:
+async def _refuse(
+    send, status: int, message: str, type_: str, code: str, headers: list[tuple[bytes, bytes]] = ()
+) -> None:
     body = json.dumps(error_body(message, type_, None, code)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

@@ -21,21 +21,41 @@ class Metrics:
         self.drafts = Counter(p + "spec_decode_num_drafts", "Verify steps that checked drafted tokens", registry=r)
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r)
         self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens", "Drafted tokens accepted", registry=r)
-        self.accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
-                                        "Drafted tokens accepted, by position in the accepted path", ["position"], registry=r)
+        self.accepted_per_pos = Counter(
+            p + "spec_decode_num_accepted_tokens_per_pos",
+            "Drafted tokens accepted, by position in the accepted path",
+            ["position"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens of finished requests", registry=r)
-        self.requests = Counter(p + "request_success", "Finished requests, by finish reason (abort: the client went away)", ["finished_reason"], registry=r)
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token (queueing and prefill)",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "Time between a request's tokens (step time per token)",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            p + "request_success",
+            "Finished requests, by finish reason (abort: the client went away)",
+            ["finished_reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            p + "time_to_first_token_seconds",
+            "Time to first token (queueing and prefill)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            p + "inter_token_latency_seconds",
+            "Time between a request's tokens (step time per token)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         sched = engine.scheduler
         Gauge(p + "num_requests_running", "Requests in the batch", registry=r).set_function(lambda: len(sched.running))
-        Gauge(p + "num_requests_waiting", "Requests queued for a slot", registry=r).set_function(lambda: len(sched.waiting))
+        Gauge(p + "num_requests_waiting", "Requests queued for a slot", registry=r).set_function(
+            lambda: len(sched.waiting)
+        )
         # Not num_requests_running: a request cancelled or finished since the last step still counts there.
-        Gauge(p + "batch_size", "Sequences in the engine's last forward (0 while idle)",
-              registry=r).set_function(lambda: engine.step_sequences)
+        Gauge(p + "batch_size", "Sequences in the engine's last forward (0 while idle)", registry=r).set_function(
+            lambda: engine.step_sequences
+        )
         Gauge(p + "max_batch", "Sequences a step can decode at once", registry=r).set(engine.max_batch)
 
     def finished(self, result: GenerationResult, reason: str) -> None:

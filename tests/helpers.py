@@ -3,8 +3,8 @@ identity assertion (`assert_identical`)."""
 
 from __future__ import annotations
 
-import os
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -20,7 +20,6 @@ from clover.runtime.torch_backend import TorchRunner
 from clover.tools.bench import first_difference
 from clover.tools.serve import free_port, wait_healthy
 
-
 # A few sentences to train throw-away BPE tokenizers on.
 TOKENIZER_CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -30,9 +29,20 @@ TOKENIZER_CORPUS = [
 
 
 def tiny_config(vocab: int = 96, family: str = "LlamaForCausalLM", max_context: int = 256, **kw) -> BaseConfig:
-    base = dict(architecture=family, vocab_size=vocab, hidden_size=64, intermediate_size=128, num_layers=2,
-                num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope=RopeConfig(theta=10000.0),
-                max_position_embeddings=max_context, tie_word_embeddings=True)
+    base = dict(
+        architecture=family,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=10000.0),
+        max_position_embeddings=max_context,
+        tie_word_embeddings=True,
+    )
     base.update(kw)
     return BaseConfig(**base)
 
@@ -57,10 +67,15 @@ def tiny_tokenizer_dir(path: Path, vocab: int = 96, eos: int = 1) -> Path:
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": f"w{eos}", "bos_token": "w2",
-        "chat_template": "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5{% endif %}",
-    }))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": f"w{eos}",
+                "bos_token": "w2",
+                "chat_template": "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}{% if add_generation_prompt %}w5{% endif %}",
+            }
+        )
+    )
     return path
 
 
@@ -69,9 +84,16 @@ def tiny_hf_folder(path: Path, seed: int = 0) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                   tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(path)
     return tiny_tokenizer_dir(path)
 
@@ -106,11 +128,14 @@ class OracleRunner(OracleDraft, TorchRunner):
         super().__init__(base, None)
         self.reference = reference
         self.rng = np.random.default_rng(seed)
-        self.info = RunnerInfo("torch", base.config.vocab_size, base.config.max_position_embeddings, "oracle", None, "oracle")
+        self.info = RunnerInfo(
+            "torch", base.config.vocab_size, base.config.max_position_embeddings, "oracle", None, "oracle"
+        )
 
 
-def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int = 0, drafts: str = "heads"
-               ) -> tuple[list[int], list[int]]:
+def run_tokens(
+    runner, prompt: list[int], tree, n: int, sampling=None, seed: int = 0, drafts: str = "heads"
+) -> tuple[list[int], list[int]]:
     """The first n tokens the loop emits, and the tokens emitted by each verify step (greedy by default)."""
     from clover.runtime.loop import speculative_steps
     from clover.runtime.sampling import SamplingParams
@@ -118,8 +143,9 @@ def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int
     rng = np.random.default_rng(seed)
     out, steps = [], []
     capacity = min(runner.info.max_context, len(prompt) + n + tree.num_nodes)
-    for i, step in enumerate(speculative_steps(runner, np.array(prompt), tree, sampling or SamplingParams(), rng, capacity,
-                                               drafts)):
+    for i, step in enumerate(
+        speculative_steps(runner, np.array(prompt), tree, sampling or SamplingParams(), rng, capacity, drafts)
+    ):
         out += step.tokens
         if i:
             steps.append(len(step.tokens))
@@ -128,8 +154,9 @@ def run_tokens(runner, prompt: list[int], tree, n: int, sampling=None, seed: int
     return out[:n], steps
 
 
-def assert_identical(got, want, what: str = "", reference: Runner | None = None,
-                     prompt: list[int] | None = None) -> None:
+def assert_identical(
+    got, want, what: str = "", reference: Runner | None = None, prompt: list[int] | None = None
+) -> None:
     """Fail, on one line, unless token lists `got` and `want` are equal: the first index where they differ (a
     prefix counts: the shorter one's length), the two tokens there and, given the `reference` runner and the
     `prompt`, the top-2 margin of its plain greedy logits at that index (near 0: a near tie, where rounding
@@ -157,8 +184,10 @@ def greedy_margin(runner: Runner, prompt: list[int], tokens: list[int]) -> float
     try:
         logits = runner.forward(seq[:P], np.arange(P), np.tri(P, dtype=bool), last_only=True, slot=slot)[-1]  # [V]
         for k in range(P, len(seq)):
-            runner.commit(np.arange(slot.pending), seq[k - slot.pending + 1:k + 1], slot=slot)  # each row's next token
-            logits = runner.forward(seq[k:k + 1], np.zeros(1, np.int64), np.ones((1, 1), bool), slot=slot)[0]
+            runner.commit(
+                np.arange(slot.pending), seq[k - slot.pending + 1 : k + 1], slot=slot
+            )  # each row's next token
+            logits = runner.forward(seq[k : k + 1], np.zeros(1, np.int64), np.ones((1, 1), bool), slot=slot)[0]
     finally:
         runner.release(slot)
     top2 = np.sort(logits)[-2:]
@@ -185,11 +214,13 @@ class Server:
 
         self.engine, self.port = engine, free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        app = create_app(engine, model, api_key=api_key, limits=limits or RequestLimits(allow_ignore_eos=True),
-                         **app_options)
+        app = create_app(
+            engine, model, api_key=api_key, limits=limits or RequestLimits(allow_ignore_eos=True), **app_options
+        )
         box = {}
-        self.thread = threading.Thread(target=serve, args=(app, "127.0.0.1", self.port, 5.0, lambda s: box.setdefault("s", s)),
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=serve, args=(app, "127.0.0.1", self.port, 5.0, lambda s: box.setdefault("s", s)), daemon=True
+        )
         self.thread.start()
         if not wait_healthy(self.port, 30):
             raise AssertionError("the server did not become healthy in 30 s")
@@ -204,8 +235,14 @@ def reference_features(base: Decoder, ids: list[int], k: int) -> tuple[torch.Ten
     """One full causal pass of `ids`: the last-layer hidden states [T, H], and the top-k next-token ids and
     probabilities [T, k] (what a feature cache must hold for that sequence)."""
     keys, values = base.empty_cache(1, 0)
-    out = base(torch.tensor([ids]), torch.arange(len(ids))[None], causal_mask(len(ids)), torch.zeros(1, dtype=torch.long),
-               keys, values)
+    out = base(
+        torch.tensor([ids]),
+        torch.arange(len(ids))[None],
+        causal_mask(len(ids)),
+        torch.zeros(1, dtype=torch.long),
+        keys,
+        values,
+    )
     p, top = torch.topk(torch.softmax(out.logits[0], -1), k)
     return out.hidden_states[0], top, p
 
@@ -221,11 +258,20 @@ def tiny_corpus(base_dir, path):
     from clover.train.corpus import Conversation, Corpus, GeneratorSpec, PromptSpec
 
     fingerprint = dataclasses.asdict(BaseFingerprint.of(load_base(base_dir, "float32")))
-    corpus = Corpus.create(path, PromptSpec("file:x.jsonl", "0" * 16, 4, 0, 0.0, 16),
-                           GeneratorSpec("tiny", fingerprint, "ort", "float32", 12, (1,), "cafe"))
+    corpus = Corpus.create(
+        path,
+        PromptSpec("file:x.jsonl", "0" * 16, 4, 0, 0.0, 16),
+        GeneratorSpec("tiny", fingerprint, "ort", "float32", 12, (1,), "cafe"),
+    )
     with corpus.writing():
-        corpus.append([Conversation(i, np.array([5, 6], np.int32), np.array([7, 8, 9, 7, 8, 9, 7, 8], np.int32), "length")
-                       for i in range(4)], 4, 0)
+        corpus.append(
+            [
+                Conversation(i, np.array([5, 6], np.int32), np.array([7, 8, 9, 7, 8, 9, 7, 8], np.int32), "length")
+                for i in range(4)
+            ],
+            4,
+            0,
+        )
     return path
 
 
@@ -255,7 +301,7 @@ class Faulty:
 
         def forward(batch):
             for v in batch:
-                if v.last_only and v.slot.past == 0 and list(v.tokens[:len(POISON)]) == POISON:
+                if v.last_only and v.slot.past == 0 and list(v.tokens[: len(POISON)]) == POISON:
                     self.slots.append(v.slot)
             if where == "forward" and any(poisoned(v.slot) for v in batch):
                 fail()

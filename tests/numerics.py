@@ -28,8 +28,12 @@ import numpy as np
 import torch
 
 K_PATHS = 8.0  # the formula's k (module doc)
-EPS = {torch.float32: float(np.finfo(np.float32).eps), torch.float16: float(np.finfo(np.float16).eps),
-       torch.bfloat16: 2.0 ** -7, torch.float64: float(np.finfo(np.float64).eps)}
+EPS = {
+    torch.float32: float(np.finfo(np.float32).eps),
+    torch.float16: float(np.finfo(np.float16).eps),
+    torch.bfloat16: 2.0**-7,
+    torch.float64: float(np.finfo(np.float64).eps),
+}
 
 
 def _dtype(x) -> torch.dtype:
@@ -55,8 +59,9 @@ def chain_reduction(cfg, layers: int | None = None, context: int = 0) -> int:
     return n * (4 * cfg.hidden_size + cfg.intermediate_size + cfg.head_dim + context) + cfg.hidden_size
 
 
-def assert_close_paths(got, want, *, reduction: int, dtype: torch.dtype | None = None, k: float = K_PATHS,
-                       msg: str = "") -> None:
+def assert_close_paths(
+    got, want, *, reduction: int, dtype: torch.dtype | None = None, k: float = K_PATHS, msg: str = ""
+) -> None:
     """got equals want up to `path_tolerance` (torch tensors or numpy arrays, same shape). dtype: what the paths
     computed in (default: want's, float32 for float64 arrays that hold float32 results)."""
     g, w = _numpy(got), _numpy(want)
@@ -69,8 +74,10 @@ def assert_close_paths(got, want, *, reduction: int, dtype: torch.dtype | None =
     magnitude = float(np.abs(w[finite]).max()) if finite.any() else 0.0
     atol = path_tolerance(dtype, magnitude, reduction, k)
     diff = float(np.abs(g[finite] - w[finite]).max()) if finite.any() else 0.0
-    assert diff <= atol, (f"{msg}: max |got - want| = {diff:.3g} > {atol:.3g} = {k:g} x eps({str(dtype).removeprefix('torch.')}) "
-                          f"x sqrt({reduction}) x max(|want|={magnitude:.3g}, 1)")
+    assert diff <= atol, (
+        f"{msg}: max |got - want| = {diff:.3g} > {atol:.3g} = {k:g} x eps({str(dtype).removeprefix('torch.')}) "
+        f"x sqrt({reduction}) x max(|want|={magnitude:.3g}, 1)"
+    )
 
 
 def assert_stored(stored, computed, msg: str = "") -> None:
@@ -83,5 +90,6 @@ def assert_stored(stored, computed, msg: str = "") -> None:
 def assert_exact(got, want, msg: str = "") -> None:
     """Bit equality: the same kernel on the same rows, or integers."""
     g, w = (x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x) for x in (got, want))
-    assert g.shape == w.shape and np.array_equal(g, w, equal_nan=g.dtype.kind == "f"), \
+    assert g.shape == w.shape and np.array_equal(g, w, equal_nan=g.dtype.kind == "f"), (
         f"{msg}: not bit-identical (max diff {np.abs(g.astype(np.float64) - w.astype(np.float64)).max():.3g})"
+    )

@@ -12,15 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import tiny_base, tiny_tokenizer_dir
 
+from clover.artifact import MANIFEST_FILE, read_manifest
 from clover.export.artifact import artifact_from_modules
 from clover.export.config import ExportConfig
 from clover.export.engines import EngineLimits, profiles_for
 from clover.models.decoder import Decoder, rope_inv_freq
 from clover.models.head_io import random_heads
 from clover.models.heads import DraftHeads
-from clover.artifact import MANIFEST_FILE, read_manifest
-from helpers import tiny_base, tiny_tokenizer_dir
 
 BASE_SEED = 3  # as tests/runtime/test_loop.py: peaked enough next-token laws for stable greedy identity
 HEADS_SEED = 0
@@ -37,24 +37,46 @@ def tiny_modules(arch: str, dtype: str = "float32", base_seed: int = BASE_SEED) 
     return base, heads
 
 
-def tiny_artifact(root: Path, arch: str, dtype: str = "float32", tree: str | None = None,
-                  draft_quant: str | None = None, weights: str | None = None, attention: str = "portable",
-                  shared_lm_head: bool = True, draft_vocab: int | None = None) -> Path:
+def tiny_artifact(
+    root: Path,
+    arch: str,
+    dtype: str = "float32",
+    tree: str | None = None,
+    draft_quant: str | None = None,
+    weights: str | None = None,
+    attention: str = "portable",
+    shared_lm_head: bool = True,
+    draft_vocab: int | None = None,
+) -> Path:
     """Export tiny_modules(arch, dtype) to
     root/artifacts/<arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>][-<attention>][-own-lm-heads][-dv<K>] once
     per session. shared_lm_head=False: every graph keeps its LM head, as in a TensorRT artifact. draft_vocab: the
     K most frequent tokens of `tiny_token_counts`."""
-    parts = (arch, dtype, tree, draft_quant and f"drafts-{draft_quant}", weights and f"weights-{weights}",
-             attention if attention != "portable" else None, None if shared_lm_head else "own-lm-heads",
-             draft_vocab and f"dv{draft_vocab}")
+    parts = (
+        arch,
+        dtype,
+        tree,
+        draft_quant and f"drafts-{draft_quant}",
+        weights and f"weights-{weights}",
+        attention if attention != "portable" else None,
+        None if shared_lm_head else "own-lm-heads",
+        draft_vocab and f"dv{draft_vocab}",
+    )
     out = Path(root) / "artifacts" / "-".join(filter(None, parts))
     if (out / MANIFEST_FILE).is_file():
         return out
     base, heads = tiny_modules(arch, dtype)
     tokenizer = tiny_tokenizer_dir(Path(root) / "artifacts" / "tokenizer")
     name = f"random:{arch}:{HEADS_SEED}" if heads is not None else "none"
-    config = ExportConfig(dtype=dtype, tree=tree, draft_quant=draft_quant, weights=weights, attention=attention,
-                          shared_lm_head=shared_lm_head, draft_vocab=draft_vocab)
+    config = ExportConfig(
+        dtype=dtype,
+        tree=tree,
+        draft_quant=draft_quant,
+        weights=weights,
+        attention=attention,
+        shared_lm_head=shared_lm_head,
+        draft_vocab=draft_vocab,
+    )
     counts = tiny_token_counts(base) if draft_vocab else None
     return artifact_from_modules(base, heads, tokenizer, out, config, heads_name=name, token_counts=counts)
 

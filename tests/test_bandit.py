@@ -10,6 +10,11 @@ PACKAGE = ("clover", "models", "runtime", "plugins", "export", "train", "tools",
 
 
 def test_bandit_finds_nothing_of_medium_or_high_severity():
-    out = subprocess.run([sys.executable, "-m", "bandit", "-q", "-r", *PACKAGE, "-ll", "-f", "txt"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "bandit", "-q", "-r", *PACKAGE, "-ll", "-f", "txt"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0 and "Issue:" not in out.stdout, out.stdout + out.stderr

@@ -11,22 +11,25 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 from clover.tools import cli_docs
-from helpers import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- docs/cli.md -------------------------------------------------------------------------------------------
 
+
 def test_cli_docs_current():
     """Rendered in a fresh interpreter, where building the parsers must import neither torch nor onnxruntime
     (the ORT path stays free of torch)."""
-    out = run_python("import sys\n"
-                     "from clover.tools import cli_docs\n"
-                     "sys.stdout.write(cli_docs.render())\n"
-                     "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules, 'a parser imported it'\n")
+    out = run_python(
+        "import sys\n"
+        "from clover.tools import cli_docs\n"
+        "sys.stdout.write(cli_docs.render())\n"
+        "assert 'torch' not in sys.modules and 'onnxruntime' not in sys.modules, 'a parser imported it'\n"
+    )
     assert (ROOT / "docs" / "cli.md").read_text(encoding="utf-8") == out, cli_docs.STALE
 
 
@@ -49,8 +52,9 @@ def test_cli_docs_check_says_stale(tmp_path, monkeypatch, capsys):
 def test_cli_docs_width_independent():
     """Usage lines wrap at cli_docs.WIDTH, not at the terminal's width."""
     env = {**os.environ, "COLUMNS": "40"}
-    proc = subprocess.run([sys.executable, "-m", "clover.tools.cli_docs", "--check"], capture_output=True, text=True,
-                          env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "clover.tools.cli_docs", "--check"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -58,15 +62,15 @@ def test_cli_docs_width_independent():
 
 WORK_LOG = {
     "a numbered work period": re.compile(
-        r"\b[Ss]essions? \d"                       # session 24, sessions 19-24, Session 15's
-        r"|\(s\d{1,3}\)"                           # (s25)
-        r"|_s\d{2,3}_"                             # bench_fp32_s25_code.json
-        r"|(?<![\w/.-])s\d{2,3}:"                  # s26: ...
-        r"|\b(?:in|since|until|before|after|from) s\d{2,3}\b"),  # in s24
+        r"\b[Ss]essions? \d"  # session 24, sessions 19-24, Session 15's
+        r"|\(s\d{1,3}\)"  # (s25)
+        r"|_s\d{2,3}_"  # bench_fp32_s25_code.json
+        r"|(?<![\w/.-])s\d{2,3}:"  # s26: ...
+        r"|\b(?:in|since|until|before|after|from) s\d{2,3}\b"
+    ),  # in s24
     "a tracker number": re.compile(r"\b[Ii]ssues? #?\d+|\b(?:PR|[Pp]ull request) #?\d+"),
-    "a scratch path": re.compile("/tmp" "/"),  # split so that this file does not match itself
-    "the machine it ran on": re.compile(
-        r"\bthe \d+-core (?:VM|machine)\b|\b(?:a|the) Zen \d VM\b|\breachable here\b"),
+    "a scratch path": re.compile("/tmp/"),  # split so that this file does not match itself
+    "the machine it ran on": re.compile(r"\bthe \d+-core (?:VM|machine)\b|\b(?:a|the) Zen \d VM\b|\breachable here\b"),
 }
 # "this machine" is left out: in the tools it is the host the code runs on (clover-doctor, TensorRT engine
 # compatibility), which is what it should say there.
@@ -100,7 +104,7 @@ def work_log_lines(name: str, text: str) -> list[str]:
     for number, line in enumerate(text.splitlines(), 1):
         for what, pattern in WORK_LOG.items():
             for m in pattern.finditer(line):
-                if what == "a tracker number" and EXTERNAL_TRACKER.search(line[:m.start()]):
+                if what == "a tracker number" and EXTERNAL_TRACKER.search(line[: m.start()]):
                     continue
                 bad.append(f"{name}:{number}: {what} ({m.group(0)!r}): {line.strip()[:160]}")
     return bad
@@ -113,14 +117,29 @@ def test_no_work_log_vocabulary():
     assert not bad, "work-log vocabulary (name a date, a hardware profile or a commit instead):\n" + "\n".join(bad)
 
 
-@pytest.mark.parametrize("line, found", [
-    ("Against session 15's store", True), ("sessions 17-23", True), ("bench_fp32_s25_code.json", True),
-    ("(s25) measured", True), ("s26: faster", True), ("changed in s24", True), ("issue 13 targets", True),
-    ("see issues #4", True), ("/tmp" "/s12/heads", True), ("on the 2-core VM", True), ("a Zen 3 VM", True),
-    ("ort.InferenceSession(path, ort.SessionOptions())", False), ("requests.Session()", False),
-    ("greedy (SafeAILab/EAGLE issue 143)", False), ("bench_fp32_2026-11-27_code.json", False),
-    ("the 32 KiB table: in 24 steps", False), ("tmp_path / 's12.npz'", False), ("a 2-core AMD EPYC VM", False),
-])
+@pytest.mark.parametrize(
+    "line, found",
+    [
+        ("Against session 15's store", True),
+        ("sessions 17-23", True),
+        ("bench_fp32_s25_code.json", True),
+        ("(s25) measured", True),
+        ("s26: faster", True),
+        ("changed in s24", True),
+        ("issue 13 targets", True),
+        ("see issues #4", True),
+        ("/tmp/s12/heads", True),
+        ("on the 2-core VM", True),
+        ("a Zen 3 VM", True),
+        ("ort.InferenceSession(path, ort.SessionOptions())", False),
+        ("requests.Session()", False),
+        ("greedy (SafeAILab/EAGLE issue 143)", False),
+        ("bench_fp32_2026-11-27_code.json", False),
+        ("the 32 KiB table: in 24 steps", False),
+        ("tmp_path / 's12.npz'", False),
+        ("a 2-core AMD EPYC VM", False),
+    ],
+)
 def test_work_log_patterns(line, found):
     assert bool(work_log_lines("x", line)) == found
 
@@ -186,7 +205,9 @@ def test_markdown_anchors_resolve():
 
 def test_link_finder(tmp_path):
     md = tmp_path / "x.md"
-    md.write_text("[a](docs/gpu.md) [b](https://x.org) `[c](nope.md)` ![d](e.png#x)\n```\n[f](g.md)\n```\n"
-                  "[h](#top) [i](mailto:a@b.c) [j [k]](l.md \"title\")\n# Top\n## A `b`, c!\n## A b c\n")
+    md.write_text(
+        "[a](docs/gpu.md) [b](https://x.org) `[c](nope.md)` ![d](e.png#x)\n```\n[f](g.md)\n```\n"
+        '[h](#top) [i](mailto:a@b.c) [j [k]](l.md "title")\n# Top\n## A `b`, c!\n## A b c\n'
+    )
     assert relative_links(md) == [(1, "docs/gpu.md"), (1, "e.png#x"), (5, "#top"), (5, "l.md")]
     assert anchors(md) == {"top", "a-b-c", "a-b-c-1"}

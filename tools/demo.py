@@ -36,11 +36,19 @@ SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "smollm2-sharegp
 SHIPPED_CORPORA = (SHIPPED_CORPUS, SHIPPED_CORPUS.parent / "smollm2-sharegpt-fp32")
 DRAFT_QUANT_REVISION = 2  # --draft-quant artifacts: 2 = MatMulNBits drafts with their own quantized LM head
 FUSED_REVISION = 2  # --attention fused artifacts: 2 = Clover-2's draft_begin fused too (export/fused_graph.py)
-DEMO_DRAFT_VOCAB = 8192  # 99.2% of the corpus's answer tokens; drafting ~25% cheaper on int4 (benchmarks/draft_vocab.py)
+DEMO_DRAFT_VOCAB = (
+    8192  # 99.2% of the corpus's answer tokens; drafting ~25% cheaper on int4 (benchmarks/draft_vocab.py)
+)
 
 
-def cached_artifact(base: str, heads: str, weights: str | None = "int4", draft_quant: str | None = None,
-                    attention: str = "fused", corpus: Path | Sequence[Path] | None = None) -> Path:
+def cached_artifact(
+    base: str,
+    heads: str,
+    weights: str | None = "int4",
+    draft_quant: str | None = None,
+    attention: str = "fused",
+    corpus: Path | Sequence[Path] | None = None,
+) -> Path:
     """The artifact for (base, heads) in the cache, exported first if it is missing or invalid. int4 weights
     and the fused base graph by default: on CPU the fastest artifact that keeps the heads' acceptance
     (SmolLM2, benchmarks/peers.py); weights=None, draft_quant="int8": the fp32 base graph. `corpus` (the base's
@@ -91,8 +99,12 @@ def with_corpus(exported: Path, corpora: Path | Sequence[Path]) -> Path:
     def change(tmp: Path, m):
         m = dataclasses.replace(m, ngram_store=add_ngram_store(tmp, store, m.base_fingerprint))
         vocab = m.base_config["vocab_size"]
-        if (m.heads is None or "lm_head" not in m.graphs or vocab <= DEMO_DRAFT_VOCAB
-                or (m.draft_vocab is not None and m.draft_vocab.size < vocab)):  # the export chose one
+        if (
+            m.heads is None
+            or "lm_head" not in m.graphs
+            or vocab <= DEMO_DRAFT_VOCAB
+            or (m.draft_vocab is not None and m.draft_vocab.size < vocab)
+        ):  # the export chose one
             return m
         return draft_vocab(tmp, m)
 
@@ -101,16 +113,17 @@ def with_corpus(exported: Path, corpora: Path | Sequence[Path]) -> Path:
 
 def exported_artifact(base: str, heads: str, weights: str | None, draft_quant: str | None, attention: str) -> Path:
     """The export of (base, heads) in the cache, made first if it is missing or invalid."""
+    from clover.artifact import open_artifact
     from clover.export.artifact import export_artifact
     from clover.export.config import ExportConfig
     from clover.models.smollm2 import cache_dir, resolve_base
-    from clover.artifact import open_artifact
 
     base_path = resolve_base(base).resolve()
     config = ExportConfig(weights=weights, draft_quant=draft_quant, attention=attention)
     # an older export is not reused
     revision = (f"|draft-quant {DRAFT_QUANT_REVISION}" if draft_quant else "") + (
-        f"|fused {FUSED_REVISION}" if attention == "fused" else "")
+        f"|fused {FUSED_REVISION}" if attention == "fused" else ""
+    )
     key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}|{config}{revision}".encode()).hexdigest()[:12]
     out = cache_dir() / "artifacts" / f"{base_path.name}-{heads.replace(':', '-').replace('/', '_')}-{key}"
     try:
@@ -131,13 +144,20 @@ def demo_tree(artifact: Path) -> str | None:
     m = read_manifest(artifact)
     timing = (m.tree_timing or {}).get("tokens_per_second", {})
     if timing:
-        print("export-time timing on this machine: " + ", ".join(f"{k} {v:.1f}" for k, v in timing.items())
-              + f" tok/s; default tree {m.tree.name}", file=sys.stderr)
+        print(
+            "export-time timing on this machine: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in timing.items())
+            + f" tok/s; default tree {m.tree.name}",
+            file=sys.stderr,
+        )
     if m.tree is None or m.tree.name != "plain" or not timing:
         return None
     fastest = max((k for k in timing if k != "plain"), key=timing.get)
-    print(f"plain decoding is this artifact's fastest mode here; the demo speculates with {fastest}, the fastest "
-          "tree, to show that the output does not change", file=sys.stderr)
+    print(
+        f"plain decoding is this artifact's fastest mode here; the demo speculates with {fastest}, the fastest "
+        "tree, to show that the output does not change",
+        file=sys.stderr,
+    )
     return fastest
 
 
@@ -175,8 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     spec, plain, lookup, artifact = generators(args)
-    print(f"base {args.base}, heads {args.heads}, tree {spec.tree.name} ({spec.tree.num_nodes} nodes), "
-          f"{args.backend} backend\n")
+    print(
+        f"base {args.base}, heads {args.heads}, tree {spec.tree.name} ({spec.tree.num_nodes} nodes), "
+        f"{args.backend} backend\n"
+    )
     stream = spec.stream(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
     for delta in stream:
         print(delta, end="", flush=True)
@@ -186,17 +208,23 @@ def run(args: argparse.Namespace) -> int:
     same = lambda r: "identical to" if r.token_ids == ref.token_ids else "DIFFERENT from"  # noqa: E731
     print(f"\n\nspeculative output is {same(fast)} plain greedy decoding ({fast.new_tokens} tokens)")
     print(f"acceptance length {fast.tokens_per_step:.2f} tokens/step (bonus token included)")
-    print(f"speculative {fast.tokens_per_second:.1f} tok/s, plain {ref.tokens_per_second:.1f} tok/s: "
-          f"{fast.tokens_per_second / ref.tokens_per_second:.2f}x ({args.backend}, measured in this run)")
-    print(f"prompt-lookup drafts ({lookup.tree.name} at most): {looked.tokens_per_second:.1f} tok/s, "
-          f"{looked.tokens_per_step:.2f} tokens/step, output {same(looked)} plain greedy decoding")
+    print(
+        f"speculative {fast.tokens_per_second:.1f} tok/s, plain {ref.tokens_per_second:.1f} tok/s: "
+        f"{fast.tokens_per_second / ref.tokens_per_second:.2f}x ({args.backend}, measured in this run)"
+    )
+    print(
+        f"prompt-lookup drafts ({lookup.tree.name} at most): {looked.tokens_per_second:.1f} tok/s, "
+        f"{looked.tokens_per_step:.2f} tokens/step, output {same(looked)} plain greedy decoding"
+    )
     if artifact is not None:  # ONNX Runtime on the CPU, its default threads: one per core
         from clover.tools.machine import plain_limit_line
 
         print(plain_limit_line(artifact, os.cpu_count() or 1))
     if args.heads.startswith("random:"):
-        print("(untrained heads accept almost nothing, so this shows losslessness, not speed; trained heads "
-              "come with clover-train)")
+        print(
+            "(untrained heads accept almost nothing, so this shows losslessness, not speed; trained heads "
+            "come with clover-train)"
+        )
     return 0 if fast.token_ids == ref.token_ids == looked.token_ids else 1
 
 

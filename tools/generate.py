@@ -10,9 +10,10 @@ from pathlib import Path
 from clover.errors import CloverError
 from clover.tools.cli import run_cli
 
-
-PROVIDERS_HELP = ("ONNX Runtime execution providers, comma-separated in order of preference: cpu (default), cuda, "
-                  "or cuda,cpu (runs on the CPU, saying so in one line, where CUDA is not available); ort backend")
+PROVIDERS_HELP = (
+    "ONNX Runtime execution providers, comma-separated in order of preference: cpu (default), cuda, "
+    "or cuda,cpu (runs on the CPU, saying so in one line, where CUDA is not available); ort backend"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,16 +21,25 @@ def build_parser() -> argparse.ArgumentParser:
         prog="clover-generate",
         description="Generate text with speculative decoding (greedy output equals plain decoding).",
     )
-    p.add_argument("--base", default=None, help="Hugging Face model folder, or 'smollm2' (embedded default; torch backend)")
-    p.add_argument("--heads", default=None,
-                   help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), none (default: none; "
-                        "with --artifact: the artifact's heads, or none for plain decoding), or lookup: prompt-lookup "
-                        "drafts on the base alone (--tree chain-N caps the drafts per step; default chain-12)")
-    p.add_argument("--artifact", type=Path, default=None,
-                   help="artifact folder written by clover-export (ort and trt backends)")
-    p.add_argument("--backend", default=None,
-                   help="torch (default), ort (default with --artifact), or trt (default with an artifact exported "
-                        "with --backend trt)")
+    p.add_argument(
+        "--base", default=None, help="Hugging Face model folder, or 'smollm2' (embedded default; torch backend)"
+    )
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="head checkpoint folder, random:ARCH[:SEED] (medusa, clover, clover2), none (default: none; "
+        "with --artifact: the artifact's heads, or none for plain decoding), or lookup: prompt-lookup "
+        "drafts on the base alone (--tree chain-N caps the drafts per step; default chain-12)",
+    )
+    p.add_argument(
+        "--artifact", type=Path, default=None, help="artifact folder written by clover-export (ort and trt backends)"
+    )
+    p.add_argument(
+        "--backend",
+        default=None,
+        help="torch (default), ort (default with --artifact), or trt (default with an artifact exported "
+        "with --backend trt)",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt text ('-' for stdin)")
@@ -38,9 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
-    p.add_argument("--tree", default=None,
-                   help="plain, chain-N, small, mc26, a JSON file or inline JSON list (default: mc26 with heads; "
-                        "an artifact's own tree with --artifact)")
+    p.add_argument(
+        "--tree",
+        default=None,
+        help="plain, chain-N, small, mc26, a JSON file or inline JSON list (default: mc26 with heads; "
+        "an artifact's own tree with --artifact)",
+    )
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16; an artifact has its own")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch intra-op / ONNX Runtime intra-op)")
@@ -80,14 +93,19 @@ def model_source(args: argparse.Namespace) -> str | Path:
     backend = backend_name(args)
     if backend in ARTIFACT_BACKENDS:
         if args.artifact is None:
-            raise CloverError(f"--backend {backend} runs an exported artifact: pass --artifact DIR "
-                              "(make one with clover-export)")
+            raise CloverError(
+                f"--backend {backend} runs an exported artifact: pass --artifact DIR (make one with clover-export)"
+            )
         if args.base is not None:
-            raise CloverError("--base is for the torch backend: an artifact carries its base model, pass --artifact alone")
+            raise CloverError(
+                "--base is for the torch backend: an artifact carries its base model, pass --artifact alone"
+            )
         return args.artifact
     if args.artifact is not None:
-        raise CloverError(f"--artifact runs on ONNX Runtime or TensorRT: pass --backend ort or trt "
-                          f"(the {backend} backend loads --base and --heads)")
+        raise CloverError(
+            f"--artifact runs on ONNX Runtime or TensorRT: pass --backend ort or trt "
+            f"(the {backend} backend loads --base and --heads)"
+        )
     return args.base or "smollm2"
 
 
@@ -101,8 +119,15 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     if args.threads is not None and args.threads < 1:
         raise CloverError(f"--threads must be at least 1, got {args.threads}")
-    gen = Generator.load(model_source(args), args.heads, backend_name(args), args.tree, args.dtype, threads=args.threads,
-                         providers=args.providers)
+    gen = Generator.load(
+        model_source(args),
+        args.heads,
+        backend_name(args),
+        args.tree,
+        args.dtype,
+        threads=args.threads,
+        providers=args.providers,
+    )
     kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=args.chat)
     if args.stream:
         stream = gen.stream(prompt, **kwargs)
@@ -110,9 +135,11 @@ def run(args: argparse.Namespace) -> int:
             print(delta, end="", flush=True)
         result = stream.result
         print()
-        print(f"[{result.new_tokens} tokens, {result.tokens_per_second:.1f} tok/s, "
-              f"{result.tokens_per_step:.2f} tokens/step (bonus included), finish: {result.finish_reason}]",
-              file=sys.stderr)
+        print(
+            f"[{result.new_tokens} tokens, {result.tokens_per_second:.1f} tok/s, "
+            f"{result.tokens_per_step:.2f} tokens/step (bonus included), finish: {result.finish_reason}]",
+            file=sys.stderr,
+        )
     else:
         result = gen.generate(prompt, **kwargs)
         if args.json:

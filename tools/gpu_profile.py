@@ -37,12 +37,34 @@ from clover.tools.bench import first_difference
 
 # Real models' shapes, random weights. SmolLM2-135M-Instruct's config, and Llama-3.2-1B's.
 SHAPES: dict[str, BaseConfig] = {
-    "135m": BaseConfig(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                       num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
-                       rope=RopeConfig(theta=100000.0), max_position_embeddings=8192, tie_word_embeddings=True),
-    "1b": BaseConfig(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                     num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, rms_norm_eps=1e-5,
-                     rope=RopeConfig(theta=500000.0), max_position_embeddings=8192, tie_word_embeddings=True),
+    "135m": BaseConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=100000.0),
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
+    "1b": BaseConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope=RopeConfig(theta=500000.0),
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+    ),
 }
 ATTENTION_SHAPES = {"135m": (9, 3, 64), "1b": (32, 8, 64), "8b": (32, 8, 128)}  # (Hq, Hkv, D)
 KERNEL_TREES = ("plain", "chain-2", "small", "mc26", "chain-63")  # 1, 3, 10, 26, 64 nodes
@@ -52,8 +74,12 @@ CURVE_KV = (256, 1024)
 ARCHS = ("medusa", "clover", "clover2")
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 # clover-bench runs of the shipped Clover-2 heads on the fp32 SmolLM2 artifact (CPU): tokens per step by tree
-CPU_ACCEPTANCE = ("bench_fp32_2026-11-27_mtbench.json", "bench_fp32_2026-11-27_code.json",
-                  "bench_fp32_2026-11-27_dynamic_mtbench.json", "bench_fp32_2026-11-27_dynamic_code.json")
+CPU_ACCEPTANCE = (
+    "bench_fp32_2026-11-27_mtbench.json",
+    "bench_fp32_2026-11-27_code.json",
+    "bench_fp32_2026-11-27_dynamic_mtbench.json",
+    "bench_fp32_2026-11-27_dynamic_code.json",
+)
 
 
 def sync() -> None:
@@ -62,6 +88,7 @@ def sync() -> None:
 
 
 # -- models ----------------------------------------------------------------------------------------------------
+
 
 def random_decoder(cfg: BaseConfig, dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Decoder:
     """A Decoder of `cfg`'s shape with random weights made on `device`: embeddings N(0, 1), matrices
@@ -108,17 +135,26 @@ def runners(base: Decoder, heads, name: str, graphs: bool):
 
 # -- the tree-attention kernel ---------------------------------------------------------------------------------
 
-def kernel_inputs(Hq: int, Hkv: int, D: int, mask: np.ndarray, P: int, dtype: torch.dtype, device: str,
-                  seed: int = 0) -> dict:
+
+def kernel_inputs(
+    Hq: int, Hkv: int, D: int, mask: np.ndarray, P: int, dtype: torch.dtype, device: str, seed: int = 0
+) -> dict:
     """B=1, the whole cache of P valid (the kernel's worst case: it skips only slots past the length)."""
     from clover.plugins.tree_attention import pack_tree_mask
 
     T = mask.shape[0]
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
-    return dict(q=rnd(1, Hq, T, D), k=rnd(1, Hkv, T, D), v=rnd(1, Hkv, T, D), past_k=rnd(1, Hkv, P, D),
-                past_v=rnd(1, Hkv, P, D), past_lengths=torch.tensor([P], dtype=torch.int32, device=device),
-                packed_mask=pack_tree_mask(torch.from_numpy(np.array(mask))[None]).to(device), scale=D ** -0.5)
+    return dict(
+        q=rnd(1, Hq, T, D),
+        k=rnd(1, Hkv, T, D),
+        v=rnd(1, Hkv, T, D),
+        past_k=rnd(1, Hkv, P, D),
+        past_v=rnd(1, Hkv, P, D),
+        past_lengths=torch.tensor([P], dtype=torch.int32, device=device),
+        packed_mask=pack_tree_mask(torch.from_numpy(np.array(mask))[None]).to(device),
+        scale=D**-0.5,
+    )
 
 
 def sdpa_dense(inputs: dict) -> Callable[[], torch.Tensor]:
@@ -157,9 +193,11 @@ def time_ms(fn: Callable[[], Any], iters: int, graph: bool = True) -> float:
         g.replay()
         run = g.replay
     else:
+
         def run():
             for _ in range(iters):
                 fn()
+
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
@@ -169,9 +207,15 @@ def time_ms(fn: Callable[[], Any], iters: int, graph: bool = True) -> float:
     return start.elapsed_time(end) / iters
 
 
-def kernel_rows(device: str = "cuda", shapes: Sequence[str] = tuple(ATTENTION_SHAPES), trees: Sequence[str] = KERNEL_TREES,
-                pasts: Sequence[int] = CURVE_KV, iters: int = 30, timed_past: int | None = max(CURVE_KV),
-                dtypes: Sequence[torch.dtype] = (torch.float16, torch.bfloat16)) -> list[dict]:
+def kernel_rows(
+    device: str = "cuda",
+    shapes: Sequence[str] = tuple(ATTENTION_SHAPES),
+    trees: Sequence[str] = KERNEL_TREES,
+    pasts: Sequence[int] = CURVE_KV,
+    iters: int = 30,
+    timed_past: int | None = max(CURVE_KV),
+    dtypes: Sequence[torch.dtype] = (torch.float16, torch.bfloat16),
+) -> list[dict]:
     """The Triton kernel against the fp32 torch reference at every cache length, and at `timed_past` (None: none)
     its time against SDPA with a dense mask."""
     from clover.plugins.tree_attention import tree_attention_reference
@@ -188,28 +232,49 @@ def kernel_rows(device: str = "cuda", shapes: Sequence[str] = tuple(ATTENTION_SH
                     x = kernel_inputs(Hq, Hkv, D, tree.ancestor_mask, P, dtype, device, seed=tree.num_nodes + P)
                     ref = tree_attention_reference(**x).float()
                     err = (tree_attention_triton(**x).float() - ref).abs().max().item()
-                    row = {"shape": shape, "num_q_heads": Hq, "num_kv_heads": Hkv, "head_dim": D,
-                           "dtype": str(dtype).removeprefix("torch."), "tree": name, "new_tokens": tree.num_nodes,
-                           "past": P, "max_abs_err": err, "tolerance": KERNEL_TOL[dtype],
-                           "correct": bool(err <= KERNEL_TOL[dtype])}
+                    row = {
+                        "shape": shape,
+                        "num_q_heads": Hq,
+                        "num_kv_heads": Hkv,
+                        "head_dim": D,
+                        "dtype": str(dtype).removeprefix("torch."),
+                        "tree": name,
+                        "new_tokens": tree.num_nodes,
+                        "past": P,
+                        "max_abs_err": err,
+                        "tolerance": KERNEL_TOL[dtype],
+                        "correct": bool(err <= KERNEL_TOL[dtype]),
+                    }
                     if P == timed_past:
                         triton_us = 1e3 * time_ms(lambda: tree_attention_triton(**x), iters)  # noqa: B023
                         sdpa_us = 1e3 * time_ms(sdpa_dense(x), iters)
-                        row.update(triton_us=round(triton_us, 2), sdpa_dense_us=round(sdpa_us, 2),
-                                   speedup=round(sdpa_us / triton_us, 3))
+                        row.update(
+                            triton_us=round(triton_us, 2),
+                            sdpa_dense_us=round(sdpa_us, 2),
+                            speedup=round(sdpa_us / triton_us, 3),
+                        )
                     rows.append(row)
     return rows
 
 
 # -- greedy identity -------------------------------------------------------------------------------------------
 
+
 def prompts(vocab: int, n: int, length: int = 12, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(8, vocab, length).tolist() for _ in range(n)]
 
 
-def identity(cpu_base: Decoder, tokenizer, device: str, graphs: bool, tokens: int = 32, concurrency: int = 8,
-             archs: Sequence[str] = ARCHS, seed: int = 0) -> dict:
+def identity(
+    cpu_base: Decoder,
+    tokenizer,
+    device: str,
+    graphs: bool,
+    tokens: int = 32,
+    concurrency: int = 8,
+    archs: Sequence[str] = ARCHS,
+    seed: int = 0,
+) -> dict:
     """Greedy speculative tokens against plain greedy tokens of the same runner kind, per head type and tree
     (a chain and a branching tree, as deep as the heads draft): batch 1 (Generator) and `concurrency` requests at
     once through one Engine, on `device` in fp32. `cpu_base`: the model, on the CPU (heads are made from it there).
@@ -244,18 +309,32 @@ def identity(cpu_base: Decoder, tokenizer, device: str, graphs: bool, tokens: in
             want = [plain_cache[tuple(p)] for p in work]
             diffs = [first_difference(r.token_ids, w) if r.token_ids != w else None for r, w in zip(many, want)]
             margins = [None if d is None else margin_at(plain, p + w, len(p) + d) for p, w, d in zip(work, want, diffs)]
-            cases.append({
-                "arch": arch, "tree": tree.name, "nodes": tree.num_nodes, "graphs": graphs,
-                "batch1_identical": one.token_ids == want[0],
-                "batch1_first_difference": None if one.token_ids == want[0] else first_difference(one.token_ids, want[0]),
-                "batch1_margin_there": None if one.token_ids == want[0] else margin_at(
-                    plain, work[0] + want[0], len(work[0]) + first_difference(one.token_ids, want[0])),
-                "batch1_tokens_per_step": round(one.tokens_per_step, 3), "batch1_seconds": round(solo_s, 3),
-                "engine_identical": f"{sum(d is None for d in diffs)}/{len(diffs)}",
-                "engine_first_differences": diffs, "engine_margins_there": margins, "engine_seconds": round(engine_s, 3),
-                "engine_tokens_per_step": round(float(np.mean([r.tokens_per_step for r in many])), 3)})
-    ok = all(c["batch1_identical"] and c["engine_identical"].split("/")[0] == c["engine_identical"].split("/")[1]
-             for c in cases)
+            cases.append(
+                {
+                    "arch": arch,
+                    "tree": tree.name,
+                    "nodes": tree.num_nodes,
+                    "graphs": graphs,
+                    "batch1_identical": one.token_ids == want[0],
+                    "batch1_first_difference": None
+                    if one.token_ids == want[0]
+                    else first_difference(one.token_ids, want[0]),
+                    "batch1_margin_there": None
+                    if one.token_ids == want[0]
+                    else margin_at(plain, work[0] + want[0], len(work[0]) + first_difference(one.token_ids, want[0])),
+                    "batch1_tokens_per_step": round(one.tokens_per_step, 3),
+                    "batch1_seconds": round(solo_s, 3),
+                    "engine_identical": f"{sum(d is None for d in diffs)}/{len(diffs)}",
+                    "engine_first_differences": diffs,
+                    "engine_margins_there": margins,
+                    "engine_seconds": round(engine_s, 3),
+                    "engine_tokens_per_step": round(float(np.mean([r.tokens_per_step for r in many])), 3),
+                }
+            )
+    ok = all(
+        c["batch1_identical"] and c["engine_identical"].split("/")[0] == c["engine_identical"].split("/")[1]
+        for c in cases
+    )
     return {"tokens": tokens, "concurrency": concurrency, "cases": cases, "ok": ok}
 
 
@@ -274,11 +353,14 @@ def identity_line(result: dict) -> str:
     ne = sum(int(c["engine_identical"].split("/")[0]) for c in cases)
     te = sum(int(c["engine_identical"].split("/")[1]) for c in cases)
     tps = max(c["batch1_tokens_per_step"] for c in cases)
-    return (f"{len(cases)} cases ({', '.join(dict.fromkeys(c['arch'] for c in cases))} x chain + tree): batch 1 "
-            f"{n1}/{len(cases)} identical, engine x{result['concurrency']} {ne}/{te}; up to {tps:.2f} tokens/step")
+    return (
+        f"{len(cases)} cases ({', '.join(dict.fromkeys(c['arch'] for c in cases))} x chain + tree): batch 1 "
+        f"{n1}/{len(cases)} identical, engine x{result['concurrency']} {ne}/{te}; up to {tps:.2f} tokens/step"
+    )
 
 
 # -- the verify-cost curve -------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class CurvePoint:
@@ -318,13 +400,18 @@ def curve(base: Decoder, graphs: bool, kv: int, rows: Sequence[int] = CURVE_ROWS
         else:
             keys, values = seq.cache
             P = slot.past
-            args = (torch.as_tensor(tokens, device=base.lm_head.weight.device)[None],
-                    torch.as_tensor(P + depths, device=base.lm_head.weight.device)[None],
-                    torch.as_tensor(mask, device=base.lm_head.weight.device)[None],
-                    torch.tensor([P], device=base.lm_head.weight.device))
+            args = (
+                torch.as_tensor(tokens, device=base.lm_head.weight.device)[None],
+                torch.as_tensor(P + depths, device=base.lm_head.weight.device)[None],
+                torch.as_tensor(mask, device=base.lm_head.weight.device)[None],
+                torch.tensor([P], device=base.lm_head.weight.device),
+            )
             with torch.inference_mode():
-                gpu = time_ms(lambda: runner.base(*args, [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values]),  # noqa: B023
-                              reps, graph=False)
+                gpu = time_ms(
+                    lambda: runner.base(*args, [k[:, :, :P] for k in keys], [v[:, :, :P] for v in values]),  # noqa: B023
+                    reps,
+                    graph=False,
+                )
         points.append(CurvePoint(R, round(1e3 * statistics.median(walls), 4), round(gpu, 4)))
     runner.release(slot)
     runner.close()
@@ -335,12 +422,15 @@ def curve_line(curves: dict[str, list[CurvePoint]]) -> str:
     parts = []
     for key, pts in curves.items():
         one, top = pts[0], pts[-1]
-        parts.append(f"{key}: 1 row {one.runner_ms:.2f} ms, {top.rows} rows {top.runner_ms:.2f} ms "
-                     f"({top.runner_ms / one.runner_ms:.2f}x)")
+        parts.append(
+            f"{key}: 1 row {one.runner_ms:.2f} ms, {top.rows} rows {top.runner_ms:.2f} ms "
+            f"({top.runner_ms / one.runner_ms:.2f}x)"
+        )
     return "; ".join(parts)
 
 
 # -- the step loop's host time ---------------------------------------------------------------------------------
+
 
 def gpu_busy_ms(fn: Callable[[], Any]) -> tuple[Any, float, float]:
     """(fn's result, wall ms, ms of GPU kernels) of one call, the kernels summed from torch's profiler (CUPTI)."""
@@ -379,12 +469,19 @@ def host_time(base: Decoder, heads, tokenizer, trees: Sequence[str], graphs: boo
         # The profiler slows every launch down, so it only counts the kernels' time; the wall time is the run above.
         _, _, busy_ms = gpu_busy_ms(run) if torch.cuda.is_available() else (None, 0.0, float("nan"))
         steps = max(result.steps, 1)
-        out.append({"tree": name, "nodes": tree.num_nodes, "graphs": graphs, "steps": result.steps,
-                    "step_ms": round(1e3 * float(np.mean(result.step_seconds)), 3),
-                    "gpu_busy_ms_per_step": round(busy_ms / steps, 3),
-                    "gpu_idle_fraction": round(max(0.0, 1 - busy_ms / wall_ms), 3),
-                    "tokens_per_step": round(result.tokens_per_step, 3),
-                    "phase_ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in result.timings.items()}})
+        out.append(
+            {
+                "tree": name,
+                "nodes": tree.num_nodes,
+                "graphs": graphs,
+                "steps": result.steps,
+                "step_ms": round(1e3 * float(np.mean(result.step_seconds)), 3),
+                "gpu_busy_ms_per_step": round(busy_ms / steps, 3),
+                "gpu_idle_fraction": round(max(0.0, 1 - busy_ms / wall_ms), 3),
+                "tokens_per_step": round(result.tokens_per_step, 3),
+                "phase_ms_per_step": {k: round(1e3 * v / steps, 3) for k, v in result.timings.items()},
+            }
+        )
     return out
 
 
@@ -397,6 +494,7 @@ def host_line(rows: list[dict]) -> str:
 
 
 # -- projection from the CPU's acceptance ----------------------------------------------------------------------
+
 
 def cpu_acceptance(results: Path = RESULTS) -> list[dict]:
     """Tokens per step (bonus included) the shipped Clover-2 heads reached on the CPU per fixed tree and draft
@@ -411,8 +509,16 @@ def cpu_acceptance(results: Path = RESULTS) -> list[dict]:
             key = (prompts_name, r["heads"], r["tree"])
             if r["heads"].startswith("smollm2-clover2") and not r["tree"].startswith("dynamic") and key not in seen:
                 seen.add(key)
-                rows.append({"prompts": prompts_name, "drafts": r["heads"], "tree": r["tree"],
-                             "tokens_per_step": r["acceptance_length"], "cpu_speedup": r["speedup"], "source": name})
+                rows.append(
+                    {
+                        "prompts": prompts_name,
+                        "drafts": r["heads"],
+                        "tree": r["tree"],
+                        "tokens_per_step": r["acceptance_length"],
+                        "cpu_speedup": r["speedup"],
+                        "source": name,
+                    }
+                )
     return rows
 
 
@@ -425,8 +531,15 @@ def projection(step_ms: dict[tuple[str, bool], float], acceptance: list[dict]) -
             plain, tree = step_ms.get(("plain", graphs)), step_ms.get((a["tree"], graphs))
             if plain is None or tree is None:
                 continue
-            out.append({**a, "graphs": graphs, "gpu_plain_step_ms": plain, "gpu_tree_step_ms": tree,
-                        "projected_speedup": round(a["tokens_per_step"] * plain / tree, 3)})
+            out.append(
+                {
+                    **a,
+                    "graphs": graphs,
+                    "gpu_plain_step_ms": plain,
+                    "gpu_tree_step_ms": tree,
+                    "projected_speedup": round(a["tokens_per_step"] * plain / tree, 3),
+                }
+            )
     return out
 
 
@@ -436,11 +549,14 @@ def projection_line(rows: list[dict]) -> str:
         key = (r["prompts"], r["graphs"])
         if key not in best or r["projected_speedup"] > best[key]["projected_speedup"]:
             best[key] = r
-    return "; ".join(f"{p} {'graphs' if g else 'eager'}: {r['drafts']} {r['tree']} {r['projected_speedup']:.2f}x"
-                     for (p, g), r in sorted(best.items()))
+    return "; ".join(
+        f"{p} {'graphs' if g else 'eager'}: {r['drafts']} {r['tree']} {r['projected_speedup']:.2f}x"
+        for (p, g), r in sorted(best.items())
+    )
 
 
 # -- tree auto -------------------------------------------------------------------------------------------------
+
 
 def cpu_depth_rates(results: Path = RESULTS) -> dict[str, list[float]]:
     """The shipped Clover-2 heads' replay on MT-Bench (CPU, fp32 SmolLM2): per depth, how often the base's token
@@ -472,7 +588,15 @@ def tree_auto(base: Decoder, heads, tokenizer, graphs: bool, top1: Sequence[floa
         nodes = np.array([t.num_nodes for t in policy.levels])
         cost = np.array([policy.cost.curve(int(n)) for n in nodes]) + np.maximum.accumulate(policy.draft_ms)
         level = int(np.argmax(expected / cost))
-    return {"rows_ms": rows_ms, "levels": [t.name for t in policy.levels], "nodes": nodes.tolist(),
-            "expected_tokens": np.round(expected, 3).tolist(), "step_ms": np.round(cost, 3).tolist(),
-            "picked_level": level, "picked_tree": policy.levels[level].name, "picked_nodes": int(nodes[level]),
-            "top1": list(top1), "top3": list(top3)}
+    return {
+        "rows_ms": rows_ms,
+        "levels": [t.name for t in policy.levels],
+        "nodes": nodes.tolist(),
+        "expected_tokens": np.round(expected, 3).tolist(),
+        "step_ms": np.round(cost, 3).tolist(),
+        "picked_level": level,
+        "picked_tree": policy.levels[level].name,
+        "picked_nodes": int(nodes[level]),
+        "top1": list(top1),
+        "top3": list(top3),
+    }

@@ -18,11 +18,19 @@ from typing import Any
 
 import numpy as np
 
-
 # /proc/cpuinfo flag -> the name results give it. oneDNN, MKL and ONNX Runtime's MLAS pick their kernels by these,
 # so the last bits of a float result (and the speed) depend on them.
-ISA_FLAGS = {"avx2": "AVX2", "fma": "FMA", "avx512f": "AVX-512", "avx512_vnni": "AVX512-VNNI", "avx_vnni": "AVX-VNNI",
-             "avx512_bf16": "AVX512-BF16", "amx_tile": "AMX", "amx_int8": "AMX-INT8", "amx_bf16": "AMX-BF16"}
+ISA_FLAGS = {
+    "avx2": "AVX2",
+    "fma": "FMA",
+    "avx512f": "AVX-512",
+    "avx512_vnni": "AVX512-VNNI",
+    "avx_vnni": "AVX-VNNI",
+    "avx512_bf16": "AVX512-BF16",
+    "amx_tile": "AMX",
+    "amx_int8": "AMX-INT8",
+    "amx_bf16": "AMX-BF16",
+}
 
 
 def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
@@ -41,8 +49,11 @@ def cpu_info(cpuinfo: str | None = None) -> dict[str, Any]:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     flags = set(fields.get("flags", "").split())
-    return {"model": fields.get("model name") or platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "isa": [name for flag, name in ISA_FLAGS.items() if flag in flags]}
+    return {
+        "model": fields.get("model name") or platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "isa": [name for flag, name in ISA_FLAGS.items() if flag in flags],
+    }
 
 
 def host() -> dict[str, Any]:
@@ -98,7 +109,9 @@ def measure_bandwidth(array_bytes: int, repeats: int, readers: Sequence[int] = (
     samples = {}
     for k in readers:
         barrier, queue = ctx.Barrier(k), ctx.Queue()
-        procs = [ctx.Process(target=_timed_sums, args=(array_bytes // 4 // k, repeats, barrier, queue)) for _ in range(k)]
+        procs = [
+            ctx.Process(target=_timed_sums, args=(array_bytes // 4 // k, repeats, barrier, queue)) for _ in range(k)
+        ]
         for proc in procs:
             proc.start()
         times = [queue.get(timeout=600) for _ in procs]
@@ -158,13 +171,17 @@ def artifact_weight_bytes(artifact: Path) -> int:
     """Weights a plain decode step of an exported artifact reads: its base graph and the LM head it runs."""
     from clover.artifact import base_weight_files, read_manifest
 
-    return weight_bytes_per_token([f for f in base_weight_files(artifact, read_manifest(artifact)) if f.suffix == ".onnx"])
+    return weight_bytes_per_token(
+        [f for f in base_weight_files(artifact, read_manifest(artifact)) if f.suffix == ".onnx"]
+    )
 
 
 def plain_limit_line(artifact: Path, readers: int) -> str:
     """One line: the artifact's plain decoding ceiling at the read bandwidth measured now with `readers` processes."""
     weights = artifact_weight_bytes(artifact)
     gbps = read_bandwidth(readers)
-    return (f"plain decoding's memory-bandwidth limit here: {weights / 1e6:.0f} MB of weights per token at {gbps:.1f} GB/s "
-            f"({readers} reader(s)) -> <= {bandwidth_limit(gbps, weights):.1f} tok/s; speculation verifies several "
-            "tokens per read and can pass it")
+    return (
+        f"plain decoding's memory-bandwidth limit here: {weights / 1e6:.0f} MB of weights per token at {gbps:.1f} GB/s "
+        f"({readers} reader(s)) -> <= {bandwidth_limit(gbps, weights):.1f} tok/s; speculation verifies several "
+        "tokens per read and can pass it"
+    )

@@ -54,46 +54,105 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="clover-serve", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--artifact", type=Path, help="folder written by clover-export")
-    src.add_argument("--demo", action="store_true", help="the `make demo` artifact (SmolLM2 int4 + the shipped Clover-2 "
-                     "heads; exported into the cache first if missing)")
-    p.add_argument("--backend", choices=("ort", "trt"), default=None, help="default: trt for an artifact with "
-                   "TensorRT engines, else ort")
+    src.add_argument(
+        "--demo",
+        action="store_true",
+        help="the `make demo` artifact (SmolLM2 int4 + the shipped Clover-2 "
+        "heads; exported into the cache first if missing)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("ort", "trt"),
+        default=None,
+        help="default: trt for an artifact with TensorRT engines, else ort",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded at once")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond those (more get 503)")
     p.add_argument("--tree", default="auto", help="'auto' (per step, per sequence, by measured cost) or a tree name")
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
-    p.add_argument("--providers", default=None, help="ONNX Runtime execution providers (backend ort), comma-separated "
-                   "in order of preference: cpu (default), cuda, or cuda,cpu (runs on the CPU, saying so in one line, "
-                   "where CUDA is not available)")
-    p.add_argument("--api-key", default=os.environ.get("CLOVER_API_KEY"), help="require 'Authorization: Bearer KEY' "
-                   "on /v1 routes (default: $CLOVER_API_KEY, else none)")
-    p.add_argument("--model", default=None, help="the model name clients send (default: the artifact folder's name; smollm2-clover2 with --demo)")
-    p.add_argument("--drain-seconds", type=float, default=30.0, help="on SIGTERM / SIGINT, wait this long at most "
-                   "for in-flight requests")
+    p.add_argument(
+        "--providers",
+        default=None,
+        help="ONNX Runtime execution providers (backend ort), comma-separated "
+        "in order of preference: cpu (default), cuda, or cuda,cpu (runs on the CPU, saying so in one line, "
+        "where CUDA is not available)",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("CLOVER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CLOVER_API_KEY, else none)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the model name clients send (default: the artifact folder's name; smollm2-clover2 with --demo)",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM / SIGINT, wait this long at most for in-flight requests",
+    )
     p.add_argument("--max-stop-strings", type=int, default=4, help="stop strings per request (default 4, as OpenAI)")
     p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string (default 256)")
-    p.add_argument("--max-body-bytes", type=int, default=2 * 2**20, help="largest request body, refused before it is "
-                   "read (default 2 MiB)")
-    p.add_argument("--max-concurrent-requests", type=int, default=None, help="/v1 requests answered at once; more get "
-                   "503 with Retry-After (default: no limit beyond --max-waiting)")
-    p.add_argument("--max-input-tokens", type=int, default=None, help="a prompt's tokens after the chat template "
-                   "(default: what the context allows)")
-    p.add_argument("--max-tokens-cap", type=int, default=None, help="the most tokens one request may ask for; requests "
-                   "without max_tokens get at most this many (default: what the context leaves)")
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=2 * 2**20,
+        help="largest request body, refused before it is read (default 2 MiB)",
+    )
+    p.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        help="/v1 requests answered at once; more get 503 with Retry-After (default: no limit beyond --max-waiting)",
+    )
+    p.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=None,
+        help="a prompt's tokens after the chat template (default: what the context allows)",
+    )
+    p.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=None,
+        help="the most tokens one request may ask for; requests "
+        "without max_tokens get at most this many (default: what the context leaves)",
+    )
     p.add_argument("--max-messages", type=int, default=1024, help="messages in one chat request (default 1024)")
-    p.add_argument("--max-prompt-chars", type=int, default=262_144, help="a prompt's characters, a chat's messages "
-                   "together, checked before templating and tokenizing (default 262144)")
-    p.add_argument("--api-key-file", type=Path, default=None, help="read the API key from this file (its first line) "
-                   "instead of --api-key, so it stays out of the process list")
-    p.add_argument("--manifest-sha256", default=None, metavar="HEX", help="refuse to start unless the artifact's "
-                   "manifest.json has this sha256 (it lists every file's checksum, so this pins the whole artifact; an "
-                   "artifact is trusted code: TensorRT engines are executable)")
+    p.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=262_144,
+        help="a prompt's characters, a chat's messages "
+        "together, checked before templating and tokenizing (default 262144)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help="read the API key from this file (its first line) "
+        "instead of --api-key, so it stays out of the process list",
+    )
+    p.add_argument(
+        "--manifest-sha256",
+        default=None,
+        metavar="HEX",
+        help="refuse to start unless the artifact's "
+        "manifest.json has this sha256 (it lists every file's checksum, so this pins the whole artifact; an "
+        "artifact is trusted code: TensorRT engines are executable)",
+    )
     p.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the API key too")
     p.add_argument("--disable-docs", action="store_true", help="serve no /docs, /redoc or /openapi.json")
-    p.add_argument("--allow-ignore-eos", action="store_true", help="honour vLLM's ignore_eos extension (requests run to "
-                   "max_tokens past end-of-sequence; for load tests); off: such requests get 400")
+    p.add_argument(
+        "--allow-ignore-eos",
+        action="store_true",
+        help="honour vLLM's ignore_eos extension (requests run to "
+        "max_tokens past end-of-sequence; for load tests); off: such requests get 400",
+    )
     return p
 
 
@@ -128,7 +187,9 @@ def run(args: argparse.Namespace) -> int:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
-        raise CloverError(f"clover-serve needs the serve extra ({e.name} is missing): pip install 'clover-deploy[serve]'") from None
+        raise CloverError(
+            f"clover-serve needs the serve extra ({e.name} is missing): pip install 'clover-deploy[serve]'"
+        ) from None
     from clover.artifact import check_pin, read_manifest
     from clover.runtime.engine import Engine
     from clover.serve.app import create_app
@@ -143,9 +204,17 @@ def run(args: argparse.Namespace) -> int:
         raise CloverError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
     from clover.serve.limits import RequestLimits
 
-    limits = RequestLimits(args.max_stop_strings, args.max_stop_chars, args.allow_ignore_eos,
-                           args.max_body_bytes, args.max_concurrent_requests, args.max_input_tokens,
-                           args.max_tokens_cap, args.max_messages, args.max_prompt_chars)  # before minutes of loading
+    limits = RequestLimits(
+        args.max_stop_strings,
+        args.max_stop_chars,
+        args.allow_ignore_eos,
+        args.max_body_bytes,
+        args.max_concurrent_requests,
+        args.max_input_tokens,
+        args.max_tokens_cap,
+        args.max_messages,
+        args.max_prompt_chars,
+    )  # before minutes of loading
     if args.api_key_file is not None:
         try:
             lines = args.api_key_file.read_text().splitlines()
@@ -157,14 +226,31 @@ def run(args: argparse.Namespace) -> int:
     if args.manifest_sha256 is not None:
         check_pin(args.artifact, args.manifest_sha256)
     backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
-    engine = Engine.load(args.artifact, backend=backend, tree=args.tree, max_batch=args.max_batch, threads=args.threads,
-                         max_waiting=args.max_waiting, providers=args.providers)
+    engine = Engine.load(
+        args.artifact,
+        backend=backend,
+        tree=args.tree,
+        max_batch=args.max_batch,
+        threads=args.threads,
+        max_waiting=args.max_waiting,
+        providers=args.providers,
+    )
     model = args.model or (DEMO_MODEL if args.demo else args.artifact.resolve().name)
     try:
-        app = create_app(engine, model, api_key=args.api_key or None, limits=limits, docs=not args.disable_docs,
-                         metrics_need_key=args.metrics_need_key)
-        print(f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "
-              f"{args.tree}{', API key required' if args.api_key else ''})", file=sys.stderr, flush=True)
+        app = create_app(
+            engine,
+            model,
+            api_key=args.api_key or None,
+            limits=limits,
+            docs=not args.disable_docs,
+            metrics_need_key=args.metrics_need_key,
+        )
+        print(
+            f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "
+            f"{args.tree}{', API key required' if args.api_key else ''})",
+            file=sys.stderr,
+            flush=True,
+        )
         serve(app, args.host, args.port, args.drain_seconds)
     finally:
         engine.close()

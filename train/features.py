@@ -26,9 +26,10 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,8 +43,13 @@ if TYPE_CHECKING:
     from clover.train.corpus import Conversation
 
 FORMAT_VERSION = 1
-_ARRAYS = {"tokens": np.int32, "hidden": np.float16, "topk_ids": np.int32, "topk_probs": np.float16,
-           "loss_mask": np.bool_}
+_ARRAYS = {
+    "tokens": np.int32,
+    "hidden": np.float16,
+    "topk_ids": np.int32,
+    "topk_probs": np.float16,
+    "loss_mask": np.bool_,
+}
 
 
 @dataclass(frozen=True)
@@ -110,27 +116,46 @@ class FeatureWriter:
         self.loss_tokens = [0, 0]  # train, validation
         self.started = time.time()
 
-    def add(self, tokens: np.ndarray, hidden: np.ndarray, topk_ids: np.ndarray, topk_probs: np.ndarray,
-            loss_mask: np.ndarray, validation: bool) -> None:
+    def add(
+        self,
+        tokens: np.ndarray,
+        hidden: np.ndarray,
+        topk_ids: np.ndarray,
+        topk_probs: np.ndarray,
+        loss_mask: np.ndarray,
+        validation: bool,
+    ) -> None:
         n = len(tokens)
         assert hidden.shape == (n, self.hidden_size) and topk_ids.shape == topk_probs.shape == (n, self.spec.topk)
         assert not loss_mask[-1], "the last position has no next token"
-        for name, arr in (("tokens", tokens), ("hidden", hidden), ("topk_ids", topk_ids),
-                          ("topk_probs", topk_probs), ("loss_mask", loss_mask)):
+        for name, arr in (
+            ("tokens", tokens),
+            ("hidden", hidden),
+            ("topk_ids", topk_ids),
+            ("topk_probs", topk_probs),
+            ("loss_mask", loss_mask),
+        ):
             self.files[name].write(np.ascontiguousarray(arr, dtype=_ARRAYS[name]).tobytes())
         self.offsets.append(self.offsets[-1] + n)
         self.validation.append(validation)
         self.loss_tokens[validation] += int(loss_mask.sum())
 
-    def finish(self, extra: dict) -> "FeatureCache":
+    def finish(self, extra: dict) -> FeatureCache:
         for f in self.files.values():
             f.close()
         np.save(self.tmp / "offsets.npy", np.array(self.offsets, dtype=np.int64))
         np.save(self.tmp / "validation.npy", np.array(self.validation, dtype=np.bool_))
-        meta = {"format_version": FORMAT_VERSION, "spec": asdict(self.spec), "hidden_size": self.hidden_size,
-                "num_tokens": self.offsets[-1], "num_sequences": len(self.validation),
-                "train_loss_tokens": self.loss_tokens[0], "validation_loss_tokens": self.loss_tokens[1],
-                "build_seconds": round(time.time() - self.started, 1), **extra}
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "spec": asdict(self.spec),
+            "hidden_size": self.hidden_size,
+            "num_tokens": self.offsets[-1],
+            "num_sequences": len(self.validation),
+            "train_loss_tokens": self.loss_tokens[0],
+            "validation_loss_tokens": self.loss_tokens[1],
+            "build_seconds": round(time.time() - self.started, 1),
+            **extra,
+        }
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=2))
         atomic.publish_folder(self.tmp, self.path)
         return FeatureCache(self.path)
@@ -151,13 +176,17 @@ class FeatureCache:
             raise CloverError(f"{self.path} is not a feature cache (no meta.json): delete it and rebuild")
         self.meta = json.loads(meta_path.read_text())
         if self.meta.get("format_version") != FORMAT_VERSION:
-            raise CloverError(f"feature cache {self.path} has format {self.meta.get('format_version')}, this version "
-                              f"reads {FORMAT_VERSION}: delete it and rebuild")
+            raise CloverError(
+                f"feature cache {self.path} has format {self.meta.get('format_version')}, this version "
+                f"reads {FORMAT_VERSION}: delete it and rebuild"
+            )
         self.spec = FeatureSpec(**self.meta["spec"])
         n, H, K = self.meta["num_tokens"], self.meta["hidden_size"], self.spec.topk
         shapes = {"tokens": (n,), "hidden": (n, H), "topk_ids": (n, K), "topk_probs": (n, K), "loss_mask": (n,)}
-        self.arrays = {name: np.memmap(self.path / f"{name}.bin", dtype=_ARRAYS[name], mode="r", shape=shapes[name])
-                       for name in _ARRAYS}
+        self.arrays = {
+            name: np.memmap(self.path / f"{name}.bin", dtype=_ARRAYS[name], mode="r", shape=shapes[name])
+            for name in _ARRAYS
+        }
         self.offsets = np.load(self.path / "offsets.npy")
         self.validation = np.load(self.path / "validation.npy")
 
@@ -193,16 +222,24 @@ def _topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 @torch.inference_mode()
-def prefill(base: Decoder, ids: list[int], k: int, last_only: bool = False
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[torch.Tensor], list[torch.Tensor]]:
+def prefill(
+    base: Decoder, ids: list[int], k: int, last_only: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[torch.Tensor], list[torch.Tensor]]:
     """One sequence through the base: hidden [T, H] fp16, top-k per position, and its K/V.
     `last_only`: the distribution of the last position only (the rows before it get zeros), for
     prompts whose own positions carry no loss: it skips most of the LM-head work."""
     T = len(ids)
     keys, values = base.empty_cache(1, 0)
     rows = torch.tensor([T - 1]) if last_only else None
-    out = base(torch.tensor([ids]), torch.arange(T)[None], causal_mask(T), torch.zeros(1, dtype=torch.long), keys, values,
-               logit_rows=rows)
+    out = base(
+        torch.tensor([ids]),
+        torch.arange(T)[None],
+        causal_mask(T),
+        torch.zeros(1, dtype=torch.long),
+        keys,
+        values,
+        logit_rows=rows,
+    )
     tk_ids, tk_p = _topk(out.logits[0], k)
     if last_only:
         tk_ids = np.concatenate((np.zeros((T - 1, k), tk_ids.dtype), tk_ids))
@@ -211,8 +248,14 @@ def prefill(base: Decoder, ids: list[int], k: int, last_only: bool = False
 
 
 @torch.inference_mode()
-def features_from_dataset(base: Decoder, sequences: Iterable[tuple[list[int], list[bool], bool]], writer: FeatureWriter,
-                          budgets: tuple[int, int], progress: Progress | None = None, batch_tokens: int = 8192) -> None:
+def features_from_dataset(
+    base: Decoder,
+    sequences: Iterable[tuple[list[int], list[bool], bool]],
+    writer: FeatureWriter,
+    budgets: tuple[int, int],
+    progress: Progress | None = None,
+    batch_tokens: int = 8192,
+) -> None:
     """Teacher-forced passes over tokenised conversations: (ids, assistant mask, is_validation) each.
 
     Several sequences share a forward (right-padded, at most `batch_tokens` padded tokens; sorted by length
@@ -266,11 +309,18 @@ def _teacher_forced(base: Decoder, batch: list[tuple[list[int], np.ndarray, bool
         ids[b, : len(x)] = torch.tensor(x)
         loss[b, : len(x)] = torch.from_numpy(m)
     keys, values = base.empty_cache(B, 0)
-    out = base(ids, torch.arange(L).expand(B, L), causal_mask(L, B), torch.zeros(B, dtype=torch.long), keys, values,
-               logit_rows=torch.zeros(0, dtype=torch.long))
+    out = base(
+        ids,
+        torch.arange(L).expand(B, L),
+        causal_mask(L, B),
+        torch.zeros(B, dtype=torch.long),
+        keys,
+        values,
+        logit_rows=torch.zeros(0, dtype=torch.long),
+    )
     rows = out.hidden_states[loss]  # [n, H]: the loss positions
     tk_ids, tk_p = np.zeros((B, L, k), np.int32), np.zeros((B, L, k), np.float16)
-    parts = [_topk(base.lm_head(base.norm(rows[i: i + LM_HEAD_ROWS])), k) for i in range(0, len(rows), LM_HEAD_ROWS)]
+    parts = [_topk(base.lm_head(base.norm(rows[i : i + LM_HEAD_ROWS])), k) for i in range(0, len(rows), LM_HEAD_ROWS)]
     if parts:
         sel = loss.numpy()
         tk_ids[sel] = np.concatenate([p[0] for p in parts])
@@ -355,9 +405,15 @@ class _Slot:
 
 
 @torch.inference_mode()
-def features_from_generation(base: Decoder, prompts: Iterator[tuple[list[int], bool]], writer: FeatureWriter,
-                             budgets: tuple[int, int], eos_ids: tuple[int, ...], batch_size: int = 64,
-                             progress: Progress | None = None) -> None:
+def features_from_generation(
+    base: Decoder,
+    prompts: Iterator[tuple[list[int], bool]],
+    writer: FeatureWriter,
+    budgets: tuple[int, int],
+    eos_ids: tuple[int, ...],
+    batch_size: int = 64,
+    progress: Progress | None = None,
+) -> None:
     """The base answers each prompt greedily (Medusa-2's self-distillation data); the features come
     from the same forward passes. Continuous batching: a finished sequence's row is refilled at once.
 
@@ -380,15 +436,15 @@ def features_from_generation(base: Decoder, prompts: Iterator[tuple[list[int], b
     def finish(b: int) -> None:
         s = slots[b]
         n = len(s.tokens)
-        hidden = np.concatenate(s.hidden)[: n]
-        tk_ids, tk_p = np.concatenate(s.tk_ids)[: n], np.concatenate(s.tk_p)[: n]
+        hidden = np.concatenate(s.hidden)[:n]
+        tk_ids, tk_p = np.concatenate(s.tk_ids)[:n], np.concatenate(s.tk_p)[:n]
         if hidden.shape[0] < n:  # the final token was never fed (EOS or length cap): no features of its own
             pad = n - hidden.shape[0]
             hidden = np.concatenate((hidden, np.zeros((pad, hidden.shape[1]), hidden.dtype)))
             tk_ids = np.concatenate((tk_ids, np.zeros((pad, k), tk_ids.dtype)))
             tk_p = np.concatenate((tk_p, np.zeros((pad, k), tk_p.dtype)))
         loss_mask = np.zeros(n, dtype=np.bool_)
-        loss_mask[s.prompt_len - 1: n - 1] = True  # p_t for t >= prompt_len - 1 predicts a generated token
+        loss_mask[s.prompt_len - 1 : n - 1] = True  # p_t for t >= prompt_len - 1 predicts a generated token
         writer.add(np.array(s.tokens), hidden, tk_ids, tk_p, loss_mask, s.is_val)
         slots[b] = None
         lengths[b], current[b] = 0, 0  # an idle row decodes a dummy token at slot 0 until refilled
@@ -421,8 +477,14 @@ def features_from_generation(base: Decoder, prompts: Iterator[tuple[list[int], b
         if not active:
             break
         P = int(lengths[active].max())
-        out = base(current[:, None], lengths[:, None], torch.ones(batch_size, 1, 1, dtype=torch.bool), lengths,
-                   [kk[:, :, :P] for kk in keys], [vv[:, :, :P] for vv in values])
+        out = base(
+            current[:, None],
+            lengths[:, None],
+            torch.ones(batch_size, 1, 1, dtype=torch.bool),
+            lengths,
+            [kk[:, :, :P] for kk in keys],
+            [vv[:, :, :P] for vv in values],
+        )
         for store, new in zip(keys + values, out.new_keys + out.new_values):
             store[rows, :, lengths] = new[:, :, 0]
         hidden = out.hidden_states[:, 0].to(torch.float16).numpy()
@@ -430,9 +492,9 @@ def features_from_generation(base: Decoder, prompts: Iterator[tuple[list[int], b
         for b in active:
             lengths[b] += 1
             s = slots[b]
-            s.hidden.append(hidden[b: b + 1])
-            s.tk_ids.append(tk_ids[b: b + 1])
-            s.tk_p.append(tk_p[b: b + 1])
+            s.hidden.append(hidden[b : b + 1])
+            s.tk_ids.append(tk_ids[b : b + 1])
+            s.tk_p.append(tk_p[b : b + 1])
             nxt = int(tk_ids[b, 0])
             s.tokens.append(nxt)
             current[b] = nxt
@@ -440,8 +502,15 @@ def features_from_generation(base: Decoder, prompts: Iterator[tuple[list[int], b
                 finish(b)
 
 
-def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, batch_size: int = 64,
-                     progress: Progress | None = None, teacher=None) -> FeatureCache:
+def prepare_features(
+    base: Decoder,
+    tokenizer,
+    spec: FeatureSpec,
+    root: Path,
+    batch_size: int = 64,
+    progress: Progress | None = None,
+    teacher=None,
+) -> FeatureCache:
     """The cache for `spec` under `root`, built first if missing (the base model runs only here). `teacher`: the
     runner of spec.teacher's artifact (teacher-forced data only), which computes the features instead of `base`."""
     from clover.train.data import first_turn_prompt, load_conversations, split, tokenize_conversation
@@ -450,8 +519,10 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
     if (path / "meta.json").is_file():
         return FeatureCache(path)
     if spec.teacher and (teacher is None or spec.responses == "base"):
-        raise CloverError("features from an artifact's graph (--features-from) need teacher-forced data: a corpus "
-                          "(clover-data grow) or --responses dataset")
+        raise CloverError(
+            "features from an artifact's graph (--features-from) need teacher-forced data: a corpus "
+            "(clover-data grow) or --responses dataset"
+        )
     budgets = spec.budgets
     corpus = None
     if spec.responses == "corpus":
@@ -463,6 +534,7 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
         import copy
 
         from clover.models.loading import parse_dtype
+
         base = copy.deepcopy(base).to(parse_dtype(spec.dtype))  # the caller's base keeps its precision
     try:
         if spec.responses == "base":
@@ -476,6 +548,7 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
 
             features_from_generation(base, prompts(), writer, budgets, tokenizer.eos_token_ids, batch_size, progress)
         elif spec.responses == "dataset":
+
             def sequences() -> Iterator[tuple[list[int], list[bool], bool]]:
                 for messages, is_val in interleave(parts.train, parts.validation):
                     ids, mask = tokenize_conversation(tokenizer, messages, spec.max_length)
@@ -487,8 +560,10 @@ def prepare_features(base: Decoder, tokenizer, spec: FeatureSpec, root: Path, ba
         else:
             raise CloverError(f"unknown responses {spec.responses!r}: use 'base', 'dataset' or 'corpus'")
         if writer.loss_tokens[0] == 0 or writer.loss_tokens[1] == 0:
-            raise CloverError(f"{spec.data} gave no usable {'training' if not writer.loss_tokens[0] else 'validation'} "
-                              "tokens: use more conversations or a larger --max-length")
+            raise CloverError(
+                f"{spec.data} gave no usable {'training' if not writer.loss_tokens[0] else 'validation'} "
+                "tokens: use more conversations or a larger --max-length"
+            )
     except BaseException:
         writer.abort()
         raise
@@ -502,11 +577,15 @@ def open_corpus_for(spec: FeatureSpec):
     corpus = Corpus.open(spec.data)
     made_by = corpus.provenance.generator.base_fingerprint.get("lm_head_sha256")
     if made_by != spec.base_sha256:
-        raise CloverError(f"corpus {spec.data} holds the answers of another base (LM head {made_by}; this base's is "
-                          f"{spec.base_sha256}): train with --base {corpus.provenance.generator.base}, or grow a corpus "
-                          "with this base's artifact")
+        raise CloverError(
+            f"corpus {spec.data} holds the answers of another base (LM head {made_by}; this base's is "
+            f"{spec.base_sha256}): train with --base {corpus.provenance.generator.base}, or grow a corpus "
+            "with this base's artifact"
+        )
     used = corpus_shards_used(corpus, spec)
     if corpus.digest(used) != spec.corpus:
-        raise CloverError(f"corpus {spec.data} changed while training started (its first {used} shards are not "
-                          "those the features are named for): run clover-train again")
+        raise CloverError(
+            f"corpus {spec.data} changed while training started (its first {used} shards are not "
+            "those the features are named for): run clover-train again"
+        )
     return corpus

@@ -90,23 +90,32 @@ class Vocab:
     lm_bf16: torch.Tensor  # LM-head rows of `ids`, bfloat16 [n, H]
 
     @classmethod
-    def of_batch(cls, batch: dict[str, torch.Tensor], lm_weight: torch.Tensor, always: torch.Tensor | None = None) -> "Vocab":
+    def of_batch(
+        cls, batch: dict[str, torch.Tensor], lm_weight: torch.Tensor, always: torch.Tensor | None = None
+    ) -> Vocab:
         """The batch's candidate set: the base's top-k tokens at its loss positions, plus `always`
         (the data's most frequent tokens, so small batches still see the usual confusions)."""
         ids = batch["topk_ids"][batch["loss_mask"]].reshape(-1)
         return cls.of(ids if always is None else torch.cat((ids, always.to(ids))), lm_weight)
 
     @classmethod
-    def of(cls, ids: torch.Tensor, lm_weight: torch.Tensor) -> "Vocab":
+    def of(cls, ids: torch.Tensor, lm_weight: torch.Tensor) -> Vocab:
         ids = torch.unique(ids.long())
         index = torch.full((lm_weight.shape[0],), -1, dtype=torch.long, device=ids.device)
         index[ids] = torch.arange(len(ids), device=ids.device)
         return cls(ids, index, lm_weight.detach()[ids].to(torch.bfloat16))
 
 
-def distill_loss(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int, recipe: Recipe,
-                 base_norm: torch.nn.Module, lm_bf16: torch.Tensor, vocab: Vocab | None = None,
-                 outs: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[DepthStats]]:
+def distill_loss(
+    heads: DraftHeads,
+    batch: dict[str, torch.Tensor],
+    depths: int,
+    recipe: Recipe,
+    base_norm: torch.nn.Module,
+    lm_bf16: torch.Tensor,
+    vocab: Vocab | None = None,
+    outs: list[torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, list[DepthStats]]:
     """Weighted training loss of one batch and per-depth statistics (softmax over `vocab` if given;
     `outs`: the batch's `head_outputs`, if already computed)."""
     hidden = batch["hidden"].float()

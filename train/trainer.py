@@ -18,8 +18,15 @@ from clover.errors import CloverError
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
 from clover.train.features import FeatureCache
-from clover.train.objectives import (EARLY_ANSWER_TOKENS, RECIPES, TOPK_ACCURACY, DepthStats, Vocab, distill_loss,
-                                     head_outputs)
+from clover.train.objectives import (
+    EARLY_ANSWER_TOKENS,
+    RECIPES,
+    TOPK_ACCURACY,
+    DepthStats,
+    Vocab,
+    distill_loss,
+    head_outputs,
+)
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ def make_batches(cache: FeatureCache, seq_ids: list[int], batch_tokens: int, rng
     rng.shuffle(ids)
     batches: list[list[int]] = []
     for i in range(0, len(ids), 256):  # sort within windows: little padding, still shuffled
-        window = sorted(ids[i: i + 256], key=cache.length)
+        window = sorted(ids[i : i + 256], key=cache.length)
         cur: list[int] = []
         for s in window:
             if cur and max(cache.length(x) for x in cur + [s]) * (len(cur) + 1) > batch_tokens:
@@ -90,8 +97,9 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, base: Decoder, heads: DraftHeads, cache: FeatureCache, cfg: TrainConfig, out: Path,
-                 device: torch.device):
+    def __init__(
+        self, base: Decoder, heads: DraftHeads, cache: FeatureCache, cfg: TrainConfig, out: Path, device: torch.device
+    ):
         self.base, self.heads, self.cache, self.cfg, self.out, self.device = base, heads, cache, cfg, Path(out), device
         self.recipe = RECIPES[cfg.arch]
         self.lm_bf16 = base.lm_head.weight.detach().to(torch.bfloat16)
@@ -113,9 +121,17 @@ class Trainer:
     def save_checkpoint(self, epoch: int) -> None:
         path = self.checkpoint_path(epoch)
         with atomic.replacing(path) as f:
-            torch.save({"epoch": epoch, "heads": self.heads.state_dict(), "optimizer": self.opt.state_dict(),
-                        "config": asdict(self.cfg), "history": [asdict(m) for m in self.history.epochs],
-                        "torch_rng": torch.get_rng_state()}, f)
+            torch.save(
+                {
+                    "epoch": epoch,
+                    "heads": self.heads.state_dict(),
+                    "optimizer": self.opt.state_dict(),
+                    "config": asdict(self.cfg),
+                    "history": [asdict(m) for m in self.history.epochs],
+                    "torch_rng": torch.get_rng_state(),
+                },
+                f,
+            )
 
     def resume(self) -> int:
         """Load the newest checkpoint; returns the number of epochs already done."""
@@ -127,8 +143,10 @@ class Trainer:
         mine = asdict(self.cfg)
         differs = [k for k in mine if k not in ("epochs",) and saved.get(k) != mine[k]]
         if differs:
-            raise CloverError(f"--resume: checkpoint {ckpts[-1]} was trained with other settings ({', '.join(differs)}): "
-                              "pass the same options, or start a new --out")
+            raise CloverError(
+                f"--resume: checkpoint {ckpts[-1]} was trained with other settings ({', '.join(differs)}): "
+                "pass the same options, or start a new --out"
+            )
         self.heads.load_state_dict(state["heads"])
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
@@ -156,8 +174,9 @@ class Trainer:
                     group["lr"] = lr_at(step, self.total_steps, cfg)
                 batch = self.to_device(self.cache.batch(seq_ids))
                 vocab = Vocab.of_batch(batch, self.base.lm_head.weight, self.frequent) if cfg.batch_softmax else None
-                loss, stats = distill_loss(self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16,
-                                           vocab)
+                loss, stats = distill_loss(
+                    self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16, vocab
+                )
                 if not loss.requires_grad:  # no row of this batch has a target at any depth: nothing to learn
                     continue
                 self.opt.zero_grad(set_to_none=True)
@@ -167,21 +186,34 @@ class Trainer:
                 loss_sum, n_batches = loss_sum + float(loss.detach()), n_batches + 1
                 for acc, st in zip(sums, stats):
                     acc.correct, acc.count = acc.correct + st.correct, acc.count + st.count
-                bar.set_postfix_str(f"loss {loss_sum / n_batches:.3f} top1 " +
-                                    "/".join(f"{a.correct / max(1, a.count):.2f}" for a in sums))
+                bar.set_postfix_str(
+                    f"loss {loss_sum / n_batches:.3f} top1 "
+                    + "/".join(f"{a.correct / max(1, a.count):.2f}" for a in sums)
+                )
             bar.close()
             val_loss, val_top1, val_topk, val_early, chain = self.validate()
-            m = EpochMetrics(epoch + 1, round(loss_sum / max(1, n_batches), 4),
-                             [round(a.correct / max(1, a.count), 4) for a in sums], round(val_loss, 4),
-                             [round(x, 4) for x in val_top1], round(chain, 3), round(time.time() - t0, 1),
-                             [round(x, 4) for x in val_topk], [round(x, 4) for x in val_early])
+            m = EpochMetrics(
+                epoch + 1,
+                round(loss_sum / max(1, n_batches), 4),
+                [round(a.correct / max(1, a.count), 4) for a in sums],
+                round(val_loss, 4),
+                [round(x, 4) for x in val_top1],
+                round(chain, 3),
+                round(time.time() - t0, 1),
+                [round(x, 4) for x in val_topk],
+                [round(x, 4) for x in val_early],
+            )
             self.history.epochs.append(m)
             self.save_checkpoint(epoch)
-            log(f"epoch {m.epoch}: train loss {m.train_loss:.3f}, val loss {m.val_loss:.3f}, val top-1 per depth "
-                + " ".join(f"{x:.3f}" for x in m.val_top1) + f", top-{TOPK_ACCURACY} "
-                + " ".join(f"{x:.3f}" for x in m.val_topk) + f", top-1 over the first {EARLY_ANSWER_TOKENS} answer tokens "
+            log(
+                f"epoch {m.epoch}: train loss {m.train_loss:.3f}, val loss {m.val_loss:.3f}, val top-1 per depth "
+                + " ".join(f"{x:.3f}" for x in m.val_top1)
+                + f", top-{TOPK_ACCURACY} "
+                + " ".join(f"{x:.3f}" for x in m.val_topk)
+                + f", top-1 over the first {EARLY_ANSWER_TOKENS} answer tokens "
                 + " ".join(f"{x:.3f}" for x in m.val_top1_early)
-                + f", chain acceptance {m.val_chain_accept:.2f} ({m.seconds:.0f}s)")
+                + f", chain acceptance {m.val_chain_accept:.2f} ({m.seconds:.0f}s)"
+            )
         return self.history
 
     @torch.no_grad()
@@ -195,18 +227,30 @@ class Trainer:
         for seq_ids in make_batches(self.cache, self.val_ids, self.cfg.batch_tokens, random.Random(0)):
             batch = self.to_device(self.cache.batch(seq_ids))
             outs = head_outputs(self.heads, batch, self.cfg.depths)  # shared by the loss and the chain estimate
-            loss, stats = distill_loss(self.heads, batch, self.cfg.depths, self.recipe, self.base.norm, self.lm_bf16,
-                                       outs=outs)
+            loss, stats = distill_loss(
+                self.heads, batch, self.cfg.depths, self.recipe, self.base.norm, self.lm_bf16, outs=outs
+            )
             loss_sum, n = loss_sum + float(loss), n + 1
             for acc, st in zip(sums, stats):
-                acc.correct, acc.in_topk, acc.count = acc.correct + st.correct, acc.in_topk + st.in_topk, acc.count + st.count
-                acc.correct_early, acc.count_early = acc.correct_early + st.correct_early, acc.count_early + st.count_early
+                acc.correct, acc.in_topk, acc.count = (
+                    acc.correct + st.correct,
+                    acc.in_topk + st.in_topk,
+                    acc.count + st.count,
+                )
+                acc.correct_early, acc.count_early = (
+                    acc.correct_early + st.correct_early,
+                    acc.count_early + st.count_early,
+                )
             r, c = chain_runs(self.heads, batch, outs, self.lm_bf16)
             run_total, rows = run_total + r, rows + c
         self.heads.train()
-        return (loss_sum / max(1, n), [a.correct / max(1, a.count) for a in sums],
-                [a.in_topk / max(1, a.count) for a in sums], [a.correct_early / max(1, a.count_early) for a in sums],
-                1 + run_total / max(1, rows))
+        return (
+            loss_sum / max(1, n),
+            [a.correct / max(1, a.count) for a in sums],
+            [a.in_topk / max(1, a.count) for a in sums],
+            [a.correct_early / max(1, a.count_early) for a in sums],
+            1 + run_total / max(1, rows),
+        )
 
 
 def frequent_tokens(cache: FeatureCache, seq_ids: list[int], count: int = 4096) -> torch.Tensor:
@@ -226,8 +270,9 @@ def frequent_tokens(cache: FeatureCache, seq_ids: list[int], count: int = 4096) 
 
 
 @torch.no_grad()
-def chain_runs(heads: DraftHeads, batch: dict[str, torch.Tensor], outs: list[torch.Tensor], lm_bf16: torch.Tensor
-               ) -> tuple[float, int]:
+def chain_runs(
+    heads: DraftHeads, batch: dict[str, torch.Tensor], outs: list[torch.Tensor], lm_bf16: torch.Tensor
+) -> tuple[float, int]:
     """Sum over greedy response rows of how many consecutive depths the heads' argmax gets right, and the
     number of rows (`outs`: the batch's head_outputs): with a chain tree of len(outs) nodes, 1 + mean
     run is the expected tokens/step."""

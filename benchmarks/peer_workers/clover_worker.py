@@ -29,26 +29,39 @@ def main() -> None:
         modes = args.modes.split(",")
         tree = lambda mode: None if mode == "default" else mode  # noqa: E731
         trees = [m for m in modes if not m.startswith("lookup")]
-        gen = Generator.load(args.artifact, backend="ort", threads=args.threads, tree=tree(trees[0] if trees else "plain"))
+        gen = Generator.load(
+            args.artifact, backend="ort", threads=args.threads, tree=tree(trees[0] if trees else "plain")
+        )
         gens = {m: Generator(gen.runner, gen.tokenizer, tree(m)) for m in trees}
         lookups = [m for m in modes if m.startswith("lookup")]
         if lookups:
             plain = Generator.load(args.artifact, heads="lookup", backend="ort", threads=args.threads)
-            gens |= {m: Generator(plain.runner, plain.tokenizer, m.partition(":")[2] or None, "lookup") for m in lookups}
+            gens |= {
+                m: Generator(plain.runner, plain.tokenizer, m.partition(":")[2] or None, "lookup") for m in lookups
+            }
         gens = {m: gens[m] for m in modes}
     except CloverError as e:
         fail_to_start(str(e))
 
     def generate(mode: str, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Generation:
         if set(stop_ids) != set(gen.tokenizer.eos_token_ids):
-            raise ValueError(f"clover stops at its tokenizer's EOS ids {gen.tokenizer.eos_token_ids}, asked for {stop_ids}")
+            raise ValueError(
+                f"clover stops at its tokenizer's EOS ids {gen.tokenizer.eos_token_ids}, asked for {stop_ids}"
+            )
         r = gens[mode].generate(prompt_ids, max_new_tokens=max_new_tokens)
         prefill = r.timings["prefill"]
-        return Generation(r.token_ids, prefill, r.seconds - prefill,
-                          {"tokens_per_step": round(r.tokens_per_step, 3), "steps": r.steps})
+        return Generation(
+            r.token_ids,
+            prefill,
+            r.seconds - prefill,
+            {"tokens_per_step": round(r.tokens_per_step, 3), "steps": r.steps},
+        )
 
-    serve({m: f"lookup-{g.tree.max_depth}" if g.drafts == "lookup" else g.tree.name for m, g in gens.items()},
-          {"clover-deploy": version("clover-deploy"), "onnxruntime": version("onnxruntime")}, generate)
+    serve(
+        {m: f"lookup-{g.tree.max_depth}" if g.drafts == "lookup" else g.tree.name for m, g in gens.items()},
+        {"clover-deploy": version("clover-deploy"), "onnxruntime": version("onnxruntime")},
+        generate,
+    )
 
 
 if __name__ == "__main__":

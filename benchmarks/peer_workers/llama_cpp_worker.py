@@ -23,8 +23,14 @@ def main() -> None:
 
     def load(mode: str) -> Llama:
         draft = LlamaPromptLookupDecoding(num_pred_tokens=args.num_pred_tokens) if mode == "prompt-lookup" else None
-        return Llama(model_path=args.model, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=args.n_ctx,
-                     draft_model=draft, verbose=False)
+        return Llama(
+            model_path=args.model,
+            n_threads=args.threads,
+            n_threads_batch=args.threads,
+            n_ctx=args.n_ctx,
+            draft_model=draft,
+            verbose=False,
+        )
 
     llms = {m: load(m) for m in modes}
 

@@ -21,8 +21,12 @@ def main() -> None:
     import openvino as ov
     import openvino_genai as ov_genai
 
-    pipes = {m: ov_genai.LLMPipeline(args.model, "CPU", prompt_lookup=m == "prompt-lookup",
-                                     INFERENCE_NUM_THREADS=args.threads) for m in modes}
+    pipes = {
+        m: ov_genai.LLMPipeline(
+            args.model, "CPU", prompt_lookup=m == "prompt-lookup", INFERENCE_NUM_THREADS=args.threads
+        )
+        for m in modes
+    }
 
     class Clocked(ov_genai.StreamerBase):
         def __init__(self, clock: TokenClock):
@@ -47,8 +51,9 @@ def main() -> None:
         pipe.generate(ov.Tensor(np.array([prompt_ids], dtype=np.int64)), config, Clocked(clock))
         return clock.result()
 
-    serve({m: m for m in modes}, {"openvino-genai": version("openvino-genai"), "openvino": version("openvino")},
-          generate)
+    serve(
+        {m: m for m in modes}, {"openvino-genai": version("openvino-genai"), "openvino": version("openvino")}, generate
+    )
 
 
 if __name__ == "__main__":

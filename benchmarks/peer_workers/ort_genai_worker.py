@@ -20,8 +20,15 @@ def main() -> None:
     import onnxruntime_genai as og
 
     config = og.Config(args.model)
-    config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-        "intra_op_num_threads": args.threads, "inter_op_num_threads": 1}}}}))
+    config.overlay(
+        json.dumps(
+            {
+                "model": {
+                    "decoder": {"session_options": {"intra_op_num_threads": args.threads, "inter_op_num_threads": 1}}
+                }
+            }
+        )
+    )
     model = og.Model(config)
 
     def generate(mode: str, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Generation:
@@ -35,17 +42,21 @@ def main() -> None:
         while not generator.is_done():
             generator.generate_next_token()
             seq = generator.get_sequence(0)
-            if clock.add(seq[len(prompt_ids) + len(clock.token_ids):]):
+            if clock.add(seq[len(prompt_ids) + len(clock.token_ids) :]):
                 break
         stats = {}
         if mode == "prompt-lookup":
             s = generator.get_speculative_stats()
-            stats = {k: s[k] for k in ("draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes")
-                     if k in s}
+            stats = {
+                k: s[k] for k in ("draft_tokens_proposed", "draft_tokens_accepted", "target_forward_passes") if k in s
+            }
         return clock.result(**stats)
 
-    serve({m: m for m in modes}, {"onnxruntime-genai": version("onnxruntime-genai"),
-                                  "onnxruntime": version("onnxruntime")}, generate)
+    serve(
+        {m: m for m in modes},
+        {"onnxruntime-genai": version("onnxruntime-genai"), "onnxruntime": version("onnxruntime")},
+        generate,
+    )
 
 
 if __name__ == "__main__":

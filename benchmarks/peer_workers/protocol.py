@@ -54,7 +54,9 @@ class TokenClock:
 
     @property
     def done(self) -> bool:
-        return len(self.token_ids) >= self.max_new_tokens or bool(self.token_ids and self.token_ids[-1] in self.stop_ids)
+        return len(self.token_ids) >= self.max_new_tokens or bool(
+            self.token_ids and self.token_ids[-1] in self.stop_ids
+        )
 
     def result(self, **stats) -> Generation:
         if self.first is None:
@@ -62,8 +64,9 @@ class TokenClock:
         return Generation(self.token_ids, self.first - self.start, self.last - self.first, stats)
 
 
-def serve(modes: dict[str, str], versions: dict[str, str],
-          generate: Callable[[str, list[int], int, list[int]], Generation]) -> None:
+def serve(
+    modes: dict[str, str], versions: dict[str, str], generate: Callable[[str, list[int], int, list[int]], Generation]
+) -> None:
     """Answer requests on stdin until it closes. `generate(mode, prompt_ids, max_new_tokens, stop_ids)`."""
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints of native libraries go to stderr
@@ -76,8 +79,12 @@ def serve(modes: dict[str, str], versions: dict[str, str],
             req = json.loads(line)
             if req["mode"] not in modes:
                 raise ValueError(f"unknown mode {req['mode']!r}: this worker serves {', '.join(modes)}")
-            g = generate(req["mode"], [int(t) for t in req["prompt_ids"]], int(req["max_new_tokens"]),
-                         [int(t) for t in req.get("stop_ids", [])])
+            g = generate(
+                req["mode"],
+                [int(t) for t in req["prompt_ids"]],
+                int(req["max_new_tokens"]),
+                [int(t) for t in req.get("stop_ids", [])],
+            )
             reply = {"token_ids": g.token_ids, "prefill_s": g.prefill_s, "decode_s": g.decode_s, "stats": g.stats}
         except Exception as e:  # noqa: BLE001 - reported to the orchestrator, which decides
             traceback.print_exc(file=sys.stderr)

@@ -29,9 +29,19 @@ REPLIES = {
     ("llama.cpp", "plain", 1, 1): '{"token_ids": [9, 9, 9], "prefill_s": 0.07, "decode_s": 0.04, "stats": {}}',
     ("llama.cpp", "plain", 2, 0): '{"token_ids": [5, 6, 7, 8, 2], "prefill_s": 0.03, "decode_s": 0.08, "stats": {}}',
     ("llama.cpp", "plain", 2, 1): '{"token_ids": [9, 9, 9], "prefill_s": 0.05, "decode_s": 0.02, "stats": {}}',
-    ("llama.cpp", "prompt-lookup", 1, 0): '{"token_ids": [5, 6, 7, 8, 2], "prefill_s": 0.05, "decode_s": 0.02, "stats": {}}',
+    (
+        "llama.cpp",
+        "prompt-lookup",
+        1,
+        0,
+    ): '{"token_ids": [5, 6, 7, 8, 2], "prefill_s": 0.05, "decode_s": 0.02, "stats": {}}',
     ("llama.cpp", "prompt-lookup", 1, 1): '{"token_ids": [9, 9, 4], "prefill_s": 0.05, "decode_s": 0.02, "stats": {}}',
-    ("llama.cpp", "prompt-lookup", 2, 0): '{"token_ids": [5, 6, 7, 8, 2], "prefill_s": 0.05, "decode_s": 0.02, "stats": {}}',
+    (
+        "llama.cpp",
+        "prompt-lookup",
+        2,
+        0,
+    ): '{"token_ids": [5, 6, 7, 8, 2], "prefill_s": 0.05, "decode_s": 0.02, "stats": {}}',
     ("llama.cpp", "prompt-lookup", 2, 1): '{"token_ids": [9, 9, 9], "prefill_s": 0.05, "decode_s": 0.02, "stats": {}}',
 }
 
@@ -40,8 +50,20 @@ def measurements(peers):
     ms, tokens = [], {}
     for (system, mode, rnd, prompt), line in REPLIES.items():
         r = peers.parse_reply(line, max_new_tokens=5, spec_name=system)
-        m = peers.Measurement(system, "q4_1 gguf", mode, rnd, prompt, 30, len(r.token_ids), r.token_ids[-1] == 2,
-                              r.prefill_s, r.decode_s, None, r.stats)
+        m = peers.Measurement(
+            system,
+            "q4_1 gguf",
+            mode,
+            rnd,
+            prompt,
+            30,
+            len(r.token_ids),
+            r.token_ids[-1] == 2,
+            r.prefill_s,
+            r.decode_s,
+            None,
+            r.stats,
+        )
         ms.append(m)
         tokens[(system, "q4_1 gguf", mode, rnd, prompt)] = r.token_ids
     return peers.identical_to_plain(ms, tokens, lambda s, p: "plain")
@@ -53,14 +75,17 @@ def test_parse_ready_and_reply(peers):
     assert r.token_ids == (5, 6, 7, 8, 2) and r.prefill_s == 0.05 and r.decode_s == 0.04
 
 
-@pytest.mark.parametrize("line, message", [
-    ("", "exited mid-request"),
-    ("llama_model_load: loading", "expected a JSON reply"),
-    ('{"error": "RuntimeError: boom"}', "RuntimeError: boom"),
-    ('{"token_ids": [], "prefill_s": 0.1, "decode_s": 0.1}', "expected 1 to 4 token ids"),
-    ('{"token_ids": [1, 2, 3, 4, 5], "prefill_s": 0.1, "decode_s": 0.1}', "expected 1 to 4 token ids"),
-    ('{"token_ids": [1, 2], "prefill_s": -1, "decode_s": 0.1}', "non-negative"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("", "exited mid-request"),
+        ("llama_model_load: loading", "expected a JSON reply"),
+        ('{"error": "RuntimeError: boom"}', "RuntimeError: boom"),
+        ('{"token_ids": [], "prefill_s": 0.1, "decode_s": 0.1}', "expected 1 to 4 token ids"),
+        ('{"token_ids": [1, 2, 3, 4, 5], "prefill_s": 0.1, "decode_s": 0.1}', "expected 1 to 4 token ids"),
+        ('{"token_ids": [1, 2], "prefill_s": -1, "decode_s": 0.1}', "non-negative"),
+    ],
+)
 def test_bad_replies_name_the_worker(peers, line, message):
     with pytest.raises(peers.PeerError, match=message) as e:
         peers.parse_reply(line, 4, "ort-genai int4")

@@ -7,20 +7,28 @@ import os
 import shutil
 
 import pytest
+from helpers import tiny_base, tiny_tokenizer_dir
+from ort_helpers import tiny_artifact, tiny_modules
 
+from clover.artifact import (
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    EngineSpec,
+    ProfileSpec,
+    file_entries,
+    is_artifact,
+    open_artifact,
+    read_manifest,
+    sha256_file,
+    write_manifest,
+)
 from clover.errors import CloverError
 from clover.export import artifact as export_artifact_module
 from clover.export.artifact import artifact_from_modules, check_target
 from clover.export.config import ExportConfig
 from clover.models.config import BaseConfig
 from clover.models.heads import BaseFingerprint
-from clover.artifact import (
-    FORMAT_VERSION, MANIFEST_FILE, EngineSpec, ProfileSpec, file_entries, is_artifact, open_artifact, read_manifest,
-    sha256_file, write_manifest,
-)
 from clover.runtime.tokenizer import Tokenizer
-from helpers import tiny_base, tiny_tokenizer_dir
-from ort_helpers import tiny_artifact, tiny_modules
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +49,7 @@ def edit_manifest(root, change):
 
 
 # -- what export writes --------------------------------------------------------------------------------
+
 
 def test_manifest_describes_everything(clover2):
     m = read_manifest(clover2)
@@ -74,21 +83,26 @@ def test_manifest_describes_everything(clover2):
 def test_plain_artifact_and_options(tmp_path):
     base, _ = tiny_modules("none")
     tok = tiny_tokenizer_dir(tmp_path / "tok")
-    out = artifact_from_modules(base, None, tok, tmp_path / "plain", ExportConfig(max_context=64, opset=18, verify=False))
+    out = artifact_from_modules(
+        base, None, tok, tmp_path / "plain", ExportConfig(max_context=64, opset=18, verify=False)
+    )
     m = open_artifact(out)
     assert m.heads is None and m.tree is None and set(m.graphs) == {"base"} and m.parity == {}
     assert m.max_context == 64 and m.opset == 18
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"backend": "tflite"}, "unknown export backend"),
-    ({"dtype": "int8"}, "unsupported export dtype"),
-    ({"attention": "flash"}, "unknown attention variant"),
-    ({"max_prompt": 64}, "use it with --backend trt"),
-    ({"backend": "trt", "max_prompt": 0}, "at least 1 token"),
-    ({"opset": 13}, "opset 13 is not supported"),
-    ({"max_context": 1}, "at least 2"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"backend": "tflite"}, "unknown export backend"),
+        ({"dtype": "int8"}, "unsupported export dtype"),
+        ({"attention": "flash"}, "unknown attention variant"),
+        ({"max_prompt": 64}, "use it with --backend trt"),
+        ({"backend": "trt", "max_prompt": 0}, "at least 1 token"),
+        ({"opset": 13}, "opset 13 is not supported"),
+        ({"max_context": 1}, "at least 2"),
+    ],
+)
 def test_export_config_rejects(kwargs, message):
     with pytest.raises(CloverError, match=message):
         ExportConfig(**kwargs)
@@ -113,6 +127,7 @@ def test_export_rejects_inconsistent_requests(tmp_path):
 
 
 # -- atomic writes and overwrite rules ------------------------------------------------------------------
+
 
 def test_refuses_to_overwrite_a_folder_that_is_not_an_artifact(tmp_path):
     (tmp_path / "data").mkdir()
@@ -162,6 +177,7 @@ def test_a_folder_without_manifest_is_never_an_artifact(copy):
 
 # -- validation on load ---------------------------------------------------------------------------------
 
+
 def test_missing_file(copy):
     (copy / "draft_step.onnx.data").unlink()
     with pytest.raises(CloverError, match="is missing draft_step.onnx.data"):
@@ -183,7 +199,9 @@ def test_checksum_mismatch(copy):
 
 def test_unknown_manifest_version(copy):
     edit_manifest(copy, lambda d: d.update(format_version=99))
-    with pytest.raises(CloverError, match=f"manifest format version 99, this clover-deploy reads version {FORMAT_VERSION}"):
+    with pytest.raises(
+        CloverError, match=f"manifest format version 99, this clover-deploy reads version {FORMAT_VERSION}"
+    ):
         open_artifact(copy)
 
 
@@ -194,11 +212,17 @@ def test_heads_for_another_base(copy):
         open_artifact(copy)
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda root: (root / MANIFEST_FILE).write_text("{not json"), "not valid JSON"),
-    (lambda root: edit_manifest(root, lambda d: d.pop("graphs")), "incomplete or malformed"),
-    (lambda root: edit_manifest(root, lambda d: d["files"].pop("draft_begin.onnx")), "which manifest.json does not list"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda root: (root / MANIFEST_FILE).write_text("{not json"), "not valid JSON"),
+        (lambda root: edit_manifest(root, lambda d: d.pop("graphs")), "incomplete or malformed"),
+        (
+            lambda root: edit_manifest(root, lambda d: d["files"].pop("draft_begin.onnx")),
+            "which manifest.json does not list",
+        ),
+    ],
+)
 def test_corrupt_manifest(copy, damage, message):
     damage(copy)
     with pytest.raises(CloverError, match=message):
@@ -215,28 +239,53 @@ def _outside_reads(root):
     def hook(event, args):
         if state["on"] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
             p = os.path.realpath(os.fsdecode(args[0]))
-            if p.startswith("/") and not p.startswith(os.path.realpath(root)) and "site-packages" not in p \
-                    and not p.startswith(sys.prefix) and not p.startswith(sys.base_prefix):
+            if (
+                p.startswith("/")
+                and not p.startswith(os.path.realpath(root))
+                and "site-packages" not in p
+                and not p.startswith(sys.prefix)
+                and not p.startswith(sys.base_prefix)
+            ):
                 seen.append(p)
 
     sys.addaudithook(hook)
     return seen, state
 
 
-@pytest.mark.parametrize("craft,message", [
-    (lambda root: edit_manifest(root, lambda d: d["files"].update({"../secret": {"sha256": "0", "bytes": 1}})),
-     "not a relative path inside the artifact"),
-    (lambda root: edit_manifest(root, lambda d: d["files"].update({"/etc/hostname": {"sha256": "0", "bytes": 1}})),
-     "not a relative path inside the artifact"),
-    (lambda root: edit_manifest(root, lambda d: d["graphs"]["base"].update(file="../outside.onnx")),
-     "not a relative path inside the artifact"),
-    (lambda root: (os.replace(root / "base.onnx", root / "base.moved"), os.symlink("/etc/hostname", root / "base.onnx")),
-     "resolves outside the artifact"),
-    (lambda root: edit_manifest(root, lambda d: d["graphs"]["base"].update(file="unlisted.onnx")),
-     "which manifest.json does not list"),
-    (lambda root: edit_manifest(root, lambda d: d["graphs"]["base"].update(file=["a", "b"])),
-     "not a relative path inside the artifact"),
-])
+@pytest.mark.parametrize(
+    "craft,message",
+    [
+        (
+            lambda root: edit_manifest(root, lambda d: d["files"].update({"../secret": {"sha256": "0", "bytes": 1}})),
+            "not a relative path inside the artifact",
+        ),
+        (
+            lambda root: edit_manifest(
+                root, lambda d: d["files"].update({"/etc/hostname": {"sha256": "0", "bytes": 1}})
+            ),
+            "not a relative path inside the artifact",
+        ),
+        (
+            lambda root: edit_manifest(root, lambda d: d["graphs"]["base"].update(file="../outside.onnx")),
+            "not a relative path inside the artifact",
+        ),
+        (
+            lambda root: (
+                os.replace(root / "base.onnx", root / "base.moved"),
+                os.symlink("/etc/hostname", root / "base.onnx"),
+            ),
+            "resolves outside the artifact",
+        ),
+        (
+            lambda root: edit_manifest(root, lambda d: d["graphs"]["base"].update(file="unlisted.onnx")),
+            "which manifest.json does not list",
+        ),
+        (
+            lambda root: edit_manifest(root, lambda d: d["graphs"]["base"].update(file=["a", "b"])),
+            "not a relative path inside the artifact",
+        ),
+    ],
+)
 def test_crafted_manifests_are_refused_at_load_without_reading_outside(copy, craft, message):
     """An artifact is a trust boundary: a manifest that names a path outside the folder (traversal, an absolute
     path, a symlink out, an unlisted graph) is one CloverError line at load, and nothing outside is opened."""
@@ -262,8 +311,19 @@ def test_mutated_manifest_paths_load_or_fail_with_one_clover_error(clover2, tmp_
     root = shutil.copytree(clover2, tmp_path / "art")
     original = (root / MANIFEST_FILE).read_text()
     seen, state = _outside_reads(root)
-    crafted = ["../x", "/etc/hostname", "a/../../b", "./base.onnx", "base.onnx/", "C:\\x", "\x00", "~/x",
-               "tokenizer/..", "\ud800", "x" * 300]
+    crafted = [
+        "../x",
+        "/etc/hostname",
+        "a/../../b",
+        "./base.onnx",
+        "base.onnx/",
+        "C:\\x",
+        "\x00",
+        "~/x",
+        "tokenizer/..",
+        "\ud800",
+        "x" * 300,
+    ]
     paths = st.one_of(st.text(max_size=40), st.sampled_from(crafted))
     where = st.sampled_from(["files", "graph", "external"])
 
@@ -303,11 +363,14 @@ def test_engine_entries_round_trip_and_are_checked(copy):
     built for; an engine file must be listed (and checksummed) like every other file."""
     (copy / "engines").mkdir()
     (copy / "engines" / "base.engine").write_bytes(b"serialized engine")
-    profiles = (ProfileSpec("prefill", {"input_ids": ((1, 1), (1, 64), (1, 512))}),
-                ProfileSpec("verify", {"input_ids": ((1, 1), (1, 26), (1, 26))}))
+    profiles = (
+        ProfileSpec("prefill", {"input_ids": ((1, 1), (1, 64), (1, 512))}),
+        ProfileSpec("verify", {"input_ids": ((1, 1), (1, 26), (1, 26))}),
+    )
     engine = EngineSpec("base", "engines/base.engine", profiles, "float16", "10.13.0", "NVIDIA H100 80GB HBM3", "9.0")
-    manifest = dataclasses.replace(read_manifest(copy), backend="trt", engines={"base": engine},
-                                   files=file_entries(copy))
+    manifest = dataclasses.replace(
+        read_manifest(copy), backend="trt", engines={"base": engine}, files=file_entries(copy)
+    )
     write_manifest(copy, manifest)
     assert open_artifact(copy).engines == {"base": engine}
     doc = json.loads((copy / MANIFEST_FILE).read_text())

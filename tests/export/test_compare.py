@@ -7,15 +7,24 @@ import numpy as np
 import onnx
 import pytest
 from onnx import helper, numpy_helper
+from ort_helpers import tiny_artifact, tiny_modules
 
+from clover.artifact import ProfileSpec, read_manifest
 from clover.errors import CloverError
 from clover.export.artifact import VERIFY_SIZES, verified_parity
 from clover.export.compare import (
-    Case, OrtRunner, Tolerance, TorchRunner, compare, compare_artifact, export_tolerance, feeds, fitting_profile, parity,
+    Case,
+    OrtRunner,
+    Tolerance,
+    TorchRunner,
+    compare,
+    compare_artifact,
+    export_tolerance,
+    feeds,
+    fitting_profile,
+    parity,
 )
 from clover.export.graphs import base_graph, draft_graphs
-from clover.artifact import ProfileSpec, read_manifest
-from ort_helpers import tiny_artifact, tiny_modules
 
 FP32 = Tolerance(1e-3, 1e-3)
 PROMPT = {"batch": 1, "new": 9, "past": 0, "rows": 1}
@@ -58,12 +67,17 @@ def test_every_graph_and_output_through_polygraphy(clover2):
         cut = spec.has_output("lm_input")  # the shared LM head: its logits come through lm_head.onnx
         assert cut != spec.has_output("logits")
         runners = [TorchRunner(graph), OrtRunner(clover2 / spec.file, graph.outputs, lm_head if cut else None)]
-        cases = ([Case("base/prefill", prompt, (PROMPT,)), Case("base/verify", graph, (TREE,))] if graph.name == "base"
-                 else [Case(graph.name, graph, tuple(VERIFY_SIZES))])
+        cases = (
+            [Case("base/prefill", prompt, (PROMPT,)), Case("base/verify", graph, (TREE,))]
+            if graph.name == "base"
+            else [Case(graph.name, graph, tuple(VERIFY_SIZES))]
+        )
         rows = compare(runners, cases, FP32)
         assert [(r.graph, r.output) for r in rows] == [(c.label, o) for c in cases for o in graph.outputs]
         assert all(r.passed and r.backend == "ort" and r.reference == "torch" for r in rows), rows
-        assert all(0 <= r.mean_abs <= r.max_abs < 1e-3 and r.scale > 0 and r.max_rel == r.max_abs / r.scale for r in rows)
+        assert all(
+            0 <= r.mean_abs <= r.max_abs < 1e-3 and r.scale > 0 and r.max_rel == r.max_abs / r.scale for r in rows
+        )
 
 
 def test_in_place_kv_graph_returns_the_new_rows(tmp_path_factory):
@@ -74,8 +88,11 @@ def test_in_place_kv_graph_returns_the_new_rows(tmp_path_factory):
     graph = base_graph(base)
     assert manifest.graphs["base"].output("present.0.key").shape[2] == "slots"
     ort = OrtRunner(root / manifest.graphs["base"].file, graph.outputs, root / manifest.graphs["lm_head"].file)
-    rows = compare([TorchRunner(graph), ort], [Case("base/prefill", base_graph(base, chains=True), (PROMPT,)),
-                                               Case("base/verify", graph, (TREE,))], FP32)
+    rows = compare(
+        [TorchRunner(graph), ort],
+        [Case("base/prefill", base_graph(base, chains=True), (PROMPT,)), Case("base/verify", graph, (TREE,))],
+        FP32,
+    )
     assert len(rows) == 2 * len(graph.outputs) and all(r.passed for r in rows), [r for r in rows if not r.passed]
 
 
@@ -144,8 +161,10 @@ def test_torch_runner_is_a_polygraphy_runner():
 
 
 def test_engine_profile_per_input():
-    profiles = [ProfileSpec("prefill", {"input_ids": ((1, 1), (1, 8), (1, 16)), "logit_rows": ((1,), (1,), (1,))}),
-                ProfileSpec("verify", {"input_ids": ((1, 1), (1, 4), (1, 4)), "logit_rows": ((1,), (4,), (4,))})]
+    profiles = [
+        ProfileSpec("prefill", {"input_ids": ((1, 1), (1, 8), (1, 16)), "logit_rows": ((1,), (1,), (1,))}),
+        ProfileSpec("verify", {"input_ids": ((1, 1), (1, 4), (1, 4)), "logit_rows": ((1,), (4,), (4,))}),
+    ]
     assert fitting_profile(profiles, {"input_ids": (1, 12), "logit_rows": (1,)}) == 0
     assert fitting_profile(profiles, {"input_ids": (1, 3), "logit_rows": (3,)}) == 1
     with pytest.raises(CloverError, match="fit none of the engine's optimization profiles"):

@@ -5,18 +5,18 @@ precision)."""
 import numpy as np
 import onnx
 import pytest
+from helpers import assert_identical, run_tokens
+from numerics import assert_close_paths
 from onnx import TensorProto, helper, numpy_helper
+from ort_helpers import PROMPTS, tiny_artifact, tiny_modules
 
+from clover.artifact import open_artifact
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.quantize import fold_transposed_weights, quantized_ops
-from clover.artifact import open_artifact
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
-from helpers import assert_identical, run_tokens
-from ort_helpers import PROMPTS, tiny_artifact, tiny_modules
-from numerics import assert_close_paths
 
 N = 40
 TREES = {"medusa": "chain-4", "clover": "chain-3", "clover2": "mc26"}
@@ -75,7 +75,10 @@ def test_int8_drafts_mostly_agree_with_fp32_drafts(artifacts):
     same = [ort_runner.draft_begin().argmax() == torch_runner.draft_begin().argmax()]
     nodes, parents, tokens = np.arange(1, 9), np.zeros(8, dtype=np.int64), np.arange(20, 28)
     for depth in (1, 2, 3):
-        a, b_ = ort_runner.draft_step(depth, nodes, parents, tokens), torch_runner.draft_step(depth, nodes, parents, tokens)
+        a, b_ = (
+            ort_runner.draft_step(depth, nodes, parents, tokens),
+            torch_runner.draft_step(depth, nodes, parents, tokens),
+        )
         same += list(a.argmax(-1) == b_.argmax(-1))
         nodes, parents = nodes + 8, nodes
     assert np.mean(same) >= 0.8, np.mean(same)
@@ -98,11 +101,14 @@ def test_int8_drafts_with_a_draft_vocabulary(tmp_path_factory):
         assert_identical(got, want, "ORT clover2 int8 drafts over a draft vocabulary")
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"draft_quant": "int2"}, "unknown --draft-quant 'int2'"),
-    ({"draft_quant": "int8", "backend": "trt"}, "use it with --backend onnx --dtype float32"),
-    ({"draft_quant": "int8", "dtype": "float16"}, "use it with --backend onnx --dtype float32"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"draft_quant": "int2"}, "unknown --draft-quant 'int2'"),
+        ({"draft_quant": "int8", "backend": "trt"}, "use it with --backend onnx --dtype float32"),
+        ({"draft_quant": "int8", "dtype": "float16"}, "use it with --backend onnx --dtype float32"),
+    ],
+)
 def test_config_rejects(kwargs, message):
     with pytest.raises(CloverError, match=message.replace("(", r"\(")):
         ExportConfig(**kwargs)
@@ -115,8 +121,11 @@ def test_fold_transposed_weights_keeps_the_function():
     w = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
     graph = helper.make_graph(
         [helper.make_node("Transpose", ["W"], ["Wt"], perm=[1, 0]), helper.make_node("MatMul", ["x", "Wt"], ["y"])],
-        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])], [numpy_helper.from_array(w, "W")])
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])],
+        [numpy_helper.from_array(w, "W")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     x = np.ones((2, 3), np.float32)
     assert fold_transposed_weights(model) == 1

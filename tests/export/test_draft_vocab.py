@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from helpers import assert_identical, run_tokens, tiny_tokenizer_dir
+from ort_helpers import PROMPTS, tiny_artifact, tiny_modules, tiny_token_counts
 
 from clover.artifact import DRAFT_LM_HEAD, MANIFEST_FILE, open_artifact, read_draft_vocab, read_manifest
 from clover.errors import CloverError
@@ -16,8 +18,6 @@ from clover.runtime.loop import draft_tree
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tree import prune_tree, resolve_tree
-from helpers import assert_identical, run_tokens, tiny_tokenizer_dir
-from ort_helpers import PROMPTS, tiny_artifact, tiny_modules, tiny_token_counts
 
 K = 64  # of the tiny base's 96 tokens
 TREES = {"medusa": "small", "clover": "small", "clover2": "mc26"}  # pruned to the heads' depth
@@ -44,8 +44,9 @@ def test_drafts_score_the_vocabulary_and_the_output_is_unchanged(root, arch):
     ids = read_draft_vocab(small, m)
     want = ranked_ids(tiny_token_counts(tiny_modules(arch)[0]).counts)[:K]
     np.testing.assert_array_equal(ids, want)  # the K most frequent, most frequent first
-    assert m.draft_vocab.size == K and m.draft_vocab.coverage == pytest.approx(coverage(
-        tiny_token_counts(tiny_modules(arch)[0]).counts, want), abs=1e-5)
+    assert m.draft_vocab.size == K and m.draft_vocab.coverage == pytest.approx(
+        coverage(tiny_token_counts(tiny_modules(arch)[0]).counts, want), abs=1e-5
+    )
     assert m.graphs[DRAFT_LM_HEAD].output("logits").shape[-1] == K
     assert set(m.draft_vocab.graphs) == {"medusa_heads"} if arch == "medusa" else {"draft_begin", "draft_step"}
     a, b = load_runner(small), load_runner(full)
@@ -80,13 +81,23 @@ def test_a_draft_vocabulary_needs_counts_from_this_base(root):
     with pytest.raises(CloverError, match="--draft-vocab-data"):
         artifact_from_modules(base, heads, tok, root / "dv-none", config, heads_name="random:clover2")
     counts = tiny_token_counts(base)
-    other = dataclasses.replace(counts, base_fingerprint={**counts.base_fingerprint, "lm_head_sha256": "0" * 16,
-                                                          "lm_head_probe": [1.0]})
+    other = dataclasses.replace(
+        counts, base_fingerprint={**counts.base_fingerprint, "lm_head_sha256": "0" * 16, "lm_head_probe": [1.0]}
+    )
     with pytest.raises(CloverError, match="another base model"):
-        artifact_from_modules(base, heads, tok, root / "dv-other", config, heads_name="random:clover2", token_counts=other)
+        artifact_from_modules(
+            base, heads, tok, root / "dv-other", config, heads_name="random:clover2", token_counts=other
+        )
     with pytest.raises(CloverError, match="--draft-vocab must be an int in 64..96"):
-        artifact_from_modules(base, heads, tok, root / "dv-big", ExportConfig(draft_vocab=97), heads_name="random:clover2",
-                              token_counts=counts)
+        artifact_from_modules(
+            base,
+            heads,
+            tok,
+            root / "dv-big",
+            ExportConfig(draft_vocab=97),
+            heads_name="random:clover2",
+            token_counts=counts,
+        )
     with pytest.raises(CloverError, match="with --heads"):
         artifact_from_modules(base, None, tok, root / "dv-plain", config, token_counts=counts)
     for bad in (dict(draft_vocab=8), dict(draft_vocab=True)):
@@ -155,8 +166,9 @@ def test_a_vocabulary_is_added_to_an_existing_artifact(root, tmp_path):
         for art in (a, b):
             got, _ = run_tokens(load_runner(art), p, tree, 20)
             assert_identical(got, want, f"{art.name}", reference=plain)
-    other = dataclasses.replace(counts, base_fingerprint={**counts.base_fingerprint, "lm_head_sha256": "0" * 16,
-                                                          "lm_head_probe": [1.0]})
+    other = dataclasses.replace(
+        counts, base_fingerprint={**counts.base_fingerprint, "lm_head_sha256": "0" * 16, "lm_head_probe": [1.0]}
+    )
     with pytest.raises(CloverError, match="another base model"):
         with_draft_vocab(src, tmp_path / "c", other, 80)
     assert not (tmp_path / "c").exists()

@@ -12,18 +12,27 @@ import types
 
 import numpy as np
 import pytest
+from ort_helpers import no_tensorrt_gpu, tiny_artifact
 
+from clover.artifact import EngineSpec, ProfileSpec, read_manifest
 from clover.errors import CloverError
 from clover.export import engines
 from clover.export.engines import (
-    DEFAULT_WORKSPACE_BYTES, POLYGRAPHY_MISSING, EngineLimits, build_engines, build_memory, check_engine_compatible,
-    engine_loader, estimate_build_memory, memory_note, profile_sizes, profiles_for,
+    DEFAULT_WORKSPACE_BYTES,
+    POLYGRAPHY_MISSING,
+    EngineLimits,
+    build_engines,
+    build_memory,
+    check_engine_compatible,
+    engine_loader,
+    estimate_build_memory,
+    memory_note,
+    profile_sizes,
+    profiles_for,
 )
-from clover.artifact import EngineSpec, ProfileSpec, read_manifest
-from clover.trt import MISSING
 from clover.runtime.tree import resolve_tree
 from clover.tools.cli import run_cli
-from ort_helpers import no_tensorrt_gpu, tiny_artifact
+from clover.trt import MISSING
 
 LIMITS = EngineLimits(max_prompt=48, max_tree=26, max_context=128, max_accepted=5, max_candidates=10)
 ARCHS = ("medusa", "clover", "clover2")
@@ -108,14 +117,17 @@ def test_unknown_graph_and_dim_are_clear_errors(manifests):
         profiles_for("draft_step", odd, LIMITS)
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"max_prompt": 0}, "max_prompt must be a positive integer"),
-    ({"max_batch": 2.0}, "max_batch must be a positive integer"),
-    ({"max_prompt": 129}, r"max_prompt \(129\) exceeds max_context \(128\)"),
-    ({"max_tree": 200}, r"max_tree \(200\) exceeds max_context"),
-    ({"max_accepted": 27}, r"max_accepted \(27\) exceeds max_tree \(26\)"),
-    ({"max_candidates": 30}, r"max_candidates \(30\) exceeds max_tree"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"max_prompt": 0}, "max_prompt must be a positive integer"),
+        ({"max_batch": 2.0}, "max_batch must be a positive integer"),
+        ({"max_prompt": 129}, r"max_prompt \(129\) exceeds max_context \(128\)"),
+        ({"max_tree": 200}, r"max_tree \(200\) exceeds max_context"),
+        ({"max_accepted": 27}, r"max_accepted \(27\) exceeds max_tree \(26\)"),
+        ({"max_candidates": 30}, r"max_candidates \(30\) exceeds max_tree"),
+    ],
+)
 def test_limits_validation(change, match):
     with pytest.raises(CloverError, match=match):
         dataclasses.replace(LIMITS, **change)
@@ -161,12 +173,21 @@ def test_memory_estimate_formula_and_monotonic(manifests):
 def test_memory_estimate_refuses_another_precision(manifests):
     root, m = manifests["clover"]
     profiles = profiles_for("base", m.graphs["base"], LIMITS)
-    with pytest.raises(CloverError, match="has float32 tensors, but engines are asked for in float16: export with --dtype float16"):
+    with pytest.raises(
+        CloverError, match="has float32 tensors, but engines are asked for in float16: export with --dtype float16"
+    ):
         estimate_build_memory(root, m.graphs["base"], profiles, "float16")
 
 
-SPEC = EngineSpec(graph="base", file="engines/base.engine", profiles=(ProfileSpec("verify", {}),), precision="float16",
-                  tensorrt_version="10.7.0.post1", device_name="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+SPEC = EngineSpec(
+    graph="base",
+    file="engines/base.engine",
+    profiles=(ProfileSpec("verify", {}),),
+    precision="float16",
+    tensorrt_version="10.7.0.post1",
+    device_name="NVIDIA H100 80GB HBM3",
+    compute_capability="9.0",
+)
 
 
 def test_check_engine_compatible():
@@ -224,6 +245,7 @@ def test_build_engines_without_polygraphy_is_one_clear_error(manifests, monkeypa
 
 # -- the Polygraphy loader chain, without TensorRT ----------------------------------------------------------
 
+
 def fake_tensorrt(version: str) -> types.ModuleType:
     """What engine_loader reads of the tensorrt module: its version, MemoryPoolType.WORKSPACE, IProgressMonitor."""
     trt = types.ModuleType("tensorrt")
@@ -245,8 +267,15 @@ def test_engine_loader_chain(manifests, tmp_path, version, strongly_typed):
     cache.write_bytes(b"cache")
     lines = []
     with open(tmp_path / "out.cache", "w+b") as out:
-        loader = engine_loader(fake_tensorrt(version), root / "base.onnx", profiles, workspace=1 << 30,
-                               timing_cache=cache, save_timing_cache=out, progress=lines.append)
+        loader = engine_loader(
+            fake_tensorrt(version),
+            root / "base.onnx",
+            profiles,
+            workspace=1 << 30,
+            timing_cache=cache,
+            save_timing_cache=out,
+            progress=lines.append,
+        )
         assert isinstance(loader, pg.EngineBytesFromNetwork)
         assert loader.timing_cache_path is out
     network, config = loader._network, loader._config
@@ -270,9 +299,12 @@ def test_engine_loader_chain(manifests, tmp_path, version, strongly_typed):
 def test_engine_loader_defaults(manifests):
     pytest.importorskip("polygraphy.backend.trt")
     root, m = manifests["clover"]
-    loader = engine_loader(fake_tensorrt("10.13.3.9"), root / "draft_step.onnx",
-                           profiles_for("draft_step", m.graphs["draft_step"], LIMITS),
-                           timing_cache=root / "no-such.cache")
+    loader = engine_loader(
+        fake_tensorrt("10.13.3.9"),
+        root / "draft_step.onnx",
+        profiles_for("draft_step", m.graphs["draft_step"], LIMITS),
+        timing_cache=root / "no-such.cache",
+    )
     config = loader._config
     assert config.timing_cache_path is None  # a missing cache file is not read (it is created by the save)
     assert config.progress_monitor is None and loader.timing_cache_path is None
@@ -344,6 +376,7 @@ def test_build_engine_without_a_timing_cache(tmp_path, monkeypatch):
 
 # -- on a GPU with TensorRT (make test-gpu) ----------------------------------------------------------------
 
+
 @pytest.mark.gpu
 @pytest.mark.skipif(no_tensorrt_gpu() is not None, reason=str(no_tensorrt_gpu()))
 @pytest.mark.parametrize("attention", ["portable", "plugin"])
@@ -364,6 +397,8 @@ def test_build_engines_on_a_gpu(tmp_path_factory, tmp_path, attention):
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
     engine = rt.deserialize_engine(root / spec.file)
     assert engine.num_optimization_profiles == 2
-    assert rt.engine_io(engine) == ({t.name: (True, t.dtype) for t in m.graphs["base"].inputs}
-                                    | {t.name: (False, t.dtype) for t in m.graphs["base"].outputs})
+    assert rt.engine_io(engine) == (
+        {t.name: (True, t.dtype) for t in m.graphs["base"].inputs}
+        | {t.name: (False, t.dtype) for t in m.graphs["base"].outputs}
+    )
     assert any(line.startswith("      TensorRT: ") for line in lines)  # the progress monitor reported phases

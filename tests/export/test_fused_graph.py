@@ -8,18 +8,18 @@ import collections
 import numpy as np
 import onnx
 import pytest
+from helpers import assert_identical, run_tokens
+from numerics import assert_close_paths, chain_reduction
+from ort_helpers import PROMPTS, tiny_artifact
 
+from clover.artifact import open_artifact
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.models.config import BaseConfig
-from clover.artifact import open_artifact
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.tree import compile_spec, compile_tree, resolve_tree
-from helpers import assert_identical, run_tokens
-from ort_helpers import PROMPTS, tiny_artifact
-from numerics import assert_close_paths, chain_reduction
+from clover.runtime.tree import compile_spec, resolve_tree
 
 N = 40
 ARCHS = ("medusa", "clover", "clover2")
@@ -131,8 +131,8 @@ def test_a_chain_verify_is_bitwise_a_run_of_plain_steps(root, two_rows):
     verify = runner.forward(chain, np.arange(len(chain)), np.tri(len(chain), dtype=bool)).copy()
     prefilled()
     for i, token in enumerate(chain):  # the same tokens, one plain step each
-        step = runner.forward(chain[i:i + 1], np.zeros(1, np.int64), np.ones((1, 1), bool))
-        runner.commit(np.zeros(1, np.int64), chain[i + 1:i + 2] if i + 1 < len(chain) else np.array([0]))
+        step = runner.forward(chain[i : i + 1], np.zeros(1, np.int64), np.ones((1, 1), bool))
+        runner.commit(np.zeros(1, np.int64), chain[i + 1 : i + 2] if i + 1 < len(chain) else np.array([0]))
         np.testing.assert_array_equal(step[0], verify[i], err_msg=f"row {i} of a chain verify vs a plain step")
 
 
@@ -177,10 +177,13 @@ def test_export_time_tree_timing_keeps_to_chains(root):
     assert compile_spec(m.tree).is_chain
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"backend": "trt"}, "--attention fused writes ONNX Runtime's CPU operators"),
-    ({"dtype": "float16"}, "--attention fused writes ONNX Runtime's CPU operators"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"backend": "trt"}, "--attention fused writes ONNX Runtime's CPU operators"),
+        ({"dtype": "float16"}, "--attention fused writes ONNX Runtime's CPU operators"),
+    ],
+)
 def test_fused_config_errors(kwargs, message):
     with pytest.raises(CloverError, match=message):
         ExportConfig(attention="fused", **kwargs)

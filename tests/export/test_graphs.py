@@ -8,14 +8,14 @@ docs/design.md: fp32 max abs logit error < 1e-3. The errors are printed (pytest 
 import numpy as np
 import onnx
 import pytest
+from ort_helpers import tiny_artifact, tiny_modules
 
-from clover.export.graphs import EXPORT_SIZES, base_graph, draft_graphs, float32_twin
+from clover.artifact import read_manifest
 from clover.export.compare import Tolerance, parity
+from clover.export.graphs import EXPORT_SIZES, base_graph, draft_graphs, float32_twin
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
 from clover.models.head_io import build_heads
-from clover.artifact import read_manifest
 from clover.runtime.tree import resolve_tree
-from ort_helpers import tiny_artifact, tiny_modules
 
 LARGEST_TREE = resolve_tree("mc26").num_nodes
 BASE_SIZES = [
@@ -61,7 +61,9 @@ def test_fp32_parity_every_graph(tmp_path_factory, arch):
         if graph.name == "base" and arch != "medusa":
             continue  # the same base graph: checked once
         # hidden states, head states and K/V: same bound, relative to their magnitude
-        rows = parity(graph, root / f"{graph.name}.onnx", sizes_for(graph.name, heads), Tolerance(FP32_LIMIT, FP32_LIMIT))
+        rows = parity(
+            graph, root / f"{graph.name}.onnx", sizes_for(graph.name, heads), Tolerance(FP32_LIMIT, FP32_LIMIT)
+        )
         print(f"\nfp32 {arch} {graph.name}: " + ", ".join(f"{r.output} {r.max_abs:.2e}" for r in rows))
         assert [r.output for r in rows] == list(graph.outputs)
         assert all(r.passed for r in rows), rows
@@ -75,10 +77,17 @@ def test_fp16_parity(tmp_path_factory):
     assert manifest.dtype == "float16"
     assert manifest.graphs["base"].input("past_key_values.0.key").dtype == "float16"
     for graph in graph_defs(base, heads):
-        rows = parity(graph, root / f"{graph.name}.onnx", sizes_for(graph.name, heads), Tolerance(0.01, 0.01),
-                      reference=float32_twin(graph))
-        print(f"\nfp16 clover2 {graph.name} vs fp32 PyTorch: "
-              + ", ".join(f"{r.output} {r.max_abs:.2e} (|max| {r.scale:.1f})" for r in rows))
+        rows = parity(
+            graph,
+            root / f"{graph.name}.onnx",
+            sizes_for(graph.name, heads),
+            Tolerance(0.01, 0.01),
+            reference=float32_twin(graph),
+        )
+        print(
+            f"\nfp16 clover2 {graph.name} vs fp32 PyTorch: "
+            + ", ".join(f"{r.output} {r.max_abs:.2e} (|max| {r.scale:.1f})" for r in rows)
+        )
         for r in rows:
             assert np.isfinite(r.max_abs)
             assert r.max_abs <= FP16_LIMITS.get(r.output, 0.01) * max(1.0, r.scale), (r.output, r.max_abs)

@@ -5,13 +5,13 @@ of them, and every logit is what the uncut graphs give."""
 import numpy as np
 import onnx
 import pytest
-
-from clover.export.lm_head import LM_INPUT, lm_head_nodes
-from clover.artifact import open_artifact, read_manifest
-from clover.runtime.ort_backend import load_runner
-from clover.runtime.tree import resolve_tree
 from helpers import assert_identical, run_tokens
 from ort_helpers import PROMPTS, tiny_artifact
+
+from clover.artifact import open_artifact, read_manifest
+from clover.export.lm_head import LM_INPUT, lm_head_nodes
+from clover.runtime.ort_backend import load_runner
+from clover.runtime.tree import resolve_tree
 
 ARCHS = ("medusa", "clover", "clover2")
 TREES = {"medusa": "chain-4", "clover": "chain-3", "clover2": "mc26"}

@@ -9,14 +9,14 @@ import numpy as np
 import onnx
 import pytest
 import torch
+from numerics import assert_close_paths, chain_reduction
+from ort_helpers import tiny_modules
 
 from clover.export.graphs import base_graph, random_tree, reference_outputs
 from clover.export.onnx_graph import check_onnx, onnx_from_torch, plugin_nodes, runnable_by_ort
 from clover.models.decoder import PluginMask, causal_mask, plugin_mask, with_attention
 from clover.plugins.onnx_node import DOMAIN, OP_TYPE
 from clover.runtime.tree import resolve_tree
-from ort_helpers import tiny_modules
-from numerics import assert_close_paths, chain_reduction
 
 ort = pytest.importorskip("onnxruntime")
 SIZES = [  # past 0 and one new token, a 26-node tree over a past, 64 and 33 new tokens (2 packed words per row)
@@ -51,11 +51,18 @@ def test_one_plugin_node_per_layer(exported):
     for i, node in enumerate(nodes):
         assert (node.domain, node.op_type, node.name) == (DOMAIN, OP_TYPE, f"layers.{i}.self_attn.tree_attention")
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attrs == {"plugin_namespace": b"clover", "plugin_version": b"1",
-                         "scale": pytest.approx(base.config.head_dim ** -0.5)}
+        assert attrs == {
+            "plugin_namespace": b"clover",
+            "plugin_version": b"1",
+            "scale": pytest.approx(base.config.head_dim**-0.5),
+        }
         # k, v are this layer's new K/V (also graph outputs); the past is this layer's cache input
-        assert list(node.input[1:5]) == [f"present.{i}.key", f"present.{i}.value", f"past_key_values.{i}.key",
-                                         f"past_key_values.{i}.value"]
+        assert list(node.input[1:5]) == [
+            f"present.{i}.key",
+            f"present.{i}.value",
+            f"past_key_values.{i}.key",
+            f"past_key_values.{i}.value",
+        ]
     ops = {n.op_type for n in model.graph.node}
     assert "Softmax" not in ops and "Attention" not in ops  # the attention itself is only in the nodes
     check_onnx(path)
@@ -68,8 +75,10 @@ def test_same_io_and_weights_as_portable(exported):
     assert specs["plugin"].outputs == specs["portable"].outputs
     models = {v: onnx.load(str(g[1])) for v, g in graphs.items()}
     # the model's parameters (named base.*; the exporter also stores folded constants)
-    weights = {v: {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer if i.name.startswith("base.")}
-               for v, m in models.items()}
+    weights = {
+        v: {i.name: onnx.numpy_helper.to_array(i) for i in m.graph.initializer if i.name.startswith("base.")}
+        for v, m in models.items()
+    }
     assert weights["plugin"].keys() == weights["portable"].keys() and weights["plugin"]
     for name, w in weights["plugin"].items():
         np.testing.assert_array_equal(w, weights["portable"][name])

@@ -6,15 +6,15 @@ import json
 import shutil
 
 import pytest
+from helpers import assert_identical, run_tokens
+from ort_helpers import PROMPTS, tiny_artifact
 
+from clover.artifact import MANIFEST_FILE, open_artifact, read_manifest
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.quantize import quantized_ops
-from clover.artifact import MANIFEST_FILE, open_artifact, read_manifest
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tree import resolve_tree
-from helpers import assert_identical, run_tokens
-from ort_helpers import PROMPTS, tiny_artifact
 
 N = 40
 TREES = {"medusa": "chain-4", "clover": "chain-3", "clover2": "mc26"}
@@ -89,14 +89,17 @@ def test_manifest_round_trips_the_scheme(artifacts):
     assert again.weights == m.weights and dataclasses.asdict(again.weights)["scheme"] == "int8"
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    ({"weights": "int2"}, "unknown --weights 'int2'"),
-    ({"weights": "int4", "backend": "trt"}, "use it with --backend onnx --dtype float32"),
-    ({"weights": "int4", "dtype": "float16"}, "use it with --backend onnx --dtype float32"),
-    ({"weights": "int4", "draft_quant": "int8"}, "already quantizes the draft graphs: drop --draft-quant"),
-    ({"weights": "int4", "block_size": 24}, "--block-size must be a power of two >= 16"),
-    ({"weights": "int4", "block_size": 8}, "--block-size must be a power of two >= 16"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"weights": "int2"}, "unknown --weights 'int2'"),
+        ({"weights": "int4", "backend": "trt"}, "use it with --backend onnx --dtype float32"),
+        ({"weights": "int4", "dtype": "float16"}, "use it with --backend onnx --dtype float32"),
+        ({"weights": "int4", "draft_quant": "int8"}, "already quantizes the draft graphs: drop --draft-quant"),
+        ({"weights": "int4", "block_size": 24}, "--block-size must be a power of two >= 16"),
+        ({"weights": "int4", "block_size": 8}, "--block-size must be a power of two >= 16"),
+    ],
+)
 def test_config_rejects(kwargs, message):
     with pytest.raises(CloverError, match=message):
         ExportConfig(**kwargs)
@@ -114,9 +117,11 @@ def test_embedding_lookup_becomes_a_gather():
     w = np.random.default_rng(0).standard_normal((10, 4)).astype(np.float32)
     graph = helper.make_graph(
         [helper.make_node("Unsqueeze", ["ids", "axes"], ["idx"]), helper.make_node("GatherND", ["W", "idx"], ["y"])],
-        "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [3])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 4])],
-        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([-1], np.int64), "axes")])
+        [numpy_helper.from_array(w, "W"), numpy_helper.from_array(np.array([-1], np.int64), "axes")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     assert embedding_lookups_as_gather(model) == 1
     assert [n.op_type for n in model.graph.node] == ["Gather"]

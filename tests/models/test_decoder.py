@@ -16,15 +16,35 @@ transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 FAMILIES = {
     "llama": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=False),
-    "llama-tied-bias": lambda: transformers.LlamaConfig(**COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True),
-    "llama3-rope": lambda: transformers.LlamaConfig(**COMMON, rope_scaling=dict(
-        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-        original_max_position_embeddings=16, rope_theta=500000.0)),
-    "linear-rope": lambda: transformers.LlamaConfig(**COMMON, rope_scaling=dict(rope_type="linear", factor=4.0, rope_theta=10000.0)),
+    "llama-tied-bias": lambda: transformers.LlamaConfig(
+        **COMMON, tie_word_embeddings=True, attention_bias=True, mlp_bias=True
+    ),
+    "llama3-rope": lambda: transformers.LlamaConfig(
+        **COMMON,
+        rope_scaling=dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=16,
+            rope_theta=500000.0,
+        ),
+    ),
+    "linear-rope": lambda: transformers.LlamaConfig(
+        **COMMON, rope_scaling=dict(rope_type="linear", factor=4.0, rope_theta=10000.0)
+    ),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "mistral-window": lambda: transformers.MistralConfig(**COMMON, sliding_window=6),
 }
@@ -36,7 +56,9 @@ def save_random(hf_cfg, path, seed=0):
     model = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
     for p in model.parameters():  # random-init biases are zero; make them count
         if p.ndim == 1:
-            p.data.normal_(0, 0.5 if "norm" not in str(p) else 0.1).add_(1.0 if p.shape[0] == hf_cfg.hidden_size else 0.0)
+            p.data.normal_(0, 0.5 if "norm" not in str(p) else 0.1).add_(
+                1.0 if p.shape[0] == hf_cfg.hidden_size else 0.0
+            )
     model.save_pretrained(path)
     return model.eval()
 
@@ -50,10 +72,16 @@ def ours_step(model, ids, past_len, cache, tree_mask=None, depth=None):
     T = len(ids)
     depth = torch.arange(T) if depth is None else depth
     tree_mask = causal_mask(T) if tree_mask is None else tree_mask[None]
-    out = model(torch.tensor([ids]), (past_len + depth)[None], tree_mask, torch.tensor([past_len]),
-                [k[:, :, :past_len] for k in cache[0]], [v[:, :, :past_len] for v in cache[1]])
+    out = model(
+        torch.tensor([ids]),
+        (past_len + depth)[None],
+        tree_mask,
+        torch.tensor([past_len]),
+        [k[:, :, :past_len] for k in cache[0]],
+        [v[:, :, :past_len] for v in cache[1]],
+    )
     for store, new in zip(cache[0] + cache[1], out.new_keys + out.new_values):
-        store[:, :, past_len:past_len + T] = new
+        store[:, :, past_len : past_len + T] = new
     return out
 
 

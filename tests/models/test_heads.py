@@ -10,17 +10,24 @@ import os
 
 import pytest
 import torch
+from helpers import tiny_base
+from numerics import assert_close_paths, assert_exact, chain_reduction
 from safetensors.torch import load_file
 
 from clover.errors import CloverError
 from clover.models import head_io
 from clover.models.decoder import causal_mask, rope_cos_sin
 from clover.models.head_io import (
-    CONFIG_FILE, FORMAT_VERSION, WEIGHTS_FILE, build_heads, load_heads, random_heads, resolve_heads, save_heads,
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    WEIGHTS_FILE,
+    build_heads,
+    load_heads,
+    random_heads,
+    resolve_heads,
+    save_heads,
 )
 from clover.models.heads import ARCHITECTURES, BaseFingerprint
-from helpers import tiny_base
-from numerics import assert_close_paths, assert_exact, chain_reduction
 
 ARCHS = list(ARCHITECTURES)  # medusa, clover, clover2
 CACHED = ["clover", "clover2"]  # the heads with an augmenting block (own KV cache)
@@ -112,8 +119,13 @@ def test_round_trip(base, arch, dtype, tmp_path):
     assert (doc["num_heads"], doc["num_layers"]) == (heads.config.num_heads, heads.config.num_layers)
     assert doc["own_lm_head"] is False
     fp = BaseFingerprint.of(base)
-    assert doc["base"] == {"architecture": "LlamaForCausalLM", "hidden_size": 64, "vocab_size": 96,
-                           "lm_head_sha256": fp.lm_head_sha256, "lm_head_probe": list(fp.lm_head_probe)}
+    assert doc["base"] == {
+        "architecture": "LlamaForCausalLM",
+        "hidden_size": 64,
+        "vocab_size": 96,
+        "lm_head_sha256": fp.lm_head_sha256,
+        "lm_head_probe": list(fp.lm_head_probe),
+    }
     assert len(fp.lm_head_sha256) == 16
 
     # Only the heads' own parameters are stored: not the shared LM head nor the base's final norm.
@@ -237,8 +249,9 @@ def test_resolve_heads_specs(base):
         assert resolve_heads(f"random:{arch}", base).config.arch == arch
 
 
-@pytest.mark.parametrize("spec", ["random:gpt", "random:clover2:x", "random:clover2:1:2", "random:", "random",
-                                  "does/not/exist"])
+@pytest.mark.parametrize(
+    "spec", ["random:gpt", "random:clover2:x", "random:clover2:1:2", "random:", "random", "does/not/exist"]
+)
 def test_resolve_heads_bad_specs(base, spec):
     with pytest.raises(CloverError, match=r"random:ARCH\[:SEED\]") as info:
         resolve_heads(spec, base)
@@ -298,13 +311,15 @@ def test_chunked_begin_matches_one_shot(base, arch, split):
     with torch.no_grad():
         full = heads.begin(hidden, nxt, pos, torch.tensor([0]), pk, pv)
         first = heads.begin(hidden[:, :split], nxt[:, :split], pos[:, :split], torch.tensor([0]), pk, pv)
-        second = heads.begin(hidden[:, split:], nxt[:, split:], pos[:, split:], torch.tensor([split]),
-                             first.new_keys, first.new_values)
+        second = heads.begin(
+            hidden[:, split:], nxt[:, split:], pos[:, split:], torch.tensor([split]), first.new_keys, first.new_values
+        )
     K = heads_reduction(base, heads)
     assert_close_paths(second.state, full.state, reduction=K)
     assert_close_paths(second.logits, full.logits, reduction=K)
-    for a, b, f in zip(first.new_keys + first.new_values, second.new_keys + second.new_values,
-                       full.new_keys + full.new_values):
+    for a, b, f in zip(
+        first.new_keys + first.new_values, second.new_keys + second.new_values, full.new_keys + full.new_values
+    ):
         assert_close_paths(torch.cat((a, b), dim=2), f, reduction=K)
 
 
@@ -318,7 +333,9 @@ def test_begin_token_by_token_matches_one_shot(base, arch):
     with torch.no_grad():
         full = heads.begin(hidden, nxt, pos, torch.tensor([0]), keys, values)
         for i in range(N):
-            out = heads.begin(hidden[:, i:i + 1], nxt[:, i:i + 1], pos[:, i:i + 1], torch.tensor([i]), keys, values)
+            out = heads.begin(
+                hidden[:, i : i + 1], nxt[:, i : i + 1], pos[:, i : i + 1], torch.tensor([i]), keys, values
+            )
             keys = [torch.cat((k, nk), dim=2) for k, nk in zip(keys, out.new_keys)]
             values = [torch.cat((v, nv), dim=2) for v, nv in zip(values, out.new_values)]
     assert_close_paths(out.state, full.state, reduction=heads_reduction(base, heads))
@@ -334,9 +351,14 @@ def test_begin_ignores_cache_slots_past_past_lengths(base, arch):
     junk_k, junk_v = empty_head_cache(base, heads, 3)
     with torch.no_grad():
         want = heads.begin(hidden[:, 2:], nxt[:, 2:], pos[:, 2:], torch.tensor([2]), pk, pv)
-        got = heads.begin(hidden[:, 2:], nxt[:, 2:], pos[:, 2:], torch.tensor([2]),
-                          [torch.cat((a, 100 * b), 2) for a, b in zip(pk, junk_k)],
-                          [torch.cat((a, 100 * b), 2) for a, b in zip(pv, junk_v)])
+        got = heads.begin(
+            hidden[:, 2:],
+            nxt[:, 2:],
+            pos[:, 2:],
+            torch.tensor([2]),
+            [torch.cat((a, 100 * b), 2) for a, b in zip(pk, junk_k)],
+            [torch.cat((a, 100 * b), 2) for a, b in zip(pv, junk_v)],
+        )
     assert_close_paths(got.logits, want.logits, reduction=heads_reduction(base, heads))
 
 
@@ -389,8 +411,14 @@ def test_clover2_fc_layers_are_identity_plus_small_uniform_noise(base):
     heads = random_heads(base, "clover2", seed=5)
     H = base.config.hidden_size
     eye = torch.eye(H)
-    for name, lin in [("fc0", heads.fc0), ("fc", heads.fc), ("fuse.q", heads.fuse.q), ("fuse.k", heads.fuse.k),
-                      ("rnn.q", heads.rnn.q), ("rnn.k", heads.rnn.k)]:
+    for name, lin in [
+        ("fc0", heads.fc0),
+        ("fc", heads.fc),
+        ("fuse.q", heads.fuse.q),
+        ("fuse.k", heads.fuse.k),
+        ("rnn.q", heads.rnn.q),
+        ("rnn.k", heads.rnn.k),
+    ]:
         w = lin.weight
         target = torch.cat((eye, torch.zeros(H, w.shape[1] - H)), dim=1)  # [I | 0]
         noise = w - target

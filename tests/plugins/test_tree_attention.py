@@ -12,8 +12,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: CPU tensors run the interpreter
 
-from clover.plugins.tree_attention import pack_tree_mask, tree_attention, tree_attention_reference, unpack_tree_mask
 from numerics import assert_close_paths
+
+from clover.plugins.tree_attention import pack_tree_mask, tree_attention, tree_attention_reference, unpack_tree_mask
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 KERNEL_DEVICE = "cpu" if INTERPRET else "cuda" if torch.cuda.is_available() else None
@@ -42,8 +43,16 @@ def make_case(B, Hq, Hkv, T, P, lengths, D, dtype, seed=0):
     past_v[junk.view(B, 1, P, 1).expand_as(past_v)] = -5e3
     mask = torch.stack([random_tree_mask(T, gen) for _ in range(B)])  # [B, T, T]
     cast = lambda x: x.to(dtype)  # noqa: E731
-    return dict(q=cast(q), k=cast(k), v=cast(v), past_k=cast(past_k), past_v=cast(past_v), past_lengths=lens,
-                packed_mask=pack_tree_mask(mask), scale=D ** -0.5), mask
+    return dict(
+        q=cast(q),
+        k=cast(k),
+        v=cast(v),
+        past_k=cast(past_k),
+        past_v=cast(past_v),
+        past_lengths=lens,
+        packed_mask=pack_tree_mask(mask),
+        scale=D**-0.5,
+    ), mask
 
 
 def dense_truth(case, mask):
@@ -81,6 +90,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # ---- packing ----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("T", [1, 5, 31, 32, 33, 64, 70])
 def test_pack_unpack_round_trip(T):
     gen = torch.Generator().manual_seed(T)
@@ -99,7 +109,7 @@ def test_pack_bit_31_is_the_int32_sign_bit():
     mask[1, :32] = True
     mask[1, 32] = True
     packed = pack_tree_mask(mask)
-    assert packed.tolist() == [[-2**31, 0], [-1, 1]]
+    assert packed.tolist() == [[-(2**31), 0], [-1, 1]]
     assert torch.equal(unpack_tree_mask(packed, 40), mask)
 
 
@@ -118,8 +128,9 @@ def test_pack_exports_with_dynamic_T():
 
     T = torch.export.Dim("T", min=2, max=1024)
     with fx_config.patch(backed_size_oblivious=True):
-        ep = torch.export.export(_pack_module(), (torch.ones(1, 20, 20, dtype=torch.bool),),
-                                 dynamic_shapes={"mask": {1: T, 2: T}})
+        ep = torch.export.export(
+            _pack_module(), (torch.ones(1, 20, 20, dtype=torch.bool),), dynamic_shapes={"mask": {1: T, 2: T}}
+        )
     for n in (2, 32, 33, 70):
         mask = torch.rand(1, n, n) < 0.5
         assert torch.equal(ep.module()(mask), pack_tree_mask(mask))
@@ -128,8 +139,13 @@ def test_pack_exports_with_dynamic_T():
 def test_pack_exports_to_onnx_with_dynamic_T():
     pytest.importorskip("onnxscript")
     ort = pytest.importorskip("onnxruntime")
-    prog = torch.onnx.export(_pack_module(), (torch.ones(1, 20, 20, dtype=torch.bool),), dynamo=True,
-                             dynamic_shapes={"mask": {1: "T", 2: "T"}}, verbose=False)
+    prog = torch.onnx.export(
+        _pack_module(),
+        (torch.ones(1, 20, 20, dtype=torch.bool),),
+        dynamo=True,
+        dynamic_shapes={"mask": {1: "T", 2: "T"}},
+        verbose=False,
+    )
     sess = ort.InferenceSession(prog.model_proto.SerializeToString(), providers=["CPUExecutionProvider"])
     for n in (2, 32, 33, 70):
         mask = torch.rand(1, n, n) < 0.5
@@ -138,6 +154,7 @@ def test_pack_exports_to_onnx_with_dynamic_T():
 
 
 # ---- reference ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("name", list(CASES) + ["long_tree"])
@@ -165,6 +182,7 @@ def test_dispatch_on_cpu_is_the_reference():
 
 # ---- Triton kernel --------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def interpreter_bf16_dot(monkeypatch):
     """Triton 3.9's interpreter keeps bf16 as raw uint16 bits and its tl.dot multiplies those bits; widen bf16
@@ -182,8 +200,11 @@ def interpreter_bf16_dot(monkeypatch):
             return x
         return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
 
-    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
-                        lambda self, a, b, *args: create_dot(self, widen(a), widen(b), *args))
+    monkeypatch.setattr(
+        interpreter.InterpreterBuilder,
+        "create_dot",
+        lambda self, a, b, *args: create_dot(self, widen(a), widen(b), *args),
+    )
 
 
 def on(case, device):
@@ -239,8 +260,9 @@ def test_aot_compile_to_ptx_without_a_gpu(tmp_path):
     # Triton bundles ptxas, so the final PTX (scratch params stripped) is assembled too, as TensorRT will.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences triton 3.9's warning; fusion on is its default
-    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", AOT_SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 

@@ -4,15 +4,21 @@ CUDA array views) and its clear error without TensorRT; registration itself need
 import sys
 
 import pytest
+from helpers import run_python
 
 from clover.errors import CloverError
 from clover.plugins import trt_plugin
 from clover.plugins.trt_plugin import (
-    INPUTS, KERNEL_ARGS, PLUGIN_ID, check_kernel_args, cuda_array_interface, io_types, launch_grid,
+    INPUTS,
+    KERNEL_ARGS,
+    PLUGIN_ID,
+    check_kernel_args,
+    cuda_array_interface,
+    io_types,
+    launch_grid,
     threads_per_block,
 )
 from clover.trt import MISSING
-from helpers import run_python
 
 
 def test_plugin_id_matches_the_onnx_node():
@@ -29,19 +35,23 @@ def test_register_without_tensorrt_is_the_clear_error(monkeypatch):
     assert str(e.value) == MISSING
 
 
-@pytest.mark.parametrize("batch, heads, new, block, grid", [
-    (1, 4, 1, 16, (1, 4, 1)),  # one token: one program per (sequence, query head)
-    (1, 4, 16, 16, (1, 4, 1)),
-    (1, 4, 17, 16, (2, 4, 1)),  # ceil(T / BLOCK_M)
-    (2, 32, 64, 16, (4, 64, 1)),
-    (1, 8, 65, 64, (2, 8, 1)),
-])
+@pytest.mark.parametrize(
+    "batch, heads, new, block, grid",
+    [
+        (1, 4, 1, 16, (1, 4, 1)),  # one token: one program per (sequence, query head)
+        (1, 4, 16, 16, (1, 4, 1)),
+        (1, 4, 17, 16, (2, 4, 1)),  # ceil(T / BLOCK_M)
+        (2, 32, 64, 16, (4, 64, 1)),
+        (1, 8, 65, 64, (2, 8, 1)),
+    ],
+)
 def test_launch_grid(batch, heads, new, block, grid):
     assert launch_grid(batch, heads, new, block) == grid
 
 
 def test_launch_grid_composes_symbolic_dims():
     """tensorrt.plugin passes ShapeExprs: the grid must only use *, and the given ceil division."""
+
     class Sym:
         def __init__(self, text):
             self.text = text
@@ -84,19 +94,28 @@ def test_triton_kernel_has_the_aot_argument_order():
 
 def test_cuda_array_interface_for_bfloat16_views():
     ai = cuda_array_interface(0x7F0000001000, (1, 4, 3, 16), (192, 48, 16, 1), "<i2", 2)
-    assert ai == {"shape": (1, 4, 3, 16), "typestr": "<i2", "data": (0x7F0000001000, False),
-                  "strides": (384, 96, 32, 2), "version": 3}
+    assert ai == {
+        "shape": (1, 4, 3, 16),
+        "typestr": "<i2",
+        "data": (0x7F0000001000, False),
+        "strides": (384, 96, 32, 2),
+        "version": 3,
+    }
 
 
 def test_module_imports_without_tensorrt_torch_or_triton():
-    code = ("import sys\nsys.modules['tensorrt'] = None\nimport clover.plugins.trt_plugin\n"
-            "assert not [m for m in ('torch', 'triton') if m in sys.modules]\nprint('ok')\n")
+    code = (
+        "import sys\nsys.modules['tensorrt'] = None\nimport clover.plugins.trt_plugin\n"
+        "assert not [m for m in ('torch', 'triton') if m in sys.modules]\nprint('ok')\n"
+    )
     assert run_python(code).strip() == "ok"
 
 
 def test_plugin_does_not_import_the_runtime():
     """The plugin reaches TensorRT through clover.trt, not clover.runtime (which would be a cycle: the runtime
     registers the plugin for JIT engines)."""
-    code = ("import sys\nimport clover.plugins.trt_plugin\n"
-            "print(sorted(m for m in sys.modules if m.startswith('clover.')))\n")
+    code = (
+        "import sys\nimport clover.plugins.trt_plugin\n"
+        "print(sorted(m for m in sys.modules if m.startswith('clover.')))\n"
+    )
     assert run_python(code).strip() == "['clover.errors', 'clover.plugins', 'clover.plugins.trt_plugin']"

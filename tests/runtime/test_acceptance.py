@@ -240,6 +240,4 @@ def test_accept_sampling_shape_errors() -> None:
     with pytest.raises(CloverError, match=r"expected node_valid of shape \[3\]"):
         accept_sampling(tree, np.zeros(3, np.int64), np.ones(2, bool), ok, ok, np.random.default_rng(0))
     with pytest.raises(CloverError, match=r"expected draft_probs of shape \(3, 5\)"):
-        accept_sampling(
-            tree, np.zeros(3, np.int64), np.ones(3, bool), ok, ok[:, :4], np.random.default_rng(0)
-        )
+        accept_sampling(tree, np.zeros(3, np.int64), np.ones(3, bool), ok, ok[:, :4], np.random.default_rng(0))

@@ -19,13 +19,16 @@ def test_confidence_starts_at_the_raw_probability_and_learns_the_hit_rate():
 
 
 def test_the_verify_cost_curve_is_measured_once_per_runner(monkeypatch):
+    from helpers import tiny_base
+
     import clover.runtime.cost as cost
     from clover.runtime.torch_backend import TorchRunner
-    from helpers import tiny_base
 
     measured = []
     real = cost.calibrate
-    monkeypatch.setattr(cost, "calibrate", lambda runner, max_rows, reps=7: measured.append(max_rows) or real(runner, max_rows, 1))
+    monkeypatch.setattr(
+        cost, "calibrate", lambda runner, max_rows, reps=7: measured.append(max_rows) or real(runner, max_rows, 1)
+    )
     runner, other = TorchRunner(tiny_base()), TorchRunner(tiny_base())
     a = cost.verify_cost(runner, 8)
     b = cost.verify_cost(runner, 5)  # covered by the first curve
@@ -38,9 +41,10 @@ def test_the_verify_cost_curve_is_measured_once_per_runner(monkeypatch):
 
 
 def test_the_calibrated_curve_never_falls():
+    from helpers import tiny_base
+
     from clover.runtime.cost import calibrate
     from clover.runtime.torch_backend import TorchRunner
-    from helpers import tiny_base
 
     curve = calibrate(TorchRunner(tiny_base()), 12, reps=3)
     assert curve.rows.tolist() == [1, 2, 3, 4, 5, 8, 11, 12]

@@ -10,6 +10,8 @@ import time
 
 import numpy as np
 import pytest
+from helpers import POISON, Faulty, assert_identical, rss_bytes
+from ort_helpers import tiny_artifact, tiny_modules
 
 from clover.errors import CloverError
 from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
@@ -18,8 +20,6 @@ from clover.runtime.ort_backend import load_runner
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
-from helpers import POISON, Faulty, assert_identical, rss_bytes
-from ort_helpers import tiny_artifact, tiny_modules
 
 ARCHS = ("medusa", "clover", "clover2")
 # 16 prompts of different lengths, each with its own length budget: requests end at different steps
@@ -81,7 +81,9 @@ def test_fused_batched_graph_engine_equals_solo_plain(tmp_path_factory, weights)
     assert runner.batch_slots == 8 and runner.info.batch_slots == 8
     calls = []
     run = runner.batch.run
-    runner.batch.run = lambda inputs, sizes, into: calls.append(sizes["new"]) or run(inputs, sizes, into)  # rows per call
+    runner.batch.run = lambda inputs, sizes, into: (
+        calls.append(sizes["new"]) or run(inputs, sizes, into)
+    )  # rows per call
     for tree in ("plain", "chain-3", "auto") if weights else ("plain", "small", "mc26", "auto"):
         with Engine(runner, tok, tree, max_batch=8, log=None) as engine:
             for concurrency in (1, 4, 16):
@@ -125,8 +127,9 @@ def test_torch_engine_equals_solo_plain(tmp_path):
 def test_lookup_drafts_in_the_engine(artifacts, tree):
     tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
     want = solo_plain(load_runner(artifacts["clover2"], heads="none"), tok)
-    with Engine(load_runner(artifacts["clover2"], heads="none"), tok, tree, drafts="lookup", max_batch=4,
-                log=None) as engine:
+    with Engine(
+        load_runner(artifacts["clover2"], heads="none"), tok, tree, drafts="lookup", max_batch=4, log=None
+    ) as engine:
         got = run_concurrently(engine, 8)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_identical(g, w, f"lookup {tree} prompt {i}")
@@ -138,8 +141,10 @@ def test_sampling_requests_are_reproducible_per_seed_at_any_batch(artifacts):
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
     with Engine(load_runner(artifacts["clover2"]), tok, "chain-2", max_batch=4, log=None) as engine:
         alone = engine.generate(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True).token_ids
-        streams = [engine.stream(p, max_new_tokens=20, sampling=SamplingParams(0.8, 0.95, seed=i), ignore_eos=True)
-                   for i, p in enumerate(PROMPTS[:3])]
+        streams = [
+            engine.stream(p, max_new_tokens=20, sampling=SamplingParams(0.8, 0.95, seed=i), ignore_eos=True)
+            for i, p in enumerate(PROMPTS[:3])
+        ]
         mixed = engine.stream(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True)
         assert mixed.wait().token_ids == alone
         for s in streams:
@@ -243,12 +248,16 @@ def test_a_failed_step_fails_its_requests_alone_and_says_no_internals(artifacts)
             engine.generate(PROMPTS[0], max_new_tokens=4)
         assert "RuntimeError" in str(e.value) and "/secret" not in str(e.value) and "Gather" not in str(e.value)
         assert engine.alive
-        assert_identical(engine.generate(PROMPTS[2], max_new_tokens=BUDGETS[2], ignore_eos=True).token_ids, want,
-                         "after a failed step")
+        assert_identical(
+            engine.generate(PROMPTS[2], max_new_tokens=BUDGETS[2], ignore_eos=True).token_ids,
+            want,
+            "after a failed step",
+        )
 
 
-@pytest.mark.parametrize("where,tree", [("forward", "chain-2"), ("forward", "auto"), ("commit", "small"),
-                                        ("draft", "chain-2")])
+@pytest.mark.parametrize(
+    "where,tree", [("forward", "chain-2"), ("forward", "auto"), ("commit", "small"), ("draft", "chain-2")]
+)
 def test_a_fault_in_one_requests_part_of_the_step_fails_that_request_alone(artifacts, where, tree):
     """One request whose forward rows, commit or drafting raise at every step, among 5 others decoding in the same
     batched steps: it ends with an error naming only the error's type and its request id (the log has the whole
@@ -271,8 +280,11 @@ def test_a_fault_in_one_requests_part_of_the_step_fails_that_request_alone(artif
         assert fault.raised >= 1 and engine.alive
         assert "cmpl-poisoned" in log.getvalue() and "/secret/path" in log.getvalue()  # the log has it whole
         assert engine.runner.open_slots == 0
-        assert_identical(engine.generate(PROMPTS[5], max_new_tokens=BUDGETS[5], ignore_eos=True).token_ids, want[5],
-                         "after the fault")
+        assert_identical(
+            engine.generate(PROMPTS[5], max_new_tokens=BUDGETS[5], ignore_eos=True).token_ids,
+            want[5],
+            "after the fault",
+        )
 
 
 def test_a_caller_whose_event_loop_closes_mid_stream_does_not_disturb_the_others(artifacts):
@@ -371,8 +383,9 @@ def test_threads_and_asyncio_callers_together_and_rss_flat_over_500_requests(art
                 got[i] = engine.generate(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True).token_ids
 
         async def main():
-            outs = await asyncio.gather(*(engine.agenerate(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True)
-                                          for i in range(12, 16)))
+            outs = await asyncio.gather(
+                *(engine.agenerate(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True) for i in range(12, 16))
+            )
             for i, o in zip(range(12, 16), outs):
                 got[i] = o.token_ids
 

@@ -3,9 +3,17 @@ onnxruntime only); importing `clover` has no side effects."""
 
 from helpers import run_python
 
-CORE = ["clover", "clover.runtime.tree", "clover.runtime.sampling", "clover.runtime.acceptance",
-        "clover.runtime.output", "clover.runtime.tokenizer", "clover.runtime.backend", "clover.runtime.loop",
-        "clover.runtime.generator"]
+CORE = [
+    "clover",
+    "clover.runtime.tree",
+    "clover.runtime.sampling",
+    "clover.runtime.acceptance",
+    "clover.runtime.output",
+    "clover.runtime.tokenizer",
+    "clover.runtime.backend",
+    "clover.runtime.loop",
+    "clover.runtime.generator",
+]
 
 
 def test_runtime_core_imports_without_torch_or_models():
@@ -37,8 +45,13 @@ def test_torch_backend_is_loaded_lazily_by_name():
 
 def test_the_ort_serving_path_imports_no_torch():
     """clover-serve on ONNX Runtime: the server, the engine, the graph runner and the ORT backend need no torch."""
-    serving = ["clover.tools.serve", "clover.serve.app", "clover.runtime.engine", "clover.runtime.ort_backend",
-               "clover.runtime.graph_runner"]
+    serving = [
+        "clover.tools.serve",
+        "clover.serve.app",
+        "clover.runtime.engine",
+        "clover.runtime.ort_backend",
+        "clover.runtime.graph_runner",
+    ]
     code = (
         "import sys\n"
         "for name in ('torch', 'transformers', 'tensorrt'):\n"

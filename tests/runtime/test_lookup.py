@@ -3,17 +3,17 @@
 
 import numpy as np
 import pytest
+from helpers import assert_identical, run_tokens
+from ort_helpers import PROMPTS, tiny_artifact
 
+from clover.artifact import open_artifact
 from clover.errors import CloverError
 from clover.runtime.generator import Generator
 from clover.runtime.lookup import NgramStore, PromptLookup
 from clover.runtime.loop import Draft, merge_lookup
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
-from clover.artifact import open_artifact
 from clover.runtime.tree import resolve_tree
-from helpers import assert_identical, run_tokens
-from ort_helpers import PROMPTS, tiny_artifact
 
 
 def test_longest_latest_match_first():
@@ -86,6 +86,7 @@ def test_lookup_needs_a_chain(tmp_path_factory):
 
 # -- heads+lookup: the lookup path merged into the heads' tree ------------------------------------------------
 
+
 def heads_draft(tree, tokens):
     return Draft(np.array(tokens, dtype=np.int64), np.ones(tree.num_nodes, dtype=bool), None)
 
@@ -134,6 +135,7 @@ def test_heads_plus_lookup_spec_and_label(tmp_path):
 
 # -- the n-gram store: every n-gram of a corpus of the base's own answers, and what followed it ---------------
 
+
 def reference_propose(sequences, tail, k):
     """Brute force: the longest tail (2..STORE_LONGEST tokens) found in the stored texts (each answer after its
     prompt's last STORE_PROMPT_TAIL tokens), then per step the most frequent next token of the occurrences still
@@ -142,11 +144,11 @@ def reference_propose(sequences, tail, k):
 
     from clover.runtime.lookup import STORE_LONGEST, STORE_PROMPT_TAIL
 
-    texts = [list(t[max(0, s - STORE_PROMPT_TAIL):]) for t, s in sequences if s < len(t)]
+    texts = [list(t[max(0, s - STORE_PROMPT_TAIL) :]) for t, s in sequences if s < len(t)]
     best_m, occ = 0, []
     for m in range(2, min(STORE_LONGEST, len(tail)) + 1):
         pat = list(tail[-m:])
-        found = [(i, p + m) for i, t in enumerate(texts) for p in range(len(t) - m + 1) if t[p:p + m] == pat]
+        found = [(i, p + m) for i, t in enumerate(texts) for p in range(len(t) - m + 1) if t[p : p + m] == pat]
         if found:
             best_m, occ = m, found
     out = []
@@ -167,8 +169,10 @@ def test_store_matches_brute_force():
     equal to a scan of every stored text (answers after their prompt's turn header, small vocabulary so that
     matches and ties are common)."""
     rng = np.random.default_rng(3)
-    sequences = [(rng.integers(0, 5, n).tolist(), int(s)) for n, s in ((60, 5), (3, 1), (40, 0), (1, 0), (30, 29),
-                                                                           (50, 10), (2, 2))]
+    sequences = [
+        (rng.integers(0, 5, n).tolist(), int(s))
+        for n, s in ((60, 5), (3, 1), (40, 0), (1, 0), (30, 29), (50, 10), (2, 2))
+    ]
     store = NgramStore.build(sequences, vocab_size=5)
     assert len(store) == sum(len(t) - max(0, s - 3) + 1 for t, s in sequences if s < len(t))
     for _ in range(300):
@@ -245,8 +249,13 @@ def test_store_file_round_trip_and_errors(tmp_path):
     (tmp_path / "bad.npz").write_bytes(b"not a store")
     with pytest.raises(CloverError, match="cannot read the n-gram store .*bad.npz"):
         NgramStore.load(tmp_path / "bad.npz")
-    np.savez(tmp_path / "old.npz", keys=np.zeros(1, np.uint64), next_ids=np.zeros(1, np.int32),
-             share=np.ones(1, np.float32), vocab_size=np.int64(8))  # STORE_FORMAT 1
+    np.savez(
+        tmp_path / "old.npz",
+        keys=np.zeros(1, np.uint64),
+        next_ids=np.zeros(1, np.int32),
+        share=np.ones(1, np.float32),
+        vocab_size=np.int64(8),
+    )  # STORE_FORMAT 1
     with pytest.raises(CloverError, match="older format: export the artifact again"):
         NgramStore.load(tmp_path / "old.npz")
     with pytest.raises(CloverError, match="separator"):
@@ -295,7 +304,8 @@ def test_store_drafts_keep_greedy_identity(tmp_path_factory, tmp_path, kind):
     for p in PROMPTS:
         want, _ = run_tokens(plain, p, resolve_tree("plain"), 30)
         got = Generator(load_runner(art), tokenizer, "chain-2", drafts="heads+lookup").generate(
-            p, max_new_tokens=30, ignore_eos=True)
+            p, max_new_tokens=30, ignore_eos=True
+        )
         assert_identical(got.token_ids, want, f"heads+lookup with a store on {kind}")
     bare = with_ngram_store(art, tmp_path / "bare", None)  # and taken out again
     assert open_artifact(bare).ngram_store is None and not (bare / "ngram_store.npz").exists()
@@ -308,8 +318,9 @@ def test_store_of_another_base_is_refused(tmp_path_factory, tmp_path):
 
     src = tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", tree="mc26")
     source = own_answers_store(src)
-    other = dataclasses.replace(source, base_fingerprint={**source.base_fingerprint, "lm_head_sha256": "0" * 16,
-                                                          "lm_head_probe": [1.0]})
+    other = dataclasses.replace(
+        source, base_fingerprint={**source.base_fingerprint, "lm_head_sha256": "0" * 16, "lm_head_probe": [1.0]}
+    )
     with pytest.raises(CloverError, match="another base model"):
         with_ngram_store(src, tmp_path / "x", other)
     assert not (tmp_path / "x").exists()
@@ -413,8 +424,10 @@ def test_a_crafted_store_is_refused_at_load(tmp_path):
 
     sa = np.array(store.sa)
     sa[0] = len(store.tokens) + 5
-    for path, words in ((crafted("sa.npz", sa=sa), "points outside"),
-                        (crafted("vocab.npz", vocab_size=np.int64(3)), "below its vocabulary")):
+    for path, words in (
+        (crafted("sa.npz", sa=sa), "points outside"),
+        (crafted("vocab.npz", vocab_size=np.int64(3)), "below its vocabulary"),
+    ):
         with pytest.raises(CloverError, match=words) as e:
             NgramStore.load(path)
         assert "\n" not in str(e.value)

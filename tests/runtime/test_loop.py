@@ -9,7 +9,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
+from helpers import OracleRunner, assert_identical, run_tokens, tiny_base, tiny_tokenizer_dir
+from numerics import assert_close_paths, chain_reduction
 
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
@@ -17,8 +18,6 @@ from clover.runtime.generator import Generator
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
-from helpers import OracleRunner, assert_identical, run_tokens, tiny_base, tiny_tokenizer_dir
-from numerics import assert_close_paths, chain_reduction
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 3, 90, 12, 13, 14, 15, 16, 17, 18]]
 
@@ -33,11 +32,14 @@ def plain(base):
     return {tuple(p): run_tokens(TorchRunner(base), p, resolve_tree("plain"), 40)[0] for p in PROMPTS}
 
 
-@pytest.mark.parametrize("arch,trees", [
-    ("medusa", ["chain-1", "chain-4", "small", "mc26-d4"]),
-    ("clover", ["chain-3", "mc26-d3", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"]),
-    ("clover2", ["chain-1", "chain-6", "small", "mc26"]),
-])
+@pytest.mark.parametrize(
+    "arch,trees",
+    [
+        ("medusa", ["chain-1", "chain-4", "small", "mc26-d4"]),
+        ("clover", ["chain-3", "mc26-d3", "[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]"]),
+        ("clover2", ["chain-1", "chain-6", "small", "mc26"]),
+    ],
+)
 def test_greedy_identity_every_head_and_tree(base, plain, arch, trees):
     for seed in (0, 1):
         runner = TorchRunner(base, random_heads(base, arch, seed))
@@ -65,11 +67,15 @@ def test_dynamic_trees_are_identical_and_within_budget(base, plain, arch):
             assert max(steps) <= tree.max_depth + 1
     # The budget bounds the verified nodes; a dear cost curve verifies none of them (a plain step), a cheap one all.
     tree = dynamic_tree("dynamic-6", runner.info.heads_max_depth)
-    for cost, nodes in ((None, {7}), (lambda rows: 1.0 if rows == 1 else 100.0 * rows, {1}),
-                        (lambda rows: 1.0, set(range(2, 8)))):  # free rows: every node of non-zero probability
+    for cost, nodes in (
+        (None, {7}),
+        (lambda rows: 1.0 if rows == 1 else 100.0 * rows, {1}),
+        (lambda rows: 1.0, set(range(2, 8))),
+    ):  # free rows: every node of non-zero probability
         slot = runner.open_slot(64)
-        d = Decoding(slot, np.array(PROMPTS[1]), dataclasses.replace(tree, cost=cost), SamplingParams(),
-                     np.random.default_rng(0))
+        d = Decoding(
+            slot, np.array(PROMPTS[1]), dataclasses.replace(tree, cost=cost), SamplingParams(), np.random.default_rng(0)
+        )
         step(runner, [d])  # the prefill
         st = step(runner, [d])[0]
         runner.release(slot)
@@ -125,6 +131,7 @@ def test_sequence_near_context_end_falls_back_to_plain_steps():
 
 # -- Generator-level behaviour ----------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path_factory.mktemp("tok")))
@@ -154,16 +161,17 @@ def test_max_new_tokens_is_exact_and_stats_are_consistent(base, tokenizer):
         assert r.steps == len(r.accepted_per_step)
 
 
-def test_eos_ends_generation_exactly(base, tokenizer):
+def test_eos_ends_generation_exactly(base, tokenizer, tmp_path):
     plain = Generator(TorchRunner(base), tokenizer).generate("w7 w8 w9", max_new_tokens=30, ignore_eos=True)
     eos_at = 6
     eos = plain.token_ids[eos_at]
-    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tokenizer_path := __import__("pathlib").Path(
-        __import__("tempfile").mkdtemp()) / "t", eos=eos))
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "t", eos=eos))
     ref = tok.encode("w7 w8 w9") + plain.token_ids
     first = plain.token_ids.index(eos)
     for runner in (TorchRunner(base), OracleRunner(base, ref)):
-        r = Generator(runner, tok, tree="chain-4" if runner.info.heads else None).generate("w7 w8 w9", max_new_tokens=30)
+        r = Generator(runner, tok, tree="chain-4" if runner.info.heads else None).generate(
+            "w7 w8 w9", max_new_tokens=30
+        )
         assert r.finish_reason == "stop"
         assert r.token_ids == plain.token_ids[: first + 1]
         assert f"w{eos}" not in r.text.split()

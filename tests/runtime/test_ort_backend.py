@@ -6,17 +6,17 @@ import json
 
 import numpy as np
 import pytest
+from helpers import OracleDraft, assert_identical, run_python, run_tokens
+from numerics import assert_close_paths, chain_reduction
+from ort_helpers import PROMPTS, tiny_artifact, tiny_modules
 
-from clover.errors import CloverError
 from clover.artifact import read_manifest
+from clover.errors import CloverError
 from clover.runtime.backend import RunnerInfo, backend_module
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import OrtRunner, load_runner
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
-from helpers import OracleDraft, assert_identical, run_python, run_tokens
-from ort_helpers import PROMPTS, tiny_artifact, tiny_modules
-from numerics import assert_close_paths, chain_reduction
 
 N = 40
 ARCHS = ("medusa", "clover", "clover2")
@@ -126,8 +126,12 @@ def test_heads_catch_up_after_plain_steps(artifacts):
                 r.forward(np.array([token]), np.array([0]), np.ones((1, 1), bool))
                 r.commit(np.array([0]), np.array([following]))
         assert calls == []  # nothing drafted yet: the heads have not run
-        assert_close_paths(ort_runner.draft_begin(), torch_runner.draft_begin(),
-                           reduction=chain_reduction(b.config, context=16), msg=arch)
+        assert_close_paths(
+            ort_runner.draft_begin(),
+            torch_runner.draft_begin(),
+            reduction=chain_reduction(b.config, context=16),
+            msg=arch,
+        )
         assert calls == [1]  # one run over the prompt and the three steps
 
 
@@ -154,7 +158,9 @@ def test_load_runner_options_and_errors(artifacts):
 
 def test_generator_uses_the_artifact_tree_and_tokenizer(artifacts, base):
     gen = Generator.load(artifacts["clover"], backend="ort")
-    assert gen.tree.name == read_manifest(artifacts["clover"]).tree_timing["chosen"] and gen.runner.info.heads == "clover"
+    assert (
+        gen.tree.name == read_manifest(artifacts["clover"]).tree_timing["chosen"] and gen.runner.info.heads == "clover"
+    )
     plain = Generator.load(artifacts["clover"], heads="none", backend="ort")
     assert plain.tree.num_nodes == 1
     a = gen.generate("w7 w8 w9 w40", max_new_tokens=16, ignore_eos=True)

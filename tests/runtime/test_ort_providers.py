@@ -10,16 +10,24 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import assert_identical, run_python, run_tokens
+from ort_helpers import PROMPTS, tiny_artifact
 
 from clover.artifact import open_artifact
 from clover.errors import CloverError
 from clover.runtime import ort_backend
 from clover.runtime.ort_backend import (
-    CPU, CUDA, CUDA_GRAPHS, OrtOptions, OrtRunner, Placement, check_session, load_runner, place,
+    CPU,
+    CUDA,
+    CUDA_GRAPHS,
+    OrtOptions,
+    OrtRunner,
+    Placement,
+    check_session,
+    load_runner,
+    place,
 )
 from clover.runtime.tree import resolve_tree
-from helpers import assert_identical, run_python, run_tokens
-from ort_helpers import PROMPTS, tiny_artifact
 
 ort = pytest.importorskip("onnxruntime")
 N = 24
@@ -51,11 +59,14 @@ def test_provider_names_are_checked():
     assert OrtOptions(providers="cuda,cpu").providers == ("cuda", "cpu")
     assert OrtOptions(providers=" CUDA , cpu ").providers == ("cuda", "cpu")
     assert OrtOptions(providers=["cuda"]).providers == ("cuda",)
-    for given, message in (("gpu", "unknown execution provider 'gpu' in --providers 'gpu': choose from cuda, cpu"),
-                           ("cuda,tensorrt", "unknown execution provider 'tensorrt'"),
-                           ("", "unknown execution provider ''"), ("cuda,,cpu", "unknown execution provider ''"),
-                           ("cuda,cuda", "names a provider twice"),
-                           ("cpu,cuda", "lists cpu before cuda, which would then run nothing .* e.g. cuda,cpu")):
+    for given, message in (
+        ("gpu", "unknown execution provider 'gpu' in --providers 'gpu': choose from cuda, cpu"),
+        ("cuda,tensorrt", "unknown execution provider 'tensorrt'"),
+        ("", "unknown execution provider ''"),
+        ("cuda,,cpu", "unknown execution provider ''"),
+        ("cuda,cuda", "names a provider twice"),
+        ("cpu,cuda", "lists cpu before cuda, which would then run nothing .* e.g. cuda,cpu"),
+    ):
         with pytest.raises(CloverError, match=message):
             OrtOptions(providers=given)
     with pytest.raises(CloverError, match="CUDA graphs need the cuda provider"):
@@ -76,9 +87,12 @@ def test_placement_from_what_onnxruntime_has():
     assert fallback.note.startswith("--providers cuda,cpu: running on the CPU, as this onnxruntime")
     assert "has no CUDA execution provider (it has AzureExecutionProvider, CPUExecutionProvider)" in fallback.note
     assert "gpu extra" in fallback.note and "\n" not in fallback.note
-    with pytest.raises(CloverError, match=r"no CUDA execution provider .*: for CUDA install the gpu extra in an "
-                                          r"environment of its own \(onnxruntime-gpu cannot share one with onnxruntime\); "
-                                          "or pass --providers cpu"):
+    with pytest.raises(
+        CloverError,
+        match=r"no CUDA execution provider .*: for CUDA install the gpu extra in an "
+        r"environment of its own \(onnxruntime-gpu cannot share one with onnxruntime\); "
+        "or pass --providers cpu",
+    ):
         place(OrtOptions(providers="cuda"), [CPU])
 
 
@@ -165,8 +179,11 @@ def test_cuda_needs_torch_with_cuda(artifacts, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("torch has CUDA here")
     monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
-    with pytest.raises(CloverError, match=r"torch .* sees no CUDA device .*: install torch with CUDA \(the gpu extra\), "
-                                          "or pass --providers cpu"):
+    with pytest.raises(
+        CloverError,
+        match=r"torch .* sees no CUDA device .*: install torch with CUDA \(the gpu extra\), "
+        "or pass --providers cpu",
+    ):
         load_runner(artifacts["clover2"], providers="cuda,cpu")
 
 
@@ -233,13 +250,21 @@ def test_fused_batched_forward_by_address_equals_numpy(tmp_path_factory):
         run = runner.batch.run
         runner.batch.run = lambda *args, run=run: calls.append(1) or run(*args)
         slots = [runner.open_slot(64) for _ in PROMPTS]
-        prefill = runner.forward_batch([Verify(s, np.array(p), np.arange(len(p)), np.tri(len(p), dtype=bool), True)
-                                        for s, p in zip(slots, PROMPTS)])
+        prefill = runner.forward_batch(
+            [
+                Verify(s, np.array(p), np.arange(len(p)), np.tri(len(p), dtype=bool), True)
+                for s, p in zip(slots, PROMPTS)
+            ]
+        )
         for s, p, out in zip(slots, PROMPTS, prefill):
             runner.commit(np.arange(len(p)), np.array([*p[1:], int(out[-1].argmax())]), s)
         tree = resolve_tree("small")
-        step = runner.forward_batch([Verify(s, np.array([p[-1]] * tree.num_nodes), tree.depth, tree.ancestor_mask)
-                                     for s, p in zip(slots, PROMPTS)])
+        step = runner.forward_batch(
+            [
+                Verify(s, np.array([p[-1]] * tree.num_nodes), tree.depth, tree.ancestor_mask)
+                for s, p in zip(slots, PROMPTS)
+            ]
+        )
         logits.append(prefill + step)
     assert len(calls) == 4  # prefill and the step, both slots in one call, on each runner
     for a, b in zip(*logits):
@@ -264,11 +289,15 @@ def test_cuda_then_cpu_without_torch(artifacts, plain):
 
 # -- the CLIs ---------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("args,message", [
-    (["--providers", "gpu"], "unknown execution provider 'gpu' in --providers 'gpu': choose from cuda, cpu"),
-    (["--providers", "cpu,cuda"], "lists cpu before cuda"),
-    (["--backend", "torch", "--base", "smollm2", "--providers", "cpu"], "use it with --backend ort, not torch"),
-])
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--providers", "gpu"], "unknown execution provider 'gpu' in --providers 'gpu': choose from cuda, cpu"),
+        (["--providers", "cpu,cuda"], "lists cpu before cuda"),
+        (["--backend", "torch", "--base", "smollm2", "--providers", "cpu"], "use it with --backend ort, not torch"),
+    ],
+)
 def test_generate_refuses_bad_providers_in_one_line(artifacts, capsys, args, message):
     from clover.tools.generate import main
 
@@ -281,10 +310,26 @@ def test_generate_refuses_bad_providers_in_one_line(artifacts, capsys, args, mes
 @needs_cpu_build
 def test_generate_with_cuda_on_a_cpu_build(artifacts):
     """--providers cuda: exit 2 with one line; cuda,cpu: the run, and one line on stderr saying it is on the CPU."""
+
     def generate(providers):
-        return subprocess.run([sys.executable, "-m", "clover.tools.generate", "--artifact", str(artifacts["clover2"]),
-                               "--prompt", "w7 w8 w9", "--max-new-tokens", "6", "--json", "--providers", providers],
-                              capture_output=True, text=True)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "clover.tools.generate",
+                "--artifact",
+                str(artifacts["clover2"]),
+                "--prompt",
+                "w7 w8 w9",
+                "--max-new-tokens",
+                "6",
+                "--json",
+                "--providers",
+                providers,
+            ],
+            capture_output=True,
+            text=True,
+        )
 
     failed = generate("cuda")
     assert failed.returncode == 2 and failed.stdout == ""
@@ -304,8 +349,19 @@ def test_bench_records_where_ort_ran(artifacts, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
     out = tmp_path / "bench.json"
-    common = ["--artifact", str(artifacts["clover2"]), "--heads", "artifact", "--tree", "chain-2", "--prompts", str(prompts),
-              "--max-new-tokens", "6", "--no-chat"]
+    common = [
+        "--artifact",
+        str(artifacts["clover2"]),
+        "--heads",
+        "artifact",
+        "--tree",
+        "chain-2",
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "6",
+        "--no-chat",
+    ]
     assert bench_main([*common, "--backend", "ort", "--providers", "cuda,cpu", "--json", str(out)]) == 0
     placement = json.loads(out.read_text())["ort_placement"]
     assert placement["providers"] == [CPU] and "running on the CPU" in placement["note"]

@@ -4,6 +4,7 @@ plain == torch plain). The export takes about two minutes on 2 CPU cores."""
 
 import numpy as np
 import pytest
+from helpers import assert_identical
 
 from clover.export.artifact import export_artifact
 from clover.export.config import ExportConfig
@@ -12,7 +13,6 @@ from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
-from helpers import assert_identical
 
 pytestmark = pytest.mark.slow
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -46,20 +46,25 @@ def test_logits_parity_on_a_real_prompt(setup):
     tokens = np.array([nxt] + [int(t) for t in np.argsort(-logits[1][-1])[: tree.num_nodes - 1]])
     verify = [r.forward(tokens, tree.depth, tree.ancestor_mask) for r in (ort_runner, torch_runner)]
     step = float(np.abs(verify[0] - verify[1]).max())
-    print(f"\nSmolLM2 fp32 max |ORT - torch| logits: prefill {prefill:.2e}, mc26 verify {step:.2e}, "
-          f"clover2 draft_begin {draft:.2e}")
+    print(
+        f"\nSmolLM2 fp32 max |ORT - torch| logits: prefill {prefill:.2e}, mc26 verify {step:.2e}, "
+        f"clover2 draft_begin {draft:.2e}"
+    )
     assert prefill < 1e-3 and step < 1e-3 and draft < 1e-3
 
 
 def test_greedy_identity_ort_speculative_ort_plain_torch_plain(setup):
     out, base, _, tok = setup
     torch_plain = Generator(TorchRunner(base), tok).generate(PROMPT, chat=True, max_new_tokens=N, ignore_eos=True)
-    ort_plain = Generator.load(out, heads="none", backend="ort").generate(PROMPT, chat=True, max_new_tokens=N,
-                                                                          ignore_eos=True)
+    ort_plain = Generator.load(out, heads="none", backend="ort").generate(
+        PROMPT, chat=True, max_new_tokens=N, ignore_eos=True
+    )
     assert_identical(ort_plain.token_ids, torch_plain.token_ids, "ORT plain vs torch plain")
     for tree in (None, "small"):
         gen = Generator.load(out, backend="ort", tree=tree)
         r = gen.generate(PROMPT, chat=True, max_new_tokens=N, ignore_eos=True)
         assert_identical(r.token_ids, torch_plain.token_ids, f"ORT {gen.tree.name} vs torch plain")
-    print(f"\nSmolLM2 ({N} tokens): torch plain {torch_plain.tokens_per_second:.1f} tok/s, ORT plain "
-          f"{ort_plain.tokens_per_second:.1f} tok/s (one run on a shared CPU, not a benchmark)")
+    print(
+        f"\nSmolLM2 ({N} tokens): torch plain {torch_plain.tokens_per_second:.1f} tok/s, ORT plain "
+        f"{ort_plain.tokens_per_second:.1f} tok/s (one run on a shared CPU, not a benchmark)"
+    )

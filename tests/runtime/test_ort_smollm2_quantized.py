@@ -3,16 +3,19 @@ equals plain decoding of the same int4 graphs on real chat prompts, the quantize
 smaller, and the greedy agreement with fp32 is measured. The export takes about two minutes on 2 CPU cores."""
 
 import pytest
-
-from clover.export.artifact import export_artifact
-from clover.export.config import ExportConfig
-from clover.artifact import open_artifact
-from clover.runtime.generator import Generator
 from helpers import assert_identical
 
+from clover.artifact import open_artifact
+from clover.export.artifact import export_artifact
+from clover.export.config import ExportConfig
+from clover.runtime.generator import Generator
+
 pytestmark = pytest.mark.slow
-PROMPTS = ["Give me three tips for staying healthy.", "Explain in a few sentences why the sky is blue.",
-           "Write a haiku about autumn leaves."]
+PROMPTS = [
+    "Give me three tips for staying healthy.",
+    "Explain in a few sentences why the sky is blue.",
+    "Write a haiku about autumn leaves.",
+]
 N = 64
 
 

@@ -8,11 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from helpers import TOKENIZER_CORPUS
 
 from clover.errors import CloverError
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.tokenizer import Tokenizer
-from helpers import TOKENIZER_CORPUS
+
 
 @pytest.fixture(scope="session")
 def tok(smollm2_path: Path) -> Tokenizer:

@@ -20,6 +20,9 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from helpers import assert_identical, greedy_margin, run_tokens
+from numerics import assert_close_paths, assert_exact, chain_reduction
+from ort_helpers import HEADS_SEED, PROMPTS, cpu_runner, no_tensorrt_gpu, tiny_artifact, tiny_modules
 
 from clover.models.decoder import causal_mask
 from clover.runtime.backend import Runner, Verify
@@ -27,15 +30,13 @@ from clover.runtime.loop import LOOKUP_DRAFTS, Decoding, step
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import Tree, prune_tree, resolve_tree
-from helpers import assert_identical, greedy_margin, run_tokens
-from numerics import assert_close_paths, assert_exact, chain_reduction
-from ort_helpers import HEADS_SEED, PROMPTS, cpu_runner, no_tensorrt_gpu, tiny_artifact, tiny_modules
 
 N = 24  # tokens per sequence
 ARCHS = ("medusa", "clover", "clover2")
 TREES = ("small", "chain-3")  # branching and chain, cut to the heads' depth (clover: 3)
-TRT = pytest.param("trt", marks=[pytest.mark.gpu, pytest.mark.skipif(no_tensorrt_gpu() is not None,
-                                                                      reason=str(no_tensorrt_gpu()))])
+TRT = pytest.param(
+    "trt", marks=[pytest.mark.gpu, pytest.mark.skipif(no_tensorrt_gpu() is not None, reason=str(no_tensorrt_gpu()))]
+)
 KINDS = ("torch", "ort", "trt-on-ort", TRT)
 # fp32 logits. Across kinds (a kind against ONNX Runtime: other kernels, other summation orders; TensorRT on a
 # GPU, TF32 off): numerics.assert_close_paths over the decoder's chain. Within one runner, the same rows in one
@@ -46,6 +47,7 @@ EXACT_WITHIN = {"torch": True, "ort": True, "trt-on-ort": True, "trt": False}
 
 
 # -- the comparator -------------------------------------------------------------------------------------------
+
 
 def test_assert_identical_names_the_first_difference_and_the_margin():
     base = tiny_modules("none")[0]
@@ -63,20 +65,27 @@ def test_assert_identical_names_the_first_difference_and_the_margin():
     with torch.no_grad():
         ids = torch.tensor([prompt + want[:3]])
         T = ids.shape[1]
-        top2 = torch.topk(base(ids, torch.arange(T)[None], causal_mask(T), torch.tensor([0]),
-                               *base.empty_cache(1, 0)).logits[0, -1], 2).values
+        top2 = torch.topk(
+            base(ids, torch.arange(T)[None], causal_mask(T), torch.tensor([0]), *base.empty_cache(1, 0)).logits[0, -1],
+            2,
+        ).values
     margin = float(top2[0] - top2[1])
     assert greedy_margin(runner, prompt, want[:3]) == pytest.approx(margin, abs=1e-4)
     with pytest.raises(AssertionError) as e:
         assert_identical(got, want, "spec", reference=runner, prompt=prompt)
     msg = str(e.value)
-    assert msg.startswith(f"spec: tokens diverge at index 3: {got[3]} vs {want[3]}; torch reference top-2 logit "
-                          "margin there ") and "\n" not in msg
+    assert (
+        msg.startswith(
+            f"spec: tokens diverge at index 3: {got[3]} vs {want[3]}; torch reference top-2 logit margin there "
+        )
+        and "\n" not in msg
+    )
     assert float(msg.rsplit(" ", 1)[1]) == pytest.approx(margin, rel=1e-2)
     assert runner.open_slots == 1  # the margin's slot is released; the solo sequence is left alone
 
 
 # -- the runners ----------------------------------------------------------------------------------------------
+
 
 class Runners:
     """Each kind's runner of each head arch, plain (heads=False) or with its heads, built on first use; the plain
@@ -110,15 +119,16 @@ class Runners:
 
     def _engines(self, arch: str):
         """The tiny artifact with TensorRT engines built on this GPU (once per arch)."""
-        from clover.export.engines import EngineLimits, build_engines
         from clover.artifact import file_entries, read_manifest, write_manifest
+        from clover.export.engines import EngineLimits, build_engines
 
         root = self.tmp / arch
         if not root.exists():
             shutil.copytree(tiny_artifact(self.root, arch, shared_lm_head=False), root)
             m = read_manifest(root)
-            limits = EngineLimits(max_prompt=32, max_tree=26, max_context=m.max_context, max_accepted=6,
-                                  max_candidates=10)
+            limits = EngineLimits(
+                max_prompt=32, max_tree=26, max_context=m.max_context, max_accepted=6, max_candidates=10
+            )
             engines = build_engines(root, m.graphs, m.dtype, limits, self.tmp / "timing.cache", lambda _: None)
             write_manifest(root, dataclasses.replace(m, backend="trt", engines=engines, files=file_entries(root)))
         return root
@@ -146,6 +156,7 @@ def tree_for(runner: Runner, spec: str) -> Tree:
 
 
 # -- greedy identity ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tree", TREES)
 @pytest.mark.parametrize("arch", ARCHS)
@@ -182,8 +193,13 @@ def test_same_tokens_drafts_and_logits_as_onnx_runtime(runners, kind, arch):
     ort_plain, ort_spec, spec = runners("ort", arch, heads=False), runners("ort", arch), runners(kind, arch)
     t = tree_for(spec, "small")
     for p in PROMPTS:
-        assert_identical(runners.plain_tokens(kind, arch, p), runners.plain_tokens("ort", arch, p),
-                         f"{kind} plain vs ort plain", ort_plain, p)
+        assert_identical(
+            runners.plain_tokens(kind, arch, p),
+            runners.plain_tokens("ort", arch, p),
+            f"{kind} plain vs ort plain",
+            ort_plain,
+            p,
+        )
         assert run_tokens(spec, p, t, N)[1] == run_tokens(ort_spec, p, t, N)[1], f"{kind} {arch}: accepted per step"
     names = ("prefill", "draft_begin", "draft_step 1", "draft_step 2", "verify")
     reduction = logit_reduction()
@@ -214,6 +230,7 @@ def logit_trace(runner: Runner, tree: Tree) -> list[np.ndarray]:
 
 # -- slots --------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_two_slots_in_turn_or_together_emit_their_solo_tokens(runners, kind, arch):
@@ -221,16 +238,25 @@ def test_two_slots_in_turn_or_together_emit_their_solo_tokens(runners, kind, arc
     t = tree_for(runner, "small")
     solo = [run_tokens(runner, p, t, N)[0] for p in PROMPTS]
     for together in (False, True):
-        ds = [Decoding(runner.open_slot(len(p) + N + t.num_nodes), np.array(p), t, SamplingParams(),
-                       np.random.default_rng(0)) for p in PROMPTS]
+        ds = [
+            Decoding(
+                runner.open_slot(len(p) + N + t.num_nodes), np.array(p), t, SamplingParams(), np.random.default_rng(0)
+            )
+            for p in PROMPTS
+        ]
         out: list[list[int]] = [[] for _ in ds]
         while live := [i for i, d in enumerate(ds) if len(out[i]) < N and not d.full]:
             for group in [live] if together else [[i] for i in live]:  # one forward_batch per group
                 for i, st in zip(group, step(runner, [ds[i] for i in group])):
                     out[i] += st.tokens
         for i, (d, p) in enumerate(zip(ds, PROMPTS)):
-            assert_identical(out[i][:N], solo[i], f"{kind} {arch} slot {d.slot.index} "
-                             f"{'together' if together else 'in turn'}", runners(kind, arch, heads=False), p)
+            assert_identical(
+                out[i][:N],
+                solo[i],
+                f"{kind} {arch} slot {d.slot.index} {'together' if together else 'in turn'}",
+                runners(kind, arch, heads=False),
+                p,
+            )
             runner.release(d.slot)
 
 
@@ -244,12 +270,17 @@ def test_forward_batch_equals_separate_forwards(runners, kind, arch):
     a, b = (np.array(p) for p in PROMPTS)
     tree_tokens = np.concatenate(([7], np.arange(t.num_nodes - 1) * 5 % 90 + 3))
     rounds = [
-        lambda s: [Verify(s[0], a, np.arange(len(a)), np.tri(len(a), dtype=bool), last_only=True),
-                   Verify(s[1], b, np.arange(len(b)), np.tri(len(b), dtype=bool))],
-        lambda s: [Verify(s[0], tree_tokens, t.depth, t.ancestor_mask),
-                   Verify(s[1], np.array([9]), np.zeros(1, np.int64), np.ones((1, 1), bool))],
+        lambda s: [
+            Verify(s[0], a, np.arange(len(a)), np.tri(len(a), dtype=bool), last_only=True),
+            Verify(s[1], b, np.arange(len(b)), np.tri(len(b), dtype=bool)),
+        ],
+        lambda s: [
+            Verify(s[0], tree_tokens, t.depth, t.ancestor_mask),
+            Verify(s[1], np.array([9]), np.zeros(1, np.int64), np.ones((1, 1), bool)),
+        ],
     ]
     batched, separate = [runner.open_slot(64) for _ in range(2)], [runner.open_slot(64) for _ in range(2)]
+
     def same(g, w, msg):
         if EXACT_WITHIN[kind]:
             assert_exact(g, w, msg)
@@ -266,8 +297,11 @@ def test_forward_batch_equals_separate_forwards(runners, kind, arch):
                 rows = len(v.tokens) if k == 0 else 1  # a prompt's rows; the tree's root (a plain step's row)
                 runner.commit(np.arange(rows), np.append(v.tokens[1:rows], 11 + k), slot=v.slot)
         for i in range(2):
-            same(runner.draft_begin(batched[i]), runner.draft_begin(separate[i]),
-                 f"{kind} {arch} draft_begin after round {k} slot {i}")
+            same(
+                runner.draft_begin(batched[i]),
+                runner.draft_begin(separate[i]),
+                f"{kind} {arch} draft_begin after round {k} slot {i}",
+            )
     for s in batched + separate:
         runner.release(s)
 

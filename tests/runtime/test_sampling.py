@@ -223,14 +223,10 @@ def test_without_replacement_marginals_match_sequential_law() -> None:
     first = np.bincount(draws[:, 0], minlength=p.size)
     second = np.bincount(draws[:, 1], minlength=p.size)
     # P(second = b) = sum_{a != b} p_a * p_b / (1 - p_a)
-    exact_second = np.array(
-        [sum(p[a] * p[b] / (1 - p[a]) for a in range(p.size) if a != b) for b in range(p.size)]
-    )
+    exact_second = np.array([sum(p[a] * p[b] / (1 - p[a]) for a in range(p.size) if a != b) for b in range(p.size)])
     pair = np.zeros((p.size, p.size), dtype=np.int64)
     np.add.at(pair, (draws[:, 0], draws[:, 1]), 1)
-    exact_pair = np.array(
-        [[p[a] * p[b] / (1 - p[a]) if a != b else 0.0 for b in range(p.size)] for a in range(p.size)]
-    )
+    exact_pair = np.array([[p[a] * p[b] / (1 - p[a]) if a != b else 0.0 for b in range(p.size)] for a in range(p.size)])
     assert chi2_pvalue(first, p) > ALPHA
     assert chi2_pvalue(second, exact_second) > ALPHA
     assert chi2_pvalue(pair.ravel(), exact_pair.ravel()) > ALPHA

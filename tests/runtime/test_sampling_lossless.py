@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_base
 from scipy import stats
 
 import clover.runtime.acceptance as acceptance
@@ -39,7 +40,6 @@ from clover.runtime.loop import Decoding, speculative_steps, step
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_token
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
-from helpers import tiny_base
 
 ALPHA = 1e-3
 V = 12  # vocabulary: V * V joint cells stay cheap to enumerate exactly
@@ -112,11 +112,11 @@ def first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n: int, se
     for i, child in enumerate(np.random.SeedSequence(seed).spawn(n)):
         rng = np.random.default_rng(child)
         out: list[int] = []
-        for k, step in enumerate(speculative_steps(runner, prompt, tree, sampling, rng, capacity, drafts)):
-            out += step.tokens
+        for k, st in enumerate(speculative_steps(runner, prompt, tree, sampling, rng, capacity, drafts)):
+            out += st.tokens
             if k:
-                lengths.append(len(step.tokens))
-                full_tree_steps += step.tree_nodes == tree.num_nodes
+                lengths.append(len(st.tokens))
+                full_tree_steps += st.tree_nodes == tree.num_nodes
             if len(out) >= NUM_TOKENS:
                 break
         tokens[i] = out[:NUM_TOKENS]
@@ -256,8 +256,10 @@ def test_goodness_of_fit_rejects_wrong_laws(base_logits, samples):
     p1 = joint.sum(axis=1)
     # (a) x2 from the draft heads (a verifier that always accepted the first candidate);
     # (b) x2 from its marginal, independent of x1 (a cache / position mix-up that loses x1).
-    wrong = {"draft-head law": p1[:, None] * draft_law(runner, sampling),
-             "x2 independent of x1": np.outer(p1, joint.sum(axis=0))}
+    wrong = {
+        "draft-head law": p1[:, None] * draft_law(runner, sampling),
+        "x2 independent of x1": np.outer(p1, joint.sum(axis=0)),
+    }
     assert chi2_pvalue(c12, joint) > ALPHA
     for name, law in wrong.items():
         p = chi2_pvalue(c12, law)
@@ -306,8 +308,10 @@ def batched_first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n:
     lengths = []
     for start in range(0, n, batch):
         group = range(start, min(start + batch, n))
-        ds = [Decoding(runner.open_slot(capacity), prompt, tree, sampling, np.random.default_rng(children[i]))
-              for i in group]
+        ds = [
+            Decoding(runner.open_slot(capacity), prompt, tree, sampling, np.random.default_rng(children[i]))
+            for i in group
+        ]
         outs: list[list[int]] = [[] for _ in ds]
         while any(len(o) < NUM_TOKENS for o in outs):
             live = [k for k, o in enumerate(outs) if len(o) < NUM_TOKENS]
@@ -345,8 +349,15 @@ def test_heads_and_lookup_in_one_tree_sample_the_base_law(base, base_logits):
     merged = lookup_accepted = 0
     for i, child in enumerate(np.random.SeedSequence(MASTER_SEED + 3).spawn(N)):
         out: list[int] = []
-        steps = speculative_steps(runner, prompt, tree, sampling, np.random.default_rng(child),
-                                  len(PROMPT) + NUM_TOKENS + tree.num_nodes + 3, "heads+lookup")
+        steps = speculative_steps(
+            runner,
+            prompt,
+            tree,
+            sampling,
+            np.random.default_rng(child),
+            len(PROMPT) + NUM_TOKENS + tree.num_nodes + 3,
+            "heads+lookup",
+        )
         for k, st in enumerate(steps):
             out += st.tokens
             if k and st.heads_tree is not None:

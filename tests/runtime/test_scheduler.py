@@ -109,4 +109,3 @@ def test_a_prompt_in_the_step_does_not_sway_the_choice():
     prompt.prompt, prompt.prefilled, prompt.prefill_chunk = np.zeros(400, np.int64), 0, 256
     mixed = [t.max_depth for t in policy.choose(decodings(3) + [prompt])]
     assert mixed == alone + [0] and alone == [0, 0, 0]
-

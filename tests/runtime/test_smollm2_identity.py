@@ -1,14 +1,13 @@
 """Greedy identity on the real base model (SmolLM2-135M-Instruct): every head type and several trees
 give plain decoding's tokens; the oracle draft (plain decoding's own continuation) accepts long paths."""
 
-import numpy as np
 import pytest
+from helpers import OracleRunner, assert_identical
 
 from clover.models.head_io import random_heads
 from clover.runtime.generator import Generator
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
-from helpers import OracleRunner, assert_identical
 
 pytestmark = pytest.mark.slow
 PROMPT = "Explain in a few sentences why the sky is blue."
@@ -25,8 +24,17 @@ def setup(smollm2_path):
     return base, tok, plain
 
 
-@pytest.mark.parametrize("arch,tree", [("medusa", None), ("medusa", "chain-2"), ("clover", None),
-                                       ("clover2", None), ("clover2", "small"), ("clover2", "chain-5")])
+@pytest.mark.parametrize(
+    "arch,tree",
+    [
+        ("medusa", None),
+        ("medusa", "chain-2"),
+        ("clover", None),
+        ("clover2", None),
+        ("clover2", "small"),
+        ("clover2", "chain-5"),
+    ],
+)
 def test_random_heads_are_lossless_on_smollm2(setup, arch, tree):
     base, tok, plain = setup
     gen = Generator(TorchRunner(base, random_heads(base, arch, seed=1)), tok, tree=tree)

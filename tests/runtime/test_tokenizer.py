@@ -6,12 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import TOKENIZER_CORPUS
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from clover.errors import CloverError
 from clover.runtime.tokenizer import Tokenizer
-from helpers import TOKENIZER_CORPUS
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_path: Path) -> Path:

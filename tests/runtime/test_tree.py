@@ -12,13 +12,12 @@ from clover.errors import CloverError
 from clover.runtime.tree import (
     NAMED_TREES,
     Tree,
-    compile_tree,
-    resolve_tree,
     compile_spec,
+    compile_tree,
     default_tree,
+    resolve_tree,
     tree_spec,
 )
-
 
 # ---- plain, slow reference: everything from the prefix relation between paths -------------------
 
@@ -37,8 +36,7 @@ def reference(choices: list[list[int]]) -> dict:
     max_depth = max(len(p) for p in paths)
     leaves = [i for i in range(t) if not children[i]]
     leaf_paths = [
-        [paths.index(paths[i][:d]) for d in range(len(paths[i]) + 1)]
-        + [-1] * (max_depth - len(paths[i]))
+        [paths.index(paths[i][:d]) for d in range(len(paths[i]) + 1)] + [-1] * (max_depth - len(paths[i]))
         for i in leaves
     ]
     words = (t + 31) // 32
@@ -188,8 +186,10 @@ def test_tree_spec_round_trips_through_the_manifest_json() -> None:
     np.testing.assert_array_equal(again.packed_mask, tree.packed_mask)
 
 
-@pytest.mark.parametrize("bad", [{"name": "x"}, {"name": "x", "choices": [[0, -1]]}, {"choices": [[0]]}, [[0]],
-                                 {"name": "x", "choices": [["0"]]}])
+@pytest.mark.parametrize(
+    "bad",
+    [{"name": "x"}, {"name": "x", "choices": [[0, -1]]}, {"choices": [[0]]}, [[0]], {"name": "x", "choices": [["0"]]}],
+)
 def test_a_malformed_manifest_tree_is_a_clear_error(bad) -> None:
     with pytest.raises(CloverError, match="manifest's tree is malformed"):
         TreeSpec.from_dict(bad)

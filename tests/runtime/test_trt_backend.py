@@ -7,20 +7,24 @@ import dataclasses
 import sys
 
 import pytest
-
-from clover.errors import CloverError
-from clover.export.engines import profiles_for
-from clover.artifact import read_manifest, uses_exported_heads
-from clover.runtime.backend import backend_module
-from clover.runtime import trt_backend
-from clover.runtime.trt_backend import (
-    BindingTable, check_engine_io, graphs_used, load_runner, max_slots,
-)
-from clover.runtime.tree import resolve_tree
-from clover.tools.cli import run_cli
-from clover.trt import MISSING
 from helpers import assert_identical, run_python, run_tokens
 from ort_helpers import PROMPTS, TRT_LIMITS, cpu_runner, tiny_artifact
+
+from clover.artifact import read_manifest, uses_exported_heads
+from clover.errors import CloverError
+from clover.export.engines import profiles_for
+from clover.runtime import trt_backend
+from clover.runtime.backend import backend_module
+from clover.runtime.tree import resolve_tree
+from clover.runtime.trt_backend import (
+    BindingTable,
+    check_engine_io,
+    graphs_used,
+    load_runner,
+    max_slots,
+)
+from clover.tools.cli import run_cli
+from clover.trt import MISSING
 
 LIMITS = TRT_LIMITS  # cpu_runner's engines
 
@@ -128,9 +132,14 @@ def test_load_runner_without_tensorrt_is_one_clear_cli_error(artifacts, no_tenso
 
 
 def test_load_runner_refuses_an_artifact_without_engines(artifacts, monkeypatch):
-    monkeypatch.setattr(trt_backend, "require_tensorrt", lambda: None)  # past the install check, before any TensorRT call
-    with pytest.raises(CloverError, match=r"has no TensorRT engines \(exported with --backend onnx\): export it with "
-                                          "clover-export --backend trt"):
+    monkeypatch.setattr(
+        trt_backend, "require_tensorrt", lambda: None
+    )  # past the install check, before any TensorRT call
+    with pytest.raises(
+        CloverError,
+        match=r"has no TensorRT engines \(exported with --backend onnx\): export it with "
+        "clover-export --backend trt",
+    ):
         load_runner(artifacts["clover"])
     with pytest.raises(CloverError, match="holds float32 engines, not float16"):
         load_runner(artifacts["clover"], dtype="float16")
@@ -169,8 +178,18 @@ def test_no_tensorrt_builder_code_in_the_runtime():
 
     import clover.runtime
 
-    builder_api = ("Builder(", "create_network", "OnnxParser", "build_serialized_network", "create_builder_config",
-                   "create_optimization_profile", "timing_cache", "IProgressMonitor", "import polygraphy", "from polygraphy")
+    builder_api = (
+        "Builder(",
+        "create_network",
+        "OnnxParser",
+        "build_serialized_network",
+        "create_builder_config",
+        "create_optimization_profile",
+        "timing_cache",
+        "IProgressMonitor",
+        "import polygraphy",
+        "from polygraphy",
+    )
     for path in sorted(pathlib.Path(clover.runtime.__file__).parent.glob("*.py")):
         text = path.read_text()
         assert not [a for a in builder_api if a in text], path.name
@@ -181,6 +200,7 @@ def test_backend_is_registered():
 
 
 # -- the runner's profiles on the CPU ------------------------------------------------------------------------
+
 
 def test_runner_profiles_by_prompt_length(artifacts):
     """A short prompt and plain steps fit the tighter verify profile; a prompt longer than any tree runs the

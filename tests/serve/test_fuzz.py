@@ -9,14 +9,15 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from ort_helpers import tiny_artifact
 
 from clover.runtime.engine import Engine
 from clover.serve.app import create_app
 from clover.serve.limits import RequestLimits
-from ort_helpers import tiny_artifact
 
-_spec = importlib.util.spec_from_file_location("fuzz_serve", Path(__file__).resolve().parents[2] / "benchmarks" /
-                                               "fuzz_serve.py")
+_spec = importlib.util.spec_from_file_location(
+    "fuzz_serve", Path(__file__).resolve().parents[2] / "benchmarks" / "fuzz_serve.py"
+)
 fuzz_serve = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fuzz_serve)
 fuzz, MODEL = fuzz_serve.fuzz, fuzz_serve.MODEL

@@ -13,14 +13,14 @@ import time
 
 import httpx
 import pytest
+from helpers import Server, rss_bytes
+from ort_helpers import tiny_artifact
 
 from clover.runtime.engine import Engine
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.serve import free_port, wait_healthy
-from helpers import Server, rss_bytes
-from ort_helpers import tiny_artifact
 
 openai = pytest.importorskip("openai")
 
@@ -47,8 +47,9 @@ def server(artifact):
 def solo(artifact):
     """Plain greedy decoding of each prompt alone (same graphs): what every greedy request must return."""
     gen = Generator(load_runner(artifact, heads="none"), Tokenizer.from_dir(artifact / "tokenizer"), "plain")
-    return lambda prompt, chat=True, **kw: gen.generate([{"role": "user", "content": prompt}] if chat else prompt,
-                                                        max_new_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw)
+    return lambda prompt, chat=True, **kw: gen.generate(
+        [{"role": "user", "content": prompt}] if chat else prompt, max_new_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw
+    )
 
 
 def client(server, **kw):
@@ -58,8 +59,9 @@ def client(server, **kw):
 def test_chat_and_completion_equal_solo_plain_with_exact_usage(server, solo):
     c = client(server)
     assert [m.id for m in c.models.list().data] == [MODEL]
-    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0,
-                                  max_tokens=MAX_TOKENS)
+    r = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0, max_tokens=MAX_TOKENS
+    )
     want = solo(PROMPTS[0])
     assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
     assert r.choices[0].finish_reason == ("length" if want.finish_reason == "length" else "stop")
@@ -75,8 +77,14 @@ def test_chat_and_completion_equal_solo_plain_with_exact_usage(server, solo):
 def test_sixteen_concurrent_greedy_requests_each_equal_their_solo_decoding(server, solo):
     async def main():
         c = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0)
-        return await asyncio.gather(*(c.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=MAX_TOKENS) for p in PROMPTS))
+        return await asyncio.gather(
+            *(
+                c.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": p}], temperature=0, max_tokens=MAX_TOKENS
+                )
+                for p in PROMPTS
+            )
+        )
 
     got = asyncio.run(main())
     for p, r in zip(PROMPTS, got):
@@ -86,13 +94,22 @@ def test_sixteen_concurrent_greedy_requests_each_equal_their_solo_decoding(serve
 def test_streaming_adds_up_with_usage_and_stop_strings_never_leak(server, solo):
     c = client(server)
     want = solo(PROMPTS[2])
-    chunks = list(c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], temperature=0,
-                                            max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPTS[2]}],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == want.text
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
-        "length" if want.finish_reason == "length" else "stop"]
+        "length" if want.finish_reason == "length" else "stop"
+    ]
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.new_tokens
     # a stop string from the middle of the output: cut before it, never sent, counted exactly
     words = want.text.split()
@@ -100,13 +117,22 @@ def test_streaming_adds_up_with_usage_and_stop_strings_never_leak(server, solo):
     cut = solo(PROMPTS[2], stop=[stop])
     assert stop not in cut.text and want.text.startswith(cut.text)
     for stream in (False, True):
-        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": PROMPTS[2]}], temperature=0,
-                                      max_tokens=MAX_TOKENS, stop=stop, stream=stream,
-                                      **({"stream_options": {"include_usage": True}} if stream else {}))
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPTS[2]}],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            stop=stop,
+            stream=stream,
+            **({"stream_options": {"include_usage": True}} if stream else {}),
+        )
         if stream:
             parts = list(r)
             got = "".join(ch.choices[0].delta.content or "" for ch in parts if ch.choices)
-            tokens, reason = parts[-1].usage.completion_tokens, [ch.choices[0].finish_reason for ch in parts if ch.choices][-1]
+            tokens, reason = (
+                parts[-1].usage.completion_tokens,
+                [ch.choices[0].finish_reason for ch in parts if ch.choices][-1],
+            )
         else:
             got, tokens, reason = r.choices[0].message.content, r.usage.completion_tokens, r.choices[0].finish_reason
         assert (got, tokens, reason) == (cut.text, cut.new_tokens, "stop")
@@ -114,15 +140,23 @@ def test_streaming_adds_up_with_usage_and_stop_strings_never_leak(server, solo):
 
 def test_seeded_sampling_is_reproducible(server):
     c = client(server)
-    ask = lambda seed: c.completions.create(model=MODEL, prompt=PROMPTS[3], temperature=0.9, top_p=0.95, seed=seed,
-                                            max_tokens=12).choices[0].text
+    ask = lambda seed: (
+        c.completions.create(model=MODEL, prompt=PROMPTS[3], temperature=0.9, top_p=0.95, seed=seed, max_tokens=12)
+        .choices[0]
+        .text
+    )
     assert ask(7) == ask(7)
 
 
 def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, artifact):
     base = server.url
-    post = lambda path, body, **kw: httpx.post(base + path, content=body if isinstance(body, str) else json.dumps(body),
-                                               headers={"content-type": "application/json"}, timeout=10, **kw)
+    post = lambda path, body, **kw: httpx.post(
+        base + path,
+        content=body if isinstance(body, str) else json.dumps(body),
+        headers={"content-type": "application/json"},
+        timeout=10,
+        **kw,
+    )
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "w10"}], "max_tokens": 4}
     cases = [
         ("/chat/completions", "{not json", 400, None),
@@ -146,7 +180,9 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, arti
     assert "context" in post("/chat/completions", cases[7][1]).json()["error"]["message"]
     assert httpx.get(base + "/nothing", timeout=5).status_code == 404
     # still serving
-    r = client(server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "w10 w11"}], max_tokens=4)
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w10 w11"}], max_tokens=4
+    )
     assert r.choices[0].message.content is not None
 
 
@@ -163,8 +199,13 @@ def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(
 
     def canary():
         stream = client(server).chat.completions.create(  # long enough to outlast the abuse below
-            model=MODEL, messages=[{"role": "user", "content": PROMPTS[5]}], temperature=0, max_tokens=200,
-            stream=True, extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPTS[5]}],
+            temperature=0,
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         got["text"] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
 
     t = threading.Thread(target=canary)
@@ -181,18 +222,29 @@ def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(
         r = post({"model": MODEL, "prompt": "w10 w11", "max_tokens": limit})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         assert limit != 10**6 or "context" in r.json()["error"]["message"], r.text
-    raw = lambda path, body: httpx.post(base + path, content=body, timeout=10,  # noqa: E731
-                                        headers={"content-type": "application/json"})
+    raw = lambda path, body: httpx.post(
+        base + path,
+        content=body,
+        timeout=10,  # noqa: E731
+        headers={"content-type": "application/json"},
+    )
     rss = rss_bytes()
     for path, body, status in (
-            ("/completions", json.dumps({"model": MODEL, "prompt": "w1", "stop": ["w"] * 10_000}), 400),
-            ("/completions", b"x" * (50 * 2**20), 413),
-            ("/completions", "[" * 100_000 + "]" * 100_000, 400),
-            ("/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 100_000}),
-             413),
-            ("/chat/completions", json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 20_000}),
-             400),
-            ("/completions", json.dumps({"model": MODEL, "prompt": "w1 " * 100_000}), 400)):
+        ("/completions", json.dumps({"model": MODEL, "prompt": "w1", "stop": ["w"] * 10_000}), 400),
+        ("/completions", b"x" * (50 * 2**20), 413),
+        ("/completions", "[" * 100_000 + "]" * 100_000, 400),
+        (
+            "/chat/completions",
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 100_000}),
+            413,
+        ),
+        (
+            "/chat/completions",
+            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 20_000}),
+            400,
+        ),
+        ("/completions", json.dumps({"model": MODEL, "prompt": "w1 " * 100_000}), 400),
+    ):
         t0 = time.perf_counter()
         r = raw(path, body)
         assert r.status_code == status and r.json()["error"]["message"], (len(body), r.text[:200])
@@ -238,8 +290,13 @@ def test_a_canary_keeps_its_inter_token_p99_while_abuse_is_refused(server, solo)
 
     def canary_gaps() -> list[float]:
         stream = client(server).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPTS[6]}], temperature=0, max_tokens=200,
-            stream=True, extra_body={"ignore_eos": True})
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPTS[6]}],
+            temperature=0,
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         times, text = [], ""
         for c in stream:
             times.append(time.perf_counter())
@@ -250,8 +307,9 @@ def test_a_canary_keeps_its_inter_token_p99_while_abuse_is_refused(server, solo)
     alone, beside, codes = [], [], []
     for _ in range(3):  # interleaved: whatever else loads the machine weighs on both alike
         alone += canary_gaps()
-        abuser = subprocess.Popen([sys.executable, "-c", ABUSER, server.url, MODEL], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, text=True)
+        abuser = subprocess.Popen(
+            [sys.executable, "-c", ABUSER, server.url, MODEL], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         try:
             assert abuser.stdout.readline()  # the loop under way
             beside += canary_gaps()
@@ -260,20 +318,44 @@ def test_a_canary_keeps_its_inter_token_p99_while_abuse_is_refused(server, solo)
         codes += out.split()
     assert len(codes) >= 7 and set(codes) <= {"400", "413"}, codes
     alone, beside = np.percentile(alone, 99), np.percentile(beside, 99)
-    assert beside <= max(2 * alone, 0.020), f"inter-token p99 {beside * 1e3:.1f} ms beside abuse, {alone * 1e3:.1f} ms alone"
+    assert beside <= max(2 * alone, 0.020), (
+        f"inter-token p99 {beside * 1e3:.1f} ms beside abuse, {alone * 1e3:.1f} ms alone"
+    )
 
 
 def test_request_limits_stop_strings_ignore_eos_prompt_and_max_tokens(artifact):
     from clover.serve.limits import RequestLimits
 
     engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
-    s = Server(engine, MODEL, limits=RequestLimits(max_stop_strings=2, max_stop_chars=8, max_input_tokens=6,
-                                                   max_tokens_cap=5, max_messages=2, max_prompt_chars=30))
-    post = lambda body: httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 4,  # noqa: E731
-                                                                 **body}, timeout=10)
+    s = Server(
+        engine,
+        MODEL,
+        limits=RequestLimits(
+            max_stop_strings=2,
+            max_stop_chars=8,
+            max_input_tokens=6,
+            max_tokens_cap=5,
+            max_messages=2,
+            max_prompt_chars=30,
+        ),
+    )
+    post = lambda body: httpx.post(
+        s.url + "/completions",
+        json={
+            "model": MODEL,
+            "prompt": "w10",
+            "max_tokens": 4,  # noqa: E731
+            **body,
+        },
+        timeout=10,
+    )
     try:
-        for body, words in (({"stop": ["w1", "w2", "w3"]}, "at most 2"), ({"stop": "w" * 9}, "at most 8"),
-                            ({"stop": ["w"] * 10_000}, "at most 2"), ({"ignore_eos": True}, "--allow-ignore-eos")):
+        for body, words in (
+            ({"stop": ["w1", "w2", "w3"]}, "at most 2"),
+            ({"stop": "w" * 9}, "at most 8"),
+            ({"stop": ["w"] * 10_000}, "at most 2"),
+            ({"ignore_eos": True}, "--allow-ignore-eos"),
+        ):
             r = post(body)
             assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
             assert r.json()["error"]["param"] == ("ignore_eos" if "ignore_eos" in body else "stop")
@@ -282,14 +364,31 @@ def test_request_limits_stop_strings_ignore_eos_prompt_and_max_tokens(artifact):
         assert r.status_code == 400 and r.json()["error"]["param"] == "prompt" and "at most 6" in r.text, r.text
         r = post({"max_tokens": 6})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens" and "at most 5" in r.text, r.text
-        capped = httpx.post(s.url + "/chat/completions", json={"model": MODEL, "messages": [  # no max_tokens: the cap
-            {"role": "user", "content": "w10"}]}, timeout=10)
+        capped = httpx.post(
+            s.url + "/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [  # no max_tokens: the cap
+                    {"role": "user", "content": "w10"}
+                ],
+            },
+            timeout=10,
+        )
         assert capped.status_code == 200 and capped.json()["usage"]["completion_tokens"] <= 5, capped.text
-        chat = lambda messages: httpx.post(s.url + "/chat/completions", timeout=10, json={  # noqa: E731
-            "model": MODEL, "messages": [{"role": "user", "content": m} for m in messages], "max_tokens": 2})
-        for r, param, words in ((chat(["w10"] * 3), "messages", "3 messages: this server takes at most 2"),
-                                (chat(["w10 " * 4, "w11 " * 4]), "messages", "32 characters"),
-                                (post({"prompt": "w1 " * 11}), "prompt", "33 characters")):
+        chat = lambda messages: httpx.post(
+            s.url + "/chat/completions",
+            timeout=10,
+            json={  # noqa: E731
+                "model": MODEL,
+                "messages": [{"role": "user", "content": m} for m in messages],
+                "max_tokens": 2,
+            },
+        )
+        for r, param, words in (
+            (chat(["w10"] * 3), "messages", "3 messages: this server takes at most 2"),
+            (chat(["w10 " * 4, "w11 " * 4]), "messages", "32 characters"),
+            (post({"prompt": "w1 " * 11}), "prompt", "33 characters"),
+        ):
             assert r.status_code == 400 and r.json()["error"]["param"] == param and words in r.text, r.text
     finally:
         s.close()
@@ -321,8 +420,9 @@ def test_key_and_body_size_are_refused_before_the_body_is_read(artifact):
         assert r.status_code == 413, r.text
         r = httpx.post(s.url + "/completions", content="[" * 30_000 + "]" * 30_000, headers=key, timeout=30)
         assert r.status_code == 400, r.text
-        ok = httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2}, headers=key,
-                        timeout=30)
+        ok = httpx.post(
+            s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2}, headers=key, timeout=30
+        )
         assert ok.status_code == 200 and httpx.get(s.url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
     finally:
         s.close()
@@ -334,8 +434,14 @@ def test_concurrency_limit_metrics_key_docs_off_and_key_file(artifact, tmp_path)
     from clover.tools.serve import main as serve_main
 
     engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
-    s = Server(engine, MODEL, api_key="k", limits=RequestLimits(allow_ignore_eos=True, max_concurrent_requests=1),
-               docs=False, metrics_need_key=True)
+    s = Server(
+        engine,
+        MODEL,
+        api_key="k",
+        limits=RequestLimits(allow_ignore_eos=True, max_concurrent_requests=1),
+        docs=False,
+        metrics_need_key=True,
+    )
     key = {"authorization": "Bearer k"}
     root = s.url.removesuffix("/v1")
     forward_batch, calls = engine.runner.forward_batch, []
@@ -346,13 +452,15 @@ def test_concurrency_limit_metrics_key_docs_off_and_key_file(artifact, tmp_path)
             assert first.status_code == 200
             lines = first.iter_lines()  # kept: a dropped iterator closes the stream (a disconnect)
             next(lines)
-            busy = httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2},
-                              headers=key, timeout=10)
+            busy = httpx.post(
+                s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2}, headers=key, timeout=10
+            )
             assert busy.status_code == 503 and busy.headers["retry-after"] == "1", (busy.text, len(calls))
             assert "--max-concurrent-requests" in busy.json()["error"]["message"]
             assert httpx.get(root + "/health", timeout=5).status_code == 200  # not counted
-        ok = httpx.post(s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2}, headers=key,
-                        timeout=10)
+        ok = httpx.post(
+            s.url + "/completions", json={"model": MODEL, "prompt": "w10", "max_tokens": 2}, headers=key, timeout=10
+        )
         assert ok.status_code == 200, ok.text
         assert httpx.get(root + "/metrics", timeout=5).status_code == 401
         assert httpx.get(root + "/metrics", headers=key, timeout=5).status_code == 200
@@ -392,8 +500,17 @@ def test_a_request_whose_step_part_fails_gets_500_alone_and_health_stays_ok(arti
     Faulty(engine.runner, "forward")
     s = Server(engine, MODEL)
     try:
-        post = lambda prompt: httpx.post(s.url + "/completions", timeout=30, json={  # noqa: E731
-            "model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+        post = lambda prompt: httpx.post(
+            s.url + "/completions",
+            timeout=30,
+            json={  # noqa: E731
+                "model": MODEL,
+                "prompt": prompt,
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(post, [PROMPTS[0], POISON, PROMPTS[1], PROMPTS[2]]))
         bad = answers.pop(1)
@@ -415,6 +532,7 @@ def test_health_says_dead_and_requests_get_503_once_the_engine_loop_died(artifac
     engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
     s = Server(engine, MODEL)
     try:
+
         def dying():
             raise SystemExit("the loop breaks")
 
@@ -433,14 +551,27 @@ def test_health_says_dead_and_requests_get_503_once_the_engine_loop_died(artifac
 
 def test_a_disconnected_stream_frees_its_slot(server):
     engine, base = server.engine, server.url.removesuffix("/v1")
-    aborted = lambda: sum(float(line.split()[-1]) for line in httpx.get(base + "/metrics", timeout=5).text.splitlines()
-                          if line.startswith('clover:request_success_total{finished_reason="abort"}'))
+    aborted = lambda: sum(
+        float(line.split()[-1])
+        for line in httpx.get(base + "/metrics", timeout=5).text.splitlines()
+        if line.startswith('clover:request_success_total{finished_reason="abort"}')
+    )
     before, attempts = aborted(), 0
     for _ in range(5):  # the tiny model is fast: retry until the request is still running when the client leaves
         attempts += 1  # each attempt leaves before reading its end: an abort, whether or not it still ran
-        with httpx.stream("POST", server.url + "/completions", timeout=10, json={
-                "model": MODEL, "prompt": PROMPTS[4], "max_tokens": 200, "temperature": 0, "stream": True,
-                "ignore_eos": True}) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/completions",
+            timeout=10,
+            json={
+                "model": MODEL,
+                "prompt": PROMPTS[4],
+                "max_tokens": 200,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            },
+        ) as r:
             next(r.iter_lines())  # the first event (the role chunk: the request may not have joined a step yet)
             running = len(engine.scheduler.running) + len(engine.scheduler.waiting)
         if running:
@@ -456,9 +587,11 @@ def test_a_disconnected_stream_frees_its_slot(server):
 
 def test_metrics_count_what_was_served(server):
     c = client(server)
-    get = lambda: {line.split(" ")[0]: float(line.split(" ")[1]) for line in
-                   httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=5).text.splitlines()
-                   if line and not line.startswith("#")}
+    get = lambda: {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=5).text.splitlines()
+        if line and not line.startswith("#")
+    }
     before = get()
     r = c.completions.create(model=MODEL, prompt=PROMPTS[5], temperature=0, max_tokens=16)
     after = get()
@@ -509,15 +642,45 @@ def test_api_key_and_a_full_queue(artifact):
 
 def test_clover_serve_drains_on_sigterm_and_exits_0(artifact):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "clover.tools.serve", "--artifact", str(artifact), "--port", str(port),
-                             "--max-batch", "2", "--tree", "plain", "--model", MODEL, "--allow-ignore-eos"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "CLOVER_API_KEY": ""})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clover.tools.serve",
+            "--artifact",
+            str(artifact),
+            "--port",
+            str(port),
+            "--max-batch",
+            "2",
+            "--tree",
+            "plain",
+            "--model",
+            MODEL,
+            "--allow-ignore-eos",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "CLOVER_API_KEY": ""},
+    )
     try:
         if not wait_healthy(port, 60):
             raise AssertionError(proc.stderr.read() if proc.poll() is not None else "not healthy in 60 s")
         url = f"http://127.0.0.1:{port}/v1/completions"
-        with httpx.stream("POST", url, json={"model": MODEL, "prompt": PROMPTS[7], "max_tokens": 60, "temperature": 0,
-                                             "stream": True, "ignore_eos": True}, timeout=30) as r:
+        with httpx.stream(
+            "POST",
+            url,
+            json={
+                "model": MODEL,
+                "prompt": PROMPTS[7],
+                "max_tokens": 60,
+                "temperature": 0,
+                "stream": True,
+                "ignore_eos": True,
+            },
+            timeout=30,
+        ) as r:
             it = r.iter_lines()
             lines = [next(it)]
             proc.send_signal(signal.SIGTERM)  # in flight: it must still finish

@@ -2,7 +2,6 @@
 (an export costs ~15 s on 2 cores). Tests that change an artifact copy it first."""
 
 import pytest
-
 from helpers import tiny_hf_folder
 
 
@@ -18,5 +17,7 @@ def cli_artifact(base_dir, tmp_path_factory):
     from clover.tools.export import main as export_main
 
     out = tmp_path_factory.mktemp("exports") / "clover2"
-    assert export_main(["--base", str(base_dir), "--heads", "random:clover2", "--out", str(out), "--tree", "small"]) == 0
+    assert (
+        export_main(["--base", str(base_dir), "--heads", "random:clover2", "--out", str(out), "--tree", "small"]) == 0
+    )
     return out

@@ -3,9 +3,10 @@
 import json
 
 import pytest
-
-from clover.tools.bench import load_prompts, main as bench_main
 from helpers import tiny_hf_folder
+
+from clover.tools.bench import load_prompts
+from clover.tools.bench import main as bench_main
 
 
 @pytest.fixture(scope="module")
@@ -17,8 +18,23 @@ def test_bench_table_and_json(base, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"w{10 + i} w{20 + i} w30"}) for i in range(3)) + "\n")
     out = tmp_path / "r" / "bench.json"
-    rc = bench_main(["--base", str(base), "--heads", "random:medusa,random:clover2", "--tree", "chain-3",
-                     "--prompts", str(prompts), "--max-new-tokens", "12", "--no-chat", "--json", str(out)])
+    rc = bench_main(
+        [
+            "--base",
+            str(base),
+            "--heads",
+            "random:medusa,random:clover2",
+            "--tree",
+            "chain-3",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "12",
+            "--no-chat",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "accept len" in table and "random:clover2" in table and "bonus token included" in table
@@ -47,29 +63,86 @@ def test_several_trees_in_one_run(base, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
     out = tmp_path / "bench.json"
-    rc = bench_main(["--base", str(base), "--heads", "random:clover2", "--tree", "chain-2,small,[[0],[1]]",
-                     "--prompts", str(prompts), "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
+    rc = bench_main(
+        [
+            "--base",
+            str(base),
+            "--heads",
+            "random:clover2",
+            "--tree",
+            "chain-2,small,[[0],[1]]",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "10",
+            "--no-chat",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     doc = json.loads(out.read_text())
     assert [(r["heads"], r["tree"]) for r in doc["results"]] == [
-        ("none", "plain"), ("random:clover2", "chain-2"), ("random:clover2", "small"), ("random:clover2", "[[0],[1]]")]
+        ("none", "plain"),
+        ("random:clover2", "chain-2"),
+        ("random:clover2", "small"),
+        ("random:clover2", "[[0],[1]]"),
+    ]
     assert all(r["identical_to_plain"] == "1/1" for r in doc["results"])
-    assert set(doc["per_prompt"]) == {"torch/none/plain", "torch/random:clover2/chain-2", "torch/random:clover2/small",
-                                      "torch/random:clover2/[[0],[1]]"}
+    assert set(doc["per_prompt"]) == {
+        "torch/none/plain",
+        "torch/random:clover2/chain-2",
+        "torch/random:clover2/small",
+        "torch/random:clover2/[[0],[1]]",
+    }
     # a dynamic tree beside a chain: the heads run on both, prompt lookup (capped by chains only) on the chain
-    rc = bench_main(["--base", str(base), "--heads", "random:clover2,lookup", "--tree", "chain-2,dynamic-4",
-                     "--prompts", str(prompts), "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
+    rc = bench_main(
+        [
+            "--base",
+            str(base),
+            "--heads",
+            "random:clover2,lookup",
+            "--tree",
+            "chain-2,dynamic-4",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "10",
+            "--no-chat",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert [(r["heads"], r["tree"]) for r in json.loads(out.read_text())["results"]] == [
-        ("none", "plain"), ("random:clover2", "chain-2"), ("random:clover2", "dynamic-4"), ("lookup", "chain-2")]
+        ("none", "plain"),
+        ("random:clover2", "chain-2"),
+        ("random:clover2", "dynamic-4"),
+        ("lookup", "chain-2"),
+    ]
 
 
 def test_plain_only_backend(base, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
     out = tmp_path / "bench.json"
-    rc = bench_main(["--base", str(base), "--heads", "random:clover2", "--backend", "torch:plain", "--prompts",
-                     str(prompts), "--max-new-tokens", "6", "--no-chat", "--json", str(out)])
+    rc = bench_main(
+        [
+            "--base",
+            str(base),
+            "--heads",
+            "random:clover2",
+            "--backend",
+            "torch:plain",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "6",
+            "--no-chat",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     assert [(r["backend"], r["heads"]) for r in json.loads(out.read_text())["results"]] == [("torch", "none")]
 
@@ -100,8 +173,26 @@ def test_concurrency_table_json_and_plot(tmp_path_factory, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": f"w{10 + i} w{20 + i} w30 w{40 + i}"}) for i in range(6)) + "\n")
     out = tmp_path / "c.json"
-    rc = bench_main(["--artifact", str(art), "--backend", "ort", "--concurrency", "1,3", "--tree", "chain-2",
-                     "--control", "--prompts", str(prompts), "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
+    rc = bench_main(
+        [
+            "--artifact",
+            str(art),
+            "--backend",
+            "ort",
+            "--concurrency",
+            "1,3",
+            "--tree",
+            "chain-2",
+            "--control",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "10",
+            "--no-chat",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     table = capsys.readouterr().out
     assert "ttft p50" in table and "itl p95" in table and "auto" in table
@@ -131,14 +222,35 @@ def test_held_out_accuracy_beside_live_acceptance(base, tmp_path, capsys):
 
     heads = tmp_path / "heads"
     save_heads(random_heads(load_base(str(base)), "clover2"), heads)
-    epoch = {"epoch": 3, "val_top1": [0.5, 0.4, 0.3], "val_topk": [0.7, 0.6, 0.5], "val_chain_accept": 1.9,
-             "val_top1_early": [0.4, 0.3, 0.2], "early_answer_tokens": 128}
+    epoch = {
+        "epoch": 3,
+        "val_top1": [0.5, 0.4, 0.3],
+        "val_topk": [0.7, 0.6, 0.5],
+        "val_chain_accept": 1.9,
+        "val_top1_early": [0.4, 0.3, 0.2],
+        "early_answer_tokens": 128,
+    }
     (heads / "training.json").write_text(json.dumps({"epochs": [epoch]}))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
     out = tmp_path / "bench.json"
-    rc = bench_main(["--base", str(base), "--heads", str(heads), "--tree", "chain-2", "--prompts", str(prompts),
-                     "--max-new-tokens", "8", "--no-chat", "--json", str(out)])
+    rc = bench_main(
+        [
+            "--base",
+            str(base),
+            "--heads",
+            str(heads),
+            "--tree",
+            "chain-2",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "8",
+            "--no-chat",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     table = capsys.readouterr().out
     assert "top-1 0.50 0.40 0.30; top-3 0.70 0.60 0.50; top-1 over the first 128 answer tokens 0.40 0.30 0.20" in table
@@ -182,17 +294,19 @@ def test_replay_counts_what_a_chain_would_accept(base):
         draft = draft_tree(r, resolve_tree("chain-1"), ids[i], SamplingParams(), np.random.default_rng(0))
         hit = int(draft.tokens[1] == ids[i + 1])
         right += hit
-        logits = r.forward(np.array(ids[i:i + 1]), np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))[-1]
+        logits = r.forward(np.array(ids[i : i + 1]), np.zeros(1, dtype=np.int64), np.ones((1, 1), dtype=bool))[-1]
         p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
         b = 0 if p[ids[i + 1]] < 0.5 else 1 if p[ids[i + 1]] < 0.9 else 2
         bins[b], bins_right[b] = bins[b] + 1, bins_right[b] + hit
-        r.commit(np.zeros(1, dtype=np.int64), np.array(ids[i + 1:i + 2]))
+        r.commit(np.zeros(1, dtype=np.int64), np.array(ids[i + 1 : i + 2]))
     assert right == counts.top1[0]
     assert counts.by_confidence == bins and counts.top1_by_confidence == bins_right
     summary = counts.summary()["top1_by_base_probability"]
     assert [b["p"] for b in summary] == [[0.0, 0.5], [0.5, 0.9], [0.9, 1.0]]
     assert sum(b["share"] for b in summary) == pytest.approx(1.0, abs=1e-3)
-    assert all(b["top1"] is None if n == 0 else b["top1"] == round(k / n, 4) for b, n, k in zip(summary, bins, bins_right))
+    assert all(
+        b["top1"] is None if n == 0 else b["top1"] == round(k / n, 4) for b, n, k in zip(summary, bins, bins_right)
+    )
 
 
 def test_several_artifacts_side_by_side(tmp_path_factory, tmp_path, capsys):
@@ -205,11 +319,30 @@ def test_several_artifacts_side_by_side(tmp_path_factory, tmp_path, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "w10 w20 w30"}) + "\n")
     out = tmp_path / "bench.json"
-    rc = bench_main(["--artifact", f"{a},{b}", "--backend", "ort", "--tree", "chain-2", "--prompts", str(prompts),
-                     "--max-new-tokens", "10", "--no-chat", "--json", str(out)])
+    rc = bench_main(
+        [
+            "--artifact",
+            f"{a},{b}",
+            "--backend",
+            "ort",
+            "--tree",
+            "chain-2",
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "10",
+            "--no-chat",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     rows = [(r["backend"], r["heads"]) for r in json.loads(out.read_text())["results"]]
-    assert rows == [(f"ort@{a.name}", "none"), (f"ort@{a.name}", "random:clover2:0"), (f"ort@{b.name}", "random:clover2:0")]
+    assert rows == [
+        (f"ort@{a.name}", "none"),
+        (f"ort@{a.name}", "random:clover2:0"),
+        (f"ort@{b.name}", "random:clover2:0"),
+    ]
     doc = json.loads(out.read_text())
     assert all(r["identical_to_plain"] == "1/1" for r in doc["results"])
     printed = capsys.readouterr().out
@@ -220,8 +353,12 @@ def test_several_artifacts_side_by_side(tmp_path_factory, tmp_path, capsys):
     limits = doc["bandwidth_limit"]
     assert limits["read_gbps"] > 0 and list(limits["plain"]) == [f"ort@{a.name}"]
     x = limits["plain"][f"ort@{a.name}"]
-    assert 0 < x["weight_bytes"] < sum(f.stat().st_size for f in base_weight_files(a, read_manifest(a)))  # one embedding row
-    assert x["limit_tokens_per_second"] == pytest.approx(limits["read_gbps"] * 1e9 / x["weight_bytes"], rel=1e-2, abs=0.1)
+    assert (
+        0 < x["weight_bytes"] < sum(f.stat().st_size for f in base_weight_files(a, read_manifest(a)))
+    )  # one embedding row
+    assert x["limit_tokens_per_second"] == pytest.approx(
+        limits["read_gbps"] * 1e9 / x["weight_bytes"], rel=1e-2, abs=0.1
+    )
     assert f"ort@{a.name}: " in printed and "memory-bandwidth limit" in printed
     assert bench_main(["--artifact", f"{a},{b}", "--backend", "ort", "--concurrency", "1"]) == 2
     assert "--concurrency runs one artifact" in capsys.readouterr().err

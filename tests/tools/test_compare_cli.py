@@ -46,8 +46,11 @@ def test_torch_vs_ort_passes_on_every_graph(artifact, tmp_path, capsys):
     doc = json.loads((tmp_path / "rows.json").read_text())
     assert doc["passed"] and doc["backends"] == ["torch", "ort"]
     rows = doc["rows"]
-    assert {(r["graph"], r["output"]) for r in rows} >= {("base/verify", "logits"), ("base/verify", "present.1.value"),
-                                                         ("draft_step", "state")}
+    assert {(r["graph"], r["output"]) for r in rows} >= {
+        ("base/verify", "logits"),
+        ("base/verify", "present.1.value"),
+        ("draft_step", "state"),
+    }
     assert all(r["passed"] and r["max_abs"] < 1e-3 and r["tolerance"]["rtol"] == 1e-3 for r in rows)
 
 
@@ -56,8 +59,11 @@ def test_a_perturbed_graph_fails_with_the_output_named(artifact, tmp_path, capsy
     scale_output(broken / "draft_step.onnx", "state")
     code, out, err = cli(capsys, broken)
     assert code == 1
-    assert err.strip().splitlines()[-1].startswith(
-        "clover-compare: mismatch: draft_step output state (ort vs torch): max abs")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith("clover-compare: mismatch: draft_step output state (ort vs torch): max abs")
+    )
     lines = {tuple(line.split()[:2]): line for line in out.splitlines() if line.startswith("draft_step")}
     assert lines[("draft_step", "state")].endswith("FAIL") and lines[("draft_step", "logits")].endswith("pass")
 
@@ -74,13 +80,18 @@ def test_tensorrt_where_present(artifact, capsys):
     assert "trt: not available: the artifact has no TensorRT engine for base (exported with --backend onnx)" in out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--backends", "torch,tensorflow"], "unknown backend 'tensorflow' in --backends torch,tensorflow: choose from torch, "
-                                         "ort, trt"),
-    (["--backends", "ort"], "--backends ort: name two or more distinct backends"),
-    (["--atol", "-1"], "tolerances must be >= 0"),
-    (["--backends", "trt,torch"], "nothing to compare: only torch can run"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--backends", "torch,tensorflow"],
+            "unknown backend 'tensorflow' in --backends torch,tensorflow: choose from torch, ort, trt",
+        ),
+        (["--backends", "ort"], "--backends ort: name two or more distinct backends"),
+        (["--atol", "-1"], "tolerances must be >= 0"),
+        (["--backends", "trt,torch"], "nothing to compare: only torch can run"),
+    ],
+)
 def test_user_errors_are_one_line(artifact, capsys, args, message):
     code, out, err = cli(capsys, artifact, *args)
     assert code == 2 and out == ""
@@ -90,5 +101,6 @@ def test_user_errors_are_one_line(artifact, capsys, args, message):
 
 def test_a_missing_artifact_is_one_line(tmp_path, capsys):
     code, out, err = cli(capsys, tmp_path / "nope")
-    assert code == 2 and err.strip() == (f"clover-compare: error: artifact {tmp_path / 'nope'} does not exist: pass a "
-                                         "folder written by clover-export")
+    assert code == 2 and err.strip() == (
+        f"clover-compare: error: artifact {tmp_path / 'nope'} does not exist: pass a folder written by clover-export"
+    )

@@ -98,8 +98,10 @@ def test_a_write_without_room_is_one_error_naming_it(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
     assert list(tmp_path.iterdir()) == []
     dest = tmp_path / "art"
-    for free, raised, message in ((1 << 30, RuntimeError, "^torch.onnx.export failed$"),
-                                  (4096, CloverError, f"^no space left on device writing {dest}: free space there")):
+    for free, raised, message in (
+        (1 << 30, RuntimeError, "^torch.onnx.export failed$"),
+        (4096, CloverError, f"^no space left on device writing {dest}: free space there"),
+    ):
         monkeypatch.setattr(atomic, "free_bytes", lambda folder, free=free: free)
         with pytest.raises(raised, match=message):
             with atomic.staging_folder(dest):

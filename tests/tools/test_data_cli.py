@@ -9,6 +9,7 @@ import signal
 
 import numpy as np
 import pytest
+from helpers import tiny_hf_folder
 
 # Imported at collection, so Engine's default log= binds the session's stderr, not one test's capsys stream.
 import clover.runtime.engine  # noqa: F401
@@ -22,7 +23,6 @@ from clover.tools.export import main as export_main
 from clover.tools.train import main as train_main
 from clover.train.corpus import Corpus
 from clover.train.data import first_turn_prompt, load_conversations, prompt_order, turn_prompt
-from helpers import tiny_hf_folder
 
 pytest.importorskip("transformers")
 MAX_NEW = 12
@@ -58,17 +58,36 @@ def setup(tmp_path_factory):
             user = " ".join(f"w{x}" for x in rng.integers(6, 96, size=rng.integers(2, 9)))
             chat = [{"role": "user", "content": user}, {"role": "assistant", "content": "w10"}]
             if i % 3 == 0:  # a second exchange: its user turn is a prompt of clover-data grow --turns 2
-                chat += [{"role": "user", "content": " ".join(f"w{x}" for x in rng.integers(6, 96, size=3))},
-                         {"role": "assistant", "content": "w11"}]
+                chat += [
+                    {"role": "user", "content": " ".join(f"w{x}" for x in rng.integers(6, 96, size=3))},
+                    {"role": "assistant", "content": "w11"},
+                ]
             f.write(json.dumps({"messages": chat}) + "\n")
     return root, base, artifact, prompts
 
 
 def grow(setup, out, *extra):
     root, _, artifact, prompts = setup
-    return data_main(["grow", "--artifact", str(artifact), "--prompts", str(prompts), "--out", str(out),
-                      "--max-new-tokens", str(MAX_NEW), "--max-batch", "4", "--threads", "1", "--shard-tokens", "60",
-                      *map(str, extra)])
+    return data_main(
+        [
+            "grow",
+            "--artifact",
+            str(artifact),
+            "--prompts",
+            str(prompts),
+            "--out",
+            str(out),
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--max-batch",
+            "4",
+            "--threads",
+            "1",
+            "--shard-tokens",
+            "60",
+            *map(str, extra),
+        ]
+    )
 
 
 def test_grow_resumes_and_stores_plain_greedy_answers(setup, capsys):
@@ -89,8 +108,10 @@ def test_grow_resumes_and_stores_plain_greedy_answers(setup, capsys):
     assert len(set(indices)) == len(indices)  # no prompt answered twice
     assert indices == order[: prov.next_position]  # in clover-train's order, none skipped
     assert prov.shards[: len(first.shards)] == first.shards  # the first run's shards are kept as they were
-    assert [r.response_tokens for r in prov.runs] == [first.totals["response_tokens"],
-                                                      prov.totals["response_tokens"] - first.totals["response_tokens"]]
+    assert [r.response_tokens for r in prov.runs] == [
+        first.totals["response_tokens"],
+        prov.totals["response_tokens"] - first.totals["response_tokens"],
+    ]
     assert sum(r.conversations for r in prov.runs) == prov.totals["conversations"] == len(convs)
     assert all(r.stopped == "target" and r.tokens_per_second > 0 and r.heads == "none" for r in prov.runs)
     assert prov.generator.max_new_tokens == MAX_NEW and prov.prompts.source == "file:chats.jsonl"
@@ -109,8 +130,22 @@ def test_grow_resumes_and_stores_plain_greedy_answers(setup, capsys):
     info = capsys.readouterr().out
     assert f"{prov.totals['response_tokens']} response tokens" in info and "checksums ok" in info
     assert info.count("tokens/s") == 2 and "file:chats.jsonl" in info
-    assert data_main(["grow", "--artifact", str(artifact), "--prompts", str(prompts), "--out", str(out),
-                      "--max-new-tokens", "20"]) == 2
+    assert (
+        data_main(
+            [
+                "grow",
+                "--artifact",
+                str(artifact),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "20",
+            ]
+        )
+        == 2
+    )
     assert "grown with other generator: max_new_tokens 12 there, 20 now" in capsys.readouterr().err
     # a damaged shard: one line naming the file and the fix
     broken = root / "broken"
@@ -127,12 +162,32 @@ def test_grow_answers_a_file_of_prompts(setup, capsys):
     """A prompt file (lone user turns, or clover-bench's {"prompt": ...} lines) is a prompt source too."""
     root, _, artifact, _ = setup
     prompts = root / "prompts.jsonl"
-    lines = [{"prompt": "w5 w9 w12"}, {"messages": [{"role": "user", "content": "w7 w8"}]}, {"prompt": "w20 w21"},
-             {"conversations": [{"from": "human", "value": "w30"}]}]
+    lines = [
+        {"prompt": "w5 w9 w12"},
+        {"messages": [{"role": "user", "content": "w7 w8"}]},
+        {"prompt": "w20 w21"},
+        {"conversations": [{"from": "human", "value": "w30"}]},
+    ]
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out = root / "from-prompts"
-    assert data_main(["grow", "--artifact", str(artifact), "--prompts", str(prompts), "--out", str(out),
-                      "--max-new-tokens", str(MAX_NEW), "--threads", "1"]) == 0
+    assert (
+        data_main(
+            [
+                "grow",
+                "--artifact",
+                str(artifact),
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                str(MAX_NEW),
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     convs = list(Corpus.open(out).conversations())
     tok = Tokenizer.from_dir(artifact / "tokenizer")
@@ -149,7 +204,9 @@ def test_self_prompts_write_a_prompt_file_that_grow_answers(setup, capsys, monke
     from pathlib import Path
 
     root, _, artifact, _ = setup
-    spec = importlib.util.spec_from_file_location("self_prompts", Path(__file__).resolve().parents[2] / "benchmarks" / "self_prompts.py")
+    spec = importlib.util.spec_from_file_location(
+        "self_prompts", Path(__file__).resolve().parents[2] / "benchmarks" / "self_prompts.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     tok = Tokenizer.from_dir(artifact / "tokenizer")
@@ -157,15 +214,46 @@ def test_self_prompts_write_a_prompt_file_that_grow_answers(setup, capsys, monke
     files = []
     for run in range(2):
         files.append(root / f"self-{run}.jsonl")
-        monkeypatch.setattr(sys, "argv", ["self_prompts", "--artifact", str(artifact), "--count", "24", "--out",
-                                          str(files[-1]), "--max-new-tokens", "24", "--threads", "1"])
+        monkeypatch.setattr(
+            sys,
+            "argv",
+            [
+                "self_prompts",
+                "--artifact",
+                str(artifact),
+                "--count",
+                "24",
+                "--out",
+                str(files[-1]),
+                "--max-new-tokens",
+                "24",
+                "--threads",
+                "1",
+            ],
+        )
         assert mod.main() == 0
     assert "prompts" in capsys.readouterr().err
     assert files[0].read_text() == files[1].read_text()
     chats = load_conversations(str(files[0]), prompts=True)
     assert 0 < len(chats) <= 24 and len({c[0]["content"] for c in chats}) == len(chats)
-    assert data_main(["grow", "--artifact", str(artifact), "--prompts", str(files[0]), "--out", str(root / "self"),
-                      "--max-new-tokens", str(MAX_NEW), "--threads", "1"]) == 0
+    assert (
+        data_main(
+            [
+                "grow",
+                "--artifact",
+                str(artifact),
+                "--prompts",
+                str(files[0]),
+                "--out",
+                str(root / "self"),
+                "--max-new-tokens",
+                str(MAX_NEW),
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert Corpus.open(root / "self").provenance.totals["conversations"] == len(chats)
 
 
@@ -216,7 +304,7 @@ def test_a_second_pass_samples_another_answer_to_every_prompt(setup, capsys):
     convs = list(corpus.conversations())
     order = [i for i, _ in prompt_order(60, 0, 0.02)]
     assert prov.prompts.passes == 2 and 60 < prov.next_position < 120
-    assert [(c.index, c.sample) for c in convs] == [(i, 1) for i in order] + [(i, 2) for i in order[:len(convs) - 60]]
+    assert [(c.index, c.sample) for c in convs] == [(i, 1) for i in order] + [(i, 2) for i in order[: len(convs) - 60]]
     assert prov.generator.resampling.startswith("passes 2..: temperature 0.7, top_p 0.95")
     # a sampled answer: the artifact's plain decoding sampled with the prompt's position as seed (reruns repeat it)
     tok = Tokenizer.from_dir(artifact / "tokenizer")
@@ -224,13 +312,17 @@ def test_a_second_pass_samples_another_answer_to_every_prompt(setup, capsys):
     second = convs[60:]
     assert sum(c.response.tolist() != g.response.tolist() for c, g in zip(second, convs)) >= len(second) // 2
     for position, c in enumerate(second, 60):
-        want = plain.generate(c.prompt.tolist(), max_new_tokens=MAX_NEW, sampling=SamplingParams(0.7, 0.95, seed=position))
+        want = plain.generate(
+            c.prompt.tolist(), max_new_tokens=MAX_NEW, sampling=SamplingParams(0.7, 0.95, seed=position)
+        )
         assert c.prompt.tolist() == convs[position - 60].prompt.tolist() and c.response.tolist() == want.token_ids
     capsys.readouterr()
     # the settings stay: fewer passes, other turns or another temperature are refused with one line each
-    for extra, message in ((("--passes", 1), "--passes 1 would shorten its prompt order"),
-                           (("--turns", 2), "--turns 2 would reorder its later passes"),
-                           (("--temperature", 1.0), "resampling 'passes 2..: temperature 0.7")):
+    for extra, message in (
+        (("--passes", 1), "--passes 1 would shorten its prompt order"),
+        (("--turns", 2), "--turns 2 would reorder its later passes"),
+        (("--temperature", 1.0), "resampling 'passes 2..: temperature 0.7"),
+    ):
         assert grow(setup, out, *extra) == 2
         assert message in capsys.readouterr().err
     assert grow(setup, out, "--temperature", 0) == 2
@@ -270,7 +362,9 @@ def test_sigterm_keeps_the_finished_answers(setup, capsys, monkeypatch):
     prov = corpus.provenance
     convs = list(corpus.conversations())
     # answers collected in the same wait() as the 7th are kept too; at most 2 x max_batch are under way
-    assert 1 <= len(convs) <= 7 + 8 and [c.index for c in convs] == [i for i, _ in prompt_order(60, 0, 0.02)][: len(convs)]
+    assert (
+        1 <= len(convs) <= 7 + 8 and [c.index for c in convs] == [i for i, _ in prompt_order(60, 0, 0.02)][: len(convs)]
+    )
     assert prov.runs[-1].stopped == "signal" and prov.runs[-1].conversations == len(convs) == prov.next_position
     monkeypatch.setattr(data_tool, "grow", real)
     assert grow(setup, out, "--target-tokens", 60) == 0  # the next run continues after them
@@ -283,9 +377,32 @@ def test_clover_train_on_the_corpus(setup, capsys):
     assert grow(setup, out, "--target-tokens", 300) == 0
     corpus = Corpus.open(out)
     heads = root / "heads"
-    code = train_main(["--base", str(base), "--data", str(out), "--out", str(heads), "--cache-dir", str(root / "features"),
-                       "--max-tokens", "150", "--max-length", "40", "--batch-tokens", "256", "--topk", "8",
-                       "--arch", "clover2", "--num-heads", "2", "--epochs", "1"])
+    code = train_main(
+        [
+            "--base",
+            str(base),
+            "--data",
+            str(out),
+            "--out",
+            str(heads),
+            "--cache-dir",
+            str(root / "features"),
+            "--max-tokens",
+            "150",
+            "--max-length",
+            "40",
+            "--batch-tokens",
+            "256",
+            "--topk",
+            "8",
+            "--arch",
+            "clover2",
+            "--num-heads",
+            "2",
+            "--epochs",
+            "1",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0, err
     assert "feature building:" in err and "tokens/s" in err and "training:" in err
@@ -303,16 +420,36 @@ def test_clover_train_on_the_corpus(setup, capsys):
     held = corpus.validation_indices()
     by_prompt = {tuple(c.prompt.tolist()): c.index for c in corpus.conversations()}
     for i in range(cache.meta["num_sequences"]):
-        ids = cache.arrays["tokens"][cache.offsets[i]:cache.offsets[i + 1]].tolist()
+        ids = cache.arrays["tokens"][cache.offsets[i] : cache.offsets[i + 1]].tolist()
         index = next(v for p, v in by_prompt.items() if ids[: len(p)] == list(p))
         assert bool(cache.validation[i]) == (index in held)
     assert any(cache.validation) and not all(cache.validation)
     # a corpus with --responses dataset is refused
-    assert train_main(["--base", str(base), "--data", str(out), "--out", str(root / "h2"), "--responses", "dataset"]) == 2
+    assert (
+        train_main(["--base", str(base), "--data", str(out), "--out", str(root / "h2"), "--responses", "dataset"]) == 2
+    )
     assert "corpus of the base's own answers" in capsys.readouterr().err
     # --skip-tokens: go on from those heads with the answers after the first 150 tokens; the validation split stays
-    more = ["--base", str(base), "--data", str(out), "--cache-dir", str(root / "features"), "--max-tokens", "100",
-            "--max-length", "40", "--batch-tokens", "256", "--topk", "8", "--epochs", "1", "--init", str(heads)]
+    more = [
+        "--base",
+        str(base),
+        "--data",
+        str(out),
+        "--cache-dir",
+        str(root / "features"),
+        "--max-tokens",
+        "100",
+        "--max-length",
+        "40",
+        "--batch-tokens",
+        "256",
+        "--topk",
+        "8",
+        "--epochs",
+        "1",
+        "--init",
+        str(heads),
+    ]
     assert train_main([*more, "--out", str(root / "heads-2"), "--skip-tokens", "150"]) == 0, capsys.readouterr().err
     later = json.loads((root / "heads-2" / "training.json").read_text())["data"]["corpus"]
     assert later["skipped_response_tokens"] == 150 and later["shards_used"] >= data["corpus"]["shards_used"]

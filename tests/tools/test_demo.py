@@ -1,18 +1,28 @@
 """`make demo`'s tool on a tiny base: exports once (cached), streams, checks identity with plain decoding."""
 
 import pytest
+from helpers import tiny_hf_folder as make_base
 
 from clover.runtime.loop import LOOKUP_DRAFTS
 from clover.tools.demo import main
-from helpers import tiny_hf_folder as make_base
 
 
 @pytest.mark.parametrize("backend", ["ort", "torch"])
 def test_demo_runs_and_reports_identity(tmp_path, capsys, monkeypatch, backend):
     monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
     base = make_base(tmp_path / "base")
-    args = ["--base", str(base), "--heads", "random:clover2", "--prompt", "w7 w8", "--max-new-tokens", "8",
-            "--backend", backend]
+    args = [
+        "--base",
+        str(base),
+        "--heads",
+        "random:clover2",
+        "--prompt",
+        "w7 w8",
+        "--max-new-tokens",
+        "8",
+        "--backend",
+        backend,
+    ]
     code = main(args)
     out, err = capsys.readouterr()
     assert code == 0
@@ -34,9 +44,10 @@ def test_demo_artifact_with_a_corpus(tmp_path, monkeypatch):
     """with_corpus: a cached copy of the export that drafts from the corpus (n-gram store), redone only when the
     corpus changes. No heads: the tiny base's 96 tokens are fewer than the demo's draft vocabulary, so none would
     be added anyway (tests/export/test_draft_vocab.py covers adding one)."""
+    from helpers import tiny_corpus
+
     from clover.artifact import open_artifact
     from clover.tools.demo import cached_artifact
-    from helpers import tiny_corpus
 
     monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
     base = make_base(tmp_path / "base")

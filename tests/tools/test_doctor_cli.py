@@ -11,8 +11,20 @@ import torch
 
 from clover.tools import doctor
 from clover.tools.doctor import (
-    EXIT_FAIL, EXIT_NOT_AVAILABLE, EXIT_PASS, FAIL, NOT_AVAILABLE, PASS, DoctorOptions, NotAvailable, Probe, Row,
-    exit_code, run_checks, summary, table,
+    EXIT_FAIL,
+    EXIT_NOT_AVAILABLE,
+    EXIT_PASS,
+    FAIL,
+    NOT_AVAILABLE,
+    PASS,
+    DoctorOptions,
+    NotAvailable,
+    Probe,
+    Row,
+    exit_code,
+    run_checks,
+    summary,
+    table,
 )
 
 GPU_ROWS = [name for name, _ in doctor.CHECKS if name != "identity, tiny: ONNX Runtime CPU"]
@@ -20,8 +32,10 @@ GPU_ROWS = [name for name, _ in doctor.CHECKS if name != "identity, tiny: ONNX R
 
 def parse(lines):
     """check -> (result, detail) of the printed table (columns are 2+ spaces apart)."""
-    return {check: (result, detail) for check, result, detail in (re.split(r"\s{2,}", line, maxsplit=2)
-                                                                  for line in lines[2:-1])}
+    return {
+        check: (result, detail)
+        for check, result, detail in (re.split(r"\s{2,}", line, maxsplit=2) for line in lines[2:-1])
+    }
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +62,9 @@ def test_doctor_on_a_machine_without_cuda(doctor_run):
         assert rows[name][0] == NOT_AVAILABLE, (name, rows[name])
     assert rows["torch CUDA"][1].startswith("no CUDA device")
     assert rows["identity, SmolLM2: TensorRT"][1] == "skipped (--no-real-model)"
-    assert lines[-1] == (f"1 passed, 0 failed, {len(GPU_ROWS)} not available: exit 3 "
-                         "(nothing failed, but some checks cannot run here)")
+    assert lines[-1] == (
+        f"1 passed, 0 failed, {len(GPU_ROWS)} not available: exit 3 (nothing failed, but some checks cannot run here)"
+    )
     assert code == EXIT_NOT_AVAILABLE == 3
 
 
@@ -59,8 +74,12 @@ def test_doctor_on_a_gpu_fails_nothing(doctor_run):
     """In the gpu extra's environment every row passes (exit 0); elsewhere on a GPU, nothing fails."""
     code, lines = doctor_run
     rows = parse(lines)
-    for name in ("torch CUDA", "Triton kernel vs torch reference", "identity, tiny: ONNX Runtime CPU",
-                 "identity, tiny: torch CUDA"):
+    for name in (
+        "torch CUDA",
+        "Triton kernel vs torch reference",
+        "identity, tiny: ONNX Runtime CPU",
+        "identity, tiny: torch CUDA",
+    ):
         assert rows[name][0] == PASS, (name, rows[name])
     assert code in (EXIT_PASS, EXIT_NOT_AVAILABLE), "\n".join(lines)
 
@@ -90,17 +109,25 @@ def test_rows_and_exit_codes(tmp_path):
     ok, missing, broken, wrong = fake_checks(calls)
     rows = run_checks(DoctorOptions(), tmp_path, (("a", ok), ("b", missing), ("c", broken), ("d", wrong), ("e", ok)))
     assert calls == ["ok", "missing", "broken", "wrong", "ok"]  # a broken check does not stop the others
-    assert rows == [Row("a", PASS, "works"), Row("b", NOT_AVAILABLE, "no CUDA device"),
-                    Row("c", FAIL, "ValueError: bad value"),
-                    Row("d", FAIL, "speculative tokens differ from plain greedy at index 3 of 24"), Row("e", PASS, "works")]
+    assert rows == [
+        Row("a", PASS, "works"),
+        Row("b", NOT_AVAILABLE, "no CUDA device"),
+        Row("c", FAIL, "ValueError: bad value"),
+        Row("d", FAIL, "speculative tokens differ from plain greedy at index 3 of 24"),
+        Row("e", PASS, "works"),
+    ]
     assert exit_code(rows) == EXIT_FAIL == 1
     assert exit_code([rows[0], rows[1]]) == EXIT_NOT_AVAILABLE == 3
     assert exit_code([rows[0]]) == EXIT_PASS == 0
     assert summary(rows) == "2 passed, 2 failed, 1 not available: exit 1 (something that should work here does not)"
     assert summary([rows[0]]) == "1 passed, 0 failed, 0 not available: exit 0 (everything checked works here)"
     lines = table(rows[:2]).splitlines()
-    assert lines == ["check  result         detail", "-----  -------------  ------",
-                     "a      pass           works", "b      not available  no CUDA device"]
+    assert lines == [
+        "check  result         detail",
+        "-----  -------------  ------",
+        "a      pass           works",
+        "b      not available  no CUDA device",
+    ]
 
 
 def test_a_shared_fact_fails_once_for_every_check(tmp_path):
@@ -131,5 +158,8 @@ def test_help_documents_the_exit_codes():
     proc = subprocess.run([sys.executable, "-m", "clover.tools.doctor", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())
-    assert "exit status: 0 every check passed; 1 a check failed; 3 nothing failed but some checks were not available" in text
+    assert (
+        "exit status: 0 every check passed; 1 a check failed; 3 nothing failed but some checks were not available"
+        in text
+    )
     assert "--no-real-model" in text

@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import tiny_corpus
 
 from clover.artifact import open_artifact
 from clover.errors import CloverError
 from clover.tools.export import main as export_main
 from clover.tools.generate import main as generate_main
-from helpers import tiny_corpus
 
 pytest.importorskip("transformers")
 PROMPT = ["--prompt", "w7 w8 w9 w10", "--max-new-tokens", "24", "--json"]
@@ -39,8 +39,17 @@ def test_export_progress_and_artifact(base_dir, tmp_path, capsys):
     m = open_artifact(out)
     assert m.heads is None and m.max_context == 100 and m.sources == {"base": str(base_dir), "heads": "none"}
     # exporting again into the same artifact is safe; this time with an n-gram store of a corpus of its answers
-    code, _, stderr = cli(capsys, export_main, "--base", base_dir, "--out", out, "--no-verify",
-                          "--ngram-store", tiny_corpus(base_dir, tmp_path / "corpus"))
+    code, _, stderr = cli(
+        capsys,
+        export_main,
+        "--base",
+        base_dir,
+        "--out",
+        out,
+        "--no-verify",
+        "--ngram-store",
+        tiny_corpus(base_dir, tmp_path / "corpus"),
+    )
     m = open_artifact(out)
     assert code == 0 and m.max_context == 128 and m.parity == {}
     assert m.ngram_store.contexts > 0 and m.ngram_store.source.startswith("corpus: ") and "n-gram store" in stderr
@@ -78,28 +87,43 @@ def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys
     assert spec["token_ids"] == torch_plain["token_ids"]
     assert spec["backend"] == "ort" and spec["heads"] == "random:clover2" and spec["tree"] == "small"
     assert spec.keys() == torch_plain.keys()  # same JSON as the torch backend
-    code, out, _ = cli(capsys, generate_main, "--artifact", artifact, "--heads", "none", "--threads", 1,
-                       *PROMPT)  # --backend ort implied
+    code, out, _ = cli(
+        capsys, generate_main, "--artifact", artifact, "--heads", "none", "--threads", 1, *PROMPT
+    )  # --backend ort implied
     plain = json.loads(out)
     assert code == 0 and plain["token_ids"] == torch_plain["token_ids"] and plain["tree"] == "plain"
-    code, out, err = cli(capsys, generate_main, "--artifact", artifact, "--tree", "chain-2", "--prompt", "w7 w8",
-                         "--max-new-tokens", "8", "--stream")
+    code, out, err = cli(
+        capsys,
+        generate_main,
+        "--artifact",
+        artifact,
+        "--tree",
+        "chain-2",
+        "--prompt",
+        "w7 w8",
+        "--max-new-tokens",
+        "8",
+        "--stream",
+    )
     assert code == 0 and out.strip() and "tokens/step" in err
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--backend", "trt"], "TensorRT is not installed"),
-    (["--backend", "trt", "--attention", "plugin", "--dtype", "float16"], "TensorRT is not installed"),
-    (["--dtype", "int8"], "unsupported export dtype"),
-    (["--attention", "flash"], "unknown attention variant"),
-    (["--max-prompt", "64"], "--max-prompt sizes TensorRT's prefill profile"),
-    (["--draft-quant", "int2"], "unknown --draft-quant 'int2'"),
-    (["--draft-quant", "int8", "--dtype", "float16"], "use it with --backend onnx --dtype float32"),
-    (["--heads", "random:gpt"], "random:ARCH"),
-    (["--tree", "mc26", "--heads", "random:clover"], "tree mc26 has depth 5"),
-    (["--max-context", "100000"], "exceeds the base model's max_position_embeddings"),
-    (["--ngram-store", "no-such-corpus"], "no-such-corpus is not a corpus"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--backend", "trt"], "TensorRT is not installed"),
+        (["--backend", "trt", "--attention", "plugin", "--dtype", "float16"], "TensorRT is not installed"),
+        (["--dtype", "int8"], "unsupported export dtype"),
+        (["--attention", "flash"], "unknown attention variant"),
+        (["--max-prompt", "64"], "--max-prompt sizes TensorRT's prefill profile"),
+        (["--draft-quant", "int2"], "unknown --draft-quant 'int2'"),
+        (["--draft-quant", "int8", "--dtype", "float16"], "use it with --backend onnx --dtype float32"),
+        (["--heads", "random:gpt"], "random:ARCH"),
+        (["--tree", "mc26", "--heads", "random:clover"], "tree mc26 has depth 5"),
+        (["--max-context", "100000"], "exceeds the base model's max_position_embeddings"),
+        (["--ngram-store", "no-such-corpus"], "no-such-corpus is not a corpus"),
+    ],
+)
 def test_export_user_errors_are_one_line(base_dir, tmp_path, capsys, args, message):
     if "TensorRT is not installed" in message and importlib.util.find_spec("tensorrt") is not None:
         pytest.skip("TensorRT is installed here")
@@ -118,16 +142,22 @@ def test_export_refuses_a_folder_that_is_not_an_artifact(base_dir, tmp_path, cap
     assert (tmp_path / "mine" / "thesis.tex").read_text() == "precious"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--backend", "ort"], "pass --artifact DIR"),
-    (["--artifact", "{art}", "--backend", "torch"], "pass --backend ort"),
-    (["--artifact", "{art}", "--base", "{base}"], "pass --artifact alone"),
-    (["--artifact", "{art}", "--heads", "random:medusa"], "cannot be added to an exported artifact"),
-    (["--artifact", "{art}", "--dtype", "float16"], "holds float32 graphs"),
-    (["--artifact", "{base}"], "is not a clover artifact"),
-    (["--artifact", "{art}", "--backend", "trt"], "TensorRT"),  # not installed here, and no engines in this artifact
-    (["--artifact", "{art}", "--threads", "0"], "--threads must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--backend", "ort"], "pass --artifact DIR"),
+        (["--artifact", "{art}", "--backend", "torch"], "pass --backend ort"),
+        (["--artifact", "{art}", "--base", "{base}"], "pass --artifact alone"),
+        (["--artifact", "{art}", "--heads", "random:medusa"], "cannot be added to an exported artifact"),
+        (["--artifact", "{art}", "--dtype", "float16"], "holds float32 graphs"),
+        (["--artifact", "{base}"], "is not a clover artifact"),
+        (
+            ["--artifact", "{art}", "--backend", "trt"],
+            "TensorRT",
+        ),  # not installed here, and no engines in this artifact
+        (["--artifact", "{art}", "--threads", "0"], "--threads must be at least 1"),
+    ],
+)
 def test_generate_artifact_errors(base_dir, artifact, capsys, args, message):
     args = [a.format(art=artifact, base=base_dir) for a in args]
     code, out, err = cli(capsys, generate_main, *args, "--prompt", "w7")
@@ -135,8 +165,11 @@ def test_generate_artifact_errors(base_dir, artifact, capsys, args, message):
 
 
 def test_console_entry_point_exit_code(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "clover.tools.export", "--out", str(tmp_path / "x"), "--backend", "trt"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "clover.tools.export", "--out", str(tmp_path / "x"), "--backend", "trt"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "TensorRT" in proc.stderr
 
 
@@ -146,8 +179,21 @@ def test_bench_compares_ort_and_torch_from_one_artifact(artifact, tmp_path, caps
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "w7 w8 w9"}\n{"prompt": "w20 w21"}\n')
     out = tmp_path / "bench.json"
-    code, table, err = cli(capsys, bench_main, "--artifact", artifact, "--backend", "ort,torch", "--prompts", prompts,
-                           "--no-chat", "--max-new-tokens", 10, "--json", out)
+    code, table, err = cli(
+        capsys,
+        bench_main,
+        "--artifact",
+        artifact,
+        "--backend",
+        "ort,torch",
+        "--prompts",
+        prompts,
+        "--no-chat",
+        "--max-new-tokens",
+        10,
+        "--json",
+        out,
+    )
     assert code == 0, err
     rows = {(r["backend"], r["heads"]): r for r in json.loads(out.read_text())["results"]}
     assert set(rows) == {("ort", "none"), ("ort", "random:clover2"), ("torch", "none"), ("torch", "random:clover2")}
@@ -162,8 +208,20 @@ def test_plugin_attention_export_through_the_cli(base_dir, tmp_path, capsys):
     """--attention plugin: checked against PyTorch on ONNX Runtime through the node's reference function;
     the ONNX Runtime backend then refuses the artifact (its nodes are TensorRT plugins)."""
     out = tmp_path / "plugin"
-    code, stdout, stderr = cli(capsys, export_main, "--base", base_dir, "--heads", "random:clover2", "--out", out,
-                               "--attention", "plugin", "--tree", "small")
+    code, stdout, stderr = cli(
+        capsys,
+        export_main,
+        "--base",
+        base_dir,
+        "--heads",
+        "random:clover2",
+        "--out",
+        out,
+        "--attention",
+        "plugin",
+        "--tree",
+        "small",
+    )
     assert code == 0, stderr
     m = open_artifact(out)
     assert m.attention == "plugin" and m.parity["base"]["logits"] < 1e-3 and m.engines == {}
@@ -176,8 +234,21 @@ def test_plugin_attention_export_through_the_cli(base_dir, tmp_path, capsys):
 def test_a_stopped_export_removes_its_staging_folder(base_dir, tmp_path, sig, code):
     """clover-export stopped mid-export by SIGTERM or Ctrl-C: no `.tmp-` folder beside --out, no --out."""
     out = tmp_path / "art"
-    proc = subprocess.Popen([sys.executable, "-m", "clover.tools.export", "--base", str(base_dir), "--heads",
-                             "random:clover2", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "clover.tools.export",
+            "--base",
+            str(base_dir),
+            "--heads",
+            "random:clover2",
+            "--out",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".tmp-art-*/tokenizer")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.02)  # the staging folder exists and the export is under way

@@ -5,17 +5,28 @@ import subprocess
 import sys
 
 import pytest
+from helpers import tiny_hf_folder as make_base
 
 from clover.models.head_io import random_heads, save_heads
 from clover.models.loading import load_base
 from clover.runtime.loop import LOOKUP_DRAFTS
 from clover.tools.generate import main
-from helpers import tiny_hf_folder as make_base
 
 transformers = pytest.importorskip("transformers")
 
-JSON_KEYS = {"token_ids", "text", "new_tokens", "steps", "tokens_per_step", "seconds", "tokens_per_second",
-             "finish_reason", "backend", "heads", "tree"}
+JSON_KEYS = {
+    "token_ids",
+    "text",
+    "new_tokens",
+    "steps",
+    "tokens_per_step",
+    "seconds",
+    "tokens_per_second",
+    "finish_reason",
+    "backend",
+    "heads",
+    "tree",
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +48,12 @@ def test_json_output_and_identity_across_heads(base_dir, capsys):
     assert JSON_KEYS <= plain.keys()
     assert plain["backend"] == "torch" and plain["heads"] == "none" and plain["tree"] == "plain"
     assert plain["new_tokens"] == len(plain["token_ids"]) > 0
-    for heads, tree in [("random:medusa", "chain-4"), ("random:clover", "chain-3"), ("random:clover2", "mc26"),
-                        ("random:clover2:5", "small")]:
+    for heads, tree in [
+        ("random:medusa", "chain-4"),
+        ("random:clover", "chain-3"),
+        ("random:clover2", "mc26"),
+        ("random:clover2:5", "small"),
+    ]:
         code, out, _ = run_cli(capsys, *common, "--heads", heads, "--tree", tree)
         doc = json.loads(out)
         assert code == 0 and doc["token_ids"] == plain["token_ids"], heads
@@ -55,29 +70,57 @@ def test_json_output_and_identity_across_heads(base_dir, capsys):
 def test_saved_heads_folder_and_stream(base_dir, tmp_path, capsys):
     heads_dir = tmp_path / "heads"
     save_heads(random_heads(load_base(base_dir), "clover2", 3), heads_dir)
-    code, out, err = run_cli(capsys, "--base", str(base_dir), "--heads", str(heads_dir), "--prompt", "w7 w8",
-                             "--max-new-tokens", "8", "--stream")
+    code, out, err = run_cli(
+        capsys,
+        "--base",
+        str(base_dir),
+        "--heads",
+        str(heads_dir),
+        "--prompt",
+        "w7 w8",
+        "--max-new-tokens",
+        "8",
+        "--stream",
+    )
     assert code == 0 and out.strip() and "tokens/step" in err
 
 
 def test_sampling_is_reproducible_with_a_seed(base_dir, capsys):
-    args = ["--base", str(base_dir), "--heads", "random:clover2", "--prompt", "w7 w8", "--max-new-tokens", "16",
-            "--temperature", "0.8", "--top-p", "0.9", "--seed", "11", "--json"]
+    args = [
+        "--base",
+        str(base_dir),
+        "--heads",
+        "random:clover2",
+        "--prompt",
+        "w7 w8",
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "11",
+        "--json",
+    ]
     a = json.loads(run_cli(capsys, *args)[1])
     b = json.loads(run_cli(capsys, *args)[1])
     assert a["token_ids"] == b["token_ids"]
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--prompt", "  "], "prompt is empty"),
-    (["--prompt", " ".join(["w9"] * 200)], "context is 128"),
-    (["--prompt", "w7", "--heads", "random:clover2", "--tree", "[[0],[2]]"], "tree"),
-    (["--prompt", "w7", "--heads", "random:gpt"], "random:ARCH"),
-    (["--prompt", "w7", "--heads", "/no/such/heads"], "not found"),
-    (["--prompt", "w7", "--tree", "mc26"], "needs draft heads"),
-    (["--prompt", "w7", "--temperature", "-1"], "temperature"),
-    (["--prompt", "w7", "--max-new-tokens", "0"], "max-new-tokens"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt", "  "], "prompt is empty"),
+        (["--prompt", " ".join(["w9"] * 200)], "context is 128"),
+        (["--prompt", "w7", "--heads", "random:clover2", "--tree", "[[0],[2]]"], "tree"),
+        (["--prompt", "w7", "--heads", "random:gpt"], "random:ARCH"),
+        (["--prompt", "w7", "--heads", "/no/such/heads"], "not found"),
+        (["--prompt", "w7", "--tree", "mc26"], "needs draft heads"),
+        (["--prompt", "w7", "--temperature", "-1"], "temperature"),
+        (["--prompt", "w7", "--max-new-tokens", "0"], "max-new-tokens"),
+    ],
+)
 def test_bad_input_gives_one_line_error(base_dir, capsys, args, message):
     code, out, err = run_cli(capsys, "--base", str(base_dir), *args)
     assert code == 2 and out == ""
@@ -96,14 +139,26 @@ def test_errors_for_bad_base_and_mismatched_heads(base_dir, tmp_path, capsys):
 
 
 def test_console_entry_point_exit_code(base_dir):
-    proc = subprocess.run([sys.executable, "-m", "clover.tools.generate", "--base", str(base_dir), "--prompt", ""],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "clover.tools.generate", "--base", str(base_dir), "--prompt", ""],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 2 and "prompt is empty" in proc.stderr
 
 
 @pytest.mark.slow
 def test_smollm2_chat_is_coherent_and_identical_for_every_head(capsys):
-    common = ["--base", "smollm2", "--chat", "--prompt", "What is the capital of France?", "--max-new-tokens", "24", "--json"]
+    common = [
+        "--base",
+        "smollm2",
+        "--chat",
+        "--prompt",
+        "What is the capital of France?",
+        "--max-new-tokens",
+        "24",
+        "--json",
+    ]
     plain = json.loads(run_cli(capsys, *common, "--heads", "none")[1])
     assert "Paris" in plain["text"]
     for heads in ("random:medusa", "random:clover", "random:clover2"):

@@ -53,8 +53,10 @@ def test_only_that_matches_no_row_is_a_usage_error(capsys):
 
 
 def test_cpu_info_names_the_vector_isa():
-    text = "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx2 fma avx512f " \
-           "avx512_vnni amx_tile amx_int8\nprocessor\t: 1\nmodel name\t: other\n"
+    text = (
+        "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx2 fma avx512f "
+        "avx512_vnni amx_tile amx_int8\nprocessor\t: 1\nmodel name\t: other\n"
+    )
     info = cpu_info(text)
     assert info["model"] == "Intel(R) Xeon(R) Platinum 8480+"
     assert info["isa"] == ["AVX2", "FMA", "AVX-512", "AVX512-VNNI", "AMX", "AMX-INT8"]
@@ -108,8 +110,9 @@ def test_curve_host_time_projection_and_tree_auto_on_the_cpu(small):
     assert all(a["tokens_per_step"] > 1 and a["drafts"].startswith("smollm2-clover2") for a in acceptance)
     projected = gp.projection(steps, acceptance)
     one = next(p for p in projected if p["tree"] == "chain-2")
-    assert one["projected_speedup"] == pytest.approx(one["tokens_per_step"] * steps[("plain", False)]
-                                                     / steps[("chain-2", False)], abs=1e-3)
+    assert one["projected_speedup"] == pytest.approx(
+        one["tokens_per_step"] * steps[("plain", False)] / steps[("chain-2", False)], abs=1e-3
+    )
 
     rates = gp.cpu_depth_rates()
     picked = gp.tree_auto(base, heads, tok, False, rates["top1"], rates["top3"])
@@ -121,10 +124,17 @@ def test_curve_host_time_projection_and_tree_auto_on_the_cpu(small):
 def test_kernel_rows_check_the_kernel_on_the_runtimes_trees():
     """In a process of its own under TRITON_INTERPRET=1 (set before triton is imported); fp16 only (the
     interpreter's bf16 dot is numpy's, which has no bf16)."""
-    code = ("import json, torch; from clover.tools import gpu_profile as gp; print(json.dumps(gp.kernel_rows("
-            "'cpu', ('135m',), ('plain', 'small'), (40,), timed_past=None, dtypes=(torch.float16,))))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "TRITON_INTERPRET": "1"},
-                         capture_output=True, text=True, timeout=600)
+    code = (
+        "import json, torch; from clover.tools import gpu_profile as gp; print(json.dumps(gp.kernel_rows("
+        "'cpu', ('135m',), ('plain', 'small'), (40,), timed_past=None, dtypes=(torch.float16,))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     assert [(r["tree"], r["new_tokens"], r["past"]) for r in rows] == [("plain", 1, 40), ("small", 10, 40)]

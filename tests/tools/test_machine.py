@@ -12,17 +12,33 @@ def test_a_step_reads_every_weight_but_the_tables_it_only_gathers_from(tmp_path)
     table = numpy_helper.from_array(np.zeros((50, 8), np.float32), "embed")  # gathered only: one row a step
     tied = numpy_helper.from_array(np.zeros((50, 8), np.float32), "tied")  # gathered and multiplied: read whole
     w = numpy_helper.from_array(np.zeros((8, 8), np.float32), "w")
-    nodes = [helper.make_node("Gather", ["embed", "ids"], ["e"]), helper.make_node("Gather", ["tied", "ids"], ["t"]),
-             helper.make_node("MatMul", ["e", "w"], ["h"]), helper.make_node("Add", ["h", "t"], ["s"]),
-             helper.make_node("MatMul", ["s", "tied_t"], ["y"]), helper.make_node("Transpose", ["tied"], ["tied_t"])]
-    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1])],
-                              [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], [table, tied, w])
+    nodes = [
+        helper.make_node("Gather", ["embed", "ids"], ["e"]),
+        helper.make_node("Gather", ["tied", "ids"], ["t"]),
+        helper.make_node("MatMul", ["e", "w"], ["h"]),
+        helper.make_node("Add", ["h", "t"], ["s"]),
+        helper.make_node("MatMul", ["s", "tied_t"], ["y"]),
+        helper.make_node("Transpose", ["tied"], ["tied_t"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g",
+        [helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, [1])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)],
+        [table, tied, w],
+    )
     path = tmp_path / "g.onnx"
     onnx.save(helper.make_model(graph), str(path))
     assert weight_bytes_per_token([path]) == (50 * 8 + 8 * 8) * 4
     external = tmp_path / "x.onnx"  # weights in an external data file: counted from its recorded lengths
-    onnx.save(helper.make_model(graph), str(external), save_as_external_data=True, all_tensors_to_one_file=True,
-              location="x.onnx.data", size_threshold=0)
+    onnx.save(
+        helper.make_model(graph),
+        str(external),
+        save_as_external_data=True,
+        all_tensors_to_one_file=True,
+        location="x.onnx.data",
+        size_threshold=0,
+    )
     assert weight_bytes_per_token([external]) == (50 * 8 + 8 * 8) * 4
     assert weight_bytes_per_token([path, external]) == 2 * (50 * 8 + 8 * 8) * 4
 

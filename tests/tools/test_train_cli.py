@@ -5,11 +5,11 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import tiny_hf_folder
 from safetensors.numpy import load_file
 
 from clover.runtime.generator import Generator
 from clover.tools.train import main as train_main
-from helpers import tiny_hf_folder
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +22,47 @@ def setup(tmp_path_factory):
         for i in range(40):
             user = " ".join(f"w{x}" for x in rng.integers(6, 96, size=rng.integers(2, 8)))
             if i % 2:
-                f.write(json.dumps({"messages": [{"role": "user", "content": user},
-                                                 {"role": "assistant", "content": "w10 w11"}]}) + "\n")
+                f.write(
+                    json.dumps(
+                        {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": "w10 w11"}]}
+                    )
+                    + "\n"
+                )
             else:
-                f.write(json.dumps({"conversations": [{"from": "human", "value": user},
-                                                      {"from": "gpt", "value": "w12"}]}) + "\n")
+                f.write(
+                    json.dumps({"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": "w12"}]})
+                    + "\n"
+                )
     return root, base, data
 
 
 def _train(setup, out, *extra):
     root, base, data = setup
-    return train_main(["--base", str(base), "--data", str(data), "--out", str(out), "--cache-dir", str(root / "features"),
-                       "--max-tokens", "400", "--max-new-tokens", "12", "--max-length", "40", "--gen-batch", "8",
-                       "--batch-tokens", "256", "--topk", "8", *extra])
+    return train_main(
+        [
+            "--base",
+            str(base),
+            "--data",
+            str(data),
+            "--out",
+            str(out),
+            "--cache-dir",
+            str(root / "features"),
+            "--max-tokens",
+            "400",
+            "--max-new-tokens",
+            "12",
+            "--max-length",
+            "40",
+            "--gen-batch",
+            "8",
+            "--batch-tokens",
+            "256",
+            "--topk",
+            "8",
+            *extra,
+        ]
+    )
 
 
 @pytest.mark.parametrize("arch", ["medusa", "clover", "clover2"])
@@ -54,7 +82,9 @@ def test_each_architecture_trains_and_stays_lossless(setup, arch, capsys):
     assert len(prov["epochs"]) == 2 and prov["data"]["responses"] == "base" and prov["data"]["seed"] == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch-0.pt", "epoch-1.pt"]
     plain = Generator.load(base, "none").generate([3, 20, 21, 4, 5], max_new_tokens=20, ignore_eos=True)
-    fast = Generator.load(base, str(out), tree="chain-3").generate([3, 20, 21, 4, 5], max_new_tokens=20, ignore_eos=True)
+    fast = Generator.load(base, str(out), tree="chain-3").generate(
+        [3, 20, 21, 4, 5], max_new_tokens=20, ignore_eos=True
+    )
     assert fast.token_ids == plain.token_ids
 
 
@@ -86,7 +116,10 @@ def test_init_goes_on_from_given_heads(setup, capsys):
     assert _train(setup, a, "--arch", "clover2", "--epochs", "1", "--num-heads", "2") == 0
     # a learning rate too small to move fp16 weights: the result is the heads training started from
     assert _train(setup, warm, "--init", str(a), "--epochs", "1", "--lr", "1e-12", "--seed", "1") == 0
-    assert _train(setup, fresh, "--arch", "clover2", "--num-heads", "2", "--epochs", "1", "--lr", "1e-12", "--seed", "1") == 0
+    assert (
+        _train(setup, fresh, "--arch", "clover2", "--num-heads", "2", "--epochs", "1", "--lr", "1e-12", "--seed", "1")
+        == 0
+    )
     wa, ww, wf = (load_file(str(d / "heads.safetensors")) for d in (a, warm, fresh))
     assert all(np.array_equal(wa[k], ww[k]) for k in wa)  # --arch and --num-heads came from the --init heads
     assert not all(np.array_equal(wa[k], wf[k]) for k in wa)
@@ -114,8 +147,21 @@ def test_errors_are_one_line_with_exit_code_2(setup, capsys):
     (other / "notes.txt").write_text("mine")
     assert _train(setup, other, "--arch", "medusa") == 2
     assert "not a heads folder" in capsys.readouterr().err
-    assert train_main(["--base", str(base), "--data", str(root / "nope.jsonl"), "--out", str(root / "x"),
-                       "--cache-dir", str(root / "features")]) == 2
+    assert (
+        train_main(
+            [
+                "--base",
+                str(base),
+                "--data",
+                str(root / "nope.jsonl"),
+                "--out",
+                str(root / "x"),
+                "--cache-dir",
+                str(root / "features"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not found" in err[0]
     assert not (root / "x").exists()

@@ -8,15 +8,19 @@ from dataclasses import asdict
 
 import numpy as np
 import pytest
+from helpers import reference_features, tiny_base
+from numerics import assert_stored
 
 from clover.errors import CloverError
 from clover.train.corpus import Conversation, Corpus, GeneratorSpec, PromptSpec, bytes_per_million
 from clover.train.data import prompt_order, split_indices
 from clover.train.features import (
-    FeatureSpec, FeatureWriter, corpus_sequences, corpus_shards_used, features_from_dataset,
+    FeatureSpec,
+    FeatureWriter,
+    corpus_sequences,
+    corpus_shards_used,
+    features_from_dataset,
 )
-from helpers import reference_features, tiny_base
-from numerics import assert_stored
 
 PROMPTS = PromptSpec("file:chats.jsonl", "0123456789abcdef", 30, 0, 0.1, 16)
 GENERATOR = GeneratorSpec("tiny", {"lm_head_sha256": "feedfacefeedface"}, "ort", "float32", 12, (1,), "cafe")
@@ -24,9 +28,15 @@ GENERATOR = GeneratorSpec("tiny", {"lm_head_sha256": "feedfacefeedface"}, "ort",
 
 def conversations(indices, seed=0):
     rng = np.random.default_rng(seed)
-    return [Conversation(i, rng.integers(2, 96, rng.integers(2, 9)).astype(np.int32),
-                         rng.integers(2, 96, rng.integers(1, 13)).astype(np.int32), "length" if i % 3 else "stop")
-            for i in indices]
+    return [
+        Conversation(
+            i,
+            rng.integers(2, 96, rng.integers(2, 9)).astype(np.int32),
+            rng.integers(2, 96, rng.integers(1, 13)).astype(np.int32),
+            "length" if i % 3 else "stop",
+        )
+        for i in indices
+    ]
 
 
 def grown(path, shards=((0, 5), (5, 9))):
@@ -104,7 +114,9 @@ def test_one_writer_stale_temporaries_and_mismatched_settings(tmp_path):
     assert (prov.next_position, prov.skipped, len(prov.shards)) == (5, 2, 1)
     corpus.check_matches(PROMPTS, GENERATOR)
     other = GeneratorSpec("tiny", {"lm_head_sha256": "0000"}, "ort", "int4", 20, (1,), "cafe")
-    with pytest.raises(CloverError, match="grown with other generator: .*weights 'float32' there, 'int4' now.*max_new_tokens"):
+    with pytest.raises(
+        CloverError, match="grown with other generator: .*weights 'float32' there, 'int4' now.*max_new_tokens"
+    ):
         corpus.check_matches(PROMPTS, other)
     with pytest.raises(CloverError, match="already holds a corpus"):
         Corpus.create(tmp_path / "c", PROMPTS, GENERATOR)
@@ -140,7 +152,9 @@ def test_corpora_of_first_turns_only_read_as_turn_1_and_may_take_more_turns(tmp_
     assert old.provenance.prompts.turns == 1  # a check only
     old.continue_with(two, GENERATOR)
     assert old.provenance.prompts == two
-    with pytest.raises(CloverError, match="answers 2 turns per conversation; --turns 1 would shorten .*--turns 2 or more"):
+    with pytest.raises(
+        CloverError, match="answers 2 turns per conversation; --turns 1 would shorten .*--turns 2 or more"
+    ):
         old.check_matches(PROMPTS, GENERATOR)
     with old.writing():
         old.append([dataclasses.replace(c, turn=2) for c in conversations([3, 4], seed=9)], 32, 0)
@@ -171,7 +185,7 @@ def test_corpus_features_are_batched_teacher_forced_passes(tmp_path):
         assert mask.tolist() == [False] * (P - 1) + [True] * (len(ids) - P) + [False]
         hidden, top, p = reference_features(base, ids, spec.topk)
         n = len(ids) - 1
-        assert_stored(cache.arrays["hidden"][s:s + n], hidden[:n])
+        assert_stored(cache.arrays["hidden"][s : s + n], hidden[:n])
         assert not cache.arrays["hidden"][e - 1].any()
         rows = np.flatnonzero(mask)
         assert (cache.arrays["topk_ids"][s + rows] == top[rows].numpy()).mean() > 0.95  # near-ties may swap
@@ -185,16 +199,18 @@ def corpus_spec(path, max_tokens: int, max_length: int = 64, **kw) -> FeatureSpe
 
 def test_shards_used_follow_the_budget_so_growth_keeps_features(tmp_path):
     corpus = grown(tmp_path / "c", shards=((0, 5), (5, 9), (9, 14)))
-    first = sum(min(len(c.prompt) + len(c.response), 64) - len(c.prompt)
-                for c in corpus.read_shard(corpus.provenance.shards[0]))
+    first = sum(
+        min(len(c.prompt) + len(c.response), 64) - len(c.prompt) for c in corpus.read_shard(corpus.provenance.shards[0])
+    )
     spec = corpus_spec(tmp_path / "c", first + 1)
     assert corpus_shards_used(corpus, corpus_spec(tmp_path / "c", 1)) == 1
     assert corpus_shards_used(corpus, spec) >= 2
     assert corpus_shards_used(corpus, corpus_spec(tmp_path / "c", 10**9)) == 3
     # --answer-tokens: each answer's first N tokens only, so the same budget spans more conversations
     cut = list(corpus_sequences(corpus, corpus_spec(tmp_path / "c", 1, answer_tokens=2)))
-    assert [len(ids) for ids, _, _ in cut] == [min(len(c.prompt) + min(len(c.response), 2), 64)
-                                                 for c in corpus.conversations() if len(c.prompt) + 1 < 64]
+    assert [len(ids) for ids, _, _ in cut] == [
+        min(len(c.prompt) + min(len(c.response), 2), 64) for c in corpus.conversations() if len(c.prompt) + 1 < 64
+    ]
     assert all(sum(mask) <= 2 for _, mask, _ in cut)
     assert corpus_shards_used(corpus, dataclasses.replace(spec, answer_tokens=1)) > corpus_shards_used(corpus, spec)
     assert corpus.digest(1) != corpus.digest(2) and corpus.digest(1) == Corpus.open(tmp_path / "c").digest(1)
@@ -224,23 +240,36 @@ def test_skip_tokens_leave_out_the_first_training_answers_and_keep_the_validatio
     writer = FeatureWriter(tmp_path / "f", spec, tiny_base(seed=1).config.hidden_size)
     features_from_dataset(tiny_base(seed=1), corpus_sequences(corpus, spec), writer, spec.budgets)
     cache = writer.finish({})
-    kept = [cache.arrays["tokens"][cache.offsets[i]:cache.offsets[i + 1]].tolist()
-            for i in cache.sequences(validation=False)]
+    kept = [
+        cache.arrays["tokens"][cache.offsets[i] : cache.offsets[i + 1]].tolist()
+        for i in cache.sequences(validation=False)
+    ]
     assert sorted(kept) == sorted(ids for ids, _, _ in later[:2])
 
 
 def test_features_from_an_artifacts_graph(tmp_path, tmp_path_factory):
     """clover-train --features-from: an artifact's base graph on ONNX Runtime computes the features (the graph that
     will serve: int4 there); an fp32 graph gives the torch base's features."""
-    from clover.runtime.ort_backend import load_runner
     from ort_helpers import BASE_SEED, tiny_artifact, tiny_modules
+
+    from clover.runtime.ort_backend import load_runner
 
     corpus = grown(tmp_path / "c")
     base = tiny_modules("clover2")[0]
     assert tiny_base(seed=BASE_SEED).config == base.config
     runner = load_runner(tiny_artifact(tmp_path_factory.getbasetemp(), "clover2"), heads="none")
-    spec = FeatureSpec("feedfacefeedface", str(tmp_path / "c"), "corpus", 10_000, 0, 14, 12, 4, corpus=corpus.digest(),
-                       teacher="ort:0123456789abcdef")
+    spec = FeatureSpec(
+        "feedfacefeedface",
+        str(tmp_path / "c"),
+        "corpus",
+        10_000,
+        0,
+        14,
+        12,
+        4,
+        corpus=corpus.digest(),
+        teacher="ort:0123456789abcdef",
+    )
     assert spec.key() != dataclasses.replace(spec, teacher="").key()  # another teacher, another cache
     writer = FeatureWriter(tmp_path / "f", spec, base.config.hidden_size)
     features_from_dataset(runner, corpus_sequences(corpus, spec), writer, (10_000, 10_000))
@@ -251,7 +280,7 @@ def test_features_from_an_artifacts_graph(tmp_path, tmp_path_factory):
         ids = cache.arrays["tokens"][s:e].tolist()
         hidden, top, p = reference_features(base, ids, spec.topk)
         n = len(ids) - 1
-        assert_stored(cache.arrays["hidden"][s:s + n], hidden[:n])
+        assert_stored(cache.arrays["hidden"][s : s + n], hidden[:n])
         assert not cache.arrays["hidden"][e - 1].any()
         rows = np.flatnonzero(cache.arrays["loss_mask"][s:e])
         assert (cache.arrays["topk_ids"][s + rows] == top[rows].numpy()).mean() > 0.95

@@ -1,12 +1,19 @@
 import json
 
 import pytest
+from helpers import tiny_tokenizer_dir
 
 from clover.errors import CloverError
 from clover.runtime.tokenizer import Tokenizer
-from clover.train.data import (first_turn_prompt, iter_json_array, load_conversations, normalize, split,
-                               tokenize_conversation, turn_prompt)
-from helpers import tiny_tokenizer_dir
+from clover.train.data import (
+    first_turn_prompt,
+    iter_json_array,
+    load_conversations,
+    normalize,
+    split,
+    tokenize_conversation,
+    turn_prompt,
+)
 
 
 def test_truncated_json_array_yields_whole_objects_only():
@@ -18,8 +25,13 @@ def test_truncated_json_array_yields_whole_objects_only():
 
 def test_normalize_sharegpt_and_openai_forms():
     sg = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}
-    oa = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
-                       {"role": "assistant", "content": "hello"}]}
+    oa = {
+        "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+        ]
+    }
     assert normalize(sg) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert normalize(oa)[0] == {"role": "system", "content": "s"}
     assert normalize({"conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "y"}]}) is None
@@ -32,14 +44,32 @@ def test_prompt_files_take_lone_user_turns_and_training_data_does_not(tmp_path):
     lone = {"messages": [{"role": "user", "content": "hi"}]}
     sg = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "hi"}]}
     assert normalize(lone) is None and normalize(sg) is None and normalize({"prompt": "hi"}) is None
-    assert normalize(lone, prompts=True) == normalize({"prompt": "hi"}, prompts=True) == [{"role": "user", "content": "hi"}]
+    assert (
+        normalize(lone, prompts=True)
+        == normalize({"prompt": "hi"}, prompts=True)
+        == [{"role": "user", "content": "hi"}]
+    )
     assert normalize(sg, prompts=True)[-1] == {"role": "user", "content": "hi"}
     # an exchange followed by an unanswered user turn is kept as before (and its turn 2 has no prompt, below)
-    assert normalize({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                                   {"role": "user", "content": "c"}]}, prompts=True)[-1]["content"] == "c"
+    assert (
+        normalize(
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                ]
+            },
+            prompts=True,
+        )[-1]["content"]
+        == "c"
+    )
     f = tmp_path / "prompts.jsonl"
     f.write_text(json.dumps(lone) + "\n" + json.dumps({"prompt": "yo"}) + "\n" + json.dumps({"prompt": " "}) + "\n")
-    assert load_conversations(str(f), prompts=True) == [[{"role": "user", "content": "hi"}], [{"role": "user", "content": "yo"}]]
+    assert load_conversations(str(f), prompts=True) == [
+        [{"role": "user", "content": "hi"}],
+        [{"role": "user", "content": "yo"}],
+    ]
     with pytest.raises(CloverError, match="each with a user turn then an assistant turn"):
         load_conversations(str(f))
     tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "tok"))
@@ -75,8 +105,12 @@ def test_split_is_deterministic_and_disjoint():
 
 def test_assistant_mask_covers_exactly_the_assistant_turns(tmp_path):
     tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path))
-    msgs = [{"role": "user", "content": "w10 w11"}, {"role": "assistant", "content": "w20 w21 w22"},
-            {"role": "user", "content": "w12"}, {"role": "assistant", "content": "w23"}]
+    msgs = [
+        {"role": "user", "content": "w10 w11"},
+        {"role": "assistant", "content": "w20 w21 w22"},
+        {"role": "user", "content": "w12"},
+        {"role": "assistant", "content": "w23"},
+    ]
     ids, mask = tokenize_conversation(tok, msgs, max_length=100)
     assert ids == tok.encode_chat(msgs, add_generation_prompt=False)
     # the template renders "w3 content w4" per message and "w5" as the generation prompt; the tokens

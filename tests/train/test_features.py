@@ -4,20 +4,33 @@ import os
 
 import numpy as np
 import pytest
-import torch
+from helpers import reference_features, tiny_base, tiny_tokenizer_dir
+from numerics import assert_stored
 
 from clover.errors import CloverError
 from clover.runtime.generator import Generator
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
-from clover.train.features import FeatureCache, FeatureSpec, FeatureWriter, features_from_dataset, features_from_generation
-from helpers import reference_features, tiny_base, tiny_tokenizer_dir
-from numerics import assert_stored
+from clover.train.features import (
+    FeatureCache,
+    FeatureSpec,
+    FeatureWriter,
+    features_from_dataset,
+    features_from_generation,
+)
 
 
 def _spec(**kw):
-    args = dict(base_sha256="x", data="test", responses="base", max_tokens=10_000, seed=0, max_length=60,
-                max_new_tokens=20, topk=4)
+    args = dict(
+        base_sha256="x",
+        data="test",
+        responses="base",
+        max_tokens=10_000,
+        seed=0,
+        max_length=60,
+        max_new_tokens=20,
+        topk=4,
+    )
     args.update(kw)
     return FeatureSpec(**args)
 
@@ -29,8 +42,9 @@ def test_continuous_batch_generation_is_greedy_and_features_match_a_full_pass(tm
     spec = _spec()
     writer = FeatureWriter(tmp_path / "cache", spec, base.config.hidden_size)
     # batch 3 < 7 prompts: rows are refilled as sequences finish; EOS ids chosen so some stop early
-    features_from_generation(base, iter([(p, i == 0) for i, p in enumerate(prompts)]), writer, (10_000, 10_000),
-                             eos_ids=(1, 7), batch_size=3)
+    features_from_generation(
+        base, iter([(p, i == 0) for i, p in enumerate(prompts)]), writer, (10_000, 10_000), eos_ids=(1, 7), batch_size=3
+    )
     cache = writer.finish({})
     assert not (tmp_path / "cache").with_name("cache.partial").exists()
     assert cache.meta["num_sequences"] == len(prompts)
@@ -42,18 +56,18 @@ def test_continuous_batch_generation_is_greedy_and_features_match_a_full_pass(tm
         ids = cache.arrays["tokens"][s:e].tolist()
         prompt = next(p for p in prompts if ids[: len(p)] == p)
         found += 1
-        answer = ids[len(prompt):]
+        answer = ids[len(prompt) :]
         ref = gen.generate(prompt, max_new_tokens=spec.max_new_tokens, ignore_eos=True).token_ids
         stop = next((j + 1 for j, t in enumerate(ref) if t in (1, 7)), len(ref))
         assert answer == ref[:stop]  # greedy, cut at the first EOS or the length cap
         hidden, top, p = reference_features(base, ids, spec.topk)
         n = len(ids) - 1  # the final token is never fed: its row is zero
-        assert_stored(cache.arrays["hidden"][s:s + n], hidden[:n])
+        assert_stored(cache.arrays["hidden"][s : s + n], hidden[:n])
         # distributions from the prompt's last position on (earlier prompt rows carry no loss: zeros)
         a = len(prompt) - 1
-        assert not cache.arrays["topk_probs"][s:s + a].any()
-        assert (cache.arrays["topk_ids"][s + a:s + n] == top[a:n].numpy()).mean() > 0.99  # near-ties may swap
-        assert_stored(cache.arrays["topk_probs"][s + a:s + n], p[a:n])
+        assert not cache.arrays["topk_probs"][s : s + a].any()
+        assert (cache.arrays["topk_ids"][s + a : s + n] == top[a:n].numpy()).mean() > 0.99  # near-ties may swap
+        assert_stored(cache.arrays["topk_probs"][s + a : s + n], p[a:n])
         mask = cache.arrays["loss_mask"][s:e]
         assert mask.tolist() == [False] * (len(prompt) - 1) + [True] * len(answer) + [False]
         assert bool(cache.validation[i]) == (prompt == prompts[0])

@@ -3,12 +3,12 @@ logits begin/step produce after accepting x_<=t and drafting along the true cont
 
 import pytest
 import torch
+from helpers import tiny_base
+from numerics import assert_close_paths, chain_reduction
 
 from clover.models.decoder import causal_mask
 from clover.models.head_io import build_heads
 from clover.train.objectives import RECIPES, depth_masks, distill_loss
-from helpers import tiny_base
-from numerics import assert_close_paths, chain_reduction
 
 
 def _random_heads(base, arch, depths):
@@ -37,12 +37,18 @@ def test_teacher_forced_matches_begin_and_step(arch):
         for b in range(2):
             for t in (0, 4, L - 1 - depths):
                 hk, hv = base.empty_cache(1, 0, heads.num_cache_layers)
-                first = heads.begin(hidden[b:b + 1, : t + 1], tokens[b:b + 1, 1: t + 2], torch.arange(t + 1)[None],
-                                    torch.zeros(1, dtype=torch.long), hk, hv)
+                first = heads.begin(
+                    hidden[b : b + 1, : t + 1],
+                    tokens[b : b + 1, 1 : t + 2],
+                    torch.arange(t + 1)[None],
+                    torch.zeros(1, dtype=torch.long),
+                    hk,
+                    hv,
+                )
                 assert_close_paths(tf[0][b, t], first.logits[0], reduction=K)
                 state = first.state
                 for d in range(2, depths + 1):
-                    state, logits = heads.step(d - 1, state, tokens[b:b + 1, t + d])
+                    state, logits = heads.step(d - 1, state, tokens[b : b + 1, t + d])
                     assert_close_paths(tf[d - 1][b, t], logits[0], reduction=K)
 
 
@@ -50,7 +56,11 @@ def test_depth_masks_follow_targets_and_greedy_paths():
     tokens = torch.tensor([[5, 6, 7, 8, 9, 0]])
     # argmax of p_t: x_{t+1} for t = 0, 1, 3 (greedy), not for t = 2
     top = torch.tensor([[6, 7, 1, 9, 0, 0]])
-    batch = {"tokens": tokens, "topk_ids": top[..., None], "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 0]], dtype=torch.bool)}
+    batch = {
+        "tokens": tokens,
+        "topk_ids": top[..., None],
+        "loss_mask": torch.tensor([[0, 1, 1, 1, 1, 0]], dtype=torch.bool),
+    }
     free = depth_masks(batch, 2, greedy_paths_only=False)
     assert free[0].tolist() == [[1, 1, 1, 1, 0, 0]]  # row t has a depth-1 target iff loss_mask[t+1]
     assert free[1].tolist() == [[1, 1, 1, 0, 0, 0]]
@@ -74,8 +84,13 @@ def test_distillation_loss_decreases(arch):
     tokens[:, 1:] = ids[:, :-1, 0]  # a greedy continuation, so clover2's path filter keeps rows
     mask = torch.ones(B, L, dtype=torch.bool)
     mask[:, -1] = False
-    batch = {"tokens": tokens, "hidden": out.hidden_states.half(), "topk_ids": ids.int(), "topk_probs": p.half(),
-             "loss_mask": mask}
+    batch = {
+        "tokens": tokens,
+        "hidden": out.hidden_states.half(),
+        "topk_ids": ids.int(),
+        "topk_probs": p.half(),
+        "loss_mask": mask,
+    }
     opt = torch.optim.Adam(heads.parameters(), lr=3e-3)
     lm = base.lm_head.weight.to(torch.bfloat16)
     first = None
@@ -106,7 +121,13 @@ def test_early_accuracy_counts_each_answers_first_positions(monkeypatch):
     mask = torch.zeros(B, L, dtype=torch.bool)
     mask[0, 2:9] = True  # sequence 0 answers from position 2, sequence 1 from position 5
     mask[1, 5:9] = True
-    batch = {"tokens": tokens, "hidden": out.hidden_states, "topk_ids": ids.int(), "topk_probs": p.half(), "loss_mask": mask}
+    batch = {
+        "tokens": tokens,
+        "hidden": out.hidden_states,
+        "topk_ids": ids.int(),
+        "topk_probs": p.half(),
+        "loss_mask": mask,
+    }
     with torch.no_grad():
         _, stats = distill_loss(heads, batch, 1, RECIPES["medusa"], base.norm, base.lm_head.weight.to(torch.bfloat16))
     st = stats[0]
