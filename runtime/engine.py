@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
-import time
 from collections import deque
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -35,15 +34,18 @@ from clover.runtime.generator import (
     Progress,
     check_prompt_fits,
     check_token_ids,
+    check_token_options,
     choose_tree,
     drafts_label,
     encode_prompt,
     load_backend,
     lookup_length,
+    stop_conditions,
     with_cost,
 )
 from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
-from clover.runtime.output import OutputTracker, StopConditions
+from clover.runtime.output import OutputTracker
+from clover.runtime.processors import LogitsProcessors
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.scheduler import (
     AutoTrees,
@@ -157,10 +159,11 @@ def auto_full_tree(info, drafts: str) -> Tree:
 
 class Engine:
     """Batched, thread-safe generation on one runner (see the module doc). `tree`: "auto" (each step, each
-    sequence's tree sized by its measured acceptance and the verify-cost curve, calibrated at start-up), a
-    fixed tree for every step (a name or Tree), or None (the artifact's default); `max_batch`: sequences
-    decoded at once; `max_waiting`: queued requests beyond those (more raise QueueFull); `prefill_chunk`: prompt
-    rows a joining request adds to one step (a long prompt is prefilled over several steps)."""
+    sequence's tree sized by its measured acceptance and the verify-cost curve, calibrated at start-up or read from
+    the user cache: cost.verify_cost), a fixed tree for every step (a name or Tree), or None (the artifact's
+    default); `max_batch`: sequences decoded at once; `max_waiting`: queued requests beyond those (more raise
+    QueueFull); `prefill_chunk`: prompt rows a joining request adds to one step (a long prompt is prefilled over
+    several steps)."""
 
     def __init__(
         self,
@@ -179,18 +182,16 @@ class Engine:
         self.scheduler = Scheduler(max_batch, max_waiting)
         if tree == AUTO:
             self.tree = auto_full_tree(runner.info, drafts)
-            t0 = time.perf_counter()
-            # up to a full batch of full trees plus a prompt chunk: the rows a step may run
+            # up to a full batch of full trees plus a prompt chunk: the rows a step may run (measured once per
+            # artifact, machine and batch setting, then read from the user cache: cost.verify_cost)
             cost = verify_cost(
                 runner, max(1, min(runner.info.max_context - 40, max_batch * self.tree.num_nodes + prefill_chunk))
             )
             self.policy: AutoTrees | FixedTrees = AutoTrees(self.tree, cost)
             self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts, cost)
             if log is not None:
-                took = time.perf_counter() - t0  # ~0 when this runner's curve was measured before
-                how = f"calibrated in {took:.1f} s" if took >= 0.05 else "measured earlier on this runner"
                 print(
-                    f"tree auto: plain up to {self.tree.name}; verify cost {how}: "
+                    f"tree auto: plain up to {self.tree.name}; verify cost {cost.source}: "
                     + ", ".join(f"{r} rows {m:.1f} ms" for r, m in cost.to_dict()["rows_ms"].items()),
                     file=log,
                 )
@@ -280,13 +281,17 @@ class Engine:
         chat: bool = False,
         ignore_eos: bool = False,
         request_id: str | None = None,
+        stop_token_ids: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> EngineStream:
         """Submit a request; its output arrives through the returned stream. Everything it carries is checked
         here, in the caller's thread, so a bad request fails alone: CloverError at once for bad input (a token id
         outside the vocabulary, a prompt that fills the context, prompt + max_new_tokens past the context, bad
         sampling values), QueueFull when the queue is full, EngineUnavailable once the engine is closed or its loop
         has died. max_new_tokens None: up to the end of the context. request_id: names the request in the engine's
-        log and in an internal failure's message (a server's response id)."""
+        log and in an internal failure's message (a server's response id). stop_token_ids: ids that end the request
+        like EOS. logprobs: every token's log-probability with this many alternatives (0-20), in the deltas and
+        the result (None: none). Penalties, logit_bias and min_tokens come with `sampling`."""
         if not isinstance(sampling, SamplingParams):
             raise CloverError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         info = self.runner.info
@@ -302,11 +307,9 @@ class Engine:
                 f"exceed the model's context of {info.max_context} tokens; ask for at most {room}",
                 param="max_new_tokens",
             )
-        conditions = StopConditions(
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
-            stop_strings=tuple(stop),
-        )
+        room = max_new_tokens if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) else room
+        stop_ids = check_token_options(info.vocab_size, sampling, stop_token_ids, logprobs, room)
+        conditions = stop_conditions(self.tokenizer, max_new_tokens, stop, ignore_eos, stop_ids, sampling.min_tokens)
         out = EngineStream()
         request = Request(
             np.array(ids, dtype=np.int64),
@@ -316,6 +319,8 @@ class Engine:
             out._deliver,
             Progress(len(ids)),
             id=request_id,
+            logprobs=logprobs,
+            token_logprobs=None if logprobs is None else [],
         )
         out._request = request
         self.scheduler.submit(request)  # raises EngineUnavailable once closed or dead (under the scheduler's lock)
@@ -330,10 +335,19 @@ class Engine:
         stop: Sequence[str] = (),
         chat: bool = False,
         ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> GenerationResult:
         """Submit a request and wait for its result."""
         return self.stream(
-            prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat, ignore_eos=ignore_eos
+            prompt,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop=stop,
+            chat=chat,
+            ignore_eos=ignore_eos,
+            stop_token_ids=stop_token_ids,
+            logprobs=logprobs,
         ).wait()
 
     async def agenerate(self, prompt: str | Sequence[int] | list[dict[str, str]], **kwargs: Any) -> GenerationResult:
@@ -395,6 +409,8 @@ class Engine:
                     self.drafts,
                     self.prefill_chunk,
                     lookup_length=self.lookup_length,
+                    processors=LogitsProcessors.of(r.sampling, r.prompt, r.stop.eos_token_ids, runner.info.vocab_size),
+                    logprobs=r.logprobs,
                 )
             except Exception as e:
                 self._fail(r, e)
@@ -419,14 +435,21 @@ class Engine:
         r.progress.add(st)
         if not st.tokens:  # a prompt chunk
             return
+        before = r.tracker.num_tokens
         text = r.tracker.add(st.tokens)
+        if r.token_logprobs is not None and st.logprobs is not None:
+            r.token_logprobs += st.logprobs.entries(r.tracker.text_offsets(before))
         ids = r.tracker.token_ids
         done = r.tracker.finished or r.decoding.full
         if done:
             r.tracker.finish("length")  # only reached with the context full
             text += r.tracker.flush()
         if text or len(ids) > r.sent:
-            r.deliver(StreamDelta(text, tuple(ids[r.sent :])))
+            logprobs = ()
+            if r.token_logprobs is not None:  # those of the tokens whose text is out
+                released = r.tracker.released
+                logprobs, r.logprobs_sent = tuple(r.token_logprobs[r.logprobs_sent : released]), released
+            r.deliver(StreamDelta(text, tuple(ids[r.sent :]), logprobs))
             r.sent = len(ids)
         if done:
             info = self.runner.info
@@ -437,6 +460,7 @@ class Engine:
                     info.backend,
                     drafts_label(self.drafts, info),
                     AUTO if isinstance(self.policy, AutoTrees) else self.tree.name,
+                    r.token_logprobs,
                 ),
             )
 

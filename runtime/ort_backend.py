@@ -34,6 +34,9 @@ uncaptured, said in one line.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -476,6 +479,20 @@ class OrtRunner(GraphRunner):
         )
         self._idle: dict[int, KVCache] = {}  # 2-slot buffers of the batched graph's slot inputs not in a step
         self.two_rows = self.lone_row_differs()
+        self.info = dataclasses.replace(self.info, cost_key=self._cost_key(manifest, use_heads))
+
+    def _cost_key(self, manifest: Manifest, use_heads: bool) -> str | None:
+        """What a verify forward's time depends on besides the machine (the verify-cost cache's key); None on CUDA,
+        whose device the key would not name."""
+        if self.placement.cuda:
+            return None
+        o = self.options
+        digest = hashlib.sha256(json.dumps(manifest.to_dict(), sort_keys=True).encode()).hexdigest()
+        return (
+            f"ort {_ort().__version__}; manifest digest {digest}; heads {use_heads}; "
+            f"batch graph {self.batch is not None}; two rows {self.two_rows}; threads {o.threads}; spin {o.spin}; "
+            f"cache block {o.cache_block}; providers {','.join(self.placement.providers)}"
+        )
 
     def _arrays(self, sessions: Sessions) -> Arrays:
         """Where the runner's tensors live (tests bind torch CPU tensors by address here, as CUDA would)."""

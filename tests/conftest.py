@@ -1,4 +1,10 @@
+import os
+
 import pytest
+
+# The suite measures verify-cost curves afresh (as tests that count forwards expect) and leaves the user's cache
+# alone; tests of the cache turn it on with a folder of their own (tests/runtime/test_cost.py).
+os.environ.setdefault("CLOVER_COST_CACHE", "0")
 
 
 @pytest.fixture(scope="session")

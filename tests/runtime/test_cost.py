@@ -49,3 +49,43 @@ def test_the_calibrated_curve_never_falls():
     curve = calibrate(TorchRunner(tiny_base()), 12, reps=3)
     assert curve.rows.tolist() == [1, 2, 3, 4, 5, 8, 11, 12]
     assert np.all(curve.ms > 0) and np.all(np.diff(curve.ms) >= 0)  # more rows never cost less on the curve
+
+
+def test_engine_loads_read_the_cached_curve_and_a_changed_key_measures_again(tmp_path, monkeypatch):
+    """tree="auto" calibrates once per artifact, machine and batch setting: a second Engine.load reads the curve from
+    the user cache; another thread count, batch size or artifact measures (and caches) its own; the env var turns the
+    cache off."""
+    from ort_helpers import tiny_artifact
+
+    import clover.runtime.cost as cost
+    from clover.runtime.engine import Engine
+
+    artifact = tiny_artifact(tmp_path, "clover2", attention="fused")
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(cost.COST_CACHE_ENV, "1")
+    measured = []
+    real = cost.calibrate
+    monkeypatch.setattr(
+        cost, "calibrate", lambda runner, max_rows, reps=7: measured.append(max_rows) or real(runner, max_rows, 1)
+    )
+
+    def load(**kw):
+        engine = Engine.load(artifact, tree="auto", log=None, **{"max_batch": 2, "threads": 1, **kw})
+        engine.close()
+        return engine.policy.cost
+
+    first = load()
+    assert len(measured) == 1 and "cached in" in first.source
+    files = list((tmp_path / "cache" / "verify-cost").glob("*.json"))
+    assert len(files) == 1
+    second = load()
+    assert len(measured) == 1 and second.source == f"read from {files[0]}"
+    assert second.to_dict()["rows_ms"] == first.to_dict()["rows_ms"]
+    load(threads=2)  # another key: measured and cached beside the first
+    load(max_batch=1)  # (no batched graph; the tiny context caps the rows of larger batches alike)
+    assert len(measured) == 3 and len(list(files[0].parent.glob("*.json"))) == 3
+    files[0].write_text("{not json")  # a damaged entry is measured again and rewritten
+    load()
+    assert len(measured) == 4 and load().source.startswith("read from")
+    monkeypatch.setenv(cost.COST_CACHE_ENV, "0")
+    assert load().source.startswith("calibrated in") and len(measured) == 5
