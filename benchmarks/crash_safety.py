@@ -9,7 +9,7 @@ SIGKILL at uniform random moments of an uninterrupted run's measured duration (s
   - what a killed run leaves (`.tmp-*` / `.old-*` folders beside the artifact, temporary shard and provenance files)
     is gone after the next run.
 Then a kill at each of two windows too narrow for random kills to hit (a real run that SIGKILLs itself just before a
-rename): an export between publish_folder's two renames, and a grow writing a new corpus's first provenance.json.
+rename): an export as publish_folder swaps the artifacts, and a grow writing a new corpus's first provenance.json.
 Then a destination on a device too small for it (a tmpfs; without permission to mount one, a file size limit,
 RLIMIT_FSIZE): the command exits non-zero with one line naming the problem and the fix and no traceback, nothing new
 appears under the final name, and an old artifact or the shards already written stay whole.
@@ -376,14 +376,21 @@ def grow_kills(
 
 # -- kills at the two narrow windows --------------------------------------------------------------------
 
-# Runs a module as `python -m` does, SIGKILLing itself just before the first rename onto a file named argv[1].
+# Runs a module as `python -m` does, SIGKILLing itself just before the first rename (or atomic exchange,
+# clover.atomic.exchange) onto a file named argv[1].
 KILL_BEFORE_RENAME = """import os, runpy, signal, sys
-real, name = os.replace, sys.argv[1]
-def replace(src, dst, *args, **kwargs):
+from clover import atomic
+real, real_exchange, name = os.replace, atomic.exchange, sys.argv[1]
+def kill_if_onto(dst):
     if os.path.basename(os.fspath(dst)) == name:
         os.kill(os.getpid(), signal.SIGKILL)
+def replace(src, dst, *args, **kwargs):
+    kill_if_onto(dst)
     return real(src, dst, *args, **kwargs)
-os.replace = replace
+def exchange(a, b):
+    kill_if_onto(b)
+    return real_exchange(a, b)
+os.replace, atomic.exchange = replace, exchange
 module = sys.argv[2]
 sys.argv = [module] + sys.argv[3:]
 runpy.run_module(module, run_name="__main__", alter_sys=True)
@@ -396,8 +403,10 @@ def killed_before_rename(name: str, argv: list[str]) -> Outcome:
 
 
 def kill_between_renames(refs: Exports, folder: Path) -> dict:
-    """An export over an artifact killed between publish_folder's two renames (the old artifact moved aside, the new
-    one not yet in place), then what the next export does first (clover.atomic.sweep_stale), then the next export."""
+    """An export over an artifact killed as it publishes: just before its atomic exchange of the new artifact with
+    the old one (Linux), or where the system has no exchange, between its two renames (the old artifact moved aside,
+    the new one not yet in place); then what the next export does first (clover.atomic.sweep_stale), then the next
+    export."""
     from clover import atomic
 
     dest = folder / "art"
@@ -410,7 +419,7 @@ def kill_between_renames(refs: Exports, folder: Path) -> dict:
     completed(export_argv(refs.base, dest, refs.variants[0]))
     after = artifact_state(dest, known)[0], beside(dest)
     return {
-        "case": "clover-export killed between its two renames",
+        "case": "clover-export killed as it publishes (before its exchange, or between its two renames)",
         "returncode": out.returncode,
         "after_kill": f"{killed[0]}; beside it: {', '.join(killed[1]) or '-'}",
         "after_sweep": f"{swept[0]}; beside it: {', '.join(swept[1]) or '-'}",

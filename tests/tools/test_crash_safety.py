@@ -57,11 +57,20 @@ def test_grow_killed_at_random_moments_keeps_every_shard_whole(cs, answering, tm
     assert r["answers_equal_uninterrupted"] and r["compared_answers"] == r["next_run"]["answers"] > 0, r
 
 
-def test_export_killed_between_its_two_renames_gets_the_old_artifact_back(cs, refs, tmp_path):
-    """The old artifact is moved aside, the new one not yet in place: the next export's sweep moves the old one back
-    (it used to delete it with the staging folders)."""
-    w = cs.kill_between_renames(refs, tmp_path)
-    assert w["returncode"] == -9 and w["after_kill"].startswith("absent; beside it: .old-art-"), w
+def test_export_killed_as_it_publishes_leaves_the_old_artifact(cs, refs, tmp_path):
+    """Killed at the publishing step: with an atomic exchange (Linux) the old artifact is still under its name; without
+    one the old artifact was moved aside and the next export's sweep moves it back (it used to delete it with the
+    staging folders)."""
+    from clover import atomic
+
+    probe = [tmp_path / "probe" / "a", tmp_path / "probe" / "b"]
+    for p in probe:
+        p.mkdir(parents=True)
+    swaps = atomic.exchange(*probe)
+    (tmp_path / "export").mkdir()
+    w = cs.kill_between_renames(refs, tmp_path / "export")
+    after_kill = "old; beside it: .tmp-art-" if swaps else "absent; beside it: .old-art-"
+    assert w["returncode"] == -9 and w["after_kill"].startswith(after_kill), w
     assert w["passed"], w
 
 
