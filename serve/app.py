@@ -100,11 +100,13 @@ def create_app(
     limits: RequestLimits = RequestLimits(),
     docs: bool = True,
     metrics_need_key: bool = False,
+    metrics: Metrics | None = None,
 ) -> FastAPI:
     """The app serving `engine` as model `model`; with `api_key`, /v1 routes (and /metrics with `metrics_need_key`)
     need `Authorization: Bearer KEY`. warmup: /health turns 200 after one short request has run (False: at once).
-    limits: what one request may ask. docs: serve /docs, /redoc and /openapi.json."""
-    metrics = Metrics(engine)
+    limits: what one request may ask. docs: serve /docs, /redoc and /openapi.json. metrics: the engine's Metrics
+    (default: new ones; a Ray Serve replica passes its own, labelled)."""
+    metrics = metrics or Metrics(engine)
     context = engine.runner.info.max_context
 
     @contextlib.asynccontextmanager

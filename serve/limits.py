@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 from clover.errors import CloverError
 from clover.serve.schemas import error_body
@@ -93,6 +94,17 @@ class RequestLimits:
             raise CloverError(
                 "ignore_eos is off on this server (clover-serve --allow-ignore-eos turns it on)", param="ignore_eos"
             )
+
+
+def read_api_key_file(path: Path, flag: str = "--api-key-file") -> str:
+    """The API key on the first line of `path` (a one-line CloverError naming `flag` if unreadable or empty)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise CloverError(f"{flag} {path}: cannot read it ({e.strerror})") from None
+    if not lines or not lines[0].strip():
+        raise CloverError(f"{flag} {path} is empty: put the key on its first line")
+    return lines[0].strip()
 
 
 class RequestGuard:

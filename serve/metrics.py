@@ -6,7 +6,10 @@ own registry, so several apps can live in one process (tests).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from clover.runtime.generator import GenerationResult
 
@@ -15,8 +18,12 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5
 
 
 class Metrics:
-    def __init__(self, engine) -> None:
+    """labels: added to every series (a Ray Serve replica's `replica`); `registry` is what /metrics exposes."""
+
+    def __init__(self, engine, labels: Mapping[str, str] | None = None) -> None:
         self.registry = r = CollectorRegistry()
+        if labels:
+            self.registry = ConstantLabels(r, labels)
         p = PREFIX
         self.drafts = Counter(p + "spec_decode_num_drafts", "Verify steps that checked drafted tokens", registry=r)
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r)
@@ -76,3 +83,15 @@ class Metrics:
             for _ in range(min(emitted, left)):
                 self.itl.observe(seconds / emitted)
             left -= min(emitted, left)
+
+
+class ConstantLabels:
+    """A registry's series with the same labels added to each (prometheus_client has no constant labels)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str]) -> None:
+        self.inner, self.labels = registry, dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            family.samples = [s._replace(labels={**self.labels, **s.labels}) for s in family.samples]
+            yield family

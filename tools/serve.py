@@ -2,6 +2,8 @@
 
     clover-serve --artifact DIR | --demo [--backend ort|trt] [--host 127.0.0.1] [--port 8000] [--max-batch N]
                  [--tree auto|NAME] [--providers cuda,cpu] [--api-key KEY] [--model NAME]
+    clover-serve ... --ray [--replicas N | --autoscale MIN:MAX] [--threads-per-replica T] [--address auto|HOST:PORT]
+    clover-serve ... --ray --print-config > config.yaml      (then: serve deploy config.yaml)
 
 SIGTERM or SIGINT stops accepting connections, lets in-flight requests finish (at most --drain-seconds), and
 exits 0.
@@ -153,7 +155,83 @@ def build_parser() -> argparse.ArgumentParser:
         help="honour vLLM's ignore_eos extension (requests run to "
         "max_tokens past end-of-sequence; for load tests); off: such requests get 400",
     )
+    ray = p.add_argument_group(
+        "Ray Serve",
+        "scale out: replicas of this server, each with its own engine, behind Ray Serve's HTTP proxy on "
+        "--host/--port (the ray extra; docs/serving.md)",
+    )
+    ray.add_argument(
+        "--ray", action="store_true", help="serve through Ray Serve (starts a local cluster, or --address)"
+    )
+    ray.add_argument("--replicas", type=int, default=None, metavar="N", help="replicas (default 1)")
+    ray.add_argument(
+        "--autoscale", default=None, metavar="MIN:MAX", help="autoscale between MIN and MAX replicas instead"
+    )
+    ray.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=None,
+        metavar="N",
+        help="with --autoscale: requests per replica Serve scales to (default: --max-batch)",
+    )
+    ray.add_argument(
+        "--threads-per-replica",
+        type=int,
+        default=None,
+        metavar="T",
+        help="ONNX Runtime threads of each replica, and the CPUs Ray reserves for it (default: --threads, else 1)",
+    )
+    ray.add_argument(
+        "--address",
+        default=None,
+        metavar="auto|HOST:PORT",
+        help="join this Ray cluster (auto, or the head's HOST:PORT) instead of starting a local one",
+    )
+    ray.add_argument(
+        "--print-config",
+        action="store_true",
+        help="write a Ray Serve config YAML with these options (for `serve deploy` on a cluster) and exit",
+    )
     return p
+
+
+RAY_FLAGS = ("replicas", "autoscale", "target_ongoing_requests", "threads_per_replica", "address", "print_config")
+
+
+def ray_options(args: argparse.Namespace, limits, model: str | None):
+    """clover-serve --ray's flags as RayServeOptions."""
+    from clover.serve.ray import RayServeOptions
+
+    if args.replicas is not None and args.autoscale is not None:
+        raise CloverError("--replicas and --autoscale exclude each other: a fixed number, or MIN:MAX")
+    autoscale = None
+    if args.autoscale is not None:
+        try:
+            autoscale = tuple(int(n) for n in args.autoscale.split(":"))
+        except ValueError:
+            autoscale = ()
+        if len(autoscale) != 2:
+            raise CloverError(f"--autoscale must be MIN:MAX (e.g. 1:4), got {args.autoscale!r}")
+    return RayServeOptions(
+        artifact=str(args.artifact),
+        model=model,
+        backend=args.backend,
+        tree=args.tree,
+        max_batch=args.max_batch,
+        max_waiting=args.max_waiting,
+        threads=args.threads_per_replica or args.threads or 1,
+        providers=args.providers,
+        replicas=args.replicas or 1,
+        autoscale=autoscale,
+        target_ongoing_requests=args.target_ongoing_requests,
+        api_key=None if args.print_config else (args.api_key or None),
+        api_key_file=str(args.api_key_file.resolve()) if args.api_key_file else None,
+        metrics_need_key=args.metrics_need_key,
+        docs=not args.disable_docs,
+        limits=limits,
+        manifest_sha256=args.manifest_sha256,
+        drain_seconds=args.drain_seconds,
+    )
 
 
 def serve(app, host: str, port: int, drain_seconds: float, ready=None) -> None:
@@ -194,6 +272,9 @@ def run(args: argparse.Namespace) -> int:
     from clover.runtime.engine import Engine
     from clover.serve.app import create_app
 
+    given = [f"--{f.replace('_', '-')}" for f in RAY_FLAGS if getattr(args, f) not in (None, False)]
+    if given and not args.ray:
+        raise CloverError(f"{given[0]} is an option of clover-serve --ray (Ray Serve): add --ray, or drop it")
     if args.demo:
         from clover.tools.demo import demo_artifact
 
@@ -202,7 +283,7 @@ def run(args: argparse.Namespace) -> int:
         raise CloverError(f"--port must be in 1..65535, got {args.port}")
     if args.drain_seconds < 0:
         raise CloverError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
-    from clover.serve.limits import RequestLimits
+    from clover.serve.limits import RequestLimits, read_api_key_file
 
     limits = RequestLimits(
         args.max_stop_strings,
@@ -216,13 +297,25 @@ def run(args: argparse.Namespace) -> int:
         args.max_prompt_chars,
     )  # before minutes of loading
     if args.api_key_file is not None:
-        try:
-            lines = args.api_key_file.read_text().splitlines()
-        except OSError as e:
-            raise CloverError(f"--api-key-file {args.api_key_file}: cannot read it ({e.strerror})") from None
-        if not lines or not lines[0].strip():
-            raise CloverError(f"--api-key-file {args.api_key_file} is empty: put the key on its first line")
-        args.api_key = lines[0].strip()
+        args.api_key = read_api_key_file(args.api_key_file)
+    if args.ray:
+        from clover.serve.ray import config_yaml, serve_on_ray
+
+        options = ray_options(args, limits, args.model or (DEMO_MODEL if args.demo else None))
+        if args.print_config:
+            if args.api_key and not args.api_key_file:
+                print(
+                    "clover-serve: the API key is not written to the config: pass --api-key-file PATH (a file on "
+                    "every node), or set CLOVER_API_KEY in the replicas' environment",
+                    file=sys.stderr,
+                )
+            sys.stdout.write(config_yaml(options, args.host, args.port))
+            return 0
+        if args.address is None:  # a local cluster: fail now rather than in every replica
+            read_manifest(args.artifact)
+            if args.manifest_sha256 is not None:
+                check_pin(args.artifact, args.manifest_sha256)
+        return serve_on_ray(options, args.host, args.port, args.address)
     if args.manifest_sha256 is not None:
         check_pin(args.artifact, args.manifest_sha256)
     backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
