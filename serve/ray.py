@@ -47,6 +47,7 @@ DEPLOYMENT = "CloverServer"
 BOARD = "MetricsBoard"
 IMPORT_PATH = "clover.serve.ray:build_app"
 RAY_EXTRA = "pip install 'clover-deploy[ray]'"
+BOARD_TIMEOUT_S = 2.0  # a call to the metrics board (restarting, or deleted with the application) gives up after this
 
 
 @dataclass(frozen=True)
@@ -340,8 +341,8 @@ def _deployments():
 
             async def every_replica() -> bytes:
                 try:
-                    texts = await self.board.fresh.remote(max_age)
-                except Exception:  # the board restarting: this replica's own series still answer
+                    texts = await asyncio.wait_for(self.board.fresh.remote(max_age), BOARD_TIMEOUT_S)
+                except Exception:  # the board restarting or gone: this replica's own series still answer
                     texts = {}
                 return merge_metrics({**texts, self.replica: own()}.values())
 
@@ -350,7 +351,7 @@ def _deployments():
             async def publish() -> None:
                 while True:
                     try:
-                        await self.board.put.remote(self.replica, own())
+                        await asyncio.wait_for(self.board.put.remote(self.replica, own()), BOARD_TIMEOUT_S)
                     except Exception:  # the board is restarting: publish again at the next tick
                         pass
                     await asyncio.sleep(o.metrics_publish_s)
@@ -366,8 +367,8 @@ def _deployments():
             if self.publisher is not None:
                 self.publisher.cancel()
             try:
-                await self.board.drop.remote(self.replica)
-            except Exception:
+                await asyncio.wait_for(self.board.drop.remote(self.replica), BOARD_TIMEOUT_S)
+            except Exception:  # the board is being deleted with the application: its entry goes with it
                 pass
             # Serve stopped routing here and waited (drain_seconds) for this replica's requests: let what is left
             # finish, in a thread (the event loop must go on delivering their last tokens)
