@@ -133,7 +133,8 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        if self.key is not None and scope["path"].startswith(self.keyed):
+        path = _route(scope)
+        if self.key is not None and path.startswith(self.keyed):
             if not secrets.compare_digest(headers.get(b"authorization", b""), self.key):
                 return await _refuse(
                     send,
@@ -146,7 +147,7 @@ class RequestGuard:
         length = headers.get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
             return await _refuse(send, 413, self._too_large(), "invalid_request_error", "request_too_large")
-        if not scope["path"].startswith("/v1"):
+        if not path.startswith("/v1"):
             return await self._pass(scope, receive, send)
         if self.max_concurrent is not None and self.in_flight >= self.max_concurrent:
             return await _refuse(
@@ -193,6 +194,13 @@ class RequestGuard:
 
     def _too_large(self) -> str:
         return f"the request body is over {self.max_body_bytes} bytes (clover-serve --max-body-bytes)"
+
+
+def _route(scope) -> str:
+    """The request's path inside the app: without the prefix the app is mounted at (`root_path`, which ASGI servers
+    and Ray Serve's route prefixes put in front of `path`)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
 
 
 async def _refuse(

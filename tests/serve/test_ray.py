@@ -194,6 +194,23 @@ def test_bad_requests_get_the_single_process_servers_status_and_body(cluster, ar
         engine.close()
 
 
+def test_an_app_under_a_route_prefix_checks_the_api_key_and_answers(cluster, artifact, solo):
+    """Serve mounts an application under its route prefix (ASGI root_path): the key is still required on /v1."""
+    serve.run(application(options(artifact, replicas=1, api_key="sesame")), name="keyed", route_prefix="/keyed")
+    base = cluster.removesuffix("/v1") + "/keyed/v1"
+    try:
+        r = httpx.post(base + "/chat/completions", json={"model": MODEL, "messages": []}, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        c = openai.OpenAI(base_url=base, api_key="sesame", max_retries=0)
+        assert [m.id for m in c.models.list().data] == [MODEL]
+        r = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], temperature=0, max_tokens=MAX_TOKENS
+        )
+        assert r.choices[0].message.content == solo(PROMPTS[0])
+    finally:
+        serve.delete("keyed")
+
+
 def replica_actors() -> list[str]:
     return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if f"#{DEPLOYMENT}#" in a["name"])
 
