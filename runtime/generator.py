@@ -21,9 +21,11 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, RunnerInfo, backend_module
 from clover.runtime.cost import DraftConfidence, VerifyCost, verify_cost
+from clover.runtime.logprobs import TokenLogprob, check_logprobs
 from clover.runtime.lookup import LookupLength
 from clover.runtime.loop import DRAFT_SOURCES, LOOKUP_DRAFTS, PLAIN, Step, chain, speculative_steps
 from clover.runtime.output import OutputTracker, StopConditions
+from clover.runtime.processors import LogitsProcessors
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import DynamicTree, Tree, default_tree, dynamic_tree, resolve_tree
@@ -55,6 +57,8 @@ class GenerationResult:
     drafted_tokens: int = 0  # drafted tokens verified, over all steps
     accepted_tokens: int = 0  # drafted tokens accepted (tokens emitted minus one bonus token per step)
     draft_steps: int = 0  # verify steps that checked drafted tokens (plain steps draft none)
+    # one per token of token_ids when the request asked for log-probabilities (runtime/logprobs.py), else None
+    logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -151,6 +155,53 @@ def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
             )
 
 
+def check_token_options(
+    vocab_size: int, sampling: SamplingParams, stop_token_ids: Sequence[int], logprobs: int | None, room: int
+) -> tuple[int, ...]:
+    """A request's token-level options against the model (CloverError with the param at fault): logit_bias keys
+    and stop_token_ids in the vocabulary, logprobs None or 0..20, min_tokens at most `room` (the tokens the request
+    may generate). Returns the stop-token ids as a tuple."""
+    if not isinstance(sampling, SamplingParams):
+        raise CloverError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    check_logprobs(logprobs)
+    if isinstance(stop_token_ids, (str, bytes)):
+        raise CloverError(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}", param="stop_token_ids")
+    ids = tuple(stop_token_ids)
+    for what, tokens in (("stop_token_ids", ids), ("logit_bias", [t for t, _ in sampling.logit_bias])):
+        for t in tokens:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
+                raise CloverError(
+                    f"{what}: {t!r} is not a token id of this model: ids are ints from 0 to {vocab_size - 1}",
+                    param=what,
+                )
+    if sampling.min_tokens > room:
+        raise CloverError(
+            f"min_tokens is {sampling.min_tokens} but at most {room} tokens may be generated (max_tokens, or what "
+            "the context leaves)",
+            param="min_tokens",
+        )
+    return tuple(int(t) for t in ids)
+
+
+def stop_conditions(
+    tokenizer: Tokenizer,
+    max_new_tokens: int,
+    stop: Sequence[str],
+    ignore_eos: bool,
+    stop_token_ids: Sequence[int],
+    min_tokens: int,
+) -> StopConditions:
+    """When a request ends: the EOS ids (none with ignore_eos) and the stop-token ids end it like EOS (kept in
+    token_ids, no text), stop strings cut its text, and neither ends it before min_tokens."""
+    eos = () if ignore_eos else tokenizer.eos_token_ids
+    return StopConditions(
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=tuple(dict.fromkeys((*eos, *stop_token_ids))),
+        stop_strings=tuple(stop),
+        min_tokens=min_tokens,
+    )
+
+
 def check_prompt_fits(ids: Sequence[int], context: int) -> None:
     if len(ids) >= context:
         raise CloverError(
@@ -218,7 +269,14 @@ class Progress:
             self.draft_steps += step.tree_nodes > 1
             self.step_seconds.append(step.wall)
 
-    def result(self, tracker: OutputTracker, backend: str, heads: str, tree: str) -> GenerationResult:
+    def result(
+        self,
+        tracker: OutputTracker,
+        backend: str,
+        heads: str,
+        tree: str,
+        logprobs: list[TokenLogprob] | None = None,
+    ) -> GenerationResult:
         seconds = time.perf_counter() - self.start
         n, acc = tracker.num_tokens, self.accepted
         return GenerationResult(
@@ -241,6 +299,7 @@ class Progress:
             drafted_tokens=self.drafted,
             accepted_tokens=sum(acc) - len(acc),
             draft_steps=self.draft_steps,
+            logprobs=logprobs,
         )
 
 
@@ -286,9 +345,18 @@ class Generator:
         stop: Sequence[str] = (),
         chat: bool = False,
         ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> GenerationResult:
         stream = self.stream(
-            prompt, max_new_tokens=max_new_tokens, sampling=sampling, stop=stop, chat=chat, ignore_eos=ignore_eos
+            prompt,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            stop=stop,
+            chat=chat,
+            ignore_eos=ignore_eos,
+            stop_token_ids=stop_token_ids,
+            logprobs=logprobs,
         )
         for _ in stream:
             pass
@@ -303,22 +371,34 @@ class Generator:
         stop: Sequence[str] = (),
         chat: bool = False,
         ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        logprobs: int | None = None,
     ) -> GenerationStream:
-        """An iterator of text deltas; its `.result` is set once it is exhausted."""
+        """An iterator of text deltas; its `.result` is set once it is exhausted. stop_token_ids: ids that end
+        generation like EOS; logprobs: each token's log-probability with this many alternatives (0-20) in
+        `result.logprobs` (None: none). Penalties, logit_bias and min_tokens come with `sampling`."""
+        info = self.runner.info
         ids = self.encode_prompt(prompt, chat)
-        check_token_ids(ids, self.runner.info.vocab_size)
-        check_prompt_fits(ids, self.runner.info.max_context)
-        conditions = StopConditions(
-            max_new_tokens=max_new_tokens,
-            eos_token_ids=() if ignore_eos else self.tokenizer.eos_token_ids,
-            stop_strings=tuple(stop),
-        )
-        return GenerationStream(self, ids, conditions, sampling)
+        check_token_ids(ids, info.vocab_size)
+        check_prompt_fits(ids, info.max_context)
+        room = info.max_context - len(ids)
+        if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
+            room = min(room, max_new_tokens)
+        stop_ids = check_token_options(info.vocab_size, sampling, stop_token_ids, logprobs, room)
+        conditions = stop_conditions(self.tokenizer, max_new_tokens, stop, ignore_eos, stop_ids, sampling.min_tokens)
+        return GenerationStream(self, ids, conditions, sampling, logprobs)
 
 
 class GenerationStream:
-    def __init__(self, gen: Generator, ids: list[int], stop: StopConditions, sampling: SamplingParams):
-        self._gen, self._ids, self._stop, self._sampling = gen, ids, stop, sampling
+    def __init__(
+        self,
+        gen: Generator,
+        ids: list[int],
+        stop: StopConditions,
+        sampling: SamplingParams,
+        logprobs: int | None = None,
+    ):
+        self._gen, self._ids, self._stop, self._sampling, self._logprobs = gen, ids, stop, sampling, logprobs
         self.result: GenerationResult | None = None
         self._it = self._run()
 
@@ -334,18 +414,26 @@ class GenerationStream:
         progress = Progress(len(self._ids))
         rng = np.random.default_rng(self._sampling.seed)
         capacity = min(runner.info.max_context, len(self._ids) + self._stop.max_new_tokens + gen.tree.num_nodes)
+        prompt = np.array(self._ids, dtype=np.int64)
+        processors = LogitsProcessors.of(self._sampling, prompt, self._stop.eos_token_ids, runner.info.vocab_size)
+        logprobs: list[TokenLogprob] | None = None if self._logprobs is None else []
         for step in speculative_steps(
             runner,
-            np.array(self._ids, dtype=np.int64),
+            prompt,
             gen.tree,
             self._sampling,
             rng,
             capacity,
             gen.drafts,
             gen.lookup_length,
+            processors,
+            self._logprobs,
         ):
             progress.add(step)
+            before = tracker.num_tokens
             delta = tracker.add(step.tokens)
+            if logprobs is not None and step.logprobs is not None:
+                logprobs += step.logprobs.entries(tracker.text_offsets(before))
             if delta:
                 yield delta
             if tracker.finished:
@@ -355,5 +443,5 @@ class GenerationStream:
         if tail:
             yield tail
         self.result = progress.result(
-            tracker, runner.info.backend, drafts_label(gen.drafts, runner.info), gen.tree.name
+            tracker, runner.info.backend, drafts_label(gen.drafts, runner.info), gen.tree.name, logprobs
         )

@@ -20,7 +20,9 @@ import numpy as np
 
 from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
 from clover.runtime.backend import Runner, Slot, Verify
+from clover.runtime.logprobs import StepLogprobs, token_logprobs
 from clover.runtime.lookup import LookupLength, PromptLookup
+from clover.runtime.processors import LogitsProcessors
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_without_replacement, topk_tokens
 from clover.runtime.tree import DynamicTree, Tree, compile_tree, resolve_tree
 
@@ -57,6 +59,7 @@ class Step:
     # engine's own calls (absent where the backend cannot tell); the rest of the step is host time.
     seconds: dict[str, float] = field(default_factory=dict)
     error: BaseException | None = None  # step(isolate=True): this sequence's part failed (it emitted nothing)
+    logprobs: StepLogprobs | None = None  # the emitted tokens' log-probabilities, when the sequence asks for them
 
     @property
     def wall(self) -> float:
@@ -308,8 +311,17 @@ def merge_lookup(tree: Tree, draft: Draft, proposal: np.ndarray, chains_only: bo
 
 
 def accept(
-    tree: Tree, draft: Draft, logits: np.ndarray, sampling: SamplingParams, rng: np.random.Generator
+    tree: Tree,
+    draft: Draft,
+    logits: np.ndarray,
+    sampling: SamplingParams,
+    rng: np.random.Generator,
+    processors: LogitsProcessors | None = None,
 ) -> Acceptance:
+    """Verify one drafted tree on its logits rows [T, V]: each row adjusted by `processors` with its own path's
+    history first (runtime/processors.py), then greedy or rejection sampling."""
+    if processors is not None:
+        logits = processors.apply(logits, tree, draft.tokens)
     if sampling.greedy:
         return accept_greedy(tree, draft.tokens, logits)
     target = probs_from_logits(logits, sampling)
@@ -338,6 +350,8 @@ class Decoding:
     lookup: PromptLookup | None = None
     # how many of each lookup proposal to verify (shared by the runner's sequences); None: all of it
     lookup_length: LookupLength | None = None
+    processors: LogitsProcessors | None = None  # this request's logits processors (None: none, no work)
+    logprobs: int | None = None  # alternatives per emitted token's log-probability (None: no log-probabilities)
 
     @property
     def prefilling(self) -> bool:
@@ -392,7 +406,7 @@ def step(
     for i, (d, p) in enumerate(zip(batch, planned)):
         if errors[i] is None and p.tree is not None:
             try:
-                accepted[i] = accept(p.tree, p.draft, logits[i], d.sampling, d.rng)
+                accepted[i] = accept(p.tree, p.draft, logits[i], d.sampling, d.rng, d.processors)
             except Exception as e:
                 errors[i] = e
     t3 = clock()
@@ -492,12 +506,16 @@ def _committed(runner: Runner, d: Decoding, p: _Planned, acc: Acceptance | None,
         d.tree.confidence.observe(dr.confidence[1:], np.isin(np.arange(1, t.num_nodes), acc.path))
     emitted = [int(x) for x in dr.tokens[acc.accepted_nodes]] + [acc.bonus_token]
     runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
+    if d.processors is not None:
+        d.processors.extend(emitted)
     if d.lookup is not None:
         d.lookup.extend(emitted)
     if p.proposal is not None:
         d.lookup_length.observe(*p.proposal, emitted)
     d.root = acc.bonus_token
     st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=p.draft_seconds)
+    if d.logprobs is not None:  # emitted token k was drawn from row path[k]: the accepted path's rows, in order
+        st.logprobs = token_logprobs(logits[acc.path], emitted, d.logprobs)
     if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
         in_heads = dr.heads[acc.path]
         st.heads_tree, st.heads_path = dr.heads_tree, in_heads[in_heads >= 0]
@@ -520,15 +538,22 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     if d.prefilling:
         runner.commit(np.arange(n), d.prompt[start + 1 : start + n + 1], slot=d.slot)
         return Step([], 0, rows=n)
-    first = accept(PLAIN, Draft(chunk[-1:], np.ones(1, bool), None), logits, d.sampling, d.rng).bonus_token
+    first = accept(
+        PLAIN, Draft(chunk[-1:], np.ones(1, bool), None), logits, d.sampling, d.rng, d.processors
+    ).bonus_token
     runner.commit(np.arange(n), np.append(d.prompt[start + 1 :], first), slot=d.slot)
     d.root = first
+    if d.processors is not None:
+        d.processors.extend([first])
     d.lookup = (
         PromptLookup(list(d.prompt) + [first], store=runner.info.ngram_store)
         if d.drafts in ("lookup", "heads+lookup")
         else None
     )
-    return Step([first], 1, rows=n)
+    st = Step([first], 1, rows=n)
+    if d.logprobs is not None:  # the prompt's last row
+        st.logprobs = token_logprobs(logits[-1:], [first], d.logprobs)
+    return st
 
 
 def speculative_steps(
@@ -540,14 +565,25 @@ def speculative_steps(
     capacity: int,
     drafts: str = "heads",
     lookup_length: LookupLength | None = None,
+    processors: LogitsProcessors | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[Step]:
     """One sequence (the runner's solo slot): yield the tokens of each step until the sequence is full; the
     caller stops iterating when done. drafts: "heads" (the runner's draft heads fill `tree`) or "lookup"
     (prompt lookup; `tree` is a chain whose depth caps the drafts per step); `lookup_length`: how much of each
-    lookup proposal to verify (None: all)."""
+    lookup proposal to verify (None: all); `processors`: the request's logits processors; `logprobs`: each step's
+    tokens' log-probabilities with this many alternatives (None: none)."""
     runner.reset(capacity)
     d = Decoding(
-        runner.solo, np.asarray(prompt, dtype=np.int64), tree, sampling, rng, drafts, lookup_length=lookup_length
+        runner.solo,
+        np.asarray(prompt, dtype=np.int64),
+        tree,
+        sampling,
+        rng,
+        drafts,
+        lookup_length=lookup_length,
+        processors=processors,
+        logprobs=logprobs,
     )
     while not d.full:
         for st in step(runner, [d]):

@@ -14,6 +14,7 @@ byte-level BPE and for SentencePiece's leading-space tokens, and costs O(window)
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,11 +32,14 @@ class StopConditions:
         max_new_tokens: at most this many generated tokens (EOS included); finish reason "length".
         eos_token_ids: ids that end generation; the EOS token is kept but adds no text; reason "stop".
         stop_strings: texts that end generation; the text ends right before the first one; reason "stop".
+        min_tokens: stop strings are matched only from this many generated tokens on (a stop string completed by
+            an earlier token does not end generation); the engine masks the EOS ids until then (processors.py).
     """
 
     max_new_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -56,6 +60,8 @@ class StopConditions:
                 raise CloverError(
                     f"stop strings should be non-empty strings, got {s!r} in {stop_strings!r}", param="stop"
                 )
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise CloverError(f"min_tokens should be an int >= 0, got {self.min_tokens!r}", param="min_tokens")
         eos_token_ids = tuple(self.eos_token_ids)
         for i in eos_token_ids:
             if isinstance(i, bool) or not isinstance(i, int) or i < 0:
@@ -86,6 +92,10 @@ class OutputTracker:
         self._emitted = 0  # characters of text returned so far
         self._finish_reason: str | None = None
         self._flushed = False
+        # per token: where its text starts, and the text length it needs out before it counts as released (its
+        # text complete; a token ending in an incomplete character needs that character out)
+        self._starts: list[int] = []
+        self._ends: list[int] = []
 
     # ---------------------------------------------------------------------------------- public
 
@@ -97,6 +107,18 @@ class OutputTracker:
     @property
     def num_tokens(self) -> int:
         return len(self._ids)
+
+    def text_offsets(self, start: int = 0) -> list[int]:
+        """Where the text of each kept token from `start` on begins in the generated text (characters, counted
+        before any stop-string cut; a token that completes a character begins where that character does)."""
+        return self._starts[start:]
+
+    @property
+    def released(self) -> int:
+        """How many tokens have their text out: every token once finished; before, those whose text (and any
+        incomplete character they end in) lies within the text returned so far. A stream sends a token's
+        log-probability with the text that shows it."""
+        return len(self._ids) if self.finished else bisect.bisect_right(self._ends, self._emitted)
 
     @property
     def text(self) -> str:
@@ -159,16 +181,23 @@ class OutputTracker:
 
     def _add_one(self, token_id: int) -> None:
         self._ids.append(token_id)
+        scan_from = len(self._stable)  # everything before this was searched already
+        self._starts.append(self._complete_end())
         if token_id in self._eos:
+            self._ends.append(self._complete_end() + bool(self._pending))
             self._finish_reason = "stop"
             return
-        scan_from = len(self._stable)  # everything before this was searched already
         self._detokenize(token_id)
-        if self._max_stop_len and self._find_stop(scan_from):
+        self._ends.append(self._complete_end() + bool(self._pending))  # an incomplete character: it must be out
+        if self._max_stop_len and len(self._ids) >= self._stop.min_tokens and self._find_stop(scan_from):
             self._finish_reason = "stop"
             return
         if len(self._ids) >= self._stop.max_new_tokens:
             self._finish_reason = "length"
+
+    def _complete_end(self) -> int:
+        """Where the complete characters end: the stable text and the whole ones of the pending text."""
+        return len(self._stable) + len(self._pending.rstrip(_REPLACEMENT_CHAR))
 
     def _detokenize(self, token_id: int) -> None:
         """Extend `_stable` / `_pending` with the text of one more token (prefix/read offset window)."""
@@ -188,9 +217,13 @@ class OutputTracker:
         """Look for a stop string in the text this token could have changed; cut the text there."""
         # The characters before a trailing incomplete one are final, so a stop string ending there is
         # found at the token that completed it.
+        # Only a stop string ending past scan_from counts: one ending before was searched for already, or (before
+        # min_tokens) was not to be matched.
         start = max(0, scan_from - self._max_stop_len + 1)
         region = self._stable[start:] + self._pending.rstrip(_REPLACEMENT_CHAR)
-        hits = [i for s in self._stop.stop_strings if (i := region.find(s)) >= 0]
+        hits = [
+            i for s in self._stop.stop_strings if (i := region.find(s, max(0, scan_from - start - len(s) + 1))) >= 0
+        ]
         if not hits:
             return False
         self._cut = start + min(hits)

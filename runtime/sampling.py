@@ -7,11 +7,15 @@ bonus token) use these, so draft and target distributions go through the same te
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from clover.errors import CloverError
+
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range: -100 bans a token, 100 forces it)
 
 
 @dataclass(frozen=True)
@@ -21,11 +25,27 @@ class SamplingParams:
     temperature: 0 means greedy (argmax); > 0 divides the logits before the softmax.
     top_p: nucleus size in (0, 1]; 1 keeps the whole vocabulary. Ignored when greedy.
     seed: seed of the generator's numpy RNG; None draws fresh entropy.
+
+    The logits processors (runtime/processors.py), applied before temperature and top-p, greedy included:
+    presence_penalty, frequency_penalty: in [-2, 2], OpenAI's: a token's logit is lowered by
+        frequency_penalty x (times it was generated) + presence_penalty x (1 if it was generated), over the
+        generated tokens only.
+    repetition_penalty: > 0, vLLM's (CTRL's): a token of the prompt or of the generated text has its logit
+        divided by it where positive, multiplied where negative; 1 is off.
+    logit_bias: token id -> bias in [-100, 100], added to that token's logit (a mapping or (id, bias) pairs;
+        kept as pairs sorted by id).
+    min_tokens: >= 0; the end-of-sequence and stop-token ids are masked until this many tokens are generated
+        (and stop strings are not matched before then).
     """
 
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -34,10 +54,58 @@ class SamplingParams:
             )
         if not (0 < self.top_p <= 1):
             raise CloverError(f"top_p must be in (0, 1], got {self.top_p}: use 1.0 to disable top-p", param="top_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (_number(value) and -MAX_PENALTY <= value <= MAX_PENALTY):
+                raise CloverError(f"{name} must be a number in [-2, 2] (0 = off), got {value!r}", param=name)
+        if not (
+            _number(self.repetition_penalty) and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0
+        ):
+            raise CloverError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}",
+                param="repetition_penalty",
+            )
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise CloverError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}", param="min_tokens")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Any logits processor is on (penalties, logit_bias, min_tokens)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, (bool, np.bool_))
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """(id, bias) pairs sorted by id, each checked: an int id >= 0 (the vocabulary's bound is the caller's) and a
+    finite bias in [-100, 100]."""
+    pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+    out = {}
+    for pair in pairs:
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise CloverError(f"logit_bias must map token ids to biases, got the entry {pair!r}", param="logit_bias")
+        token, value = pair
+        if isinstance(token, (bool, np.bool_)) or not isinstance(token, (int, np.integer)) or token < 0:
+            raise CloverError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}", param="logit_bias")
+        if not (_number(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise CloverError(
+                f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}", param="logit_bias"
+            )
+        out[int(token)] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _check_2d(logits: np.ndarray) -> None:

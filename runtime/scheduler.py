@@ -18,6 +18,7 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.cost import VerifyCost
 from clover.runtime.generator import GenerationResult, Progress
+from clover.runtime.logprobs import TokenLogprob
 from clover.runtime.loop import Decoding, Step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.sampling import SamplingParams
@@ -38,10 +39,14 @@ class EngineUnavailable(CloverError):
 
 @dataclass(frozen=True)
 class StreamDelta:
-    """What one step added to a request's output: text that can no longer change, and the new token ids."""
+    """What one step added to a request's output: text that can no longer change, and the new token ids; with
+    log-probabilities asked for, those of the tokens whose text this delta completes (`logprobs`: text that is held
+    back, a possible stop string or an incomplete character, holds back its tokens' log-probabilities too, so
+    they may lag `token_ids`; all of them are out once the stream ends)."""
 
     text: str
     token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(eq=False)
@@ -58,6 +63,9 @@ class Request:
     decoding: Decoding | None = None  # set when it joins the batch
     sent: int = 0  # token ids delivered so far
     id: str | None = None  # the caller's name for it (a server's response id), for the engine's log
+    logprobs: int | None = None  # alternatives per token's log-probability (None: no log-probabilities)
+    token_logprobs: list[TokenLogprob] | None = None  # one per kept token, when asked for
+    logprobs_sent: int = 0  # log-probabilities delivered so far (with the text that shows their tokens)
 
 
 def check_max_batch(max_batch: int) -> None:

@@ -63,6 +63,8 @@ class Tokenizer:
         self._config = dict(config or {})
         self._source = source
         self._compiled_template: jinja2.Template | None = None
+        self._token_bytes: dict[int, bytes] = {}  # token_bytes' answers
+        self._added: dict[int, str] | None = None  # added (special) tokens' contents by id, read on first use
 
     # ----------------------------------------------------------------------------------- loading
 
@@ -178,6 +180,38 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._backend.id_to_token(token_id)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, as OpenAI's log-probabilities report them (`bytes`): an added
+        (special) token's content, a byte-level BPE token's bytes (GPT-2's byte-to-character table reversed), a
+        byte-fallback token `<0xHH>` its byte, else its text with SentencePiece's U+2581 as a space. May be a
+        partial UTF-8 character."""
+        if (hit := self._token_bytes.get(token_id)) is not None:
+            return hit
+        piece = self._backend.id_to_token(int(token_id)) or ""
+        if self._added is None:
+            self._added = {int(i): t.content for i, t in self._backend.get_added_tokens_decoder().items()}
+        if token_id in self._added:
+            out = self._added[token_id].encode("utf-8")
+        elif isinstance(self._backend.decoder, tokenizers.decoders.ByteLevel) and all(
+            c in _UNICODE_BYTES for c in piece
+        ):
+            out = bytes(_UNICODE_BYTES[c] for c in piece)
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out = bytes([int(piece[3:5], 16)])
+        else:
+            out = piece.replace("\u2581", " ").encode("utf-8")
+        self._token_bytes[token_id] = out
+        return out
+
+    def token_text(self, token_id: int) -> str:
+        """The token's text for log-probabilities: its bytes as UTF-8, or `bytes:\\xHH...` when they are not
+        whole characters (OpenAI's convention)."""
+        raw = self.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
     # ------------------------------------------------------------------------ encoding, decoding
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -245,6 +279,22 @@ class Tokenizer:
 
 
 # --------------------------------------------------------------------------------------- helpers
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet reversed: character -> the byte it stands for."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_BYTES = _byte_level_table()
 
 
 def _jinja_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

@@ -4,13 +4,15 @@ decoding, at any concurrency, with requests joining and leaving mid-batch."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import threading
 import time
 
 import numpy as np
 import pytest
-from helpers import POISON, Faulty, assert_identical, rss_bytes
+from helpers import POISON, Faulty, assert_identical, rss_bytes, tiny_config
+from numerics import assert_close_paths, chain_reduction
 from ort_helpers import tiny_artifact, tiny_modules
 
 from clover.errors import CloverError
@@ -415,3 +417,153 @@ def test_threads_and_asyncio_callers_together_and_rss_flat_over_500_requests(art
         burst(500)
         assert rss_bytes() - before < 8 * 2**20, "memory grew over 500 requests"
         assert engine.runner.open_slots == 0
+
+
+# -- logits processors and log-probabilities through the engine ---------------------------------------------------
+
+PENALTIES = SamplingParams(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=2.0)
+# each request its own options, mixed in one batch: none, strong penalties, repetition with a bias, and a stop id
+# forced by logit_bias but masked by min_tokens until 5 tokens are out
+OPTIONS = [
+    {},
+    {"sampling": PENALTIES},
+    {"sampling": SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, logit_bias={50: 3.0})},
+    {"sampling": SamplingParams(min_tokens=5, logit_bias={60: 100.0}), "stop_token_ids": [60]},
+]
+N_OPTIONS = 8  # the prompts these tests run
+
+
+def options(i: int) -> dict:
+    return {**OPTIONS[i % len(OPTIONS)], "logprobs": 3, "ignore_eos": True, "max_new_tokens": BUDGETS[i]}
+
+
+def solo_plain_with_options(runner, tokenizer):
+    gen = Generator(runner, tokenizer, "plain")
+    return [gen.generate(PROMPTS[i], **options(i)) for i in range(N_OPTIONS)]
+
+
+def run_with_options(engine: Engine, concurrency: int):
+    out = [None] * N_OPTIONS
+
+    def worker(k: int) -> None:
+        for i in range(k, N_OPTIONS, concurrency):
+            out[i] = engine.generate(PROMPTS[i], **options(i))
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(not t.is_alive() for t in threads), "deadlock: a caller never got its result"
+    return out
+
+
+def assert_same_generation(got, want, what: str) -> None:
+    """Token identity, and log-probabilities within the paths' tolerance (tests/numerics.py)."""
+    assert_identical(got.token_ids, want.token_ids, what)
+    assert got.finish_reason == want.finish_reason, what
+    assert [e.token_id for e in got.logprobs] == got.token_ids, what
+    reduction = chain_reduction(tiny_config(), context=256)
+    assert_close_paths([e.logprob for e in got.logprobs], [e.logprob for e in want.logprobs], reduction=reduction)
+    assert [[t for t, _ in e.top] for e in got.logprobs] == [[t for t, _ in e.top] for e in want.logprobs], what
+
+
+def test_engine_with_penalties_and_logprobs_equals_solo_plain(artifacts):
+    """Requests with different penalties, logit biases, min_tokens and stop ids in one batch: each one's greedy
+    tokens equal its own solo plain decoding with the same options, on chains, branching and dynamic trees, tree
+    auto and prompt lookup, at concurrency 1 and 8; their log-probabilities are plain decoding's."""
+    path = artifacts["clover2"]
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    want = solo_plain_with_options(load_runner(path, heads="none"), tok)
+    assert want[1].token_ids != solo_plain(load_runner(path, heads="none"), tok)[1][: len(want[1].token_ids)]
+    assert len(want[3].token_ids) == 6 and want[3].token_ids[-1] == 60 and want[3].finish_reason == "stop"
+    for tree, heads, drafts in (
+        ("chain-2", "artifact", "heads"),
+        ("small", "artifact", "heads"),
+        ("dynamic-6", "artifact", "heads"),
+        ("auto", "artifact", "heads"),
+        ("chain-3", "none", "lookup"),
+    ):
+        with Engine(load_runner(path, heads=heads), tok, tree, drafts=drafts, max_batch=8, log=None) as engine:
+            for concurrency in (1, 8):
+                got = run_with_options(engine, concurrency)
+                for i, (g, w) in enumerate(zip(got, want)):
+                    assert_same_generation(g, w, f"ort {drafts} {tree} concurrency {concurrency} prompt {i}")
+                if tree in ("chain-2", "small"):  # fixed trees (auto and dynamic ones follow measured timings)
+                    assert got[1].accepted_tokens > 0, (tree, got[1].accepted_per_step)  # the penalised one speculated
+            assert engine.runner.open_slots == 0
+
+
+def test_torch_engine_with_penalties_equals_solo_plain(tmp_path):
+    from helpers import tiny_tokenizer_dir
+
+    base, heads = tiny_modules("clover2")
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "tok"))
+    want = solo_plain_with_options(TorchRunner(base), tok)
+    with Engine(TorchRunner(base, heads, "random:clover2"), tok, "mc26", max_batch=8, log=None) as engine:
+        for concurrency in (1, 8):
+            for i, (g, w) in enumerate(zip(run_with_options(engine, concurrency), want)):
+                assert_same_generation(g, w, f"torch clover2 mc26 concurrency {concurrency} prompt {i}")
+
+
+def test_seeded_sampling_with_penalties_is_reproducible_alone_and_in_a_batch(artifacts):
+    tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
+    sampling = dataclasses.replace(PENALTIES, temperature=0.8, top_p=0.95, seed=7)
+    with Engine(load_runner(artifacts["clover2"]), tok, "small", max_batch=4, log=None) as engine:
+        alone = engine.generate(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True).token_ids
+        others = [
+            engine.stream(p, max_new_tokens=20, sampling=SamplingParams(0.8, 0.95, i, repetition_penalty=1.2))
+            for i, p in enumerate(PROMPTS[:3])
+        ]
+        mixed = engine.stream(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True)
+        assert mixed.wait().token_ids == alone
+        for s in others:
+            s.wait()
+        plain = dataclasses.replace(sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+        assert engine.generate(PROMPTS[3], max_new_tokens=20, sampling=plain, ignore_eos=True).token_ids != alone
+
+
+def test_stream_logprobs_arrive_with_the_text_that_shows_their_tokens(artifacts):
+    """A stream's deltas carry the log-probabilities of the tokens whose text they complete: text held back for a
+    possible stop string holds back its tokens' log-probabilities; all of them add up to the result's."""
+    tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
+    with Engine(load_runner(artifacts["clover2"]), tok, "chain-2", max_batch=2, log=None) as engine:
+        want = engine.generate(PROMPTS[1], max_new_tokens=30, ignore_eos=True, sampling=PENALTIES)
+        words = want.text.split()
+        stop = f"{words[3]} w95"  # never matched, but held back each time the text ends with words[3]
+        stream = engine.stream(
+            PROMPTS[1], max_new_tokens=30, ignore_eos=True, sampling=PENALTIES, stop=[stop], logprobs=2
+        )
+        shown, ids, with_logprobs, held = "", [], [], 0
+        for delta in stream:
+            shown += delta.text
+            ids += delta.token_ids
+            with_logprobs += [e.token_id for e in delta.logprobs]
+            assert with_logprobs == ids[: len(with_logprobs)]
+            assert shown.startswith(tok.decode(with_logprobs)), (shown, with_logprobs)
+            held += len(with_logprobs) < len(ids)
+        assert held, "no text was held back: the test proves nothing"
+        assert with_logprobs == ids == stream.result.token_ids == want.token_ids
+        assert [e.token_id for e in stream.result.logprobs] == ids and all(
+            len(e.top) == 2 for e in stream.result.logprobs
+        )
+        offsets = [e.text_offset for e in stream.result.logprobs]
+        assert all(want.text[o:].lstrip().startswith(tok.decode([t])) for o, t in zip(offsets, ids)), offsets
+
+
+def test_bad_options_fail_alone_with_their_param(artifacts):
+    path = artifacts["clover2"]
+    tok = Tokenizer.from_dir(path / "tokenizer")
+    with Engine(load_runner(path), tok, "chain-2", max_batch=2, log=None) as engine:
+        for kwargs, param in (
+            ({"stop_token_ids": [96]}, "stop_token_ids"),
+            ({"stop_token_ids": "w1"}, "stop_token_ids"),
+            ({"sampling": SamplingParams(logit_bias={10**6: 1.0})}, "logit_bias"),
+            ({"sampling": SamplingParams(min_tokens=5), "max_new_tokens": 4}, "min_tokens"),
+            ({"logprobs": 21}, "logprobs"),
+            ({"logprobs": True}, "logprobs"),
+        ):
+            with pytest.raises(CloverError) as e:
+                engine.stream(PROMPTS[0], **{"max_new_tokens": 8, **kwargs})
+            assert e.value.param == param, (kwargs, str(e.value))
+        assert engine.generate(PROMPTS[0], max_new_tokens=3, ignore_eos=True).new_tokens == 3

@@ -15,6 +15,7 @@ from numerics import assert_close_paths, chain_reduction
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
 from clover.runtime.generator import Generator
+from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
@@ -190,3 +191,139 @@ def test_stop_string_cuts_text_and_stream_never_shows_it(base, tokenizer):
     assert "".join(deltas) == r.text
     assert stop not in r.text and plain.text.startswith(r.text)
     assert r.text == plain.text[: plain.text.index(stop)]
+
+
+# -- logits processors and log-probabilities ---------------------------------------------------------------------
+
+# Strong enough that the tiny base's repeated token changes every few tokens (a switch inside a verified path is
+# where a row's own-path history matters), for prompts whose plain greedy output is one repeated token.
+PENALTIES = SamplingParams(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=2.0)
+
+
+@pytest.fixture(scope="module")
+def penalised(base, tokenizer):
+    """Plain greedy decoding with PENALTIES (and log-probabilities, 5 alternatives) of each prompt."""
+    gen = Generator(TorchRunner(base), tokenizer, "plain")
+    return {
+        tuple(p): gen.generate(p, max_new_tokens=40, sampling=PENALTIES, ignore_eos=True, logprobs=5) for p in PROMPTS
+    }
+
+
+def assert_logprobs_close(got, want, base, what):
+    """Same tokens, log-probabilities and alternatives within the paths' tolerance (tests/numerics.py)."""
+    assert [e.token_id for e in got] == [e.token_id for e in want], what
+    reduction = chain_reduction(base.config, context=len(PROMPTS[1]) + len(want))
+    assert_close_paths([e.logprob for e in got], [e.logprob for e in want], reduction=reduction, msg=what)
+    assert [[t for t, _ in e.top] for e in got] == [[t for t, _ in e.top] for e in want], what
+    assert_close_paths([[v for _, v in e.top] for e in got], [[v for _, v in e.top] for e in want], reduction=reduction)
+
+
+@pytest.mark.parametrize(
+    "arch,trees",
+    [("medusa", ["chain-4", "small"]), ("clover", ["mc26-d3"]), ("clover2", ["chain-6", "mc26", "dynamic-6"])],
+)
+def test_greedy_identity_with_penalties_every_head_and_tree(base, tokenizer, penalised, arch, trees):
+    """Each row of a verified tree is penalised with its own path's history, so speculative greedy equals plain
+    greedy with the same penalties, token for token; and the log-probabilities are plain decoding's."""
+    from clover.runtime.tree import dynamic_tree
+
+    runner = TorchRunner(base, random_heads(base, arch, 0))
+    for spec in trees:
+        tree = dynamic_tree(spec, runner.info.heads_max_depth) if spec.startswith("dynamic") else prune(spec, 5)
+        gen = Generator(runner, tokenizer, tree)
+        for p in PROMPTS:
+            want = penalised[tuple(p)]
+            got = gen.generate(p, max_new_tokens=40, sampling=PENALTIES, ignore_eos=True, logprobs=5)
+            assert_identical(got.token_ids, want.token_ids, f"{arch} {spec} with penalties")
+            assert_logprobs_close(got.logprobs, want.logprobs, base, f"{arch} {spec}")
+            if not spec.startswith("dynamic"):  # a dynamic tree's size follows measured timings
+                assert got.tokens_per_step > 1.2, (arch, spec, got.accepted_per_step)  # speculation did its part
+
+
+def test_penalties_change_the_output_and_oracle_paths_stay_identical(base, tokenizer, plain, penalised):
+    """The penalties do change the output (the test above is not vacuous), and drafts that are plain decoding's
+    own penalised continuation are accepted whole: long paths whose rows each need their own path's counts."""
+    for p in PROMPTS:
+        want = penalised[tuple(p)].token_ids
+        assert want != plain[tuple(p)] and len(set(want)) >= 4, want
+        for tree in ("chain-4", "mc26"):
+            runner = OracleRunner(base, p + want)
+            got = Generator(runner, tokenizer, tree).generate(p, max_new_tokens=40, sampling=PENALTIES, ignore_eos=True)
+            assert_identical(got.token_ids, want, f"oracle {tree} with penalties")
+            assert got.tokens_per_step > 3, got.accepted_per_step
+
+
+@pytest.mark.parametrize("tree", ["chain-4", "chain-12"])
+def test_lookup_drafts_with_penalties_are_identical(base, tokenizer, penalised, tree):
+    gen = Generator(TorchRunner(base), tokenizer, tree, drafts="lookup")
+    for p in PROMPTS:
+        got = gen.generate(p, max_new_tokens=40, sampling=PENALTIES, ignore_eos=True, logprobs=5)
+        assert_identical(got.token_ids, penalised[tuple(p)].token_ids, f"lookup {tree} with penalties")
+        assert_logprobs_close(got.logprobs, penalised[tuple(p)].logprobs, base, f"lookup {tree}")
+
+
+def test_logprobs_are_the_raw_distribution_and_plain_decodings(base, tokenizer, penalised):
+    """Without processors the greedy token is each row's top-1 and its log-probability the top-1's; alternatives
+    are sorted. With penalties they stay the raw (unpenalised) distribution's: the chosen token is sometimes not
+    the raw top-1. Speculative log-probabilities equal plain decoding's within the paths' tolerance."""
+    plain_gen = Generator(TorchRunner(base), tokenizer, "plain")
+    spec_gen = Generator(TorchRunner(base, random_heads(base, "clover2", 0)), tokenizer, "mc26")
+    for p in PROMPTS:
+        want = plain_gen.generate(p, max_new_tokens=20, ignore_eos=True, logprobs=20)
+        got = spec_gen.generate(p, max_new_tokens=20, ignore_eos=True, logprobs=20)
+        assert_identical(got.token_ids, want.token_ids, "logprobs run")
+        assert_logprobs_close(got.logprobs, want.logprobs, base, "mc26 logprobs")
+        for e in got.logprobs:
+            values = [v for _, v in e.top]
+            assert len(e.top) == 20 and values == sorted(values, reverse=True) and values[0] <= 0
+            assert e.top[0] == (e.token_id, e.logprob)
+        assert Generator(TorchRunner(base), tokenizer, "plain").generate(p, max_new_tokens=5).logprobs is None
+    penalised_tokens = [e for r in penalised.values() for e in r.logprobs]
+    assert any(e.top[0][0] != e.token_id for e in penalised_tokens)  # the raw top-1 was penalised away
+    assert all(any(t == e.token_id for t, _ in e.top) or e.logprob <= e.top[-1][1] for e in penalised_tokens)
+
+
+def test_min_tokens_logit_bias_and_stop_token_ids_are_exact_under_speculation(base, tokenizer, penalised):
+    """logit_bias 100 on EOS (token 1) forces it as soon as min_tokens allows; stop_token_ids end the output at
+    their first occurrence (kept in token_ids, like EOS); speculative equals plain in each case."""
+    spec = Generator(TorchRunner(base, random_heads(base, "clover2", 0)), tokenizer, "mc26")
+    plain_gen = Generator(TorchRunner(base), tokenizer, "plain")
+    p = PROMPTS[1]
+    for min_tokens in (0, 1, 7):
+        sp = SamplingParams(logit_bias={1: 100.0}, min_tokens=min_tokens)
+        for gen in (plain_gen, spec):
+            r = gen.generate(p, max_new_tokens=30, sampling=sp)
+            assert r.token_ids[-1] == 1 and len(r.token_ids) == min_tokens + 1 and r.finish_reason == "stop"
+    want = penalised[tuple(p)].token_ids
+    stop_at = next(i for i, t in enumerate(want) if t != want[0])  # the first token that differs from the first
+    for sp, end in ((PENALTIES, stop_at + 1), (dataclasses.replace(PENALTIES, min_tokens=stop_at + 3), None)):
+        got = [
+            g.generate(p, max_new_tokens=40, sampling=sp, ignore_eos=True, stop_token_ids=[want[stop_at]])
+            for g in (plain_gen, spec)
+        ]
+        assert_identical(got[1].token_ids, got[0].token_ids, "stop_token_ids")
+        if end is not None:
+            assert got[0].token_ids == want[:end] and got[0].finish_reason == "stop"
+        else:  # min_tokens masked the stop id past its first place: a different continuation, ended later
+            assert len(got[0].token_ids) > stop_at + 2 and got[0].token_ids[: stop_at + 3].count(want[stop_at]) == 0
+
+
+def test_seeded_sampling_with_penalties_is_reproducible(base, tokenizer):
+    gen = Generator(TorchRunner(base, random_heads(base, "clover2", 0)), tokenizer, "mc26")
+    sp = dataclasses.replace(PENALTIES, temperature=0.9, top_p=0.95, seed=11, logit_bias={5: 3.0})
+    runs = [gen.generate(PROMPTS[0], max_new_tokens=24, sampling=sp, ignore_eos=True).token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_bad_options_name_their_param(base, tokenizer):
+    gen = Generator(TorchRunner(base), tokenizer, "plain")
+    for kwargs, param in (
+        ({"stop_token_ids": [96]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"sampling": SamplingParams(logit_bias={96: 1.0})}, "logit_bias"),
+        ({"sampling": SamplingParams(min_tokens=9)}, "min_tokens"),
+        ({"logprobs": 21}, "logprobs"),
+    ):
+        with pytest.raises(CloverError) as e:
+            gen.generate(PROMPTS[0], max_new_tokens=8, **kwargs)
+        assert e.value.param == param, (kwargs, str(e.value))

@@ -338,3 +338,50 @@ def test_stop_conditions_normalises_to_tuples() -> None:
     stop = StopConditions(max_new_tokens=3, eos_token_ids=[2, 0], stop_strings=["a"])  # type: ignore[arg-type]
     assert stop.eos_token_ids == (2, 0) and stop.stop_strings == ("a",)
     assert hash(stop) == hash(StopConditions(3, (2, 0), ("a",)))
+
+
+# ------------------------------------------------------------------ min_tokens, offsets, released tokens
+
+
+def test_stop_strings_are_not_matched_before_min_tokens(tok: Tokenizer) -> None:
+    """A stop string completed by one of the first min_tokens tokens does not end generation; one completed later
+    does, even when an earlier occurrence was skipped."""
+    ids = tok.encode("a b stop c d stop e f", add_special_tokens=False)
+    first = next(n for n in range(1, len(ids) + 1) if "stop" in tok.decode(ids[:n]))
+    for min_tokens, cut in ((0, "a b "), (first, "a b "), (first + 1, "a b stop c d ")):
+        for chunk in (1, 3, len(ids)):
+            tracker = OutputTracker(tok, StopConditions(100, stop_strings=("stop",), min_tokens=min_tokens))
+            text = "".join(tracker.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)) + tracker.flush()
+            assert (text, tracker.finish_reason) == (cut, "stop"), (min_tokens, chunk)
+
+
+@pytest.mark.parametrize("text", REAL_TEXTS)
+def test_text_offsets_and_released_tokens_follow_the_text_shown(tok: Tokenizer, text: str) -> None:
+    """Each token's text offset is where its text starts; a token counts as released only once the text shown
+    covers it (a held-back stop-string prefix or incomplete character holds its token back), all at the end."""
+    ids = tok.encode(text, add_special_tokens=False)
+    tracker = OutputTracker(
+        tok, StopConditions(10_000, stop_strings=(text[len(text) // 2 : len(text) // 2 + 3] + "#",))
+    )
+    shown, released = "", 0
+    for i in ids:
+        shown += tracker.add([i])
+        assert tracker.released >= released
+        released = tracker.released
+        assert shown.startswith(tok.decode(ids[:released]))  # released: their text is out, whole
+    offsets = tracker.text_offsets()
+    assert len(offsets) == len(ids) and offsets == sorted(offsets)
+    for k, start in enumerate(offsets):
+        prefix = tok.decode(ids[:k])
+        assert start == len(prefix.rstrip("\ufffd")), (k, prefix)
+    tracker.finish("length")
+    tracker.flush()
+    assert tracker.released == len(ids)
+
+
+def test_a_held_back_stop_prefix_holds_back_its_tokens(tok: Tokenizer) -> None:
+    ids = tok.encode("one two wor three", add_special_tokens=False)
+    k = next(n for n in range(len(ids)) if tok.decode(ids[: n + 1]).endswith("wor"))
+    tracker = OutputTracker(tok, StopConditions(100, stop_strings=("world",)))
+    assert tracker.add(ids[: k + 1]) == "one two " and tracker.released == k  # "wor" may be a stop string
+    assert tracker.add(ids[k + 1 :]).startswith("wor") and tracker.released == len(ids)

@@ -408,3 +408,64 @@ def test_dynamic_trees_sample_the_base_law(base, base_logits, spec):
     p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
     assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's with {spec}: p = {p12:.2e}"
     assert p3 > ALPHA, f"x3 marginal law differs from the base's with {spec}: p = {p3:.2e}"
+
+
+def test_logits_processors_sample_the_processed_base_law(base, base_logits):
+    """With penalties, a logit bias and min_tokens, every tree row is adjusted with its own path's history and
+    rejection sampling runs against the adjusted rows: the loop emits the processed base law exactly (the exact law:
+    plain rows after prompt + prefix through the same processors, PLAIN tree), which the unprocessed law is not."""
+    from clover.runtime.loop import PLAIN
+    from clover.runtime.processors import LogitsProcessors
+
+    sampling = SamplingParams(
+        temperature=TEMPERATURE,
+        presence_penalty=0.7,
+        frequency_penalty=0.5,
+        repetition_penalty=1.6,
+        logit_bias={4: 1.5},
+        min_tokens=2,
+    )
+    stop_ids = (int(np.argmax(base_logits[0])),)  # x1's likeliest token ends generation: masked for x1 and x2
+    prompt = np.array(PROMPT, dtype=np.int64)
+
+    def processed(logits: np.ndarray, history: list[int]) -> np.ndarray:
+        proc = LogitsProcessors(sampling, prompt, stop_ids, V)
+        proc.extend(history)
+        return probs_from_logits(proc.apply(logits[None], PLAIN, np.zeros(1, dtype=np.int64)), sampling)[0]
+
+    l1, l2, l3 = base_logits
+    p1 = processed(l1, [])
+    joint = p1[:, None] * np.array([processed(l2[a], [a]) for a in range(V)])
+    marginal = np.einsum(
+        "ab,abc->c", joint, np.array([[processed(l3[a, b], [a, b]) for b in range(V)] for a in range(V)])
+    )
+    runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
+    tree = resolve_tree("small")
+    tokens = np.zeros((N, NUM_TOKENS), dtype=np.int64)
+    lengths = []
+    for i, child in enumerate(np.random.SeedSequence(MASTER_SEED + 6).spawn(N)):
+        out: list[int] = []
+        steps = speculative_steps(
+            runner,
+            prompt,
+            tree,
+            sampling,
+            np.random.default_rng(child),
+            len(PROMPT) + NUM_TOKENS + tree.num_nodes,
+            processors=LogitsProcessors.of(sampling, prompt, stop_ids, V),
+        )
+        for k, st in enumerate(steps):
+            out += st.tokens
+            lengths += [len(st.tokens)] if k else []
+            if len(out) >= NUM_TOKENS:
+                break
+        tokens[i] = out[:NUM_TOKENS]
+    lengths = np.array(lengths)
+    assert np.mean(lengths > 1) > 0.3 and np.mean(lengths == 1) > 0.1, np.bincount(lengths)
+    c12, c3 = counts_of(tokens)
+    assert not np.any(tokens[:, :2] == stop_ids[0])  # masked before min_tokens
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the processed base law: p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the processed base law: p = {p3:.2e}"
+    raw_joint, _, _ = exact_laws(base_logits, sampling_params(1.0))
+    assert chi2_pvalue(c12, np.where(joint > 0, raw_joint, 0) + 1e-12) < ALPHA  # the processors did change the law
