@@ -113,9 +113,11 @@ class LogitsProcessors:
         dt = x.dtype.type
         if self.bias is not None:
             x = x + self.bias[ids].astype(x.dtype)
-        if self.repetition != 1:
-            rep = dt(self.repetition)
-            x = np.where(seen, np.where(x > 0, x / rep, x * rep), x)
+        if self.repetition != 1:  # in float64, clipped to x's range: any penalty > 0 leaves finite logits
+            wide, top = x.astype(np.float64), float(np.finfo(x.dtype).max)
+            with np.errstate(over="ignore"):
+                scaled = np.where(wide > 0, wide / self.repetition, wide * self.repetition)
+            x = np.where(seen, np.clip(scaled, -top, top).astype(x.dtype), x)
         if self.frequency or self.presence:
             c = np.asarray(counts).astype(x.dtype)
             x = x - (dt(self.frequency) * c + dt(self.presence) * (c > 0).astype(x.dtype))

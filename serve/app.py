@@ -29,10 +29,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from clover.errors import CloverError
 from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
 from clover.runtime.generator import GenerationResult, encode_prompt
+from clover.runtime.logprobs import TokenLogprob
 from clover.runtime.sampling import SamplingParams
+from clover.runtime.tokenizer import Tokenizer
 from clover.serve.limits import RequestGuard, RequestLimits
 from clover.serve.metrics import Metrics
 from clover.serve.schemas import (
+    REFUSED,
+    UNKNOWN_FIELD,
     ChatCompletionRequest,
     CompletionRequest,
     Speculation,
@@ -43,6 +47,11 @@ from clover.serve.schemas import (
 )
 
 RETRY_AFTER_S = 1
+# fields holding token ids: an error in one entry names the field, with what it must hold
+TOKEN_MAPS = {
+    "logit_bias": "logit_bias maps token ids (decimal strings) to biases from -100 to 100",
+    "stop_token_ids": "stop_token_ids is a list of token ids (ints >= 0)",
+}
 WARMUP_PROMPT = "Hello"
 
 
@@ -79,7 +88,9 @@ def request_param(engine_param: str | None, body: Any) -> str | None:
         return "messages" if hasattr(body, "messages") else "prompt"
     if engine_param == "max_new_tokens":
         return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-    return engine_param  # temperature, top_p, stop: the same names
+    if engine_param == "logprobs" and hasattr(body, "top_logprobs"):
+        return "top_logprobs"
+    return engine_param  # temperature, top_p, stop, the penalties, logit_bias, min_tokens, ...: the same names
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -89,6 +100,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON ({err.get('msg', '')}): send a JSON object", None
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        msg = UNKNOWN_FIELD
+    elif loc and loc[0] in REFUSED:  # a field whose type admits only its no-op value
+        param, msg = loc[0], REFUSED[loc[0]]
+    elif loc and loc[0] in TOKEN_MAPS:  # an entry of a map or list of token ids: the field is the param
+        param, msg = loc[0], f"{TOKEN_MAPS[loc[0]]} ({'.'.join(loc[1:])}: {msg})"
     return (f"{param}: {msg}" if param else f"the request body is invalid: {msg}"), param
 
 
@@ -217,18 +234,32 @@ def create_app(
             )
         try:
             limits.check(body.stop_strings(), body.ignore_eos)
-            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, seed=body.seed)
+            sampling = SamplingParams(
+                temperature=body.temperature,
+                top_p=body.top_p,
+                seed=body.seed,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=body.logit_bias_ids(),
+                min_tokens=body.min_tokens,
+            )
             ids = encode_prompt(engine.tokenizer, prompt)  # messages through the chat template; text; ids as given
             # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
             new = limits.new_tokens(len(ids), body.token_limit(), context)
-            return engine.stream(
+            out = engine.stream(
                 ids,
                 max_new_tokens=new,
                 sampling=sampling,
                 stop=body.stop_strings(),
                 ignore_eos=body.ignore_eos,
                 request_id=rid,
+                stop_token_ids=body.stop_token_ids or (),
+                logprobs=body.logprobs_wanted(),
             )
+            for option in body.options_used():
+                metrics.options.labels(option).inc()
+            return out
         except QueueFull as e:
             raise ApiError(
                 503,
@@ -271,15 +302,16 @@ def create_app(
         result = out.result
         reason = finish_reason(result)
         metrics.finished(result, reason)
+        logprobs = None if result.logprobs is None else render_logprobs(engine.tokenizer, result.logprobs, chat)
         if chat:
             choice = {
                 "index": 0,
                 "message": {"role": "assistant", "content": result.text},
                 "finish_reason": reason,
-                "logprobs": None,
+                "logprobs": logprobs,
             }
         else:
-            choice = {"index": 0, "text": result.text, "finish_reason": reason, "logprobs": None}
+            choice = {"index": 0, "text": result.text, "finish_reason": reason, "logprobs": logprobs}
         return JSONResponse(
             {
                 "id": rid,
@@ -295,14 +327,16 @@ def create_app(
 
     async def _events(out: EngineStream, rid: str, body, chat: bool) -> AsyncIterator[str]:
         created, kind = now(), "chat.completion.chunk" if chat else "text_completion"
+        wants_logprobs = body.logprobs_wanted() is not None
 
-        def chunk(choice: dict[str, Any] | None, **extra: Any) -> str:
+        def chunk(choice: dict[str, Any] | None, logprobs: tuple[TokenLogprob, ...] = (), **extra: Any) -> str:
+            rendered = render_logprobs(engine.tokenizer, logprobs, chat) if wants_logprobs and logprobs else None
             doc = {
                 "id": rid,
                 "object": kind,
                 "created": created,
                 "model": model,
-                "choices": [] if choice is None else [{"index": 0, "logprobs": None, **choice}],
+                "choices": [] if choice is None else [{"index": 0, "logprobs": rendered, **choice}],
                 **extra,
             }
             return f"data: {json.dumps(doc)}\n\n"
@@ -316,8 +350,9 @@ def create_app(
             if chat:
                 yield chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             async for delta in out:
-                if delta.text:
-                    yield chunk(piece(delta.text))
+                # a token's log-probability comes with the text that shows it (held-back text holds it back too)
+                if delta.text or delta.logprobs:
+                    yield chunk(piece(delta.text), delta.logprobs)
             result = out.result
             reason = finish_reason(result)
             metrics.finished(result, reason)
@@ -335,6 +370,40 @@ def create_app(
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def render_logprobs(tokenizer: Tokenizer, entries, chat: bool) -> dict[str, Any]:
+    """Log-probabilities in OpenAI's shape: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`, or the
+    completions API's legacy `{tokens, token_logprobs, top_logprobs, text_offset}` (its top_logprobs maps token text
+    to log-probability and holds the chosen token too, as OpenAI's does)."""
+
+    def lp(x: float) -> float:
+        return max(x, -9999.0)  # no -inf in JSON (vLLM's floor)
+
+    if chat:
+        return {
+            "content": [
+                {
+                    "token": tokenizer.token_text(e.token_id),
+                    "logprob": lp(e.logprob),
+                    "bytes": list(tokenizer.token_bytes(e.token_id)),
+                    "top_logprobs": [
+                        {"token": tokenizer.token_text(t), "logprob": lp(v), "bytes": list(tokenizer.token_bytes(t))}
+                        for t, v in e.top
+                    ],
+                }
+                for e in entries
+            ],
+            "refusal": None,
+        }
+    return {
+        "tokens": [tokenizer.token_text(e.token_id) for e in entries],
+        "token_logprobs": [lp(e.logprob) for e in entries],
+        "top_logprobs": [
+            {tokenizer.token_text(t): lp(v) for t, v in (*e.top, (e.token_id, e.logprob))} for e in entries
+        ],
+        "text_offset": [e.text_offset for e in entries],
+    }
 
 
 def finish_reason(result: GenerationResult) -> str:

@@ -42,6 +42,13 @@ class Metrics:
             ["finished_reason"],
             registry=r,
         )
+        self.options = Counter(
+            p + "request_options",
+            "Requests that set an output-shaping option (logprobs, a penalty, logit_bias, min_tokens, stop_token_ids), "
+            "by option",
+            ["option"],
+            registry=r,
+        )
         self.ttft = Histogram(
             p + "time_to_first_token_seconds",
             "Time to first token (queueing and prefill)",

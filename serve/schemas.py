@@ -1,16 +1,47 @@
 """OpenAI API request and response bodies (the fields clover-serve supports), validated with pydantic.
 
-Unknown request fields are accepted and ignored, as OpenAI-compatible servers do (clients send
-`frequency_penalty: 0`, `user`, ...); a field we support with a bad value is a 400 naming it.
+Every request field is declared: supported ones, harmless ones accepted and ignored (`user`, `metadata`, ...), and
+ones that would change the output but are not supported (`tools`, `response_format`, `n` > 1, ...), which are
+refused with a 400 naming them unless they carry their no-op value. An undeclared field is refused too
+(`extra="forbid"`): nothing that could change the output is silently ignored. docs/serving.md lists every field.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator
+
+from clover.runtime.logprobs import MAX_LOGPROBS
+
+# Fields refused unless they carry their no-op value (their types admit only that value), and why.
+REFUSED = {
+    "n": "only n=1 is supported (one choice per request)",
+    "best_of": "best_of is not supported (one candidate per request): leave it out or send 1",
+    "echo": "echo (the prompt's log-probabilities) is not supported: leave it out or send false",
+    "suffix": "suffix (insertion) is not supported: leave it out",
+    "tools": "tools (function calling) are not supported: leave them out",
+    "tool_choice": "tool_choice is not supported (no tools): leave it out or send 'none'",
+    "functions": "functions (function calling) are not supported: leave them out",
+    "function_call": "function_call is not supported (no functions): leave it out or send 'none'",
+    "response_format": "response_format (JSON mode, structured output) is not supported: leave it out or send "
+    '{"type": "text"}',
+    "audio": "audio output is not supported: leave it out",
+    "modalities": 'only the "text" modality is supported',
+    "prediction": "prediction (predicted outputs) is not supported: leave it out",
+    "reasoning_effort": "reasoning_effort is not supported (not a reasoning model): leave it out",
+    "verbosity": "verbosity is not supported: leave it out",
+    "web_search_options": "web search is not supported: leave it out",
+}
+UNKNOWN_FIELD = (
+    "unknown field: this server refuses fields it does not know rather than ignore them (docs/serving.md lists "
+    "every field and its status)"
+)
+
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,17})$")]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
 
 class TextPart(BaseModel):
@@ -27,13 +58,22 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted and ignored (no obfuscation padding is sent)
+
+
+class ResponseFormatText(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
 
 
 class _Generation(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -43,15 +83,23 @@ class _Generation(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    ignore_eos: bool = False  # vLLM's extension: run to max_tokens past end-of-sequence (load tests)
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[TokenIdKey, Bias] | None = None
+    # vLLM's extensions
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False  # run to max_tokens past end-of-sequence (load tests)
+    # accepted and ignored: they do not change the output
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # refused unless no-op (REFUSED)
+    n: Literal[1] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -67,18 +115,91 @@ class _Generation(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def logit_bias_ids(self) -> dict[int, float]:
+        return {int(k): v for k, v in (self.logit_bias or {}).items()}
+
+    def options_used(self) -> list[str]:
+        """The output-shaping options this request sets (for /metrics)."""
+        return [
+            name
+            for name, on in (
+                ("logprobs", self.logprobs_wanted() is not None),
+                ("presence_penalty", self.presence_penalty != 0),
+                ("frequency_penalty", self.frequency_penalty != 0),
+                ("repetition_penalty", self.repetition_penalty != 1),
+                ("logit_bias", bool(self.logit_bias)),
+                ("min_tokens", self.min_tokens > 0),
+                ("stop_token_ids", bool(self.stop_token_ids)),
+            )
+            if on
+        ]
+
+    def logprobs_wanted(self) -> int | None:
+        """Alternatives per token to report (None: no log-probabilities)."""
+        raise NotImplementedError
+
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    parallel_tool_calls: bool | None = None  # accepted and ignored: there are no tools
+    # refused unless no-op (REFUSED)
+    tools: list[Any] | None = Field(default=None, max_length=0)
+    tool_choice: Literal["none"] | None = None
+    functions: list[Any] | None = Field(default=None, max_length=0)
+    function_call: Literal["none"] | None = None
+    response_format: ResponseFormatText | None = None
+    audio: None = None
+    modalities: list[Literal["text"]] | None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    web_search_options: None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_flag(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(
+                f"chat completions take logprobs true or false, got {value!r}: ask for alternatives with "
+                f"top_logprobs (0-{MAX_LOGPROBS})"
+            )
+        return value
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info) -> int | None:
+        if top is not None and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return top
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # refused unless no-op (REFUSED)
+    echo: Literal[False] | None = None
+    best_of: Literal[1] | None = None
+    suffix: Literal[""] | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs_count(cls, value: Any) -> Any:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(
+                f"completions take logprobs as the number of alternatives per token, an int from 0 to "
+                f"{MAX_LOGPROBS}, got {value!r}"
+            )
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -94,6 +215,9 @@ class CompletionRequest(_Generation):
 
     def prompt_input(self) -> str | list[int]:
         return self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
+
+    def logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
 
 class Usage(BaseModel):

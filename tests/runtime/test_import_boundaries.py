@@ -8,6 +8,8 @@ CORE = [
     "clover.runtime.tree",
     "clover.runtime.sampling",
     "clover.runtime.acceptance",
+    "clover.runtime.processors",
+    "clover.runtime.logprobs",
     "clover.runtime.output",
     "clover.runtime.tokenizer",
     "clover.runtime.backend",

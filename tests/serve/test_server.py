@@ -693,3 +693,207 @@ def test_clover_serve_drains_on_sigterm_and_exits_0(artifact):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+# -- log-probabilities, penalties and the fields the server refuses -----------------------------------------------
+
+
+def close_logprobs(got: list[float], want: list[float], what: str = "") -> None:
+    from helpers import tiny_config
+    from numerics import assert_close_paths, chain_reduction
+
+    assert_close_paths(got, want, reduction=chain_reduction(tiny_config(), context=256), msg=what)
+
+
+def test_logprobs_through_the_openai_client_streamed_and_not(server, solo, artifact):
+    """chat logprobs=True, top_logprobs=5 and completions logprobs=3, streamed and not: plain decoding's tokens and
+    log-probabilities (within the paths' tolerance), alternatives sorted with the greedy token first; a streamed
+    chunk carries the log-probabilities of the tokens whose text it carries, and they add up to the whole."""
+    tok = Tokenizer.from_dir(artifact / "tokenizer")
+    c = client(server)
+    want = solo(PROMPTS[8], logprobs=5)
+    text = lambda ids: [tok.token_text(t) for t in ids]  # noqa: E731
+    r = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[8]}],
+        temperature=0,
+        max_tokens=MAX_TOKENS,
+        logprobs=True,
+        top_logprobs=5,
+    )
+    content = r.choices[0].logprobs.content
+    assert r.choices[0].message.content == want.text
+    assert [e.token for e in content] == text(want.token_ids)
+    assert [e.bytes for e in content] == [list(tok.token_bytes(t)) for t in want.token_ids]
+    close_logprobs([e.logprob for e in content], [e.logprob for e in want.logprobs], "chat logprobs")
+    for e, w in zip(content, want.logprobs):
+        assert [a.token for a in e.top_logprobs] == text([t for t, _ in w.top])
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy: the top-1
+        assert [a.logprob for a in e.top_logprobs] == sorted((a.logprob for a in e.top_logprobs), reverse=True)
+    streamed = list(
+        c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPTS[8]}],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            logprobs=True,
+            top_logprobs=5,
+            stream=True,
+        )
+    )
+    pieces = [ch.choices[0] for ch in streamed if ch.choices and ch.choices[0].logprobs]
+    assert len(pieces) > 1 and "".join(ch.choices[0].delta.content or "" for ch in streamed) == want.text
+    for p in pieces:  # each chunk's tokens are its text's words (the tiny tokenizer: one word per token)
+        assert (p.delta.content or "").split() == [e.token for e in p.logprobs.content]
+    joined = [e for p in pieces for e in p.logprobs.content]
+    assert [e.token for e in joined] == [e.token for e in content] and all(len(e.top_logprobs) == 5 for e in joined)
+    close_logprobs([e.logprob for e in joined], [e.logprob for e in content], "streamed chat logprobs")
+
+    want = solo(PROMPTS[9], chat=False, logprobs=3)
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[9], temperature=0, max_tokens=MAX_TOKENS, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == want.text and lp.tokens == text(want.token_ids)
+    assert lp.text_offset == [e.text_offset for e in want.logprobs]
+    assert all(want.text[o:].lstrip().startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+    close_logprobs(lp.token_logprobs, [e.logprob for e in want.logprobs], "completion logprobs")
+    assert all(len(top) == 3 and max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    chunks = list(
+        c.completions.create(
+            model=MODEL, prompt=PROMPTS[9], temperature=0, max_tokens=MAX_TOKENS, logprobs=3, stream=True
+        )
+    )
+    parts = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].logprobs]
+    assert [t for p in parts for t in p.logprobs.tokens] == lp.tokens
+    assert [o for p in parts for o in p.logprobs.text_offset] == lp.text_offset
+    for p in parts:
+        assert p.text.split() == p.logprobs.tokens
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[9], temperature=0, max_tokens=4)
+    assert r.choices[0].logprobs is None
+
+
+def test_penalties_and_token_options_through_the_server_equal_solo_plain(server, solo):
+    """Penalties, logit_bias, min_tokens and stop_token_ids from the official client (extra_body for vLLM's
+    extensions), streamed and not, give plain decoding's text with the same options; /metrics counts them."""
+    from clover.runtime.sampling import SamplingParams
+
+    c = client(server)
+    metrics = lambda: {  # noqa: E731
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in httpx.get(server.url.removesuffix("/v1") + "/metrics", timeout=5).text.splitlines()
+        if line.startswith("clover:request_options_total")
+    }
+    before = metrics()
+    cases = [  # (the client's arguments, extra_body, the same as SamplingParams, Generator's other options)
+        (
+            {"presence_penalty": 2.0, "frequency_penalty": 2.0},
+            {},
+            SamplingParams(presence_penalty=2.0, frequency_penalty=2.0),
+            {},
+        ),
+        (
+            {"frequency_penalty": 1.5, "logit_bias": {"33": 4.0}},
+            {"repetition_penalty": 2.0},
+            SamplingParams(frequency_penalty=1.5, logit_bias={33: 4.0}, repetition_penalty=2.0),
+            {},
+        ),
+        (
+            {"logit_bias": {"60": 100}},
+            {"min_tokens": 4, "stop_token_ids": [60]},
+            SamplingParams(logit_bias={60: 100.0}, min_tokens=4),
+            {"stop_token_ids": [60]},
+        ),
+    ]
+    for i, (openai_args, extra, sampling, solo_extra) in enumerate(cases):
+        want = solo(PROMPTS[10 + i], sampling=sampling, ignore_eos=True, **solo_extra)
+        base = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPTS[10 + i]}],
+            temperature=0,
+            max_tokens=MAX_TOKENS,
+            extra_body={"ignore_eos": True, **extra},
+            **openai_args,
+        )
+        r = c.chat.completions.create(**base)
+        assert r.choices[0].message.content == want.text and r.usage.completion_tokens == want.new_tokens, i
+        streamed = "".join(
+            ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**base, stream=True) if ch.choices
+        )
+        assert streamed == want.text, i
+    assert len(want.token_ids) == 5 and want.finish_reason == "stop"  # min_tokens held the forced stop id back
+    after = metrics()
+    grew = {k.split('"')[1] for k in after if after[k] - before.get(k, 0) >= 2}
+    assert grew == {
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "min_tokens",
+        "stop_token_ids",
+    }
+
+
+def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
+    """Bad values of the new fields, fields that would change the output but are not supported, and unknown fields:
+    400 with the field as `param`. Harmless fields (user, metadata, store, ...) and no-op values are accepted."""
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=10)  # noqa: E731
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "w10"}], "max_tokens": 4}
+    comp = {"model": MODEL, "prompt": "w10", "max_tokens": 4}
+    cases = [
+        (chat, {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        (chat, {"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
+        (chat, {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+        (chat, {"logprobs": 3}, "logprobs"),  # chat's logprobs is a flag
+        (comp, {"logprobs": True}, "logprobs"),  # completions' is a count
+        (comp, {"logprobs": 21}, "logprobs"),
+        (chat, {"presence_penalty": 2.5}, "presence_penalty"),
+        (comp, {"frequency_penalty": -2.01}, "frequency_penalty"),
+        (comp, {"repetition_penalty": 0}, "repetition_penalty"),
+        (comp, {"repetition_penalty": -1.0}, "repetition_penalty"),
+        (chat, {"logit_bias": {"5": 101}}, "logit_bias"),
+        (chat, {"logit_bias": {"five": 1}}, "logit_bias"),
+        (chat, {"logit_bias": {"-5": 1}}, "logit_bias"),
+        (chat, {"logit_bias": {"96": 1}}, "logit_bias"),  # the tiny vocabulary has 96 tokens
+        (comp, {"min_tokens": -1}, "min_tokens"),
+        (comp, {"min_tokens": 5}, "min_tokens"),  # more than max_tokens 4
+        (comp, {"stop_token_ids": [96]}, "stop_token_ids"),
+        (comp, {"stop_token_ids": [-1]}, "stop_token_ids"),
+        (chat, {"n": 2}, "n"),
+        (comp, {"best_of": 3}, "best_of"),
+        (comp, {"echo": True}, "echo"),
+        (comp, {"suffix": "w9"}, "suffix"),
+        (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+        (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        (chat, {"tool_choice": "auto"}, "tool_choice"),
+        (chat, {"functions": [{"name": "f"}]}, "functions"),
+        (chat, {"function_call": "auto"}, "function_call"),
+        (chat, {"audio": {"voice": "alloy"}}, "audio"),
+        (chat, {"modalities": ["text", "audio"]}, "modalities"),
+        (chat, {"prediction": {"type": "content", "content": "w1"}}, "prediction"),
+        (chat, {"reasoning_effort": "low"}, "reasoning_effort"),
+        (chat, {"top_k": 5}, "top_k"),  # unknown here: refused, not ignored
+        (comp, {"guided_json": {}}, "guided_json"),
+    ]
+    for base, extra, param in cases:
+        path = "/chat/completions" if "messages" in base else "/completions"
+        r = post(path, {**base, **extra})
+        assert r.status_code == 400, (extra, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and param in err["message"] and "\n" not in err["message"], (extra, r.text)
+    accepted = {
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "store": False,
+        "service_tier": "auto",
+        "parallel_tool_calls": True,
+        "n": 1,
+        "tools": [],
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "modalities": ["text"],
+        "logprobs": False,
+        "stream_options": None,
+        "presence_penalty": 0,
+        "logit_bias": {},
+    }
+    assert post("/chat/completions", {**chat, **accepted}).status_code == 200
+    assert post("/completions", {**comp, "echo": False, "best_of": 1, "suffix": None, "user": "u"}).status_code == 200
