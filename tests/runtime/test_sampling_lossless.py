@@ -39,7 +39,7 @@ from clover.models.head_io import random_heads
 from clover.runtime.loop import Decoding, speculative_steps, step
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_token
 from clover.runtime.torch_backend import TorchRunner
-from clover.runtime.tree import resolve_tree
+from clover.runtime.tree import compile_tree, resolve_tree
 
 ALPHA = 1e-3
 V = 12  # vocabulary: V * V joint cells stay cheap to enumerate exactly
@@ -440,7 +440,7 @@ def test_logits_processors_sample_the_processed_base_law(base, base_logits):
         "ab,abc->c", joint, np.array([[processed(l3[a, b], [a, b]) for b in range(V)] for a in range(V)])
     )
     runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
-    tree = resolve_tree("small")
+    tree = compile_tree([[0], [1], [0, 0], [1, 0]], "two-by-two")  # siblings at both depths a step can use
     tokens = np.zeros((N, NUM_TOKENS), dtype=np.int64)
     lengths = []
     for i, child in enumerate(np.random.SeedSequence(MASTER_SEED + 6).spawn(N)):
