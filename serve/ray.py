@@ -185,7 +185,8 @@ def build_app(args: dict[str, Any]):
     return application(RayServeOptions.from_args(args))
 
 
-def config_yaml(o: RayServeOptions, host: str = "0.0.0.0", port: int = 8000, name: str = APP_NAME) -> str:
+# all interfaces: a cluster's deploy config serves every node's proxy to the network, as Ray Serve's own default does
+def config_yaml(o: RayServeOptions, host: str = "0.0.0.0", port: int = 8000, name: str = APP_NAME) -> str:  # nosec B104
     """A Ray Serve config (`serve deploy config.yaml` on a running cluster) serving `o`: the application's args are
     every option, its deployments' options the ones `application` sets."""
     import yaml

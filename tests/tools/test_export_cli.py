@@ -121,7 +121,7 @@ def test_generate_from_artifact_is_identical_to_torch(base_dir, artifact, capsys
         (["--heads", "random:gpt"], "random:ARCH"),
         (["--tree", "mc26", "--heads", "random:clover"], "tree mc26 has depth 5"),
         (["--max-context", "100000"], "exceeds the base model's max_position_embeddings"),
-        (["--ngram-store", "no-such-corpus"], "no-such-corpus is not a corpus"),
+        (["--ngram-store", "no-such-corpus"], "corpus folder no-such-corpus does not exist"),
     ],
 )
 def test_export_user_errors_are_one_line(base_dir, tmp_path, capsys, args, message):
