@@ -52,9 +52,12 @@ async def first_token(url: str, prompt: str, seconds: float = 600) -> float:
                 stream = await c.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=8, stream=True
                 )
+                first = None
                 async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].delta.content:
-                        return time.perf_counter()
+                    if first is None and chunk.choices and chunk.choices[0].delta.content:
+                        first = time.perf_counter()
+                if first is not None:
+                    return first
             except (openai.APIStatusError, openai.APIConnectionError):
                 if time.perf_counter() > deadline:
                     raise
@@ -122,6 +125,9 @@ def main() -> int:
         single_url, warm_s = single_cold_start(args.artifact, args.threads, args.max_batch, prompts[0], servers)
         cold["single"] = {"uncached_s": round(cold_s, 2), "cached_s": round(warm_s, 2)}
         port = free_port()
+        # Ray starts its workers at nice 15 by default: the replicas would yield the cores to this process's clients,
+        # which the single process (nice 0) does not
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(
             address="local",
             num_cpus=2 * args.threads,  # both Ray applications up at once; one is loaded at a time

@@ -407,6 +407,8 @@ def serve_on_ray(o: RayServeOptions, host: str, port: int, address: str | None) 
     stop = threading.Event()
     started = address is None
     t0 = time.perf_counter()
+    if started:  # Ray starts workers at nice 15: here they are the server, and must not yield to the machine's jobs
+        os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address="local" if started else address, logging_level="WARNING")
     # after ray.init, which installs handlers of its own that end the process at once
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
