@@ -62,7 +62,7 @@ def test_cli_docs_width_independent():
 
 WORK_LOG = {
     "a numbered work period": re.compile(
-        r"\b[Ss]essions? \d"  # session 24, sessions 19-24, Session 15's
+        r"\b[Ss]essions? \d"  # a numbered work period, singular or plural, any case
         r"|\(s\d{1,3}\)"  # (s25)
         r"|_s\d{2,3}_"  # bench_fp32_s25_code.json
         r"|(?<![\w/.-])s\d{2,3}:"  # s26: ...
@@ -74,7 +74,7 @@ WORK_LOG = {
 }
 # "this machine" is left out: in the tools it is the host the code runs on (clover-doctor, TensorRT engine
 # compatibility), which is what it should say there.
-EXTERNAL_TRACKER = re.compile(r"[\w.-]+/[\w.-]+ $")  # "SafeAILab/EAGLE issue 143" cites another project's tracker
+EXTERNAL_TRACKER = re.compile(r"[\w.-]+/[\w.-]+ $")  # "OWNER/REPO issue N" cites another project's tracker, not ours
 MAX_BYTES = 2 * 2**20
 # Third-party and model-written text (prompt sets, the corpora's prompts) is data, not prose of this project; and
 # this file holds the patterns themselves. Test code needs no exclusion: it makes its scratch paths with tmp_path
