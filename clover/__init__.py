@@ -15,6 +15,7 @@ _LAZY = {
     "Generator": "clover.runtime.generator",
     "GenerationResult": "clover.runtime.generator",
     "SamplingParams": "clover.runtime.sampling",
+    "Grammar": "clover.runtime.grammar",
     "StreamDelta": "clover.runtime.scheduler",
     "QueueFull": "clover.runtime.scheduler",
     "Cancelled": "clover.runtime.scheduler",

@@ -38,11 +38,13 @@ from clover.runtime.generator import (
     choose_tree,
     drafts_label,
     encode_prompt,
+    grammar_state,
     load_backend,
     lookup_length,
     stop_conditions,
     with_cost,
 )
+from clover.runtime.grammar import Grammar, GrammarCompiler
 from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker
 from clover.runtime.processors import LogitsProcessors
@@ -199,6 +201,7 @@ class Engine:
             self.tree = with_cost(runner, choose_tree(runner.info, tree, drafts))
             self.policy = FixedTrees()
             self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts)
+        self.grammars = GrammarCompiler(tokenizer, runner.info.vocab_size)
         self.error: BaseException | None = None  # the last step's failure, or what stopped the loop
         self.log = log
         self.step_sequences = 0  # sequences in the last forward (prefill chunks included); 0 while idle
@@ -283,6 +286,7 @@ class Engine:
         request_id: str | None = None,
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> EngineStream:
         """Submit a request; its output arrives through the returned stream. Everything it carries is checked
         here, in the caller's thread, so a bad request fails alone: CloverError at once for bad input (a token id
@@ -291,7 +295,8 @@ class Engine:
         has died. max_new_tokens None: up to the end of the context. request_id: names the request in the engine's
         log and in an internal failure's message (a server's response id). stop_token_ids: ids that end the request
         like EOS. logprobs: every token's log-probability with this many alternatives (0-20), in the deltas and
-        the result (None: none). Penalties, logit_bias and min_tokens come with `sampling`."""
+        the result (None: none). grammar: what the output must match (clover.Grammar), compiled here. Penalties,
+        logit_bias and min_tokens come with `sampling`."""
         if not isinstance(sampling, SamplingParams):
             raise CloverError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         info = self.runner.info
@@ -310,6 +315,7 @@ class Engine:
         room = max_new_tokens if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) else room
         stop_ids = check_token_options(info.vocab_size, sampling, stop_token_ids, logprobs, room)
         conditions = stop_conditions(self.tokenizer, max_new_tokens, stop, ignore_eos, stop_ids, sampling.min_tokens)
+        state = grammar_state(self.grammars, grammar, sampling)
         out = EngineStream()
         request = Request(
             np.array(ids, dtype=np.int64),
@@ -321,6 +327,7 @@ class Engine:
             id=request_id,
             logprobs=logprobs,
             token_logprobs=None if logprobs is None else [],
+            grammar=state,
         )
         out._request = request
         self.scheduler.submit(request)  # raises EngineUnavailable once closed or dead (under the scheduler's lock)
@@ -337,6 +344,7 @@ class Engine:
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationResult:
         """Submit a request and wait for its result."""
         return self.stream(
@@ -348,6 +356,7 @@ class Engine:
             ignore_eos=ignore_eos,
             stop_token_ids=stop_token_ids,
             logprobs=logprobs,
+            grammar=grammar,
         ).wait()
 
     async def agenerate(self, prompt: str | Sequence[int] | list[dict[str, str]], **kwargs: Any) -> GenerationResult:
@@ -411,6 +420,7 @@ class Engine:
                     lookup_length=self.lookup_length,
                     processors=LogitsProcessors.of(r.sampling, r.prompt, r.stop.eos_token_ids, runner.info.vocab_size),
                     logprobs=r.logprobs,
+                    grammar=r.grammar,
                 )
             except Exception as e:
                 self._fail(r, e)

@@ -21,6 +21,7 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, RunnerInfo, backend_module
 from clover.runtime.cost import DraftConfidence, VerifyCost, verify_cost
+from clover.runtime.grammar import Grammar, GrammarCompiler, GrammarState
 from clover.runtime.logprobs import TokenLogprob, check_logprobs
 from clover.runtime.lookup import LookupLength
 from clover.runtime.loop import DRAFT_SOURCES, LOOKUP_DRAFTS, PLAIN, Step, chain, speculative_steps
@@ -57,6 +58,7 @@ class GenerationResult:
     drafted_tokens: int = 0  # drafted tokens verified, over all steps
     accepted_tokens: int = 0  # drafted tokens accepted (tokens emitted minus one bonus token per step)
     draft_steps: int = 0  # verify steps that checked drafted tokens (plain steps draft none)
+    pruned_tokens: int = 0  # drafted tokens the request's grammar forbade, left out of the verify
     # one per token of token_ids when the request asked for log-probabilities (runtime/logprobs.py), else None
     logprobs: list[TokenLogprob] | None = None
 
@@ -202,6 +204,23 @@ def stop_conditions(
     )
 
 
+def grammar_state(compiler: GrammarCompiler, grammar: Grammar | None, sampling: SamplingParams) -> GrammarState | None:
+    """A request's grammar compiled (in the caller's thread: an invalid grammar fails that request alone), or
+    None without one."""
+    if grammar is None:
+        return None
+    if sampling.min_tokens:
+        raise CloverError(
+            "min_tokens cannot be combined with a grammar (the grammar may allow only the end of the output before "
+            "min_tokens is reached): leave one of them out",
+            param="min_tokens",
+        )
+    try:
+        return compiler.state(grammar)
+    except CloverError as e:
+        raise CloverError(str(e), param="grammar") from None
+
+
 def check_prompt_fits(ids: Sequence[int], context: int) -> None:
     if len(ids) >= context:
         raise CloverError(
@@ -252,6 +271,7 @@ class Progress:
         self.accepted: list[int] = []  # tokens emitted per verify step
         self.drafted = 0  # drafted tokens verified (tree nodes but the root)
         self.draft_steps = 0  # verify steps with drafted tokens
+        self.pruned = 0  # drafted tokens its grammar forbade before the verify
         self.step_seconds: list[float] = []
         self.timings: dict[str, float] = {}
 
@@ -267,6 +287,7 @@ class Progress:
             self.accepted.append(len(step.tokens))
             self.drafted += step.tree_nodes - 1
             self.draft_steps += step.tree_nodes > 1
+            self.pruned += step.pruned
             self.step_seconds.append(step.wall)
 
     def result(
@@ -299,6 +320,7 @@ class Progress:
             drafted_tokens=self.drafted,
             accepted_tokens=sum(acc) - len(acc),
             draft_steps=self.draft_steps,
+            pruned_tokens=self.pruned,
             logprobs=logprobs,
         )
 
@@ -312,6 +334,7 @@ class Generator:
         self.tree = with_cost(runner, choose_tree(runner.info, tree, drafts))
         # what sizes lookup drafts on this runner's verify cost (None: every proposed token is verified)
         self.lookup_length = lookup_length(runner, self.tree.num_nodes, drafts)
+        self.grammars = GrammarCompiler(tokenizer, runner.info.vocab_size)
 
     @classmethod
     def load(
@@ -347,6 +370,7 @@ class Generator:
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationResult:
         stream = self.stream(
             prompt,
@@ -357,6 +381,7 @@ class Generator:
             ignore_eos=ignore_eos,
             stop_token_ids=stop_token_ids,
             logprobs=logprobs,
+            grammar=grammar,
         )
         for _ in stream:
             pass
@@ -373,10 +398,12 @@ class Generator:
         ignore_eos: bool = False,
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
     ) -> GenerationStream:
         """An iterator of text deltas; its `.result` is set once it is exhausted. stop_token_ids: ids that end
         generation like EOS; logprobs: each token's log-probability with this many alternatives (0-20) in
-        `result.logprobs` (None: none). Penalties, logit_bias and min_tokens come with `sampling`."""
+        `result.logprobs` (None: none); grammar: what the output must match (clover.Grammar: a JSON object or
+        schema, a regex, a Lark grammar, a choice). Penalties, logit_bias and min_tokens come with `sampling`."""
         info = self.runner.info
         ids = self.encode_prompt(prompt, chat)
         check_token_ids(ids, info.vocab_size)
@@ -386,7 +413,8 @@ class Generator:
             room = min(room, max_new_tokens)
         stop_ids = check_token_options(info.vocab_size, sampling, stop_token_ids, logprobs, room)
         conditions = stop_conditions(self.tokenizer, max_new_tokens, stop, ignore_eos, stop_ids, sampling.min_tokens)
-        return GenerationStream(self, ids, conditions, sampling, logprobs)
+        state = grammar_state(self.grammars, grammar, sampling)
+        return GenerationStream(self, ids, conditions, sampling, logprobs, state)
 
 
 class GenerationStream:
@@ -397,8 +425,10 @@ class GenerationStream:
         stop: StopConditions,
         sampling: SamplingParams,
         logprobs: int | None = None,
+        grammar: GrammarState | None = None,
     ):
         self._gen, self._ids, self._stop, self._sampling, self._logprobs = gen, ids, stop, sampling, logprobs
+        self._grammar = grammar
         self.result: GenerationResult | None = None
         self._it = self._run()
 
@@ -428,6 +458,7 @@ class GenerationStream:
             gen.lookup_length,
             processors,
             self._logprobs,
+            self._grammar,
         ):
             progress.add(step)
             before = tracker.num_tokens

@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
 from clover.runtime.backend import Runner, Slot, Verify
+from clover.runtime.grammar import GrammarState, PathMasks
 from clover.runtime.logprobs import StepLogprobs, token_logprobs
 from clover.runtime.lookup import LookupLength, PromptLookup
 from clover.runtime.processors import LogitsProcessors
@@ -60,6 +61,7 @@ class Step:
     seconds: dict[str, float] = field(default_factory=dict)
     error: BaseException | None = None  # step(isolate=True): this sequence's part failed (it emitted nothing)
     logprobs: StepLogprobs | None = None  # the emitted tokens' log-probabilities, when the sequence asks for them
+    pruned: int = 0  # drafted nodes its grammar forbade, left out of the verify
 
     @property
     def wall(self) -> float:
@@ -80,6 +82,16 @@ class Draft:
     heads_tree: Tree | None = None
     # a dynamic tree's nodes' cumulative draft probabilities [T] (node order; what DraftConfidence learns from)
     confidence: np.ndarray | None = None
+    # a request with a grammar: [T, V] bool, the tokens the grammar allows after each node's path
+    allowed: np.ndarray | None = None
+
+
+def _grammar_rows(logits: np.ndarray, allowed: np.ndarray, vocab: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Draft logits [n, K] with the tokens the grammar forbids at -inf, and how many each row allows ([n]); a
+    row that allows none of its columns is left at 0 (its children are all invalid)."""
+    cols = allowed if vocab is None else allowed[:, vocab]
+    counts = cols.sum(axis=1)
+    return np.where(cols | (counts == 0)[:, None], logits, -np.inf), counts
 
 
 def draft_tree(
@@ -89,10 +101,13 @@ def draft_tree(
     sampling: SamplingParams,
     rng: np.random.Generator,
     slot: Slot | None = None,
+    grammar: PathMasks | None = None,
 ) -> Draft:
     """Fill the tree depth by depth (from `slot`'s heads, the solo one by default): greedy takes each node's
     top-k, sampling draws without replacement. With a draft vocabulary the heads' logits cover its K tokens
-    only: their columns map back to token ids, and the draft law is zero elsewhere."""
+    only: their columns map back to token ids, and the draft law is zero elsewhere. With a grammar, each node's
+    children come from the heads' logits masked by the grammar after its path: drafts are always allowed, and
+    children a node's mask has no room for are invalid."""
     T = tree.num_nodes
     vocab = runner.info.draft_vocab  # [K] token id of each logit column, or None (column = token id)
     tokens = np.full(T, root_token, dtype=np.int64)
@@ -100,12 +115,18 @@ def draft_tree(
     probs = None if sampling.greedy or T == 1 else np.zeros((T, runner.info.vocab_size))
     rows = np.zeros(1, dtype=np.int64)  # nodes whose children are drafted next: the root first
     logits = runner.draft_begin(slot)[None] if tree.max_depth else None  # [n, K], row r for node rows[r]
+    paths: list[tuple[int, ...]] = [()] * T  # grammar: each node's drafted tokens after the root
     for depth in range(1, tree.max_depth + 1):
+        room = None  # grammar: how many children each row's mask allows
+        if grammar is not None:
+            logits, room = _grammar_rows(logits, grammar.rows([paths[n] for n in rows]), vocab)
         if sampling.greedy:
             top = topk_tokens(logits, tree.max_children)  # [n, k] columns
             top = top if vocab is None else vocab[top]
         else:
             law = probs_from_logits(logits, sampling)  # [n, K]
+            if room is not None:
+                law[room == 0] = 0.0
             if vocab is None:
                 probs[rows] = law
             else:
@@ -114,13 +135,20 @@ def draft_tree(
             kids = tree.children[node]
             if sampling.greedy:
                 tokens[kids] = top[r, : len(kids)]
+                if room is not None:
+                    valid[kids[room[r] :]] = False
             else:
                 drawn = sample_without_replacement(law[r], len(kids), rng)
                 drawn = drawn if vocab is None else vocab[drawn]
                 tokens[kids[: len(drawn)]] = drawn
                 valid[kids[len(drawn) :]] = False
         valid[tree.levels[depth]] &= valid[tree.parent[tree.levels[depth]]]
-        rows = np.array([n for n in tree.levels[depth] if len(tree.children[n])], dtype=np.int64)
+        if grammar is not None:
+            for n in tree.levels[depth]:
+                paths[n] = paths[tree.parent[n]] + (int(tokens[n]),)
+        rows = np.array(
+            [n for n in tree.levels[depth] if len(tree.children[n]) and (grammar is None or valid[n])], dtype=np.int64
+        )
         if depth == tree.max_depth or len(rows) == 0:
             break
         logits = runner.draft_step(depth, rows, tree.parent[rows].astype(np.int64), tokens[rows], slot)
@@ -134,22 +162,30 @@ def draft_dynamic(
     sampling: SamplingParams,
     rng: np.random.Generator,
     slot: Slot | None = None,
+    grammar: PathMasks | None = None,
 ) -> tuple[Tree, Draft]:
     """This step's tree, drafted by confidence (tree.DynamicTree): depth by depth the `width` drafted nodes of
     highest cumulative draft probability get `width` children each; greedy keeps the best nodes (by cumulative
     probability: ancestors first) up to the count that maximises expected tokens per verify millisecond,
-    sampling keeps every drafted node. Returns the compiled tree and its draft."""
+    sampling keeps every drafted node. With a grammar the heads' logits are masked as in `draft_tree`. Returns the
+    compiled tree and its draft."""
     vocab = runner.info.draft_vocab
     law = probs_from_logits if not sampling.greedy else None
     greedy_law = SamplingParams(temperature=1.0)  # greedy ranks nodes by the heads' plain softmax
     worth = spec.confidence if spec.confidence is not None else (lambda p: np.asarray(p, dtype=np.float64))
     tokens, parent, score, laws = [root_token], [-1], [1.0], {}
+    paths: list[tuple[int, ...]] = [()]  # grammar: each drafted node's tokens after the root
     frontier = np.zeros(1, dtype=np.int64)  # drafted nodes expanded at this depth (draft-order ids)
     t0 = time.perf_counter()
     logits = runner.draft_begin(slot)[None]  # [n, K]
     calls = 1
     for depth in range(1, spec.depth + 1):
+        fits = None  # grammar: how many tokens each frontier node's mask allows
+        if grammar is not None:
+            logits, fits = _grammar_rows(logits, grammar.rows([paths[i] for i in frontier]), vocab)
         probs = (law or probs_from_logits)(logits, sampling if law else greedy_law)  # [n, K]
+        if fits is not None:
+            probs[fits == 0] = 0.0
         # Greedy drafts `width` children per expanded node and picks the budget after; sampling verifies all it
         # draws, so it spreads the budget over the depths left (decided before drawing: sampling stays exact).
         room = (
@@ -165,12 +201,14 @@ def draft_dynamic(
                 break
             if law is None:
                 cols = topk_tokens(logits[r : r + 1], k)[0]
+                cols = cols if fits is None else cols[: fits[r]]
             else:
                 cols = sample_without_replacement(probs[r], k, rng)
                 laws[int(node)] = (probs[r], len(cols))
             for c in cols:
                 new.append(len(tokens))
                 tokens.append(int(c if vocab is None else vocab[c]))
+                paths.append(paths[node] + (tokens[-1],))
                 parent.append(int(node))
                 score.append(score[node] * float(probs[r, c]))
         if depth == spec.depth or not new or (law is not None and len(tokens) - 1 >= spec.budget):
@@ -310,6 +348,49 @@ def merge_lookup(tree: Tree, draft: Draft, proposal: np.ndarray, chains_only: bo
     return new, Draft(tokens, valid, probs, point, heads, tree)
 
 
+def constrain(tree: Tree, draft: Draft, grammar: PathMasks) -> tuple[Tree, Draft]:
+    """The drafted tree without the nodes the grammar forbids (with their subtrees) and its invalid nodes, and each
+    kept node's mask: verify then runs only rows that can be accepted. Sibling ranks keep their order (a sampled
+    node's siblings stay in draw order); pruned lookup nodes are point masses on tokens of target probability 0,
+    whose rejection would leave the residual law as it was."""
+    T = tree.num_nodes
+    paths: list[tuple[int, ...]] = [()] * T
+    keep = np.array(draft.valid, dtype=bool)
+    for n in range(1, T):  # parents come before their children
+        p = int(tree.parent[n])
+        paths[n] = paths[p] + (int(draft.tokens[n]),)
+        keep[n] = keep[n] and keep[p] and grammar.allowed(paths[n]) is not None
+    if keep.all():
+        return tree, replace(draft, allowed=grammar.rows(paths))
+    kept = np.flatnonzero(keep)
+    rank: dict[int, int] = {}  # new rank of each kept node among its kept siblings
+    choice = {0: ()}
+    for n in kept[1:]:
+        p = int(tree.parent[n])
+        r = rank[p] = rank.get(p, -1) + 1
+        choice[int(n)] = choice[p] + (r,)
+    new = _merged_tree(tuple(sorted((choice[int(n)] for n in kept[1:]), key=lambda c: (len(c), c))), tree.name)
+    at = {c: i + 1 for i, c in enumerate(new.choices)} | {(): 0}
+    order = np.empty(new.num_nodes, dtype=np.int64)  # old node id of each new node
+    for n in kept:
+        order[at[choice[int(n)]]] = n
+
+    def pick(a):
+        return None if a is None else a[order]
+
+    pruned = Draft(
+        draft.tokens[order],
+        np.ones(new.num_nodes, dtype=bool),
+        pick(draft.probs),
+        pick(draft.point),
+        pick(draft.heads),
+        draft.heads_tree,
+        pick(draft.confidence),
+        grammar.rows([paths[n] for n in order]),
+    )
+    return new, pruned
+
+
 def accept(
     tree: Tree,
     draft: Draft,
@@ -319,9 +400,12 @@ def accept(
     processors: LogitsProcessors | None = None,
 ) -> Acceptance:
     """Verify one drafted tree on its logits rows [T, V]: each row adjusted by `processors` with its own path's
-    history first (runtime/processors.py), then greedy or rejection sampling."""
+    history first (runtime/processors.py), the tokens its grammar forbids set to -inf last, then greedy or
+    rejection sampling."""
     if processors is not None:
         logits = processors.apply(logits, tree, draft.tokens)
+    if draft.allowed is not None:
+        logits = np.where(draft.allowed, logits, -np.inf)
     if sampling.greedy:
         return accept_greedy(tree, draft.tokens, logits)
     target = probs_from_logits(logits, sampling)
@@ -352,6 +436,7 @@ class Decoding:
     lookup_length: LookupLength | None = None
     processors: LogitsProcessors | None = None  # this request's logits processors (None: none, no work)
     logprobs: int | None = None  # alternatives per emitted token's log-probability (None: no log-probabilities)
+    grammar: GrammarState | None = None  # what the output must match (runtime/grammar.py; None: anything)
 
     @property
     def prefilling(self) -> bool:
@@ -449,6 +534,7 @@ class _Planned:
     proposal: tuple[int, np.ndarray] | None = None
     use: tuple[bool, int] | None = None
     draft_seconds: float = 0.0
+    pruned: int = 0  # drafted nodes the grammar forbade (or that were invalid), left out of the verify
 
 
 def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
@@ -460,6 +546,7 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
         return _Planned(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=True))
     room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
     whole, use = None, None
+    masks = d.grammar.paths() if d.grammar is not None else None
     if d.drafts == "lookup":
         whole = d.lookup.propose(min(tree.max_depth, room))
         proposal = _worth_verifying(d, whole, 1)
@@ -480,13 +567,18 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
         else:
             use = (False, kind) if learn else None
             if isinstance(tree, DynamicTree):
-                tree, draft = draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot)
+                tree, draft = draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot, masks)
             else:
-                draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot)
+                draft = draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot, masks)
             if whole is not None:  # the lookup path joins the heads' tree, in the rows left
                 whole = whole[: max(0, room - tree.num_nodes + 1)]
                 proposal = _worth_verifying(d, whole, tree.num_nodes)
                 tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
+    pruned = 0
+    if masks is not None:
+        drafted = tree.num_nodes
+        tree, draft = constrain(tree, draft, masks)
+        pruned = drafted - tree.num_nodes
     return _Planned(
         Verify(d.slot, draft.tokens, tree.depth, tree.ancestor_mask),
         tree,
@@ -494,6 +586,7 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
         (d.lookup.match, whole) if whole is not None and d.lookup_length is not None else None,
         use,
         time.perf_counter() - td,
+        pruned,
     )
 
 
@@ -508,12 +601,22 @@ def _committed(runner: Runner, d: Decoding, p: _Planned, acc: Acceptance | None,
     runner.commit(acc.path, np.array(emitted, dtype=np.int64), slot=d.slot)
     if d.processors is not None:
         d.processors.extend(emitted)
+    if d.grammar is not None:
+        d.grammar.extend(emitted)
     if d.lookup is not None:
         d.lookup.extend(emitted)
     if p.proposal is not None:
         d.lookup_length.observe(*p.proposal, emitted)
     d.root = acc.bonus_token
-    st = Step(emitted, t.num_nodes, tree=t, rows=t.num_nodes, path=acc.path, draft_seconds=p.draft_seconds)
+    st = Step(
+        emitted,
+        t.num_nodes,
+        tree=t,
+        rows=t.num_nodes,
+        path=acc.path,
+        draft_seconds=p.draft_seconds,
+        pruned=p.pruned,
+    )
     if d.logprobs is not None:  # emitted token k was drawn from row path[k]: the accepted path's rows, in order
         st.logprobs = token_logprobs(logits[acc.path], emitted, d.logprobs)
     if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
@@ -538,13 +641,16 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     if d.prefilling:
         runner.commit(np.arange(n), d.prompt[start + 1 : start + n + 1], slot=d.slot)
         return Step([], 0, rows=n)
+    allowed = None if d.grammar is None else d.grammar.paths().rows([()])
     first = accept(
-        PLAIN, Draft(chunk[-1:], np.ones(1, bool), None), logits, d.sampling, d.rng, d.processors
+        PLAIN, Draft(chunk[-1:], np.ones(1, bool), None, allowed=allowed), logits, d.sampling, d.rng, d.processors
     ).bonus_token
     runner.commit(np.arange(n), np.append(d.prompt[start + 1 :], first), slot=d.slot)
     d.root = first
     if d.processors is not None:
         d.processors.extend([first])
+    if d.grammar is not None:
+        d.grammar.extend([first])
     d.lookup = (
         PromptLookup(list(d.prompt) + [first], store=runner.info.ngram_store)
         if d.drafts in ("lookup", "heads+lookup")
@@ -567,12 +673,13 @@ def speculative_steps(
     lookup_length: LookupLength | None = None,
     processors: LogitsProcessors | None = None,
     logprobs: int | None = None,
+    grammar: GrammarState | None = None,
 ) -> Iterator[Step]:
     """One sequence (the runner's solo slot): yield the tokens of each step until the sequence is full; the
     caller stops iterating when done. drafts: "heads" (the runner's draft heads fill `tree`) or "lookup"
     (prompt lookup; `tree` is a chain whose depth caps the drafts per step); `lookup_length`: how much of each
     lookup proposal to verify (None: all); `processors`: the request's logits processors; `logprobs`: each step's
-    tokens' log-probabilities with this many alternatives (None: none)."""
+    tokens' log-probabilities with this many alternatives (None: none); `grammar`: what the output must match."""
     runner.reset(capacity)
     d = Decoding(
         runner.solo,
@@ -584,6 +691,7 @@ def speculative_steps(
         lookup_length=lookup_length,
         processors=processors,
         logprobs=logprobs,
+        grammar=grammar,
     )
     while not d.full:
         for st in step(runner, [d]):

@@ -18,6 +18,7 @@ import numpy as np
 from clover.errors import CloverError
 from clover.runtime.cost import VerifyCost
 from clover.runtime.generator import GenerationResult, Progress
+from clover.runtime.grammar import GrammarState
 from clover.runtime.logprobs import TokenLogprob
 from clover.runtime.loop import Decoding, Step
 from clover.runtime.output import OutputTracker, StopConditions
@@ -66,6 +67,7 @@ class Request:
     logprobs: int | None = None  # alternatives per token's log-probability (None: no log-probabilities)
     token_logprobs: list[TokenLogprob] | None = None  # one per kept token, when asked for
     logprobs_sent: int = 0  # log-probabilities delivered so far (with the text that shows their tokens)
+    grammar: GrammarState | None = None  # what its output must match (compiled at submission)
 
 
 def check_max_batch(max_batch: int) -> None:

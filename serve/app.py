@@ -36,6 +36,7 @@ from clover.serve.limits import RequestGuard, RequestLimits
 from clover.serve.metrics import Metrics
 from clover.serve.schemas import (
     REFUSED,
+    RESPONSE_FORMATS,
     UNKNOWN_FIELD,
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,6 +97,8 @@ def request_param(engine_param: str | None, body: Any) -> str | None:
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     err = exc.errors()[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if loc[:1] == ["response_format"] and len(loc) > 1 and loc[1] in RESPONSE_FORMATS:
+        del loc[1]  # the union's tag (the format's type), not a field
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON ({err.get('msg', '')}): send a JSON object", None
     param = ".".join(loc) or None
@@ -232,8 +235,10 @@ def create_app(
                 "service_unavailable",
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
+        grammar_field = None
         try:
             limits.check(body.stop_strings(), body.ignore_eos)
+            grammar, grammar_field = body.grammar() or (None, None)
             sampling = SamplingParams(
                 temperature=body.temperature,
                 top_p=body.top_p,
@@ -256,6 +261,7 @@ def create_app(
                 request_id=rid,
                 stop_token_ids=body.stop_token_ids or (),
                 logprobs=body.logprobs_wanted(),
+                grammar=grammar,
             )
             for option in body.options_used():
                 metrics.options.labels(option).inc()
@@ -275,6 +281,8 @@ def create_app(
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             ) from None
         except CloverError as e:
+            if e.param == "grammar":
+                raise ApiError(400, f"{grammar_field}: {e}", param=grammar_field) from None
             raise ApiError(400, str(e), param=request_param(e.param, body)) from None
 
     async def _complete(request: Request, body, prompt: Any, chat: bool) -> Response:

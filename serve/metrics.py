@@ -28,6 +28,11 @@ class Metrics:
         self.drafts = Counter(p + "spec_decode_num_drafts", "Verify steps that checked drafted tokens", registry=r)
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r)
         self.accepted_tokens = Counter(p + "spec_decode_num_accepted_tokens", "Drafted tokens accepted", registry=r)
+        self.pruned_tokens = Counter(
+            p + "spec_decode_num_pruned_tokens",
+            "Drafted tokens a request's grammar forbade, left out of the verify (not in num_draft_tokens)",
+            registry=r,
+        )
         self.accepted_per_pos = Counter(
             p + "spec_decode_num_accepted_tokens_per_pos",
             "Drafted tokens accepted, by position in the accepted path",
@@ -44,8 +49,8 @@ class Metrics:
         )
         self.options = Counter(
             p + "request_options",
-            "Requests that set an output-shaping option (logprobs, a penalty, logit_bias, min_tokens, stop_token_ids), "
-            "by option",
+            "Requests that set an output-shaping option (logprobs, a penalty, logit_bias, min_tokens, stop_token_ids, "
+            "structured_output), by option",
             ["option"],
             registry=r,
         )
@@ -79,6 +84,7 @@ class Metrics:
         self.generation_tokens.inc(result.new_tokens)
         self.draft_tokens.inc(result.drafted_tokens)
         self.accepted_tokens.inc(result.accepted_tokens)
+        self.pruned_tokens.inc(result.pruned_tokens)
         self.drafts.inc(result.draft_steps)
         for emitted in result.accepted_per_step:
             for position in range(emitted - 1):  # the bonus token is not a draft

@@ -1,8 +1,8 @@
 """OpenAI API request and response bodies (the fields clover-serve supports), validated with pydantic.
 
 Every request field is declared: supported ones, harmless ones accepted and ignored (`user`, `metadata`, ...), and
-ones that would change the output but are not supported (`tools`, `response_format`, `n` > 1, ...), which are
-refused with a 400 naming them unless they carry their no-op value. An undeclared field is refused too
+ones that would change the output but are not supported (`tools`, `n` > 1, ...), which are refused with a 400
+naming them unless they carry their no-op value. An undeclared field is refused too
 (`extra="forbid"`): nothing that could change the output is silently ignored. docs/serving.md lists every field.
 """
 
@@ -12,8 +12,18 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StringConstraints, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StringConstraints,
+    field_validator,
+)
 
+from clover.errors import CloverError
+from clover.runtime.grammar import Grammar
 from clover.runtime.logprobs import MAX_LOGPROBS
 
 # Fields refused unless they carry their no-op value (their types admit only that value), and why.
@@ -26,8 +36,6 @@ REFUSED = {
     "tool_choice": "tool_choice is not supported (no tools): leave it out or send 'none'",
     "functions": "functions (function calling) are not supported: leave them out",
     "function_call": "function_call is not supported (no functions): leave it out or send 'none'",
-    "response_format": "response_format (JSON mode, structured output) is not supported: leave it out or send "
-    '{"type": "text"}',
     "audio": "audio output is not supported: leave it out",
     "modalities": 'only the "text" modality is supported',
     "prediction": "prediction (predicted outputs) is not supported: leave it out",
@@ -70,6 +78,34 @@ class ResponseFormatText(BaseModel):
     type: Literal["text"]
 
 
+class ResponseFormatJsonObject(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json_object"]
+
+
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # the output always follows the schema: strict or not
+
+
+class ResponseFormatJsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+ResponseFormat = Annotated[
+    ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
+]
+
+
 class _Generation(BaseModel):
     """Fields both endpoints share."""
 
@@ -91,6 +127,12 @@ class _Generation(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     ignore_eos: bool = False  # run to max_tokens past end-of-sequence (load tests)
+    # structured output: OpenAI's response_format, and vLLM's guided decoding fields (Lark for guided_grammar)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = Field(default=None, min_length=1)
+    guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = Field(default=None, min_length=1)
     # accepted and ignored: they do not change the output
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -130,9 +172,37 @@ class _Generation(BaseModel):
                 ("logit_bias", bool(self.logit_bias)),
                 ("min_tokens", self.min_tokens > 0),
                 ("stop_token_ids", bool(self.stop_token_ids)),
+                ("structured_output", self.grammar() is not None),
             )
             if on
         ]
+
+    def grammar(self) -> tuple[Grammar, str] | None:
+        """The grammar the output must match and the field that set it, or None. CloverError (a 400) when several
+        fields set one, or with min_tokens."""
+        found = []
+        rf = self.response_format
+        if isinstance(rf, ResponseFormatJsonObject):
+            found.append((Grammar.json_object(), "response_format"))
+        elif isinstance(rf, ResponseFormatJsonSchema):
+            schema = rf.json_schema.schema_
+            found.append(
+                (Grammar.json_schema(schema) if schema is not None else Grammar.json_object(), "response_format")
+            )
+        if self.guided_json is not None:
+            found.append((Grammar.json_schema(self.guided_json), "guided_json"))
+        if self.guided_regex is not None:
+            found.append((Grammar.regex(self.guided_regex), "guided_regex"))
+        if self.guided_choice is not None:
+            found.append((Grammar.choice(self.guided_choice), "guided_choice"))
+        if self.guided_grammar is not None:
+            found.append((Grammar.lark(self.guided_grammar), "guided_grammar"))
+        if len(found) > 1:
+            fields = " and ".join(f for _, f in found)
+            raise CloverError(f"{fields} each set the output's grammar: send one of them", param=found[1][1])
+        if found and self.min_tokens:
+            raise CloverError(f"min_tokens cannot be combined with {found[0][1]}: leave one of them out", "min_tokens")
+        return found[0] if found else None
 
     def logprobs_wanted(self) -> int | None:
         """Alternatives per token to report (None: no log-probabilities)."""
@@ -150,7 +220,6 @@ class ChatCompletionRequest(_Generation):
     tool_choice: Literal["none"] | None = None
     functions: list[Any] | None = Field(default=None, max_length=0)
     function_call: Literal["none"] | None = None
-    response_format: ResponseFormatText | None = None
     audio: None = None
     modalities: list[Literal["text"]] | None = None
     prediction: None = None

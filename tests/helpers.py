@@ -79,6 +79,30 @@ def tiny_tokenizer_dir(path: Path, vocab: int = 96, eos: int = 1) -> Path:
     return path
 
 
+CHARS = "".join(chr(c) for c in range(0x20, 0x7F))  # the 95 printable ASCII characters
+
+
+def char_tokenizer_dir(path: Path, eos: int = 1, chars: str = CHARS) -> Path:
+    """A tokenizer with one token per character of `chars` and `<eos>` at id `eos`: by default the tiny model's 96
+    ids, spelling any printable ASCII text. Grammars need a vocabulary that can spell any text (within their
+    alphabet); the word-level one cannot."""
+    from tokenizers import Tokenizer, decoders, models
+
+    pieces = list(chars)
+    pieces.insert(eos, "<eos>")
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [], unk_token=None))
+    tok.add_special_tokens(["<eos>"])
+    tok.decoder = decoders.Fuse()
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": template}))
+    return path
+
+
 def tiny_hf_folder(path: Path, seed: int = 0) -> Path:
     """A random-init transformers Llama saved as an HF folder, with the tiny tokenizer: a --base for CLI tests."""
     import transformers

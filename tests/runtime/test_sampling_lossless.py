@@ -469,3 +469,65 @@ def test_logits_processors_sample_the_processed_base_law(base, base_logits):
     assert p3 > ALPHA, f"x3 marginal law differs from the processed base law: p = {p3:.2e}"
     raw_joint, _, _ = exact_laws(base_logits, sampling_params(1.0))
     assert chi2_pvalue(c12, np.where(joint > 0, raw_joint, 0) + 1e-12) < ALPHA  # the processors did change the law
+
+
+def test_a_grammar_samples_the_masked_base_law(base, base_logits, tmp_path):
+    """Under a grammar the heads draw from their law masked by each node's grammar state and every verify row is
+    masked by its own path's state: the loop emits plain constrained sampling's law (the exact law: each row after
+    prompt + prefix masked by a matcher fed that prefix, then temperature), which the unmasked law is not."""
+    pytest.importorskip("llguidance")
+    from helpers import char_tokenizer_dir
+
+    from clover.runtime.grammar import Grammar, GrammarCompiler
+    from clover.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(char_tokenizer_dir(tmp_path, eos=V - 1, chars="abcdefghijk"))
+    compiler = GrammarCompiler(tok, V)
+    # after "g" only h-k may follow, so x3's mask depends on x2; the end is not allowed before 3 characters
+    grammar = Grammar.regex("[a-d]([a-f]|g[h-k]){2,}")
+    sampling = sampling_params(1.0)
+
+    def allowed(prefix: list[int]) -> np.ndarray:
+        m = compiler.state(grammar).matcher
+        if not all(m.consume_token(t) for t in prefix):
+            return np.zeros(V, dtype=bool)
+        return np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")[:V].astype(bool)
+
+    def masked(logits: np.ndarray, prefix: list[int]) -> np.ndarray:
+        ok = allowed(prefix)
+        return probs_from_logits(np.where(ok, logits, -np.inf)[None], sampling)[0] if ok.any() else np.zeros(V)
+
+    l1, l2, l3 = base_logits
+    p1 = masked(l1, [])
+    joint = p1[:, None] * np.array([masked(l2[a], [a]) for a in range(V)])
+    marginal = np.einsum("ab,abc->c", joint, np.array([[masked(l3[a, b], [a, b]) for b in range(V)] for a in range(V)]))
+    runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
+    tree = compile_tree([[0], [1], [0, 0], [1, 0]], "two-by-two")  # siblings at both depths a step can use
+    tokens = np.zeros((N, NUM_TOKENS), dtype=np.int64)
+    lengths = []
+    prompt = np.array(PROMPT, dtype=np.int64)
+    for i, child in enumerate(np.random.SeedSequence(MASTER_SEED + 7).spawn(N)):
+        out: list[int] = []
+        steps = speculative_steps(
+            runner,
+            prompt,
+            tree,
+            sampling,
+            np.random.default_rng(child),
+            len(PROMPT) + NUM_TOKENS + tree.num_nodes,
+            grammar=compiler.state(grammar),
+        )
+        for k, st in enumerate(steps):
+            out += st.tokens
+            lengths += [len(st.tokens)] if k else []
+            if len(out) >= NUM_TOKENS:
+                break
+        tokens[i] = out[:NUM_TOKENS]
+    lengths = np.array(lengths)
+    assert np.mean(lengths > 1) > 0.3 and np.mean(lengths == 1) > 0.05, np.bincount(lengths)
+    c12, c3 = counts_of(tokens)
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the masked base law: p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the masked base law: p = {p3:.2e}"
+    raw_joint, _, _ = exact_laws(base_logits, sampling)
+    assert raw_joint[joint == 0].sum() > 0.3, "the grammar barely changes the law: the test proves little"

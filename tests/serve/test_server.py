@@ -861,7 +861,11 @@ def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
         (comp, {"best_of": 3}, "best_of"),
         (comp, {"echo": True}, "echo"),
         (comp, {"suffix": "w9"}, "suffix"),
-        (chat, {"response_format": {"type": "json_object"}}, "response_format"),
+        (
+            chat,
+            {"response_format": {"type": "json_object"}},
+            "response_format",
+        ),  # the word-level vocabulary cannot spell JSON
         (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         (chat, {"tool_choice": "auto"}, "tool_choice"),
         (chat, {"functions": [{"name": "f"}]}, "functions"),
@@ -871,7 +875,7 @@ def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
         (chat, {"prediction": {"type": "content", "content": "w1"}}, "prediction"),
         (chat, {"reasoning_effort": "low"}, "reasoning_effort"),
         (chat, {"top_k": 5}, "top_k"),  # unknown here: refused, not ignored
-        (comp, {"guided_json": {}}, "guided_json"),
+        (comp, {"guided_json": {}}, "guided_json"),  # (the same)
     ]
     for base, extra, param in cases:
         path = "/chat/completions" if "messages" in base else "/completions"

@@ -1,0 +1,254 @@
+"""Structured output: a request's grammar (any JSON object, a JSON schema, a regex, a Lark grammar, a choice of
+strings) as token masks over a drafted tree's rows, computed by llguidance (chosen by measurement:
+benchmarks/grammar_engines.py; docs/design.md says how the masks keep speculation exact).
+
+A request's `GrammarState` holds an llguidance matcher in the state after its generated tokens. Each step a
+`PathMasks` over it gives, for any drafted path (the tokens after the step's root), the tokens allowed after that
+path, or None when the grammar forbids the path itself. A path's state depends on its tokens only, so a tree row is
+masked exactly as plain constrained decoding masks its row once that path has been generated.
+
+llguidance is imported here only, and only when a request has a grammar: without the `structured` extra, such a
+request gets one error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from clover.errors import CloverError
+
+KINDS = ("json_object", "json_schema", "regex", "lark", "choice")
+# JSON without free whitespace between tokens: a small model left free to emit whitespace can loop on it until
+# max_tokens (a known failure of JSON modes); compact JSON parses the same.
+JSON_OPTIONS = {"whitespace_flexible": False}
+MAX_GRAMMAR_CHARS = 1 << 20
+CACHED_GRAMMARS = 64  # compiled grammars kept per engine (a request with a cached one skips the ~1 ms compile)  # a grammar's source text at most (a schema, a regex, a Lark grammar)
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """What a request's output must match. kind: "json_object" (any JSON object), "json_schema" (value: the
+    schema, a dict), "regex" (value: a pattern, Rust regex syntax, matched whole), "lark" (value: a Lark grammar
+    in llguidance's dialect, from `start`), "choice" (value: a list of strings, output one of them exactly)."""
+
+    kind: str
+    value: Any = None
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        return cls("json_object")
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any]) -> Grammar:
+        return cls("json_schema", schema)
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> Grammar:
+        return cls("lark", grammar)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Grammar:
+        return cls("choice", tuple(options))
+
+    def key(self) -> str:
+        """A stable text of the grammar (the compile cache's key)."""
+        return self.kind + "\0" + json.dumps(self.value, sort_keys=True, default=list)
+
+    def source(self, llguidance) -> str:
+        """llguidance's grammar text for this grammar; CloverError when the value has the wrong type."""
+        v, kind = self.value, self.kind
+        if kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+        if kind == "json_schema":
+            if not isinstance(v, dict):
+                raise CloverError(f"a JSON schema must be an object, got {type(v).__name__}")
+            return llguidance.LLMatcher.grammar_from_json_schema(v, defaults=JSON_OPTIONS)
+        if kind == "regex":
+            if not isinstance(v, str) or not v:
+                raise CloverError("a regex grammar must be a non-empty string")
+            return llguidance.LLMatcher.grammar_from_regex(v)
+        if kind == "lark":
+            if not isinstance(v, str) or not v.strip():
+                raise CloverError("a Lark grammar must be a non-empty string")
+            return llguidance.LLMatcher.grammar_from_lark(v)
+        if kind == "choice":
+            if not v or not all(isinstance(s, str) and s for s in v):
+                raise CloverError("a choice needs a non-empty list of non-empty strings")
+            # Lark string literals take JSON's escapes
+            return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in v))
+        raise CloverError(f"unknown grammar kind {kind!r}: use one of {', '.join(KINDS)}")
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError as e:
+        raise CloverError(
+            "structured output needs llguidance: pip install 'clover-deploy[structured]' (or make install)"
+        ) from e
+    return llguidance
+
+
+class GrammarCompiler:
+    """Compiles grammars for one tokenizer (an engine's): the llguidance tokenizer is built on first use (~0.3 s
+    for a 49k vocabulary), compiled grammars are cached by their text (a request starts from a copy)."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+        self._lltok = None
+        self._lock = threading.Lock()
+        self._compiled: dict[str, Any] = {}  # grammar key -> pristine matcher, least recently used first
+
+    def _llt(self):
+        with self._lock:
+            if self._lltok is None:
+                llg = _llguidance()
+                spelled = {self._tokenizer.token_bytes(i) for i in range(self._tokenizer.vocab_size)}
+                missing = [chr(c) for c in range(0x20, 0x7F) if bytes([c]) not in spelled]
+                if missing:  # a word-level vocabulary: llguidance would force tokens it cannot spell
+                    raise CloverError(
+                        f"structured output needs a tokenizer that can spell any text, and this model's has no token "
+                        f"for {len(missing)} printable characters (e.g. {''.join(missing[:8])!r})"
+                    )
+                self._lltok = llg.LLTokenizer(
+                    llg.TokenizerWrapper(_Wrapped(self._tokenizer)),
+                    n_vocab=self.vocab_size,
+                    eos_token=list(self._tokenizer.eos_token_ids),
+                )
+            return self._lltok
+
+    def _cached(self, grammar: Grammar):
+        key = grammar.key()
+        with self._lock:
+            hit = self._compiled.pop(key, None)
+        if hit is None:
+            hit = self._compile(grammar)
+        with self._lock:
+            self._compiled[key] = hit
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.pop(next(iter(self._compiled)))
+        return hit
+
+    def _compile(self, grammar: Grammar):
+        llg = _llguidance()
+        try:
+            source = grammar.source(llg)
+        except CloverError:
+            raise
+        except Exception as e:  # llguidance's own message says what is wrong
+            raise CloverError(f"the {grammar.kind} grammar is not valid: {_one_line(e)}") from None
+        if len(source) > MAX_GRAMMAR_CHARS:
+            raise CloverError(f"the grammar is too large ({len(source)} characters, at most {MAX_GRAMMAR_CHARS})")
+        matcher = llg.LLMatcher(self._llt(), source, log_level=0)
+        if matcher.is_error():
+            raise CloverError(f"the {grammar.kind} grammar is not valid: {_one_line(matcher.get_error())}")
+        return matcher
+
+    def state(self, grammar: Grammar) -> GrammarState:
+        """A new request's state (before any generated token). CloverError when the grammar cannot compile."""
+        if not isinstance(grammar, Grammar):
+            raise CloverError(f"grammar must be a clover.Grammar, got {type(grammar).__name__}")
+        if grammar.kind not in KINDS:
+            raise CloverError(f"unknown grammar kind {grammar.kind!r}: use one of {', '.join(KINDS)}")
+        matcher = self._cached(grammar).deep_copy()
+        return GrammarState(matcher, self.vocab_size, grammar.kind, self._tokenizer.eos_token_ids)
+
+
+def _one_line(error: object, limit: int = 500) -> str:
+    """llguidance's message (several lines, a caret under the error) on one line."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _Wrapped:
+    """What llguidance's TokenizerWrapper reads from a tokenizer: every token's bytes, EOS, BOS, special ids, and
+    how text encodes. llguidance needs a vocabulary that can spell any bytes (byte-level BPE, byte fallback, or
+    single characters), as every LLM tokenizer can."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tok = tokenizer
+        self.eos_token_id = tokenizer.eos_token_ids[0]
+        bos = tokenizer.bos_token
+        self.bos_token_id = None if bos is None else tokenizer.token_to_id(bos)
+        self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        self.special_token_ids = sorted(int(i) for i in tokenizer.backend.get_added_tokens_decoder())
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return self._tok.encode(text.decode("utf-8") if isinstance(text, bytes) else text, add_special_tokens=False)
+
+
+class GrammarState:
+    """One request's matcher, in the state after its emitted tokens."""
+
+    def __init__(self, matcher, vocab_size: int, kind: str, eos_ids: Sequence[int]) -> None:
+        self.matcher, self.vocab_size, self.kind = matcher, vocab_size, kind
+        self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
+        self.eos = np.asarray(list(eos_ids), dtype=np.int64)
+        self.eos_set = frozenset(int(i) for i in eos_ids)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Tokens emitted (in order). Tokens after the grammar's end (the end-of-sequence token) are not fed: the
+        request ends there."""
+        for t in tokens:
+            if self.matcher.is_stopped():
+                return
+            if not self.matcher.consume_token(int(t)):
+                raise CloverError(f"token {int(t)} does not match the grammar: {self.matcher.get_error()}")
+
+    def paths(self) -> PathMasks:
+        return PathMasks(self)
+
+
+class PathMasks:
+    """The masks of one step's drafted paths, from the committed state: a path's matcher is its parent path's,
+    copied, with its last token consumed (a few microseconds); states and masks are kept for the step."""
+
+    def __init__(self, grammar: GrammarState) -> None:
+        self.g = grammar
+        self._states: dict[tuple[int, ...], Any] = {(): grammar.matcher}
+        self._masks: dict[tuple[int, ...], np.ndarray | None] = {}
+
+    def _state(self, path: tuple[int, ...]):
+        if path in self._states:
+            return self._states[path]
+        parent = self._state(path[:-1])
+        state = None
+        if parent is not None and parent.is_stopped():  # after the end only the end again (output stops there)
+            state = parent if path[-1] in self.g.eos_set else None
+        elif parent is not None:
+            state = parent.deep_copy()
+            if not state.consume_token(path[-1]) or state.is_error():
+                state = None
+        self._states[path] = state
+        return state
+
+    def allowed(self, path: tuple[int, ...]) -> np.ndarray | None:
+        """[V] bool: the tokens the grammar allows after `path`; None when it forbids the path. A state that
+        allows nothing (the grammar finished without an end token) allows the end-of-sequence tokens, so the
+        request ends there."""
+        if path in self._masks:
+            return self._masks[path]
+        state = self._state(path)
+        out = None
+        if state is not None:
+            bits = np.zeros(self.g.words, dtype=np.int32)
+            state.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+            out = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.g.vocab_size].astype(bool)
+            if not out.any():
+                out[self.g.eos] = True
+        self._masks[path] = out
+        return out
+
+    def rows(self, paths: Sequence[tuple[int, ...]]) -> np.ndarray:
+        """[n, V] bool masks of allowed paths (each must be allowed)."""
+        return np.stack([self.allowed(p) for p in paths])

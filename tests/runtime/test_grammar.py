@@ -1,0 +1,307 @@
+"""Structured output (clover.runtime.grammar): speculative decoding under a grammar equals plain constrained
+decoding token for token, for every head type, tree, draft source and concurrency; outputs match their grammar;
+drafts the grammar forbids are pruned before the verify; bad grammars fail alone with a clear error.
+
+The reference is computed here, independently of the loop: plain base forwards one token at a time, each row
+masked with llguidance's own bitmask of a matcher fed the tokens so far, argmax. The tiny model runs with a
+character tokenizer (tests/helpers.py): grammars need a vocabulary that can spell any text."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jsonschema
+import numpy as np
+import pytest
+from helpers import OracleRunner, assert_identical, char_tokenizer_dir, tiny_base
+
+from clover.errors import CloverError
+from clover.models.head_io import random_heads
+from clover.runtime.generator import Generator
+from clover.runtime.grammar import Grammar, GrammarCompiler
+from clover.runtime.sampling import SamplingParams
+from clover.runtime.tokenizer import Tokenizer
+from clover.runtime.torch_backend import TorchRunner
+from clover.runtime.tree import dynamic_tree, resolve_tree
+
+pytest.importorskip("llguidance")
+
+N = 48
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"enum": ["ab", "cd", "efg"]},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["x", "yy"]}, "maxItems": 3},
+    },
+    "required": ["name", "ok", "tags"],
+    "additionalProperties": False,
+}
+REGEX = r"[a-e]{2,4}( [a-e]{1,3}){1,4}\."
+GRAMMARS = {
+    "json_schema": Grammar.json_schema(SCHEMA),
+    "json_object": Grammar.json_object(),
+    "regex": Grammar.regex(REGEX),
+    "choice": Grammar.choice(["alpha", "beta", "gamma delta"]),
+    "lark": Grammar.lark('start: item ("," item)* "!"\nitem: "ab" | "c" | /[0-9]/'),
+}
+PROMPTS = ["hi there", "say {json}: "]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return Tokenizer.from_dir(char_tokenizer_dir(tmp_path_factory.mktemp("chars")))
+
+
+@pytest.fixture(scope="module")
+def base():
+    return tiny_base(seed=3)
+
+
+def constrained_reference(runner, compiler, tok, grammar: Grammar, prompt: str, n: int) -> list[int]:
+    """Plain constrained greedy decoding, step by step: llguidance's bitmask of the tokens so far, argmax."""
+    matcher = compiler.state(grammar).matcher
+    ids = np.array(tok.encode(prompt), dtype=np.int64)
+    slot = runner.open_slot(len(ids) + n + 1)
+    out: list[int] = []
+    try:
+        logits = runner.forward(ids, np.arange(len(ids)), np.tri(len(ids), dtype=bool), last_only=True, slot=slot)[-1]
+        for _ in range(n):
+            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = np.unpackbits(bits, bitorder="little")[: runner.info.vocab_size].astype(bool)
+            token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+            out.append(token)
+            if token in tok.eos_token_ids:
+                break
+            assert matcher.consume_token(token)
+            seq = np.append(ids, out)  # each pending row's next token
+            runner.commit(np.arange(slot.pending), seq[len(seq) - slot.pending :], slot=slot)
+            logits = runner.forward(np.array([token]), np.zeros(1, np.int64), np.ones((1, 1), bool), slot=slot)[0]
+    finally:
+        runner.release(slot)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(base, tok):
+    compiler = GrammarCompiler(tok, base.config.vocab_size)
+    return {
+        (name, p): constrained_reference(TorchRunner(base), compiler, tok, g, p, N)
+        for name, g in GRAMMARS.items()
+        for p in PROMPTS
+    }
+
+
+def check_output(name: str, text: str, finish: str) -> None:
+    """A finished output matches its grammar whole (one cut by max_tokens is a prefix of one that does)."""
+    if finish != "stop":
+        return
+    if name == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+    elif name == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif name == "regex":
+        assert re.fullmatch(REGEX, text), text
+    elif name == "choice":
+        assert text in ("alpha", "beta", "gamma delta"), text
+    elif name == "lark":
+        assert re.fullmatch(r"(ab|c|[0-9])(,(ab|c|[0-9]))*!", text), text
+
+
+def test_plain_constrained_decoding_equals_the_reference_and_matches_the_grammar(base, tok, reference):
+    gen = Generator(TorchRunner(base), tok, "plain")
+    finished = 0
+    for name, g in GRAMMARS.items():
+        for p in PROMPTS:
+            r = gen.generate(p, max_new_tokens=N, grammar=g)
+            want = reference[(name, p)]
+            assert_identical(r.token_ids, want, f"plain {name} {p!r}")
+            check_output(name, r.text, r.finish_reason)
+            finished += r.finish_reason == "stop"
+    assert finished >= 6, "too few outputs finished: the validity checks prove little"
+
+
+@pytest.mark.parametrize(
+    "arch,trees",
+    [
+        ("medusa", ["chain-4", "small"]),
+        ("clover", ["[[0],[1],[2],[0,0],[0,1],[1,0],[0,0,0]]", "chain-3"]),
+        ("clover2", ["chain-6", "mc26", "dynamic-8"]),
+    ],
+)
+def test_greedy_identity_with_a_grammar_every_head_and_tree(base, tok, reference, arch, trees):
+    """Drafts come from the heads' logits masked by each node's grammar state, every verify row is masked by its
+    own path's state: speculative output is plain constrained decoding's, token for token."""
+    runner = TorchRunner(base, random_heads(base, arch, 0))
+    for spec in trees:
+        tree = dynamic_tree(spec, runner.info.heads_max_depth) if spec.startswith("dynamic") else resolve_tree(spec)
+        gen = Generator(runner, tok, tree)
+        for name, g in GRAMMARS.items():
+            for p in PROMPTS:
+                r = gen.generate(p, max_new_tokens=N, grammar=g)
+                want = reference[(name, p)]
+                assert_identical(r.token_ids, want, f"{arch} {spec} {name} {p!r}")
+                check_output(name, r.text, r.finish_reason)
+
+
+@pytest.mark.parametrize("drafts,tree", [("lookup", "chain-8"), ("heads+lookup", "small")])
+def test_lookup_drafts_the_grammar_forbids_are_pruned(base, tok, reference, drafts, tree):
+    """Prompt-lookup proposals are not masked when drafted: the ones the grammar forbids leave the tree before the
+    verify (counted), and the output stays plain constrained decoding's."""
+    runner = TorchRunner(base, random_heads(base, "clover2", 0) if drafts != "lookup" else None)
+    gen = Generator(runner, tok, tree, drafts=drafts)
+    pruned = 0
+    for name, g in GRAMMARS.items():
+        for p in PROMPTS:
+            r = gen.generate(p, max_new_tokens=N, grammar=g)
+            assert_identical(r.token_ids, reference[(name, p)], name)
+            pruned += r.pruned_tokens
+    assert pruned > 0, "no lookup draft was pruned: the test proves nothing"
+
+
+def test_oracle_drafts_are_accepted_whole_under_a_grammar(base, tok, reference):
+    """Drafts that are plain constrained decoding's own continuation pass every mask on their paths and are
+    accepted whole: long paths whose rows each need their own path's grammar state."""
+    for name in ("json_schema", "regex"):
+        p = PROMPTS[1]
+        want = reference[(name, p)]
+        runner = OracleRunner(base, tok.encode(p) + want)
+        r = Generator(runner, tok, "mc26").generate(p, max_new_tokens=N, grammar=GRAMMARS[name])
+        assert_identical(r.token_ids, want, f"oracle {name}")
+        assert r.tokens_per_step > 3, r.accepted_per_step
+
+
+def test_grammar_with_penalties_and_logprobs_equals_plain(base, tok):
+    """A grammar after penalties and a logit bias: still plain's tokens; log-probabilities stay the raw base
+    distribution (the same for both)."""
+    sampling = SamplingParams(presence_penalty=1.0, repetition_penalty=1.3, logit_bias={70: 3.0})
+    plain = Generator(TorchRunner(base), tok, "plain")
+    spec = Generator(TorchRunner(base, random_heads(base, "clover2", 1)), tok, "mc26")
+    for name in ("json_object", "regex"):
+        want = plain.generate(PROMPTS[0], max_new_tokens=N, grammar=GRAMMARS[name], sampling=sampling, logprobs=2)
+        got = spec.generate(PROMPTS[0], max_new_tokens=N, grammar=GRAMMARS[name], sampling=sampling, logprobs=2)
+        assert_identical(got.token_ids, want.token_ids, name)
+        assert [e.token_id for e in got.logprobs] == got.token_ids
+        np.testing.assert_allclose([e.logprob for e in got.logprobs], [e.logprob for e in want.logprobs], atol=1e-4)
+
+
+def test_seeded_sampling_under_a_grammar_is_reproducible_and_matches(base, tok):
+    runner = TorchRunner(base, random_heads(base, "clover2", 0))
+    gen = Generator(runner, tok, "mc26")
+    for name in ("json_schema", "regex", "lark"):
+        outs = [
+            gen.generate(PROMPTS[0], max_new_tokens=N, grammar=GRAMMARS[name], sampling=SamplingParams(0.9, 0.95, 7))
+            for _ in range(2)
+        ]
+        assert outs[0].token_ids == outs[1].token_ids
+        check_output(name, outs[0].text, outs[0].finish_reason)
+
+
+@pytest.mark.parametrize(
+    "grammar,says",
+    [
+        (Grammar.json_schema({"type": "object", "properties": {"a": {"type": "nonsense"}}}), "not valid"),
+        (Grammar.json_schema([1, 2]), "must be an object"),
+        (Grammar.regex("(unclosed"), "not valid"),
+        (Grammar.lark("start: missing_rule"), "not valid"),
+        (Grammar.choice([]), "non-empty list"),
+        (Grammar("xml"), "unknown grammar kind"),
+    ],
+)
+def test_a_bad_grammar_fails_at_submission_naming_its_param(base, tok, grammar, says):
+    gen = Generator(TorchRunner(base), tok, "plain")
+    with pytest.raises(CloverError, match=says) as err:
+        gen.stream("hi", grammar=grammar)
+    assert err.value.param == "grammar"
+
+
+def test_min_tokens_with_a_grammar_is_refused(base, tok):
+    with pytest.raises(CloverError, match="min_tokens cannot be combined") as err:
+        Generator(TorchRunner(base), tok).stream(
+            "hi", grammar=Grammar.json_object(), sampling=SamplingParams(min_tokens=3)
+        )
+    assert err.value.param == "min_tokens"
+
+
+def test_without_llguidance_the_error_names_the_extra(base, tok, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    gen = Generator(TorchRunner(base), tok, "plain")
+    with pytest.raises(CloverError, match=r"clover-deploy\[structured\]"):
+        gen.stream("hi", grammar=Grammar.regex("a+"))
+    assert gen.generate("hi", max_new_tokens=3).new_tokens == 3  # requests without a grammar need nothing
+
+
+# -- the engine: concurrent requests, each with its own grammar or none -------------------------------------------
+
+# (grammar name or None, prompt): requests of one batch, mixed
+MIXED = [(name, p) for name in [*GRAMMARS, None] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def fused(tmp_path_factory):
+    from ort_helpers import tiny_artifact
+
+    return tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", attention="fused")
+
+
+@pytest.mark.parametrize("tree", ["mc26", "auto"])
+def test_engine_concurrent_requests_with_mixed_grammars_equal_solo_plain(fused, tok, tree):
+    """The serving path (ONNX Runtime, fused attention, batched steps): requests with different grammars and
+    without one, at concurrency 1 and 8, each equal solo plain constrained decoding on the same graphs."""
+    from clover.runtime.engine import Engine
+    from clover.runtime.ort_backend import load_runner
+
+    plain = Generator(load_runner(fused), tok, "plain")
+    want = [
+        plain.generate(p, max_new_tokens=N, grammar=GRAMMARS.get(name)).token_ids if name else None for name, p in MIXED
+    ]
+    with Engine(load_runner(fused), tok, tree, max_batch=8, log=None) as engine:
+        for concurrency in (1, 8):
+            for start in range(0, len(MIXED), concurrency):
+                chunk = MIXED[start : start + concurrency]
+                streams = [
+                    engine.stream(p, max_new_tokens=N, grammar=GRAMMARS.get(name) if name else None)
+                    for name, p in chunk
+                ]
+                for k, s in enumerate(streams):
+                    r = s.wait()
+                    name, p = chunk[k]
+                    if name is None:
+                        assert r.pruned_tokens == 0
+                        continue
+                    assert_identical(r.token_ids, want[start + k], f"{tree} concurrency {concurrency} {name} {p!r}")
+                    check_output(name, r.text, r.finish_reason)
+
+
+def test_engine_seeded_sampling_with_a_grammar_is_reproducible_alone_and_in_a_batch(fused, tok):
+    from clover.runtime.engine import Engine
+    from clover.runtime.ort_backend import load_runner
+
+    sampling = SamplingParams(0.8, 0.95, 11)
+    with Engine(load_runner(fused), tok, "mc26", max_batch=4, log=None) as engine:
+        alone = engine.generate(PROMPTS[1], max_new_tokens=N, sampling=sampling, grammar=GRAMMARS["json_schema"])
+        others = [
+            engine.stream(PROMPTS[0], max_new_tokens=N, sampling=SamplingParams(0.9, 1.0, i), grammar=GRAMMARS[name])
+            for i, name in enumerate(("regex", "lark", "json_object"))
+        ]
+        mixed = engine.stream(PROMPTS[1], max_new_tokens=N, sampling=sampling, grammar=GRAMMARS["json_schema"])
+        assert mixed.wait().token_ids == alone.token_ids
+        for s, name in zip(others, ("regex", "lark", "json_object")):
+            r = s.wait()
+            check_output(name, r.text, r.finish_reason)
+        check_output("json_schema", alone.text, alone.finish_reason)
+
+
+def test_engine_refuses_a_bad_grammar_alone(fused, tok):
+    from clover.runtime.engine import Engine
+    from clover.runtime.ort_backend import load_runner
+
+    with Engine(load_runner(fused), tok, "mc26", max_batch=4, log=None) as engine:
+        good = engine.stream(PROMPTS[0], max_new_tokens=N, grammar=GRAMMARS["regex"])
+        with pytest.raises(CloverError, match="not valid") as err:
+            engine.stream(PROMPTS[0], grammar=Grammar.regex("(unclosed"))
+        assert err.value.param == "grammar"
+        check_output("regex", good.wait().text, "stop")
+        assert engine.alive
