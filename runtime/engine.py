@@ -471,6 +471,7 @@ class Engine:
                     drafts_label(self.drafts, info),
                     AUTO if isinstance(self.policy, AutoTrees) else self.tree.name,
                     r.token_logprobs,
+                    r.grammar,
                 ),
             )
 

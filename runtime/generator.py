@@ -297,8 +297,13 @@ class Progress:
         heads: str,
         tree: str,
         logprobs: list[TokenLogprob] | None = None,
+        grammar: GrammarState | None = None,
     ) -> GenerationResult:
+        """grammar: the request's, whose state and mask time joins the timings ("grammar", a part of the draft and
+        accept phases)."""
         seconds = time.perf_counter() - self.start
+        if grammar is not None:
+            self.timings["grammar"] = grammar.seconds
         n, acc = tracker.num_tokens, self.accepted
         return GenerationResult(
             token_ids=list(tracker.token_ids),
@@ -474,5 +479,5 @@ class GenerationStream:
         if tail:
             yield tail
         self.result = progress.result(
-            tracker, runner.info.backend, drafts_label(gen.drafts, runner.info), gen.tree.name, logprobs
+            tracker, runner.info.backend, drafts_label(gen.drafts, runner.info), gen.tree.name, logprobs, self._grammar
         )

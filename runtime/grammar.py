@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,9 +25,11 @@ import numpy as np
 from clover.errors import CloverError
 
 KINDS = ("json_object", "json_schema", "regex", "lark", "choice")
-# JSON without free whitespace between tokens: a small model left free to emit whitespace can loop on it until
-# max_tokens (a known failure of JSON modes); compact JSON parses the same.
-JSON_OPTIONS = {"whitespace_flexible": False}
+# JSON laid out as Python's json.dumps writes it (", " and ": ", no other whitespace): a small model left free to
+# emit whitespace can loop on it until max_tokens (a known failure of JSON modes), and this is the layout models
+# saw most, so their drafts and prompt lookup match it (benchmarks/structured.py: more tokens per step than
+# compact JSON).
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_GRAMMAR_CHARS = 1 << 20
 CACHED_GRAMMARS = 64  # compiled grammars kept per engine (a request with a cached one skips the ~1 ms compile)  # a grammar's source text at most (a schema, a regex, a Lark grammar)
 
@@ -103,8 +106,10 @@ class GrammarCompiler:
     """Compiles grammars for one tokenizer (an engine's): the llguidance tokenizer is built on first use (~0.3 s
     for a 49k vocabulary), compiled grammars are cached by their text (a request starts from a copy)."""
 
-    def __init__(self, tokenizer, vocab_size: int) -> None:
-        self._tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer, vocab_size: int, check_spelling: bool = True) -> None:
+        """check_spelling: refuse a tokenizer without a token for every printable ASCII character (a word-level
+        one), for which llguidance would force tokens it cannot spell."""
+        self._tokenizer, self.vocab_size, self.check_spelling = tokenizer, vocab_size, check_spelling
         self._lltok = None
         self._lock = threading.Lock()
         self._compiled: dict[str, Any] = {}  # grammar key -> pristine matcher, least recently used first
@@ -114,7 +119,9 @@ class GrammarCompiler:
             if self._lltok is None:
                 llg = _llguidance()
                 spelled = {self._tokenizer.token_bytes(i) for i in range(self._tokenizer.vocab_size)}
-                missing = [chr(c) for c in range(0x20, 0x7F) if bytes([c]) not in spelled]
+                missing = (
+                    [chr(c) for c in range(0x20, 0x7F) if bytes([c]) not in spelled] if self.check_spelling else []
+                )
                 if missing:  # a word-level vocabulary: llguidance would force tokens it cannot spell
                     raise CloverError(
                         f"structured output needs a tokenizer that can spell any text, and this model's has no token "
@@ -195,6 +202,7 @@ class GrammarState:
         self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
         self.eos = np.asarray(list(eos_ids), dtype=np.int64)
         self.eos_set = frozenset(int(i) for i in eos_ids)
+        self.seconds = 0.0  # spent computing states and masks (benchmarks/structured.py reports it per token)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens emitted (in order). Tokens after the grammar's end (the end-of-sequence token) are not fed: the
@@ -203,7 +211,17 @@ class GrammarState:
             if self.matcher.is_stopped():
                 return
             if not self.matcher.consume_token(int(t)):
-                raise CloverError(f"token {int(t)} does not match the grammar: {self.matcher.get_error()}")
+                raise CloverError(f"token {int(t)} does not match the grammar: {_one_line(self.matcher.get_error())}")
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (a JSON schema's keys and punctuation), in llguidance's
+        canonical tokenization of the forced text: drafts a step verifies as a chain, like prompt lookup's."""
+        if limit <= 0 or self.matcher.is_stopped():
+            return []
+        t0 = time.perf_counter()
+        out = self.matcher.compute_ff_tokens()[:limit]
+        self.seconds += time.perf_counter() - t0
+        return out
 
     def paths(self) -> PathMasks:
         return PathMasks(self)
@@ -238,6 +256,7 @@ class PathMasks:
         request ends there."""
         if path in self._masks:
             return self._masks[path]
+        t0 = time.perf_counter()
         state = self._state(path)
         out = None
         if state is not None:
@@ -247,6 +266,7 @@ class PathMasks:
             if not out.any():
                 out[self.g.eos] = True
         self._masks[path] = out
+        self.g.seconds += time.perf_counter() - t0
         return out
 
     def rows(self, paths: Sequence[tuple[int, ...]]) -> np.ndarray:

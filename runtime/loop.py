@@ -34,6 +34,9 @@ DRAFT_SOURCES = ("heads", "lookup", "heads+lookup")
 # tokens drafts up to 2L (runtime/lookup.py): a long repeat is right often enough to pay for its rows (a 13-row
 # verify costs ~1.9x a 1-row one on SmolLM2 fp32, 2 threads).
 LOOKUP_DRAFTS = 12
+# tokens a grammar forces next (a JSON schema's keys and punctuation) drafted per step at most: always allowed and
+# nearly always the model's choice, so they are worth their rows like a long prompt-lookup match
+FORCED_DRAFTS = 16
 
 
 @functools.cache
@@ -547,7 +550,20 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
     room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
     whole, use = None, None
     masks = d.grammar.paths() if d.grammar is not None else None
-    if d.drafts == "lookup":
+    speculating = d.drafts == "lookup" or 0 < tree.num_nodes - 1 <= room  # (a plain step stays plain)
+    forced = np.asarray(d.grammar.forced(min(FORCED_DRAFTS, room)) if d.grammar and speculating else [], np.int64)
+    if len(forced):
+        # the grammar's forced tokens take the place of the lookup proposal: they are drafts it allows for sure
+        if d.drafts == "lookup":
+            tree, draft = chain(len(forced)), lookup_draft(d.root, forced, d.sampling, runner.info.vocab_size)
+        else:
+            draft = (
+                draft_dynamic(runner, tree, d.root, d.sampling, d.rng, d.slot, masks)
+                if isinstance(tree, DynamicTree)
+                else (tree, draft_tree(runner, tree, d.root, d.sampling, d.rng, d.slot, masks))
+            )
+            tree, draft = merge_lookup(*draft, forced[: max(0, room - draft[0].num_nodes + 1)], runner.info.chains_only)
+    elif d.drafts == "lookup":
         whole = d.lookup.propose(min(tree.max_depth, room))
         proposal = _worth_verifying(d, whole, 1)
         tree = chain(len(proposal))

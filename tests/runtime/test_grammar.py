@@ -28,7 +28,7 @@ from clover.runtime.tree import dynamic_tree, resolve_tree
 
 pytest.importorskip("llguidance")
 
-N = 48
+N = 64
 SCHEMA = {
     "type": "object",
     "properties": {

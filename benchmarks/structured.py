@@ -1,0 +1,237 @@
+"""Structured output on the demo artifact: JSON-schema requests (three schemas of growing size), plain and
+speculative, against free-form answers to the same prompts.
+
+  python benchmarks/structured.py [--artifact DIR] [--num-prompts 6] [--max-new-tokens 128]
+
+Per prompt and schema, every mode runs the prompt (which shows the schema) with the schema's grammar and without
+a grammar (the free-form answer to the same prompt), interleaved (same machine, same process, one sequence at a
+time, greedy): plain decoding, the artifact's heads on its default tree, prompt lookup
+(the n-gram store included), heads + lookup. Reports tokens/s, tokens per verify step, drafted tokens the grammar
+pruned, the grammar's own cost (state + mask computation) per generated token, whether each speculative output
+equals plain constrained decoding, and whether every finished output parses and validates against its schema.
+The target: speculation under a grammar at least as fast as the same speculation on free-form answers.
+
+Writes benchmarks/results/structured.json (and prints the table). Needs the `structured` extra (llguidance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+from tqdm import tqdm
+
+from clover.runtime.generator import Generator
+from clover.runtime.grammar import Grammar
+from clover.runtime.ort_backend import base_dir, load_runner
+from clover.runtime.tokenizer import Tokenizer
+from clover.tools.demo import demo_artifact, demo_tree
+
+HERE = Path(__file__).parent
+OUT = HERE / "results" / "structured.json"
+
+SCHEMAS = {
+    "small": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "year": {"type": "integer"}},
+        "required": ["name", "year"],
+        "additionalProperties": False,
+    },
+    "medium": {
+        "type": "object",
+        "properties": {
+            "title": {"type": "string"},
+            "category": {"enum": ["science", "history", "art", "technology", "sport"]},
+            "rating": {"type": "integer", "minimum": 1, "maximum": 5},
+            "keywords": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+            "summary": {"type": "string"},
+        },
+        "required": ["title", "category", "rating", "keywords", "summary"],
+        "additionalProperties": False,
+    },
+    "large": {
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "born": {"type": "integer"},
+                    "nationality": {"type": "string"},
+                    "occupations": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+                },
+                "required": ["name", "born", "nationality", "occupations"],
+                "additionalProperties": False,
+            },
+            "achievements": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"year": {"type": "integer"}, "what": {"type": "string"}},
+                    "required": ["year", "what"],
+                    "additionalProperties": False,
+                },
+                "maxItems": 3,
+            },
+            "famous": {"type": "boolean"},
+            "field": {"enum": ["mathematics", "physics", "chemistry", "biology", "computing", "literature"]},
+        },
+        "required": ["person", "achievements", "famous", "field"],
+        "additionalProperties": False,
+    },
+}
+TOPICS = [
+    "Ada Lovelace and her notes on the Analytical Engine",
+    "Marie Curie's research on radioactivity",
+    "Alan Turing and the Turing machine",
+    "the invention of the printing press by Johannes Gutenberg",
+    "Isaac Newton's laws of motion",
+    "Grace Hopper and the first compiler",
+    "Rosalind Franklin and the structure of DNA",
+    "Leonhard Euler's work on graph theory",
+]
+MODES = ("plain", "heads", "lookup", "heads+lookup")
+
+
+def prompt(topic: str, schema: dict | None) -> list[dict[str, str]]:
+    if schema is None:
+        return [{"role": "user", "content": f"Tell me about {topic}."}]
+    return [
+        {
+            "role": "user",
+            "content": f"Describe {topic} as a JSON object that follows this JSON schema: {json.dumps(schema)}",
+        }
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--artifact", default=None, help="default: the demo's (int4, fused, with the shipped corpora)")
+    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", default=str(OUT))
+    a = p.parse_args(argv)
+    artifact = Path(a.artifact) if a.artifact else demo_artifact()
+    tok = Tokenizer.from_dir(base_dir(artifact))
+    tree = demo_tree(artifact)
+    plain_runner = load_runner(artifact, heads="none", checksums=False)
+    heads_runner = load_runner(artifact)
+    gens = {
+        "plain": Generator(plain_runner, tok, "plain"),
+        "heads": Generator(heads_runner, tok, tree),
+        "lookup": Generator(plain_runner, tok, drafts="lookup"),
+        "heads+lookup": Generator(heads_runner, tok, tree, drafts="heads+lookup"),
+    }
+    for gen in gens.values():  # each generator's llguidance tokenizer is built on first use (~0.3 s): not timed
+        gen.grammars.state(Grammar.json_object())
+    runs: list[dict] = []
+    topics = TOPICS[: a.num_prompts]
+    with tqdm(total=len(topics) * len(SCHEMAS) * 2 * len(MODES), desc="structured", file=sys.stderr) as bar:
+        for i, topic in enumerate(topics):
+            for (case, schema), constrained in itertools.product(SCHEMAS.items(), (True, False)):
+                grammar = Grammar.json_schema(schema) if constrained else None
+                plain_ids = None
+                for mode in MODES:
+                    t0 = time.perf_counter()
+                    r = gens[mode].generate(
+                        prompt(topic, schema), chat=True, max_new_tokens=a.max_new_tokens, grammar=grammar
+                    )
+                    wall = time.perf_counter() - t0
+                    if mode == "plain":
+                        plain_ids = r.token_ids
+                    valid = None
+                    if constrained and r.finish_reason == "stop":
+                        try:
+                            jsonschema.validate(json.loads(r.text), schema)
+                            valid = True
+                        except (ValueError, jsonschema.ValidationError):
+                            valid = False
+                    runs.append(
+                        {
+                            "prompt": i,
+                            "schema": case,
+                            "grammar": constrained,
+                            "mode": mode,
+                            "new_tokens": r.new_tokens,
+                            "seconds": wall,
+                            "decode_seconds": r.seconds - r.time_to_first_token,  # after the first token
+                            "tokens_per_step": r.tokens_per_step,
+                            "drafted": r.drafted_tokens,
+                            "pruned": r.pruned_tokens,
+                            "grammar_ms": 1e3 * r.timings.get("grammar", 0.0),
+                            "finish_reason": r.finish_reason,
+                            "identical_to_plain": r.token_ids == plain_ids,
+                            "valid": valid,
+                        }
+                    )
+                    bar.update()
+    rows = summarize(runs)
+    print_table(rows)
+    doc = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": {"processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "artifact": artifact.name,
+        "tree": tree,
+        "max_new_tokens": a.max_new_tokens,
+        "prompts": len(topics),
+        "rows": rows,
+        "runs": runs,
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(f"wrote {out}")
+    bad = [r for r in runs if not r["identical_to_plain"] or r["valid"] is False]
+    return 1 if bad else 0
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    rows = []
+    for schema, mode, constrained in itertools.product(SCHEMAS, MODES, (True, False)):
+        rs = [r for r in runs if r["schema"] == schema and r["mode"] == mode and r["grammar"] == constrained]
+        if rs:
+            tokens = sum(r["new_tokens"] for r in rs)
+            rows.append(
+                {
+                    "schema": schema,
+                    "mode": mode,
+                    "grammar": constrained,
+                    "tokens": tokens,
+                    # decode speed over all of the mode's tokens (first tokens and prefill left out)
+                    "decode_tokens_per_s": sum(r["new_tokens"] - 1 for r in rs) / sum(r["decode_seconds"] for r in rs),
+                    "tokens_per_step": statistics.mean(r["tokens_per_step"] for r in rs),
+                    "pruned_per_100_tokens": 100 * sum(r["pruned"] for r in rs) / max(tokens, 1),
+                    "grammar_us_per_token": 1e3 * sum(r["grammar_ms"] for r in rs) / max(tokens, 1),
+                    "identical": f"{sum(r['identical_to_plain'] for r in rs)}/{len(rs)}",
+                    "finished_valid": f"{sum(r['valid'] is True for r in rs)}/{sum(r['finish_reason'] == 'stop' for r in rs)}"
+                    if constrained
+                    else "-",
+                }
+            )
+    free = {(r["schema"], r["mode"]): r["decode_tokens_per_s"] for r in rows if not r["grammar"]}
+    for r in rows:  # the same mode on the same prompts' free-form answers
+        r["vs_free_form"] = r["decode_tokens_per_s"] / free[(r["schema"], r["mode"])]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'schema':7} {'grammar':7} {'mode':13} {'tok/s':>7} {'vs free':>8} {'tok/step':>8} {'pruned%':>8} {'grammar us/tok':>15} {'identical':>9} {'valid':>6}"
+    print(head)
+    for r in rows:
+        print(
+            f"{r['schema']:7} {'json' if r['grammar'] else 'none':7} {r['mode']:13} {r['decode_tokens_per_s']:7.1f} "
+            f"{r['vs_free_form']:8.2f} "
+            f"{r['tokens_per_step']:8.2f} {r['pruned_per_100_tokens']:8.1f} {r['grammar_us_per_token']:15.1f} "
+            f"{r['identical']:>9} {r['finished_valid']:>6}"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
