@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ from clover.runtime.grammar import Grammar
 from clover.runtime.ort_backend import base_dir, load_runner
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.demo import demo_artifact, demo_tree
+from clover.tools.machine import host
 
 HERE = Path(__file__).parent
 OUT = HERE / "results" / "structured.json"
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(rows)
     doc = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": {"processor": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "host": host(),
         "artifact": artifact.name,
         "tree": tree,
         "max_new_tokens": a.max_new_tokens,
