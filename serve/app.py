@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -27,7 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover.errors import CloverError
-from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
+from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull, StreamDelta
 from clover.runtime.generator import GenerationResult, encode_prompt
 from clover.runtime.logprobs import TokenLogprob
 from clover.runtime.sampling import SamplingParams
@@ -220,7 +221,9 @@ def create_app(
     # -- the work -----------------------------------------------------------------------------------------
     def submit(
         request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: Any, rid: str
-    ) -> EngineStream:
+    ) -> list[EngineStream]:
+        """The request's candidates, submitted (one for n = 1): each a sequence of the engine's batch, a seeded
+        request's candidate i seeded seed + i."""
         if body.model != model:
             raise ApiError(
                 404,
@@ -236,36 +239,49 @@ def create_app(
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
         grammar_field = None
+        outs: list[EngineStream] = []
         try:
-            limits.check(body.stop_strings(), body.ignore_eos)
-            grammar, grammar_field = body.grammar() or (None, None)
-            sampling = SamplingParams(
-                temperature=body.temperature,
-                top_p=body.top_p,
-                seed=body.seed,
-                presence_penalty=body.presence_penalty,
-                frequency_penalty=body.frequency_penalty,
-                repetition_penalty=body.repetition_penalty,
-                logit_bias=body.logit_bias_ids(),
-                min_tokens=body.min_tokens,
-            )
-            ids = encode_prompt(engine.tokenizer, prompt)  # messages through the chat template; text; ids as given
-            # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
-            new = limits.new_tokens(len(ids), body.token_limit(), context)
-            out = engine.stream(
-                ids,
-                max_new_tokens=new,
-                sampling=sampling,
-                stop=body.stop_strings(),
-                ignore_eos=body.ignore_eos,
-                request_id=rid,
-                stop_token_ids=body.stop_token_ids or (),
-                logprobs=body.logprobs_wanted(),
-                grammar=grammar,
-            )
-            for option in body.options_used():
-                metrics.options.labels(option).inc()
-            return out
+            try:
+                limits.check(body.stop_strings(), body.ignore_eos)
+                grammar, grammar_field = body.grammar() or (None, None)
+                n, candidates = body.choices()
+                sampling = SamplingParams(
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    seed=body.seed,
+                    presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    logit_bias=body.logit_bias_ids(),
+                    min_tokens=body.min_tokens,
+                )
+                ids = encode_prompt(engine.tokenizer, prompt)  # messages through the chat template; text; ids as given
+                # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
+                new = limits.new_tokens(len(ids), body.token_limit(), context)
+                wanted = body.logprobs_wanted()
+                for i in range(candidates):
+                    seed = None if body.seed is None else (body.seed + i) % 2**63
+                    outs.append(
+                        engine.stream(
+                            ids,
+                            max_new_tokens=new,
+                            sampling=dataclasses.replace(sampling, seed=seed),
+                            stop=body.stop_strings(),
+                            ignore_eos=body.ignore_eos,
+                            request_id=rid if candidates == 1 else f"{rid}-{i}",
+                            stop_token_ids=body.stop_token_ids or (),
+                            # best_of ranks candidates by their tokens' log-probabilities
+                            logprobs=wanted if wanted is not None or candidates == n else 0,
+                            grammar=grammar,
+                        )
+                    )
+                for option in body.options_used():
+                    metrics.options.labels(option).inc()
+                return outs
+            except BaseException:
+                for out in outs:  # a request is all of its candidates or none of them
+                    out.cancel()
+                raise
         except QueueFull as e:
             raise ApiError(
                 503,
@@ -288,63 +304,70 @@ def create_app(
     async def _complete(request: Request, body, prompt: Any, chat: bool) -> Response:
         # templating and tokenizing run in a worker thread: a huge prompt must not stall /health and every stream
         rid = new_id("chatcmpl" if chat else "cmpl")  # also names the request in the engine's log
-        out = await run_in_threadpool(submit, request, body, prompt, rid)
+        outs = await run_in_threadpool(submit, request, body, prompt, rid)
         if body.stream:
             return StreamingResponse(
-                _events(out, rid, body, chat),
+                _events(outs, rid, body, chat),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
             )
         try:
-            async for _ in out:
-                if await request.is_disconnected():
-                    out.cancel()
-                    metrics.requests.labels("abort").inc()
-                    return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+            for out in outs:  # they decode together in the engine's batch; their ends are awaited in turn
+                async for _ in out:
+                    if await request.is_disconnected():
+                        for o in outs:
+                            o.cancel()
+                        metrics.requests.labels("abort").inc()
+                        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         except Cancelled:
             return Response(status_code=499)
         except EngineUnavailable as e:  # the engine's loop stopped under this request
             raise ApiError(503, str(e), "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except CloverError as e:  # the engine failed this request's step (the server log has it, by this id)
+            for o in outs:
+                o.cancel()
             raise ApiError(500, str(e), "server_error", headers={"X-Request-Id": rid}) from None
-        result = out.result
-        reason = finish_reason(result)
-        metrics.finished(result, reason)
-        logprobs = None if result.logprobs is None else render_logprobs(engine.tokenizer, result.logprobs, chat)
-        if chat:
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": result.text},
-                "finish_reason": reason,
-                "logprobs": logprobs,
-            }
-        else:
-            choice = {"index": 0, "text": result.text, "finish_reason": reason, "logprobs": logprobs}
+        results = [out.result for out in outs]
+        for result in results:
+            metrics.finished(result, finish_reason(result))
+        n, _ = body.choices()
+        wanted = body.logprobs_wanted()
+        choices = []
+        for index, result in enumerate(best(results, n)):
+            reason = finish_reason(result)
+            logprobs = None if wanted is None else render_logprobs(engine.tokenizer, result.logprobs, chat)
+            if chat:
+                message = {"role": "assistant", "content": result.text}
+                choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs})
+            else:
+                choices.append({"index": index, "text": result.text, "finish_reason": reason, "logprobs": logprobs})
         return JSONResponse(
             {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": now(),
                 "model": model,
-                "choices": [choice],
-                "usage": usage(result).model_dump(),
-                "clover": speculation(result).model_dump(),
+                "choices": choices,
+                "usage": usage(results).model_dump(),
+                "clover": speculation(results).model_dump(),
             },
             headers={"X-Request-Id": rid},
         )
 
-    async def _events(out: EngineStream, rid: str, body, chat: bool) -> AsyncIterator[str]:
+    async def _events(outs: list[EngineStream], rid: str, body, chat: bool) -> AsyncIterator[str]:
         created, kind = now(), "chat.completion.chunk" if chat else "text_completion"
         wants_logprobs = body.logprobs_wanted() is not None
 
-        def chunk(choice: dict[str, Any] | None, logprobs: tuple[TokenLogprob, ...] = (), **extra: Any) -> str:
+        def chunk(
+            index: int | None, choice: dict[str, Any] | None, logprobs: tuple[TokenLogprob, ...] = (), **extra: Any
+        ) -> str:
             rendered = render_logprobs(engine.tokenizer, logprobs, chat) if wants_logprobs and logprobs else None
             doc = {
                 "id": rid,
                 "object": kind,
                 "created": created,
                 "model": model,
-                "choices": [] if choice is None else [{"index": 0, "logprobs": rendered, **choice}],
+                "choices": [] if choice is None else [{"index": index, "logprobs": rendered, **choice}],
                 **extra,
             }
             return f"data: {json.dumps(doc)}\n\n"
@@ -354,27 +377,48 @@ def create_app(
                 return {"delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
             return {"text": text, "finish_reason": reason}
 
+        # each choice's deltas as they come, through one queue (None: that choice ended)
+        queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+
+        async def pump(index: int, out: EngineStream) -> None:
+            try:
+                async for delta in out:
+                    queue.put_nowait((index, delta))
+                queue.put_nowait((index, None))
+            except Exception as e:  # handed to the response, which says it in the stream
+                queue.put_nowait((index, e))
+
+        pumps = [asyncio.ensure_future(pump(i, out)) for i, out in enumerate(outs)]
         try:
             if chat:
-                yield chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-            async for delta in out:
+                for i in range(len(outs)):
+                    yield chunk(i, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            running = len(outs)
+            while running:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item is None:
+                    running -= 1
+                    result = outs[index].result
+                    reason = finish_reason(result)
+                    metrics.finished(result, reason)
+                    yield chunk(index, piece("", reason), clover=speculation([result]).model_dump())
                 # a token's log-probability comes with the text that shows it (held-back text holds it back too)
-                if delta.text or delta.logprobs:
-                    yield chunk(piece(delta.text), delta.logprobs)
-            result = out.result
-            reason = finish_reason(result)
-            metrics.finished(result, reason)
-            yield chunk(piece("", reason), clover=speculation(result).model_dump())
+                elif item.text or item.logprobs:
+                    yield chunk(index, piece(item.text), item.logprobs)
             if body.include_usage:
-                yield chunk(None, usage=usage(result).model_dump())
+                yield chunk(None, None, usage=usage([out.result for out in outs]).model_dump())
         except Cancelled:
             return
         except CloverError as e:  # the engine failed this request's step: say so in the stream
             yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
         finally:
-            if out.result is None:  # a client that went away (the response task is cancelled): free its slot
-                out.cancel()
-                metrics.requests.labels("abort").inc()
+            for out, p in zip(outs, pumps):
+                p.cancel()
+                if out.result is None:  # a client that went away (the response task is cancelled): free its slot
+                    out.cancel()
+                    metrics.requests.labels("abort").inc()
         yield "data: [DONE]\n\n"
 
     return app
@@ -418,19 +462,30 @@ def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def usage(result: GenerationResult) -> Usage:
-    return Usage(
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.new_tokens,
-        total_tokens=result.prompt_tokens + result.new_tokens,
-    )
+def best(results: list[GenerationResult], n: int) -> list[GenerationResult]:
+    """The n results of highest mean log-probability per token (best_of), in their order; all when there are n."""
+    if len(results) == n:
+        return results
+    score = [sum(e.logprob for e in r.logprobs) / max(len(r.logprobs), 1) for r in results]
+    keep = sorted(sorted(range(len(results)), key=lambda i: -score[i])[:n])
+    return [results[i] for i in keep]
 
 
-def speculation(result: GenerationResult) -> Speculation:
+def usage(results: list[GenerationResult]) -> Usage:
+    """Tokens of a request: its prompt once, and every candidate's generated tokens (best_of's too)."""
+    completion = sum(r.new_tokens for r in results)
+    prompt = results[0].prompt_tokens
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def speculation(results: list[GenerationResult]) -> Speculation:
+    """What speculation did for a request's candidates together."""
+    steps = sum(r.steps for r in results)
+    emitted = sum(sum(r.accepted_per_step) for r in results)
     return Speculation(
-        acceptance_length=round(result.tokens_per_step, 4),
-        steps=result.steps,
-        drafted_tokens=result.drafted_tokens,
-        accepted_tokens=result.accepted_tokens,
-        tree=result.tree,
+        acceptance_length=round(emitted / steps, 4) if steps else 0.0,
+        steps=steps,
+        drafted_tokens=sum(r.drafted_tokens for r in results),
+        accepted_tokens=sum(r.accepted_tokens for r in results),
+        tree=results[0].tree,
     )

@@ -28,8 +28,6 @@ from clover.runtime.logprobs import MAX_LOGPROBS
 
 # Fields refused unless they carry their no-op value (their types admit only that value), and why.
 REFUSED = {
-    "n": "only n=1 is supported (one choice per request)",
-    "best_of": "best_of is not supported (one candidate per request): leave it out or send 1",
     "echo": "echo (the prompt's log-probabilities) is not supported: leave it out or send false",
     "suffix": "suffix (insertion) is not supported: leave it out",
     "tools": "tools (function calling) are not supported: leave them out",
@@ -48,6 +46,7 @@ UNKNOWN_FIELD = (
     "every field and its status)"
 )
 
+MAX_CHOICES = 16  # n and best_of: each choice is a sequence of the batch
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,17})$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
@@ -140,8 +139,7 @@ class _Generation(BaseModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # refused unless no-op (REFUSED)
-    n: Literal[1] | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices: separate sequences in the batch
 
     @field_validator("stop")
     @classmethod
@@ -208,6 +206,17 @@ class _Generation(BaseModel):
         """Alternatives per token to report (None: no log-probabilities)."""
         raise NotImplementedError
 
+    def choices(self) -> tuple[int, int]:
+        """(choices returned, candidates generated): n, and best_of where the endpoint has it. CloverError (a 400)
+        when best_of is below n, or above n while streaming."""
+        n = self.n or 1
+        best = getattr(self, "best_of", None) or n
+        if best < n:
+            raise CloverError(f"best_of ({best}) must be at least n ({n})", param="best_of")
+        if best > n and self.stream:
+            raise CloverError("best_of above n cannot be streamed (the best are known at the end)", param="best_of")
+        return n, best
+
 
 class ChatCompletionRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -257,7 +266,7 @@ class CompletionRequest(_Generation):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # refused unless no-op (REFUSED)
     echo: Literal[False] | None = None
-    best_of: Literal[1] | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # candidates, the n most likely returned
     suffix: Literal[""] | None = None
 
     @field_validator("logprobs", mode="before")

@@ -148,6 +148,42 @@ def test_seeded_sampling_is_reproducible(server):
     assert ask(7) == ask(7)
 
 
+def test_n_choices_and_best_of_through_the_openai_client(server, solo):
+    """n choices are separate sequences of the batch: greedy ones each equal solo plain decoding, seeded sampled
+    choice i equals a lone request seeded seed + i, streamed chunks carry their choice's index; usage counts the
+    prompt once and every candidate's tokens; best_of returns the candidate of highest mean log-probability."""
+    c = client(server)
+    msgs = [{"role": "user", "content": PROMPTS[2]}]
+    want = solo(PROMPTS[2])
+    r = c.chat.completions.create(model=MODEL, messages=msgs, temperature=0, max_tokens=MAX_TOKENS, n=3)
+    assert [ch.index for ch in r.choices] == [0, 1, 2]
+    assert all(ch.message.content == want.text for ch in r.choices)
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want.prompt_tokens, 3 * want.new_tokens)
+    sampled = dict(temperature=2.0, max_tokens=12, seed=41, logit_bias={"44": -100})  # the prompt ends with w44
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[4], n=3, **sampled)
+    alone = [
+        c.completions.create(model=MODEL, prompt=PROMPTS[4], **{**sampled, "seed": 41 + i}).choices[0].text
+        for i in range(3)
+    ]
+    assert [ch.text for ch in r.choices] == alone and len(set(alone)) > 1, alone
+    texts = ["", "", ""]
+    for chunk in c.chat.completions.create(
+        model=MODEL, messages=msgs, temperature=0, max_tokens=MAX_TOKENS, n=3, stream=True, logprobs=True
+    ):
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+    assert texts == [want.text] * 3
+    # best_of: the candidate whose tokens have the highest mean log-probability, without logprobs asked for
+    r = c.completions.create(model=MODEL, prompt=PROMPTS[4], best_of=3, **sampled)
+    scored = []
+    for i in range(3):
+        one = c.completions.create(model=MODEL, prompt=PROMPTS[4], logprobs=0, **{**sampled, "seed": 41 + i})
+        lps = one.choices[0].logprobs.token_logprobs
+        scored.append((sum(lps) / len(lps), one.choices[0].text))
+    assert len(r.choices) == 1 and r.choices[0].text == max(scored)[1] and r.choices[0].logprobs is None
+    assert r.usage.completion_tokens >= 12  # every candidate's tokens
+
+
 def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, artifact):
     base = server.url
     post = lambda path, body, **kw: httpx.post(
@@ -161,7 +197,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, arti
     cases = [
         ("/chat/completions", "{not json", 400, None),
         ("/chat/completions", {**chat, "temperature": -1}, 400, "temperature"),
-        ("/chat/completions", {**chat, "n": 2}, 400, "n"),
+        ("/chat/completions", {**chat, "n": 0}, 400, "n"),
         ("/chat/completions", {**chat, "messages": []}, 400, "messages"),
         ("/chat/completions", {**chat, "messages": [{"role": "robot", "content": "x"}]}, 400, None),
         ("/chat/completions", {**chat, "max_tokens": 0}, 400, "max_tokens"),
@@ -857,8 +893,10 @@ def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
         (comp, {"min_tokens": 5}, "min_tokens"),  # more than max_tokens 4
         (comp, {"stop_token_ids": [96]}, "stop_token_ids"),
         (comp, {"stop_token_ids": [-1]}, "stop_token_ids"),
-        (chat, {"n": 2}, "n"),
-        (comp, {"best_of": 3}, "best_of"),
+        (chat, {"n": 0}, "n"),
+        (chat, {"n": 17}, "n"),
+        (comp, {"best_of": 2, "n": 3}, "best_of"),
+        (comp, {"best_of": 3, "stream": True}, "best_of"),
         (comp, {"echo": True}, "echo"),
         (comp, {"suffix": "w9"}, "suffix"),
         (

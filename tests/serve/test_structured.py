@@ -195,3 +195,17 @@ def test_metrics_count_structured_requests_and_pruned_drafts(setup):
     count = re.search(r'^clover:request_options_total\{option="structured_output"\} (\S+)$', text, re.M)
     assert count and float(count.group(1)) >= 1, text
     assert re.search(r"^clover:spec_decode_num_pruned_tokens_total \S+$", text, re.M), text
+
+
+def test_n_sampled_choices_each_follow_the_schema(setup):
+    """n = 3 sampled choices under a JSON schema: each one parses into the pydantic model on the client side, and
+    choice i equals a lone request seeded seed + i."""
+    server, _ = setup
+    c = client(server)
+    ask = dict(
+        model=MODEL, messages=[{"role": "user", "content": PROMPTS[0]}], response_format=Item, max_tokens=MAX_TOKENS
+    )
+    r = c.chat.completions.parse(n=3, temperature=1.5, seed=5, **ask)
+    assert len(r.choices) == 3 and all(isinstance(ch.message.parsed, Item) for ch in r.choices)
+    alone = [c.chat.completions.parse(temperature=1.5, seed=5 + i, **ask).choices[0].message.content for i in range(3)]
+    assert [ch.message.content for ch in r.choices] == alone
