@@ -140,6 +140,29 @@ class Runner(abc.ABC):
             self._release(slot)
             slot.state = None
 
+    def fork(self, slot: Slot, capacity: int) -> Slot:
+        """A new sequence whose caches start as copies of `slot`'s committed tokens (a prompt prefilled once for
+        several choices), with room for `capacity` tokens. NotImplementedError where the backend cannot copy a
+        sequence (`can_fork`)."""
+        if slot.pending or slot.past > capacity:
+            raise CloverError(f"cannot fork a sequence with {slot.pending} uncommitted rows into {capacity} tokens")
+        new = self.open_slot(capacity)
+        try:
+            self._fork(slot, new)
+        except BaseException:
+            self.release(new)
+            raise
+        new.past = slot.past
+        return new
+
+    @property
+    def can_fork(self) -> bool:
+        return type(self)._fork is not Runner._fork
+
+    def _fork(self, src: Slot, dst: Slot) -> None:
+        """Copy src's committed caches and drafting state into dst's (freshly opened) state."""
+        raise NotImplementedError(f"{type(self).__name__} cannot fork a sequence")
+
     @property
     def open_slots(self) -> int:
         return len(self._open)

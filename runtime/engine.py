@@ -205,6 +205,7 @@ class Engine:
         self.error: BaseException | None = None  # the last step's failure, or what stopped the loop
         self.log = log
         self.step_sequences = 0  # sequences in the last forward (prefill chunks included); 0 while idle
+        self.prefills_shared = 0  # requests that copied another's prompt caches instead of prefilling (share_prefill)
         if log is not None and runner.info.kv_bytes_per_token:
             print(kv_plan(max_batch, runner.info.max_context, runner.info.kv_bytes_per_token), file=log)
         self._stopping = False
@@ -287,6 +288,7 @@ class Engine:
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        share_prefill: EngineStream | None = None,
     ) -> EngineStream:
         """Submit a request; its output arrives through the returned stream. Everything it carries is checked
         here, in the caller's thread, so a bad request fails alone: CloverError at once for bad input (a token id
@@ -295,8 +297,11 @@ class Engine:
         has died. max_new_tokens None: up to the end of the context. request_id: names the request in the engine's
         log and in an internal failure's message (a server's response id). stop_token_ids: ids that end the request
         like EOS. logprobs: every token's log-probability with this many alternatives (0-20), in the deltas and
-        the result (None: none). grammar: what the output must match (clover.Grammar), compiled here. Penalties,
-        logit_bias and min_tokens come with `sampling`."""
+        the result (None: none). grammar: what the output must match (clover.Grammar), compiled here.
+        share_prefill: a stream of the same prompt submitted just before (another choice of one request): this
+        request copies that one's prompt caches instead of prefilling again, where the backend can and both join
+        the batch together; else it prefills on its own. Penalties, logit_bias and min_tokens come with
+        `sampling`."""
         if not isinstance(sampling, SamplingParams):
             raise CloverError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         info = self.runner.info
@@ -330,6 +335,13 @@ class Engine:
             grammar=state,
         )
         out._request = request
+        lead = share_prefill._request if share_prefill is not None else None
+        if lead is not None and len(ids) > 1 and np.array_equal(lead.prompt, request.prompt) and self.runner.can_fork:
+            request.share = lead
+            # before the leader's decoding exists, or while it has not passed that point; else the follower prefills
+            lead.fork_at = len(ids) - 1
+            if lead.decoding is not None:
+                lead.decoding.fork_at = lead.fork_at
         self.scheduler.submit(request)  # raises EngineUnavailable once closed or dead (under the scheduler's lock)
         return out
 
@@ -407,10 +419,9 @@ class Engine:
             if r.cancelled.is_set():
                 self._retire(r, Cancelled("the request was cancelled"))
         for r in sched.admit():  # joins this step: its prompt is prefilled in the same forward as the others' steps
-            capacity = min(runner.info.max_context, len(r.prompt) + r.stop.max_new_tokens + self.tree.num_nodes)
             try:
                 r.decoding = Decoding(
-                    runner.open_slot(capacity),
+                    self._open(r),
                     r.prompt,
                     self.tree,
                     r.sampling,
@@ -421,10 +432,17 @@ class Engine:
                     processors=LogitsProcessors.of(r.sampling, r.prompt, r.stop.eos_token_ids, runner.info.vocab_size),
                     logprobs=r.logprobs,
                     grammar=r.grammar,
+                    fork_at=r.fork_at,
                 )
             except Exception as e:
                 self._fail(r, e)
-        batch = list(sched.running)
+        for r in list(sched.running):  # followers: fork their leader's prompt caches, or prefill on their own
+            if r.decoding is not None and r.decoding.slot is None:
+                try:
+                    self._place(r)
+                except Exception as e:
+                    self._fail(r, e)
+        batch = [r for r in sched.running if r.decoding.slot is not None]
         self.step_sequences = len(batch)
         if not batch:
             return
@@ -440,6 +458,31 @@ class Engine:
                 self._emit(r, st)
             except Exception as e:
                 self._fail(r, e)
+
+    def _capacity(self, r: Request) -> int:
+        return min(self.runner.info.max_context, len(r.prompt) + r.stop.max_new_tokens + self.tree.num_nodes)
+
+    def _open(self, r: Request):
+        """A joining request's slot, or None for a follower that waits for its leader's prompt caches."""
+        if r.share is not None and r.share in self.scheduler.running:
+            return None
+        return self.runner.open_slot(self._capacity(r))
+
+    def _place(self, r: Request) -> None:
+        """A waiting follower's slot. It waits while its leader's caches hold fewer than all but the last prompt
+        token; at that point it forks them and runs the last token itself (its own first token and draft state);
+        once the leader is past that point or gone, it opens its own slot and prefills."""
+        assert r.share is not None
+        d, lead = r.decoding, r.share
+        at = len(r.prompt) - 1
+        ld = lead.decoding if lead in self.scheduler.running else None
+        if ld is not None and ld.slot is not None and ld.prefilled < at:
+            return  # the leader's prompt is not there yet
+        if ld is not None and ld.slot is not None and ld.prefilled == at and ld.fork_at == at:
+            d.slot, d.prefilled = self.runner.fork(ld.slot, self._capacity(r)), at
+            self.prefills_shared += 1
+        else:
+            d.slot = self.runner.open_slot(self._capacity(r))
 
     def _emit(self, r: Request, st) -> None:
         r.progress.add(st)
@@ -476,7 +519,7 @@ class Engine:
             )
 
     def _retire(self, r: Request, end: GenerationResult | BaseException) -> None:
-        if r.decoding is not None:
+        if r.decoding is not None and r.decoding.slot is not None:
             self.runner.release(r.decoding.slot)
             self.policy.forget(r.decoding)
         self.scheduler.retire(r)

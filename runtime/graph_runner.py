@@ -159,6 +159,12 @@ class KVCache:
             )
         return self._bound[key]
 
+    def copy_from(self, other: KVCache, rows: int, capacity: int) -> None:
+        """Hold a copy of `other`'s first `rows` slots (a forked sequence; room up to `capacity` tokens)."""
+        self.make_room(rows, 0, capacity)
+        for new, old in zip(self.buffers, other.buffers):
+            new[:, :, :rows] = old[:, :, :rows]
+
     def move(self, start: int, rows: np.ndarray) -> None:
         """Shared buffers: move slots start + rows to start, start + 1, ... (an accepted tree path)."""
         for buf in self.buffers:
@@ -213,6 +219,10 @@ class Drafter(abc.ABC):
         """What a released sequence leaves for reuse (its caches), or None."""
         return None
 
+    @abc.abstractmethod
+    def fork(self, src: Any, dst: Any, past: int, capacity: int) -> None:
+        """Copy a sequence's drafting state (after `past` committed tokens) into a fresh one's."""
+
     @property
     @abc.abstractmethod
     def graphs(self) -> tuple[EngineGraph, ...]: ...
@@ -259,6 +269,15 @@ class TreeDrafter(Drafter):
 
     def accept(self, state, hidden, next_tokens):
         state.behind.append((hidden, next_tokens))
+
+    def fork(self, src, dst, past, capacity):
+        a = self.arrays
+        seen = past - sum(len(t) for _, t in src.behind)  # rows the augmenting block's cache holds
+        dst.cache.copy_from(src.cache, seen, capacity)
+        # copies: a graph's outputs may live in buffers its next run overwrites
+        dst.behind = [(a.copy(h), t) for h, t in src.behind]
+        dst.root_state = None if src.root_state is None else a.copy(src.root_state)
+        dst.root_logits = None if src.root_logits is None else a.copy(src.root_logits)
 
     def _catch_up(self, state: TreeDraft, slot: Slot) -> None:
         """The begin graph over the accepted rows it has not seen (one call for several steps)."""
@@ -334,6 +353,10 @@ class MedusaDrafter(Drafter):
 
     def accept(self, state, hidden, next_tokens):
         state.hidden = hidden[:, -1:]  # its heads only read the last accepted token's state
+
+    def fork(self, src, dst, past, capacity):
+        dst.hidden = None if src.hidden is None else self.arrays.copy(src.hidden)
+        dst.logits = src.logits
 
     def begin(self, state, slot):
         state.logits = self.arrays.host(
@@ -457,6 +480,13 @@ class GraphRunner(Runner):
         seq = slot.state
         if seq.cache.slots == min(slot.capacity, self.cache_block) and len(self._free) < FREE_CACHES:
             self._free.append((seq.cache, self.drafter.release(seq.draft) if self.drafter is not None else None))
+
+    def _fork(self, src, dst):
+        s, d = src.state, dst.state
+        with self.arrays.scope():
+            d.cache.copy_from(s.cache, src.past, dst.capacity)
+            if self.drafter is not None:
+                self.drafter.fork(s.draft, d.draft, src.past, dst.capacity)
 
     def _make_room(self, slot: Slot, new: int) -> None:
         """The slot's cache holds its past and `new` rows (KVCache.make_room)."""

@@ -440,6 +440,9 @@ class Decoding:
     processors: LogitsProcessors | None = None  # this request's logits processors (None: none, no work)
     logprobs: int | None = None  # alternatives per emitted token's log-probability (None: no log-probabilities)
     grammar: GrammarState | None = None  # what the output must match (runtime/grammar.py; None: anything)
+    # a prompt chunk ends here (the prompt's last token alone after it): other sequences of the same prompt fork
+    # this one's caches at that point and each runs the last token itself (its own first token, its own draft state)
+    fork_at: int | None = None
 
     @property
     def prefilling(self) -> bool:
@@ -544,7 +547,10 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
     """Draft one sequence's step (its next prompt chunk while prefilling)."""
     td = time.perf_counter()
     if d.prefilling:
-        chunk = d.prompt[d.prefilled : d.prefilled + d.prefill_chunk]
+        end = d.prefilled + d.prefill_chunk
+        if d.fork_at is not None and d.prefilled < d.fork_at < end:
+            end = d.fork_at
+        chunk = d.prompt[d.prefilled : end]
         n = len(chunk)
         return _Planned(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=True))
     room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit

@@ -68,6 +68,9 @@ class Request:
     token_logprobs: list[TokenLogprob] | None = None  # one per kept token, when asked for
     logprobs_sent: int = 0  # log-probabilities delivered so far (with the text that shows their tokens)
     grammar: GrammarState | None = None  # what its output must match (compiled at submission)
+    # another request of the same prompt whose prefill this one copies (Runner.fork) instead of running its own
+    share: Request | None = None
+    fork_at: int | None = None  # a follower forks this request's caches after this many prompt tokens
 
 
 def check_max_batch(max_batch: int) -> None:

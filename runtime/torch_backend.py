@@ -154,6 +154,15 @@ class TorchRunner(Runner):
             torch.zeros(0, self.base.config.hidden_size, dtype=self.base.lm_head.weight.dtype),
         )
 
+    @torch.inference_mode()
+    def _fork(self, src: Slot, dst: Slot) -> None:
+        s, d, P = src.state, dst.state, src.past
+        for caches in ((s.cache, d.cache), (s.head_cache, d.head_cache)):
+            for old, new in zip(caches[0][0] + caches[0][1], caches[1][0] + caches[1][1]):
+                new[:, :, :P] = old[:, :, :P]
+        d.root_state = None if s.root_state is None else s.root_state.clone()
+        d.root_logits = None if s.root_logits is None else s.root_logits.clone()
+
     def _release(self, slot: Slot) -> None:
         if self.max_graph_rows:  # kept with its graphs for the next sequence, which then records none
             self._spares.append(slot.state)

@@ -273,6 +273,7 @@ def create_app(
                             # best_of ranks candidates by their tokens' log-probabilities
                             logprobs=wanted if wanted is not None or candidates == n else 0,
                             grammar=grammar,
+                            share_prefill=outs[0] if outs else None,  # one prefill for all candidates
                         )
                     )
                 for option in body.options_used():

@@ -567,3 +567,73 @@ def test_bad_options_fail_alone_with_their_param(artifacts):
                 engine.stream(PROMPTS[0], **{"max_new_tokens": 8, **kwargs})
             assert e.value.param == param, (kwargs, str(e.value))
         assert engine.generate(PROMPTS[0], max_new_tokens=3, ignore_eos=True).new_tokens == 3
+
+
+# -- several choices of one prompt: one prefill (Runner.fork) ------------------------------------------------------
+
+
+def shared_prefill_runs(engine, prompt, n, **kw):
+    """n requests of one prompt, the others sharing the first one's prefill; their results."""
+    first = engine.stream(prompt, **kw)
+    others = [engine.stream(prompt, share_prefill=first, **kw) for _ in range(n - 1)]
+    return [s.wait() for s in (first, *others)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("attention", ["portable", "fused"])
+def test_choices_share_one_prefill_and_each_equals_solo(tmp_path_factory, arch, attention):
+    """The followers fork the leader's caches after all but the last prompt token and run that token themselves:
+    every greedy choice equals solo plain decoding, a seeded follower equals a lone request with its seed, a long
+    prompt (several chunks) is shared too, and the forks really happened."""
+    art = tiny_artifact(tmp_path_factory.getbasetemp(), arch, attention=attention)
+    tok = Tokenizer.from_dir(art / "tokenizer")
+    plain = Generator(load_runner(art, heads="none"), tok, "plain")
+    long_prompt = [int(t) for t in np.random.default_rng(9).integers(6, 90, 40)]
+    with Engine(
+        load_runner(art), tok, "small" if arch != "clover" else "chain-3", max_batch=4, log=None, prefill_chunk=16
+    ) as engine:
+        for prompt in (PROMPTS[5], long_prompt):
+            want = plain.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids
+            got = shared_prefill_runs(engine, prompt, 4, max_new_tokens=20, ignore_eos=True)
+            for i, r in enumerate(got):
+                assert_identical(r.token_ids, want, f"{arch} {attention} choice {i} of {len(prompt)} prompt tokens")
+        assert engine.prefills_shared == 6
+        for seed in (3, 4):
+            sampling = SamplingParams(0.9, 1.0, seed)
+            alone = engine.generate(PROMPTS[6], max_new_tokens=16, sampling=sampling, ignore_eos=True).token_ids
+            first = engine.stream(PROMPTS[6], max_new_tokens=16, sampling=SamplingParams(0.9, 1.0, 99), ignore_eos=True)
+            follower = engine.stream(
+                PROMPTS[6], max_new_tokens=16, sampling=sampling, ignore_eos=True, share_prefill=first
+            )
+            assert follower.wait().token_ids == alone
+            first.wait()
+        assert engine.prefills_shared == 8
+        assert engine.runner.open_slots == 0
+
+
+def test_a_follower_whose_leader_is_gone_prefills_on_its_own(artifacts):
+    tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
+    plain = Generator(load_runner(artifacts["clover2"], heads="none"), tok, "plain")
+    want = plain.generate(PROMPTS[7], max_new_tokens=12, ignore_eos=True).token_ids
+    with Engine(load_runner(artifacts["clover2"]), tok, "small", max_batch=4, log=None) as engine:
+        first = engine.stream(PROMPTS[7], max_new_tokens=12, ignore_eos=True)
+        first.cancel()
+        follower = engine.stream(PROMPTS[7], max_new_tokens=12, ignore_eos=True, share_prefill=first)
+        assert follower.wait().token_ids == want
+        other = engine.stream(PROMPTS[8], max_new_tokens=12, ignore_eos=True)  # another prompt: no sharing
+        late = engine.stream(PROMPTS[7], max_new_tokens=12, ignore_eos=True, share_prefill=other)
+        assert late.wait().token_ids == want
+        other.wait()
+        assert engine.runner.open_slots == 0
+
+
+def test_torch_engine_choices_share_one_prefill(tmp_path):
+    from helpers import tiny_tokenizer_dir
+
+    base, heads = tiny_modules("clover2")
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "tok"))
+    want = Generator(TorchRunner(base), tok, "plain").generate(PROMPTS[9], max_new_tokens=20, ignore_eos=True)
+    with Engine(TorchRunner(base, heads, "random:clover2"), tok, "mc26", max_batch=4, log=None) as engine:
+        for i, r in enumerate(shared_prefill_runs(engine, PROMPTS[9], 3, max_new_tokens=20, ignore_eos=True)):
+            assert_identical(r.token_ids, want.token_ids, f"torch choice {i}")
+        assert engine.prefills_shared == 2
