@@ -45,6 +45,7 @@ from clover.runtime.generator import (
     with_cost,
 )
 from clover.runtime.grammar import Grammar, GrammarCompiler
+from clover.runtime.logprobs import check_logprobs, prompt_entries
 from clover.runtime.loop import LOOKUP_DRAFTS, PREFILL_CHUNK, Decoding, chain, step
 from clover.runtime.output import OutputTracker
 from clover.runtime.processors import LogitsProcessors
@@ -289,6 +290,7 @@ class Engine:
         logprobs: int | None = None,
         grammar: Grammar | None = None,
         share_prefill: EngineStream | None = None,
+        prompt_logprobs: int | None = None,
     ) -> EngineStream:
         """Submit a request; its output arrives through the returned stream. Everything it carries is checked
         here, in the caller's thread, so a bad request fails alone: CloverError at once for bad input (a token id
@@ -300,8 +302,9 @@ class Engine:
         the result (None: none). grammar: what the output must match (clover.Grammar), compiled here.
         share_prefill: a stream of the same prompt submitted just before (another choice of one request): this
         request copies that one's prompt caches instead of prefilling again, where the backend can and both join
-        the batch together; else it prefills on its own. Penalties, logit_bias and min_tokens come with
-        `sampling`."""
+        the batch together; else it prefills on its own. prompt_logprobs: each prompt token's log-probability (the
+        first has none) with this many alternatives, in the result (None: none; such a request does not copy
+        another's prefill). Penalties, logit_bias and min_tokens come with `sampling`."""
         if not isinstance(sampling, SamplingParams):
             raise CloverError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         info = self.runner.info
@@ -321,6 +324,7 @@ class Engine:
         stop_ids = check_token_options(info.vocab_size, sampling, stop_token_ids, logprobs, room)
         conditions = stop_conditions(self.tokenizer, max_new_tokens, stop, ignore_eos, stop_ids, sampling.min_tokens)
         state = grammar_state(self.grammars, grammar, sampling)
+        check_logprobs(prompt_logprobs, "prompt_logprobs")
         out = EngineStream()
         request = Request(
             np.array(ids, dtype=np.int64),
@@ -333,10 +337,12 @@ class Engine:
             logprobs=logprobs,
             token_logprobs=None if logprobs is None else [],
             grammar=state,
+            prompt_logprobs=prompt_logprobs,
         )
         out._request = request
         lead = share_prefill._request if share_prefill is not None else None
-        if lead is not None and len(ids) > 1 and np.array_equal(lead.prompt, request.prompt) and self.runner.can_fork:
+        same = lead is not None and np.array_equal(lead.prompt, request.prompt)
+        if same and len(ids) > 1 and prompt_logprobs is None and self.runner.can_fork:
             request.share = lead
             # before the leader's decoding exists, or while it has not passed that point; else the follower prefills
             lead.fork_at = len(ids) - 1
@@ -357,6 +363,7 @@ class Engine:
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        prompt_logprobs: int | None = None,
     ) -> GenerationResult:
         """Submit a request and wait for its result."""
         return self.stream(
@@ -369,6 +376,7 @@ class Engine:
             stop_token_ids=stop_token_ids,
             logprobs=logprobs,
             grammar=grammar,
+            prompt_logprobs=prompt_logprobs,
         ).wait()
 
     async def agenerate(self, prompt: str | Sequence[int] | list[dict[str, str]], **kwargs: Any) -> GenerationResult:
@@ -433,6 +441,7 @@ class Engine:
                     logprobs=r.logprobs,
                     grammar=r.grammar,
                     fork_at=r.fork_at,
+                    prompt_logprobs=r.prompt_logprobs,
                 )
             except Exception as e:
                 self._fail(r, e)
@@ -458,6 +467,11 @@ class Engine:
                 self._emit(r, st)
             except Exception as e:
                 self._fail(r, e)
+
+    def _prompt_entries(self, r: Request):
+        if r.prompt_logprobs is None:
+            return None
+        return prompt_entries(r.prompt_steps, [self.tokenizer.token_bytes(int(i)) for i in r.prompt])
 
     def _capacity(self, r: Request) -> int:
         return min(self.runner.info.max_context, len(r.prompt) + r.stop.max_new_tokens + self.tree.num_nodes)
@@ -486,6 +500,8 @@ class Engine:
 
     def _emit(self, r: Request, st) -> None:
         r.progress.add(st)
+        if st.prompt_logprobs is not None:
+            r.prompt_steps.append(st.prompt_logprobs)
         if not st.tokens:  # a prompt chunk
             return
         before = r.tracker.num_tokens
@@ -515,6 +531,7 @@ class Engine:
                     AUTO if isinstance(self.policy, AutoTrees) else self.tree.name,
                     r.token_logprobs,
                     r.grammar,
+                    self._prompt_entries(r),
                 ),
             )
 

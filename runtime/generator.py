@@ -22,7 +22,7 @@ from clover.errors import CloverError
 from clover.runtime.backend import Runner, RunnerInfo, backend_module
 from clover.runtime.cost import DraftConfidence, VerifyCost, verify_cost
 from clover.runtime.grammar import Grammar, GrammarCompiler, GrammarState
-from clover.runtime.logprobs import TokenLogprob, check_logprobs
+from clover.runtime.logprobs import TokenLogprob, check_logprobs, prompt_entries
 from clover.runtime.lookup import LookupLength
 from clover.runtime.loop import DRAFT_SOURCES, LOOKUP_DRAFTS, PLAIN, Step, chain, speculative_steps
 from clover.runtime.output import OutputTracker, StopConditions
@@ -61,6 +61,8 @@ class GenerationResult:
     pruned_tokens: int = 0  # drafted tokens the request's grammar forbade, left out of the verify
     # one per token of token_ids when the request asked for log-probabilities (runtime/logprobs.py), else None
     logprobs: list[TokenLogprob] | None = None
+    # one per prompt token but the first (which has none) when the request asked for them, else None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -298,6 +300,7 @@ class Progress:
         tree: str,
         logprobs: list[TokenLogprob] | None = None,
         grammar: GrammarState | None = None,
+        prompt_logprobs: list[TokenLogprob] | None = None,
     ) -> GenerationResult:
         """grammar: the request's, whose state and mask time joins the timings ("grammar", a part of the draft and
         accept phases)."""
@@ -327,6 +330,7 @@ class Progress:
             draft_steps=self.draft_steps,
             pruned_tokens=self.pruned,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
 
@@ -376,6 +380,7 @@ class Generator:
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        prompt_logprobs: int | None = None,
     ) -> GenerationResult:
         stream = self.stream(
             prompt,
@@ -387,6 +392,7 @@ class Generator:
             stop_token_ids=stop_token_ids,
             logprobs=logprobs,
             grammar=grammar,
+            prompt_logprobs=prompt_logprobs,
         )
         for _ in stream:
             pass
@@ -404,11 +410,14 @@ class Generator:
         stop_token_ids: Sequence[int] = (),
         logprobs: int | None = None,
         grammar: Grammar | None = None,
+        prompt_logprobs: int | None = None,
     ) -> GenerationStream:
         """An iterator of text deltas; its `.result` is set once it is exhausted. stop_token_ids: ids that end
         generation like EOS; logprobs: each token's log-probability with this many alternatives (0-20) in
         `result.logprobs` (None: none); grammar: what the output must match (clover.Grammar: a JSON object or
-        schema, a regex, a Lark grammar, a choice). Penalties, logit_bias and min_tokens come with `sampling`."""
+        schema, a regex, a Lark grammar, a choice); prompt_logprobs: each prompt token's log-probability (the first
+        has none) with this many alternatives in `result.prompt_logprobs` (None: none). Penalties, logit_bias and
+        min_tokens come with `sampling`."""
         info = self.runner.info
         ids = self.encode_prompt(prompt, chat)
         check_token_ids(ids, info.vocab_size)
@@ -419,7 +428,8 @@ class Generator:
         stop_ids = check_token_options(info.vocab_size, sampling, stop_token_ids, logprobs, room)
         conditions = stop_conditions(self.tokenizer, max_new_tokens, stop, ignore_eos, stop_ids, sampling.min_tokens)
         state = grammar_state(self.grammars, grammar, sampling)
-        return GenerationStream(self, ids, conditions, sampling, logprobs, state)
+        check_logprobs(prompt_logprobs, "prompt_logprobs")
+        return GenerationStream(self, ids, conditions, sampling, logprobs, state, prompt_logprobs)
 
 
 class GenerationStream:
@@ -431,9 +441,10 @@ class GenerationStream:
         sampling: SamplingParams,
         logprobs: int | None = None,
         grammar: GrammarState | None = None,
+        prompt_logprobs: int | None = None,
     ):
         self._gen, self._ids, self._stop, self._sampling, self._logprobs = gen, ids, stop, sampling, logprobs
-        self._grammar = grammar
+        self._grammar, self._prompt_logprobs = grammar, prompt_logprobs
         self.result: GenerationResult | None = None
         self._it = self._run()
 
@@ -452,6 +463,7 @@ class GenerationStream:
         prompt = np.array(self._ids, dtype=np.int64)
         processors = LogitsProcessors.of(self._sampling, prompt, self._stop.eos_token_ids, runner.info.vocab_size)
         logprobs: list[TokenLogprob] | None = None if self._logprobs is None else []
+        prompt_steps: list = []
         for step in speculative_steps(
             runner,
             prompt,
@@ -464,7 +476,10 @@ class GenerationStream:
             processors,
             self._logprobs,
             self._grammar,
+            self._prompt_logprobs,
         ):
+            if step.prompt_logprobs is not None:
+                prompt_steps.append(step.prompt_logprobs)
             progress.add(step)
             before = tracker.num_tokens
             delta = tracker.add(step.tokens)
@@ -481,3 +496,7 @@ class GenerationStream:
         self.result = progress.result(
             tracker, runner.info.backend, drafts_label(gen.drafts, runner.info), gen.tree.name, logprobs, self._grammar
         )
+        if self._prompt_logprobs is not None:
+            self.result.prompt_logprobs = prompt_entries(
+                prompt_steps, [gen.tokenizer.token_bytes(i) for i in self._ids]
+            )

@@ -13,6 +13,7 @@ the first generated token's.
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -58,12 +59,33 @@ class StepLogprobs:
         ]
 
 
-def check_logprobs(k: int | None) -> None:
+def text_offsets(token_bytes: Sequence[bytes]) -> list[int]:
+    """Where each token's text starts (characters) in the text of the tokens' bytes together: a token that ends
+    inside a UTF-8 character moves the offsets after it by the characters it completes."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out, chars = [], 0
+    for b in token_bytes:
+        out.append(chars)
+        chars += len(decoder.decode(b))
+    return out
+
+
+def prompt_entries(steps: Sequence[StepLogprobs], token_bytes: Sequence[bytes]) -> list[TokenLogprob]:
+    """The prompt's log-probabilities (one per prompt token but the first: its steps' StepLogprobs in order) as
+    TokenLogprobs, with offsets in the prompt's text (`token_bytes`: every prompt token's bytes)."""
+    offsets = text_offsets(token_bytes)[1:]
+    out: list[TokenLogprob] = []
+    for st in steps:
+        out += st.entries(offsets[len(out) : len(out) + len(st.token_ids)])
+    return out
+
+
+def check_logprobs(k: int | None, param: str = "logprobs") -> None:
     """None (no log-probabilities) or an int in [0, MAX_LOGPROBS]: the alternatives wanted per token."""
     if k is not None and (isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 0 <= k <= MAX_LOGPROBS):
         raise CloverError(
-            f"logprobs must be None or an int from 0 to {MAX_LOGPROBS} (alternatives per token), got {k!r}",
-            param="logprobs",
+            f"{param} must be None or an int from 0 to {MAX_LOGPROBS} (alternatives per token), got {k!r}",
+            param=param,
         )
 
 

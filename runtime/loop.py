@@ -65,6 +65,8 @@ class Step:
     error: BaseException | None = None  # step(isolate=True): this sequence's part failed (it emitted nothing)
     logprobs: StepLogprobs | None = None  # the emitted tokens' log-probabilities, when the sequence asks for them
     pruned: int = 0  # drafted nodes its grammar forbade, left out of the verify
+    # a prompt chunk's tokens' log-probabilities (each but the prompt's first), when the sequence asks for them
+    prompt_logprobs: StepLogprobs | None = None
 
     @property
     def wall(self) -> float:
@@ -443,6 +445,7 @@ class Decoding:
     # a prompt chunk ends here (the prompt's last token alone after it): other sequences of the same prompt fork
     # this one's caches at that point and each runs the last token itself (its own first token, its own draft state)
     fork_at: int | None = None
+    prompt_logprobs: int | None = None  # alternatives per prompt token's log-probability (None: none)
 
     @property
     def prefilling(self) -> bool:
@@ -552,7 +555,8 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
             end = d.fork_at
         chunk = d.prompt[d.prefilled : end]
         n = len(chunk)
-        return _Planned(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=True))
+        every_row = d.prompt_logprobs is not None  # each row gives the next prompt token's log-probability
+        return _Planned(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=not every_row))
     room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
     whole, use = None, None
     masks = d.grammar.paths() if d.grammar is not None else None
@@ -660,9 +664,14 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     """Commit a prompt chunk; after the last one, emit the first token (from the last prompt row's logits)."""
     start, n = d.prefilled, len(chunk)
     d.prefilled += n
+    prompt_lp = None
+    if d.prompt_logprobs is not None:  # row i: the distribution of prompt token start + i + 1
+        after = d.prompt[start + 1 : start + n + 1]
+        prompt_lp = token_logprobs(logits[: len(after)], after, d.prompt_logprobs)
     if d.prefilling:
         runner.commit(np.arange(n), d.prompt[start + 1 : start + n + 1], slot=d.slot)
-        return Step([], 0, rows=n)
+        return Step([], 0, rows=n, prompt_logprobs=prompt_lp)
+    logits = logits[-1:]  # the prompt's last row
     allowed = None if d.grammar is None else d.grammar.paths().rows([()])
     first = accept(
         PLAIN, Draft(chunk[-1:], np.ones(1, bool), None, allowed=allowed), logits, d.sampling, d.rng, d.processors
@@ -678,9 +687,9 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
         if d.drafts in ("lookup", "heads+lookup")
         else None
     )
-    st = Step([first], 1, rows=n)
+    st = Step([first], 1, rows=n, prompt_logprobs=prompt_lp)
     if d.logprobs is not None:  # the prompt's last row
-        st.logprobs = token_logprobs(logits[-1:], [first], d.logprobs)
+        st.logprobs = token_logprobs(logits, [first], d.logprobs)
     return st
 
 
@@ -696,6 +705,7 @@ def speculative_steps(
     processors: LogitsProcessors | None = None,
     logprobs: int | None = None,
     grammar: GrammarState | None = None,
+    prompt_logprobs: int | None = None,
 ) -> Iterator[Step]:
     """One sequence (the runner's solo slot): yield the tokens of each step until the sequence is full; the
     caller stops iterating when done. drafts: "heads" (the runner's draft heads fill `tree`) or "lookup"
@@ -714,8 +724,9 @@ def speculative_steps(
         processors=processors,
         logprobs=logprobs,
         grammar=grammar,
+        prompt_logprobs=prompt_logprobs,
     )
     while not d.full:
         for st in step(runner, [d]):
-            if st.tokens:
+            if st.tokens or st.prompt_logprobs is not None:
                 yield st

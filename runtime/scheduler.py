@@ -71,6 +71,8 @@ class Request:
     # another request of the same prompt whose prefill this one copies (Runner.fork) instead of running its own
     share: Request | None = None
     fork_at: int | None = None  # a follower forks this request's caches after this many prompt tokens
+    prompt_logprobs: int | None = None  # alternatives per prompt token's log-probability (None: none)
+    prompt_steps: list = field(default_factory=list)  # their StepLogprobs, chunk by chunk
 
 
 def check_max_batch(max_batch: int) -> None:

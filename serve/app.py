@@ -274,6 +274,8 @@ def create_app(
                             logprobs=wanted if wanted is not None or candidates == n else 0,
                             grammar=grammar,
                             share_prefill=outs[0] if outs else None,  # one prefill for all candidates
+                            # echo: the prompt's log-probabilities, once (the candidates share the prompt)
+                            prompt_logprobs=wanted if getattr(body, "echo", False) and i == 0 else None,
                         )
                     )
                 for option in body.options_used():
@@ -334,9 +336,18 @@ def create_app(
         n, _ = body.choices()
         wanted = body.logprobs_wanted()
         choices = []
+        echo = None if chat or not body.echo else echoed(engine.tokenizer, prompt, results[0])
         for index, result in enumerate(best(results, n)):
             reason = finish_reason(result)
             logprobs = None if wanted is None else render_logprobs(engine.tokenizer, result.logprobs, chat)
+            if echo is not None:  # the prompt's text and tokens before the completion's
+                text, before = echo
+                result = dataclasses.replace(result, text=text + result.text)
+                if logprobs is not None:
+                    logprobs = {k: before[k] + logprobs[k] for k in before}
+                    logprobs["text_offset"][len(before["tokens"]) :] = [
+                        o + len(text) for o in logprobs["text_offset"][len(before["tokens"]) :]
+                    ]
             if chat:
                 message = {"role": "assistant", "content": result.text}
                 choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs})
@@ -456,6 +467,23 @@ def render_logprobs(tokenizer: Tokenizer, entries, chat: bool) -> dict[str, Any]
             {tokenizer.token_text(t): lp(v) for t, v in (*e.top, (e.token_id, e.logprob))} for e in entries
         ],
         "text_offset": [e.text_offset for e in entries],
+    }
+
+
+def echoed(tokenizer: Tokenizer, prompt: str | list[int], first: GenerationResult) -> tuple[str, dict[str, list]]:
+    """A completions prompt echoed: its text (as sent, or its ids decoded) and its legacy log-probabilities (the
+    first token has none, as OpenAI's), from the candidate that computed them (None where none were asked)."""
+    text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+    entries = first.prompt_logprobs
+    if entries is None:
+        return text, {}
+    rendered = render_logprobs(tokenizer, entries, chat=False)
+    ids = encode_prompt(tokenizer, prompt)  # as the request was submitted
+    return text, {
+        "tokens": [tokenizer.token_text(ids[0])] + rendered["tokens"],
+        "token_logprobs": [None] + rendered["token_logprobs"],
+        "top_logprobs": [None] + rendered["top_logprobs"],
+        "text_offset": [0] + rendered["text_offset"],
     }
 
 

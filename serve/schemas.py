@@ -28,7 +28,6 @@ from clover.runtime.logprobs import MAX_LOGPROBS
 
 # Fields refused unless they carry their no-op value (their types admit only that value), and why.
 REFUSED = {
-    "echo": "echo (the prompt's log-probabilities) is not supported: leave it out or send false",
     "suffix": "suffix (insertion) is not supported: leave it out",
     "tools": "tools (function calling) are not supported: leave them out",
     "tool_choice": "tool_choice is not supported (no tools): leave it out or send 'none'",
@@ -215,6 +214,8 @@ class _Generation(BaseModel):
             raise CloverError(f"best_of ({best}) must be at least n ({n})", param="best_of")
         if best > n and self.stream:
             raise CloverError("best_of above n cannot be streamed (the best are known at the end)", param="best_of")
+        if getattr(self, "echo", False) and self.stream:
+            raise CloverError("echo is not streamed: send stream false to get the prompt back", param="echo")
         return n, best
 
 
@@ -265,7 +266,7 @@ class CompletionRequest(_Generation):
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     # refused unless no-op (REFUSED)
-    echo: Literal[False] | None = None
+    echo: bool = False  # the prompt before the completion, and its tokens' log-probabilities with logprobs
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # candidates, the n most likely returned
     suffix: Literal[""] | None = None
 

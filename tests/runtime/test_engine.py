@@ -637,3 +637,37 @@ def test_torch_engine_choices_share_one_prefill(tmp_path):
         for i, r in enumerate(shared_prefill_runs(engine, PROMPTS[9], 3, max_new_tokens=20, ignore_eos=True)):
             assert_identical(r.token_ids, want.token_ids, f"torch choice {i}")
         assert engine.prefills_shared == 2
+
+
+# -- the prompt's log-probabilities (completions' echo) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("attention", ["portable", "fused"])
+def test_prompt_logprobs_are_the_prefills_rows_in_every_chunk(tmp_path_factory, attention):
+    """Each prompt token but the first gets its log-probability from the prefill's row before it (no extra
+    forward), through every prompt chunk: equal to a teacher-forced pass of the whole prompt within fp tolerance,
+    alternatives sorted, the same from the Generator and the Engine; generation is unchanged."""
+    art = tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", attention=attention)
+    tok = Tokenizer.from_dir(art / "tokenizer")
+    prompt = [int(t) for t in np.random.default_rng(11).integers(6, 90, 30)]
+    _, logits = load_runner(art, heads="none").teacher_forced(np.array(prompt), np.arange(len(prompt) - 1))
+    x = logits.astype(np.float64)
+    want = x[np.arange(len(prompt) - 1), prompt[1:]] - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) - x.max(1)
+    plain = Generator(load_runner(art, heads="none"), tok, "plain").generate(prompt, max_new_tokens=10).token_ids
+    gen = Generator(load_runner(art), tok, "small")
+    with Engine(load_runner(art), tok, "small", max_batch=2, log=None, prefill_chunk=7) as engine:
+        for r in (
+            gen.generate(prompt, max_new_tokens=10, prompt_logprobs=3),
+            engine.generate(prompt, max_new_tokens=10, prompt_logprobs=3),
+        ):
+            assert r.token_ids == plain and r.logprobs is None
+            got = r.prompt_logprobs
+            assert [e.token_id for e in got] == prompt[1:]
+            np.testing.assert_allclose([e.logprob for e in got], want, atol=1e-3)
+            for e in got:
+                assert len(e.top) == 3 and [v for _, v in e.top] == sorted((v for _, v in e.top), reverse=True)
+                assert e.top[0][1] >= e.logprob - 1e-9
+            assert [e.text_offset for e in got] == sorted(e.text_offset for e in got)
+        with pytest.raises(CloverError, match="prompt_logprobs") as err:
+            engine.stream(prompt, prompt_logprobs=21)
+        assert err.value.param == "prompt_logprobs"

@@ -12,6 +12,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import pytest
 from helpers import Server, rss_bytes
 from ort_helpers import tiny_artifact
@@ -897,7 +898,7 @@ def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
         (chat, {"n": 17}, "n"),
         (comp, {"best_of": 2, "n": 3}, "best_of"),
         (comp, {"best_of": 3, "stream": True}, "best_of"),
-        (comp, {"echo": True}, "echo"),
+        (comp, {"echo": True, "stream": True}, "echo"),
         (comp, {"suffix": "w9"}, "suffix"),
         (
             chat,
@@ -939,3 +940,25 @@ def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
     }
     assert post("/chat/completions", {**chat, **accepted}).status_code == 200
     assert post("/completions", {**comp, "echo": False, "best_of": 1, "suffix": None, "user": "u"}).status_code == 200
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_openai_does(server, artifact):
+    """Completions' echo with logprobs (what evaluation harnesses send to score a text): the prompt's text before
+    the completion's, its tokens' log-probabilities first (the first token's null), equal to a teacher-forced pass
+    of the prompt; max_tokens 1 as harnesses send it."""
+    c = client(server)
+    prompt = PROMPTS[5]
+    r = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True, logprobs=2)
+    ch = r.choices[0]
+    ids = Tokenizer.from_dir(artifact / "tokenizer").encode(prompt)
+    assert ch.text.startswith(prompt) and len(ch.logprobs.tokens) == len(ids) + 1
+    assert ch.logprobs.token_logprobs[0] is None and ch.logprobs.top_logprobs[0] is None
+    _, logits = load_runner(artifact, heads="none").teacher_forced(np.array(ids), np.arange(len(ids) - 1))
+    x = logits.astype(np.float64)
+    want = x[np.arange(len(ids) - 1), ids[1:]] - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) - x.max(1)
+    close_logprobs(ch.logprobs.token_logprobs[1 : len(ids)], list(want), "echo")
+    assert ch.logprobs.text_offset == sorted(ch.logprobs.text_offset)
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 1
+    plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0)
+    echoed = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True)
+    assert echoed.choices[0].text == prompt + plain.choices[0].text and echoed.choices[0].logprobs is None
