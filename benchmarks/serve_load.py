@@ -2,6 +2,7 @@
 
     python benchmarks/serve_load.py [--clients 1,2,4,8,16] [--seconds 30] [--rounds 2] [--artifact DIR]
     python benchmarks/serve_load.py --soak [--soak-minutes 10]
+    python benchmarks/serve_load.py --against REF [--clients 8] [--rounds 3]
 
 Load: starts `clover-serve` (the `make demo` artifact unless --artifact) on 127.0.0.1 and, for each client count
 N, runs N streaming chat clients (the official `openai` client) in a closed loop over MT-Bench first turns
@@ -11,6 +12,11 @@ prompts. Reported per N: requests/s, output tokens/s (server and in-process, and
 inter-token latency (gaps between streamed chunks) p50 / p95 / p99, errors. Writes
 benchmarks/results/serve_load.json and .png. Target: at 8 clients the server keeps >= 85% of the in-process
 output tokens/s (the HTTP layer costs little).
+
+Against: the same load on this tree's clover-serve and on the clover-serve of git revision REF (a worktree of it,
+imported by this interpreter), interleaved, same prompts: what a change costs requests that use none of its
+options. Target: at 8 clients this tree keeps >= 95% of REF's output tokens/s. Writes
+benchmarks/results/serve_load_against.json.
 
 Soak: --soak-minutes of mixed traffic from 8 workers: short and long requests, streaming and not, random
 disconnects mid-stream, bad requests. Reported: status counts, the server's RSS at the end of the first minute
@@ -42,15 +48,36 @@ from clover.tools.serve import free_port, wait_healthy
 RESULTS = Path(__file__).parent / "results"
 MODEL = "clover"
 HTTP_TARGET = 0.85
+AGAINST_TARGET = 0.95
 RSS_TARGET = 0.10
 
 
-def start_server(artifact: Path, port: int, threads: int, max_batch: int) -> subprocess.Popen:
+# Runs clover-serve from another source tree (argv[1]): its folders mapped to the clover packages ahead of the
+# installed (editable) ones, as pyproject's package-dir maps them.
+FROM_TREE = """
+import importlib.util, os, runpy, sys
+root = sys.argv.pop(1)
+dirs = {"clover": "clover", "clover.models": "models", "clover.runtime": "runtime", "clover.plugins": "plugins",
+        "clover.export": "export", "clover.train": "train", "clover.tools": "tools", "clover.serve": "serve"}
+class Tree:
+    def find_spec(self, name, path=None, target=None):
+        if name in dirs:
+            d = os.path.join(root, dirs[name])
+            return importlib.util.spec_from_file_location(
+                name, os.path.join(d, "__init__.py"), submodule_search_locations=[d])
+sys.meta_path.insert(0, Tree())
+sys.argv[0] = "clover-serve"
+runpy.run_module("clover.tools.serve", run_name="__main__")
+"""
+
+
+def start_server(artifact: Path, port: int, threads: int, max_batch: int, tree: Path | None = None) -> subprocess.Popen:
+    """clover-serve on 127.0.0.1:port; `tree`: from that source tree instead of the installed one."""
+    launch = ["-m", "clover.tools.serve"] if tree is None else ["-c", FROM_TREE, str(tree)]
     proc = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "clover.tools.serve",
+            *launch,
             "--artifact",
             str(artifact),
             "--port",
@@ -299,7 +326,7 @@ BAD = [
     ("{not json", 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400),
     ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404),
-    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 3}, 400),
+    ({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 0}, 400),
     ({"model": MODEL, "messages": [{"role": "user", "content": "go " * 9000}]}, 400),
 ]
 
@@ -415,6 +442,87 @@ def soak(args: argparse.Namespace, artifact: Path) -> int:
     return 1 if failed else 0
 
 
+def against(args: argparse.Namespace, artifact: Path) -> int:
+    import shutil
+    import tempfile
+
+    from tqdm import tqdm
+
+    from clover.tools.bench import load_prompts
+
+    here = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(here), "rev-parse", args.against], capture_output=True, text=True)
+    if commit.returncode != 0:
+        raise SystemExit(f"--against: {args.against!r} is not a revision of {here}: {commit.stderr.strip()}")
+    ref = commit.stdout.strip()
+    head = subprocess.run(["git", "-C", str(here), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
+    work = Path(tempfile.mkdtemp(prefix="clover-against-"))
+    subprocess.run(
+        ["git", "-C", str(here), "worktree", "add", "--detach", str(work / "tree"), ref],
+        check=True,
+        capture_output=True,
+    )
+    levels = [int(c) for c in args.clients.split(",")]
+    prompts = load_prompts("mtbench", 80)
+    ports = {"this": free_port(), "ref": free_port()}
+    servers = {}
+    rows = []
+    try:
+        servers["this"] = start_server(artifact, ports["this"], args.threads, args.max_batch)
+        servers["ref"] = start_server(artifact, ports["ref"], args.threads, args.max_batch, work / "tree")
+        with tqdm(total=len(levels) * args.rounds * 2, desc="serve load against", unit="run") as bar:
+            for n in levels:
+                runs = {"this": [], "ref": []}
+                for r in range(args.rounds):  # alternate, order flipped each round
+                    for side in ("this", "ref") if r % 2 == 0 else ("ref", "this"):
+                        url = f"http://127.0.0.1:{ports[side]}/v1"
+                        runs[side].append(asyncio.run(http_load(url, prompts, n, args.seconds, args.max_tokens)))
+                        bar.update()
+                s, b = summary(runs["this"]), summary(runs["ref"])
+                ratio = round(s["output_tokens_per_second"] / b["output_tokens_per_second"], 3)
+                rows.append({"clients": n, "this": s, "ref": b, "this_vs_ref": ratio})
+    finally:
+        for proc in servers.values():
+            proc.terminate()
+            proc.wait(60)
+        subprocess.run(
+            ["git", "-C", str(here), "worktree", "remove", "--force", str(work / "tree")], capture_output=True
+        )
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"{'clients':>7} {'this tok/s':>10} {'ref tok/s':>9} {'ratio':>6} {'itl p50':>7} {'ref':>6} {'errors':>6}")
+    for row in rows:
+        s, b = row["this"], row["ref"]
+        print(
+            f"{row['clients']:>7} {s['output_tokens_per_second']:>10.1f} {b['output_tokens_per_second']:>9.1f} "
+            f"{row['this_vs_ref']:>5.2f}x {s['itl_p50_ms']:>7.1f} {b['itl_p50_ms']:>6.1f} {s['errors'] + b['errors']:>6}"
+        )
+    at8 = next((r for r in rows if r["clients"] == 8), None)
+    failed = []
+    if at8 is not None and at8["this_vs_ref"] < AGAINST_TARGET:
+        failed.append(f"8 clients: {at8['this_vs_ref']:.0%} of {args.against}'s tokens/s, target {AGAINST_TARGET:.0%}")
+    if any(r["this"]["errors"] or r["ref"]["errors"] for r in rows):
+        failed.append("errors under load")
+    doc = {
+        "host": host(),
+        "artifact": str(artifact),
+        "this": head + (" (with uncommitted changes)" if dirty else ""),
+        "ref": ref,
+        "threads": args.threads,
+        "max_batch": args.max_batch,
+        "seconds": args.seconds,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "results": rows,
+        "targets": {"this_vs_ref_at_8": AGAINST_TARGET, "failed": failed},
+    }
+    write(RESULTS / "serve_load_against.json", doc)
+    print("; ".join(failed) or "all targets met")
+    return 1 if failed else 0
+
+
 def write(path: Path, doc: dict) -> None:
     atomic.write_text(path, json.dumps(doc, indent=2) + "\n")
 
@@ -430,11 +538,14 @@ def main() -> int:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--soak", action="store_true")
     ap.add_argument("--soak-minutes", type=float, default=10.0)
+    ap.add_argument("--against", default=None, help="a git revision: its clover-serve beside this tree's")
     args = ap.parse_args()
     if args.artifact is None:
         from clover.tools.demo import cached_artifact
 
         args.artifact = cached_artifact("smollm2", "smollm2-clover2")
+    if args.against:
+        return against(args, args.artifact)
     return soak(args, args.artifact) if args.soak else load(args, args.artifact)
 
 
