@@ -68,3 +68,38 @@ def test_greedy_identity_ort_speculative_ort_plain_torch_plain(setup):
         f"\nSmolLM2 ({N} tokens): torch plain {torch_plain.tokens_per_second:.1f} tok/s, ORT plain "
         f"{ort_plain.tokens_per_second:.1f} tok/s (one run on a shared CPU, not a benchmark)"
     )
+
+
+def test_json_schema_requests_at_concurrency_8_equal_solo_constrained(setup):
+    """The serving path on the real base: 8 concurrent requests, JSON-schema ones beside free ones, each equal
+    to solo plain (constrained) decoding on the same graphs, every finished JSON output valid."""
+    pytest.importorskip("llguidance")
+    import json
+
+    import jsonschema
+
+    from clover.runtime.engine import Engine
+    from clover.runtime.grammar import Grammar
+
+    out, _, _, tok = setup
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "rain": {"type": "boolean"}, "days": {"type": "integer"}},
+        "required": ["city", "rain", "days"],
+        "additionalProperties": False,
+    }
+    asks = [
+        (f"{q} Answer as JSON following {json.dumps(schema)}", Grammar.json_schema(schema)) if i % 2 else (q, None)
+        for i, q in enumerate(
+            ["Will it rain in Paris?", "Weather in Oslo?", "Is Rome sunny?", "Forecast for Lima?"] * 2
+        )
+    ]
+    plain = Generator.load(out, heads="none", backend="ort")
+    want = [plain.generate(q, chat=True, max_new_tokens=40, grammar=g) for q, g in asks]
+    with Engine.load(out, tree="mc26", max_batch=8, log=None) as engine:
+        streams = [engine.stream(q, chat=True, max_new_tokens=40, grammar=g) for q, g in asks]
+        for (q, g), s, w in zip(asks, streams, want):
+            r = s.wait()
+            assert_identical(r.token_ids, w.token_ids, f"concurrency 8 {'json' if g else 'free'} {q[:20]!r}")
+            if g is not None and r.finish_reason == "stop":
+                jsonschema.validate(json.loads(r.text), schema)

@@ -54,8 +54,9 @@ def test_oracle_draft_on_smollm2(setup):
 
 
 def test_json_schema_output_equals_plain_constrained_on_smollm2(setup):
-    """A JSON-schema request on the real base: heads (masked drafts, forced tokens merged), prompt lookup (pruned by
-    the grammar) and plain constrained decoding give the same tokens, and the output validates."""
+    """A JSON-schema request on the real base: the shipped Clover-2 heads (branching and dynamic trees), Medusa
+    heads (a chain), prompt lookup (pruned by the grammar) and plain constrained decoding give the same tokens, and
+    the output validates."""
     pytest.importorskip("llguidance")
     import json
 
@@ -77,8 +78,13 @@ def test_json_schema_output_equals_plain_constrained_on_smollm2(setup):
     prompt = [{"role": "user", "content": f"{PROMPT} Answer as JSON following {json.dumps(schema)}"}]
     grammar = Grammar.json_schema(schema)
     want = Generator(TorchRunner(base), tok).generate(prompt, chat=True, max_new_tokens=96, grammar=grammar)
+    from clover.models.head_io import resolve_heads
+
+    shipped = resolve_heads("smollm2-clover2", base)
     for gen in (
-        Generator(TorchRunner(base, random_heads(base, "clover2", seed=1)), tok, "small"),
+        Generator(TorchRunner(base, shipped), tok, "small"),
+        Generator(TorchRunner(base, shipped), tok, "dynamic-8"),
+        Generator(TorchRunner(base, random_heads(base, "medusa", seed=1)), tok, "chain-3"),
         Generator(TorchRunner(base), tok, "chain-8", drafts="lookup"),
     ):
         got = gen.generate(prompt, chat=True, max_new_tokens=96, grammar=grammar)
