@@ -410,6 +410,28 @@ def test_dynamic_trees_sample_the_base_law(base, base_logits, spec):
     assert p3 > ALPHA, f"x3 marginal law differs from the base's with {spec}: p = {p3:.2e}"
 
 
+def two_by_two_samples(base, sampling: SamplingParams, seed: int, options) -> tuple[np.ndarray, np.ndarray]:
+    """N generations of the first NUM_TOKENS tokens with Clover-2 heads on a tree with siblings at both depths a
+    step can use; options(): speculative_steps' per-generation keywords (a fresh processor chain, grammar state).
+    Returns (tokens [N, 3], tokens emitted by each speculative step)."""
+    runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
+    tree = compile_tree([[0], [1], [0, 0], [1, 0]], "two-by-two")
+    prompt = np.array(PROMPT, dtype=np.int64)
+    tokens = np.zeros((N, NUM_TOKENS), dtype=np.int64)
+    lengths = []
+    for i, child in enumerate(np.random.SeedSequence(seed).spawn(N)):
+        out: list[int] = []
+        capacity = len(PROMPT) + NUM_TOKENS + tree.num_nodes
+        steps = speculative_steps(runner, prompt, tree, sampling, np.random.default_rng(child), capacity, **options())
+        for k, st in enumerate(steps):
+            out += st.tokens
+            lengths += [len(st.tokens)] if k else []
+            if len(out) >= NUM_TOKENS:
+                break
+        tokens[i] = out[:NUM_TOKENS]
+    return tokens, np.array(lengths)
+
+
 def test_logits_processors_sample_the_processed_base_law(base, base_logits):
     """With penalties, a logit bias and min_tokens, every tree row is adjusted with its own path's history and
     rejection sampling runs against the adjusted rows: the loop emits the processed base law exactly (the exact law:
@@ -439,28 +461,9 @@ def test_logits_processors_sample_the_processed_base_law(base, base_logits):
     marginal = np.einsum(
         "ab,abc->c", joint, np.array([[processed(l3[a, b], [a, b]) for b in range(V)] for a in range(V)])
     )
-    runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
-    tree = compile_tree([[0], [1], [0, 0], [1, 0]], "two-by-two")  # siblings at both depths a step can use
-    tokens = np.zeros((N, NUM_TOKENS), dtype=np.int64)
-    lengths = []
-    for i, child in enumerate(np.random.SeedSequence(MASTER_SEED + 6).spawn(N)):
-        out: list[int] = []
-        steps = speculative_steps(
-            runner,
-            prompt,
-            tree,
-            sampling,
-            np.random.default_rng(child),
-            len(PROMPT) + NUM_TOKENS + tree.num_nodes,
-            processors=LogitsProcessors.of(sampling, prompt, stop_ids, V),
-        )
-        for k, st in enumerate(steps):
-            out += st.tokens
-            lengths += [len(st.tokens)] if k else []
-            if len(out) >= NUM_TOKENS:
-                break
-        tokens[i] = out[:NUM_TOKENS]
-    lengths = np.array(lengths)
+    tokens, lengths = two_by_two_samples(
+        base, sampling, MASTER_SEED + 6, lambda: {"processors": LogitsProcessors.of(sampling, prompt, stop_ids, V)}
+    )
     assert np.mean(lengths > 1) > 0.3 and np.mean(lengths == 1) > 0.1, np.bincount(lengths)
     c12, c3 = counts_of(tokens)
     assert not np.any(tokens[:, :2] == stop_ids[0])  # masked before min_tokens
@@ -501,29 +504,7 @@ def test_a_grammar_samples_the_masked_base_law(base, base_logits, tmp_path):
     p1 = masked(l1, [])
     joint = p1[:, None] * np.array([masked(l2[a], [a]) for a in range(V)])
     marginal = np.einsum("ab,abc->c", joint, np.array([[masked(l3[a, b], [a, b]) for b in range(V)] for a in range(V)]))
-    runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
-    tree = compile_tree([[0], [1], [0, 0], [1, 0]], "two-by-two")  # siblings at both depths a step can use
-    tokens = np.zeros((N, NUM_TOKENS), dtype=np.int64)
-    lengths = []
-    prompt = np.array(PROMPT, dtype=np.int64)
-    for i, child in enumerate(np.random.SeedSequence(MASTER_SEED + 7).spawn(N)):
-        out: list[int] = []
-        steps = speculative_steps(
-            runner,
-            prompt,
-            tree,
-            sampling,
-            np.random.default_rng(child),
-            len(PROMPT) + NUM_TOKENS + tree.num_nodes,
-            grammar=compiler.state(grammar),
-        )
-        for k, st in enumerate(steps):
-            out += st.tokens
-            lengths += [len(st.tokens)] if k else []
-            if len(out) >= NUM_TOKENS:
-                break
-        tokens[i] = out[:NUM_TOKENS]
-    lengths = np.array(lengths)
+    tokens, lengths = two_by_two_samples(base, sampling, MASTER_SEED + 7, lambda: {"grammar": compiler.state(grammar)})
     assert np.mean(lengths > 1) > 0.3 and np.mean(lengths == 1) > 0.05, np.bincount(lengths)
     c12, c3 = counts_of(tokens)
     p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
