@@ -161,6 +161,14 @@ class WeightsSpec:
     draft_accuracy_level: int  # the draft graphs' (their rounding only changes what is proposed)
     embedding: str  # "int4": GatherBlockQuantized, "float32": the token embedding kept as it was
     agreement: dict[str, float]  # greedy top-1 agreement with fp32 PyTorch: prompts, positions, top1
+    # the base graph's quantizer (clover-export --quant) and its settings: name, onnxruntime config, bits, block
+    # size, symmetric, how the embedding and the draft graphs were rounded, GPTQ's calibration; {}: older
+    # artifacts, rounded to nearest
+    quantizer: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def quantizer_name(self) -> str:
+        return self.quantizer.get("name", "rtn")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> WeightsSpec:
@@ -172,6 +180,7 @@ class WeightsSpec:
             int(d["draft_accuracy_level"]),
             d["embedding"],
             dict(d.get("agreement", {})),
+            dict(d.get("quantizer") or {}),
         )
 
 

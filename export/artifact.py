@@ -38,6 +38,7 @@ from clover.export.draft_vocab import TokenCounts
 from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, float32_twin
 from clover.export.ngram_store import StoreSource
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
+from clover.export.quantize import CalibrationSet
 from clover.models.clover2 import Clover2Heads
 from clover.models.decoder import Decoder
 from clover.models.heads import BaseFingerprint, DraftHeads
@@ -82,10 +83,12 @@ def export_artifact(
     progress: Progress | None = None,
     token_counts: TokenCounts | None = None,
     ngram_store: StoreSource | None = None,
+    calibration: CalibrationSet | None = None,
 ) -> Path:
     """Load `base` (an HF folder or 'smollm2') and `heads` (a folder, random:ARCH[:SEED] or none) in
     config.dtype and export them to the artifact directory `out` (config.draft_vocab: its tokens are the most
-    frequent of `token_counts`; `ngram_store`: what prompt lookup drafts from, export/ngram_store.py)."""
+    frequent of `token_counts`; `ngram_store`: what prompt lookup drafts from, export/ngram_store.py;
+    `calibration`: --quant gptq's sequences)."""
     from clover.models.head_io import pretrained_names, resolve_heads
     from clover.models.loading import load_base
     from clover.models.smollm2 import resolve_base
@@ -113,6 +116,7 @@ def export_artifact(
         progress=progress,
         token_counts=token_counts,
         ngram_store=ngram_store,
+        calibration=calibration,
     )
 
 
@@ -127,8 +131,10 @@ def artifact_from_modules(
     progress: Progress | None = None,
     token_counts: TokenCounts | None = None,
     ngram_store: StoreSource | None = None,
+    calibration: CalibrationSet | None = None,
 ) -> Path:
-    """Export `base` (+ `heads`) with the tokenizer files of `tokenizer_dir` into the artifact `out`."""
+    """Export `base` (+ `heads`) with the tokenizer files of `tokenizer_dir` into the artifact `out`
+    (`calibration`: the sequences --quant gptq calibrates on)."""
     say = progress or (lambda _: None)
     out = Path(out)
     check_target(out)
@@ -138,6 +144,7 @@ def artifact_from_modules(
             f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}"
         )
     draft_ids = draft_vocab_ids(base, heads, config, token_counts)
+    check_quantizer_inputs(base, config, calibration)
     tree = default_tree(heads, config.tree)
     max_context = resolve_max_context(base, config.max_context)
     # The fused base is written from the module's weights (export/fused_graph.py); the portable GraphDef is
@@ -187,12 +194,13 @@ def artifact_from_modules(
                 )
             if config.weights:
                 t0 = time.perf_counter()
-                stored, errors = weights_quantized(graph, tmp / specs[graph.name].file, config)
+                stored, errors = weights_quantized(graph, tmp / specs[graph.name].file, config, calibration, say)
                 embedding = stored if graph.name == "base" else embedding
                 if errors is not None:
                     parity[f"{graph.name}.{config.weights}"] = errors
+                rounded = config.quantizer if graph.name == "base" else "rtn"
                 say(
-                    f"      {config.weights} weights (MatMulNBits, blocks of {config.block_size}): "
+                    f"      {config.weights} weights ({rounded}, MatMulNBits, blocks of {config.block_size}): "
                     f"{progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)"
                 )
         weights = None
@@ -207,16 +215,17 @@ def artifact_from_modules(
                         f"the {config.weights} base graph picks fp32's greedy token at only {agreement['top1']:.0%} of "
                         f"positions (< {BROKEN_AGREEMENT:.0%}): this is a clover-export bug, please report it"
                     )
-            from clover.export.quantize import DRAFT_ACCURACY_LEVEL, SYMMETRIC, base_accuracy_level
+            from clover.export.quantize import DRAFT_ACCURACY_LEVEL, base_accuracy_level, quantizer_settings
 
             weights = WeightsSpec(
                 config.weights,
                 config.block_size,
-                SYMMETRIC,
+                config.symmetric,
                 base_accuracy_level(config.attention),
                 DRAFT_ACCURACY_LEVEL,
                 embedding,
                 agreement,
+                quantizer_settings(config.quantizer, config.weights, config.block_size, config.symmetric, calibration),
             )
         if share_lm_head:
             from clover.export.lm_head import LM_HEAD, LM_INPUT, split_lm_head
@@ -388,6 +397,32 @@ def draft_vocab_ids(base: Decoder, heads: DraftHeads | None, config: ExportConfi
     return ranked_ids(token_counts.counts)[: config.draft_vocab]
 
 
+def check_quantizer_inputs(base: Decoder, config: ExportConfig, calibration: CalibrationSet | None) -> None:
+    """--quant gptq has its calibration sequences, written by this base; the block size suits the quantizer."""
+    if config.weights is None:
+        return
+    from clover.artifact import check_corpus_base
+    from clover.export.quantize import check_block_layout
+
+    c = base.config
+    sizes = {"hidden": c.hidden_size, "attention": c.num_heads * c.head_dim, "intermediate": c.intermediate_size}
+    check_block_layout(config.quantizer, config.weights, config.symmetric, config.block_size, sizes)
+    if config.quantizer != "gptq":
+        return
+    if calibration is None or not calibration.sequences:
+        raise CloverError(
+            "--quant gptq needs calibration sequences of the base's own answers: pass --calibration CORPUS (a folder "
+            "grown by clover-data grow, e.g. data/smollm2-sharegpt-fp32), or use --quant rtn, hqq or kquant"
+        )
+    check_corpus_base(
+        calibration.base_fingerprint,
+        dataclasses.asdict(BaseFingerprint.of(base)),
+        f"--calibration ({calibration.source})",
+    )
+    if max(int(ids.max()) for ids, _ in calibration.sequences) >= c.vocab_size:
+        raise CloverError(f"--calibration ({calibration.source}) holds token ids beyond the base's vocabulary")
+
+
 def fused_chains_only(config: ExportConfig) -> bool:
     """A fused base with int8 compute (--weights) verifies only chains exactly (quantize.py): its graph skips
     the tree mask, and its parity check runs chains."""
@@ -432,14 +467,32 @@ def quantized(graph: GraphDef, path: Path, config: ExportConfig, base_head: str 
     return verified_parity(graph, path, config.dtype, draft_quant=config.draft_quant)
 
 
-def weights_quantized(graph: GraphDef, path: Path, config: ExportConfig) -> tuple[str, dict[str, float] | None]:
-    """--weights: rewrite the checked fp32 graph with MatMulNBits weights, then (config.verify) measure how
-    far it is from fp32 PyTorch. Returns how the token embedding is stored, and the errors."""
+def weights_quantized(
+    graph: GraphDef,
+    path: Path,
+    config: ExportConfig,
+    calibration: CalibrationSet | None = None,
+    progress: Progress | None = None,
+) -> tuple[str, dict[str, float] | None]:
+    """--weights: rewrite the checked fp32 graph with MatMulNBits weights (the base rounded by --quant, the draft
+    graphs by rtn), then (config.verify) measure how far it is from fp32 PyTorch. Returns how the token embedding
+    is stored, and the errors."""
     from clover.export.quantize import DRAFT_ACCURACY_LEVEL, base_accuracy_level, quantize_weights
 
-    level = base_accuracy_level(config.attention) if graph.name == "base" else DRAFT_ACCURACY_LEVEL
+    base = graph.name == "base"
+    level = base_accuracy_level(config.attention) if base else DRAFT_ACCURACY_LEVEL
     # The draft graphs' Gemms too (rows through a Linear): they only change what is proposed.
-    embedding = quantize_weights(path, config.weights, config.block_size, level, gemms=graph.name != "base")
+    embedding = quantize_weights(
+        path,
+        config.weights,
+        config.block_size,
+        level,
+        gemms=not base,
+        quant=config.quantizer if base else "rtn",
+        symmetric=config.symmetric,
+        calibration=calibration if base else None,
+        progress=progress,
+    )
     check_onnx(path)
     if not config.verify:
         return embedding, None

@@ -11,6 +11,12 @@ DTYPES = ("float32", "float16", "bfloat16")
 ATTENTION = ("portable", "plugin", "fused")
 DRAFT_QUANT = ("int8", "int4")  # MatMulNBits schemes of the draft graphs only (clover-export --draft-quant)
 WEIGHTS = ("int8", "int4")  # weight-only MatMulNBits schemes (clover-export --weights)
+# clover-export --quant: the quantizers and what each can write (export/quantize.py; kept here, import-free)
+QUANTIZERS = ("rtn", "hqq", "gptq", "kquant")
+QUANTIZER_SCHEMES = {"rtn": ("int8", "int4"), "hqq": ("int4",), "kquant": ("int8", "int4"), "gptq": ("int4",)}
+SYMMETRIC_QUANTIZERS = ("rtn", "gptq")  # hqq and kquant always store a zero point per block
+CALIBRATION_SEQUENCES = 32  # --quant gptq: default --calibration-sequences
+MAX_CALIBRATION_SEQUENCES = 512
 OPSETS = range(18, 24)  # torchlib implements 18+; 23 is the newest torch.onnx targets
 DEFAULT_OPSET = 20  # torch.onnx's default; TensorRT 10's parser and onnxruntime >= 1.17 read it
 
@@ -42,6 +48,11 @@ class ExportConfig:
       embedding too) as ONNX Runtime's blockwise MatMulNBits / GatherBlockQuantized. The output changes
       with the weights: losslessness is against plain decoding of this graph.
     block_size: input channels per quantization block (a power of two, >= 16) with `weights`.
+    quant: which onnxruntime quantizer rounds the base graph's weights with `weights` (export/quantize.py): "rtn"
+      (round to nearest), "hqq", "gptq" (calibrated: export_artifact's `calibration`), "kquant"; None: "rtn".
+    symmetric: `weights` blocks without a zero point (rtn, gptq); False: a zero point per block.
+    calibration_sequences: --quant gptq: how many calibration sequences (of at most CALIBRATION_TOKENS tokens)
+      it reads; its time grows with them.
     verify: run every graph once on ONNX Runtime against PyTorch and record the max abs error.
     max_batch: (--attention fused) sequences the batched base graph (base_batch.onnx) runs in one forward, for
       clover.Engine and clover-serve; 1: no batched graph.
@@ -63,6 +74,9 @@ class ExportConfig:
     draft_quant: str | None = None
     weights: str | None = None
     block_size: int = 32
+    quant: str | None = None
+    symmetric: bool = False
+    calibration_sequences: int = CALIBRATION_SEQUENCES
     verify: bool = True
     shared_lm_head: bool = True
     max_batch: int = 8
@@ -108,6 +122,7 @@ class ExportConfig:
                 )
             if self.draft_quant is not None:
                 raise CloverError(f"--weights {self.weights} already quantizes the draft graphs: drop --draft-quant")
+        self.check_quantizer()
         if self.block_size < 16 or self.block_size & (self.block_size - 1):
             raise CloverError(
                 f"--block-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits), got {self.block_size}"
@@ -127,3 +142,40 @@ class ExportConfig:
                 "--max-prompt sizes TensorRT's prefill profile: use it with --backend trt "
                 "(ONNX Runtime takes any prompt length up to --max-context)"
             )
+
+    @property
+    def quantizer(self) -> str:
+        """The quantizer of the base graph's weights (with `weights`)."""
+        return self.quant or "rtn"
+
+    def check_quantizer(self) -> None:
+        """--quant / --symmetric / --calibration-sequences: only with --weights, and only what the quantizer writes."""
+        if self.weights is None:
+            given = [f for f, on in (("--quant", self.quant is not None), ("--symmetric", self.symmetric)) if on]
+            if given:
+                raise CloverError(
+                    f"{' and '.join(given)} choose how --weights rounds the weights: add --weights int4 (or int8), "
+                    f"or drop {' and '.join(given)}"
+                )
+            return
+        if self.quant is not None and self.quant not in QUANTIZERS:
+            raise CloverError(f"unknown --quant {self.quant!r}: use one of {', '.join(QUANTIZERS)}")
+        q = self.quantizer
+        if self.weights not in QUANTIZER_SCHEMES[q]:
+            can = [n for n in QUANTIZERS if self.weights in QUANTIZER_SCHEMES[n]]
+            why = {
+                "hqq": "its float zero points have no 8-bit MatMulNBits kernel on CPU",
+                "gptq": "at 8 bits onnxruntime keeps the rounded weights as float32 MatMuls",
+            }[q]
+            raise CloverError(
+                f"--quant {q} writes {' and '.join(QUANTIZER_SCHEMES[q])} weights only ({why}): use --weights int4, "
+                f"or for --weights {self.weights} --quant {' or '.join(can)}"
+            )
+        if self.symmetric and q not in SYMMETRIC_QUANTIZERS:
+            raise CloverError(
+                f"--quant {q} always stores a zero point per block: drop --symmetric, or use --quant "
+                f"{' or '.join(SYMMETRIC_QUANTIZERS)} with it"
+            )
+        n = self.calibration_sequences
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CALIBRATION_SEQUENCES:
+            raise CloverError(f"--calibration-sequences must be an int in 1..{MAX_CALIBRATION_SEQUENCES}, got {n!r}")

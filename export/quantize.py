@@ -16,6 +16,30 @@ only changes which candidates are proposed.
 The exporter writes the tied LM head as MatMul(x, Transpose(W)) with W shared by the token embedding
 (a Gather). onnxruntime's quantizer only takes MatMuls whose weight is an initializer, so the transposed
 copy is materialised first (the Gather keeps W in fp32).
+
+`--quant rtn|hqq|gptq|kquant` picks which of onnxruntime's weight-only quantizers rounds the base graph's
+MatMul weights (`onnxruntime.quantization.matmul_nbits_quantizer`); every one writes MatMulNBits, so the
+runtime is the same. What each takes (onnxruntime 1.32):
+
+    rtn     DefaultWeightOnlyQuantConfig     round to nearest per block; 4 or 8 bits, symmetric or not;
+                                             also stores the token embedding (Gather) in 4 bits
+    hqq     HQQWeightOnlyQuantConfig         half-quadratic optimisation of each block's zero point, no
+                                             data; asymmetric only (float zero points), and 4 bits only:
+                                             MatMulNBits has no CPU kernel for 8 bits with float zero points
+    kquant  KQuantWeightOnlyQuantConfig      llama.cpp's k-quant search of scale and minimum per block, no
+                                             data; 4 or 8 bits (8 through its per-node config); asymmetric only
+    gptq    GPTQWeightOnlyQuantConfig        GPTQ: rounds column by column, correcting the rest of the row
+                                             with the Hessian of the layer's inputs on calibration sequences
+                                             (the base's own answers); 4 bits only (at 8 bits onnxruntime
+                                             keeps the rounded weights as float32 MatMuls); symmetric or not
+
+hqq, kquant and gptq quantize MatMuls only: for int4 the token embedding is stored by rtn in a second pass.
+The draft graphs always take rtn (their rounding only changes what is proposed). onnxruntime's GPTQ runs the
+whole graph once per calibration sequence for each distinct MatMul input (121 on SmolLM2), so its time grows
+with the calibration tokens: --calibration-sequences (default 32) of at most CALIBRATION_TOKENS tokens each.
+kquant and asymmetric gptq pack two 4-bit zero points per byte across a whole column, which breaks when a
+weight's input size is an odd number of blocks (SmolLM2's 576 is 9 blocks of 64, 4.5 of 128): the export
+refuses those block sizes before it starts (check_block_layout).
 """
 
 from __future__ import annotations
@@ -24,6 +48,8 @@ import contextlib
 import logging
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -107,6 +133,27 @@ DRAFT_BLOCK_SIZE = 32  # --draft-quant: onnxruntime-genai's default block
 # Asymmetric blocks (a zero point each): the embedded default's GGUF is Q4_1, itself asymmetric 4-bit in
 # blocks of 32, and greedy decoding followed fp32 for longer than with symmetric blocks.
 SYMMETRIC = False
+DEFAULT_QUANTIZER = "rtn"  # --quant: the quantizers and what each writes are clover.export.config's QUANTIZERS
+CALIBRATION_TOKENS = 256  # --quant gptq: prompt + answer tokens per calibration sequence, at most
+GPTQ_SETTINGS = {"percdamp": 0.01, "block_size": 128, "actorder": False, "mse": False, "perchannel": True}
+
+
+@dataclass(frozen=True)
+class CalibrationSet:
+    """GPTQ's calibration data: token sequences of the base's own answers, each with its prompt.
+
+    sequences: (ids int64 [T], prompt length P) each, T <= CALIBRATION_TOKENS and P < T.
+    source: what they were read from (corpus folder and how many), for the manifest.
+    base_fingerprint: the base that wrote the answers (checked against the exported base).
+    """
+
+    sequences: tuple[tuple[np.ndarray, int], ...]
+    source: str
+    base_fingerprint: dict
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(ids) for ids, _ in self.sequences)
 
 
 def _onnx_quantization():
@@ -119,39 +166,215 @@ def _onnx_quantization():
 
 
 def quantize_weights(
-    path: Path, scheme: str, block_size: int, accuracy_level: int, gemms: bool = False, keep_lm_head: str | None = None
+    path: Path,
+    scheme: str,
+    block_size: int,
+    accuracy_level: int,
+    gemms: bool = False,
+    keep_lm_head: str | None = None,
+    quant: str = DEFAULT_QUANTIZER,
+    symmetric: bool = SYMMETRIC,
+    calibration: CalibrationSet | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> str:
-    """Rewrite the fp32 graph at `path` with MatMulNBits weights computing at `accuracy_level`, except Gemm nodes
-    (unless `gemms`) and the LM head whose weights `keep_lm_head` names (lm_head.weights_key: the base's, which
-    the draft graphs share); returns how the token embedding is stored ("int4" or "float32": onnxruntime
-    quantizes Gather to 4 bits only)."""
+    """Rewrite the fp32 graph at `path` with MatMulNBits weights computing at `accuracy_level`, rounded by the
+    quantizer `quant` (QUANTIZERS; gptq reads `calibration`), except Gemm nodes (unless `gemms`) and the LM head
+    whose weights `keep_lm_head` names (lm_head.weights_key: the base's, which the draft graphs share); returns how
+    the token embedding is stored ("int4" or "float32": onnxruntime quantizes Gather to 4 bits only)."""
     from clover.export.lm_head import lm_head_names
 
     onnx, _ = _onnx_quantization()
     with quiet_root_logger():  # importing it calls logging.basicConfig(level=INFO) for the whole process
-        from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+        from onnxruntime.quantization import matmul_nbits_quantizer as mnq
 
     model = onnx.load(str(path))
     fold_transposed_weights(model)  # the quantizer takes MatMuls whose weight is an initializer
     if gemms:
         gemms_as_matmul(model)  # ... and no Gemm (a Linear on rows: Clover's draft_step, Medusa's ResBlocks)
     embedding_lookups_as_gather(model)  # ... and Gathers (the heads' embedding rows, 113 MB in fp32 for SmolLM2)
-    ops = ("MatMul", "Gather") if scheme == "int4" else ("MatMul",)
-    config = DefaultWeightOnlyQuantConfig(
+    bits = BITS[scheme]
+    gather = scheme == "int4"  # GatherBlockQuantized stores 4 bits only
+    excluded = list(lm_head_names(model, keep_lm_head))
+    if quant == DEFAULT_QUANTIZER:
+        ops = ("MatMul", "Gather") if gather else ("MatMul",)
+        model = _quantized(model, mnq, rtn_config(mnq, bits, block_size, symmetric, accuracy_level, ops), excluded)
+    else:
+        unused = unused_inputs(model)  # onnxruntime's kquant / gptq writer cannot sort a graph with unused inputs
+        config = algo_config(mnq, quant, model, bits, block_size, calibration, progress)
+        model = _quantized(model, mnq, config, excluded, bits, block_size, symmetric, accuracy_level)
+        for index, value in unused:  # the graph's I/O stays as it was (a chains-only fused base takes no tree mask)
+            model.graph.input.insert(index, value)
+        if not any(o.domain == "com.microsoft" for o in model.opset_import):  # the kquant / gptq writer adds none
+            model.opset_import.append(onnx.helper.make_opsetid("com.microsoft", 1))
+        if gather:  # the embedding: hqq / kquant / gptq take MatMuls only
+            model = _quantized(model, mnq, rtn_config(mnq, 4, block_size, symmetric, 0, ("Gather",)), excluded)
+        set_accuracy_level(model, accuracy_level)  # HQQ writes none
+    replace_graph(
+        path, lambda out: onnx.save_model(model, str(out), save_as_external_data=True, location=out.name + ".data")
+    )
+    return "int4" if gather and "GatherBlockQuantized" in quantized_ops(path) else "float32"
+
+
+def check_block_layout(quant: str, scheme: str, symmetric: bool, block_size: int, input_sizes: dict[str, int]) -> None:
+    """Refuse, before any work, a block size at which onnxruntime's kquant / asymmetric gptq int4 writer cannot
+    pack the zero points: it packs them two per byte over the whole weight, so every weight's input size must
+    be an even number of blocks (`input_sizes`: what each kind of weight takes, e.g. hidden, intermediate)."""
+    if quant not in ("kquant", "gptq") or scheme != "int4" or (symmetric and quant == "gptq"):
+        return
+    odd = {name: k for name, k in input_sizes.items() if -(-k // block_size) % 2}
+    if odd:
+        sizes = ", ".join(f"{name} {k} = {k / block_size:g} blocks" for name, k in odd.items())
+        fits = [b for b in (16, 32, 64, 128, 256) if all(-(-k // b) % 2 == 0 for k in input_sizes.values())]
+        raise CloverError(
+            f"--quant {quant} --weights int4 --block-size {block_size}: onnxruntime packs its zero points two per "
+            f"byte across each weight, which needs an even number of blocks per input ({sizes}): use --block-size "
+            f"{' or '.join(map(str, fits)) or '(none fits this model)'}"
+            + (", or --symmetric (no zero points)" if quant == "gptq" else ", or --quant rtn or hqq")
+        )
+
+
+def unused_inputs(model) -> list[tuple[int, object]]:
+    """Remove the graph inputs no node reads; returns them with their positions, to be put back."""
+    used = {i for n in model.graph.node for i in n.input}
+    unused = [(k, v) for k, v in enumerate(model.graph.input) if v.name not in used]
+    for _, v in reversed(unused):
+        model.graph.input.remove(v)
+    return [(k, type(v).FromString(v.SerializeToString())) for k, v in unused]
+
+
+def rtn_config(mnq, bits: int, block_size: int, symmetric: bool, accuracy_level: int, ops: tuple[str, ...]):
+    return mnq.DefaultWeightOnlyQuantConfig(
         block_size=block_size,
-        is_symmetric=SYMMETRIC,
+        is_symmetric=symmetric,
         accuracy_level=accuracy_level or None,
-        bits=BITS[scheme],
+        bits=bits,
         op_types_to_quantize=ops,
         quant_axes=(("MatMul", 0), ("Gather", 1)),
     )
-    quantizer = MatMulNBitsQuantizer(
-        model, nodes_to_exclude=list(lm_head_names(model, keep_lm_head)), algo_config=config
+
+
+def algo_config(mnq, quant: str, model, bits: int, block_size: int, calibration, progress):
+    """The onnxruntime config of quantizer `quant` (not rtn) for the MatMuls of `model`."""
+    if quant == "hqq":
+        return mnq.HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits, op_types_to_quantize=("MatMul",))
+    if quant == "kquant":
+        # its bits come from a per-node template of 4 bits; 8 is set per node through customized_weight_config
+        nodes = {n.name: {"bits": bits} for n in model.graph.node if n.op_type == "MatMul"} if bits != 4 else None
+        return mnq.KQuantWeightOnlyQuantConfig(op_types_to_quantize=("MatMul",), customized_weight_config=nodes)
+    if quant == "gptq":
+        if calibration is None:
+            raise CloverError("--quant gptq needs calibration sequences: pass --calibration CORPUS")
+        reader = CalibrationReader(model, calibration, progress)
+        return mnq.GPTQWeightOnlyQuantConfig(
+            calibration_data_reader=reader, op_types_to_quantize=("MatMul",), **GPTQ_SETTINGS
+        )
+    raise CloverError(f"unknown --quant {quant!r}: use rtn, hqq, gptq or kquant")
+
+
+def _quantized(model, mnq, config, excluded, bits=4, block_size=128, symmetric=False, accuracy_level=0):
+    """`model` after one MatMulNBitsQuantizer pass with `config` (bits, block size, symmetry and accuracy level
+    are the quantizer's own arguments for the gptq and kquant configs, which do not carry them)."""
+    quantizer = mnq.MatMulNBitsQuantizer(
+        model,
+        bits=bits,
+        block_size=block_size,
+        is_symmetric=symmetric,
+        accuracy_level=accuracy_level or None,
+        nodes_to_exclude=excluded,
+        algo_config=config,
     )
     with quiet_root_logger(), np.errstate(invalid="ignore", divide="ignore"):  # all-zero blocks: scale 0, handled
-        quantizer.process()
-    replace_graph(path, lambda out: quantizer.model.save_model_to_file(str(out), use_external_data_format=True))
-    return "int4" if scheme == "int4" and "GatherBlockQuantized" in quantized_ops(path) else "float32"
+        with contextlib.redirect_stdout(None):  # the neural-compressor quantizers print a progress bar
+            quantizer.process()
+    return quantizer.model.model
+
+
+def set_accuracy_level(model, accuracy_level: int) -> None:
+    """Every MatMulNBits node computes at `accuracy_level` (0: the attribute unset, fp32 compute)."""
+    from onnx import helper
+
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        kept = [a for a in node.attribute if a.name != "accuracy_level"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        if accuracy_level:
+            node.attribute.append(helper.make_attribute("accuracy_level", accuracy_level))
+
+
+class CalibrationReader:
+    """onnxruntime's CalibrationDataReader over a CalibrationSet: one prefill feed per sequence (empty KV cache,
+    causal mask, logits only at the rows that predict answer tokens, so the LM head is calibrated on answers)."""
+
+    def __init__(self, model, calibration: CalibrationSet, progress: Callable[[str], None] | None = None):
+        inputs = {i.name: i for i in model.graph.input}
+        self.inputs = set(inputs)  # a chains-only fused base takes no position_ids or tree_mask
+        self.cache = {}
+        for name, value in inputs.items():
+            if name.startswith("past_key_values."):
+                dims = value.type.tensor_type.shape.dim
+                self.cache[name] = (dims[1].dim_value, dims[3].dim_value)  # [batch, Hkv, slots, D]
+        self.sequences = calibration.sequences
+        self.progress = progress
+        self.next = 0
+
+    def feed(self, ids: np.ndarray, prompt: int) -> dict[str, np.ndarray]:
+        T = len(ids)
+        feed = {
+            "input_ids": ids[None].astype(np.int64),
+            "position_ids": np.arange(T, dtype=np.int64)[None],
+            "tree_mask": np.tri(T, dtype=bool)[None],
+            "past_lengths": np.zeros(1, np.int64),
+            "logit_rows": np.arange(prompt - 1, T - 1, dtype=np.int64),
+            **{n: np.zeros((1, h, 0, d), np.float32) for n, (h, d) in self.cache.items()},
+        }
+        return {n: v for n, v in feed.items() if n in self.inputs}
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self.next >= len(self.sequences):
+            return None
+        self.next += 1
+        return self.feed(*self.sequences[self.next - 1])
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        feed = self.get_next()
+        if feed is None:
+            raise StopIteration
+        return feed
+
+
+def quantizer_settings(
+    quant: str, scheme: str, block_size: int, symmetric: bool, calibration: CalibrationSet | None
+) -> dict:
+    """What the manifest records of the quantizer of the base graph (clover.artifact.WeightsSpec.quantizer)."""
+    config = {
+        "rtn": "DefaultWeightOnlyQuantConfig",
+        "hqq": "HQQWeightOnlyQuantConfig",
+        "kquant": "KQuantWeightOnlyQuantConfig",
+        "gptq": "GPTQWeightOnlyQuantConfig",
+    }[quant]
+    settings = {
+        "name": quant,
+        "config": f"onnxruntime.quantization.matmul_nbits_quantizer.{config}",
+        "bits": BITS[scheme],
+        "block_size": block_size,
+        "symmetric": symmetric,
+        "embedding": "rtn" if scheme == "int4" else None,
+        "draft_graphs": "rtn",
+    }
+    if quant == "gptq" and calibration is not None:
+        settings["gptq"] = dict(GPTQ_SETTINGS)
+        settings["calibration"] = {
+            "source": calibration.source,
+            "sequences": len(calibration.sequences),
+            "tokens": calibration.tokens,
+            "max_tokens_per_sequence": CALIBRATION_TOKENS,
+        }
+    return settings
 
 
 def embedding_lookups_as_gather(model) -> int:

@@ -13,6 +13,8 @@ from clover.errors import CloverError
 from clover.tools.cli import run_cli
 from clover.tools.data import DEFAULT_OUT as DEFAULT_CORPUS
 
+DEFAULT_CALIBRATION = Path("data/smollm2-sharegpt-fp32")  # the fp32 base's own answers (a clone's data/)
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -100,6 +102,36 @@ def build_parser() -> argparse.ArgumentParser:
         help="--weights: input channels per quantization block (power of two >= 16; default 32)",
     )
     p.add_argument(
+        "--quant",
+        default=None,
+        metavar="rtn|hqq|gptq|kquant",
+        help="--weights: which onnxruntime quantizer rounds the base graph's weights (the draft graphs take rtn): "
+        "rtn round to nearest (default; int4, int8); hqq half-quadratic zero points, no data (int4); gptq "
+        "calibrated on --calibration (int4); kquant llama.cpp's k-quant search, no data (int4, int8)",
+    )
+    p.add_argument(
+        "--symmetric",
+        action="store_true",
+        help="--weights: blocks without a zero point (rtn, gptq; default: a zero point per block)",
+    )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        type=Path,
+        metavar="CORPUS",
+        help="--quant gptq: a corpus of the base's own answers (clover-data grow) whose training-split prompts "
+        f"and answers calibrate GPTQ (default {DEFAULT_CALIBRATION})",
+    )
+    p.add_argument(
+        "--calibration-sequences",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--quant gptq: calibration sequences to read, each at most 256 tokens (default 32, at most 512; "
+        "onnxruntime's GPTQ runs the whole graph once per sequence for every distinct MatMul input, so its time "
+        "grows with N: minutes for SmolLM2 on 2 cores)",
+    )
+    p.add_argument(
         "--draft-vocab",
         type=int,
         default=None,
@@ -131,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from clover.export.config import DEFAULT_OPSET, ExportConfig
+    from clover.export.config import CALIBRATION_SEQUENCES, DEFAULT_OPSET, ExportConfig
 
     config = ExportConfig(
         backend=args.backend,
@@ -145,6 +177,9 @@ def run(args: argparse.Namespace) -> int:
         draft_quant=args.draft_quant,
         weights=args.weights,
         block_size=args.block_size,
+        quant=args.quant,
+        symmetric=args.symmetric,
+        calibration_sequences=args.calibration_sequences or CALIBRATION_SEQUENCES,
         verify=not args.no_verify,
         max_batch=args.max_batch,
         draft_vocab=args.draft_vocab,
@@ -160,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         counts = corpus_sources(counts_from, store=False)[1] if counts_from is not None else None
         store = corpus_sources(store_from, counts=False)[0] if store_from is not None else None
+    calibration = calibration_for(config, args.calibration, args.calibration_sequences)
     if config.backend == "trt":  # at once: before minutes of loading and exporting
         from clover.export.engines import require_engine_builder
 
@@ -174,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
         config,
         token_counts=counts,
         ngram_store=store,
+        calibration=calibration,
         progress=lambda msg: print(f"clover-export: {msg}", file=sys.stderr, flush=True),
     )
     took = f"clover-export: done in {time.perf_counter() - start:.0f} s"
@@ -232,6 +269,49 @@ def corpus_sources(folders: str | Path | Sequence[str | Path], store: bool = Tru
         StoreSource(NgramStore.build(sequences, vocab), source, fingerprint) if store else None,
         TokenCounts(answer_counts(conversations, vocab), source, fingerprint) if counts else None,
     )
+
+
+def calibration_for(config, folder: Path | None, sequences: int | None):
+    """--quant gptq's CalibrationSet from --calibration (default DEFAULT_CALIBRATION), else None; the options
+    belong to gptq alone."""
+    if config.weights is None or config.quantizer != "gptq":
+        given = [f for f, v in (("--calibration", folder), ("--calibration-sequences", sequences)) if v is not None]
+        if given:
+            raise CloverError(f"{' and '.join(given)} calibrate --weights int4 --quant gptq: add those or drop them")
+        return None
+    folder = folder or DEFAULT_CALIBRATION
+    if not folder.is_dir():
+        raise CloverError(
+            f"--quant gptq calibrates on a corpus of the base's own answers, and {folder} does not exist: pass "
+            f"--calibration CORPUS (a folder grown by clover-data grow; the default, {DEFAULT_CALIBRATION}, is "
+            "relative to the current folder and comes with a clone of the repository), or use --quant rtn, hqq or kquant"
+        )
+    return calibration_set(folder, config.calibration_sequences)
+
+
+def calibration_set(folder: Path, sequences: int):
+    """The first `sequences` greedy answers of the corpus at `folder` whose conversation is in the corpus's training
+    split (the validation conversations stay held out for benchmarks/quality.py), each as prompt + answer cut to
+    CALIBRATION_TOKENS tokens (prompts that leave fewer than 16 answer tokens are skipped)."""
+    import numpy as np
+
+    from clover.export.quantize import CALIBRATION_TOKENS, CalibrationSet
+    from clover.train.corpus import Corpus
+
+    corpus = Corpus.open(folder)
+    held_out, picked = corpus.validation_indices(), []
+    for c in corpus.conversations():
+        if c.index in held_out or c.sample != 1 or len(c.prompt) > CALIBRATION_TOKENS - 16 or len(c.response) == 0:
+            continue
+        ids = np.concatenate([c.prompt, c.response])[:CALIBRATION_TOKENS].astype(np.int64)
+        picked.append((ids, len(c.prompt)))
+        if len(picked) == sequences:
+            break
+    if not picked:
+        raise CloverError(f"--calibration {folder} has no training-split answer to calibrate on: grow it first")
+    tokens = sum(len(i) for i, _ in picked)
+    source = f"{folder.name}: {len(picked)} training-split sequences, {tokens} tokens"
+    return CalibrationSet(tuple(picked), source, corpus.provenance.generator.base_fingerprint)
 
 
 def main(argv: list[str] | None = None) -> int:
