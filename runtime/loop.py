@@ -562,6 +562,10 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
     masks = d.grammar.paths() if d.grammar is not None else None
     speculating = d.drafts == "lookup" or 0 < tree.num_nodes - 1 <= room  # (a plain step stays plain)
     forced = np.asarray(d.grammar.forced(min(FORCED_DRAFTS, room)) if d.grammar and speculating else [], np.int64)
+    if len(forced) and d.lookup is not None:  # a lookup proposal that starts with the forced tokens goes on further
+        more = d.lookup.propose(min(LOOKUP_DRAFTS, room))
+        if len(more) > len(forced) and np.array_equal(more[: len(forced)], forced):
+            forced = more
     if len(forced):
         # the grammar's forced tokens take the place of the lookup proposal: they are drafts it allows for sure
         if d.drafts == "lookup":
