@@ -1,12 +1,13 @@
 """clover-serve in one process against Ray Serve replicas of it, on the same machine, under closed-loop load.
 
-    python benchmarks/scale_out.py [--clients 1,2,4,8,16] [--seconds 20] [--artifact DIR] [--threads 2]
+    python benchmarks/scale_out.py [--clients 1,2,4,8,16] [--seconds 20] [--rounds 2] [--artifact DIR] [--threads 2]
 
 Three servers of one artifact (the `make demo` artifact unless --artifact), all up at once and loaded in turn:
 `single` (clover-serve, --threads T), `ray-1x{T}` (Ray Serve, 1 replica of T threads) and `ray-2x{T/2}` (2 replicas
 of T/2 threads), on a local Ray cluster on 127.0.0.1. For each client count N (1-16), each server gets N streaming
 chat clients (benchmarks/serve_load.py's client: the official `openai` client, MT-Bench first turns, greedy, 128 new
-tokens) for --seconds, the servers interleaved at every N. Reported per server and N: requests/s, output tokens/s,
+tokens) for --seconds, the servers interleaved at every N, for --rounds rounds (the order rotated at every N and every
+round; a server's windows at one N are pooled). Reported per server and N: requests/s, output tokens/s,
 TTFT and inter-token latency p50 / p95 / p99, errors. Cold start: from launching the server process (single) or
 deploying the application (Ray: its replica processes start then) to the first streamed token of a first request,
 with the verify-cost curve not yet cached, then again with it cached (the cache is a fresh folder for the run, emptied
@@ -87,7 +88,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--artifact", type=Path, default=None, help="default: the make demo artifact")
     ap.add_argument("--clients", default="1,2,4,8,16")
-    ap.add_argument("--seconds", type=float, default=20.0, help="per client count, per server")
+    ap.add_argument("--seconds", type=float, default=20.0, help="per client count, per server, per round")
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds, pooled")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2, help="the single process's threads (even: split over 2 replicas)")
     ap.add_argument("--max-batch", type=int, default=8)
@@ -152,16 +154,16 @@ def main() -> int:
             cold[names[key]] = {"uncached_s": round(first, 2), "cached_s": round(again, 2)}
             urls[key] = f"http://127.0.0.1:{port}/{key}/v1"
         rows = []
-        with tqdm(total=len(levels) * 3, desc="scale out", unit="run", dynamic_ncols=True) as bar:
+        with tqdm(total=len(levels) * 3 * args.rounds, desc="scale out", unit="run", dynamic_ncols=True) as bar:
             for i, n in enumerate(levels):
-                order = ["single", "one", "two"]
-                order = order[i % 3 :] + order[: i % 3]  # interleaved, rotated at every client count
-                row = {"clients": n}
-                for key in order:
-                    run = asyncio.run(http_load(urls[key], prompts, n, args.seconds, args.max_tokens))
-                    row[names[key]] = summary([run])
-                    bar.update()
-                rows.append(row)
+                runs: dict[str, list] = {key: [] for key in names}
+                for r in range(args.rounds):
+                    order = ["single", "one", "two"]
+                    order = order[(i + r) % 3 :] + order[: (i + r) % 3]  # rotated at every client count and round
+                    for key in order:
+                        runs[key].append(asyncio.run(http_load(urls[key], prompts, n, args.seconds, args.max_tokens)))
+                        bar.update()
+                rows.append({"clients": n, **{names[key]: summary(runs[key]) for key in names}})
     finally:
         if ray.is_initialized():
             serve.shutdown()
@@ -218,6 +220,7 @@ def report(args, rows: list[dict], cold: dict, names: dict) -> int:
         "threads": args.threads,
         "max_batch": args.max_batch,
         "seconds": args.seconds,
+        "rounds": args.rounds,
         "max_tokens": args.max_tokens,
         "tree": "auto",
         "servers": {single: "clover-serve, one process", one: "Ray Serve, 1 replica", two: "Ray Serve, 2 replicas"},
