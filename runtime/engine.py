@@ -323,7 +323,7 @@ class Engine:
         room = max_new_tokens if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) else room
         stop_ids = check_token_options(info.vocab_size, sampling, stop_token_ids, logprobs, room)
         conditions = stop_conditions(self.tokenizer, max_new_tokens, stop, ignore_eos, stop_ids, sampling.min_tokens)
-        state = grammar_state(self.grammars, grammar, sampling)
+        state = grammar_state(self.grammars, grammar, sampling, conditions.eos_token_ids)
         check_logprobs(prompt_logprobs, "prompt_logprobs")
         out = EngineStream()
         request = Request(

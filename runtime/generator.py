@@ -37,7 +37,8 @@ LOOKUP_SUFFIX = "+lookup"  # heads "NAME+lookup": prompt-lookup drafts merged in
 @dataclass
 class GenerationResult:
     """One generation. `tokens_per_step` is the acceptance length: tokens emitted per verify step,
-    the bonus token included (the prefill's first token is not a verify step and is not counted)."""
+    the bonus token included (the prefill's first token is not a verify step and is not counted, nor is an end
+    token a grammar allowed alone, emitted without a forward)."""
 
     token_ids: list[int]
     text: str
@@ -206,9 +207,11 @@ def stop_conditions(
     )
 
 
-def grammar_state(compiler: GrammarCompiler, grammar: Grammar | None, sampling: SamplingParams) -> GrammarState | None:
+def grammar_state(
+    compiler: GrammarCompiler, grammar: Grammar | None, sampling: SamplingParams, ends: Sequence[int] = ()
+) -> GrammarState | None:
     """A request's grammar compiled (in the caller's thread: an invalid grammar fails that request alone), or
-    None without one."""
+    None without one. ends: the tokens that end the request (StopConditions.eos_token_ids)."""
     if grammar is None:
         return None
     if sampling.min_tokens:
@@ -218,9 +221,11 @@ def grammar_state(compiler: GrammarCompiler, grammar: Grammar | None, sampling: 
             param="min_tokens",
         )
     try:
-        return compiler.state(grammar)
+        state = compiler.state(grammar)
     except CloverError as e:
         raise CloverError(str(e), param="grammar") from None
+    state.ends = frozenset(int(t) for t in ends)
+    return state
 
 
 def check_prompt_fits(ids: Sequence[int], context: int) -> None:
@@ -286,7 +291,7 @@ class Progress:
         if self.first_token is None:
             self.first_token = time.perf_counter() - self.start
         else:
-            self.accepted.append(len(step.tokens))
+            self.accepted.append(len(step.tokens) - step.free_end)
             self.drafted += step.tree_nodes - 1
             self.draft_steps += step.tree_nodes > 1
             self.pruned += step.pruned
@@ -427,7 +432,7 @@ class Generator:
             room = min(room, max_new_tokens)
         stop_ids = check_token_options(info.vocab_size, sampling, stop_token_ids, logprobs, room)
         conditions = stop_conditions(self.tokenizer, max_new_tokens, stop, ignore_eos, stop_ids, sampling.min_tokens)
-        state = grammar_state(self.grammars, grammar, sampling)
+        state = grammar_state(self.grammars, grammar, sampling, conditions.eos_token_ids)
         check_logprobs(prompt_logprobs, "prompt_logprobs")
         return GenerationStream(self, ids, conditions, sampling, logprobs, state, prompt_logprobs)
 

@@ -203,6 +203,8 @@ class GrammarState:
         self.eos = np.asarray(list(eos_ids), dtype=np.int64)
         self.eos_set = frozenset(int(i) for i in eos_ids)
         self.seconds = 0.0  # spent computing states and masks (benchmarks/structured.py reports it per token)
+        # tokens that end this request (its EOS and stop-token ids; none with ignore_eos): set by the caller
+        self.ends: frozenset[int] = frozenset()
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens emitted (in order). Tokens after the grammar's end (the end-of-sequence token) are not fed: the
@@ -222,6 +224,15 @@ class GrammarState:
         out = self.matcher.compute_ff_tokens()[:limit]
         self.seconds += time.perf_counter() - t0
         return out
+
+    def the_end(self) -> int | None:
+        """The token that ends the request when the grammar allows it alone next (a finished JSON value), else
+        None: the loop emits it without a forward, as constrained decoding would have to (its mask has one
+        token)."""
+        if not self.ends or not (self.matcher.is_accepting() or self.matcher.is_stopped()):
+            return None
+        allowed = np.flatnonzero(PathMasks(self).allowed(()))
+        return int(allowed[0]) if len(allowed) == 1 and int(allowed[0]) in self.ends else None
 
     def paths(self) -> PathMasks:
         return PathMasks(self)

@@ -65,6 +65,8 @@ class Step:
     error: BaseException | None = None  # step(isolate=True): this sequence's part failed (it emitted nothing)
     logprobs: StepLogprobs | None = None  # the emitted tokens' log-probabilities, when the sequence asks for them
     pruned: int = 0  # drafted nodes its grammar forbade, left out of the verify
+    # its last token is the end its grammar allowed alone, emitted without a forward (not a verified token)
+    free_end: bool = False
     # a prompt chunk's tokens' log-probabilities (each but the prompt's first), when the sequence asks for them
     prompt_logprobs: StepLogprobs | None = None
 
@@ -638,14 +640,16 @@ def _committed(runner: Runner, d: Decoding, p: _Planned, acc: Acceptance | None,
     if p.proposal is not None:
         d.lookup_length.observe(*p.proposal, emitted)
     d.root = acc.bonus_token
+    end = d.grammar.the_end() if d.grammar is not None and d.logprobs is None else None
     st = Step(
-        emitted,
+        emitted if end is None else [*emitted, end],  # a grammar that allows only the end: no forward for it
         t.num_nodes,
         tree=t,
         rows=t.num_nodes,
         path=acc.path,
         draft_seconds=p.draft_seconds,
         pruned=p.pruned,
+        free_end=end is not None,
     )
     if d.logprobs is not None:  # emitted token k was drawn from row path[k]: the accepted path's rows, in order
         st.logprobs = token_logprobs(logits[acc.path], emitted, d.logprobs)
@@ -691,7 +695,8 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
         if d.drafts in ("lookup", "heads+lookup")
         else None
     )
-    st = Step([first], 1, rows=n, prompt_logprobs=prompt_lp)
+    end = d.grammar.the_end() if d.grammar is not None and d.logprobs is None else None
+    st = Step([first] if end is None else [first, end], 1, rows=n, prompt_logprobs=prompt_lp, free_end=end is not None)
     if d.logprobs is not None:  # the prompt's last row
         st.logprobs = token_logprobs(logits, [first], d.logprobs)
     return st

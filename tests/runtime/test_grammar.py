@@ -123,6 +123,26 @@ def test_plain_constrained_decoding_equals_the_reference_and_matches_the_grammar
     assert finished >= 6, "too few outputs finished: the validity checks prove little"
 
 
+def test_an_end_the_grammar_allows_alone_is_emitted_without_a_forward(base, tok):
+    """After "ab" the grammar allows only the end: plain constrained decoding would run one more forward to pick
+    it from a one-token mask, the loop emits it at once (not with logprobs, which want that forward's row)."""
+    runner = TorchRunner(base)
+    forwards = []
+    real = runner.forward_batch
+    runner.forward_batch = lambda *a, **k: forwards.append(1) or real(*a, **k)
+    gen = Generator(runner, tok, "plain")
+    grammar = Grammar.choice(["ab"])
+    r = gen.generate("hi there", max_new_tokens=N, grammar=grammar)
+    assert (r.text, r.finish_reason, r.token_ids[-1]) == ("ab", "stop", tok.eos_token_ids[0])
+    assert (len(forwards), r.steps, r.tokens_per_step) == (2, 1, 1.0)  # the prefill and "b"'s step
+    forwards.clear()
+    with_logprobs = gen.generate("hi there", max_new_tokens=N, grammar=grammar, logprobs=0)
+    assert (with_logprobs.token_ids, len(forwards)) == (r.token_ids, 3)
+    forwards.clear()
+    ignored = gen.generate("hi there", max_new_tokens=5, grammar=grammar, ignore_eos=True)
+    assert (ignored.token_ids[2:], ignored.finish_reason, len(forwards)) == ([tok.eos_token_ids[0]] * 3, "length", 5)
+
+
 @pytest.mark.parametrize(
     "arch,trees",
     [
