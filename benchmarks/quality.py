@@ -80,17 +80,6 @@ DEFAULT_CONFIGS = (
     "int4-rtnsym-32",
 )
 QUICK_CONFIGS = ("fp32", "int4-rtn-32", "int4-hqq-32")
-# decode speed rows of benchmarks/peers.py (plain decoding) -> the systems here they measured
-SPEED_ROWS = {
-    ("clover", "fp32", "plain"): "clover fp32",
-    ("clover", "int8", "plain"): "clover int8-rtn-32",
-    ("clover", "int4", "plain"): "clover int4-rtn-32",  # peers.py's int4 artifact: the --weights int4 default
-    ("llama.cpp", "q4_1 gguf", "plain"): "llama.cpp Q4_1 (shipped)",
-    ("ort-genai", "int4", "plain"): "ort-genai int4",
-    ("ort-genai", "fp32", "plain"): "ort-genai fp32",
-}
-
-
 def log(msg: str) -> None:
     tqdm.write(f"[quality] {msg}", file=sys.stderr)
 
@@ -190,7 +179,9 @@ class WorkerSystem:
     def __init__(self, name: str, python: Path, script: str, args: list[str], scratch: Path):
         self.name = name
         self.out = scratch / f"{name.replace(' ', '_').replace('/', '_')}.npy"
-        env = {**os.environ, "PYTHONPATH": str(WORKERS)}
+        # OpenMP threads sleep between calls instead of spinning: several workers stay loaded at once, and speed is
+        # not measured here
+        env = {**os.environ, "PYTHONPATH": str(WORKERS), "OMP_WAIT_POLICY": "passive"}
         self.proc = subprocess.Popen(
             [str(python), str(WORKERS / script), *args],
             stdin=subprocess.PIPE,
@@ -400,10 +391,11 @@ def speed_of(path: Path | None) -> tuple[dict[str, float], dict]:
     if path is None or not path.is_file():
         return {}, {}
     doc = json.loads(path.read_text())
+    names = doc.get("settings", {}).get("quality_names", {})  # what each row ran, named when it ran
     speed = {}
     for r in doc.get("rows", []):
-        name = SPEED_ROWS.get((r["system"], r["precision"], r["mode"]))
-        if name and r.get("mean_tokens_per_s"):
+        name = names.get(f"{r['system']} {r['precision']}") or peers.quality_name(r["system"], r["precision"])
+        if r["mode"] == "plain" and name and r.get("mean_tokens_per_s"):
             speed[name] = r["mean_tokens_per_s"]
     return speed, doc.get("machine", {})
 
@@ -542,6 +534,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sharegpt", type=int, default=24, help="held-out ShareGPT conversations")
     ap.add_argument("--mtbench", type=int, default=16, help="MT-Bench first turns")
     ap.add_argument("--new-tokens", type=int, default=128, help="fp32 greedy answer length, and greedy agreement's")
+    ap.add_argument(
+        "--greedy-prompts",
+        type=int,
+        default=None,
+        help="greedy agreement on the first N MT-Bench prompts only (default all; int8 and hqq graphs decode at "
+        "~6-9 tokens/s on CPU, so each of their prompts takes ~15-20 s)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--install", action="store_true", help="build missing peer venvs (llama.cpp compiles for minutes)")
     ap.add_argument("--speed", type=Path, default=RESULTS / "peers.json", help="benchmarks/peers.py JSON for the plot")
@@ -579,8 +578,9 @@ def main(argv: list[str] | None = None) -> int:
                 bar.update()
         bar.close()
         mt = [s for s in seqs if s.set == "mtbench"]
-        bar = tqdm(total=len(mt) * len(systems), desc=f"greedy {args.new_tokens}", unit="gen")
-        for seq in mt:
+        greedy_set = mt[: args.greedy_prompts]
+        bar = tqdm(total=len(greedy_set) * len(systems), desc=f"greedy {args.new_tokens}", unit="gen")
+        for seq in greedy_set:
             prompt, want = list(seq.ids[: seq.start]), list(seq.ids[seq.start :])
             for s in systems:
                 got = want if s is ref else s.greedy(prompt, args.new_tokens, stop_ids)
@@ -619,6 +619,7 @@ def main(argv: list[str] | None = None) -> int:
             f"conversations ({CORPUS.name}'s split), prompt <= {MAX_PROMPT}, answer >= {MIN_ANSWER} tokens, cut to "
             f"{MAX_TOKENS} tokens",
             "mtbench": f"{len(mt)} first turns with clover fp32's greedy answer ({args.new_tokens} tokens at most)",
+            "greedy_prompts": len(greedy_set),
             "sequences": [asdict(s) | {"ids": len(s.ids)} for s in seqs],
             "threads": args.threads,
             "configs": args.configs,

@@ -262,6 +262,9 @@ class Manifest:
     ngram_store: NgramStoreSpec | None = None  # None: prompt lookup drafts from the sequence alone
     weights: WeightsSpec | None = None  # weight-only quantized graphs (clover-export --weights); None: `dtype`
     tree_timing: dict[str, Any] | None = None  # how `tree` was chosen: tokens/s of each candidate at export
+    # what the runtime drafts with when --heads is not given, chosen with `tree` by timing: "heads" (the
+    # artifact's heads on `tree`), "lookup" (prompt lookup alone), "heads+lookup"; None: "heads"
+    drafts: str | None = None
     format_version: int = FORMAT_VERSION
     kind: str = KIND
 
@@ -292,6 +295,7 @@ class Manifest:
             ngram_store=NgramStoreSpec.from_dict(d["ngram_store"]) if d.get("ngram_store") else None,
             weights=WeightsSpec.from_dict(d["weights"]) if d.get("weights") else None,
             tree_timing=d.get("tree_timing"),
+            drafts=_drafts(d.get("drafts"), d.get("heads") is not None),
             format_version=d["format_version"],
             kind=d["kind"],
         )
@@ -511,6 +515,13 @@ def check_heads_match_base(root: Path, manifest: Manifest) -> None:
         f"{h.get('lm_head_sha256')}; the artifact's base: {b.get('architecture')}, hidden {b.get('hidden_size')}, "
         f"vocab {b.get('vocab_size')}, lm_head {b.get('lm_head_sha256')}): export heads trained for this base"
     )
+
+
+def _drafts(value: Any, heads: bool) -> str | None:
+    """The manifest's default draft source, checked (a ValueError reads as a malformed manifest)."""
+    if value not in (None, "heads", "lookup", "heads+lookup") or (value == "heads+lookup" and not heads):
+        raise ValueError(f"drafts {value!r}")
+    return value
 
 
 ARTIFACT_HEADS = "artifact"  # --heads value meaning "the heads exported into the artifact"

@@ -153,8 +153,14 @@ def artifact_from_modules(
     graphs = [base_graph(base, traced, chains=fused_chains_only(config))] + (
         draft_graphs(heads) if heads is not None else []
     )
-    # No --tree: time the candidate trees on the graphs (ONNX Runtime on this machine) and keep the fastest.
-    time_trees = config.tree is None and heads is not None and config.backend == "onnx" and config.attention != "plugin"
+    # No --tree: time the candidate trees and draft sources on the graphs (ONNX Runtime on this machine) and keep
+    # the fastest; without heads that is plain decoding against prompt lookup, when there is an n-gram store.
+    time_trees = (
+        config.tree is None
+        and (heads is not None or ngram_store is not None)
+        and config.backend == "onnx"
+        and config.attention != "plugin"
+    )
     # ONNX Runtime artifacts with heads: one LM head for all graphs (export/lm_head.py); TensorRT keeps one per
     # engine. float32 only: ONNX Runtime's CPU runs float16 matmuls in float32 between Casts it elides inside a
     # graph, so a float16 base cut before its LM head would round the rows it hands over (not bit-exact).
@@ -200,7 +206,7 @@ def artifact_from_modules(
                     parity[f"{graph.name}.{config.weights}"] = errors
                 rounded = config.quantizer if graph.name == "base" else "rtn"
                 say(
-                    f"      {config.weights} weights ({rounded}, MatMulNBits, blocks of {config.block_size}): "
+                    f"      {config.weights} weights ({rounded}, MatMulNBits, blocks of {config.block}): "
                     f"{progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)"
                 )
         weights = None
@@ -219,13 +225,13 @@ def artifact_from_modules(
 
             weights = WeightsSpec(
                 config.weights,
-                config.block_size,
-                config.symmetric,
+                config.block,
+                config.is_symmetric,
                 base_accuracy_level(config.attention),
                 DRAFT_ACCURACY_LEVEL,
                 embedding,
                 agreement,
-                quantizer_settings(config.quantizer, config.weights, config.block_size, config.symmetric, calibration),
+                quantizer_settings(config.quantizer, config.weights, config.block, config.is_symmetric, calibration),
             )
         if share_lm_head:
             from clover.export.lm_head import LM_HEAD, LM_INPUT, split_lm_head
@@ -326,9 +332,11 @@ def artifact_from_modules(
         if time_trees:
             from clover.export.tree_timing import fastest_tree
 
-            say(f"[{steps - 1}/{steps}] default tree: timing plain and the candidate trees on these graphs")
-            tree, timing = fastest_tree(tmp, manifest, say=say)
-            manifest = dataclasses.replace(manifest, tree=tree_spec(tree), tree_timing=timing)
+            say(f"[{steps - 1}/{steps}] default tree and drafts: timing plain, the trees and prompt lookup here")
+            tree, drafts, timing = fastest_tree(tmp, manifest, say=say)
+            manifest = dataclasses.replace(
+                manifest, tree=tree_spec(tree) if tree is not None else None, drafts=drafts, tree_timing=timing
+            )
         say(f"[{steps}/{steps}] checksums and manifest")
         manifest = dataclasses.replace(manifest, files=file_entries(tmp))
         write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
@@ -406,7 +414,7 @@ def check_quantizer_inputs(base: Decoder, config: ExportConfig, calibration: Cal
 
     c = base.config
     sizes = {"hidden": c.hidden_size, "attention": c.num_heads * c.head_dim, "intermediate": c.intermediate_size}
-    check_block_layout(config.quantizer, config.weights, config.symmetric, config.block_size, sizes)
+    check_block_layout(config.quantizer, config.weights, config.is_symmetric, config.block, sizes)
     if config.quantizer != "gptq":
         return
     if calibration is None or not calibration.sequences:
@@ -485,11 +493,11 @@ def weights_quantized(
     embedding = quantize_weights(
         path,
         config.weights,
-        config.block_size,
+        config.block,
         level,
         gemms=not base,
         quant=config.quantizer if base else "rtn",
-        symmetric=config.symmetric,
+        symmetric=config.is_symmetric,
         calibration=calibration if base else None,
         progress=progress,
     )

@@ -16,6 +16,9 @@ QUANTIZERS = ("rtn", "hqq", "gptq", "kquant")
 QUANTIZER_SCHEMES = {"rtn": ("int8", "int4"), "hqq": ("int4",), "kquant": ("int8", "int4"), "gptq": ("int4",)}
 SYMMETRIC_QUANTIZERS = ("rtn", "gptq")  # hqq and kquant always store a zero point per block
 CALIBRATION_SEQUENCES = 32  # --quant gptq: default --calibration-sequences
+# --weights' defaults, chosen from benchmarks/quality.py's front (docs/export.md, "Choosing the defaults"): per scheme
+# the quantizer, its block size and whether blocks are symmetric
+DEFAULT_QUANT = {"int4": ("rtn", 32, False), "int8": ("rtn", 32, False)}
 MAX_CALIBRATION_SEQUENCES = 512
 OPSETS = range(18, 24)  # torchlib implements 18+; 23 is the newest torch.onnx targets
 DEFAULT_OPSET = 20  # torch.onnx's default; TensorRT 10's parser and onnxruntime >= 1.17 read it
@@ -73,9 +76,9 @@ class ExportConfig:
     timing_cache: str | None = None
     draft_quant: str | None = None
     weights: str | None = None
-    block_size: int = 32
+    block_size: int | None = None
     quant: str | None = None
-    symmetric: bool = False
+    symmetric: bool | None = None
     calibration_sequences: int = CALIBRATION_SEQUENCES
     verify: bool = True
     shared_lm_head: bool = True
@@ -123,10 +126,9 @@ class ExportConfig:
             if self.draft_quant is not None:
                 raise CloverError(f"--weights {self.weights} already quantizes the draft graphs: drop --draft-quant")
         self.check_quantizer()
-        if self.block_size < 16 or self.block_size & (self.block_size - 1):
-            raise CloverError(
-                f"--block-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits), got {self.block_size}"
-            )
+        b = self.block
+        if isinstance(b, bool) or not isinstance(b, int) or b < 16 or b & (b - 1):
+            raise CloverError(f"--block-size must be a power of two >= 16 (ONNX Runtime's MatMulNBits), got {b!r}")
         if self.draft_vocab is not None:
             if isinstance(self.draft_vocab, bool) or not isinstance(self.draft_vocab, int) or self.draft_vocab < 64:
                 raise CloverError(
@@ -143,10 +145,25 @@ class ExportConfig:
                 "(ONNX Runtime takes any prompt length up to --max-context)"
             )
 
+    def _default(self, i: int):
+        return DEFAULT_QUANT.get(self.weights, DEFAULT_QUANT["int4"])[i]
+
     @property
     def quantizer(self) -> str:
-        """The quantizer of the base graph's weights (with `weights`)."""
-        return self.quant or "rtn"
+        """The quantizer of the base graph's weights (with `weights`): `quant`, else the scheme's default."""
+        return self.quant or self._default(0)
+
+    @property
+    def block(self) -> int:
+        """Input channels per block (with `weights`): `block_size`, else the scheme's default."""
+        return self.block_size if self.block_size is not None else self._default(1)
+
+    @property
+    def is_symmetric(self) -> bool:
+        """Blocks without a zero point: `symmetric`, else the scheme's default (when the quantizer is it too)."""
+        if self.symmetric is not None:
+            return self.symmetric
+        return self._default(2) and self.quant in (None, self._default(0))
 
     def check_quantizer(self) -> None:
         """--quant / --symmetric / --calibration-sequences: only with --weights, and only what the quantizer writes."""

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from clover.artifact import read_manifest
 from clover.errors import CloverError
 from clover.runtime.backend import Runner, RunnerInfo, backend_module
 from clover.runtime.cost import DraftConfidence, VerifyCost, verify_cost
@@ -252,6 +253,8 @@ def load_backend(
     backend's defaults; `threads` reaches the torch and ort backends, `providers` (e.g. "cuda,cpu") the ort
     backend; `options` go to load_runner as they are."""
     module = backend_module(backend)
+    if heads is None and backend in ("ort", "trt"):  # the artifact's default draft source, chosen at export
+        heads = {"lookup": "lookup", "heads+lookup": LOOKUP_SUFFIX}.get(read_manifest(base).drafts)
     drafts = "lookup" if heads == "lookup" else "heads"
     heads = "none" if drafts == "lookup" else heads
     if heads is not None and heads.endswith(LOOKUP_SUFFIX):  # NAME+lookup, or +lookup: the default heads

@@ -57,13 +57,18 @@ def cached_artifact(
     return exported if corpus is None else with_corpus(exported, corpus)
 
 
+def shipped_corpora(base: str) -> list[Path]:
+    """The corpora of the embedded SmolLM2's own answers that a clone of the repository ships (none for another
+    base, or where they are absent: an installed wheel)."""
+    from clover.train.corpus import is_corpus
+
+    return [c for c in SHIPPED_CORPORA if is_corpus(c)] if base == "smollm2" else []
+
+
 def demo_artifact(base: str = "smollm2", heads: str = "smollm2-clover2") -> Path:
     """The demo's artifact: int4, fused, plus the shipped corpora's draft vocabulary and n-gram store when the
     base is SmolLM2 and the corpora are there (a clone of the repository)."""
-    from clover.train.corpus import is_corpus
-
-    corpora = [c for c in SHIPPED_CORPORA if is_corpus(c)] if base == "smollm2" else []
-    return cached_artifact(base, heads, corpus=corpora or None)
+    return cached_artifact(base, heads, corpus=shipped_corpora(base) or None)
 
 
 def with_corpus(exported: Path, corpora: Path | Sequence[Path]) -> Path:
@@ -124,7 +129,11 @@ def exported_artifact(base: str, heads: str, weights: str | None, draft_quant: s
     revision = (f"|draft-quant {DRAFT_QUANT_REVISION}" if draft_quant else "") + (
         f"|fused {FUSED_REVISION}" if attention == "fused" else ""
     )
-    key = hashlib.sha256(f"{base_path}|{heads}|{heads_digest(heads)}|{config}{revision}".encode()).hexdigest()[:12]
+    # the resolved quantizer too: a new --weights default makes a new artifact
+    rounding = f"|{config.quantizer} {config.block} {config.is_symmetric}" if weights else ""
+    key = hashlib.sha256(
+        f"{base_path}|{heads}|{heads_digest(heads)}|{config}{rounding}{revision}".encode()
+    ).hexdigest()[:12]
     out = cache_dir() / "artifacts" / f"{base_path.name}-{heads.replace(':', '-').replace('/', '_')}-{key}"
     try:
         open_artifact(out)
@@ -147,7 +156,7 @@ def demo_tree(artifact: Path) -> str | None:
         print(
             "export-time timing on this machine: "
             + ", ".join(f"{k} {v:.1f}" for k, v in timing.items())
-            + f" tok/s; default tree {m.tree.name}",
+            + f" tok/s; default tree {m.tree.name}, drafts {m.drafts or 'heads'}",
             file=sys.stderr,
         )
     if m.tree is None or m.tree.name != "plain" or not timing:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from clover.errors import CloverError
+from clover.export.config import DEFAULT_QUANT
 from clover.tools.cli import run_cli
 from clover.tools.data import DEFAULT_OUT as DEFAULT_CORPUS
 
@@ -40,11 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--attention",
-        default="portable",
-        help="portable: standard ONNX ops (ONNX Runtime, TensorRT); plugin: one CloverTreeAttention node "
-        "per layer for the TensorRT plugin (the graph is checked on ONNX Runtime through the node's "
-        "ONNX reference function); fused: the base as ONNX Runtime's fused CPU operators "
-        "(GroupQueryAttention, in-place KV cache; ~2x faster decoding on CPU; --backend onnx, float32)",
+        default=None,
+        help="fused (default for --backend onnx --dtype float32): the base as ONNX Runtime's fused CPU operators "
+        "(GroupQueryAttention, in-place KV cache: ~2x faster decoding on CPU, and the batched graph that lets "
+        "clover.Engine / clover-serve run concurrent requests in one forward); portable (default for --backend "
+        "trt and other dtypes): standard ONNX ops that ONNX Runtime and TensorRT both run; plugin: one "
+        "CloverTreeAttention node per layer for the TensorRT plugin (the graph is checked on ONNX Runtime "
+        "through the node's ONNX reference function)",
     )
     p.add_argument(
         "--tree",
@@ -95,24 +98,32 @@ def build_parser() -> argparse.ArgumentParser:
         "float32 (int4). Speculative output equals plain output of these graphs; the export reports "
         "the error and the greedy agreement against float32. --backend onnx --dtype float32 only",
     )
+    defaults = "; ".join(
+        f"{w}: {q}{' symmetric' if sym else ''}, blocks of {b}" for w, (q, b, sym) in DEFAULT_QUANT.items()
+    )
     p.add_argument(
         "--block-size",
         type=int,
-        default=32,
-        help="--weights: input channels per quantization block (power of two >= 16; default 32)",
+        default=None,
+        help="--weights: input channels per quantization block (power of two >= 16; default: the scheme's, "
+        "below --quant)",
     )
     p.add_argument(
         "--quant",
         default=None,
         metavar="rtn|hqq|gptq|kquant",
         help="--weights: which onnxruntime quantizer rounds the base graph's weights (the draft graphs take rtn): "
-        "rtn round to nearest (default; int4, int8); hqq half-quadratic zero points, no data (int4); gptq "
-        "calibrated on --calibration (int4); kquant llama.cpp's k-quant search, no data (int4, int8)",
+        "rtn round to nearest (int4, int8); hqq half-quadratic zero points, no data (int4; float zero points, "
+        "no fast CPU kernel); gptq calibrated on --calibration (int4); kquant llama.cpp's k-quant search, no "
+        f"data (int4, int8). Defaults ({defaults}): per scheme the fastest config at the quality the "
+        "benchmarks ask for (int4: perplexity at most onnxruntime-genai int4's; int8: within 2%% of float32; "
+        "benchmarks/quality.py, docs/export.md)",
     )
     p.add_argument(
         "--symmetric",
         action="store_true",
-        help="--weights: blocks without a zero point (rtn, gptq; default: a zero point per block)",
+        default=None,
+        help="--weights: blocks without a zero point (rtn, gptq; default: the scheme's, above)",
     )
     p.add_argument(
         "--calibration",
@@ -152,10 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         const=str(DEFAULT_CORPUS),
         default=None,
-        metavar="CORPUS[,CORPUS]",
-        help="prompt lookup (--heads lookup or NAME+lookup at run time) also drafts what the base wrote "
-        "after the longest stored match of the sequence's last 2-24 tokens, over corpora of its own "
-        f"answers, comma-separated (clover-data grow; default {DEFAULT_CORPUS}): no model call, same output",
+        metavar="CORPUS[,CORPUS]|none",
+        help="prompt lookup also drafts what the base wrote after the longest stored match of the sequence's "
+        "last 2-24 tokens, over corpora of its own answers, comma-separated (clover-data grow; no model call, "
+        f"same output; with no value: {DEFAULT_CORPUS}). Default: for --base smollm2 in a clone of the "
+        "repository, the corpora it ships (data/smollm2-sharegpt and data/smollm2-sharegpt-fp32), else none; "
+        "none: no store. Without --tree the export times plain decoding, the heads' trees and prompt lookup "
+        "here and records the fastest as the default the runtime drafts with",
     )
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 20)")
     p.add_argument("--no-verify", action="store_true", help="skip the export-time ONNX Runtime vs PyTorch parity check")
@@ -168,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     config = ExportConfig(
         backend=args.backend,
         dtype=args.dtype,
-        attention=args.attention,
+        attention=args.attention or default_attention(args.backend, args.dtype),
         opset=args.opset or DEFAULT_OPSET,
         tree=args.tree,
         max_context=args.max_context,
@@ -185,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         draft_vocab=args.draft_vocab,
     )
     counts_from = corpus_list(args.draft_vocab_data or DEFAULT_CORPUS) if config.draft_vocab is not None else None
-    store_from = corpus_list(args.ngram_store) if args.ngram_store is not None else None
+    store_from = ngram_store_corpora(args.ngram_store, args.base)
     if (
         counts_from is not None
         and store_from is not None
@@ -223,6 +237,26 @@ def run(args: argparse.Namespace) -> int:
         )
     print(out)
     return 0
+
+
+def ngram_store_corpora(spec: str | None, base: str) -> list[Path] | None:
+    """--ngram-store's corpora: the ones named, none for "none", and by default the corpora a clone ships for the
+    embedded SmolLM2 (where the lookup drafts pay most: benchmarks/peers.py)."""
+    if spec is None:
+        from clover.tools.demo import shipped_corpora
+
+        corpora = shipped_corpora(base)
+        if corpora:
+            names = ", ".join(str(c) for c in corpora)
+            print(f"clover-export: n-gram store from {names} (--ngram-store none: without)", file=sys.stderr)
+        return corpora or None
+    return None if spec.strip().lower() == "none" else corpus_list(spec)
+
+
+def default_attention(backend: str, dtype: str) -> str:
+    """--attention's default: the fused CPU graph where ONNX Runtime runs float32 (the fast path, batched), the
+    portable one for TensorRT and the other dtypes."""
+    return "fused" if backend == "onnx" and dtype == "float32" else "portable"
 
 
 def corpus_list(spec: str | Path | Sequence[str | Path]) -> list[Path]:

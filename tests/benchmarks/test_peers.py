@@ -146,7 +146,7 @@ def test_table_and_json(peers):
     assert table[0].startswith("| system | mode | precision | round 1 tok/s | round 2 tok/s | mean tok/s | prefill ms")
     assert len(table) == 2 + len(rows)
     assert table[2].split("|")[4].strip() == "75.0"  # plain, round 1: 6 tokens / 0.08 s
-    assert table[3].split("|")[-2].strip() == "3/4"
+    assert table[3].split("|")[-3].strip() == "3/4" and table[3].split("|")[-2].strip() == "-"  # no ppl given
     bw = peers.Bandwidth(1 << 30, 2, {1: (9.0, 8.0), 2: (10.0, 9.0)})
     skipped = [peers.Skipped("clover", "int4", "export failed: unrecognized arguments: --weights int4")]
     settings = {"num_prompts": 2, "max_new_tokens": 5, "threads": 2}
@@ -182,5 +182,36 @@ def test_worker_token_clock_stops_at_eos_or_limit(monkeypatch):
 
 
 def test_export_flags(peers):
-    assert peers.export_flags("fp32") == ["--attention", "fused", "--draft-quant", "int8"]
-    assert peers.export_flags("int4") == ["--attention", "fused", "--weights", "int4"]
+    from clover.export.config import DEFAULT_QUANT
+    from clover.tools.demo import shipped_corpora
+
+    corpora = shipped_corpora("smollm2")
+    store = ["--ngram-store", ",".join(map(str, corpora)) if corpora else "none"]
+    assert peers.export_flags("fp32") == ["--attention", "fused", "--draft-quant", "int8", *store]
+    quant, block, sym = DEFAULT_QUANT["int4"]  # clover-export's default, spelled out
+    assert peers.export_flags("int4")[:6] == ["--attention", "fused", "--weights", "int4", "--quant", quant]
+    assert (
+        peers.export_flags("int4")[6:8] == ["--block-size", str(block)]
+        and ("--symmetric" in peers.export_flags("int4")) == sym
+    )
+    assert peers.export_flags("int8-kquant-64") == [
+        "--attention", "fused", "--weights", "int8", "--quant", "kquant", "--block-size", "64", *store
+    ]  # fmt: skip
+    assert "--symmetric" in peers.export_flags("int4-rtnsym-32")
+    assert peers.clover_precisions("fp32,int4-gptq-32") == ("fp32", "int4-gptq-32")
+    with pytest.raises(peers.argparse.ArgumentTypeError, match="WEIGHTS-QUANT"):
+        peers.clover_precisions("int4-foo-32")
+
+
+def test_rows_carry_the_perplexity_quality_measured(peers, tmp_path):
+    ms = measurements(peers)
+    rows = peers.aggregate(ms, {("llama.cpp", "q4_1 gguf"): 100_000_000}, 10.0, rounds=2)
+    quality = tmp_path / "quality.json"
+    quality.write_text(json.dumps({"rows": [{"system": "llama.cpp Q4_1 (shipped)", "sharegpt": {"perplexity": 12.5}}]}))
+    rows = peers.with_perplexity(rows, quality)
+    assert {r.perplexity for r in rows if r.system == "llama.cpp"} == {12.5}
+    assert all(r.perplexity is None for r in rows if r.system != "llama.cpp")  # not measured there
+    assert peers.format_table(rows, 2).splitlines()[2].split("|")[-2].strip() == "12.50"
+    assert peers.quality_name("clover", "int4-kquant-32") == "clover int4-kquant-32"
+    assert peers.quality_name("clover", "fp32") == "clover fp32"
+    assert peers.quality_name("llama.cpp", "q8_0 gguf") == "llama.cpp Q8_0"

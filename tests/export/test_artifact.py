@@ -61,11 +61,18 @@ def test_manifest_describes_everything(clover2):
     assert BaseFingerprint(**dict(fp, lm_head_probe=tuple(fp["lm_head_probe"]))) == BaseFingerprint.of(base)
     assert m.heads.arch == "clover2" and m.heads.name == "random:clover2:0" and m.heads.max_depth is None
     assert m.heads.num_layers == heads.config.num_layers
-    # no --tree: the fastest of plain and the candidate trees, timed on these graphs at export
-    timing = m.tree_timing
-    assert set(timing["tokens_per_second"]) == {"plain", "chain-1", "chain-2", "chain-3", "small", "mc26"}
-    assert all(tps > 0 for tps in timing["tokens_per_second"].values())
-    assert m.tree.name == timing["chosen"] == max(timing["tokens_per_second"], key=timing["tokens_per_second"].get)
+    # no --tree: the fastest of plain and the candidate trees, then of it, prompt lookup, and both, timed on these
+    # graphs at export
+    timing, trees = m.tree_timing, {"plain", "chain-1", "chain-2", "chain-3", "small", "mc26"}
+    tps, versus = timing["tokens_per_second"], timing["versus_lookup"]
+    merged = {f"{m.tree.name}+lookup"} if m.tree.name != "plain" else set()
+    assert set(tps) == trees and set(versus) == {m.tree.name, "lookup"} | merged
+    assert all(v > 0 for v in [*tps.values(), *versus.values()])
+    assert m.tree.name == max(trees, key=tps.get)
+    assert timing["chosen"] == max(versus, key=versus.get)
+    assert (
+        m.drafts == timing["drafts"] == {"lookup": "lookup", m.tree.name: "heads"}.get(timing["chosen"], "heads+lookup")
+    )
     assert set(m.graphs) == {"base", "draft_begin", "draft_step", "lm_head"}  # one LM head (test_lm_head.py)
     assert {"torch", "onnx", "onnxscript", "clover-deploy", "python"} <= m.tools.keys()
     assert all(err < 1e-3 for g in m.parity.values() for err in g.values()), m.parity

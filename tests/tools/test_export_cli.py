@@ -35,9 +35,11 @@ def test_export_progress_and_artifact(base_dir, tmp_path, capsys):
     out = tmp_path / "plain"
     code, stdout, stderr = cli(capsys, export_main, "--base", base_dir, "--out", out, "--max-context", 100)
     assert code == 0 and stdout.strip() == str(out)
-    assert "[1/2] base: exporting base.onnx" in stderr and "checker ok" in stderr and "logits" in stderr
+    assert "[1/3] base: exporting base.onnx" in stderr and "checker ok" in stderr and "logits" in stderr
     m = open_artifact(out)
     assert m.heads is None and m.max_context == 100 and m.sources == {"base": str(base_dir), "heads": "none"}
+    # the default for ONNX Runtime float32 is the fast path: the fused graph, and its batched twin for the engine
+    assert m.attention == "fused" and "base_batch" in m.graphs and m.drafts is None
     # exporting again into the same artifact is safe; this time with an n-gram store of a corpus of its answers
     code, _, stderr = cli(
         capsys,
@@ -53,6 +55,23 @@ def test_export_progress_and_artifact(base_dir, tmp_path, capsys):
     m = open_artifact(out)
     assert code == 0 and m.max_context == 128 and m.parity == {}
     assert m.ngram_store.contexts > 0 and m.ngram_store.source.startswith("corpus: ") and "n-gram store" in stderr
+    # with a store and no --tree, plain decoding and prompt lookup are timed here and the faster is the default
+    versus = m.tree_timing["versus_lookup"]
+    assert set(versus) == {"plain", "lookup"} and m.tree is None
+    assert m.drafts == ("lookup" if versus["lookup"] > versus["plain"] else "heads")
+
+
+def test_export_defaults_are_the_fast_path():
+    from clover.tools.demo import shipped_corpora
+    from clover.tools.export import build_parser, default_attention, ngram_store_corpora
+
+    assert default_attention("onnx", "float32") == "fused"
+    assert default_attention("trt", "float16") == default_attention("onnx", "float16") == "portable"
+    assert ngram_store_corpora("none", "smollm2") is None  # asked for none
+    assert ngram_store_corpora(None, "/some/other/base") is None  # no corpora of another base's answers
+    assert ngram_store_corpora(None, "smollm2") == (shipped_corpora("smollm2") or None)  # a clone ships them
+    helped = " ".join(build_parser().format_help().split())
+    assert "fused (default for --backend onnx --dtype float32)" in helped and "Default: for --base smollm2" in helped
 
 
 def test_corpus_sources_read_the_shards_once(base_dir, tmp_path, monkeypatch):
