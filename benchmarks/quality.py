@@ -80,6 +80,8 @@ DEFAULT_CONFIGS = (
     "int4-rtnsym-32",
 )
 QUICK_CONFIGS = ("fp32", "int4-rtn-32", "int4-hqq-32")
+
+
 def log(msg: str) -> None:
     tqdm.write(f"[quality] {msg}", file=sys.stderr)
 
@@ -538,14 +540,22 @@ def main(argv: list[str] | None = None) -> int:
         "--greedy-prompts",
         type=int,
         default=None,
-        help="greedy agreement on the first N MT-Bench prompts only (default all; int8 and hqq graphs decode at "
-        "~6-9 tokens/s on CPU, so each of their prompts takes ~15-20 s)",
+        help="greedy agreement on the first N MT-Bench prompts only (default all; hqq graphs decode at ~6-9 "
+        "tokens/s on CPU: their float zero points have no fast MatMulNBits kernel)",
     )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--install", action="store_true", help="build missing peer venvs (llama.cpp compiles for minutes)")
     ap.add_argument("--speed", type=Path, default=RESULTS / "peers.json", help="benchmarks/peers.py JSON for the plot")
     ap.add_argument("--out", type=Path, default=RESULTS / "quality.json")
+    ap.add_argument(
+        "--replot",
+        action="store_true",
+        help="measure nothing: take --out's rows, the speeds of a newer --speed run, and rewrite the table, "
+        "the JSON's speed and the PNG",
+    )
     args = ap.parse_args(argv)
+    if args.replot:
+        return replot(args)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.configs = args.configs.split(",") if args.configs else list(QUICK_CONFIGS if args.quick else DEFAULT_CONFIGS)
     if "fp32" not in args.configs:
@@ -591,6 +601,37 @@ def main(argv: list[str] | None = None) -> int:
         for s in systems:
             s.close()
     rows = sorted((r.summary() for r in results.values()), key=lambda r: r["all"]["perplexity"])
+    return report(args, rows, skipped, seqs, mt, greedy_set, versions, start)
+
+
+def replot(args) -> int:
+    """--replot: the measured rows again, with the speeds of --speed."""
+    doc = json.loads(args.out.read_text())
+    speed, speed_machine = speed_of(args.speed)
+    print(format_table(doc["rows"], speed))
+    doc["speed_source"] = speed_source(args.speed, speed_machine, speed)
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc["rows"], speed, args.out.with_suffix(".png"), title(speed_machine, doc["machine"]))
+    log(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
+
+
+def speed_source(path: Path, machine: dict, speed: dict) -> dict:
+    return {
+        "file": str(path.relative_to(HERE.parent)) if path.is_file() and path.is_relative_to(HERE.parent) else None,
+        "machine": machine,
+        "tokens_per_s": speed,
+    }
+
+
+def title(speed_machine: dict, machine: dict) -> str:
+    return (
+        f"SmolLM2-135M-Instruct: speed ({speed_machine.get('cpu', '?')}, {speed_machine.get('date', '?')[:10]}, "
+        f"peers.py) vs perplexity ({machine.get('cpu', '?')}, {machine['date'][:10]})"
+    )
+
+
+def report(args, rows, skipped, seqs, mt, greedy_set, versions, start) -> int:
     speed, speed_machine = speed_of(args.speed)
     table = format_table(rows, speed)
     print(table)
@@ -627,23 +668,13 @@ def main(argv: list[str] | None = None) -> int:
         },
         "machine": machine,
         "versions": versions,
-        "speed_source": {
-            "file": str(args.speed.relative_to(HERE.parent)) if args.speed.is_file() else None,
-            "machine": speed_machine,
-            "tokens_per_s": speed,
-        },
+        "speed_source": speed_source(args.speed, speed_machine, speed),
         "rows": rows,
         "skipped": skipped,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(
-        rows,
-        speed,
-        args.out.with_suffix(".png"),
-        f"SmolLM2-135M-Instruct: speed ({speed_machine.get('cpu', '?')}, {speed_machine.get('date', '?')[:10]}, "
-        f"peers.py) vs perplexity ({machine.get('cpu', '?')}, {machine['date'][:10]})",
-    )
+    plot(rows, speed, args.out.with_suffix(".png"), title(speed_machine, machine))
     log(f"wrote {args.out} and {args.out.with_suffix('.png')} in {time.perf_counter() - start:.0f} s")
     return 0
 

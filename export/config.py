@@ -18,7 +18,7 @@ SYMMETRIC_QUANTIZERS = ("rtn", "gptq")  # hqq and kquant always store a zero poi
 CALIBRATION_SEQUENCES = 32  # --quant gptq: default --calibration-sequences
 # --weights' defaults, chosen from benchmarks/quality.py's front (docs/export.md, "Choosing the defaults"): per scheme
 # the quantizer, its block size and whether blocks are symmetric
-DEFAULT_QUANT = {"int4": ("rtn", 32, False), "int8": ("rtn", 32, False)}
+DEFAULT_QUANT = {"int4": ("rtn", 32, True), "int8": ("rtn", 32, True)}
 MAX_CALIBRATION_SEQUENCES = 512
 OPSETS = range(18, 24)  # torchlib implements 18+; 23 is the newest torch.onnx targets
 DEFAULT_OPSET = 20  # torch.onnx's default; TensorRT 10's parser and onnxruntime >= 1.17 read it

@@ -74,7 +74,11 @@ def calibrate(runner: Runner, max_rows: int, reps: int = 7) -> VerifyCost:
     than with the median: 1.79 vs 1.84 tokens per step, MT-Bench)."""
     rng = np.random.default_rng(0)
     V = runner.info.vocab_size
-    rows = sorted({1, 2, 3, 4, max_rows} | {int(round(1.5**k)) for k in range(4, 40) if 1.5**k < max_rows})
+    rows = sorted(
+        {r for r in (1, 2, 3, 4) if r < max_rows}
+        | {max_rows}
+        | {round(1.5**k) for k in range(4, 40) if 1.5**k < max_rows}
+    )
     slot = runner.open_slot(min(runner.info.max_context, 32 + max_rows + 2))
     try:
         prompt = rng.integers(0, V, 32)

@@ -1,8 +1,9 @@
-"""clover-deploy on ONNX Runtime, one artifact, every requested tree on one shared runner (project venv).
+"""clover-deploy on ONNX Runtime, one artifact, every requested mode (project venv).
 
-    python clover_worker.py --artifact DIR --threads 2 --modes plain,default,chain-2
-Modes are trees: plain, default (the artifact's own tree), or any tree spec clover-generate --tree takes; and
-lookup[:chain-N]: prompt-lookup drafts (at most N per step) on a second runner without the heads.
+    python clover_worker.py --artifact DIR --threads 2 --modes plain,default,chain-2,lookup
+Modes: plain; default (what the artifact runs when --heads is not given: its `drafts` and tree, timed at export);
+any tree spec clover-generate --tree takes (the artifact's heads); lookup[:chain-N]: prompt-lookup drafts (at most N
+per step) on a second runner without the heads.
 """
 
 from __future__ import annotations
@@ -26,20 +27,23 @@ def main() -> None:
     except ImportError as e:
         fail_to_start(f"clover-deploy is not importable in {sys.executable}: {e}")
     try:
+        from clover.artifact import read_manifest
+
         modes = args.modes.split(",")
-        tree = lambda mode: None if mode == "default" else mode  # noqa: E731
-        trees = [m for m in modes if not m.startswith("lookup")]
-        gen = Generator.load(
-            args.artifact, backend="ort", threads=args.threads, tree=tree(trees[0] if trees else "plain")
-        )
-        gens = {m: Generator(gen.runner, gen.tokenizer, tree(m)) for m in trees}
-        lookups = [m for m in modes if m.startswith("lookup")]
-        if lookups:
-            plain = Generator.load(args.artifact, heads="lookup", backend="ort", threads=args.threads)
-            gens |= {
-                m: Generator(plain.runner, plain.tokenizer, m.partition(":")[2] or None, "lookup") for m in lookups
-            }
-        gens = {m: gens[m] for m in modes}
+        drafts = read_manifest(args.artifact).drafts or "heads"
+        gen = Generator.load(args.artifact, heads="artifact", backend="ort", threads=args.threads, tree="plain")
+        plain_runner = None
+        if any(m.startswith("lookup") for m in modes) or (drafts == "lookup" and "default" in modes):
+            plain_runner = Generator.load(args.artifact, heads="lookup", backend="ort", threads=args.threads).runner
+        gens = {}
+        for m in modes:
+            if m.startswith("lookup"):
+                gens[m] = Generator(plain_runner, gen.tokenizer, m.partition(":")[2] or None, "lookup")
+            elif m == "default":
+                runner = plain_runner if drafts == "lookup" else gen.runner
+                gens[m] = Generator(runner, gen.tokenizer, None, drafts)
+            else:
+                gens[m] = Generator(gen.runner, gen.tokenizer, m)
     except CloverError as e:
         fail_to_start(str(e))
 
@@ -57,8 +61,12 @@ def main() -> None:
             {"tokens_per_step": round(r.tokens_per_step, 3), "steps": r.steps},
         )
 
+    def label(m: str, g: Generator) -> str:
+        name = {"lookup": f"lookup-{g.tree.max_depth}", "heads+lookup": f"{g.tree.name}+lookup"}.get(g.drafts)
+        return f"default {name or g.tree.name}" if m == "default" else name or g.tree.name
+
     serve(
-        {m: f"lookup-{g.tree.max_depth}" if g.drafts == "lookup" else g.tree.name for m, g in gens.items()},
+        {m: label(m, g) for m, g in gens.items()},
         {"clover-deploy": version("clover-deploy"), "onnxruntime": version("onnxruntime")},
         generate,
     )
