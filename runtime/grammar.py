@@ -280,6 +280,17 @@ class PathMasks:
         self.g.seconds += time.perf_counter() - t0
         return out
 
+    def forced_after(self, path: tuple[int, ...], limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces after `path` (GrammarState.forced, one drafted path further):
+        a lookup chain that ends a JSON value goes on with the next key."""
+        state = self._state(path) if limit > 0 else None
+        if state is None or state.is_stopped():
+            return []
+        t0 = time.perf_counter()
+        out = [int(t) for t in state.compute_ff_tokens()[:limit]]
+        self.g.seconds += time.perf_counter() - t0
+        return out
+
     def rows(self, paths: Sequence[tuple[int, ...]]) -> np.ndarray:
         """[n, V] bool masks of allowed paths (each must be allowed)."""
         return np.stack([self.allowed(p) for p in paths])

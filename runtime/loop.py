@@ -611,6 +611,17 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
         drafted = tree.num_nodes
         tree, draft = constrain(tree, draft, masks)
         pruned = drafted - tree.num_nodes
+        if d.drafts == "lookup" and tree.num_nodes > 1:  # point-mass drafts: the forced tokens after them join
+            more = masks.forced_after(
+                tuple(int(t) for t in draft.tokens[1:]), min(FORCED_DRAFTS, room - tree.num_nodes + 1)
+            )
+            if more:
+                whole_chain = np.concatenate((draft.tokens[1:], more))
+                tree, draft = constrain(
+                    chain(len(whole_chain)),
+                    lookup_draft(d.root, whole_chain, d.sampling, runner.info.vocab_size),
+                    masks,
+                )
     return _Planned(
         Verify(d.slot, draft.tokens, tree.depth, tree.ancestor_mask),
         tree,
