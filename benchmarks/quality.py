@@ -402,6 +402,22 @@ def speed_of(path: Path | None) -> tuple[dict[str, float], dict]:
     return speed, doc.get("machine", {})
 
 
+def best_speed_of(path: Path | None) -> dict[str, tuple[float, str, str | None]]:
+    """Per system here, its fastest speculative mode in a benchmarks/peers.py JSON: (tok/s, mode, "k/n" outputs
+    identical to its own plain output), where that beats its plain decoding."""
+    if path is None or not path.is_file():
+        return {}
+    doc = json.loads(path.read_text())
+    names = doc.get("settings", {}).get("quality_names", {})
+    plain, best = speed_of(path)[0], {}
+    for r in doc.get("rows", []):
+        name = names.get(f"{r['system']} {r['precision']}") or peers.quality_name(r["system"], r["precision"])
+        tps = r.get("mean_tokens_per_s")
+        if r["mode"] != "plain" and name and tps and tps > max(plain.get(name, 0), best.get(name, (0,))[0]):
+            best[name] = (tps, r["mode"], r.get("identical_to_plain"))
+    return best
+
+
 def pareto(points: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
     """Points (name, ppl, tok/s) no other point beats on both (lower ppl, higher speed), by perplexity."""
     front = [p for p in points if not any(q[1] <= p[1] and q[2] >= p[2] and q != p for q in points)]
@@ -426,7 +442,13 @@ def format_table(rows: list[dict], speed: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], speed: dict[str, float], path: Path, title: str) -> None:
+def plot(
+    rows: list[dict],
+    speed: dict[str, float],
+    path: Path,
+    title: str,
+    best: dict[str, tuple[float, str, str | None]] | None = None,
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -440,6 +462,13 @@ def plot(rows: list[dict], speed: dict[str, float], path: Path, title: str) -> N
         color = "C0" if name.startswith("clover") else "C1" if name.startswith("llama") else "C2"
         ax.scatter(p, s, color=color, s=40, zorder=3)
         ax.annotate(name, (p, s), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    for name, (tps, mode, same) in (best or {}).items():  # each system's fastest speculative mode above its plain
+        if name in ppl and name in speed:
+            color = "C0" if name.startswith("clover") else "C1" if name.startswith("llama") else "C2"
+            ax.plot([ppl[name]] * 2, [speed[name], tps], ":", color=color, lw=1, zorder=2)
+            ax.scatter(ppl[name], tps, color=color, marker="x", s=40, zorder=3)
+            label = f"{mode}, {same} same as plain" if same else mode
+            ax.annotate(label, (ppl[name], tps), textcoords="offset points", xytext=(5, -10), fontsize=7)
     front = pareto(points)
     if len(front) > 1:
         ax.plot([p[1] for p in front], [p[2] for p in front], "k--", lw=1, label="Pareto front")
@@ -450,7 +479,7 @@ def plot(rows: list[dict], speed: dict[str, float], path: Path, title: str) -> N
         text = "no speed measured yet (perplexity):\n" + "\n".join(f"{n}: {ppl[n]:.2f}" for n in unmeasured)
         ax.text(1.02, 1.0, text, transform=ax.transAxes, va="top", fontsize=7, family="monospace")
     ax.set_xlabel("perplexity on held-out ShareGPT answers (lower is better)")
-    ax.set_ylabel("plain decode tokens/s (higher is better)")
+    ax.set_ylabel("decode tokens/s: plain (dots), fastest speculative mode (x)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -611,7 +640,10 @@ def replot(args) -> int:
     print(format_table(doc["rows"], speed))
     doc["speed_source"] = speed_source(args.speed, speed_machine, speed)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(doc["rows"], speed, args.out.with_suffix(".png"), title(speed_machine, doc["machine"]))
+    best = best_speed_of(args.speed)
+    doc["speed_source"]["best_mode"] = best
+    args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    plot(doc["rows"], speed, args.out.with_suffix(".png"), title(speed_machine, doc["machine"]), best)
     log(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
 
@@ -674,7 +706,7 @@ def report(args, rows, skipped, seqs, mt, greedy_set, versions, start) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    plot(rows, speed, args.out.with_suffix(".png"), title(speed_machine, machine))
+    plot(rows, speed, args.out.with_suffix(".png"), title(speed_machine, machine), best_speed_of(args.speed))
     log(f"wrote {args.out} and {args.out.with_suffix('.png')} in {time.perf_counter() - start:.0f} s")
     return 0
 
