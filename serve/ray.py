@@ -55,7 +55,7 @@ class RayServeOptions:
     """Everything a Ray Serve deployment of one artifact needs; the same fields are a config's `args`.
 
     artifact: the artifact folder, at this path on every node. model: the name clients send (default: the folder's
-    name). backend: ort or trt (default: trt for an artifact with engines, else ort). tree, max_batch, max_waiting,
+    name). backend: ort or trt (default: trt for an artifact with engines, else ort). tree, heads, max_batch, max_waiting,
     providers: as clover-serve's flags, per replica. threads: ONNX Runtime intra-op threads per replica, and the CPUs
     Ray reserves for it (`ray_actor_options.num_cpus`). replicas: a fixed number, or autoscale = (min, max) with
     target_ongoing_requests per replica (default: max_batch, a full batch each). api_key: in this process only (never
@@ -68,6 +68,7 @@ class RayServeOptions:
     model: str | None = None
     backend: str | None = None
     tree: str = "auto"
+    heads: str | None = None  # as clover-serve --heads (None: the artifact's default drafts)
     max_batch: int = 8
     max_waiting: int = 256
     threads: int = 1
@@ -248,6 +249,7 @@ def load_engine(o: RayServeOptions, log=sys.stderr):
         o.artifact,
         backend=backend,
         tree=o.tree,
+        heads=o.heads,
         max_batch=o.max_batch,
         threads=o.threads,
         max_waiting=o.max_waiting,

@@ -1,7 +1,7 @@
 """clover-serve: an OpenAI-compatible HTTP server over one clover.Engine (clover.serve.app).
 
     clover-serve --artifact DIR | --demo [--backend ort|trt] [--host 127.0.0.1] [--port 8000] [--max-batch N]
-                 [--tree auto|NAME] [--providers cuda,cpu] [--api-key KEY] [--model NAME]
+                 [--tree auto|NAME] [--heads artifact|lookup|+lookup|none] [--providers cuda,cpu] [--api-key KEY] [--model NAME]
     clover-serve ... --ray [--replicas N | --autoscale MIN:MAX] [--threads-per-replica T] [--address auto|HOST:PORT]
     clover-serve ... --ray --print-config > config.yaml      (then: serve deploy config.yaml)
 
@@ -73,6 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded at once")
     p.add_argument("--max-waiting", type=int, default=256, help="queued requests beyond those (more get 503)")
     p.add_argument("--tree", default="auto", help="'auto' (per step, per sequence, by measured cost) or a tree name")
+    p.add_argument(
+        "--heads",
+        default=None,
+        help="what drafts: artifact (its heads), lookup (prompt lookup alone), +lookup (its heads and prompt "
+        "lookup), none (plain decoding); default: the artifact's own default, timed at export (its manifest's "
+        "drafts)",
+    )
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.add_argument(
         "--providers",
@@ -217,6 +224,7 @@ def ray_options(args: argparse.Namespace, limits, model: str | None):
         model=model,
         backend=args.backend,
         tree=args.tree,
+        heads=args.heads,
         max_batch=args.max_batch,
         max_waiting=args.max_waiting,
         threads=args.threads_per_replica or args.threads or 1,
@@ -323,6 +331,7 @@ def run(args: argparse.Namespace) -> int:
         args.artifact,
         backend=backend,
         tree=args.tree,
+        heads=args.heads,
         max_batch=args.max_batch,
         threads=args.threads,
         max_waiting=args.max_waiting,
@@ -340,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print(
             f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "
-            f"{args.tree}{', API key required' if args.api_key else ''})",
+            f"{args.tree}, drafts {engine.drafts}{', API key required' if args.api_key else ''})",
             file=sys.stderr,
             flush=True,
         )

@@ -364,6 +364,8 @@ def test_print_config_is_a_serve_deploy_config_with_every_option(artifact, tmp_p
             "8123",
             "--max-stop-strings",
             "2",
+            "--heads",
+            "lookup",
         ],
         capture_output=True,
         text=True,
@@ -379,6 +381,7 @@ def test_print_config_is_a_serve_deploy_config_with_every_option(artifact, tmp_p
     args = RayServeOptions.from_args(app["args"])
     assert args.artifact == str(artifact.resolve()) and args.api_key is None and args.api_key_file == str(key)
     assert (args.autoscale, args.threads, args.max_batch, args.limits.max_stop_strings) == ((1, 3), 2, 6, 2)
+    assert args.heads == "lookup"
     deployment = app["deployments"][0]
     assert deployment["max_ongoing_requests"] == 16 and deployment["ray_actor_options"] == {"num_cpus": 2}
     assert deployment["autoscaling_config"]["max_replicas"] == 3
