@@ -233,7 +233,13 @@ class Engine:
         check_max_batch(max_batch)  # before minutes of loading
         batch = {"batch": max_batch > 1} if backend == "ort" else {}  # the artifact's batched base graph, if any
         runner, tokenizer, drafts = load_backend(
-            base_or_artifact, heads, backend, threads=threads, providers=providers, **batch
+            base_or_artifact,
+            heads,
+            backend,
+            threads=threads,
+            providers=providers,
+            default_drafts=tree in (None, AUTO),  # a named tree is the heads'
+            **batch,
         )
         return cls(runner, tokenizer, tree, drafts, max_batch, max_waiting, log)
 

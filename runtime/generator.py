@@ -245,15 +245,17 @@ def load_backend(
     dtype: str | None = None,
     threads: int | None = None,
     providers: str | Sequence[str] | None = None,
+    default_drafts: bool = True,
     **options: Any,
 ) -> tuple[Runner, Tokenizer, str]:
     """The backend's runner, the base's tokenizer and the draft source, from CLI-style specs (Generator.load,
     Engine.load): heads "lookup" is prompt lookup on the base alone, "NAME+lookup" (or "+lookup" for the
     backend's default heads) adds its drafts to the heads' tree; heads and dtype left None take the
     backend's defaults; `threads` reaches the torch and ort backends, `providers` (e.g. "cuda,cpu") the ort
-    backend; `options` go to load_runner as they are."""
+    backend; `options` go to load_runner as they are. default_drafts: heads left None on an artifact take its
+    manifest's `drafts` (timed at export); False (the caller named a tree for the heads): its heads."""
     module = backend_module(backend)
-    if heads is None and backend in ("ort", "trt"):  # the artifact's default draft source, chosen at export
+    if heads is None and default_drafts and backend in ("ort", "trt"):  # the artifact's default, timed at export
         heads = {"lookup": "lookup", "heads+lookup": LOOKUP_SUFFIX}.get(read_manifest(base).drafts)
     drafts = "lookup" if heads == "lookup" else "heads"
     heads = "none" if drafts == "lookup" else heads
@@ -369,7 +371,7 @@ class Generator:
         backend's defaults (torch: none, float32; ort, trt: the artifact's); heads "lookup": prompt-lookup
         drafts on the base alone. `threads`: CPU threads of the torch and ort backends (None: their defaults).
         `providers`: the ort backend's execution providers, e.g. "cuda,cpu" (None: the CPU)."""
-        runner, tokenizer, drafts = load_backend(base, heads, backend, dtype, threads, providers)
+        runner, tokenizer, drafts = load_backend(base, heads, backend, dtype, threads, providers, tree is None)
         return cls(runner, tokenizer, tree, drafts)
 
     # -- public API -----------------------------------------------------------------------------

@@ -321,8 +321,9 @@ with httpx.Client(timeout=10) as c:
 def test_a_canary_keeps_its_inter_token_p99_while_abuse_is_refused(server, solo):
     """A streaming request's gaps between chunks (p99 over 3 runs of 200 tokens) while another process sends the
     abuse cases in a loop, interleaved with 3 runs alone, stay within 2x its solo runs', or 2 real steps (20 ms: SmolLM2 int4 steps take ~10 ms on
-    2 cores): the tiny model's steps take ~1 ms, and parsing a refused 700 KB body (json and pydantic, C calls that
-    hold the GIL, ~15 ms) is a pause no Python server avoids in-process; every abuse case gets its 4xx."""
+    2 cores), or the pause of parsing a refused 700 KB body (json and pydantic, C calls that hold the GIL, ~15 ms: no
+    Python server avoids it in-process) plus two of its own gaps (the tiny model's steps take ~1 ms, ~3 ms with the
+    prompt-lookup drafts its artifact defaults to); every abuse case gets its 4xx."""
     import numpy as np
 
     def canary_gaps() -> list[float]:
@@ -355,7 +356,7 @@ def test_a_canary_keeps_its_inter_token_p99_while_abuse_is_refused(server, solo)
         codes += out.split()
     assert len(codes) >= 7 and set(codes) <= {"400", "413"}, codes
     alone, beside = np.percentile(alone, 99), np.percentile(beside, 99)
-    assert beside <= max(2 * alone, 0.020), (
+    assert beside <= max(2 * alone, 0.015 + 2 * alone, 0.020), (
         f"inter-token p99 {beside * 1e3:.1f} ms beside abuse, {alone * 1e3:.1f} ms alone"
     )
 
