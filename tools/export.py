@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--tree",
         default=None,
-        help="default token tree recorded in the artifact (default: ONNX artifacts with heads time plain and the "
-        "candidate trees on their graphs and record the fastest; TensorRT and plugin exports: mc26, pruned "
-        "to the heads' depth)",
+        help="default token tree recorded in the artifact (default: ONNX artifacts with heads or an n-gram store "
+        "time plain decoding, the candidate trees and prompt lookup on their graphs and record the fastest tree "
+        "and draft source; TensorRT and plugin exports: mc26, pruned to the heads' depth)",
     )
     p.add_argument("--dtype", default="float32", help="float32, float16, or bfloat16 (TensorRT)")
     p.add_argument(
