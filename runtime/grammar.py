@@ -205,10 +205,12 @@ class GrammarState:
         self.seconds = 0.0  # spent computing states and masks (benchmarks/structured.py reports it per token)
         # tokens that end this request (its EOS and stop-token ids; none with ignore_eos): set by the caller
         self.ends: frozenset[int] = frozenset()
+        self._paths: PathMasks | None = None  # this state's path masks, kept until the next emitted tokens
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens emitted (in order). Tokens after the grammar's end (the end-of-sequence token) are not fed: the
         request ends there."""
+        self._paths = None
         for t in tokens:
             if self.matcher.is_stopped():
                 return
@@ -231,11 +233,15 @@ class GrammarState:
         token)."""
         if not self.ends or not (self.matcher.is_accepting() or self.matcher.is_stopped()):
             return None
-        allowed = np.flatnonzero(PathMasks(self).allowed(()))
+        allowed = np.flatnonzero(self.paths().allowed(()))
         return int(allowed[0]) if len(allowed) == 1 and int(allowed[0]) in self.ends else None
 
     def paths(self) -> PathMasks:
-        return PathMasks(self)
+        """The masks of paths from this state (one object until the next `extend`: a mask asked for twice, by
+        `the_end` after a step and by the next step's drafting, is computed once)."""
+        if self._paths is None:
+            self._paths = PathMasks(self)
+        return self._paths
 
 
 class PathMasks:

@@ -651,7 +651,7 @@ def _committed(runner: Runner, d: Decoding, p: _Planned, acc: Acceptance | None,
     if p.proposal is not None:
         d.lookup_length.observe(*p.proposal, emitted)
     d.root = acc.bonus_token
-    end = d.grammar.the_end() if d.grammar is not None and d.logprobs is None else None
+    end = _free_end(d)
     st = Step(
         emitted if end is None else [*emitted, end],  # a grammar that allows only the end: no forward for it
         t.num_nodes,
@@ -670,6 +670,12 @@ def _committed(runner: Runner, d: Decoding, p: _Planned, acc: Acceptance | None,
     elif p.use is not None and p.use[0]:  # the heads drafted nothing
         st.heads_tree, st.heads_path = PLAIN, acc.path[:1]
     return st
+
+
+def _free_end(d: Decoding) -> int | None:
+    """The token that ends the request when its grammar now allows only that (emitted without a forward), or None;
+    never with log-probabilities, which want that forward's row."""
+    return d.grammar.the_end() if d.grammar is not None and d.logprobs is None else None
 
 
 def _worth_verifying(d: Decoding, proposal: np.ndarray, rows: int) -> np.ndarray:
@@ -706,7 +712,7 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
         if d.drafts in ("lookup", "heads+lookup")
         else None
     )
-    end = d.grammar.the_end() if d.grammar is not None and d.logprobs is None else None
+    end = _free_end(d)
     st = Step([first] if end is None else [first, end], 1, rows=n, prompt_logprobs=prompt_lp, free_end=end is not None)
     if d.logprobs is not None:  # the prompt's last row
         st.logprobs = token_logprobs(logits, [first], d.logprobs)
