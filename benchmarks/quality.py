@@ -490,6 +490,18 @@ def plot(
 # ------------------------------------------------------------------------------------- main
 
 
+def peer_python(venv, what: str, root: Path, install: bool) -> Path:
+    """The python of a peer's venv as benchmarks/peers.py builds it (built here with `install`)."""
+    if install:
+        return peers.ensure_venv(venv, root)[0]
+    python = root / "venvs" / venv.name / "bin" / "python"
+    if not python.exists():
+        raise peers.PeerError(
+            f"{what} is not installed ({python} missing): run with --install (or benchmarks/peers.py) to build it"
+        )
+    return python
+
+
 def open_systems(args, hf_dir: Path, scratch: Path, skipped: list[dict]) -> list:
     from clover.models.smollm2 import cache_dir
 
@@ -509,15 +521,8 @@ def open_systems(args, hf_dir: Path, scratch: Path, skipped: list[dict]) -> list
                 log(f"skipped clover {config}: {e}")
     proot = peers.peers_root()
     if "llama.cpp" in args.systems:
-        python = proot / "venvs" / peers.LLAMA_VENV.name / "bin" / "python"
         try:
-            if args.install:
-                python, _ = peers.ensure_venv(peers.LLAMA_VENV, proot)
-            if not python.exists():
-                raise peers.PeerError(
-                    f"llama-cpp-python {peers.LLAMA_CPP_VERSION} is not installed ({python} missing): run with "
-                    "--install (or benchmarks/peers.py) to build it"
-                )
+            python = peer_python(peers.LLAMA_VENV, f"llama-cpp-python {peers.LLAMA_CPP_VERSION}", proot, args.install)
             for name, gguf in llama_ggufs(proot, python, hf_dir).items():
                 s = WorkerSystem(
                     name,
@@ -532,15 +537,8 @@ def open_systems(args, hf_dir: Path, scratch: Path, skipped: list[dict]) -> list
             skipped.append({"system": "llama.cpp", "reason": str(e)})
             log(f"skipped llama.cpp: {e}")
     if "ort-genai" in args.systems:
-        python = proot / "venvs" / peers.GENAI_VENV.name / "bin" / "python"
         try:
-            if args.install:
-                python, _ = peers.ensure_venv(peers.GENAI_VENV, proot)
-            if not python.exists():
-                raise peers.PeerError(
-                    f"onnxruntime-genai {peers.GENAI_VERSION} is not installed ({python} missing): run with --install "
-                    "(or benchmarks/peers.py) to build it"
-                )
+            python = peer_python(peers.GENAI_VENV, f"onnxruntime-genai {peers.GENAI_VERSION}", proot, args.install)
             model, _ = peers.ensure_genai_model(python, hf_dir, "int4", proot)
             s = WorkerSystem(
                 "ort-genai int4",

@@ -3,11 +3,14 @@ identity assertion (`assert_identical`)."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +29,22 @@ TOKENIZER_CORPUS = [
     "speculative decoding drafts tokens and verifies them",
     "clover heads predict several tokens per step",
 ] * 10
+
+
+@contextlib.contextmanager
+def script_module(path: Path, also_drop: Sequence[str] = ()) -> Iterator:
+    """A script (benchmarks/*.py) imported as the module of its file's name, in sys.modules while in use (dataclasses
+    resolve their module by name); removed afterwards, with `also_drop` (modules it imported from beside it)."""
+    name = path.stem
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        for n in (name, *also_drop):
+            sys.modules.pop(n, None)
 
 
 def tiny_config(vocab: int = 96, family: str = "LlamaForCausalLM", max_context: int = 256, **kw) -> BaseConfig:

@@ -10,6 +10,7 @@ import argparse
 import json
 from importlib.metadata import version
 
+from ort_genai_worker import load_model
 from quality_protocol import serve
 
 
@@ -21,17 +22,7 @@ def main() -> None:
     import numpy as np
     import onnxruntime_genai as og
 
-    config = og.Config(args.model)
-    config.overlay(
-        json.dumps(
-            {
-                "model": {
-                    "decoder": {"session_options": {"intra_op_num_threads": args.threads, "inter_op_num_threads": 1}}
-                }
-            }
-        )
-    )
-    model = og.Model(config)
+    model = load_model(args.model, args.threads)
     vocab = json.loads(open(f"{args.model}/genai_config.json").read())["model"]["vocab_size"]
 
     def logits(ids: list[int], start: int):

@@ -14,22 +14,25 @@ from protocol import Generation, TokenClock, serve, worker_args
 MODES = ("plain", "prompt-lookup")
 
 
+def load_model(folder: str, threads: int):
+    """The builder's model folder as an onnxruntime_genai.Model on `threads` intra-op threads."""
+    import onnxruntime_genai as og
+
+    config = og.Config(folder)
+    config.overlay(
+        json.dumps(
+            {"model": {"decoder": {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}
+        )
+    )
+    return og.Model(config)
+
+
 def main() -> None:
     args = worker_args("onnxruntime-genai", MODES, ("--ngram-size", int, 3), ("--draft-tokens", int, 4))
     modes = args.modes
     import onnxruntime_genai as og
 
-    config = og.Config(args.model)
-    config.overlay(
-        json.dumps(
-            {
-                "model": {
-                    "decoder": {"session_options": {"intra_op_num_threads": args.threads, "inter_op_num_threads": 1}}
-                }
-            }
-        )
-    )
-    model = og.Model(config)
+    model = load_model(args.model, args.threads)
 
     def generate(mode: str, prompt_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Generation:
         params = og.GeneratorParams(model)

@@ -64,32 +64,41 @@ class TokenClock:
         return Generation(self.token_ids, self.first - self.start, self.last - self.first, stats)
 
 
-def serve(
-    modes: dict[str, str], versions: dict[str, str], generate: Callable[[str, list[int], int, list[int]], Generation]
-) -> None:
-    """Answer requests on stdin until it closes. `generate(mode, prompt_ids, max_new_tokens, stop_ids)`."""
+def answer_lines(ready: dict, answer: Callable[[dict], dict]) -> None:
+    """The JSON-lines loop of a worker: the ready line, then one reply per request line until stdin closes; an
+    exception becomes that request's {"error": ...} reply (the orchestrator decides), with its traceback on stderr."""
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints of native libraries go to stderr
     sys.stdout = sys.stderr
-    out.write(json.dumps({"ready": True, "modes": modes, "versions": versions}) + "\n")
+    out.write(json.dumps(ready) + "\n")
     for line in sys.stdin:
         if not line.strip():
             continue
         try:
-            req = json.loads(line)
-            if req["mode"] not in modes:
-                raise ValueError(f"unknown mode {req['mode']!r}: this worker serves {', '.join(modes)}")
-            g = generate(
-                req["mode"],
-                [int(t) for t in req["prompt_ids"]],
-                int(req["max_new_tokens"]),
-                [int(t) for t in req.get("stop_ids", [])],
-            )
-            reply = {"token_ids": g.token_ids, "prefill_s": g.prefill_s, "decode_s": g.decode_s, "stats": g.stats}
+            reply = answer(json.loads(line))
         except Exception as e:  # noqa: BLE001 - reported to the orchestrator, which decides
             traceback.print_exc(file=sys.stderr)
             reply = {"error": f"{type(e).__name__}: {e}"}
         out.write(json.dumps(reply) + "\n")
+
+
+def serve(
+    modes: dict[str, str], versions: dict[str, str], generate: Callable[[str, list[int], int, list[int]], Generation]
+) -> None:
+    """Answer requests on stdin until it closes. `generate(mode, prompt_ids, max_new_tokens, stop_ids)`."""
+
+    def answer(req: dict) -> dict:
+        if req["mode"] not in modes:
+            raise ValueError(f"unknown mode {req['mode']!r}: this worker serves {', '.join(modes)}")
+        g = generate(
+            req["mode"],
+            [int(t) for t in req["prompt_ids"]],
+            int(req["max_new_tokens"]),
+            [int(t) for t in req.get("stop_ids", [])],
+        )
+        return {"token_ids": g.token_ids, "prefill_s": g.prefill_s, "decode_s": g.decode_s, "stats": g.stats}
+
+    answer_lines({"ready": True, "modes": modes, "versions": versions}, answer)
 
 
 def worker_args(system: str, modes: Sequence[str], *extra: tuple[str, type, object]) -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""The JSON-lines protocol of benchmarks/quality.py's peer workers (stdlib + numpy: it runs in each peer's venv).
+"""The JSON-lines protocol of benchmarks/quality.py's peer workers (stdlib + numpy: it runs in each peer's venv; the
+line loop is protocol.py's).
 
 A worker loads its model once, prints one ready line, then answers one request line with one reply line:
 
@@ -13,11 +14,9 @@ A worker loads its model once, prints one ready line, then answers one request l
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-import traceback
 from collections.abc import Callable
+
+from protocol import answer_lines
 
 
 def serve(
@@ -29,27 +28,17 @@ def serve(
     """Answer requests on stdin until it closes."""
     import numpy as np
 
-    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints of native libraries go to stderr
-    sys.stdout = sys.stderr
-    out.write(json.dumps({"ready": True, "vocab_size": vocab_size, "versions": versions}) + "\n")
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        try:
-            req = json.loads(line)
-            ids = [int(t) for t in req["ids"]]
-            if req["op"] == "logits":
-                rows = np.asarray(logits(ids, int(req["start"])), dtype=np.float32)
-                if rows.shape != (len(ids) - int(req["start"]), vocab_size):
-                    raise ValueError(f"logits of shape {rows.shape}, expected {(len(ids) - req['start'], vocab_size)}")
-                np.save(req["out"], rows)
-                reply = {"ok": True}
-            elif req["op"] == "greedy":
-                reply = {"ok": True, "token_ids": greedy(ids, int(req["max_new_tokens"]), list(req["stop_ids"]))}
-            else:
-                raise ValueError(f"unknown op {req['op']!r}")
-        except Exception as e:  # noqa: BLE001 - reported to the orchestrator, which decides
-            traceback.print_exc(file=sys.stderr)
-            reply = {"error": f"{type(e).__name__}: {e}"}
-        out.write(json.dumps(reply) + "\n")
+    def answer(req: dict) -> dict:
+        ids = [int(t) for t in req["ids"]]
+        if req["op"] == "logits":
+            start = int(req["start"])
+            rows = np.asarray(logits(ids, start), dtype=np.float32)
+            if rows.shape != (len(ids) - start, vocab_size):
+                raise ValueError(f"logits of shape {rows.shape}, expected {(len(ids) - start, vocab_size)}")
+            np.save(req["out"], rows)
+            return {"ok": True}
+        if req["op"] == "greedy":
+            return {"ok": True, "token_ids": greedy(ids, int(req["max_new_tokens"]), list(req["stop_ids"]))}
+        raise ValueError(f"unknown op {req['op']!r}")
+
+    answer_lines({"ready": True, "vocab_size": vocab_size, "versions": versions}, answer)

@@ -1,12 +1,12 @@
 """benchmarks/peers.py on recorded worker output: parsing, tok/s without the prefill, rows, table, JSON,
 bandwidth limits. No venv is built and no peer runs."""
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import script_module
 
 PEERS = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
 WORKERS = PEERS.parent / "peer_workers"
@@ -14,12 +14,8 @@ WORKERS = PEERS.parent / "peer_workers"
 
 @pytest.fixture(scope="module")
 def peers():
-    spec = importlib.util.spec_from_file_location("peers", PEERS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["peers"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["peers"]
+    with script_module(PEERS) as module:
+        yield module
 
 
 # Recorded reply lines (shortened): llama.cpp stops at EOS (id 2) after 5 tokens, ort-genai runs to the limit.

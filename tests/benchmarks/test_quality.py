@@ -1,25 +1,19 @@
 """benchmarks/quality.py's pure parts: the metrics, the Pareto front, the export flags of a config. No model runs."""
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import script_module
 
 QUALITY = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
 
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("quality", QUALITY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quality"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["quality"]
-    sys.modules.pop("peers", None)
+    with script_module(QUALITY, also_drop=("peers",)) as module:
+        yield module
 
 
 def test_tally_of_identical_laws_is_fp32(quality):

@@ -4,12 +4,11 @@ device too small for it (a tmpfs where mounting is permitted, else a file size l
 each; the checks are its own."""
 
 import errno
-import importlib.util
 import random
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import script_module
 
 from clover import atomic
 from clover.errors import CloverError
@@ -22,12 +21,8 @@ GROW_TOKENS = 600  # response tokens a grow run adds: ~11 shards, ~0.5 s
 
 @pytest.fixture(scope="module")
 def cs():
-    spec = importlib.util.spec_from_file_location("crash_safety", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["crash_safety"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["crash_safety"]
+    with script_module(SCRIPT) as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
