@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -58,8 +59,14 @@ def test_clover_serve_ray_replicas_2_serves_and_stops(tmp_path_factory):
                 model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=16
             )
             assert r.choices[0].message.content == want
-        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
-        replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines() if 'replica="' in line}
+        # both replicas on the board: the proxy is healthy once one replica is, and each publishes every second
+        deadline = time.time() + 60
+        while True:
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            replicas = {line.split('replica="')[1].split('"')[0] for line in text.splitlines() if 'replica="' in line}
+            if len(replicas) == 2 or time.time() > deadline:
+                break
+            time.sleep(0.5)
         assert len(replicas) == 2, replicas
     finally:
         proc.send_signal(signal.SIGTERM)
