@@ -227,6 +227,15 @@ class GrammarState:
         self.seconds += time.perf_counter() - t0
         return out
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading `tokens` the grammar allows from this state (the state itself unchanged)."""
+        if not tokens or self.matcher.is_stopped():
+            return 0
+        t0 = time.perf_counter()
+        n = self.matcher.validate_tokens(tokens)
+        self.seconds += time.perf_counter() - t0
+        return n
+
     def the_end(self) -> int | None:
         """The token that ends the request when the grammar allows it alone next (a finished JSON value), else
         None: the loop emits it without a forward, as constrained decoding would have to (its mask has one

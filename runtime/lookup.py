@@ -47,6 +47,7 @@ STORE_PROMPT_TAIL = 3  # prompt tokens kept before each answer: the chat templat
 STORE_FORMAT = 2  # 1: 2-3 token contexts and their most frequent next token; 2: a suffix array
 MATCH_EXTEND = 32  # a match is measured up to this many tokens back
 MATCH_DRAFTS_PER_TOKEN = 2  # a match of L tokens drafts up to 2L (L, 3L, 4L replayed worse or no better per ms)
+OCCURRENCES = 4  # latest occurrences of each n-gram kept: under a grammar, the one it allows furthest drafts
 
 
 def store_dtype(vocab_size: int) -> np.dtype:
@@ -291,8 +292,11 @@ class PromptLookup:
         self.max_ngram, self.min_ngram, self.store = max_ngram, min_ngram, store
         self.tokens: list[int] = []
         self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
+        # n-gram -> the indices after its OCCURRENCES latest occurrences, oldest first (propose_valid)
+        self._recent: dict[tuple[int, ...], list[int]] = {}
         # the last proposal's match length: > 0 in the sequence itself, < 0 (minus it) in the store, 0 none
         self.match = 0
+        self.forbidden = 0  # of propose's draft, the tokens the grammar of the last propose_valid forbade
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -303,7 +307,12 @@ class PromptLookup:
             end = len(seq) - 1  # the n-grams ending just before the new token now have a continuation
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n >= 0:
-                    self._next[tuple(seq[end - n : end])] = end
+                    gram = tuple(seq[end - n : end])
+                    self._next[gram] = end
+                    recent = self._recent.setdefault(gram, [])
+                    recent.append(end)
+                    if len(recent) > OCCURRENCES:
+                        del recent[0]
 
     def propose(self, k: int) -> np.ndarray:
         """Up to k draft tokens continuing the sequence (empty when its tail occurred nowhere before). A match
@@ -322,6 +331,34 @@ class PromptLookup:
                 self.match = self.match_length(start, n)
                 return np.array(seq[start : start + min(k, MATCH_DRAFTS_PER_TOKEN * self.match)], dtype=np.int64)
         return self._stored(k) if self.store is not None else np.zeros(0, dtype=np.int64)
+
+    def propose_valid(self, k: int, valid: Callable[[list[int]], int]) -> np.ndarray:
+        """Under a grammar: of `propose`'s draft and the continuations of the tail's other kept occurrences (every
+        matching n-gram, longest first, latest first; then the store's), the longest prefix `valid` allows (it
+        returns how many leading tokens of a draft the grammar accepts); ties go to the earlier one, `propose`'s
+        first. The latest occurrence of a JSON key's text is often the schema in the prompt, whose continuation
+        the grammar forbids where an earlier value's is allowed. Drafting only: the verify decides what is
+        emitted, so the output is the same whichever draft is picked."""
+        first = self.propose(k)
+        best, best_match = first[: valid(first.tolist())], self.match
+        self.forbidden = len(first) - len(best)
+        if len(best) == len(first) == k:
+            return best
+        seq = self.tokens
+        for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
+            for start in reversed(self._recent.get(tuple(seq[len(seq) - n :]), ())):
+                match = self.match_length(start, n)
+                draft = seq[start : start + min(k, MATCH_DRAFTS_PER_TOKEN * match)]
+                ok = valid(draft)
+                if ok > len(best):
+                    best, best_match = np.array(draft[:ok], dtype=np.int64), match
+        if self.store is not None and k > len(best):
+            stored = self._stored(k)
+            ok = valid(stored.tolist())
+            if ok > len(best):
+                best, best_match = stored[:ok], self.match
+        self.match = best_match
+        return best
 
     def _stored(self, k: int) -> np.ndarray:
         """The store's draft; `match` becomes minus its matched length (LookupLength learns store drafts apart)."""

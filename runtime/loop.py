@@ -565,7 +565,7 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
     speculating = d.drafts == "lookup" or 0 < tree.num_nodes - 1 <= room  # (a plain step stays plain)
     forced = np.asarray(d.grammar.forced(min(FORCED_DRAFTS, room)) if d.grammar and speculating else [], np.int64)
     if len(forced) and d.lookup is not None:  # a lookup proposal that starts with the forced tokens goes on further
-        more = d.lookup.propose(min(LOOKUP_DRAFTS, room))
+        more = _lookup(d, min(LOOKUP_DRAFTS, room))
         if len(more) > len(forced) and np.array_equal(more[: len(forced)], forced):
             forced = more
     if len(forced):
@@ -580,14 +580,14 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
             )
             tree, draft = merge_lookup(*draft, forced[: max(0, room - draft[0].num_nodes + 1)], runner.info.chains_only)
     elif d.drafts == "lookup":
-        whole = d.lookup.propose(min(tree.max_depth, room))
+        whole = _lookup(d, min(tree.max_depth, room))
         proposal = _worth_verifying(d, whole, 1)
         tree = chain(len(proposal))
         draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
     else:
         tree = tree if tree.num_nodes - 1 <= room else PLAIN
         if d.lookup is not None:  # heads+lookup
-            whole = d.lookup.propose(min(LOOKUP_DRAFTS, room))
+            whole = _lookup(d, min(LOOKUP_DRAFTS, room))
         # steps learned from (heads drafted or not): not the first after the prompt (its heads draft over all of it)
         learn = whole is not None and d.lookup_length is not None and tree.num_nodes > 1 and d.slot.past > len(d.prompt)
         kind = LookupLength.kind(d.lookup.match, len(whole)) if learn else -1
@@ -606,11 +606,12 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
                 whole = whole[: max(0, room - tree.num_nodes + 1)]
                 proposal = _worth_verifying(d, whole, tree.num_nodes)
                 tree, draft = merge_lookup(tree, draft, proposal, runner.info.chains_only)
-    pruned = 0
+    # under a grammar, the lookup draft it forbade part of was cut or replaced before drafting: counted as pruned
+    pruned = d.lookup.forbidden if whole is not None and d.grammar is not None else 0
     if masks is not None:
         drafted = tree.num_nodes
         tree, draft = constrain(tree, draft, masks)
-        pruned = drafted - tree.num_nodes
+        pruned += drafted - tree.num_nodes
         if d.drafts == "lookup" and tree.num_nodes > 1:  # point-mass drafts: the forced tokens after them join
             more = masks.forced_after(
                 tuple(int(t) for t in draft.tokens[1:]), min(FORCED_DRAFTS, room - tree.num_nodes + 1)
@@ -676,6 +677,11 @@ def _free_end(d: Decoding) -> int | None:
     """The token that ends the request when its grammar now allows only that (emitted without a forward), or None;
     never with log-probabilities, which want that forward's row."""
     return d.grammar.the_end() if d.grammar is not None and d.logprobs is None else None
+
+
+def _lookup(d: Decoding, k: int) -> np.ndarray:
+    """Up to k prompt-lookup drafts; under a grammar, the kept match whose continuation it allows furthest."""
+    return d.lookup.propose(k) if d.grammar is None else d.lookup.propose_valid(k, d.grammar.valid_prefix)
 
 
 def _worth_verifying(d: Decoding, proposal: np.ndarray, rows: int) -> np.ndarray:

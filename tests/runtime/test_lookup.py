@@ -42,6 +42,27 @@ def test_a_longer_match_drafts_longer():
     assert PromptLookup([3, 5, 6], store=store).propose(16).tolist() == [7, 8, 9, 1]  # its match of 2: up to 4
 
 
+def test_under_a_grammar_the_match_it_allows_furthest_drafts():
+    """propose_valid: among the kept occurrences of the tail's n-grams (and the store's draft), the continuation
+    the grammar allows furthest, cut where it stops; ties go to propose's own draft."""
+    seq = [1, 2, 5, 6, 7, 0, 1, 2, 8, 9, 0, 1, 2]  # (1, 2) was followed by 5 6 7 (oldest) and 8 9 0 (latest)
+    lookup = PromptLookup(seq, max_ngram=2)
+    assert lookup.propose(3).tolist() == [8, 9, 0]
+    everything = lambda draft: len(draft)  # noqa: E731
+    assert lookup.propose_valid(3, everything).tolist() == [8, 9, 0]
+    no_eight = lambda draft: next((i for i, t in enumerate(draft) if t == 8), len(draft))  # noqa: E731
+    assert lookup.propose_valid(3, no_eight).tolist() == [5, 6, 7]
+    assert lookup.match == 2
+    only_one = lambda draft: min(len(draft), 1)  # noqa: E731
+    assert lookup.propose_valid(3, only_one).tolist() == [8]  # a tie: propose's draft
+    assert lookup.propose_valid(3, lambda draft: 0).tolist() == []
+    store = NgramStore.build([([3, 4, 6, 6, 6], 0)] * 2, vocab_size=10)
+    stored = PromptLookup([9, 3, 4, 5, 3, 4], max_ngram=2, store=store)  # (3, 4) -> 5 here, -> 6 6 6 stored
+    assert stored.propose(3).tolist() == [5, 3, 4]
+    assert stored.propose_valid(3, lambda draft: 0 if draft[0] == 5 else len(draft)).tolist() == [6, 6, 6]
+    assert stored.match < 0  # learned apart, as the store's drafts are
+
+
 def test_bad_ngram_bounds():
     with pytest.raises(CloverError, match="1 <= min_ngram <= max_ngram"):
         PromptLookup([1], max_ngram=1, min_ngram=2)
