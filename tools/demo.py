@@ -36,6 +36,7 @@ SHIPPED_CORPUS = Path(__file__).resolve().parents[1] / "data" / "smollm2-sharegp
 SHIPPED_CORPORA = (SHIPPED_CORPUS, SHIPPED_CORPUS.parent / "smollm2-sharegpt-fp32")
 DRAFT_QUANT_REVISION = 2  # --draft-quant artifacts: 2 = MatMulNBits drafts with their own quantized LM head
 FUSED_REVISION = 2  # --attention fused artifacts: 2 = Clover-2's draft_begin fused too (export/fused_graph.py)
+QUANT_LAYOUT = 2  # --weights artifacts: 2 = the base keeps its own LM head beside lm_head.onnx (export/lm_head.py)
 DEMO_DRAFT_VOCAB = (
     8192  # 99.2% of the corpus's answer tokens; drafting ~25% cheaper on int4 (benchmarks/draft_vocab.py)
 )
@@ -129,8 +130,9 @@ def exported_artifact(base: str, heads: str, weights: str | None, draft_quant: s
     revision = (f"|draft-quant {DRAFT_QUANT_REVISION}" if draft_quant else "") + (
         f"|fused {FUSED_REVISION}" if attention == "fused" else ""
     )
-    # the resolved quantizer too: a new --weights default makes a new artifact
-    rounding = f"|{config.quantizer} {config.block} {config.is_symmetric}" if weights else ""
+    # the resolved quantizer too: a new --weights default makes a new artifact; and the LM-head layout (a quantized
+    # base keeps its own copy since QUANT_LAYOUT 2)
+    rounding = f"|{config.quantizer} {config.block} {config.is_symmetric}|layout {QUANT_LAYOUT}" if weights else ""
     key = hashlib.sha256(
         f"{base_path}|{heads}|{heads_digest(heads)}|{config}{rounding}{revision}".encode()
     ).hexdigest()[:12]

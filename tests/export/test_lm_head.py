@@ -81,3 +81,26 @@ def test_logits_and_tokens_are_those_of_the_uncut_graphs(pairs, arch):
         want, want_steps = run_tokens(b, p, tree, 30)
         assert_identical(got, want, f"{arch} shared vs own LM head")
         assert steps == want_steps  # the same drafts, so the same acceptance
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_a_quantized_base_keeps_its_own_lm_head_and_the_drafts_share_one(tmp_path_factory, weights):
+    """--weights: the base (and its batched twin) computes its logits itself, one session call a step; the draft
+    graphs still share lm_head.onnx; speculative greedy output is plain's."""
+    root = tmp_path_factory.getbasetemp()
+    art = tiny_artifact(root, "clover2", tree="chain-3", weights=weights, attention="fused")
+    m = open_artifact(art)
+    V = m.base_config["vocab_size"]
+    for name in ("base", "base_batch"):
+        outputs = {t.name for t in m.graphs[name].outputs}
+        assert "logits" in outputs and LM_INPUT not in outputs, name
+    assert vocab_matmuls(art / m.graphs["base"].file, V) == 1
+    for name in ("draft_begin", "draft_step"):
+        assert m.graphs[name].has_output(LM_INPUT), name
+        assert vocab_matmuls(art / m.graphs[name].file, V) == 0, f"{name} still holds an LM head"
+    runner = load_runner(art)
+    assert runner.base.lm_head is None and all(g.lm_head is runner.lm_head for g in runner.drafter.graphs)
+    for p in PROMPTS:
+        got, _ = run_tokens(runner, p, resolve_tree("chain-3"), 24)
+        want, _ = run_tokens(runner, p, resolve_tree("plain"), 24)
+        assert_identical(got, want, f"{weights} {p}")
