@@ -16,13 +16,17 @@ from clover.errors import CloverError
 
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's range: -100 bans a token, 100 forces it)
+# temperatures below this are greedy, as vLLM's: the law tends to the argmax as the temperature goes to 0, and logits
+# divided by a subnormal one (2e-309) overflow to inf, whose softmax is NaN
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How tokens are chosen.
 
-    temperature: 0 means greedy (argmax); > 0 divides the logits before the softmax.
+    temperature: 0 (or below GREEDY_TEMPERATURE) means greedy (argmax); above, it divides the logits before the
+        softmax.
     top_p: nucleus size in (0, 1]; 1 keeps the whole vocabulary. Ignored when greedy.
     seed: seed of the generator's numpy RNG; None draws fresh entropy.
 
@@ -71,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def processes_logits(self) -> bool:
@@ -125,7 +129,7 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         highest-probability tokens whose cumulative probability is >= top_p (ties broken by lower token
         id, at least one token), zeroes the rest and renormalizes.
     """
-    assert params.temperature > 0, "probs_from_logits is for sampling; greedy uses argmax"
+    assert not params.greedy, "probs_from_logits is for sampling; greedy uses argmax"
     _check_2d(logits)
     x = np.asarray(logits, dtype=np.float64) / params.temperature  # [N, V]
     x -= x.max(axis=1, keepdims=True)

@@ -37,6 +37,10 @@ def chi2_pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
 def test_params_defaults_and_greedy() -> None:
     assert SamplingParams().greedy
     assert not SamplingParams(temperature=0.7).greedy
+    assert not SamplingParams(temperature=1e-4).greedy
+    # a temperature this small is greedy: dividing logits by it would overflow (a fuzzed request sent 2.2e-309)
+    assert SamplingParams(temperature=2.225073858507203e-309).greedy
+    assert SamplingParams(temperature=9e-6).greedy
     with pytest.raises(dataclasses.FrozenInstanceError):
         SamplingParams().temperature = 1.0  # type: ignore[misc]
 
