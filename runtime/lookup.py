@@ -5,8 +5,8 @@ draft for the next step is what followed the most recent earlier occurrence of t
 tokens (n from `max_ngram` down to `min_ngram`, longest match first), as llama.cpp's prompt lookup and
 onnxruntime-genai's n-gram speculation do. Drafting costs a dictionary lookup, no model call.
 
-The index maps every n-gram to the position after its latest occurrence that has a continuation, and is
-updated as tokens arrive (O(max_ngram) per token), so a proposal never scans the sequence. A match found
+The index maps every n-gram to the positions after its latest occurrences that have a continuation (the last
+OCCURRENCES, for a grammar to pick among: PromptLookup.propose_valid), and is updated as tokens arrive (O(max_ngram) per token), so a proposal never scans the sequence. A match found
 through it is then extended backwards token by token (up to MATCH_EXTEND) to its real length L, and proposes up
 to MATCH_DRAFTS_PER_TOKEN * L tokens: a long repeated span (a signature, a quoted paragraph, a list's scaffold)
 goes on repeating. `LookupLength` then verifies as much of the proposal as pays for its rows on the runner's
@@ -291,8 +291,8 @@ class PromptLookup:
             raise CloverError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.max_ngram, self.min_ngram, self.store = max_ngram, min_ngram, store
         self.tokens: list[int] = []
-        self._next: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token after its latest occurrence
-        # n-gram -> the indices after its OCCURRENCES latest occurrences, oldest first (propose_valid)
+        # n-gram -> the index of the token after each of its OCCURRENCES latest occurrences, oldest first: propose
+        # drafts after the last, propose_valid picks among them
         self._recent: dict[tuple[int, ...], list[int]] = {}
         # the last proposal's match length: > 0 in the sequence itself, < 0 (minus it) in the store, 0 none
         self.match = 0
@@ -307,9 +307,7 @@ class PromptLookup:
             end = len(seq) - 1  # the n-grams ending just before the new token now have a continuation
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n >= 0:
-                    gram = tuple(seq[end - n : end])
-                    self._next[gram] = end
-                    recent = self._recent.setdefault(gram, [])
+                    recent = self._recent.setdefault(tuple(seq[end - n : end]), [])
                     recent.append(end)
                     if len(recent) > OCCURRENCES:
                         del recent[0]
@@ -322,8 +320,9 @@ class PromptLookup:
         matches of 2+ tokens, over many answers, predict better); the store's drafts are capped alike."""
         seq, self.match = self.tokens, 0
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
-            start = self._next.get(tuple(seq[len(seq) - n :]))
-            if start is not None:
+            recent = self._recent.get(tuple(seq[len(seq) - n :]))
+            if recent:
+                start = recent[-1]
                 if n < STORE_MIN_CONTEXT and self.store is not None and k > 0:
                     stored = self._stored(k)
                     if len(stored):
