@@ -237,16 +237,14 @@ def artifact_from_modules(
             from clover.export.lm_head import LM_HEAD, LM_INPUT, split_lm_head
 
             t0 = time.perf_counter()
-            which = "the draft graphs" if config.weights is not None else "the base and the draft graphs"
+            keep_base = config.weights is not None  # one session call a step instead of two (export/lm_head.py)
+            which = "the draft graphs" if keep_base else "the base and the draft graphs"
             say(f"[{len(graphs) + 1}/{steps}] {LM_HEAD}: one LM head for {which}")
-            # a quantized base keeps its own copy: one session call a step instead of two (export/lm_head.py)
-            specs = split_lm_head(
-                tmp, specs, graphs, VERIFY_SIZES[1], verify=config.verify, keep_base=config.weights is not None
-            )
+            specs = split_lm_head(tmp, specs, graphs, VERIFY_SIZES[1], verify=config.verify, keep_base=keep_base)
             shared = [n for n, s in specs.items() if s.has_output(LM_INPUT)]
             say(
                 f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)"
-                + ("; the base keeps its own copy" if config.weights is not None else "")
+                + ("; the base keeps its own copy" if keep_base else "")
                 if shared
                 else "      the draft graphs have their own LM head: nothing shared"
             )
