@@ -276,6 +276,13 @@ class PathMasks:
         self._states[path] = state
         return state
 
+    def permits(self, path: tuple[int, ...]) -> bool:
+        """Whether the grammar allows `path` (its state only: no mask computed)."""
+        t0 = time.perf_counter()
+        ok = self._state(path) is not None
+        self.g.seconds += time.perf_counter() - t0
+        return ok
+
     def allowed(self, path: tuple[int, ...]) -> np.ndarray | None:
         """[V] bool: the tokens the grammar allows after `path`; None when it forbids the path. A state that
         allows nothing (the grammar finished without an end token) allows the end-of-sequence tokens, so the
@@ -309,3 +316,26 @@ class PathMasks:
     def rows(self, paths: Sequence[tuple[int, ...]]) -> np.ndarray:
         """[n, V] bool masks of allowed paths (each must be allowed)."""
         return np.stack([self.allowed(p) for p in paths])
+
+    def lazy(self, paths: Sequence[tuple[int, ...]]) -> MaskRows:
+        """The masks of allowed paths, each computed when first asked for."""
+        return MaskRows(self, list(paths))
+
+
+class MaskRows:
+    """A verify's rows' masks (one allowed path per row), computed on demand: a greedy verify asks only for the
+    rows it walks, up to the first rejected draft, where sampling needs them all (`dense`)."""
+
+    def __init__(self, masks: PathMasks, paths: list[tuple[int, ...]]) -> None:
+        self.masks, self.paths = masks, paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def row(self, i: int) -> np.ndarray:
+        """[V] bool: the tokens allowed after row i's path."""
+        return self.masks.allowed(self.paths[i])
+
+    def dense(self) -> np.ndarray:
+        """[n, V] bool, every row."""
+        return self.masks.rows(self.paths)

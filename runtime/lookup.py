@@ -297,6 +297,7 @@ class PromptLookup:
         # the last proposal's match length: > 0 in the sequence itself, < 0 (minus it) in the store, 0 none
         self.match = 0
         self.forbidden = 0  # of propose's draft, the tokens the grammar of the last propose_valid forbade
+        self._store_last: tuple = (None, [], 0)  # ((sequence length, k), drafts, match) of the last store search
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -360,8 +361,13 @@ class PromptLookup:
         return best
 
     def _stored(self, k: int) -> np.ndarray:
-        """The store's draft; `match` becomes minus its matched length (LookupLength learns store drafts apart)."""
-        drafts, m = self.store.propose(self.tokens, k, MATCH_DRAFTS_PER_TOKEN)
+        """The store's draft; `match` becomes minus its matched length (LookupLength learns store drafts apart).
+        Kept until the sequence grows: a step under a grammar asks again (propose_valid, the forced tokens), and a
+        search of a large store costs ~0.2 ms."""
+        key = (len(self.tokens), k)
+        if self._store_last[0] != key:
+            self._store_last = (key, *self.store.propose(self.tokens, k, MATCH_DRAFTS_PER_TOKEN))
+        _, drafts, m = self._store_last
         self.match = -m if drafts else 0
         return np.array(drafts, dtype=np.int64)
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
 from clover.runtime.backend import Runner, Slot, Verify
-from clover.runtime.grammar import GrammarState, PathMasks
+from clover.runtime.grammar import GrammarState, MaskRows, PathMasks
 from clover.runtime.logprobs import StepLogprobs, token_logprobs
 from clover.runtime.lookup import LookupLength, PromptLookup
 from clover.runtime.processors import LogitsProcessors
@@ -89,8 +89,9 @@ class Draft:
     heads_tree: Tree | None = None
     # a dynamic tree's nodes' cumulative draft probabilities [T] (node order; what DraftConfidence learns from)
     confidence: np.ndarray | None = None
-    # a request with a grammar: [T, V] bool, the tokens the grammar allows after each node's path
-    allowed: np.ndarray | None = None
+    # a request with a grammar: the tokens the grammar allows after each node's path (a row's mask is computed
+    # when the verify asks for it)
+    allowed: MaskRows | None = None
 
 
 def _grammar_rows(logits: np.ndarray, allowed: np.ndarray, vocab: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
@@ -366,9 +367,9 @@ def constrain(tree: Tree, draft: Draft, grammar: PathMasks) -> tuple[Tree, Draft
     for n in range(1, T):  # parents come before their children
         p = int(tree.parent[n])
         paths[n] = paths[p] + (int(draft.tokens[n]),)
-        keep[n] = keep[n] and keep[p] and grammar.allowed(paths[n]) is not None
+        keep[n] = keep[n] and keep[p] and grammar.permits(paths[n])
     if keep.all():
-        return tree, replace(draft, allowed=grammar.rows(paths))
+        return tree, replace(draft, allowed=grammar.lazy(paths))
     kept = np.flatnonzero(keep)
     rank: dict[int, int] = {}  # new rank of each kept node among its kept siblings
     choice = {0: ()}
@@ -393,7 +394,7 @@ def constrain(tree: Tree, draft: Draft, grammar: PathMasks) -> tuple[Tree, Draft
         pick(draft.heads),
         draft.heads_tree,
         pick(draft.confidence),
-        grammar.rows([paths[n] for n in order]),
+        grammar.lazy([paths[n] for n in order]),
     )
     return new, pruned
 
@@ -411,10 +412,10 @@ def accept(
     rejection sampling."""
     if processors is not None:
         logits = processors.apply(logits, tree, draft.tokens)
+    if sampling.greedy:  # masks only where the walk goes
+        return accept_greedy(tree, draft.tokens, logits, draft.allowed.row if draft.allowed is not None else None)
     if draft.allowed is not None:
-        logits = np.where(draft.allowed, logits, -np.inf)
-    if sampling.greedy:
-        return accept_greedy(tree, draft.tokens, logits)
+        logits = np.where(draft.allowed.dense(), logits, -np.inf)
     target = probs_from_logits(logits, sampling)
     draft_probs = draft.probs if draft.probs is not None else np.zeros_like(target)
     return accept_sampling(tree, draft.tokens, draft.valid, target, draft_probs, rng, draft.point)
@@ -546,6 +547,7 @@ class _Planned:
     use: tuple[bool, int] | None = None
     draft_seconds: float = 0.0
     pruned: int = 0  # drafted nodes the grammar forbade (or that were invalid), left out of the verify
+    heads_idle: bool = False  # a sequence that drafts with heads verifies a chain they did not draft
 
 
 def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
@@ -560,17 +562,21 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
         every_row = d.prompt_logprobs is not None  # each row gives the next prompt token's log-probability
         return _Planned(Verify(d.slot, chunk, np.arange(n), np.tri(n, dtype=bool), last_only=not every_row))
     room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
-    whole, use = None, None
+    whole, use, heads_idle = None, None, False
     masks = d.grammar.paths() if d.grammar is not None else None
     speculating = d.drafts == "lookup" or 0 < tree.num_nodes - 1 <= room  # (a plain step stays plain)
     forced = np.asarray(d.grammar.forced(min(FORCED_DRAFTS, room)) if d.grammar and speculating else [], np.int64)
-    if len(forced) and d.lookup is not None:  # a lookup proposal that starts with the forced tokens goes on further
+    only = len(forced)  # the tokens the grammar allows alone
+    if only and d.lookup is not None:  # a lookup proposal that starts with the forced tokens goes on further
         more = _lookup(d, min(LOOKUP_DRAFTS, room))
         if len(more) > len(forced) and np.array_equal(more[: len(forced)], forced):
             forced = more
     if len(forced):
-        # the grammar's forced tokens take the place of the lookup proposal: they are drafts it allows for sure
-        if d.drafts == "lookup":
+        # the grammar's forced tokens take the place of the lookup proposal: they are drafts it allows for sure.
+        # The heads' nodes no deeper than the forced tokens are those tokens or forbidden, so a tree no deeper
+        # than them would only cost its draft and its masks: the forced chain goes alone
+        if d.drafts == "lookup" or tree.max_depth <= only:
+            heads_idle = d.drafts != "lookup"
             tree, draft = chain(len(forced)), lookup_draft(d.root, forced, d.sampling, runner.info.vocab_size)
         else:
             draft = (
@@ -593,7 +599,7 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
         kind = LookupLength.kind(d.lookup.match, len(whole)) if learn else -1
         if learn and d.lookup_length.alone(d.lookup.match, len(whole)):
             proposal = _worth_verifying(d, whole, 1)  # measured faster without the heads, for such proposals
-            use = (True, kind)
+            use, heads_idle = (True, kind), True
             tree = chain(len(proposal))
             draft = lookup_draft(d.root, proposal, d.sampling, runner.info.vocab_size)
         else:
@@ -631,6 +637,7 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
         use,
         time.perf_counter() - td,
         pruned,
+        heads_idle,
     )
 
 
@@ -668,7 +675,7 @@ def _committed(runner: Runner, d: Decoding, p: _Planned, acc: Acceptance | None,
     if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
         in_heads = dr.heads[acc.path]
         st.heads_tree, st.heads_path = dr.heads_tree, in_heads[in_heads >= 0]
-    elif p.use is not None and p.use[0]:  # the heads drafted nothing
+    elif p.heads_idle:  # the heads drafted nothing: their statistics see a plain step
         st.heads_tree, st.heads_path = PLAIN, acc.path[:1]
     return st
 
@@ -703,7 +710,7 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
         runner.commit(np.arange(n), d.prompt[start + 1 : start + n + 1], slot=d.slot)
         return Step([], 0, rows=n, prompt_logprobs=prompt_lp)
     logits = logits[-1:]  # the prompt's last row
-    allowed = None if d.grammar is None else d.grammar.paths().rows([()])
+    allowed = None if d.grammar is None else d.grammar.paths().lazy([()])
     first = accept(
         PLAIN, Draft(chunk[-1:], np.ones(1, bool), None, allowed=allowed), logits, d.sampling, d.rng, d.processors
     ).bonus_token

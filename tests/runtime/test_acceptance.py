@@ -75,6 +75,24 @@ def test_greedy_plain_tree_emits_bonus_only() -> None:
     assert acc.path.tolist() == [0] and acc.bonus_token == 11
 
 
+def test_greedy_with_masks_asked_on_the_walk_equals_masking_every_row() -> None:
+    """A grammar's masks, asked only for the nodes the walk reaches, give the walk of every row masked (ties
+    included: logits are small integers), and no row past the first rejection is asked for."""
+    rng = np.random.default_rng(5)
+    tree = resolve_tree("mc26")
+    for _ in range(300):
+        v = 8
+        tokens = rng.integers(0, v, tree.num_nodes)
+        logits = rng.integers(0, 4, (tree.num_nodes, v)).astype(np.float64)
+        masks = rng.random((tree.num_nodes, v)) < 0.5
+        masks[np.arange(tree.num_nodes), rng.integers(0, v, tree.num_nodes)] = True  # each allows one at least
+        asked: list[int] = []
+        lazy = accept_greedy(tree, tokens, logits.copy(), lambda n: asked.append(n) or masks[n])
+        dense = accept_greedy(tree, tokens, np.where(masks, logits, -np.inf))
+        assert lazy.path.tolist() == dense.path.tolist() and lazy.bonus_token == dense.bonus_token
+        assert asked == lazy.path.tolist()
+
+
 def test_greedy_shape_errors() -> None:
     tree = resolve_tree("chain-2")
     with pytest.raises(CloverError, match=r"expected node_tokens of shape \[3\]"):
