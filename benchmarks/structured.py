@@ -1,7 +1,7 @@
 """Structured output on the demo artifact: JSON-schema requests (three schemas of growing size), plain and
 speculative, against free-form answers to the same prompts.
 
-  python benchmarks/structured.py [--artifact DIR] [--num-prompts 6] [--max-new-tokens 128] [--repeats 3]
+  python benchmarks/structured.py [--artifact DIR] [--num-prompts 8] [--max-new-tokens 128] [--repeats 3]
 
 Per prompt and schema, every mode runs the prompt (which shows the schema) with the schema's grammar and without
 a grammar (the free-form answer to the same prompt), interleaved (same machine, same process, one sequence at a
@@ -116,7 +116,7 @@ def prompt(topic: str, schema: dict | None) -> list[dict[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--artifact", default=None, help="default: the demo's (int4, fused, with the shipped corpora)")
-    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--num-prompts", type=int, default=len(TOPICS), help="of the %(default)s topics")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3, help="runs of each prompt and mode (median time)")
     p.add_argument("--modes", default=",".join(MODES), help="of %(default)s; plain always runs (the reference)")
