@@ -102,7 +102,7 @@ def main() -> int:
     from ray import serve
     from tqdm import tqdm
 
-    from clover.serve.ray import RayServeOptions
+    from clover.serve.ray import RayServeOptions, local_cluster_env
     from clover.tools.bench import load_prompts
 
     prompts = load_prompts("mtbench", 80)
@@ -127,9 +127,9 @@ def main() -> int:
         single_url, warm_s = single_cold_start(args.artifact, args.threads, args.max_batch, prompts[0], servers)
         cold["single"] = {"uncached_s": round(cold_s, 2), "cached_s": round(warm_s, 2)}
         port = free_port()
-        # Ray starts its workers at nice 15 by default: the replicas would yield the cores to this process's clients,
-        # which the single process (nice 0) does not
-        os.environ.setdefault("RAY_worker_niceness", "0")
+        # as clover-serve --ray starts a local cluster: workers at nice 0 (Ray's default 15 would have the replicas
+        # yield the cores to this process's clients, which the single process does not), the HAProxy ingress
+        args.ingress = local_cluster_env()
         ray.init(
             address="local",
             num_cpus=2 * args.threads,  # both Ray applications up at once; one is loaded at a time
@@ -224,6 +224,7 @@ def report(args, rows: list[dict], cold: dict, names: dict) -> int:
         "max_tokens": args.max_tokens,
         "tree": "auto",
         "servers": {single: "clover-serve, one process", one: "Ray Serve, 1 replica", two: "Ray Serve, 2 replicas"},
+        "ray_ingress": args.ingress,
         "cold_start_to_first_token_s": cold,
         "results": rows,
         "ratios": {"ray_1_replica_vs_single_at_8": at8, "ray_2_replicas_vs_single_at_16": at16},

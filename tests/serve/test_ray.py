@@ -26,7 +26,7 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'clover-deploy[ray]')")
 openai = pytest.importorskip("openai")
 
-from clover.serve.ray import APP_NAME, DEPLOYMENT, RayServeOptions, application  # noqa: E402
+from clover.serve.ray import APP_NAME, DEPLOYMENT, RayServeOptions, application, local_cluster_env  # noqa: E402
 
 MODEL = "tiny"
 PROMPTS = [f"w{10 + i} w{20 + (i * 7) % 60} w30 w{40 + i}" for i in range(16)]
@@ -78,6 +78,7 @@ def cluster(artifact, tmp_path_factory):
     """A local cluster (4 logical CPUs on whatever cores there are), Serve's proxy on 127.0.0.1:<free port>, 2
     replicas; yields the /v1 base URL."""
     port = free_port()
+    local_cluster_env()  # what clover-serve --ray starts a local cluster with (the HAProxy ingress)
     ray.init(
         address="local",
         num_cpus=4,

@@ -78,3 +78,5 @@ def test_clover_serve_ray_replicas_2_serves_and_stops(tmp_path_factory):
         log = proc.stderr.read()
     assert code == 0, log[-2000:]
     assert "through Ray Serve (2 replica(s) x 1 thread(s)" in log and "clover-serve: stopped" in log, log[-2000:]
+    # the local cluster takes requests through HAProxy (the ray extra brings its binary), not the Python proxy
+    assert "ingress: HAProxy" in log, log[-2000:]
