@@ -92,7 +92,9 @@ def cluster(artifact, tmp_path_factory):
         # external_scaler_enabled: the scale-down test sets the replica count the way Serve's REST scale API does
         serve.run(application(options(artifact)), name=APP_NAME, route_prefix="/", external_scaler_enabled=True)
         wait_replicas(2, 60)
-        yield f"http://127.0.0.1:{port}/v1"
+        url = f"http://127.0.0.1:{port}/v1"
+        wait_both_replicas_answer(url, 60)
+        yield url
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -120,6 +122,18 @@ def served_by_replica(url: str) -> dict[str, float]:
             replica = name.split('replica="')[1].split('"')[0]
             out[replica] = out.get(replica, 0.0) + value
     return out
+
+
+def wait_both_replicas_answer(url: str, seconds: float) -> None:
+    """HAProxy learns of a replica a moment after Serve reports it running (it reloads its config): send a few
+    small concurrent requests until both replicas have answered some (leastconn spreads concurrent ones)."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        chat_many(url, PROMPTS[:4], False, max_tokens=4)
+        if len([n for n in served_by_replica(url).values() if n > 0]) == 2:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"requests did not reach both replicas within {seconds} s: {served_by_replica(url)}")
 
 
 def chat_many(url: str, prompts: list[str], stream: bool, max_tokens: int = MAX_TOKENS, **extra) -> list[str]:
