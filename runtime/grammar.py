@@ -30,8 +30,8 @@ KINDS = ("json_object", "json_schema", "regex", "lark", "choice")
 # saw most, so their drafts and prompt lookup match it (benchmarks/structured.py: more tokens per step than
 # compact JSON).
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-MAX_GRAMMAR_CHARS = 1 << 20
-CACHED_GRAMMARS = 64  # compiled grammars kept per engine (a request with a cached one skips the ~1 ms compile)  # a grammar's source text at most (a schema, a regex, a Lark grammar)
+MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's source text at most (a schema, a regex, a Lark grammar)
+CACHED_GRAMMARS = 64  # compiled grammars kept per engine (a request with a cached one skips the ~1 ms compile)
 
 
 @dataclass(frozen=True)
@@ -328,9 +328,6 @@ class MaskRows:
 
     def __init__(self, masks: PathMasks, paths: list[tuple[int, ...]]) -> None:
         self.masks, self.paths = masks, paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
 
     def row(self, i: int) -> np.ndarray:
         """[V] bool: the tokens allowed after row i's path."""

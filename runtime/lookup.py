@@ -6,8 +6,8 @@ tokens (n from `max_ngram` down to `min_ngram`, longest match first), as llama.c
 onnxruntime-genai's n-gram speculation do. Drafting costs a dictionary lookup, no model call.
 
 The index maps every n-gram to the positions after its latest occurrences that have a continuation (the last
-OCCURRENCES, for a grammar to pick among: PromptLookup.propose_valid), and is updated as tokens arrive (O(max_ngram) per token), so a proposal never scans the sequence. A match found
-through it is then extended backwards token by token (up to MATCH_EXTEND) to its real length L, and proposes up
+OCCURRENCES, for a grammar to pick among: PromptLookup.propose_valid), and is updated as tokens arrive
+(O(max_ngram) per token), so a proposal never scans the sequence. A match found through it is then extended backwards token by token (up to MATCH_EXTEND) to its real length L, and proposes up
 to MATCH_DRAFTS_PER_TOKEN * L tokens: a long repeated span (a signature, a quoted paragraph, a list's scaffold)
 goes on repeating. `LookupLength` then verifies as much of the proposal as pays for its rows on the runner's
 measured verify-cost curve, with acceptance by repeat length learned online. Against the earlier fixed rule (a

