@@ -8,8 +8,9 @@ target at the last accepted node, so it always emits len(path) >= 1 tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -58,11 +59,21 @@ def _check_rows(tree: Tree, node_tokens: np.ndarray, rows: np.ndarray, what: str
         raise CloverError(f"expected {what} of shape [{t}, V] for tree '{tree.name}', got {rows.shape}")
 
 
+class RowMasks(Protocol):
+    """What a grammar allows at each verified node (runtime/grammar.MaskRows)."""
+
+    def row(self, node: int) -> np.ndarray:
+        """[V] bool: the tokens allowed after the node's path."""
+
+    def permits(self, node: int, token: int) -> bool:
+        """row(node)[token], possibly without computing the row."""
+
+
 def accept_greedy(
     tree: Tree,
     node_tokens: np.ndarray,
     target_logits: np.ndarray,
-    allowed: Callable[[int], np.ndarray] | None = None,
+    allowed: RowMasks | None = None,
 ) -> Acceptance:
     """Longest root-to-node path whose drafted tokens equal the base argmax at their parents.
 
@@ -70,9 +81,10 @@ def accept_greedy(
         tree: the compiled tree (T nodes).
         node_tokens: [T] int64, node_tokens[0] is the root token.
         target_logits: [T, V] base logits at each node.
-        allowed: node -> [V] bool, the tokens a grammar allows there (None: all). Asked only for the nodes the
-            walk reaches; a row is masked only when its argmax is forbidden (the argmax over the allowed tokens
-            is then the same token, ties included, as masking every row would give).
+        allowed: the tokens a grammar allows at each node (None: all). Asked only for the nodes the walk
+            reaches, first whether it allows the row's argmax; a row is masked only when its argmax is forbidden
+            (the argmax over the allowed tokens is then the same token, ties included, as masking every row
+            would give).
 
     Returns:
         The accepted path and bonus = argmax at the last accepted node (ties: lowest id).
@@ -82,8 +94,8 @@ def accept_greedy(
     node = 0
     path = [0]
     while True:
-        if allowed is not None and not (mask := allowed(node))[target[node]]:
-            target[node] = np.argmax(np.where(mask, target_logits[node], -np.inf))
+        if allowed is not None and not allowed.permits(node, int(target[node])):
+            target[node] = np.argmax(np.where(allowed.row(node), target_logits[node], -np.inf))
         # Children are distinct tokens when drafted greedily; otherwise the first in rank order wins.
         match = [int(c) for c in tree.children[node] if node_tokens[c] == target[node]]
         if not match:

@@ -234,6 +234,13 @@ class Runner(abc.ABC):
             raise CloverError("this runner has no draft heads: use the plain tree")
         return self._draft_begin(slot or self.solo)
 
+    def draft_prepare(self, slot: Slot | None = None) -> None:
+        """Let the heads consume the rows committed so far now rather than at the next `draft_begin` (which
+        takes every row waiting since the last one in one call). A prompt's rows go so: the heads' pass over
+        the prompt is prompt processing, paid in the prefill like the base's, not by the first speculative step."""
+        if self.info.heads is not None:
+            self._draft_prepare(slot or self.solo)
+
     def draft_step(
         self, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray, slot: Slot | None = None
     ) -> np.ndarray:
@@ -262,6 +269,9 @@ class Runner(abc.ABC):
 
     @abc.abstractmethod
     def _draft_begin(self, slot: Slot) -> np.ndarray: ...
+
+    def _draft_prepare(self, slot: Slot) -> None:
+        """Default: the heads consume rows as they are committed (nothing waits)."""
 
     @abc.abstractmethod
     def _draft_step(

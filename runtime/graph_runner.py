@@ -211,6 +211,9 @@ class Drafter(abc.ABC):
     def begin(self, state: Any, slot: Slot) -> np.ndarray:
         """Draft logits [V] for the root's children."""
 
+    def prepare(self, state: Any, slot: Slot) -> None:
+        """Consume the accepted rows waiting for the next `begin` now (default: nothing waits)."""
+
     @abc.abstractmethod
     def step(self, state: Any, depth: int, nodes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Draft logits [n, V] for the children of `nodes`."""
@@ -306,9 +309,12 @@ class TreeDrafter(Drafter):
             state.cache.write(P, out, None, m)
         state.root_state, state.root_logits = out["state"], out["logits"][0]
 
-    def begin(self, state, slot):
+    def prepare(self, state, slot):
         if state.behind:
             self._catch_up(state, slot)
+
+    def begin(self, state, slot):
+        self.prepare(state, slot)
         state.states = self.arrays.copy(state.root_state)  # row i = state of tree node i (grown as drafted)
         return self.arrays.host(state.root_logits)
 
@@ -574,6 +580,11 @@ class GraphRunner(Runner):
     def _draft_begin(self, slot):
         with self.arrays.scope():
             return self.drafter.begin(slot.state.draft, slot)
+
+    def _draft_prepare(self, slot):
+        if self.drafter is not None:  # (a subclass may draft without one)
+            with self.arrays.scope():
+                self.drafter.prepare(slot.state.draft, slot)
 
     def _draft_step(self, slot, depth, nodes, parents, tokens):
         with self.arrays.scope():

@@ -413,7 +413,7 @@ def accept(
     if processors is not None:
         logits = processors.apply(logits, tree, draft.tokens)
     if sampling.greedy:  # masks only where the walk goes
-        return accept_greedy(tree, draft.tokens, logits, draft.allowed.row if draft.allowed is not None else None)
+        return accept_greedy(tree, draft.tokens, logits, draft.allowed)
     if draft.allowed is not None:
         logits = np.where(draft.allowed.dense(), logits, -np.inf)
     target = probs_from_logits(logits, sampling)
@@ -715,6 +715,8 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
         PLAIN, Draft(chunk[-1:], np.ones(1, bool), None, allowed=allowed), logits, d.sampling, d.rng, d.processors
     ).bonus_token
     runner.commit(np.arange(n), np.append(d.prompt[start + 1 :], first), slot=d.slot)
+    if d.drafts != "lookup" and d.tree.num_nodes > 1:  # the heads' pass over the prompt: part of the prefill
+        runner.draft_prepare(d.slot)
     d.root = first
     if d.processors is not None:
         d.processors.extend([first])

@@ -77,7 +77,8 @@ def test_greedy_plain_tree_emits_bonus_only() -> None:
 
 def test_greedy_with_masks_asked_on_the_walk_equals_masking_every_row() -> None:
     """A grammar's masks, asked only for the nodes the walk reaches, give the walk of every row masked (ties
-    included: logits are small integers), and no row past the first rejection is asked for."""
+    included: logits are small integers), and no row past the first rejection is asked for; a row's whole mask
+    is asked for only where its argmax is forbidden."""
     rng = np.random.default_rng(5)
     tree = resolve_tree("mc26")
     for _ in range(300):
@@ -86,11 +87,29 @@ def test_greedy_with_masks_asked_on_the_walk_equals_masking_every_row() -> None:
         logits = rng.integers(0, 4, (tree.num_nodes, v)).astype(np.float64)
         masks = rng.random((tree.num_nodes, v)) < 0.5
         masks[np.arange(tree.num_nodes), rng.integers(0, v, tree.num_nodes)] = True  # each allows one at least
-        asked: list[int] = []
-        lazy = accept_greedy(tree, tokens, logits.copy(), lambda n: asked.append(n) or masks[n])
+        rows = Rows(masks)
+        lazy = accept_greedy(tree, tokens, logits.copy(), rows)
         dense = accept_greedy(tree, tokens, np.where(masks, logits, -np.inf))
         assert lazy.path.tolist() == dense.path.tolist() and lazy.bonus_token == dense.bonus_token
-        assert asked == lazy.path.tolist()
+        assert rows.asked == lazy.path.tolist()
+        # a whole row only where its argmax is forbidden
+        argmax = logits.argmax(axis=1)
+        assert rows.masked == [n for n in rows.asked if not masks[n, argmax[n]]]
+
+
+class Rows:
+    """A grammar's masks as the verify asks for them: each node's argmax checked, then its row if forbidden."""
+
+    def __init__(self, masks: np.ndarray) -> None:
+        self.masks, self.asked, self.masked = masks, [], []
+
+    def permits(self, node: int, token: int) -> bool:
+        self.asked.append(node)
+        return bool(self.masks[node, token])
+
+    def row(self, node: int) -> np.ndarray:
+        self.masked.append(node)
+        return self.masks[node]
 
 
 def test_greedy_shape_errors() -> None:

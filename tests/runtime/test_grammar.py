@@ -20,7 +20,7 @@ from helpers import OracleRunner, assert_identical, char_tokenizer_dir, tiny_bas
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
 from clover.runtime.generator import Generator
-from clover.runtime.grammar import Grammar, GrammarCompiler
+from clover.runtime.grammar import Grammar, GrammarCompiler, PathMasks
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
@@ -121,6 +121,80 @@ def test_plain_constrained_decoding_equals_the_reference_and_matches_the_grammar
             check_output(name, r.text, r.finish_reason)
             finished += r.finish_reason == "stop"
     assert finished >= 6, "too few outputs finished: the validity checks prove little"
+
+
+def token_checks_equal_masks(compiler: GrammarCompiler, grammar: Grammar, tokens: list[int], eos: list[int]) -> int:
+    """At every state along `tokens`, PathMasks.permits_token agrees with the mask for every token of the
+    vocabulary; returns the states checked."""
+    state = compiler.state(grammar)
+    state.ends = frozenset(eos)
+    masks = PathMasks(state)
+    # the end tokens last: a check that needs the mask keeps it, and every later check would read it
+    order = np.concatenate([np.setdiff1d(np.arange(state.vocab_size), eos), eos])
+    states = 0
+    for k in range(len(tokens) + 1):
+        path = tuple(tokens[:k])
+        if path and path[-1] in eos:
+            break
+        want = masks.allowed(path)[order]
+        checks = PathMasks(state)  # apart from `masks`, whose mask a check would read
+        got = np.array([checks.permits_token(path, int(t)) for t in order])
+        assert (got == want).all(), (path, order[got != want][:10])
+        states += 1
+    return states
+
+
+def test_a_token_check_equals_the_mask(base, tok, reference):
+    """A greedy verify asks the grammar whether it allows a row's argmax, mostly without its mask (one token
+    checked by the parser): the answer must be the mask's, for every token, in every state plain constrained
+    decoding goes through (end tokens and accepting states included)."""
+    compiler = GrammarCompiler(tok, base.config.vocab_size)
+    states = sum(
+        token_checks_equal_masks(compiler, GRAMMARS[name], out, tok.eos_token_ids)
+        for (name, _), out in reference.items()
+    )
+    assert states > 100
+
+
+def test_a_token_check_equals_the_mask_on_smollm2s_vocabulary(smollm2_path):
+    """The same on a real vocabulary (49,152 tokens with multi-character and space-led ones), along answers to a
+    JSON schema and a regex."""
+    real = Tokenizer.from_dir(smollm2_path)
+    compiler = GrammarCompiler(real, 49152)
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "year": {"type": "integer"}, "tags": {"type": "array"}},
+        "required": ["name", "year"],
+    }
+    nested = {  # keys forced in turn (additionalProperties false, all required), as in benchmarks/structured.py
+        "type": "object",
+        "properties": {
+            "person": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string"},
+                    "occupations": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+                },
+                "required": ["name", "occupations"],
+                "additionalProperties": False,
+            },
+            "field": {"enum": ["mathematics", "physics"]},
+            "famous": {"type": "boolean"},
+        },
+        "required": ["person", "field", "famous"],
+        "additionalProperties": False,
+    }
+    cases = [
+        (Grammar.json_schema(schema), '{"name": "Ada Lovelace", "year": 1815, "tags": ["math", 2]}'),
+        # forced keys ("occupations" is forced as "occup" + "ations": the mask allows only that spelling)
+        (
+            Grammar.json_schema(nested),
+            '{"person": {"name": "Ada", "occupations": ["poet", "analyst"]}, "field": "mathematics", "famous": true}',
+        ),
+        (Grammar.regex(r"(yes|no), because [a-z ]+\."), "yes, because it is."),
+    ]
+    eos = real.eos_token_ids
+    assert sum(token_checks_equal_masks(compiler, g, [*real.encode(text), eos[0]], list(eos)) for g, text in cases) > 20
 
 
 def test_an_end_the_grammar_allows_alone_is_emitted_without_a_forward(base, tok):

@@ -14,7 +14,9 @@ from clover.artifact import read_manifest
 from clover.errors import CloverError
 from clover.runtime.backend import RunnerInfo, backend_module
 from clover.runtime.generator import Generator
+from clover.runtime.loop import chain, speculative_steps
 from clover.runtime.ort_backend import OrtRunner, load_runner
+from clover.runtime.sampling import SamplingParams
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
 
@@ -133,6 +135,32 @@ def test_heads_catch_up_after_plain_steps(artifacts):
             msg=arch,
         )
         assert calls == [1]  # one run over the prompt and the three steps
+
+
+def test_the_heads_read_the_prompt_in_the_prefill(artifacts):
+    """A sequence that drafts with the heads has them read its prompt in the prefill step (its first token's
+    wait, like the base's prompt pass), so the first speculative step drafts without reading anything more; one
+    that does not draft with them (plain, lookup) leaves them alone."""
+    runner = load_runner(artifacts["clover2"])
+    calls = []
+    begin = runner.drafter.begin_graph
+    begin.run = (lambda run: lambda inputs, *a: calls.append(inputs["next_tokens"].shape[1]) or run(inputs, *a))(
+        begin.run
+    )
+    prompt = np.array(PROMPTS[1])
+    for tree, prefill in (("mc26", [len(prompt)]), ("plain", [])):
+        calls.clear()
+        steps = speculative_steps(
+            runner, prompt, resolve_tree(tree), SamplingParams(), np.random.default_rng(0), 64, "heads"
+        )
+        next(steps)  # the prefill: the first token
+        assert calls == prefill, tree
+        next(steps)
+        assert calls == prefill, tree
+    calls.clear()
+    lookup = speculative_steps(runner, prompt, chain(4), SamplingParams(), np.random.default_rng(0), 64, "lookup")
+    next(lookup), next(lookup)
+    assert calls == []
 
 
 def test_load_runner_options_and_errors(artifacts):
