@@ -62,11 +62,11 @@ def _check_rows(tree: Tree, node_tokens: np.ndarray, rows: np.ndarray, what: str
 class RowMasks(Protocol):
     """What a grammar allows at each verified node (runtime/grammar.MaskRows)."""
 
-    def row(self, node: int) -> np.ndarray:
-        """[V] bool: the tokens allowed after the node's path."""
-
     def permits(self, node: int, token: int) -> bool:
-        """row(node)[token], possibly without computing the row."""
+        """Whether the grammar allows `token` after the node's path."""
+
+    def best(self, node: int, logits: np.ndarray) -> int:
+        """The allowed token of highest logit after the node's path (ties: the lowest id)."""
 
 
 def accept_greedy(
@@ -95,7 +95,7 @@ def accept_greedy(
     path = [0]
     while True:
         if allowed is not None and not allowed.permits(node, int(target[node])):
-            target[node] = np.argmax(np.where(allowed.row(node), target_logits[node], -np.inf))
+            target[node] = allowed.best(node, target_logits[node])
         # Children are distinct tokens when drafted greedily; otherwise the first in rank order wins.
         match = [int(c) for c in tree.children[node] if node_tokens[c] == target[node]]
         if not match:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,7 +168,9 @@ class GrammarCompiler:
         if grammar.kind not in KINDS:
             raise CloverError(f"unknown grammar kind {grammar.kind!r}: use one of {', '.join(KINDS)}")
         matcher = self._cached(grammar).deep_copy()
-        return GrammarState(matcher, self.vocab_size, grammar.kind, self._tokenizer.eos_token_ids)
+        state = GrammarState(matcher, self.vocab_size, grammar.kind, self._tokenizer.eos_token_ids)
+        state.token_bytes = self._tokenizer.token_bytes
+        return state
 
 
 def _one_line(error: object, limit: int = 500) -> str:
@@ -206,6 +208,7 @@ class GrammarState:
         # tokens that end this request (its EOS and stop-token ids; none with ignore_eos): set by the caller
         self.ends: frozenset[int] = frozenset()
         self._paths: PathMasks | None = None  # this state's path masks, kept until the next emitted tokens
+        self.token_bytes: Callable[[int], bytes] | None = None  # each token's bytes (the compiler's tokenizer)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens emitted (in order). Tokens after the grammar's end (the end-of-sequence token) are not fed: the
@@ -260,7 +263,8 @@ class PathMasks:
     def __init__(self, grammar: GrammarState) -> None:
         self.g = grammar
         self._states: dict[tuple[int, ...], Any] = {(): grammar.matcher}
-        self._masks: dict[tuple[int, ...], np.ndarray | None] = {}
+        self._bits: dict[tuple[int, ...], np.ndarray | None] = {}  # llguidance's bitmasks (int32 words)
+        self._masks: dict[tuple[int, ...], np.ndarray | None] = {}  # unpacked, where a row is masked
 
     def _state(self, path: tuple[int, ...]):
         if path in self._states:
@@ -283,22 +287,34 @@ class PathMasks:
         self.g.seconds += time.perf_counter() - t0
         return ok
 
-    def allowed(self, path: tuple[int, ...]) -> np.ndarray | None:
-        """[V] bool: the tokens the grammar allows after `path`; None when it forbids the path. A state that
-        allows nothing (the grammar finished without an end token) allows the end-of-sequence tokens, so the
-        request ends there."""
-        if path in self._masks:
-            return self._masks[path]
+    def _packed(self, path: tuple[int, ...]) -> np.ndarray | None:
+        """The bitmask of the tokens allowed after `path` (bit t of word t // 32), None when the path is
+        forbidden. A state that allows nothing (the grammar finished without an end token) allows the
+        end-of-sequence tokens, so the request ends there."""
+        if path in self._bits:
+            return self._bits[path]
         t0 = time.perf_counter()
         state = self._state(path)
-        out = None
+        bits = None
         if state is not None:
             bits = np.zeros(self.g.words, dtype=np.int32)
             state.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
-            out = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.g.vocab_size].astype(bool)
-            if not out.any():
-                out[self.g.eos] = True
-        self._masks[path] = out
+            if not bits.any():
+                words = bits.view(np.uint32)
+                np.bitwise_or.at(words, self.g.eos // 32, (np.uint32(1) << (self.g.eos % 32).astype(np.uint32)))
+        self._bits[path] = bits
+        self.g.seconds += time.perf_counter() - t0
+        return bits
+
+    def allowed(self, path: tuple[int, ...]) -> np.ndarray | None:
+        """[V] bool: the tokens the grammar allows after `path` (`_packed`, unpacked); None when it forbids the
+        path."""
+        if path in self._masks:
+            return self._masks[path]
+        bits = self._packed(path)
+        t0 = time.perf_counter()
+        out = None if bits is None else np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.g.vocab_size]
+        self._masks[path] = out = None if out is None else out.astype(bool)
         self.g.seconds += time.perf_counter() - t0
         return out
 
@@ -306,17 +322,15 @@ class PathMasks:
         """Whether the grammar allows `token` after the allowed `path`: `allowed(path)[token]`, without computing
         the whole mask where it can be helped. A greedy verify asks this of each row's argmax, which is mostly
         allowed: one token checked by the parser (~1 us) instead of a mask (~50-70 us in a step, the tokenizer's
-        trie out of cache after the forward). The mask decides where it is more than the parser's check: where
-        the grammar forces bytes (the mask then allows only their canonical tokenization, the check any
-        spelling) and where the end may come (an accepting or stopped state, an end token: the
-        end-of-sequence rule of `allowed`)."""
-        if path in self._masks:
-            mask = self._masks[path]
-            return mask is not None and bool(mask[token])
+        trie out of cache after the forward, and its unpacking). The mask's bit decides where it is more than
+        the parser's check: where the grammar forces bytes (the mask then allows only their canonical
+        tokenization, the check any spelling; llguidance computes such a mask without the trie) and where the
+        end may come (an accepting or stopped state, an end token: the end-of-sequence rule of `_packed`)."""
         t0 = time.perf_counter()
         state = self._state(path)
         quick = (
-            state is not None
+            path not in self._bits
+            and state is not None
             and token not in self.g.eos_set
             and not (state.is_accepting() or state.is_stopped())
             and not state.compute_ff_bytes()
@@ -325,7 +339,17 @@ class PathMasks:
         self.g.seconds += time.perf_counter() - t0
         if quick or state is None:
             return ok
-        return bool(self.allowed(path)[token])
+        bits = self._packed(path)
+        return bits is not None and bool((int(bits[token >> 5]) >> (token & 31)) & 1)
+
+    def best(self, path: tuple[int, ...], logits: np.ndarray) -> int:
+        """The allowed token of highest logit after the allowed `path` (ties: the lowest id), as the argmax of the
+        masked row; a mask with one token gives it without unpacking."""
+        bits = self._packed(path).view(np.uint32)
+        nonzero = np.flatnonzero(bits)
+        if len(nonzero) == 1 and not (word := int(bits[nonzero[0]])) & (word - 1):  # one bit set
+            return int(nonzero[0]) * 32 + word.bit_length() - 1
+        return int(np.argmax(np.where(self.allowed(path), logits, -np.inf)))
 
     def forced_after(self, path: tuple[int, ...], limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces after `path` (GrammarState.forced, one drafted path further):
@@ -348,19 +372,21 @@ class PathMasks:
 
 
 class MaskRows:
-    """A verify's rows' masks (one allowed path per row), computed on demand: a greedy verify asks only for the
-    rows it walks, up to the first rejected draft, where sampling needs them all (`dense`)."""
+    """A verify's rows' masks (one allowed path per row), computed on demand: a greedy verify asks only about the
+    rows it walks, up to the first rejected draft (`permits`, then `best` where the argmax is forbidden), where
+    sampling needs them all (`dense`)."""
 
     def __init__(self, masks: PathMasks, paths: list[tuple[int, ...]]) -> None:
         self.masks, self.paths = masks, paths
 
-    def row(self, i: int) -> np.ndarray:
-        """[V] bool: the tokens allowed after row i's path."""
-        return self.masks.allowed(self.paths[i])
-
     def permits(self, i: int, token: int) -> bool:
         """Whether the grammar allows `token` after row i's path (`row(i)[token]`, mostly without the mask)."""
         return self.masks.permits_token(self.paths[i], token)
+
+    def best(self, i: int, logits: np.ndarray) -> int:
+        """The allowed token of highest logit after row i's path (ties: the lowest id): the argmax of the masked
+        row, or at once the one token a mask allows (the grammar forces it: a JSON key's next token)."""
+        return self.masks.best(self.paths[i], logits)
 
     def dense(self) -> np.ndarray:
         """[n, V] bool, every row."""

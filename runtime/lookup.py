@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import mmap
+import re
 import struct
 import sys
 import zipfile
@@ -47,6 +48,13 @@ STORE_PROMPT_TAIL = 3  # prompt tokens kept before each answer: the chat templat
 STORE_FORMAT = 2  # 1: 2-3 token contexts and their most frequent next token; 2: a suffix array
 MATCH_EXTEND = 32  # a match is measured up to this many tokens back
 MATCH_DRAFTS_PER_TOKEN = 2  # a match of L tokens drafts up to 2L (L, 3L, 4L replayed worse or no better per ms)
+# under a grammar, with no earlier n-gram to follow: the output's last word (at least TEXT_MATCH_BYTES long, over at
+# most TEXT_MATCH_TOKENS tokens) found earlier as text, ending where a token ends (see PromptLookup.propose_valid)
+TEXT_MATCH_BYTES = 3
+TEXT_MATCH_TOKENS = 3
+_WORD_BYTE = re.compile(rb"[0-9A-Za-z\x80-\xff]")
+_LAST_WORD = re.compile(rb"[0-9A-Za-z\x80-\xff]+$")
+TEXT_MATCH_TRIES = 8  # earlier occurrences looked at, latest first
 OCCURRENCES = 4  # latest occurrences of each n-gram kept: under a grammar, the one it allows furthest drafts
 
 
@@ -285,12 +293,21 @@ def _npz_member(f, info: zipfile.ZipInfo, mapped: mmap.mmap) -> tuple[np.ndarray
 
 class PromptLookup:
     def __init__(
-        self, tokens: Sequence[int], max_ngram: int = 3, min_ngram: int = 1, store: NgramStore | None = None
+        self,
+        tokens: Sequence[int],
+        max_ngram: int = 3,
+        min_ngram: int = 1,
+        store: NgramStore | None = None,
+        texts: Callable[[int], bytes] | None = None,
     ) -> None:
+        """texts: each token's bytes (the tokenizer's), for matches of text (`propose_valid`); None: none."""
         if not 1 <= min_ngram <= max_ngram:
             raise CloverError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
-        self.max_ngram, self.min_ngram, self.store = max_ngram, min_ngram, store
+        self.max_ngram, self.min_ngram, self.store, self.texts = max_ngram, min_ngram, store, texts
         self.tokens: list[int] = []
+        self._text = bytearray()  # with `texts`: the sequence's bytes, and where each token ends in them
+        self._ends: list[int] = []
+        self._token_at: dict[int, int] = {}  # end offset -> the token that ends there
         # n-gram -> the index of the token after each of its OCCURRENCES latest occurrences, oldest first: propose
         # drafts after the last, propose_valid picks among them
         self._recent: dict[tuple[int, ...], list[int]] = {}
@@ -305,6 +322,10 @@ class PromptLookup:
         seq = self.tokens
         for t in tokens:
             seq.append(int(t))
+            if self.texts is not None:
+                self._text += self.texts(int(t))
+                self._ends.append(len(self._text))
+                self._token_at[len(self._text)] = len(seq) - 1
             end = len(seq) - 1  # the n-grams ending just before the new token now have a continuation
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n >= 0:
@@ -357,8 +378,42 @@ class PromptLookup:
             ok = valid(stored.tolist())
             if ok > len(best):
                 best, best_match = stored[:ok], self.match
+        if best_match <= 0 and self.texts is not None:  # no n-gram of the sequence recurs: its last word may
+            text, match = self._text_match(k)
+            ok = valid(text.tolist()) if len(text) else 0
+            if ok:
+                best, best_match = text[:ok], match
         self.match = best_match
         return best
+
+    def _text_match(self, k: int) -> tuple[np.ndarray, int]:
+        """Drafts after an earlier occurrence of the sequence's last word as text (a whole word there, ending
+        where a token ends), and how many tokens the word spans (its match length); none if it does not occur
+        so. Inside a JSON string the first word of a value has no space before it, so it is another token than
+        in the prompt ("Marie" after the quote, " Marie" in "about Marie Curie"): no n-gram recurs, but the
+        word does, and what followed it there (" Curie") is likely next."""
+        n = len(self.tokens)
+        if n < 2:
+            return np.zeros(0, dtype=np.int64), 0
+        window = self._ends[max(0, n - 1 - TEXT_MATCH_TOKENS)]  # where the last few tokens begin
+        word = _LAST_WORD.search(bytes(self._text[window:]))
+        if word is None or len(word.group()) < TEXT_MATCH_BYTES:
+            return np.zeros(0, dtype=np.int64), 0
+        word = word.group()
+        begin = len(self._text) - len(word)
+        spans = n - bisect.bisect_right(self._ends, begin)  # tokens ending inside the word
+        hi = begin  # occurrences that end before the word itself begins
+        for _ in range(TEXT_MATCH_TRIES):
+            at = self._text.rfind(word, 0, hi)
+            if at < 0:
+                break
+            end = self._token_at.get(at + len(word))
+            if end is not None and (at == 0 or not _WORD_BYTE.match(self._text, at - 1)):
+                return np.array(
+                    self.tokens[end + 1 : end + 1 + min(k, MATCH_DRAFTS_PER_TOKEN * spans)], np.int64
+                ), spans
+            hi = at + len(word) - 1
+        return np.zeros(0, dtype=np.int64), 0
 
     def _stored(self, k: int) -> np.ndarray:
         """The store's draft; `match` becomes minus its matched length (LookupLength learns store drafts apart).

@@ -723,7 +723,11 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     if d.grammar is not None:
         d.grammar.extend([first])
     d.lookup = (
-        PromptLookup(list(d.prompt) + [first], store=runner.info.ngram_store)
+        PromptLookup(
+            list(d.prompt) + [first],
+            store=runner.info.ngram_store,
+            texts=d.grammar.token_bytes if d.grammar is not None else None,  # a grammar's drafts match text too
+        )
         if d.drafts in ("lookup", "heads+lookup")
         else None
     )

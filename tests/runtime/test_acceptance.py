@@ -107,9 +107,9 @@ class Rows:
         self.asked.append(node)
         return bool(self.masks[node, token])
 
-    def row(self, node: int) -> np.ndarray:
+    def best(self, node: int, logits: np.ndarray) -> int:
         self.masked.append(node)
-        return self.masks[node]
+        return int(np.argmax(np.where(self.masks[node], logits, -np.inf)))
 
 
 def test_greedy_shape_errors() -> None:

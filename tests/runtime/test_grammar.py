@@ -20,7 +20,7 @@ from helpers import OracleRunner, assert_identical, char_tokenizer_dir, tiny_bas
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
 from clover.runtime.generator import Generator
-from clover.runtime.grammar import Grammar, GrammarCompiler, PathMasks
+from clover.runtime.grammar import Grammar, GrammarCompiler, GrammarState, PathMasks
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
@@ -125,12 +125,13 @@ def test_plain_constrained_decoding_equals_the_reference_and_matches_the_grammar
 
 def token_checks_equal_masks(compiler: GrammarCompiler, grammar: Grammar, tokens: list[int], eos: list[int]) -> int:
     """At every state along `tokens`, PathMasks.permits_token agrees with the mask for every token of the
-    vocabulary; returns the states checked."""
+    vocabulary, and PathMasks.best is the masked argmax; returns the states checked."""
     state = compiler.state(grammar)
     state.ends = frozenset(eos)
     masks = PathMasks(state)
     # the end tokens last: a check that needs the mask keeps it, and every later check would read it
     order = np.concatenate([np.setdiff1d(np.arange(state.vocab_size), eos), eos])
+    rng = np.random.default_rng(0)
     states = 0
     for k in range(len(tokens) + 1):
         path = tuple(tokens[:k])
@@ -140,6 +141,9 @@ def token_checks_equal_masks(compiler: GrammarCompiler, grammar: Grammar, tokens
         checks = PathMasks(state)  # apart from `masks`, whose mask a check would read
         got = np.array([checks.permits_token(path, int(t)) for t in order])
         assert (got == want).all(), (path, order[got != want][:10])
+        for logits in rng.integers(0, 3, (2, state.vocab_size)).astype(np.float32):  # ties: the lowest id
+            best = PathMasks(state).best(path, logits)
+            assert best == np.argmax(np.where(masks.allowed(path), logits, -np.inf)), path
         states += 1
     return states
 
@@ -195,6 +199,35 @@ def test_a_token_check_equals_the_mask_on_smollm2s_vocabulary(smollm2_path):
     ]
     eos = real.eos_token_ids
     assert sum(token_checks_equal_masks(compiler, g, [*real.encode(text), eos[0]], list(eos)) for g, text in cases) > 20
+
+
+class Finished:
+    """A matcher whose mask allows nothing (llguidance stops so where a grammar ends without an end token)."""
+
+    def unsafe_compute_mask_ptr(self, address: int, size: int) -> None:
+        pass  # the mask stays all zeros
+
+    def is_accepting(self) -> bool:
+        return False
+
+    def is_stopped(self) -> bool:
+        return False
+
+    def compute_ff_bytes(self) -> bytes:
+        return b""
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        return 0
+
+
+def test_a_state_that_allows_nothing_allows_the_end():
+    """An empty mask lets the request end: the end-of-sequence tokens are allowed there, by the mask and by the
+    token check."""
+    masks = PathMasks(GrammarState(Finished(), 70, "json_object", [3, 65]))
+    assert np.flatnonzero(masks.allowed(())).tolist() == [3, 65]
+    assert [t for t in range(70) if masks.permits_token((), t)] == [3, 65]
+    fresh = PathMasks(GrammarState(Finished(), 70, "json_object", [3, 65]))  # the check before any mask
+    assert [fresh.permits_token((), t) for t in (5, 3, 64, 65)] == [False, True, False, True]
 
 
 def test_an_end_the_grammar_allows_alone_is_emitted_without_a_forward(base, tok):

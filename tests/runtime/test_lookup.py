@@ -63,6 +63,29 @@ def test_under_a_grammar_the_match_it_allows_furthest_drafts():
     assert stored.match < 0  # learned apart, as the store's drafts are
 
 
+def test_under_a_grammar_a_word_that_recurs_as_other_tokens_drafts_what_followed_it():
+    """With no n-gram of the sequence recurring, propose_valid looks for its last word as text: where it ended a
+    whole word earlier, at a token's end, the tokens after it are drafted (up to 2 per token the word spans)."""
+    pieces = {1: b"Tell me about", 2: b" Marie", 3: b" Curie", 4: b"'s work", 5: b'{"name": "', 6: b"Marie"}
+    pieces |= {9: b" AnneMarie", 10: b" Maries", 11: b"Ma", 12: b"rie"}
+    everything = lambda draft: len(draft)  # noqa: E731
+
+    def lookup(seq):
+        return PromptLookup(seq, texts=pieces.__getitem__)
+
+    # "Marie" after the quote is token 6, " Marie" in the prompt token 2: no n-gram recurs, the word does
+    assert lookup([1, 2, 3, 4, 5, 6]).propose(2).tolist() == []
+    marie = lookup([1, 2, 3, 4, 5, 6])
+    assert marie.propose_valid(4, everything).tolist() == [3, 4]  # the word spans one token: up to 2 drafts
+    assert marie.match == 1
+    assert lookup([1, 2, 3, 4, 5, 11, 12]).propose_valid(4, everything).tolist() == [3, 4, 5, 11]  # spans 2: up to 4
+    assert lookup([1, 2, 3, 4, 5, 6]).propose_valid(4, lambda draft: 1).tolist() == [3]  # cut where it stops
+    assert lookup([1, 9, 3, 5, 6]).propose_valid(4, everything).tolist() == []  # inside a word: not a match
+    assert lookup([1, 10, 3, 5, 6]).propose_valid(4, everything).tolist() == []  # ends inside a token
+    assert lookup([1, 2, 3, 5, 11]).propose_valid(4, everything).tolist() == []  # "Ma": too short
+    assert PromptLookup([1, 2, 3, 4, 5, 6]).propose_valid(4, everything).tolist() == []  # no texts: no words
+
+
 def test_bad_ngram_bounds():
     with pytest.raises(CloverError, match="1 <= min_ngram <= max_ngram"):
         PromptLookup([1], max_ngram=1, min_ngram=2)
