@@ -7,11 +7,11 @@ Per prompt and schema, every mode runs the prompt (which shows the schema) with 
 a grammar (the free-form answer to the same prompt), interleaved (same machine, same process, one sequence at a
 time, greedy; each prompt's schema / free-form pair runs --repeats times in a row, all modes each time, and a
 prompt's time is its median over the repeats, so one slow moment on a shared host does not decide a row): plain
-decoding, the artifact's heads on its default tree, prompt lookup
-(the n-gram store included), heads + lookup. Reports tokens/s, tokens per verify step, drafted tokens the grammar
-pruned, the time to the first token (the prefill, where the heads also read the prompt), the grammar's own cost
-(state + mask computation) per generated token, whether each speculative output
-equals plain constrained decoding, and whether every finished output parses and validates against its schema.
+decoding, the artifact's heads on its default tree, prompt lookup (the n-gram store included), heads + lookup.
+Reports tokens/s after the first token, tokens per verify step, the time to the first token (the prefill, where the
+heads also read the prompt), drafted tokens the grammar pruned, the grammar's own cost (state + mask computation)
+per generated token, whether each speculative output equals plain constrained decoding, and whether every finished
+output parses and validates against its schema.
 The target: speculation under a grammar at least as fast as the same speculation on free-form answers.
 
 Writes benchmarks/results/structured.json (and prints the table). Needs the `structured` extra (llguidance).
