@@ -168,9 +168,9 @@ class GrammarCompiler:
         if grammar.kind not in KINDS:
             raise CloverError(f"unknown grammar kind {grammar.kind!r}: use one of {', '.join(KINDS)}")
         matcher = self._cached(grammar).deep_copy()
-        state = GrammarState(matcher, self.vocab_size, grammar.kind, self._tokenizer.eos_token_ids)
-        state.token_bytes = self._tokenizer.token_bytes
-        return state
+        return GrammarState(
+            matcher, self.vocab_size, grammar.kind, self._tokenizer.eos_token_ids, self._tokenizer.token_bytes
+        )
 
 
 def _one_line(error: object, limit: int = 500) -> str:
@@ -199,8 +199,16 @@ class _Wrapped:
 class GrammarState:
     """One request's matcher, in the state after its emitted tokens."""
 
-    def __init__(self, matcher, vocab_size: int, kind: str, eos_ids: Sequence[int]) -> None:
-        self.matcher, self.vocab_size, self.kind = matcher, vocab_size, kind
+    def __init__(
+        self,
+        matcher,
+        vocab_size: int,
+        kind: str,
+        eos_ids: Sequence[int],
+        token_bytes: Callable[[int], bytes] | None = None,
+    ) -> None:
+        """token_bytes: each token's bytes (the compiler's tokenizer: prompt lookup matches words with them)."""
+        self.matcher, self.vocab_size, self.kind, self.token_bytes = matcher, vocab_size, kind, token_bytes
         self.words = (vocab_size + 31) // 32  # int32 words of a bitmask row
         self.eos = np.asarray(list(eos_ids), dtype=np.int64)
         self.eos_set = frozenset(int(i) for i in eos_ids)
@@ -208,7 +216,6 @@ class GrammarState:
         # tokens that end this request (its EOS and stop-token ids; none with ignore_eos): set by the caller
         self.ends: frozenset[int] = frozenset()
         self._paths: PathMasks | None = None  # this state's path masks, kept until the next emitted tokens
-        self.token_bytes: Callable[[int], bytes] | None = None  # each token's bytes (the compiler's tokenizer)
 
     def extend(self, tokens: Sequence[int]) -> None:
         """Tokens emitted (in order). Tokens after the grammar's end (the end-of-sequence token) are not fed: the
@@ -313,19 +320,21 @@ class PathMasks:
             return self._masks[path]
         bits = self._packed(path)
         t0 = time.perf_counter()
-        out = None if bits is None else np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.g.vocab_size]
-        self._masks[path] = out = None if out is None else out.astype(bool)
+        out = None
+        if bits is not None:
+            out = np.unpackbits(bits.view(np.uint8), bitorder="little")[: self.g.vocab_size].astype(bool)
+        self._masks[path] = out
         self.g.seconds += time.perf_counter() - t0
         return out
 
     def permits_token(self, path: tuple[int, ...], token: int) -> bool:
         """Whether the grammar allows `token` after the allowed `path`: `allowed(path)[token]`, without computing
         the whole mask where it can be helped. A greedy verify asks this of each row's argmax, which is mostly
-        allowed: one token checked by the parser (~1 us) instead of a mask (~50-70 us in a step, the tokenizer's
-        trie out of cache after the forward, and its unpacking). The mask's bit decides where it is more than
-        the parser's check: where the grammar forces bytes (the mask then allows only their canonical
-        tokenization, the check any spelling; llguidance computes such a mask without the trie) and where the
-        end may come (an accepting or stopped state, an end token: the end-of-sequence rule of `_packed`)."""
+        allowed: one token checked by the parser (~20 us in a step) instead of a mask (~50-70 us in a step, the
+        tokenizer's trie out of cache after the forward, and its unpacking). The mask's bit decides where it is
+        more than the parser's check: where the grammar forces bytes (the mask then allows only their canonical
+        tokenization, the check any spelling) and where the end may come (an accepting or stopped state, an end
+        token: the end-of-sequence rule of `_packed`)."""
         t0 = time.perf_counter()
         state = self._state(path)
         quick = (

@@ -7,10 +7,11 @@ onnxruntime-genai's n-gram speculation do. Drafting costs a dictionary lookup, n
 
 The index maps every n-gram to the positions after its latest occurrences that have a continuation (the last
 OCCURRENCES, for a grammar to pick among: PromptLookup.propose_valid), and is updated as tokens arrive
-(O(max_ngram) per token), so a proposal never scans the sequence. A match found through it is then extended backwards token by token (up to MATCH_EXTEND) to its real length L, and proposes up
-to MATCH_DRAFTS_PER_TOKEN * L tokens: a long repeated span (a signature, a quoted paragraph, a list's scaffold)
-goes on repeating. `LookupLength` then verifies as much of the proposal as pays for its rows on the runner's
-measured verify-cost curve, with acceptance by repeat length learned online. Against the earlier fixed rule (a
+(O(max_ngram) per token), so a proposal never scans the sequence. A match found through it is then extended
+backwards token by token (up to MATCH_EXTEND) to its real length L, and proposes up to MATCH_DRAFTS_PER_TOKEN * L
+tokens: a long repeated span (a signature, a quoted paragraph, a list's scaffold) goes on repeating.
+`LookupLength` then verifies as much of the proposal as pays for its rows on the runner's measured verify-cost
+curve, with acceptance by repeat length learned online. Against the earlier fixed rule (a
 match of n <= 3 tokens drafts n), in one interleaved run each (SmolLM2, 16 prompts x 128 tokens, greedy, the
 corpus's n-gram store): lookup alone 1.38x -> 1.43x (MT-Bench) and 1.53x -> 1.60x (code) on the fp32 graph,
 1.13x -> 1.26x and 1.28x -> 1.39x on the int4 one, where rows are dear and it verifies fewer.
@@ -52,9 +53,9 @@ MATCH_DRAFTS_PER_TOKEN = 2  # a match of L tokens drafts up to 2L (L, 3L, 4L rep
 # most TEXT_MATCH_TOKENS tokens) found earlier as text, ending where a token ends (see PromptLookup.propose_valid)
 TEXT_MATCH_BYTES = 3
 TEXT_MATCH_TOKENS = 3
-_WORD_BYTE = re.compile(rb"[0-9A-Za-z\x80-\xff]")
-_LAST_WORD = re.compile(rb"[0-9A-Za-z\x80-\xff]+$")
 TEXT_MATCH_TRIES = 8  # earlier occurrences looked at, latest first
+_WORD = rb"[0-9A-Za-z\x80-\xff]"  # a byte of a word (UTF-8 letters' bytes included)
+_WORD_BYTE, _LAST_WORD = re.compile(_WORD), re.compile(_WORD + rb"+$")
 OCCURRENCES = 4  # latest occurrences of each n-gram kept: under a grammar, the one it allows furthest drafts
 
 
@@ -307,7 +308,6 @@ class PromptLookup:
         self.tokens: list[int] = []
         self._text = bytearray()  # with `texts`: the sequence's bytes, and where each token ends in them
         self._ends: list[int] = []
-        self._token_at: dict[int, int] = {}  # end offset -> the token that ends there
         # n-gram -> the index of the token after each of its OCCURRENCES latest occurrences, oldest first: propose
         # drafts after the last, propose_valid picks among them
         self._recent: dict[tuple[int, ...], list[int]] = {}
@@ -325,7 +325,6 @@ class PromptLookup:
             if self.texts is not None:
                 self._text += self.texts(int(t))
                 self._ends.append(len(self._text))
-                self._token_at[len(self._text)] = len(seq) - 1
             end = len(seq) - 1  # the n-grams ending just before the new token now have a continuation
             for n in range(self.min_ngram, self.max_ngram + 1):
                 if end - n >= 0:
@@ -392,23 +391,23 @@ class PromptLookup:
         so. Inside a JSON string the first word of a value has no space before it, so it is another token than
         in the prompt ("Marie" after the quote, " Marie" in "about Marie Curie"): no n-gram recurs, but the
         word does, and what followed it there (" Curie") is likely next."""
-        n = len(self.tokens)
+        n, ends = len(self.tokens), self._ends
         if n < 2:
             return np.zeros(0, dtype=np.int64), 0
-        window = self._ends[max(0, n - 1 - TEXT_MATCH_TOKENS)]  # where the last few tokens begin
+        window = ends[max(0, n - 1 - TEXT_MATCH_TOKENS)]  # where the last few tokens begin
         word = _LAST_WORD.search(bytes(self._text[window:]))
         if word is None or len(word.group()) < TEXT_MATCH_BYTES:
             return np.zeros(0, dtype=np.int64), 0
         word = word.group()
         begin = len(self._text) - len(word)
-        spans = n - bisect.bisect_right(self._ends, begin)  # tokens ending inside the word
+        spans = n - bisect.bisect_right(ends, begin)  # tokens ending inside the word
         hi = begin  # occurrences that end before the word itself begins
         for _ in range(TEXT_MATCH_TRIES):
             at = self._text.rfind(word, 0, hi)
             if at < 0:
                 break
-            end = self._token_at.get(at + len(word))
-            if end is not None and (at == 0 or not _WORD_BYTE.match(self._text, at - 1)):
+            end = bisect.bisect_right(ends, at + len(word)) - 1  # the token that ends there, if one does
+            if end >= 0 and ends[end] == at + len(word) and (at == 0 or not _WORD_BYTE.match(self._text, at - 1)):
                 return np.array(
                     self.tokens[end + 1 : end + 1 + min(k, MATCH_DRAFTS_PER_TOKEN * spans)], np.int64
                 ), spans
