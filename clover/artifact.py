@@ -1,7 +1,7 @@
 """The exported artifact: `manifest.json` schema, reading and validation (json + hashlib, no torch).
 
 `clover-export` writes an artifact directory and the runtime rebuilds everything from its manifest,
-never from file names (STYLE.md 2). The manifest is written last and atomically, so a directory
+never from file names (docs/design.md, Conventions 2). The manifest is written last and atomically, so a directory
 without one is never mistaken for an artifact; every file in it is listed with its sha256.
 
     manifest.json      format_version, base config and fingerprint, heads, tree, graphs, files

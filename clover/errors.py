@@ -1,6 +1,6 @@
 """The one exception type for user errors.
 
-Messages say what was expected, what was found, and what to do (STYLE.md 12). CLIs print the message
+Messages say what was expected, what was found, and what to do (docs/design.md, Conventions 12). CLIs print the message
 on one line and exit non-zero; `assert` stays for internal invariants.
 """
 

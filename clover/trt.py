@@ -5,7 +5,7 @@ and clover.runtime (running) all come here, and this module imports nothing of c
     trt = require_tensorrt()          # the module, or one CloverError line saying what to install
     check_engine_compatible(spec, trt.__version__, *device_facts)   # before TensorRT fails less helpfully
 
-Importing this module needs neither TensorRT nor torch (STYLE.md 7).
+Importing this module needs neither TensorRT nor torch (docs/design.md, Conventions 7).
 """
 
 from __future__ import annotations

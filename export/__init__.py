@@ -1,6 +1,6 @@
 """clover.export: torch -> ONNX graphs and the artifact directory (docs/design.md "Exported artifact").
 
-Small loaders, composed by `clover-export` (STYLE.md 6):
+Small loaders, composed by `clover-export` (docs/design.md, Conventions 6):
     config.ExportConfig                    what to make (backend, dtype, opset, tree, max context)
     graphs.base_graph / draft_graphs       flat-signature torch modules + example inputs per graph
     onnx_graph.onnx_from_torch             GraphDef -> <name>.onnx (+ external data), via dynamo

@@ -1,4 +1,4 @@
-"""`ExportConfig`: what `clover-export` makes, as one typed, frozen object (STYLE.md 1)."""
+"""`ExportConfig`: what `clover-export` makes, as one typed, frozen object (docs/design.md, Conventions 1)."""
 
 from __future__ import annotations
 

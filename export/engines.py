@@ -1,5 +1,5 @@
 """TensorRT engines from an artifact's ONNX graphs: optimization profiles, a memory estimate, and the build,
-composed of Polygraphy's TensorRT loaders (STYLE.md 6).
+composed of Polygraphy's TensorRT loaders (docs/design.md, Conventions 6).
 
     limits = EngineLimits(max_prompt=2048, max_tree=64, max_context=4096, max_accepted=8, max_candidates=16)
     engines = build_engines(root, manifest_graphs, "float16", limits, timing_cache, print)

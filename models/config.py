@@ -1,7 +1,7 @@
 """Base-model configuration, read from a Hugging Face `config.json`.
 
 Only what the decoder needs is kept, in one frozen dataclass, so the exporters and the runtime can
-rebuild the model from it (STYLE.md 1, 2). Both the transformers-4 (`rope_scaling`, top-level
+rebuild the model from it (docs/design.md, Conventions 1, 2). Both the transformers-4 (`rope_scaling`, top-level
 `rope_theta`) and transformers-5 (`rope_parameters`) spellings are accepted.
 """
 

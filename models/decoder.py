@@ -1,7 +1,7 @@
 """Export-friendly Llama-family decoder (Llama, Mistral, Qwen2).
 
 One forward serves prefill and tree verification. Everything that changes per step travels through
-its arguments (STYLE.md 4): the new tokens, their positions, the tree mask among them, the past
+its arguments (docs/design.md, Conventions 4): the new tokens, their positions, the tree mask among them, the past
 length of each sequence and the past KV tensors. It is a pure function of those: it returns the new
 tokens' K/V and the caller owns the cache (writes, compaction), which keeps the graph exportable and
 lets a backend keep its cache wherever it likes.

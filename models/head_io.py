@@ -2,7 +2,7 @@
 
 heads.json records the architecture, sizes and the base the heads belong to (architecture, hidden
 size, vocab size, LM-head hash) so that loading them on another base is a clear error, and the
-artifact rebuilds the module from it alone (STYLE.md 2).
+artifact rebuilds the module from it alone (docs/design.md, Conventions 2).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ How the ONNX parser finds it: a node whose op_type has no built-in importer fall
 registry, looked up by name = op_type, version = the node's `plugin_version` attribute (default "1") and
 namespace = its `plugin_namespace` attribute (default ""). The node's ONNX domain is not consulted. Only
 attributes that the plugin declares (here `scale`) are passed to it, as plugin fields.
-(onnx-tensorrt FallbackPluginImporter; samples/python/quickly_deployable_plugins/README.md,
+(onnx-tensorrt FallbackPluginImporter; NVIDIA/TensorRT samples/python/quickly_deployable_plugins/README.md,
 "ONNX model with a plugin".)
 
 One implementation is registered, so the parser has nothing to choose (with both, it needs the network

@@ -3,7 +3,7 @@
 A runner holds one base model (and optionally draft heads) and serves sequences in slots: each slot has
 its own KV caches and draft states, and one forward can run several slots' new tokens. All arrays crossing
 this interface are numpy; the runner keeps its tensors (cache, hidden states, head states) on its own
-device (STYLE.md 5: public methods validate, `_impl` methods do the work).
+device (docs/design.md, Conventions 5: public methods validate, `_impl` methods do the work).
 """
 
 from __future__ import annotations

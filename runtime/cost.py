@@ -68,10 +68,10 @@ def calibrate(runner: Runner, max_rows: int, reps: int = 7) -> VerifyCost:
     """The verify-cost curve of this runner on this machine: ms of a forward of R new rows (one sequence, a chain,
     after a 32-token prompt) for R from 1 to `max_rows`. Each repetition measures every R in turn, so drift on a
     shared machine touches all points alike, and each point is its median run, made non-decreasing in R: the
-    shape is what sizes drafts (the level is corrected from real steps, VerifyCost.observe). Three runs per point
-    taken point after point gave curves such as 1 row 24.5 ms, 2 rows 22.2, 4 rows 28.4, 5 rows 25.2 on fp32
-    SmolLM2; each point's fastest run instead gave a curve too flat at few rows (prompt lookup then verified less
-    than with the median: 1.79 vs 1.84 tokens per step, MT-Bench)."""
+    shape is what sizes drafts (the level is corrected from real steps, VerifyCost.observe). Runs taken point after
+    point gave curves that fell and rose with the machine's drift, and each point's fastest run a curve too flat at
+    few rows, so that prompt lookup verified too little (measured: docs/experiments.md, 2026-11-26 "measuring the
+    verify-cost curve")."""
     rng = np.random.default_rng(0)
     V = runner.info.vocab_size
     rows = sorted(
@@ -102,12 +102,12 @@ _MEASURED: weakref.WeakKeyDictionary[Runner, dict[int, float]] = weakref.WeakKey
 
 def verify_cost(runner: Runner, max_rows: int) -> VerifyCost:
     """This runner's verify-cost curve up to `max_rows`: measured once per runner (`calibrate`: seconds on a small
-    model, ~30-60 s for SmolLM2 at a batch of 8 on 2 cores) and measured again only when a longer curve is asked
-    for. A measured curve is kept in the user cache under the runner's `cost_key`, this machine and `max_rows`, and
-    a later load with the same key reads it instead of measuring (COST_CACHE_ENV=0: never). The level of the curve
-    is corrected online from the engine's real steps either way (VerifyCost.observe). Each caller gets its own
-    VerifyCost, so the per-batch corrections one engine learns stay its own; `source` says where the points came
-    from."""
+    model, tens of seconds on a real one; docs/experiments.md, 2026-11-27 "the verify-cost curve cached") and
+    measured again only when a longer curve is asked for. A measured curve is kept in the user cache under the
+    runner's `cost_key`, this machine and `max_rows`, and a later load with the same key reads it instead of
+    measuring (COST_CACHE_ENV=0: never). The level of the curve is corrected online from the engine's real steps
+    either way (VerifyCost.observe). Each caller gets its own VerifyCost, so the per-batch corrections one engine
+    learns stay its own; `source` says where the points came from."""
     points = _MEASURED.get(runner)
     source = "measured earlier on this runner"
     if points is None or max(points) < max_rows:

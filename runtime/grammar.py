@@ -330,11 +330,12 @@ class PathMasks:
     def permits_token(self, path: tuple[int, ...], token: int) -> bool:
         """Whether the grammar allows `token` after the allowed `path`: `allowed(path)[token]`, without computing
         the whole mask where it can be helped. A greedy verify asks this of each row's argmax, which is mostly
-        allowed: one token checked by the parser (~20 us in a step) instead of a mask (~50-70 us in a step, the
-        tokenizer's trie out of cache after the forward, and its unpacking). The mask's bit decides where it is
-        more than the parser's check: where the grammar forces bytes (the mask then allows only their canonical
-        tokenization, the check any spelling) and where the end may come (an accepting or stopped state, an end
-        token: the end-of-sequence rule of `_packed`)."""
+        allowed: one token checked by the parser instead of a whole mask, which costs more in a step (the
+        tokenizer's trie is out of cache after the forward, and the mask must be unpacked; measured:
+        docs/experiments.md, 2026-11-28 "structured output, the grammar's check without its mask"). The mask's bit
+        decides where it is more than the parser's check: where the grammar forces bytes (the mask then allows only
+        their canonical tokenization, the check any spelling) and where the end may come (an accepting or stopped
+        state, an end token: the end-of-sequence rule of `_packed`)."""
         t0 = time.perf_counter()
         state = self._state(path)
         quick = (

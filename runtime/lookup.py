@@ -11,18 +11,16 @@ OCCURRENCES, for a grammar to pick among: PromptLookup.propose_valid), and is up
 backwards token by token (up to MATCH_EXTEND) to its real length L, and proposes up to MATCH_DRAFTS_PER_TOKEN * L
 tokens: a long repeated span (a signature, a quoted paragraph, a list's scaffold) goes on repeating.
 `LookupLength` then verifies as much of the proposal as pays for its rows on the runner's measured verify-cost
-curve, with acceptance by repeat length learned online. Against the earlier fixed rule (a
-match of n <= 3 tokens drafts n), in one interleaved run each (SmolLM2, 16 prompts x 128 tokens, greedy, the
-corpus's n-gram store): lookup alone 1.38x -> 1.43x (MT-Bench) and 1.53x -> 1.60x (code) on the fp32 graph,
-1.13x -> 1.26x and 1.28x -> 1.39x on the int4 one, where rows are dear and it verifies fewer.
+curve, with acceptance by repeat length learned online. It is faster than a fixed rule (a match of n <= 3 tokens
+drafts n) on a base where extra rows are cheap, where it verifies longer repeats, and on a quantized one, where rows
+are dear and it verifies fewer (measured: docs/experiments.md, 2026-11-25 "cost-aware lookup lengths").
 
 When the sequence's tail matches nothing of 2+ tokens, an `NgramStore` (clover-export --ngram-store) drafts
 instead: what the base itself wrote after the longest stored match of the sequence's tail, over corpora of its
 own answers (REST, arXiv 2311.08252; SuffixDecoding, arXiv 2411.04975). Still no model call: binary searches
-over a suffix array, ~0.1 ms a proposal. The format-1 store (2-3 token contexts, at most 3 drafts) raised prompt
-lookup's tokens per step on SmolLM2 int4 from 1.36 to 1.56 on MT-Bench and from 1.66 to 1.88 on the code prompts
-(replayed on fixed greedy outputs); the suffix array's longer matches and longer drafts add 5-8% more on the
-fp32 graph (NgramStore).
+over a suffix array, ~0.1 ms a proposal. A store raises prompt lookup's tokens per step, and the suffix array's
+longer matches and longer drafts raise them further than the format-1 store's 2-3 token contexts (NgramStore;
+measured: docs/experiments.md, 2026-11-26 "the n-gram store as a suffix array").
 """
 
 from __future__ import annotations
@@ -97,11 +95,10 @@ class NgramStore:
     its prompt, then a separator) in one token array, and its suffix array. A draft finds the longest tail of
     the sequence (STORE_MIN_CONTEXT..STORE_LONGEST tokens) that occurs in it by binary search, then follows the
     most frequent continuation of those occurrences token by token: suffixes sharing a prefix are adjacent and
-    sorted by what follows, so each drafted token narrows a range, with no per-context table. The format-1 store
-    kept 2-3 token contexts and drafted 3 tokens at most; replayed on the fp32 graph's greedy outputs (80
-    MT-Bench prompts, 16 code prompts, 128 tokens, up to 8 drafts a step), prompt lookup's tokens per step go
-    1.74 -> 1.82 (MT-Bench) and 1.93 -> 2.06 (code) with this one over the same answers plus the fp32 graph's.
-    Read-only once built: one store serves every sequence and thread."""
+    sorted by what follows, so each drafted token narrows a range, with no per-context table. It replaces the
+    format-1 store, which kept 2-3 token contexts and drafted 3 tokens at most: the longer matches and longer drafts
+    give prompt lookup more tokens per step (measured: docs/experiments.md, 2026-11-26 "the n-gram store as a
+    suffix array"). Read-only once built: one store serves every sequence and thread."""
 
     def __init__(self, tokens: np.ndarray, sa: np.ndarray, vocab_size: int, _mapped: tuple | None = None) -> None:
         dtype = store_dtype(vocab_size)

@@ -92,13 +92,13 @@ def _ort():
 class OrtOptions:
     """threads: intra-op threads per session, 0 = onnxruntime's default (one per physical core).
     spin: a session's idle intra-op threads busy-wait for its next op. A decode step runs a few
-      hundred ops, each waking a sleeping thread otherwise: SmolLM2 int4 fused on 2 cores, 6.4 vs 9.0 ms per
-      plain step. Every session of the runner (base, LM heads, draft graphs) spins, and spinning stops when
-      a run returns, so the sessions alternate without stealing each other's cores (a second session left
-      spinning after its run: 0.6x; pools spinning in several sessions at once: 1.7x slower). The draft
-      graphs on `threads` spinning threads instead of the calling thread alone: SmolLM2 Clover-2 + lookup
-      chain-2, 2 threads, draft time per step -10% (fp32) / -17% (int4), decode +1.4-3.3% / +4.6-5.8%.
-      False: every session's threads sleep between ops, and every session uses `threads`.
+      hundred ops, each waking a sleeping thread otherwise, so a plain step is faster spinning. Every session
+      of the runner (base, LM heads, draft graphs) spins, and spinning stops when a run returns, so the
+      sessions alternate without stealing each other's cores (a session left spinning after its run, or pools
+      spinning in several sessions at once, slow decoding down). The draft graphs run on `threads` spinning
+      threads instead of the calling thread alone, which shortens drafting (measured: docs/experiments.md,
+      2026-11-24 "the fused base graph and spinning sessions", 2026-11-25 "draft graphs on the spinning
+      threads"). False: every session's threads sleep between ops, and every session uses `threads`.
     checksums: verify every file's sha256 on load (sizes are always checked).
     cache_block: KV cache slots allocated at the start of a sequence (doubled when full).
     batch: load the artifact's batched base graph (if it has one) to run several sequences per forward; a

@@ -5,7 +5,8 @@ by clover.export.engines (Polygraphy); this module only loads and runs them.
     ctx = create_context(engine, profile_index, stream_handle)
     run_context(ctx, shapes, addresses, stream_handle)
 
-`tensorrt` is imported lazily through clover.trt (STYLE.md 7): importing this module needs no TensorRT.
+`tensorrt` is imported lazily through clover.trt (docs/design.md, Conventions 7): importing this module needs no
+TensorRT.
 """
 
 from __future__ import annotations

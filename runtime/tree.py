@@ -5,7 +5,7 @@ children of rank 0 and 1, and the rank-0 child has one child of rank 0. Node 0 i
 emitted token); the other nodes are the paths sorted by `(len(path), path)`, so every ancestor has a
 smaller index than its descendants and each depth is a contiguous block.
 
-Pure, CPU-only numpy; the caller moves buffers to a device (STYLE.md 8).
+Pure, CPU-only numpy; the caller moves buffers to a device (docs/design.md, Conventions 8).
 """
 
 from __future__ import annotations

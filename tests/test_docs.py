@@ -211,3 +211,84 @@ def test_link_finder(tmp_path):
     )
     assert relative_links(md) == [(1, "docs/gpu.md"), (1, "e.png#x"), (5, "#top"), (5, "l.md")]
     assert anchors(md) == {"top", "a-b-c", "a-b-c-1"}
+
+
+# -- documents the source cites ----------------------------------------------------------------------------
+
+# A Markdown file a docstring or comment cites (`docs/design.md`, README.md, "../docs/gpu.md"); a URL's path is not one
+MD_CITATION = re.compile(r"(?<![\w./:-])((?:[\w.-]+/)*[\w.-]+\.md)(?![\w-])")
+JOINED = re.compile(r"\"\s*/\s*\"")  # a path joined from literals in code: ROOT / "docs" / "cli.md"
+OTHER_PROJECT = re.compile(r"(?<![\w./-])[A-Za-z][\w-]*/[\w-]+ $")  # "OWNER/REPO path/README.md": not ours
+CONVENTIONS = re.compile(r"\bConventions (\d+(?:, \d+)*)")  # docs/design.md, Conventions 1, 2
+NOT_SOURCE = {"build", "dist", "__pycache__"}  # and every hidden folder (.git, .venv, tool caches), *.egg-info
+CITATION_SKIP = {"tests/test_docs.py"}  # this file's sample citations of files that do not exist
+
+
+def python_sources() -> list[str]:
+    """Every .py file of the working tree (tracked or not, so a new file is checked before it is committed), as
+    paths relative to the repository root."""
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if d not in NOT_SOURCE and d[0] != "." and not d.endswith(".egg-info"))
+        found += [(Path(folder) / f).relative_to(ROOT).as_posix() for f in sorted(files) if f.endswith(".py")]
+    return [name for name in found if name not in CITATION_SKIP]
+
+
+def design_conventions() -> list[int]:
+    """The numbers of docs/design.md's Conventions section, in order."""
+    text = (ROOT / "docs" / "design.md").read_text(encoding="utf-8")
+    section = re.search(r"^## Conventions\n(.*?)(?=^## |\Z)", text, re.S | re.M)
+    assert section, "docs/design.md has no Conventions section"
+    return [int(n) for n in re.findall(r"^(\d+)\. ", section.group(1), re.M)]
+
+
+def citation_errors(name: str, text: str, conventions: set[int]) -> list[str]:
+    """What `text` (the file `name`, relative to the root) cites that does not exist: a Markdown file neither at that
+    path from the root nor from the file's folder, or a Conventions number that docs/design.md does not have."""
+    bad = []
+    folder = (ROOT / name).parent
+    for number, line in enumerate(text.splitlines(), 1):
+        joined = JOINED.sub("/", line)
+        for m in MD_CITATION.finditer(joined):
+            cited = m.group(1)
+            if OTHER_PROJECT.search(joined[: m.start()]) or (ROOT / cited).is_file() or (folder / cited).is_file():
+                continue
+            bad.append(f"{name}:{number}: {cited} (no such file): {line.strip()[:160]}")
+        for m in CONVENTIONS.finditer(line):
+            for n in m.group(1).split(", "):
+                if int(n) not in conventions:
+                    bad.append(f"{name}:{number}: Conventions {n} (not in docs/design.md): {line.strip()[:160]}")
+    return bad
+
+
+def test_cited_documents_exist():
+    numbers = design_conventions()
+    assert numbers and numbers == list(range(1, len(numbers) + 1)), f"Conventions numbered {numbers}, not 1..N"
+    names = python_sources()
+    assert len(names) > 50, "found too few Python files: not a checkout?"
+    bad = [line for name in names for line in citation_errors(name, (ROOT / name).read_text("utf-8"), set(numbers))]
+    assert not bad, "citations of documents that do not exist:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    "name, line, errors",
+    [
+        ("runtime/x.py", "device (STYLE.md 5: public methods validate)", 1),
+        ("runtime/x.py", "(docs/design.md, Conventions 5)", 0),
+        ("models/x.py", "rebuild the model from it (docs/design.md, Conventions 1, 2).", 0),
+        ("runtime/x.py", "(docs/design.md, Conventions 99)", 1),
+        ("runtime/x.py", "(docs/design.md, Conventions 2, 99)", 1),
+        ("runtime/x.py", "measured: docs/experiments.md, 2026-11-25; README.md, CHANGELOG.md", 0),
+        ("runtime/x.py", "see docs/nothing.md", 1),
+        ("runtime/x.py", "see design.md", 1),
+        ("runtime/x.py", "see ../docs/design.md", 0),  # from the citing file's folder
+        ("x.py", "see ../docs/design.md", 1),
+        ("tools/x.py", 'DOC = Path(__file__).parents[1] / "docs" / "cli.md"', 0),
+        ("tools/x.py", 'DOC = ROOT / "docs" / "nothing.md"', 1),
+        ("runtime/x.py", "https://github.com/o/r/blob/main/NOTES.md", 0),
+        ("plugins/x.py", "(NVIDIA/TensorRT samples/python/x/README.md)", 0),
+        ("runtime/x.py", "docs/design.mdx and Conventions of the field", 0),
+    ],
+)
+def test_citation_finder(name, line, errors):
+    assert len(citation_errors(name, line, set(design_conventions()))) == errors

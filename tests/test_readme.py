@@ -1,5 +1,5 @@
-"""The README's Python examples run as written (STYLE.md 10); the Serve section's client example against a real
-clover-serve app (over a tiny artifact, on a free port in place of 8000)."""
+"""The README's Python examples run as written (docs/design.md, Conventions 10); the Serve section's client example
+against a real clover-serve app (over a tiny artifact, on a free port in place of 8000)."""
 
 import re
 from pathlib import Path

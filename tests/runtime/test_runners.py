@@ -1,4 +1,4 @@
-"""One suite for every runner (STYLE.md 5, 9), parametrized over kinds x head architectures:
+"""One suite for every runner (docs/design.md, Conventions 5, 9), parametrized over kinds x head architectures:
 
   torch       TorchRunner over the PyTorch modules the artifacts are exported from (ort_helpers.tiny_modules)
   ort         OrtRunner over the tiny artifact as clover-export --backend onnx writes it (one shared LM head)
