@@ -2,6 +2,7 @@
 
     export_artifact("smollm2", "heads/", "out/", ExportConfig())        # from CLI-style specs
     artifact_from_modules(base, heads, tokenizer_dir, "out/", config)    # from loaded modules
+    artifact_from_modules(..., config, ArtifactOptions(heads_name="random:clover2", progress=print))
 
 Everything is written into a hidden temporary sibling of the target (`.tmp-<name>-*`); the manifest is
 written last, then the folder is moved into place with renames. So a crash never leaves a directory
@@ -15,16 +16,23 @@ import dataclasses
 import platform
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from clover.artifact import (
     MANIFEST_FILE,
     TOKENIZER_DIR,
+    DraftVocabSpec,
+    EngineSpec,
     GraphSpec,
     HeadsSpec,
     Manifest,
+    NgramStoreSpec,
     WeightsSpec,
     file_entries,
     is_artifact,
@@ -105,19 +113,34 @@ def export_artifact(
         "base": str(base) if str(base) == "smollm2" else str(base_path.resolve()),
         "heads": heads if named else str(Path(heads).resolve()),
     }
-    return artifact_from_modules(
-        model,
-        head_set,
-        base_path,
-        out,
-        config,
+    options = ArtifactOptions(
         heads_name=heads,
         sources=sources,
-        progress=progress,
         token_counts=token_counts,
         ngram_store=ngram_store,
         calibration=calibration,
+        progress=progress,
     )
+    return artifact_from_modules(model, head_set, base_path, out, config, options)
+
+
+@dataclass(frozen=True)
+class ArtifactOptions:
+    """What artifact_from_modules takes besides the modules and the ExportConfig: what the manifest records of where
+    they came from, the data some ExportConfig options read, and where the progress lines go. Not ExportConfig
+    fields: that object is what clover-export's flags ask for, checked with no data loaded; these are loaded
+    corpora and a callback."""
+
+    heads_name: str = "none"  # the manifest's heads.name
+    sources: Mapping[str, str] = field(default_factory=dict)  # what --base / --heads named (manifest sources)
+    token_counts: TokenCounts | None = None  # config.draft_vocab: its tokens are the most frequent of these
+    ngram_store: StoreSource | None = None  # what prompt lookup drafts from (export/ngram_store.py)
+    calibration: CalibrationSet | None = None  # the sequences --quant gptq calibrates on
+    progress: Progress | None = None
+
+    def say(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress(line)
 
 
 def artifact_from_modules(
@@ -126,25 +149,74 @@ def artifact_from_modules(
     tokenizer_dir: Path,
     out: str | Path,
     config: ExportConfig,
-    heads_name: str = "none",
-    sources: dict[str, str] | None = None,
-    progress: Progress | None = None,
-    token_counts: TokenCounts | None = None,
-    ngram_store: StoreSource | None = None,
-    calibration: CalibrationSet | None = None,
+    options: ArtifactOptions = ArtifactOptions(),
 ) -> Path:
-    """Export `base` (+ `heads`) with the tokenizer files of `tokenizer_dir` into the artifact `out`
-    (`calibration`: the sequences --quant gptq calibrates on)."""
-    say = progress or (lambda _: None)
+    """Export `base` (+ `heads`) with the tokenizer files of `tokenizer_dir` into the artifact `out`."""
     out = Path(out)
     check_target(out)
+    plan = plan_from_modules(base, heads, config, options)  # every check that needs no file, before one is written
+    import_native_modules()
+    with staging_folder(out) as tmp:
+        copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)  # first: fail fast, before minutes of export
+        specs, parity, embedding = onnx_from_modules(plan, tmp)
+        weights = weights_spec_from_onnx(plan, tmp, specs, embedding)
+        specs = shared_lm_head_from_onnx(plan, tmp, specs)
+        specs, draft_vocab = draft_lm_head_from_onnx(plan, tmp, specs)
+        specs, batch_started = batched_base_from_onnx(plan, tmp, specs)
+        engines = engines_from_onnx(plan, tmp, specs)
+        store = ngram_store_from_source(plan, tmp)
+        manifest = manifest_from_parts(
+            plan, specs, parity, engines=engines, weights=weights, draft_vocab=draft_vocab, store=store
+        )
+        check_batched_base(plan, tmp, manifest, batch_started)
+        manifest = timed_tree_from_onnx(plan, tmp, manifest)
+        options.say(f"{plan.step(plan.steps)} checksums and manifest")
+        manifest = dataclasses.replace(manifest, files=file_entries(tmp))
+        write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
+        install(tmp, out)
+    options.say(f"artifact written to {out}")
+    return out
+
+
+@dataclass(frozen=True)
+class ArtifactPlan:
+    """What one export writes, decided (and checked) from the modules and options before any file is: the graphs,
+    which optional steps run, and their numbers in the progress lines."""
+
+    base: Decoder
+    heads: DraftHeads | None
+    config: ExportConfig
+    options: ArtifactOptions
+    graphs: list[GraphDef]
+    tree: Tree | None
+    max_context: int
+    fingerprint: dict[str, Any]  # BaseFingerprint.of(base), as the manifest records it
+    draft_ids: np.ndarray | None  # config.draft_vocab: the tokens the heads draft over
+    time_trees: bool
+    share_lm_head: bool
+    draft_head: bool
+    batched: bool
+
+    @property
+    def steps(self) -> int:
+        trt = self.config.backend == "trt"
+        return len(self.graphs) + 1 + trt + self.time_trees + self.share_lm_head + self.batched + self.draft_head
+
+    def step(self, i: int) -> str:
+        return f"[{i}/{self.steps}]"
+
+
+def plan_from_modules(
+    base: Decoder, heads: DraftHeads | None, config: ExportConfig, options: ArtifactOptions
+) -> ArtifactPlan:
+    """The checks that need the modules and the options, and the plan of what the export writes."""
     dtype = str(base.lm_head.weight.dtype).removeprefix("torch.")
     if dtype != config.dtype:
         raise CloverError(
             f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}"
         )
-    draft_ids = draft_vocab_ids(base, heads, config, token_counts)
-    check_quantizer_inputs(base, config, calibration)
+    draft_ids = draft_vocab_ids(base, heads, config, options.token_counts)
+    check_quantizer_inputs(base, config, options.calibration)
     tree = default_tree(heads, config.tree)
     max_context = resolve_max_context(base, config.max_context)
     # The fused base is written from the module's weights (export/fused_graph.py); the portable GraphDef is
@@ -157,7 +229,7 @@ def artifact_from_modules(
     # the fastest; without heads that is plain decoding against prompt lookup, when there is an n-gram store.
     time_trees = (
         config.tree is None
-        and (heads is not None or ngram_store is not None)
+        and (heads is not None or options.ngram_store is not None)
         and config.backend == "onnx"
         and config.attention != "plugin"
     )
@@ -167,185 +239,256 @@ def artifact_from_modules(
     share_lm_head = (
         config.shared_lm_head and heads is not None and config.backend == "onnx" and config.dtype == "float32"
     )
-    # Fused artifacts: a batched base for several sequences per forward (export/batch_graph.py).
-    batched = config.attention == "fused" and config.max_batch > 1
-    # --draft-quant with the shared LM head: the drafts run a quantized copy of it (draft_lm_head.onnx), over the
-    # draft vocabulary or, without one, over the whole vocabulary.
-    draft_head = draft_ids is not None or (config.draft_quant is not None and share_lm_head)
-    steps = len(graphs) + 1 + (config.backend == "trt") + time_trees + share_lm_head + batched + draft_head
+    return ArtifactPlan(
+        base=base,
+        heads=heads,
+        config=config,
+        options=options,
+        graphs=graphs,
+        tree=tree,
+        max_context=max_context,
+        fingerprint=dataclasses.asdict(BaseFingerprint.of(base)),
+        draft_ids=draft_ids,
+        time_trees=time_trees,
+        share_lm_head=share_lm_head,
+        # --draft-quant with the shared LM head: the drafts run a quantized copy of it (draft_lm_head.onnx), over
+        # the draft vocabulary or, without one, over the whole vocabulary.
+        draft_head=draft_ids is not None or (config.draft_quant is not None and share_lm_head),
+        # Fused artifacts: a batched base for several sequences per forward (export/batch_graph.py).
+        batched=config.attention == "fused" and config.max_batch > 1,
+    )
 
-    import_native_modules()
-    with staging_folder(out) as tmp:
-        copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)  # first: fail fast, before minutes of export
-        specs, parity, embedding, base_head = {}, {}, "float32", None
-        for i, graph in enumerate(graphs, 1):
+
+def onnx_from_modules(plan: ArtifactPlan, tmp: Path) -> tuple[dict[str, GraphSpec], dict[str, dict[str, float]], str]:
+    """Every graph of the plan as checked (and --draft-quant / --weights quantized) ONNX in `tmp`: their specs,
+    their parity errors, and how the base stores its token embedding."""
+    config, say = plan.config, plan.options.say
+    specs, parity, embedding, base_head = {}, {}, "float32", None
+    for i, graph in enumerate(plan.graphs, 1):
+        t0 = time.perf_counter()
+        say(f"{plan.step(i)} {graph.name}: exporting {graph.name}.onnx")
+        specs[graph.name], errors = checked_onnx_from_torch(graph, tmp, config, plan.max_context)
+        if errors is not None:
+            parity[graph.name] = errors
+        say(f"      {progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)")
+        if config.draft_quant and graph.name == "base" and plan.share_lm_head:
+            from clover.export.lm_head import lm_head_key
+
+            base_head = lm_head_key(tmp / specs["base"].file)
+        if config.draft_quant and graph.name != "base":
             t0 = time.perf_counter()
-            say(f"[{i}/{steps}] {graph.name}: exporting {graph.name}.onnx")
-            specs[graph.name], errors = checked_onnx_from_torch(graph, tmp, config, max_context)
+            errors = quantized(graph, tmp / specs[graph.name].file, config, base_head)
             if errors is not None:
-                parity[graph.name] = errors
-            say(f"      {progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)")
-            if config.draft_quant and graph.name == "base" and share_lm_head:
-                from clover.export.lm_head import lm_head_key
-
-                base_head = lm_head_key(tmp / specs["base"].file)
-            if config.draft_quant and graph.name != "base":
-                t0 = time.perf_counter()
-                errors = quantized(graph, tmp / specs[graph.name].file, config, base_head)
-                if errors is not None:
-                    parity[f"{graph.name}.{config.draft_quant}"] = errors
-                say(
-                    f"      {config.draft_quant} weights: {progress_note(errors, config.dtype)} "
-                    f"({time.perf_counter() - t0:.1f} s)"
-                )
-            if config.weights:
-                t0 = time.perf_counter()
-                stored, errors = weights_quantized(graph, tmp / specs[graph.name].file, config, calibration, say)
-                embedding = stored if graph.name == "base" else embedding
-                if errors is not None:
-                    parity[f"{graph.name}.{config.weights}"] = errors
-                rounded = config.quantizer if graph.name == "base" else "rtn"
-                say(
-                    f"      {config.weights} weights ({rounded}, MatMulNBits, blocks of {config.block}): "
-                    f"{progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)"
-                )
-        weights = None
+                parity[f"{graph.name}.{config.draft_quant}"] = errors
+            say(
+                f"      {config.draft_quant} weights: {progress_note(errors, config.dtype)} "
+                f"({time.perf_counter() - t0:.1f} s)"
+            )
         if config.weights:
-            agreement = {}
-            if config.verify:
-                say(f"      greedy agreement of the {config.weights} base with fp32 PyTorch")
-                agreement = weights_agreement(base, tmp, specs["base"].file)
-                say(f"      {agreement['top1']:.1%} of {agreement['positions']} greedy tokens agree")
-                if not agreement["top1"] >= BROKEN_AGREEMENT:
-                    raise CloverError(
-                        f"the {config.weights} base graph picks fp32's greedy token at only {agreement['top1']:.0%} of "
-                        f"positions (< {BROKEN_AGREEMENT:.0%}): this is a clover-export bug, please report it"
-                    )
-            from clover.export.quantize import DRAFT_ACCURACY_LEVEL, base_accuracy_level, quantizer_settings
-
-            weights = WeightsSpec(
-                config.weights,
-                config.block,
-                config.is_symmetric,
-                base_accuracy_level(config.attention),
-                DRAFT_ACCURACY_LEVEL,
-                embedding,
-                agreement,
-                quantizer_settings(config.quantizer, config.weights, config.block, config.is_symmetric, calibration),
-            )
-        if share_lm_head:
-            from clover.export.lm_head import LM_HEAD, LM_INPUT, split_lm_head
-
             t0 = time.perf_counter()
-            keep_base = config.weights is not None  # one session call a step instead of two (export/lm_head.py)
-            which = "the draft graphs" if keep_base else "the base and the draft graphs"
-            say(f"[{len(graphs) + 1}/{steps}] {LM_HEAD}: one LM head for {which}")
-            specs = split_lm_head(tmp, specs, graphs, VERIFY_SIZES[1], verify=config.verify, keep_base=keep_base)
-            shared = [n for n, s in specs.items() if s.has_output(LM_INPUT)]
+            calibration = plan.options.calibration
+            stored, errors = weights_quantized(graph, tmp / specs[graph.name].file, config, calibration, say)
+            embedding = stored if graph.name == "base" else embedding
+            if errors is not None:
+                parity[f"{graph.name}.{config.weights}"] = errors
+            rounded = config.quantizer if graph.name == "base" else "rtn"
             say(
-                f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)"
-                + ("; the base keeps its own copy" if keep_base else "")
-                if shared
-                else "      the draft graphs have their own LM head: nothing shared"
+                f"      {config.weights} weights ({rounded}, MatMulNBits, blocks of {config.block}): "
+                f"{progress_note(errors, config.dtype)} ({time.perf_counter() - t0:.1f} s)"
             )
-        draft_vocab = None
-        if draft_head:
-            import numpy as np
+    return specs, parity, embedding
 
-            from clover.export.draft_vocab import WHOLE_VOCABULARY, add_draft_vocab, coverage
-            from clover.export.lm_head import LM_HEAD, LM_INPUT
 
-            t0 = time.perf_counter()
-            step = f"[{len(graphs) + 1 + share_lm_head}/{steps}]"
-            ids = None
-            if draft_ids is not None:
-                say(
-                    f"{step} draft vocabulary: the {len(draft_ids)} tokens the base emits most often "
-                    f"({token_counts.source})"
-                )
-                ids, source, covered = draft_ids, token_counts.source, coverage(token_counts.counts, draft_ids)
-            elif LM_HEAD in specs and any(s.has_output(LM_INPUT) for n, s in specs.items() if n != "base"):
-                say(f"{step} the drafts' {config.draft_quant} LM head")
-                ids, source, covered = np.arange(base.config.vocab_size), WHOLE_VOCABULARY, 1.0
-            else:
-                say(f"{step} the draft graphs keep their own {config.draft_quant} LM heads")
-            if ids is not None:
-                specs, draft_vocab = add_draft_vocab(tmp, specs, ids, source, covered, quant=config.draft_quant)
-                which = (
-                    "over the whole vocabulary"
-                    if source == WHOLE_VOCABULARY
-                    else f"over {draft_vocab.coverage:.2%} of the tokens counted there"
-                )
-                say(
-                    f"      draft_lm_head.onnx ({which}) serves {', '.join(draft_vocab.graphs)} "
-                    f"({time.perf_counter() - t0:.1f} s)"
-                )
-        if batched:
-            from clover.export.batch_graph import BATCH_GRAPH, write_batched_base
-
-            t0 = time.perf_counter()
-            say(
-                f"[{len(graphs) + 1 + share_lm_head + draft_head}/{steps}] {BATCH_GRAPH}: "
-                f"{config.max_batch} sequences per forward"
+def weights_spec_from_onnx(
+    plan: ArtifactPlan, tmp: Path, specs: dict[str, GraphSpec], embedding: str
+) -> WeightsSpec | None:
+    """--weights: the manifest's record of the quantized graphs, after (config.verify) the base graph's greedy
+    agreement with fp32 PyTorch, which fails the export below BROKEN_AGREEMENT; None without --weights."""
+    config, say = plan.config, plan.options.say
+    if not config.weights:
+        return None
+    agreement = {}
+    if config.verify:
+        say(f"      greedy agreement of the {config.weights} base with fp32 PyTorch")
+        agreement = weights_agreement(plan.base, tmp, specs["base"].file)
+        say(f"      {agreement['top1']:.1%} of {agreement['positions']} greedy tokens agree")
+        if not agreement["top1"] >= BROKEN_AGREEMENT:
+            raise CloverError(
+                f"the {config.weights} base graph picks fp32's greedy token at only {agreement['top1']:.0%} of "
+                f"positions (< {BROKEN_AGREEMENT:.0%}): this is a clover-export bug, please report it"
             )
-            specs[BATCH_GRAPH] = graph_spec(write_batched_base(tmp, specs["base"].file, config.max_batch))
-            check_onnx(tmp / specs[BATCH_GRAPH].file)
-        engines = {}
-        if config.backend == "trt":
-            from clover.export.engines import build_engines
+    from clover.export.quantize import DRAFT_ACCURACY_LEVEL, base_accuracy_level, quantizer_settings
 
-            say(f"[{steps - 1}/{steps}] TensorRT engines")
-            engines = build_engines(
-                tmp, specs, config.dtype, engine_limits(config, tree, max_context), timing_cache_path(config), say
-            )
-        fingerprint = dataclasses.asdict(BaseFingerprint.of(base))
-        store = None
-        if ngram_store is not None:
-            from clover.export.ngram_store import add_ngram_store
+    calibration = plan.options.calibration
+    return WeightsSpec(
+        config.weights,
+        config.block,
+        config.is_symmetric,
+        base_accuracy_level(config.attention),
+        DRAFT_ACCURACY_LEVEL,
+        embedding,
+        agreement,
+        quantizer_settings(config.quantizer, config.weights, config.block, config.is_symmetric, calibration),
+    )
 
-            store = add_ngram_store(tmp, ngram_store, fingerprint)
-            say(f"      n-gram store for prompt lookup: {store.contexts} contexts ({ngram_store.source})")
-        manifest = Manifest(
-            backend=config.backend,
-            dtype=config.dtype,
-            attention=config.attention,
-            opset=config.opset,
-            max_context=max_context,
-            base_config=base.config.to_dict(),
-            base_fingerprint=fingerprint,
-            sources=dict(sources or {}),
-            heads=heads_spec(heads, heads_name) if heads is not None else None,
-            tree=tree_spec(tree) if tree is not None else None,
-            graphs=specs,
-            tokenizer=TOKENIZER_DIR,
-            tools=tool_versions(),
-            parity=parity,
-            files={},
-            engines=engines,
-            draft_quant=config.draft_quant,
-            weights=weights,
-            draft_vocab=draft_vocab,
-            ngram_store=store,
-        )
-        if batched and config.verify:
-            from clover.export.batch_graph import check_batched
 
-            check_batched(tmp, manifest)
-            say(f"      every sequence's logits bit for bit the base graph's ({time.perf_counter() - t0:.1f} s)")
-        if time_trees:
-            from clover.export.tree_timing import fastest_tree
+def shared_lm_head_from_onnx(plan: ArtifactPlan, tmp: Path, specs: dict[str, GraphSpec]) -> dict[str, GraphSpec]:
+    """plan.share_lm_head: the graphs' LM head cut out into one lm_head.onnx (export/lm_head.py); else `specs`."""
+    if not plan.share_lm_head:
+        return specs
+    from clover.export.lm_head import LM_HEAD, LM_INPUT, split_lm_head
 
-            say(f"[{steps - 1}/{steps}] default tree and drafts: timing plain, the trees and prompt lookup here")
-            tree, drafts, timing = fastest_tree(tmp, manifest, say=say)
-            manifest = dataclasses.replace(
-                manifest, tree=tree_spec(tree) if tree is not None else None, drafts=drafts, tree_timing=timing
-            )
-        say(f"[{steps}/{steps}] checksums and manifest")
-        manifest = dataclasses.replace(manifest, files=file_entries(tmp))
-        write_manifest(tmp, manifest)  # last: the folder is an artifact from here on
-        install(tmp, out)
-    say(f"artifact written to {out}")
-    return out
+    config, say = plan.config, plan.options.say
+    t0 = time.perf_counter()
+    keep_base = config.weights is not None  # one session call a step instead of two (export/lm_head.py)
+    which = "the draft graphs" if keep_base else "the base and the draft graphs"
+    say(f"{plan.step(len(plan.graphs) + 1)} {LM_HEAD}: one LM head for {which}")
+    specs = split_lm_head(tmp, specs, plan.graphs, VERIFY_SIZES[1], verify=config.verify, keep_base=keep_base)
+    shared = [n for n, s in specs.items() if s.has_output(LM_INPUT)]
+    say(
+        f"      {LM_HEAD}.onnx serves {', '.join(shared)} ({time.perf_counter() - t0:.1f} s)"
+        + ("; the base keeps its own copy" if keep_base else "")
+        if shared
+        else "      the draft graphs have their own LM head: nothing shared"
+    )
+    return specs
+
+
+def draft_lm_head_from_onnx(
+    plan: ArtifactPlan, tmp: Path, specs: dict[str, GraphSpec]
+) -> tuple[dict[str, GraphSpec], DraftVocabSpec | None]:
+    """plan.draft_head: the drafts' own LM head, draft_lm_head.onnx (export/draft_vocab.py), over the draft
+    vocabulary or, --draft-quant alone, a quantized copy over the whole vocabulary; else `specs` and None."""
+    if not plan.draft_head:
+        return specs, None
+    from clover.export.draft_vocab import WHOLE_VOCABULARY, add_draft_vocab, coverage
+    from clover.export.lm_head import LM_HEAD, LM_INPUT
+
+    config, counts, say = plan.config, plan.options.token_counts, plan.options.say
+    t0 = time.perf_counter()
+    step = plan.step(len(plan.graphs) + 1 + plan.share_lm_head)
+    if plan.draft_ids is not None:
+        say(f"{step} draft vocabulary: the {len(plan.draft_ids)} tokens the base emits most often ({counts.source})")
+        ids, source, covered = plan.draft_ids, counts.source, coverage(counts.counts, plan.draft_ids)
+    elif LM_HEAD in specs and any(s.has_output(LM_INPUT) for n, s in specs.items() if n != "base"):
+        say(f"{step} the drafts' {config.draft_quant} LM head")
+        ids, source, covered = np.arange(plan.base.config.vocab_size), WHOLE_VOCABULARY, 1.0
+    else:
+        say(f"{step} the draft graphs keep their own {config.draft_quant} LM heads")
+        return specs, None
+    specs, draft_vocab = add_draft_vocab(tmp, specs, ids, source, covered, quant=config.draft_quant)
+    which = (
+        "over the whole vocabulary"
+        if source == WHOLE_VOCABULARY
+        else f"over {draft_vocab.coverage:.2%} of the tokens counted there"
+    )
+    served = ", ".join(draft_vocab.graphs)
+    say(f"      draft_lm_head.onnx ({which}) serves {served} ({time.perf_counter() - t0:.1f} s)")
+    return specs, draft_vocab
+
+
+def batched_base_from_onnx(
+    plan: ArtifactPlan, tmp: Path, specs: dict[str, GraphSpec]
+) -> tuple[dict[str, GraphSpec], float]:
+    """plan.batched: base_batch.onnx, the fused base over config.max_batch sequences per forward
+    (export/batch_graph.py); else `specs`. With the time it started: its check, once the manifest exists, reports
+    the time of both (unused without a batched base)."""
+    if not plan.batched:
+        return specs, time.perf_counter()
+    from clover.export.batch_graph import BATCH_GRAPH, write_batched_base
+
+    started = time.perf_counter()
+    step = plan.step(len(plan.graphs) + 1 + plan.share_lm_head + plan.draft_head)
+    plan.options.say(f"{step} {BATCH_GRAPH}: {plan.config.max_batch} sequences per forward")
+    batched = graph_spec(write_batched_base(tmp, specs["base"].file, plan.config.max_batch))
+    check_onnx(tmp / batched.file)
+    return {**specs, BATCH_GRAPH: batched}, started
+
+
+def engines_from_onnx(plan: ArtifactPlan, tmp: Path, specs: dict[str, GraphSpec]) -> dict[str, EngineSpec]:
+    """backend "trt": a TensorRT engine per graph (export/engines.py); else none."""
+    if plan.config.backend != "trt":
+        return {}
+    from clover.export.engines import build_engines
+
+    config, say = plan.config, plan.options.say
+    say(f"{plan.step(plan.steps - 1)} TensorRT engines")
+    limits = engine_limits(config, plan.tree, plan.max_context)
+    return build_engines(tmp, specs, config.dtype, limits, timing_cache_path(config), say)
+
+
+def ngram_store_from_source(plan: ArtifactPlan, tmp: Path) -> NgramStoreSpec | None:
+    """options.ngram_store: the store prompt lookup drafts from, written into `tmp`; else None."""
+    source = plan.options.ngram_store
+    if source is None:
+        return None
+    from clover.export.ngram_store import add_ngram_store
+
+    store = add_ngram_store(tmp, source, plan.fingerprint)
+    plan.options.say(f"      n-gram store for prompt lookup: {store.contexts} contexts ({source.source})")
+    return store
+
+
+def manifest_from_parts(
+    plan: ArtifactPlan,
+    specs: dict[str, GraphSpec],
+    parity: dict[str, dict[str, float]],
+    *,
+    engines: dict[str, EngineSpec],
+    weights: WeightsSpec | None,
+    draft_vocab: DraftVocabSpec | None,
+    store: NgramStoreSpec | None,
+) -> Manifest:
+    """The manifest of what the steps wrote, its file checksums still to be taken."""
+    config, heads, tree = plan.config, plan.heads, plan.tree
+    return Manifest(
+        backend=config.backend,
+        dtype=config.dtype,
+        attention=config.attention,
+        opset=config.opset,
+        max_context=plan.max_context,
+        base_config=plan.base.config.to_dict(),
+        base_fingerprint=plan.fingerprint,
+        sources=dict(plan.options.sources or {}),
+        heads=heads_spec(heads, plan.options.heads_name) if heads is not None else None,
+        tree=tree_spec(tree) if tree is not None else None,
+        graphs=specs,
+        tokenizer=TOKENIZER_DIR,
+        tools=tool_versions(),
+        parity=parity,
+        files={},
+        engines=engines,
+        draft_quant=config.draft_quant,
+        weights=weights,
+        draft_vocab=draft_vocab,
+        ngram_store=store,
+    )
+
+
+def check_batched_base(plan: ArtifactPlan, tmp: Path, manifest: Manifest, started: float) -> None:
+    """plan.batched and config.verify: every sequence of base_batch.onnx bit for bit the base graph's."""
+    if not (plan.batched and plan.config.verify):
+        return
+    from clover.export.batch_graph import check_batched
+
+    check_batched(tmp, manifest)
+    took = time.perf_counter() - started
+    plan.options.say(f"      every sequence's logits bit for bit the base graph's ({took:.1f} s)")
+
+
+def timed_tree_from_onnx(plan: ArtifactPlan, tmp: Path, manifest: Manifest) -> Manifest:
+    """plan.time_trees: the manifest with the default tree and drafts that ran fastest on the graphs in `tmp`
+    (export/tree_timing.py); else `manifest`."""
+    if not plan.time_trees:
+        return manifest
+    from clover.export.tree_timing import fastest_tree
+
+    say = plan.options.say
+    say(f"{plan.step(plan.steps - 1)} default tree and drafts: timing plain, the trees and prompt lookup here")
+    tree, drafts, timing = fastest_tree(tmp, manifest, say=say)
+    return dataclasses.replace(
+        manifest, tree=tree_spec(tree) if tree is not None else None, drafts=drafts, tree_timing=timing
+    )
 
 
 def import_native_modules() -> None:

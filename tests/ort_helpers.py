@@ -15,7 +15,7 @@ import pytest
 from helpers import tiny_base, tiny_tokenizer_dir
 
 from clover.artifact import MANIFEST_FILE, read_manifest
-from clover.export.artifact import artifact_from_modules
+from clover.export.artifact import ArtifactOptions, artifact_from_modules
 from clover.export.config import ExportConfig
 from clover.export.engines import EngineLimits, profiles_for
 from clover.models.decoder import Decoder, rope_inv_freq
@@ -78,7 +78,8 @@ def tiny_artifact(
         draft_vocab=draft_vocab,
     )
     counts = tiny_token_counts(base) if draft_vocab else None
-    return artifact_from_modules(base, heads, tokenizer, out, config, heads_name=name, token_counts=counts)
+    options = ArtifactOptions(heads_name=name, token_counts=counts)
+    return artifact_from_modules(base, heads, tokenizer, out, config, options)
 
 
 def tiny_token_counts(base: Decoder):

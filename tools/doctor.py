@@ -259,7 +259,7 @@ class Probe:
     def tiny_artifact(self, backend: str = "onnx", attention: str = "portable") -> Path:
         def make():
             self.export_tools()
-            from clover.export.artifact import artifact_from_modules
+            from clover.export.artifact import ArtifactOptions, artifact_from_modules
             from clover.export.config import ExportConfig
 
             base, heads, tokenizer = self.tiny()
@@ -272,9 +272,8 @@ class Probe:
                 shared_lm_head=False,
                 timing_cache=str(self.work / "timing.cache"),
             )
-            return artifact_from_modules(
-                base, heads, tokenizer, out, config, heads_name="random:clover2:0", progress=lambda s: say(f"  {s}")
-            )
+            options = ArtifactOptions(heads_name="random:clover2:0", progress=lambda s: say(f"  {s}"))
+            return artifact_from_modules(base, heads, tokenizer, out, config, options)
 
         return self.once(f"tiny-{backend}-{attention}", make)
 

@@ -11,7 +11,7 @@ from ort_helpers import PROMPTS, tiny_artifact, tiny_modules, tiny_token_counts
 
 from clover.artifact import DRAFT_LM_HEAD, MANIFEST_FILE, open_artifact, read_draft_vocab, read_manifest
 from clover.errors import CloverError
-from clover.export.artifact import artifact_from_modules
+from clover.export.artifact import ArtifactOptions, artifact_from_modules
 from clover.export.config import ExportConfig
 from clover.export.draft_vocab import coverage, ranked_ids
 from clover.runtime.loop import draft_tree
@@ -78,28 +78,21 @@ def test_a_draft_vocabulary_needs_counts_from_this_base(root):
     base, heads = tiny_modules("clover2")
     tok = tiny_tokenizer_dir(root / "dv-tok")
     config = ExportConfig(draft_vocab=K)
+    named = ArtifactOptions(heads_name="random:clover2")
     with pytest.raises(CloverError, match="--draft-vocab-data"):
-        artifact_from_modules(base, heads, tok, root / "dv-none", config, heads_name="random:clover2")
+        artifact_from_modules(base, heads, tok, root / "dv-none", config, named)
     counts = tiny_token_counts(base)
     other = dataclasses.replace(
         counts, base_fingerprint={**counts.base_fingerprint, "lm_head_sha256": "0" * 16, "lm_head_probe": [1.0]}
     )
+    from_another_base = dataclasses.replace(named, token_counts=other)
     with pytest.raises(CloverError, match="another base model"):
-        artifact_from_modules(
-            base, heads, tok, root / "dv-other", config, heads_name="random:clover2", token_counts=other
-        )
+        artifact_from_modules(base, heads, tok, root / "dv-other", config, from_another_base)
+    counted = dataclasses.replace(named, token_counts=counts)
     with pytest.raises(CloverError, match="--draft-vocab must be an int in 64..96"):
-        artifact_from_modules(
-            base,
-            heads,
-            tok,
-            root / "dv-big",
-            ExportConfig(draft_vocab=97),
-            heads_name="random:clover2",
-            token_counts=counts,
-        )
+        artifact_from_modules(base, heads, tok, root / "dv-big", ExportConfig(draft_vocab=97), counted)
     with pytest.raises(CloverError, match="with --heads"):
-        artifact_from_modules(base, None, tok, root / "dv-plain", config, token_counts=counts)
+        artifact_from_modules(base, None, tok, root / "dv-plain", config, ArtifactOptions(token_counts=counts))
     for bad in (dict(draft_vocab=8), dict(draft_vocab=True)):
         with pytest.raises(CloverError, match="--draft-vocab must be an int >= 64"):
             ExportConfig(**bad)

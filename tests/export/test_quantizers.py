@@ -12,7 +12,7 @@ from ort_helpers import HEADS_SEED, PROMPTS, tiny_modules
 
 from clover.artifact import open_artifact
 from clover.errors import CloverError
-from clover.export.artifact import artifact_from_modules
+from clover.export.artifact import ArtifactOptions, artifact_from_modules
 from clover.export.config import ExportConfig
 from clover.export.quantize import CalibrationSet, check_block_layout, quantized_ops
 from clover.models.heads import BaseFingerprint
@@ -43,9 +43,8 @@ def export(root, weights: str, quant: str, symmetric: bool, attention: str):
     out = root / f"{weights}-{quant}-{'sym' if symmetric else 'asym'}-{attention}"
     calibration = tiny_calibration(base) if quant == "gptq" else None
     tokenizer = tiny_tokenizer_dir(root / "tokenizer")
-    return artifact_from_modules(
-        base, heads, tokenizer, out, config, heads_name=f"random:{ARCH}:{HEADS_SEED}", calibration=calibration
-    )
+    options = ArtifactOptions(heads_name=f"random:{ARCH}:{HEADS_SEED}", calibration=calibration)
+    return artifact_from_modules(base, heads, tokenizer, out, config, options)
 
 
 @pytest.mark.parametrize("attention", ["fused", "portable"])
