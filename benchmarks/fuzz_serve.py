@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from clover.runtime.params import EngineOptions
+
 MODEL = "tiny"
 
 
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             artifact = tiny_artifact(Path(tmp), "clover2", attention="fused")
         rows = []
         for key in (None, "sesame"):
-            engine = Engine.load(artifact, tree="auto", max_batch=4, log=None)
+            engine = Engine.load(artifact, tree="auto", log=None, options=EngineOptions(max_batch=4))
             try:
                 app = create_app(engine, MODEL, api_key=key, warmup=False, limits=RequestLimits(allow_ignore_eos=True))
                 t0 = time.perf_counter()

@@ -35,6 +35,7 @@ from clover.models.head_io import resolve_heads
 from clover.models.loading import load_base
 from clover.models.smollm2 import resolve_base
 from clover.runtime.generator import Generator
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.tools.bench import load_prompts
 from clover.tools.demo import SHIPPED_CORPUS, cached_artifact
 from clover.tools.machine import host
@@ -62,7 +63,7 @@ def eval_sequences(per_set: int, new_tokens: int) -> dict[str, list[tuple[list[i
         if conversations[i][0]["role"] == "user" and 20 < len(conversations[i][0]["content"]) < 800
     ]
     art = cached_artifact("smollm2", "smollm2-clover2", weights=None, draft_quant="int8", corpus=SHIPPED_CORPUS)
-    gen = Generator.load(art, heads=None, backend="ort", tree="plain", threads=2)
+    gen = Generator.load(art, heads=None, backend="ort", tree="plain", options=EngineOptions(threads=2))
     sets = {
         "mtbench": load_prompts("mtbench", per_set),
         "sharegpt-val": sharegpt[:: max(1, len(sharegpt) // per_set)][:per_set],
@@ -72,7 +73,7 @@ def eval_sequences(per_set: int, new_tokens: int) -> dict[str, list[tuple[list[i
         seqs = []
         for p in tqdm(prompts, desc=f"plain outputs {name}", unit="prompt"):
             ids = gen.encode_prompt([{"role": "user", "content": p}], chat=True)
-            r = gen.generate(ids, max_new_tokens=new_tokens)
+            r = gen.generate(ids, GenerationParams(max_new_tokens=new_tokens))
             if len(r.token_ids) > 4:
                 seqs.append((list(ids) + list(r.token_ids), len(ids)))
         out[name] = seqs

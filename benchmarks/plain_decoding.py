@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from clover.runtime.params import GenerationParams
 from clover.tools.machine import host
 
 PROMPTS = [
@@ -53,7 +54,7 @@ def main() -> None:
 
     def ours(ids):
         t = time.perf_counter()
-        r = gen.generate(ids, max_new_tokens=N, ignore_eos=True)
+        r = gen.generate(ids, GenerationParams(max_new_tokens=N, ignore_eos=True))
         return r.token_ids, time.perf_counter() - t
 
     def theirs(ids):

@@ -55,6 +55,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from clover.runtime.params import EngineOptions, GenerationParams
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import peers  # noqa: E402  (benchmarks/peers.py: the peers' venvs and models)
@@ -145,7 +147,9 @@ class CloverSystem:
         self.name, self.artifact = name, artifact
         self.manifest = open_artifact(artifact)
         self.session = checking_session(artifact / self.manifest.graphs["base"].file)
-        self.generator = Generator.load(artifact, heads="none", backend="ort", tree="plain", threads=threads)
+        self.generator = Generator.load(
+            artifact, heads="none", backend="ort", tree="plain", options=EngineOptions(threads=threads)
+        )
         self.versions = {"onnxruntime": self.manifest.tools.get("onnxruntime", "")}
 
     def logits(self, ids: list[int], start: int) -> np.ndarray:
@@ -166,7 +170,7 @@ class CloverSystem:
         return run_checked(self.session, ["logits"], {k: v for k, v in feeds.items() if k in names})[0][0]
 
     def greedy(self, ids: list[int], n: int, stop_ids: list[int]) -> list[int]:
-        return list(self.generator.generate(ids, max_new_tokens=n).token_ids)
+        return list(self.generator.generate(ids, GenerationParams(max_new_tokens=n)).token_ids)
 
     def close(self) -> None:
         pass

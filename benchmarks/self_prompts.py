@@ -21,6 +21,7 @@ from pathlib import Path
 
 import clover
 from clover.artifact import tokenizer_dir
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.demo import cached_artifact
@@ -55,13 +56,17 @@ def main() -> int:
     header = user_header(tok)
     from tqdm import tqdm
 
-    with clover.Engine.load(art, heads="none", backend="ort", max_batch=8, threads=args.threads, log=sys.stderr) as eng:
+    with clover.Engine.load(
+        art, heads="none", backend="ort", log=sys.stderr, options=EngineOptions(max_batch=8, threads=args.threads)
+    ) as eng:
 
         def sample(i: int):
             return eng.generate(
                 header,
-                max_new_tokens=args.max_new_tokens,
-                sampling=SamplingParams(args.temperature, args.top_p, seed=seed_of(i)),
+                GenerationParams(
+                    max_new_tokens=args.max_new_tokens,
+                    sampling=SamplingParams(args.temperature, args.top_p, seed=seed_of(i)),
+                ),
             )
 
         seen, tokens, t0 = set(), 0, time.monotonic()

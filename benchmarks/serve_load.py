@@ -42,6 +42,7 @@ import httpx
 import numpy as np
 
 from clover import atomic
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.tools.machine import host
 from clover.tools.serve import free_port, wait_healthy
 
@@ -159,7 +160,7 @@ def engine_load(engine, prompts: list[str], clients: int, seconds: float, max_to
             with lock:
                 prompt = prompts[next(counter) % len(prompts)]
             t0 = last = time.perf_counter()
-            stream = engine.stream(prompt, chat=True, max_new_tokens=max_tokens)
+            stream = engine.stream(prompt, GenerationParams(max_new_tokens=max_tokens), chat=True)
             first = True
             for delta in stream:
                 now = time.perf_counter()
@@ -209,7 +210,9 @@ def load(args: argparse.Namespace, artifact: Path) -> int:
     port = free_port()
     server = start_server(artifact, port, args.threads, args.max_batch)
     url = f"http://127.0.0.1:{port}/v1"
-    engine = Engine.load(artifact, tree="auto", max_batch=args.max_batch, threads=args.threads, log=None)
+    engine = Engine.load(
+        artifact, tree="auto", log=None, options=EngineOptions(max_batch=args.max_batch, threads=args.threads)
+    )
     rows = []
     try:
         with tqdm(total=len(levels) * args.rounds * 2, desc="serve load", unit="run", dynamic_ncols=True) as bar:

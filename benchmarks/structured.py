@@ -33,6 +33,7 @@ from tqdm import tqdm
 from clover.runtime.generator import Generator
 from clover.runtime.grammar import Grammar
 from clover.runtime.ort_backend import base_dir, load_runner
+from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.demo import demo_artifact, demo_tree
 from clover.tools.machine import host
@@ -152,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                 for mode in modes:
                     t0 = time.perf_counter()
                     r = gens[mode].generate(
-                        prompt(topic, schema), chat=True, max_new_tokens=a.max_new_tokens, grammar=grammar
+                        prompt(topic, schema),
+                        GenerationParams(max_new_tokens=a.max_new_tokens, grammar=grammar),
+                        chat=True,
                     )
                     wall = time.perf_counter() - t0
                     if mode == "plain":

@@ -47,19 +47,14 @@ def decode_seconds(
 ) -> tuple[int, float]:
     """Tokens emitted after the prefill (at least `new_tokens`) and the seconds their steps took."""
     from clover.runtime.loop import LOOKUP_DRAFTS, speculative_steps
-    from clover.runtime.sampling import SamplingParams
+    from clover.runtime.params import GenerationParams
 
     tokens, seconds = 0, 0.0
     capacity = len(prompt) + new_tokens + tree.num_nodes + 1 + (LOOKUP_DRAFTS if drafts != "heads" else 0)
+    prompt = np.array(prompt, dtype=np.int64)
+    rng = np.random.default_rng(0)
     steps = speculative_steps(
-        runner,
-        np.array(prompt, dtype=np.int64),
-        tree,
-        SamplingParams(),
-        np.random.default_rng(0),
-        capacity,
-        drafts,
-        lookup_length,
+        runner, prompt, tree, GenerationParams(), drafts, capacity=capacity, rng=rng, lookup_length=lookup_length
     )
     next(steps)  # the prefill
     for step in steps:
@@ -103,7 +98,7 @@ def fastest_tree(
     tree with prompt lookup merged in, on the artifact's graphs in `root` (its manifest given, not yet written,
     with its n-gram store if any); returns the default tree (None without heads), the default draft source
     ("heads", "lookup" or "heads+lookup") and the record of the timing for the manifest."""
-    from clover.runtime.generator import lookup_length
+    from clover.runtime.configure import lookup_length
     from clover.runtime.loop import LOOKUP_DRAFTS, chain
     from clover.runtime.ort_backend import OrtOptions, OrtRunner
     from clover.runtime.tokenizer import Tokenizer

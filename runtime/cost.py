@@ -176,37 +176,3 @@ def _read_curve(path: Path, key: dict[str, Any]) -> dict[int, float] | None:
     ms = [points[r] for r in rows]
     sane = rows and rows[0] >= 1 and max(rows) >= key["max_rows"] and all(math.isfinite(m) and m > 0 for m in ms)
     return points if sane and all(a <= b for a, b in zip(ms, ms[1:])) else None
-
-
-class DraftConfidence:
-    """What a dynamic tree's cumulative draft probabilities are worth (tree.DynamicTree): P(a verified node is
-    accepted | its cumulative draft probability p), learned online in bins of log10 p (each bin starting from p
-    itself, `prior` pseudo-trials), and the measured milliseconds of one draft call. Heads trained on little
-    data are far from calibrated (SmolLM2's Clover-2 accepts more than its softmax says), so sizing trees by
-    the raw probabilities verifies too little."""
-
-    EDGES = np.linspace(-4.0, 0.0, 17)  # log10 p bins; below 1e-4 is the first
-
-    def __init__(self, prior: float = 4.0) -> None:
-        self.hits = np.zeros(len(self.EDGES) + 1)
-        self.trials = np.zeros(len(self.EDGES) + 1)
-        self.prior = prior
-        self.draft_ms: float | None = None
-
-    def _bins(self, p: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.EDGES, np.log10(np.maximum(p, 1e-12)))
-
-    def __call__(self, p: np.ndarray) -> np.ndarray:
-        """Calibrated acceptance probabilities of nodes with cumulative draft probabilities p."""
-        p = np.asarray(p, dtype=np.float64)
-        b = self._bins(p)
-        return (self.hits[b] + self.prior * p) / (self.trials[b] + self.prior)
-
-    def observe(self, p: np.ndarray, accepted: np.ndarray) -> None:
-        """Verified nodes' cumulative draft probabilities and whether each was accepted."""
-        b = self._bins(np.asarray(p, dtype=np.float64))
-        np.add.at(self.trials, b, 1.0)
-        np.add.at(self.hits, b, np.asarray(accepted, dtype=np.float64))
-
-    def observe_draft(self, ms: float) -> None:
-        self.draft_ms = ms if self.draft_ms is None else 0.9 * self.draft_ms + 0.1 * ms

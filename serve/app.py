@@ -5,10 +5,15 @@
     stopped), GET /metrics (Prometheus text)
 
 Every error is OpenAI's error shape ({"error": {"message", "type", "param", "code"}}) with its status: 400 for a
-malformed body, a bad field, a token id outside the vocabulary, a prompt longer than the context or prompt +
-max_tokens past it (checked before the request reaches the engine, so it fails alone); 401 for a missing or wrong
-API key; 404 for an unknown model; 503 with Retry-After when the engine's queue is full, it is still warming up,
-or it has stopped. A client that disconnects cancels its request, which frees its slot at the engine's next step.
+malformed body, a bad field (text that is not valid Unicode included, named however deep), a token id outside the
+vocabulary, a prompt longer than the context or prompt + max_tokens past it (checked before the request reaches the
+engine, so it fails alone); 401 for a missing or wrong API key; 404 for an unknown model; 503 with Retry-After when
+the engine's queue is full, it is still warming up, or it has stopped. A client that disconnects cancels its
+request, which frees its slot at the engine's next step.
+
+`create_app` only builds the app: its middleware, error handlers and routes. The routes are module functions that
+share one `Completions` (on app.state): it submits a request's candidates to the engine and answers them as one
+JSON response or, streamed, through an `EventStream`.
 """
 
 from __future__ import annotations
@@ -28,14 +33,19 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from clover.errors import CloverError
-from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull, StreamDelta
-from clover.runtime.generator import GenerationResult, encode_prompt
+from clover.runtime.engine import Engine, EngineStream
+from clover.runtime.grammar import Grammar
 from clover.runtime.logprobs import TokenLogprob
+from clover.runtime.params import GenerationParams
+from clover.runtime.requests import encode_prompt
+from clover.runtime.results import GenerationResult, StreamDelta
 from clover.runtime.sampling import SamplingParams
+from clover.runtime.scheduler import Cancelled, EngineUnavailable, QueueFull
 from clover.runtime.tokenizer import Tokenizer
 from clover.serve.limits import RequestGuard, RequestLimits
 from clover.serve.metrics import Metrics
 from clover.serve.schemas import (
+    INVALID_UNICODE,
     REFUSED,
     RESPONSE_FORMATS,
     UNKNOWN_FIELD,
@@ -46,6 +56,7 @@ from clover.serve.schemas import (
     error_body,
     new_id,
     now,
+    unicode_fault,
 )
 
 RETRY_AFTER_S = 1
@@ -55,6 +66,7 @@ TOKEN_MAPS = {
     "stop_token_ids": "stop_token_ids is a list of token ids (ints >= 0)",
 }
 WARMUP_PROMPT = "Hello"
+CompletionBody = ChatCompletionRequest | CompletionRequest  # the bodies of the two POST routes
 
 
 class ApiError(Exception):
@@ -92,6 +104,8 @@ def request_param(engine_param: str | None, body: Any) -> str | None:
         return "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     if engine_param == "logprobs" and hasattr(body, "top_logprobs"):
         return "top_logprobs"
+    if engine_param == "prompt_logprobs":  # asked for by echo with logprobs
+        return "logprobs"
     return engine_param  # temperature, top_p, stop, the penalties, logit_bias, min_tokens, ...: the same names
 
 
@@ -102,6 +116,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         del loc[1]  # the union's tag (the format's type), not a field
     if err.get("type") == "json_invalid":
         return f"the request body is not valid JSON ({err.get('msg', '')}): send a JSON object", None
+    if err.get("type") == INVALID_UNICODE:  # the field however deep, found by walking the body (schemas.py)
+        return f"{err['ctx']['field']}: {err['msg']}", err["ctx"]["field"]
     param = ".".join(loc) or None
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     if err.get("type") == "extra_forbidden":
@@ -127,34 +143,10 @@ def create_app(
     need `Authorization: Bearer KEY`. warmup: /health turns 200 after one short request has run (False: at once).
     limits: what one request may ask. docs: serve /docs, /redoc and /openapi.json. metrics: the engine's Metrics
     (default: new ones; a Ray Serve replica passes its own, labelled)."""
-    metrics = metrics or Metrics(engine)
-    context = engine.runner.info.max_context
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.ready = not warmup
-        task = None
-        if warmup:
-
-            async def warm() -> None:
-                while True:  # a warm-up that failed (in a step with a failing request) is tried again
-                    try:
-                        await engine.agenerate(WARMUP_PROMPT, max_new_tokens=2)
-                    except EngineUnavailable:
-                        return
-                    except CloverError:
-                        await asyncio.sleep(RETRY_AFTER_S)
-                        continue
-                    app.state.ready = True
-                    return
-
-            task = asyncio.create_task(warm())
-        yield
-        if task is not None:
-            task.cancel()
-
+    served = Completions(engine, model, limits, metrics or Metrics(engine), warmup)
     hidden = {} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
-    app = FastAPI(title="clover-serve", lifespan=lifespan, **hidden)
+    app = FastAPI(title="clover-serve", lifespan=_lifespan, **hidden)
+    app.state.completions = served  # what the routes share
     # the API key, the body's size and the requests in flight are checked before the body is read
     app.add_middleware(
         RequestGuard,
@@ -164,201 +156,234 @@ def create_app(
         metrics_need_key=metrics_need_key,
         retry_after_s=RETRY_AFTER_S,
     )
+    app.add_exception_handler(ApiError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.get("/health")(health)
+    app.get("/metrics")(metrics_text)
+    app.get("/v1/models")(models)
+    app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/completions")(completions)
+    return app
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
-        return _error_response(e)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(e)
-        return _error_response(ApiError(400, message, param=param))
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    served: Completions = app.state.completions
+    app.state.ready = not served.warmup
+    task = asyncio.create_task(_warm(app, served.engine)) if served.warmup else None
+    yield
+    if task is not None:
+        task.cancel()
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return _error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
 
-    # -- routes -----------------------------------------------------------------------------------------
-    @app.get("/health")
-    async def health(request: Request) -> Response:
-        # the engine's real state: a request that failed its step says nothing about the next ones
-        status = "dead" if not engine.alive else "ok" if request.app.state.ready else "warming up"
-        return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
-
-    @app.get("/metrics")
-    async def metrics_text() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [
-                {"id": model, "object": "model", "created": 0, "owned_by": "clover-deploy", "max_model_len": context}
-            ],
-        }
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _check_prompt(body, len(body.messages), 0)  # before the messages are even copied
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        _check_prompt(body, len(messages), sum(len(m["content"]) for m in messages))
-        return await _complete(request, body, messages, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        prompt = body.prompt_input()
-        _check_prompt(body, None, len(prompt) if isinstance(prompt, str) else 0)
-        return await _complete(request, body, prompt, chat=False)
-
-    def _check_prompt(body, messages: int | None, chars: int) -> None:
+async def _warm(app: FastAPI, engine: Engine) -> None:
+    """One short request, then /health says ok."""
+    while True:  # a warm-up that failed (in a step with a failing request) is tried again
         try:
-            limits.check_prompt(messages, chars)
+            await engine.agenerate(WARMUP_PROMPT, GenerationParams(max_new_tokens=2))
+        except EngineUnavailable:
+            return
+        except CloverError:
+            await asyncio.sleep(RETRY_AFTER_S)
+            continue
+        app.state.ready = True
+        return
+
+
+# -- exception handlers: every error in OpenAI's shape --------------------------------------------------------------
+async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+    return _error_response(e)
+
+
+async def _invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+    message, param = _validation_message(e)
+    return _error_response(ApiError(400, message, param=param))
+
+
+async def _http(request: Request, e: StarletteHTTPException) -> JSONResponse:
+    if isinstance(e.__cause__, UnicodeDecodeError):  # FastAPI could not read the body
+        return _error_response(await _not_utf8(request, e.__cause__))
+    kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+    return _error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind))
+
+
+async def _not_utf8(request: Request, e: UnicodeDecodeError) -> ApiError:
+    """400 for a body that is not UTF-8, naming the field that holds the bad bytes where the rest is JSON."""
+    try:  # each bad byte read as a lone surrogate, which unicode_fault finds
+        body = json.loads((await request.body()).decode("utf-8", "surrogateescape"))
+    except (ValueError, RuntimeError):  # not JSON either; or the body is gone
+        body = None
+    fault = unicode_fault(body) if isinstance(body, dict) else None
+    field = fault[0] if fault else None
+    what = f"the request body is not valid UTF-8 (byte 0x{e.object[e.start]:02X} at offset {e.start}): send UTF-8"
+    return ApiError(400, f"{field}: {what}" if field else what, param=field)
+
+
+# -- routes ---------------------------------------------------------------------------------------------------------
+def _served(request: Request) -> Completions:
+    return request.app.state.completions
+
+
+async def health(request: Request) -> Response:
+    # the engine's real state: a request that failed its step says nothing about the next ones
+    status = "dead" if not _served(request).engine.alive else "ok" if request.app.state.ready else "warming up"
+    return JSONResponse({"status": status}, status_code=200 if status == "ok" else 503)
+
+
+async def metrics_text(request: Request) -> Response:
+    return Response(generate_latest(_served(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+async def models(request: Request) -> dict[str, Any]:
+    served = _served(request)
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": served.model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "clover-deploy",
+                "max_model_len": served.context,
+            }
+        ],
+    }
+
+
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    served = _served(request)
+    served.check_prompt(body, len(body.messages), 0)  # before the messages are even copied
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+    served.check_prompt(body, len(messages), sum(len(m["content"]) for m in messages))
+    return await served.complete(request, body, messages, chat=True)
+
+
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    served = _served(request)
+    prompt = body.prompt_input()
+    served.check_prompt(body, None, len(prompt) if isinstance(prompt, str) else 0)
+    return await served.complete(request, body, prompt, chat=False)
+
+
+# -- the work -------------------------------------------------------------------------------------------------------
+def _busy(message: str) -> ApiError:
+    """503 with Retry-After: the request was fine, the server could not take it now."""
+    return ApiError(503, message, "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+class Completions:
+    """What the routes share (app.state.completions): the engine serving `model`, the request limits, the metrics;
+    and a completion request's work: its candidates submitted to the engine, then answered whole or streamed."""
+
+    def __init__(self, engine: Engine, model: str, limits: RequestLimits, metrics: Metrics, warmup: bool) -> None:
+        self.engine, self.model, self.limits, self.metrics, self.warmup = engine, model, limits, metrics, warmup
+        self.context = engine.runner.info.max_context
+
+    def check_prompt(self, body: CompletionBody, messages: int | None, chars: int) -> None:
+        """400 for a prompt over the server's limits, before it is templated or tokenized."""
+        try:
+            self.limits.check_prompt(messages, chars)
         except CloverError as e:
             raise ApiError(400, str(e), param=request_param(e.param, body)) from None
 
-    # -- the work -----------------------------------------------------------------------------------------
-    def submit(
-        request: Request, body: ChatCompletionRequest | CompletionRequest, prompt: Any, rid: str
-    ) -> list[EngineStream]:
+    async def complete(self, request: Request, body: CompletionBody, prompt: Any, chat: bool) -> Response:
+        """The answer to a completion request: a JSON response, or its server-sent events with `stream`."""
+        # templating and tokenizing run in a worker thread: a huge prompt must not stall /health and every stream
+        rid = new_id("chatcmpl" if chat else "cmpl")  # also names the request in the engine's log
+        outs = await run_in_threadpool(self.submit, request, body, prompt, rid)
+        if body.stream:
+            return StreamingResponse(
+                EventStream(self, outs, rid, body, chat).events(),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+            )
+        results = await self._wait(request, outs, rid)
+        if results is None:
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        return self._answer(body, prompt, rid, chat, results)
+
+    def submit(self, request: Request, body: CompletionBody, prompt: Any, rid: str) -> list[EngineStream]:
         """The request's candidates, submitted (one for n = 1): each a sequence of the engine's batch, a seeded
         request's candidate i seeded seed + i."""
-        if body.model != model:
+        self._check_served(request, body)
+        grammar_field = None
+        outs: list[EngineStream] = []
+        try:
+            self.limits.check(body.stop_strings(), body.ignore_eos)
+            grammar, grammar_field = body.grammar() or (None, None)
+            n, candidates = body.choices()
+            sampling = _sampling(body)
+            ids = encode_prompt(self.engine.tokenizer, prompt)  # messages through the chat template; text; ids as given
+            # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
+            new = self.limits.new_tokens(len(ids), body.token_limit(), self.context)
+            for i in range(candidates):
+                outs.append(
+                    self.engine.stream(
+                        ids,
+                        _candidate(body, i, candidates > n, new, sampling, grammar),
+                        request_id=rid if candidates == 1 else f"{rid}-{i}",
+                        share_prefill=outs[0] if outs else None,  # one prefill for all candidates
+                    )
+                )
+            for option in body.options_used():
+                self.metrics.options.labels(option).inc()
+            return outs
+        except BaseException as e:
+            for out in outs:  # a request is all of its candidates or none of them
+                out.cancel()
+            if isinstance(e, CloverError):
+                raise _refusal(e, body, grammar_field) from None
+            raise
+
+    def _check_served(self, request: Request, body: CompletionBody) -> None:
+        if body.model != self.model:
             raise ApiError(
                 404,
-                f"model {body.model!r} does not exist: this server serves {model!r} (GET /v1/models)",
+                f"model {body.model!r} does not exist: this server serves {self.model!r} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
         if not request.app.state.ready:
-            raise ApiError(
-                503,
-                "the server is warming up: retry in a moment",
-                "service_unavailable",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-        grammar_field = None
-        outs: list[EngineStream] = []
-        try:
-            try:
-                limits.check(body.stop_strings(), body.ignore_eos)
-                grammar, grammar_field = body.grammar() or (None, None)
-                n, candidates = body.choices()
-                sampling = SamplingParams(
-                    temperature=body.temperature,
-                    top_p=body.top_p,
-                    seed=body.seed,
-                    presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty,
-                    repetition_penalty=body.repetition_penalty,
-                    logit_bias=body.logit_bias_ids(),
-                    min_tokens=body.min_tokens,
-                )
-                ids = encode_prompt(engine.tokenizer, prompt)  # messages through the chat template; text; ids as given
-                # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
-                new = limits.new_tokens(len(ids), body.token_limit(), context)
-                wanted = body.logprobs_wanted()
-                for i in range(candidates):
-                    seed = None if body.seed is None else (body.seed + i) % 2**63
-                    outs.append(
-                        engine.stream(
-                            ids,
-                            max_new_tokens=new,
-                            sampling=dataclasses.replace(sampling, seed=seed),
-                            stop=body.stop_strings(),
-                            ignore_eos=body.ignore_eos,
-                            request_id=rid if candidates == 1 else f"{rid}-{i}",
-                            stop_token_ids=body.stop_token_ids or (),
-                            # best_of ranks candidates by their tokens' log-probabilities
-                            logprobs=wanted if wanted is not None or candidates == n else 0,
-                            grammar=grammar,
-                            share_prefill=outs[0] if outs else None,  # one prefill for all candidates
-                            # echo: the prompt's log-probabilities, once (the candidates share the prompt)
-                            prompt_logprobs=wanted if getattr(body, "echo", False) and i == 0 else None,
-                        )
-                    )
-                for option in body.options_used():
-                    metrics.options.labels(option).inc()
-                return outs
-            except BaseException:
-                for out in outs:  # a request is all of its candidates or none of them
-                    out.cancel()
-                raise
-        except QueueFull as e:
-            raise ApiError(
-                503,
-                f"the server is busy ({e}): retry later",
-                "service_unavailable",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from None
-        except EngineUnavailable as e:
-            raise ApiError(
-                503,
-                f"the server cannot take requests: {e}",
-                "service_unavailable",
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            ) from None
-        except CloverError as e:
-            if e.param == "grammar":
-                raise ApiError(400, f"{grammar_field}: {e}", param=grammar_field) from None
-            raise ApiError(400, str(e), param=request_param(e.param, body)) from None
+            raise _busy("the server is warming up: retry in a moment")
 
-    async def _complete(request: Request, body, prompt: Any, chat: bool) -> Response:
-        # templating and tokenizing run in a worker thread: a huge prompt must not stall /health and every stream
-        rid = new_id("chatcmpl" if chat else "cmpl")  # also names the request in the engine's log
-        outs = await run_in_threadpool(submit, request, body, prompt, rid)
-        if body.stream:
-            return StreamingResponse(
-                _events(outs, rid, body, chat),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
-            )
+    async def _wait(self, request: Request, outs: list[EngineStream], rid: str) -> list[GenerationResult] | None:
+        """The candidates' results once they have all ended; None when the client went away first."""
         try:
             for out in outs:  # they decode together in the engine's batch; their ends are awaited in turn
                 async for _ in out:
                     if await request.is_disconnected():
                         for o in outs:
                             o.cancel()
-                        metrics.requests.labels("abort").inc()
-                        return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+                        self.metrics.requests.labels("abort").inc()
+                        return None
         except Cancelled:
-            return Response(status_code=499)
+            return None
         except EngineUnavailable as e:  # the engine's loop stopped under this request
-            raise ApiError(503, str(e), "service_unavailable", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+            raise _busy(str(e)) from None
         except CloverError as e:  # the engine failed this request's step (the server log has it, by this id)
             for o in outs:
                 o.cancel()
             raise ApiError(500, str(e), "server_error", headers={"X-Request-Id": rid}) from None
         results = [out.result for out in outs]
         for result in results:
-            metrics.finished(result, finish_reason(result))
+            self.metrics.finished(result, finish_reason(result))
+        return results
+
+    def _answer(
+        self, body: CompletionBody, prompt: Any, rid: str, chat: bool, results: list[GenerationResult]
+    ) -> JSONResponse:
+        """The JSON response: the n best candidates (all of them without best_of), usage and speculation stats."""
         n, _ = body.choices()
         wanted = body.logprobs_wanted()
-        choices = []
-        echo = None if chat or not body.echo else echoed(engine.tokenizer, prompt, results[0])
-        for index, result in enumerate(best(results, n)):
-            reason = finish_reason(result)
-            logprobs = None if wanted is None else render_logprobs(engine.tokenizer, result.logprobs, chat)
-            if echo is not None:  # the prompt's text and tokens before the completion's
-                text, before = echo
-                result = dataclasses.replace(result, text=text + result.text)
-                if logprobs is not None:
-                    logprobs = {k: before[k] + logprobs[k] for k in before}
-                    logprobs["text_offset"][len(before["tokens"]) :] = [
-                        o + len(text) for o in logprobs["text_offset"][len(before["tokens"]) :]
-                    ]
-            if chat:
-                message = {"role": "assistant", "content": result.text}
-                choices.append({"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs})
-            else:
-                choices.append({"index": index, "text": result.text, "finish_reason": reason, "logprobs": logprobs})
+        echo = None if chat or not body.echo else echoed(self.engine.tokenizer, prompt, results[0])
+        choices = [self._choice(i, result, chat, wanted, echo) for i, result in enumerate(best(results, n))]
         return JSONResponse(
             {
                 "id": rid,
                 "object": "chat.completion" if chat else "text_completion",
                 "created": now(),
-                "model": model,
+                "model": self.model,
                 "choices": choices,
                 "usage": usage(results).model_dump(),
                 "clover": speculation(results).model_dump(),
@@ -366,61 +391,106 @@ def create_app(
             headers={"X-Request-Id": rid},
         )
 
-    async def _events(outs: list[EngineStream], rid: str, body, chat: bool) -> AsyncIterator[str]:
-        created, kind = now(), "chat.completion.chunk" if chat else "text_completion"
-        wants_logprobs = body.logprobs_wanted() is not None
+    def _choice(
+        self, index: int, result: GenerationResult, chat: bool, wanted: int | None, echo: tuple[str, dict] | None
+    ) -> dict[str, Any]:
+        reason = finish_reason(result)
+        logprobs = None if wanted is None else render_logprobs(self.engine.tokenizer, result.logprobs, chat)
+        if echo is not None:  # the prompt's text and tokens before the completion's
+            text, before = echo
+            result = dataclasses.replace(result, text=text + result.text)
+            if logprobs is not None:
+                logprobs = {k: before[k] + logprobs[k] for k in before}
+                logprobs["text_offset"][len(before["tokens"]) :] = [
+                    o + len(text) for o in logprobs["text_offset"][len(before["tokens"]) :]
+                ]
+        if chat:
+            message = {"role": "assistant", "content": result.text}
+            return {"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs}
+        return {"index": index, "text": result.text, "finish_reason": reason, "logprobs": logprobs}
 
-        def chunk(
-            index: int | None, choice: dict[str, Any] | None, logprobs: tuple[TokenLogprob, ...] = (), **extra: Any
-        ) -> str:
-            rendered = render_logprobs(engine.tokenizer, logprobs, chat) if wants_logprobs and logprobs else None
-            doc = {
-                "id": rid,
-                "object": kind,
-                "created": created,
-                "model": model,
-                "choices": [] if choice is None else [{"index": index, "logprobs": rendered, **choice}],
-                **extra,
-            }
-            return f"data: {json.dumps(doc)}\n\n"
 
-        def piece(text: str, reason: str | None = None) -> dict[str, Any]:
-            if chat:
-                return {"delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
-            return {"text": text, "finish_reason": reason}
+def _sampling(body: CompletionBody) -> SamplingParams:
+    return SamplingParams(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=body.logit_bias_ids(),
+        min_tokens=body.min_tokens,
+    )
 
+
+def _candidate(
+    body: CompletionBody, i: int, ranked: bool, new: int | None, sampling: SamplingParams, grammar: Grammar | None
+) -> GenerationParams:
+    """Candidate i's options (ranked: best_of returns the best of more candidates than n), seeded seed + i. A
+    CloverError names the engine's field (request_param maps it to the request's)."""
+    wanted = body.logprobs_wanted()
+    seed = None if body.seed is None else (body.seed + i) % 2**63
+    return GenerationParams(
+        max_new_tokens=new,
+        sampling=dataclasses.replace(sampling, seed=seed),
+        stop=body.stop_strings(),
+        ignore_eos=body.ignore_eos,
+        stop_token_ids=body.stop_token_ids or (),
+        # best_of ranks candidates by their tokens' log-probabilities
+        logprobs=wanted if wanted is not None or not ranked else 0,
+        grammar=grammar,
+        # echo: the prompt's log-probabilities, once (the candidates share the prompt)
+        prompt_logprobs=wanted if getattr(body, "echo", False) and i == 0 else None,
+    )
+
+
+def _refusal(e: CloverError, body: CompletionBody, grammar_field: str | None) -> ApiError:
+    """A request the engine did not take: 503 when it is full or stopped, else 400 naming the request's field."""
+    if isinstance(e, QueueFull):
+        return _busy(f"the server is busy ({e}): retry later")
+    if isinstance(e, EngineUnavailable):
+        return _busy(f"the server cannot take requests: {e}")
+    if e.param == "grammar":
+        return ApiError(400, f"{grammar_field}: {e}", param=grammar_field)
+    return ApiError(400, str(e), param=request_param(e.param, body))
+
+
+class EventStream:
+    """A request's candidates as server-sent events: a chunk for each delta of each choice as it comes, one for each
+    choice's end (its finish reason and speculation stats), the usage when asked, then `data: [DONE]`."""
+
+    def __init__(
+        self, served: Completions, outs: list[EngineStream], rid: str, body: CompletionBody, chat: bool
+    ) -> None:
+        self.served, self.outs, self.rid, self.body, self.chat = served, outs, rid, body, chat
+        self.created, self.kind = now(), "chat.completion.chunk" if chat else "text_completion"
+        self.wants_logprobs = body.logprobs_wanted() is not None
         # each choice's deltas as they come, through one queue (None: that choice ended)
-        queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+        self.queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
 
-        async def pump(index: int, out: EngineStream) -> None:
-            try:
-                async for delta in out:
-                    queue.put_nowait((index, delta))
-                queue.put_nowait((index, None))
-            except Exception as e:  # handed to the response, which says it in the stream
-                queue.put_nowait((index, e))
-
-        pumps = [asyncio.ensure_future(pump(i, out)) for i, out in enumerate(outs)]
+    async def events(self) -> AsyncIterator[str]:
+        outs = self.outs
+        pumps = [asyncio.ensure_future(self.pump(i, out)) for i, out in enumerate(outs)]
         try:
-            if chat:
+            if self.chat:
                 for i in range(len(outs)):
-                    yield chunk(i, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+                    yield self.chunk(i, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
             running = len(outs)
             while running:
-                index, item = await queue.get()
+                index, item = await self.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item is None:
                     running -= 1
                     result = outs[index].result
                     reason = finish_reason(result)
-                    metrics.finished(result, reason)
-                    yield chunk(index, piece("", reason), clover=speculation([result]).model_dump())
+                    self.served.metrics.finished(result, reason)
+                    yield self.chunk(index, self.piece("", reason), clover=speculation([result]).model_dump())
                 # a token's log-probability comes with the text that shows it (held-back text holds it back too)
                 elif item.text or item.logprobs:
-                    yield chunk(index, piece(item.text), item.logprobs)
-            if body.include_usage:
-                yield chunk(None, None, usage=usage([out.result for out in outs]).model_dump())
+                    yield self.chunk(index, self.piece(item.text), item.logprobs)
+            if self.body.include_usage:
+                yield self.chunk(None, None, usage=usage([out.result for out in outs]).model_dump())
         except Cancelled:
             return
         except CloverError as e:  # the engine failed this request's step: say so in the stream
@@ -430,10 +500,39 @@ def create_app(
                 p.cancel()
                 if out.result is None:  # a client that went away (the response task is cancelled): free its slot
                     out.cancel()
-                    metrics.requests.labels("abort").inc()
+                    self.served.metrics.requests.labels("abort").inc()
         yield "data: [DONE]\n\n"
 
-    return app
+    async def pump(self, index: int, out: EngineStream) -> None:
+        """Choice `index`'s deltas into the queue, then None (its end) or the exception that ended it."""
+        try:
+            async for delta in out:
+                self.queue.put_nowait((index, delta))
+            self.queue.put_nowait((index, None))
+        except Exception as e:  # handed to the response, which says it in the stream
+            self.queue.put_nowait((index, e))
+
+    def chunk(
+        self, index: int | None, choice: dict[str, Any] | None, logprobs: tuple[TokenLogprob, ...] = (), **extra: Any
+    ) -> str:
+        """One event: `choice` (None: no choice, e.g. the usage chunk) with its tokens' log-probabilities if asked."""
+        wanted = self.wants_logprobs and logprobs
+        rendered = render_logprobs(self.served.engine.tokenizer, logprobs, self.chat) if wanted else None
+        doc = {
+            "id": self.rid,
+            "object": self.kind,
+            "created": self.created,
+            "model": self.served.model,
+            "choices": [] if choice is None else [{"index": index, "logprobs": rendered, **choice}],
+            **extra,
+        }
+        return f"data: {json.dumps(doc)}\n\n"
+
+    def piece(self, text: str, reason: str | None = None) -> dict[str, Any]:
+        """A choice's delta: chat's `delta` (no content in the end chunk), or the completions API's `text`."""
+        if self.chat:
+            return {"delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
+        return {"text": text, "finish_reason": reason}
 
 
 def render_logprobs(tokenizer: Tokenizer, entries, chat: bool) -> dict[str, Any]:

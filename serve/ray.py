@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from clover.errors import CloverError
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.serve.limits import RequestLimits, read_api_key_file
 
 APP_NAME = "clover"
@@ -256,13 +257,12 @@ def load_engine(o: RayServeOptions, log=sys.stderr):
         backend=backend,
         tree=o.tree,
         heads=o.heads,
-        max_batch=o.max_batch,
-        threads=o.threads,
-        max_waiting=o.max_waiting,
-        providers=o.providers,
         log=log,
+        options=EngineOptions(
+            max_batch=o.max_batch, threads=o.threads, max_waiting=o.max_waiting, providers=o.providers
+        ),
     )
-    engine.generate(WARMUP_PROMPT, max_new_tokens=2)
+    engine.generate(WARMUP_PROMPT, GenerationParams(max_new_tokens=2))
     return engine
 
 
@@ -272,6 +272,70 @@ def replica_api_key(o: RayServeOptions) -> str | None:
     if o.api_key_file:
         return read_api_key_file(Path(o.api_key_file), "api_key_file")
     return os.environ.get("CLOVER_API_KEY") or None
+
+
+class MetricsBoard:
+    """The latest Prometheus text of every replica, by replica id, with when it came."""
+
+    def __init__(self) -> None:
+        self._texts: dict[str, tuple[float, str]] = {}
+
+    def put(self, replica: str, text: str) -> None:
+        self._texts[replica] = (time.monotonic(), text)
+
+    def drop(self, replica: str) -> None:
+        self._texts.pop(replica, None)
+
+    def fresh(self, max_age_s: float) -> dict[str, str]:
+        now = time.monotonic()
+        for replica in [r for r, (t, _) in self._texts.items() if now - t > max_age_s]:
+            del self._texts[replica]  # a replica that stopped publishing (killed, or gone)
+        return {r: text for r, (_, text) in self._texts.items()}
+
+
+def replica_app(engine, o: RayServeOptions, replica: str, board) -> tuple[Any, asyncio.Task]:
+    """clover-serve's app over one replica's engine, whose /metrics answers every replica's series (from the
+    metrics board), and the task that publishes this replica's series to the board."""
+    from prometheus_client import generate_latest
+
+    from clover.serve.app import create_app
+    from clover.serve.metrics import Metrics
+
+    metrics = Metrics(engine, labels={"replica": replica})
+    app = create_app(
+        engine,
+        o.model_name,
+        api_key=replica_api_key(o),
+        warmup=False,  # warmed in the constructor
+        limits=o.limits,
+        docs=o.docs,
+        metrics_need_key=o.metrics_need_key,
+        metrics=metrics,
+    )
+
+    def own() -> str:
+        return generate_latest(metrics.registry).decode()
+
+    max_age = max(3 * o.metrics_publish_s, o.health_check_period_s + 5.0)
+
+    async def every_replica() -> bytes:
+        try:
+            texts = await asyncio.wait_for(board.fresh.remote(max_age), BOARD_TIMEOUT_S)
+        except Exception:  # the board restarting or gone: this replica's own series still answer
+            texts = {}
+        return merge_metrics({**texts, replica: own()}.values())
+
+    replace_metrics_route(app, every_replica)
+
+    async def publish() -> None:
+        while True:
+            try:
+                await asyncio.wait_for(board.put.remote(replica, own()), BOARD_TIMEOUT_S)
+            except Exception:  # the board is restarting: publish again at the next tick
+                pass
+            await asyncio.sleep(o.metrics_publish_s)
+
+    return app, asyncio.get_running_loop().create_task(publish())
 
 
 _DEPLOYMENTS: tuple[Any, Any] | None = None
@@ -287,24 +351,7 @@ def _deployments():
     except ImportError as e:
         raise CloverError(f"Ray Serve is not installed ({e.name} is missing): {RAY_EXTRA}") from None
 
-    @serve.deployment(name=BOARD)
-    class MetricsBoard:
-        """The latest Prometheus text of every replica, by replica id, with when it came."""
-
-        def __init__(self) -> None:
-            self._texts: dict[str, tuple[float, str]] = {}
-
-        def put(self, replica: str, text: str) -> None:
-            self._texts[replica] = (time.monotonic(), text)
-
-        def drop(self, replica: str) -> None:
-            self._texts.pop(replica, None)
-
-        def fresh(self, max_age_s: float) -> dict[str, str]:
-            now = time.monotonic()
-            for replica in [r for r, (t, _) in self._texts.items() if now - t > max_age_s]:
-                del self._texts[replica]  # a replica that stopped publishing (killed, or gone)
-            return {r: text for r, (_, text) in self._texts.items()}
+    MetricsBoardDeployment = serve.deployment(name=BOARD)(MetricsBoard)
 
     @serve.deployment(name=DEPLOYMENT)
     @serve.ingress()
@@ -325,47 +372,7 @@ def _deployments():
             )
 
         async def __serve_build_asgi_app__(self):
-            from prometheus_client import generate_latest
-
-            from clover.serve.app import create_app
-            from clover.serve.metrics import Metrics
-
-            o = self.options
-            metrics = Metrics(self.engine, labels={"replica": self.replica})
-            app = create_app(
-                self.engine,
-                o.model_name,
-                api_key=replica_api_key(o),
-                warmup=False,  # warmed in the constructor
-                limits=o.limits,
-                docs=o.docs,
-                metrics_need_key=o.metrics_need_key,
-                metrics=metrics,
-            )
-
-            def own() -> str:
-                return generate_latest(metrics.registry).decode()
-
-            max_age = max(3 * o.metrics_publish_s, o.health_check_period_s + 5.0)
-
-            async def every_replica() -> bytes:
-                try:
-                    texts = await asyncio.wait_for(self.board.fresh.remote(max_age), BOARD_TIMEOUT_S)
-                except Exception:  # the board restarting or gone: this replica's own series still answer
-                    texts = {}
-                return merge_metrics({**texts, self.replica: own()}.values())
-
-            replace_metrics_route(app, every_replica)
-
-            async def publish() -> None:
-                while True:
-                    try:
-                        await asyncio.wait_for(self.board.put.remote(self.replica, own()), BOARD_TIMEOUT_S)
-                    except Exception:  # the board is restarting: publish again at the next tick
-                        pass
-                    await asyncio.sleep(o.metrics_publish_s)
-
-            self.publisher = asyncio.get_running_loop().create_task(publish())
+            app, self.publisher = replica_app(self.engine, self.options, self.replica, self.board)
             return app
 
         def check_health(self) -> None:
@@ -383,7 +390,7 @@ def _deployments():
             # finish, in a thread (the event loop must go on delivering their last tokens)
             await asyncio.to_thread(self.engine.close, True, self.options.drain_seconds)
 
-    _DEPLOYMENTS = (CloverServer, MetricsBoard)
+    _DEPLOYMENTS = (CloverServer, MetricsBoardDeployment)
     return _DEPLOYMENTS
 
 

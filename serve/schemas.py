@@ -4,6 +4,7 @@ Every request field is declared: supported ones, harmless ones accepted and igno
 ones that would change the output but are not supported (`tools`, `n` > 1, ...), which are refused with a 400
 naming them unless they carry their no-op value. An undeclared field is refused too
 (`extra="forbid"`): nothing that could change the output is silently ignored. docs/serving.md lists every field.
+Text that is not valid Unicode (a lone surrogate), in any field at any depth, is refused with the field's path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from pydantic import (
     StrictInt,
     StringConstraints,
     field_validator,
+    model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from clover.errors import CloverError
 from clover.runtime.grammar import Grammar
@@ -45,6 +48,8 @@ UNKNOWN_FIELD = (
     "every field and its status)"
 )
 
+INVALID_UNICODE = "invalid_unicode"  # the validation error of text holding a lone surrogate; ctx["field"] names it
+_TEXT_HOLDERS = (str, dict, list)  # what unicode_fault walks: a prompt of token ids (a long list of ints) is skipped
 MAX_CHOICES = 16  # n and best_of: each choice is a sequence of the batch
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,17})$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
@@ -139,6 +144,17 @@ class _Generation(BaseModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices: separate sequences in the batch
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, body: Any) -> Any:
+        # JSON's \u escapes (and Python's parser) admit a lone surrogate, which no UTF-8 text holds: the tokenizer
+        # and every response would fail on it. Refused before any field is read, in any field, named however deep.
+        fault = unicode_fault(body) if isinstance(body, dict) else None
+        if fault is not None:
+            field, what = fault
+            raise PydanticCustomError(INVALID_UNICODE, "{what}", {"field": field, "what": what})
+        return body
 
     @field_validator("stop")
     @classmethod
@@ -313,6 +329,46 @@ class Speculation(BaseModel):
     drafted_tokens: int
     accepted_tokens: int
     tree: str
+
+
+def unicode_fault(body: dict[str, Any]) -> tuple[str, str] | None:
+    """Text of a parsed JSON body (a value or a key, at any depth) that UTF-8 cannot encode, as (its field's dotted
+    path, e.g. "messages.0.content"; what is wrong with it); None when all of it is valid Unicode. Iterative: a body
+    nests as deep as the JSON parser allows."""
+    todo: list[tuple[tuple[str, ...], Any]] = [((), body)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str) and (where := _lone_surrogate(value)) is not None:
+            return ".".join(path), _not_unicode(value, where)
+        if isinstance(value, dict):
+            for key in value:
+                if isinstance(key, str) and (where := _lone_surrogate(key)) is not None:
+                    named = key.encode("utf-8", "backslashreplace").decode()  # the key, its surrogate \u-escaped
+                    return ".".join((*path, named)), "the field's name is " + _not_unicode(key, where)
+            todo.extend(((*path, str(k)), v) for k, v in reversed(value.items()) if isinstance(v, _TEXT_HOLDERS))
+        elif isinstance(value, list):
+            todo.extend(
+                ((*path, str(i)), v) for i, v in reversed(list(enumerate(value))) if isinstance(v, _TEXT_HOLDERS)
+            )
+    return None
+
+
+def _lone_surrogate(text: str) -> int | None:
+    """The index of text's first lone surrogate (the one thing a str holds that UTF-8 cannot encode), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _not_unicode(text: str, where: int) -> str:
+    return (
+        f"not valid Unicode: a lone surrogate (U+{ord(text[where]):04X}) at character {where}; JSON's "
+        "\\u escapes of surrogates come in high-low pairs"
+    )
 
 
 def new_id(prefix: str) -> str:

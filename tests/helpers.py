@@ -181,13 +181,13 @@ def run_tokens(
 ) -> tuple[list[int], list[int]]:
     """The first n tokens the loop emits, and the tokens emitted by each verify step (greedy by default)."""
     from clover.runtime.loop import speculative_steps
+    from clover.runtime.params import GenerationParams
     from clover.runtime.sampling import SamplingParams
 
-    rng = np.random.default_rng(seed)
+    params = GenerationParams(max_new_tokens=n, sampling=sampling or SamplingParams())
     out, steps = [], []
-    capacity = min(runner.info.max_context, len(prompt) + n + tree.num_nodes)
     for i, step in enumerate(
-        speculative_steps(runner, np.array(prompt), tree, sampling or SamplingParams(), rng, capacity, drafts)
+        speculative_steps(runner, np.array(prompt), tree, params, drafts, rng=np.random.default_rng(seed))
     ):
         out += step.tokens
         if i:

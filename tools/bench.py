@@ -26,6 +26,7 @@ import numpy as np
 
 from clover import atomic
 from clover.errors import CloverError
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.tools.cli import run_cli
 from clover.tools.machine import host
 
@@ -289,13 +290,13 @@ def run(args: argparse.Namespace) -> int:
     ]
     rows = {key(b, h, g): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
     for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
-        g.generate("Hello", max_new_tokens=4, chat=not args.no_chat)
+        g.generate("Hello", GenerationParams(max_new_tokens=4), chat=not args.no_chat)
     started = time.time()
     outputs = {}  # backend -> the plain run's output ids per prompt (the replay's teacher)
     for prompt in tqdm(prompts, desc="bench", unit="prompt", dynamic_ncols=True):
         reference = {}
         for backend, heads, g in configs:
-            result = g.generate(prompt, max_new_tokens=args.max_new_tokens, chat=not args.no_chat)
+            result = g.generate(prompt, GenerationParams(max_new_tokens=args.max_new_tokens), chat=not args.no_chat)
             if heads == "none":
                 reference[backend] = result
                 outputs.setdefault(backend, []).append(result.token_ids)
@@ -555,7 +556,8 @@ def load_configs(
     (plain decoding only on the backends in `plain_only`), and for each of several artifacts (backend label
     BACKEND@FOLDER). Also returns label -> the label whose plain run is its reference (an artifact whose base graph
     files are byte for byte an earlier one's gets no plain run of its own), and label -> the artifact it runs."""
-    from clover.runtime.generator import LOOKUP_SUFFIX, Generator
+    from clover.runtime.configure import LOOKUP_SUFFIX
+    from clover.runtime.generator import Generator
 
     configs = []
     if args.providers is not None and "ort" not in backends:
@@ -567,9 +569,13 @@ def load_configs(
             )
         head_sets = [h for h in head_names(args.heads) if h != "none"]
         for backend in backends:
-            configs.append((backend, "none", Generator.load(args.base, "none", backend, None, args.dtype)))
+            configs.append(
+                (backend, "none", Generator.load(args.base, "none", backend, None, EngineOptions(dtype=args.dtype)))
+            )
             for heads in head_sets if backend not in plain_only else ():
-                configs.append((backend, heads, Generator.load(args.base, heads, backend, tree, args.dtype)))
+                configs.append(
+                    (backend, heads, Generator.load(args.base, heads, backend, tree, EngineOptions(dtype=args.dtype)))
+                )
         return configs, {}, {}
     from clover.artifact import base_graph_sha256, read_manifest
     from clover.runtime.backend import backend_module
@@ -610,14 +616,26 @@ def load_configs(
                 source_base = manifest.sources.get("base")
                 if not source_base:
                     raise CloverError(f"artifact {artifact} does not record its source model: export it again")
-                configs.append((label, "none", Generator.load(source_base, "none", backend, None, manifest.dtype)))
+                configs.append(
+                    (
+                        label,
+                        "none",
+                        Generator.load(source_base, "none", backend, None, EngineOptions(dtype=manifest.dtype)),
+                    )
+                )
                 if heads and backend not in plain_only:
                     chosen = tree or (compile_spec(manifest.tree) if manifest.tree else None)
                     configs.append(
                         (
                             label,
                             heads,
-                            Generator.load(source_base, manifest.sources["heads"], backend, chosen, manifest.dtype),
+                            Generator.load(
+                                source_base,
+                                manifest.sources["heads"],
+                                backend,
+                                chosen,
+                                EngineOptions(dtype=manifest.dtype),
+                            ),
                         )
                     )
     return configs, plain_of, artifact_of

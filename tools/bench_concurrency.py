@@ -24,6 +24,7 @@ import numpy as np
 
 from clover import atomic
 from clover.errors import CloverError
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.tools.bench import first_difference, ort_placement
 from clover.tools.machine import host
 
@@ -59,7 +60,7 @@ def closed_loop(
             if i is None:
                 return
             try:
-                stream = engine.stream(prompts[i], max_new_tokens=max_new_tokens, chat=chat)
+                stream = engine.stream(prompts[i], GenerationParams(max_new_tokens=max_new_tokens), chat=chat)
                 last, mine = None, []
                 for delta in stream:
                     now = time.perf_counter()
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
     tok = Tokenizer.from_dir(module.base_dir(source))
     solo = Generator(module.load_runner(source, heads="none", **threads, **providers), tok, "plain")
     reference = [
-        solo.generate(p, max_new_tokens=args.max_new_tokens, chat=chat).token_ids
+        solo.generate(p, GenerationParams(max_new_tokens=args.max_new_tokens), chat=chat).token_ids
         for p in tqdm(prompts, desc="solo plain", unit="prompt", dynamic_ncols=True)
     ]
     engines = {}
@@ -172,12 +173,10 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
             heads=heads,
             backend=backend,
             tree="plain" if mode == CONTROL else mode,
-            max_batch=max_batch,
-            threads=args.threads,
+            options=EngineOptions(max_batch=max_batch, threads=args.threads, **providers),
             log=None,
-            **providers,
         )
-        engines[mode].generate(prompts[0], max_new_tokens=4, chat=chat)  # warm-up off the clock
+        engines[mode].generate(prompts[0], GenerationParams(max_new_tokens=4), chat=chat)  # warm-up off the clock
     rows = []
     try:
         plan = [(n, rounds(len(prompts), n)) for n in levels]

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from clover.errors import CloverError
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.tools.cli import run_cli
 
@@ -220,7 +221,9 @@ def grow(
     def answer(position: int, ids: list[int]) -> Conversation:
         index, turn, sample = order[position]
         room = engine.runner.info.max_context - len(ids)  # a long prompt gets what the context leaves
-        r = engine.generate(ids, max_new_tokens=min(max_new_tokens, room), sampling=sampling(position, sample))
+        r = engine.generate(
+            ids, GenerationParams(max_new_tokens=min(max_new_tokens, room), sampling=sampling(position, sample))
+        )
         return Conversation(index, ids, r.token_ids, r.finish_reason, turn, sample)
 
     def write(end: int) -> None:
@@ -431,9 +434,8 @@ def run_grow(args: argparse.Namespace) -> int:
             heads=heads,
             backend="ort",
             tree="auto" if heads is None else None,
-            max_batch=args.max_batch,
-            threads=args.threads,
             log=sys.stderr,
+            options=EngineOptions(max_batch=args.max_batch, threads=args.threads),
         )
         deadline = started_at + args.minutes * 60 if args.minutes is not None else None
         limits = Limits(args.target_tokens, deadline, args.shard_tokens)

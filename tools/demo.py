@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from clover.errors import CloverError
+from clover.runtime.params import GenerationParams
 from clover.tools.cli import run_cli
 
 
@@ -211,12 +212,12 @@ def run(args: argparse.Namespace) -> int:
         f"base {args.base}, heads {args.heads}, tree {spec.tree.name} ({spec.tree.num_nodes} nodes), "
         f"{args.backend} backend\n"
     )
-    stream = spec.stream(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
+    stream = spec.stream(args.prompt, GenerationParams(max_new_tokens=args.max_new_tokens), chat=True)
     for delta in stream:
         print(delta, end="", flush=True)
     fast = stream.result
-    ref = plain.generate(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
-    looked = lookup.generate(args.prompt, chat=True, max_new_tokens=args.max_new_tokens)
+    ref = plain.generate(args.prompt, GenerationParams(max_new_tokens=args.max_new_tokens), chat=True)
+    looked = lookup.generate(args.prompt, GenerationParams(max_new_tokens=args.max_new_tokens), chat=True)
     same = lambda r: "identical to" if r.token_ids == ref.token_ids else "DIFFERENT from"  # noqa: E731
     print(f"\n\nspeculative output is {same(fast)} plain greedy decoding ({fast.new_tokens} tokens)")
     print(f"acceptance length {fast.tokens_per_step:.2f} tokens/step (bonus token included)")

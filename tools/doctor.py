@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from clover.errors import CloverError
+from clover.runtime.params import GenerationParams
 from clover.tools.cli import run_cli
 
 PASS, FAIL, NOT_AVAILABLE = "pass", "fail", "not available"
@@ -344,8 +345,12 @@ def greedy_identity(spec_runner, plain_runner, tokenizer, prompt, tokens: int) -
     from clover.runtime.generator import Generator
     from clover.tools.bench import first_difference
 
-    spec = Generator(spec_runner, tokenizer, TREE).generate(prompt, max_new_tokens=tokens, ignore_eos=True)
-    plain = Generator(plain_runner, tokenizer).generate(prompt, max_new_tokens=tokens, ignore_eos=True)
+    spec = Generator(spec_runner, tokenizer, TREE).generate(
+        prompt, GenerationParams(max_new_tokens=tokens, ignore_eos=True)
+    )
+    plain = Generator(plain_runner, tokenizer).generate(
+        prompt, GenerationParams(max_new_tokens=tokens, ignore_eos=True)
+    )
     if spec.token_ids != plain.token_ids:
         i = first_difference(spec.token_ids, plain.token_ids)
         raise AssertionError(f"speculative tokens differ from plain greedy at index {i} of {len(plain.token_ids)}")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from clover.errors import CloverError
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.tools.cli import run_cli
 
 PROVIDERS_HELP = (
@@ -124,13 +125,11 @@ def run(args: argparse.Namespace) -> int:
         args.heads,
         backend_name(args),
         args.tree,
-        args.dtype,
-        threads=args.threads,
-        providers=args.providers,
+        options=EngineOptions(dtype=args.dtype, threads=args.threads, providers=args.providers),
     )
-    kwargs = dict(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop, chat=args.chat)
+    params = GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop))
     if args.stream:
-        stream = gen.stream(prompt, **kwargs)
+        stream = gen.stream(prompt, params, chat=args.chat)
         for delta in stream:
             print(delta, end="", flush=True)
         result = stream.result
@@ -141,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     else:
-        result = gen.generate(prompt, **kwargs)
+        result = gen.generate(prompt, params, chat=args.chat)
         if args.json:
             doc = result.to_dict()
             doc["sampling"] = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}

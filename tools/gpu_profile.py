@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from clover.models.config import BaseConfig, RopeConfig
 from clover.models.decoder import Decoder, rope_inv_freq
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.tools.bench import first_difference
 
 # Real models' shapes, random weights. SmolLM2-135M-Instruct's config, and Llama-3.2-1B's.
@@ -297,13 +298,15 @@ def identity(
             gen_spec, gen_plain = Generator(spec, tokenizer, tree), Generator(plain, tokenizer)
             for p in work:
                 if tuple(p) not in plain_cache:
-                    plain_cache[tuple(p)] = gen_plain.generate(p, max_new_tokens=tokens, ignore_eos=True).token_ids
+                    plain_cache[tuple(p)] = gen_plain.generate(
+                        p, GenerationParams(max_new_tokens=tokens, ignore_eos=True)
+                    ).token_ids
             t0 = time.perf_counter()
-            one = gen_spec.generate(work[0], max_new_tokens=tokens, ignore_eos=True)
+            one = gen_spec.generate(work[0], GenerationParams(max_new_tokens=tokens, ignore_eos=True))
             solo_s = time.perf_counter() - t0
-            with Engine(spec, tokenizer, tree=tree, max_batch=concurrency, log=None) as engine:
+            with Engine(spec, tokenizer, tree=tree, log=None, options=EngineOptions(max_batch=concurrency)) as engine:
                 t0 = time.perf_counter()
-                streams = [engine.stream(p, max_new_tokens=tokens, ignore_eos=True) for p in work]
+                streams = [engine.stream(p, GenerationParams(max_new_tokens=tokens, ignore_eos=True)) for p in work]
                 many = [s.wait() for s in streams]
                 engine_s = time.perf_counter() - t0
             want = [plain_cache[tuple(p)] for p in work]
@@ -459,8 +462,10 @@ def host_time(base: Decoder, heads, tokenizer, trees: Sequence[str], graphs: boo
     for name in trees:
         tree = resolve_tree(name)
         gen = Generator(plain if tree.num_nodes == 1 else spec, tokenizer, None if tree.num_nodes == 1 else tree)
-        run = lambda: gen.generate(prompt, max_new_tokens=tokens, ignore_eos=True)  # noqa: E731, B023
-        gen.generate(prompt, max_new_tokens=8, ignore_eos=True)  # warm-up: graphs recorded, kernels compiled
+        run = lambda: gen.generate(prompt, GenerationParams(max_new_tokens=tokens, ignore_eos=True))  # noqa: E731, B023
+        gen.generate(
+            prompt, GenerationParams(max_new_tokens=8, ignore_eos=True)
+        )  # warm-up: graphs recorded, kernels compiled
         sync()
         t0 = time.perf_counter()
         result = run()
@@ -572,10 +577,10 @@ def tree_auto(base: Decoder, heads, tokenizer, graphs: bool, top1: Sequence[floa
     best (expected tokens over verify and drafting time) for a sequence whose per-depth acceptance is the shipped
     heads' on the CPU: rank 0 accepted at top1[d], ranks 1 and 2 at half of top3[d] - top1[d] each, others never."""
     from clover.runtime.engine import Engine
-    from clover.runtime.scheduler import AutoTrees
+    from clover.runtime.policy import AutoTrees
 
     spec, _ = runners(base, heads, "random:clover2:0", graphs)
-    with Engine(spec, tokenizer, tree="auto", max_batch=1, log=None) as engine:
+    with Engine(spec, tokenizer, tree="auto", log=None, options=EngineOptions(max_batch=1)) as engine:
         policy: AutoTrees = engine.policy
         rows_ms = policy.cost.to_dict()["rows_ms"]
         q = np.zeros(policy.engine.hits.shape)

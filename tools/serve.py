@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from clover.errors import CloverError
+from clover.runtime.params import EngineOptions
 from clover.tools.cli import run_cli
 
 DEMO_MODEL = "smollm2-clover2"  # the model name `--demo` serves
@@ -332,10 +333,9 @@ def run(args: argparse.Namespace) -> int:
         backend=backend,
         tree=args.tree,
         heads=args.heads,
-        max_batch=args.max_batch,
-        threads=args.threads,
-        max_waiting=args.max_waiting,
-        providers=args.providers,
+        options=EngineOptions(
+            max_batch=args.max_batch, threads=args.threads, max_waiting=args.max_waiting, providers=args.providers
+        ),
     )
     model = args.model or (DEMO_MODEL if args.demo else args.artifact.resolve().name)
     try:

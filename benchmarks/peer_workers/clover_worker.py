@@ -14,6 +14,8 @@ from importlib.metadata import version
 
 from protocol import Generation, fail_to_start, serve
 
+from clover.runtime.params import EngineOptions, GenerationParams
+
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -31,10 +33,14 @@ def main() -> None:
 
         modes = args.modes.split(",")
         drafts = read_manifest(args.artifact).drafts or "heads"
-        gen = Generator.load(args.artifact, heads="artifact", backend="ort", threads=args.threads, tree="plain")
+        gen = Generator.load(
+            args.artifact, heads="artifact", backend="ort", tree="plain", options=EngineOptions(threads=args.threads)
+        )
         plain_runner = None
         if any(m.startswith("lookup") for m in modes) or (drafts == "lookup" and "default" in modes):
-            plain_runner = Generator.load(args.artifact, heads="lookup", backend="ort", threads=args.threads).runner
+            plain_runner = Generator.load(
+                args.artifact, heads="lookup", backend="ort", options=EngineOptions(threads=args.threads)
+            ).runner
         gens = {}
         for m in modes:
             if m.startswith("lookup"):
@@ -52,7 +58,7 @@ def main() -> None:
             raise ValueError(
                 f"clover stops at its tokenizer's EOS ids {gen.tokenizer.eos_token_ids}, asked for {stop_ids}"
             )
-        r = gens[mode].generate(prompt_ids, max_new_tokens=max_new_tokens)
+        r = gens[mode].generate(prompt_ids, GenerationParams(max_new_tokens=max_new_tokens))
         prefill = r.timings["prefill"]
         return Generation(
             r.token_ids,

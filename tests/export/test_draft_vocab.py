@@ -14,8 +14,8 @@ from clover.errors import CloverError
 from clover.export.artifact import ArtifactOptions, artifact_from_modules
 from clover.export.config import ExportConfig
 from clover.export.draft_vocab import coverage, ranked_ids
-from clover.runtime.loop import draft_tree
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.proposers import draft_tree
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tree import prune_tree, resolve_tree
 
@@ -131,7 +131,7 @@ def test_dynamic_trees_over_a_draft_vocabulary(root):
             got, steps = run_tokens(a, p, tree, 30)
             want, _ = run_tokens(plain, p, resolve_tree("plain"), 30)
             assert_identical(got, want, f"{spec} over a draft vocabulary", reference=plain)
-    from clover.runtime.loop import draft_dynamic
+    from clover.runtime.proposers import draft_dynamic
 
     a.reset(64)
     prompt = np.array(PROMPTS[0])

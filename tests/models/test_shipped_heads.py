@@ -6,6 +6,7 @@ import pytest
 
 from clover.models.head_io import PRETRAINED_DIR, pretrained_names, read_head_config, resolve_heads
 from clover.runtime.generator import Generator
+from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 
@@ -30,7 +31,7 @@ def smollm2(smollm2_path):
     base = load_base(smollm2_path)
     tok = Tokenizer.from_dir(smollm2_path)
     plain = Generator(TorchRunner(base), tok)
-    refs = [plain.generate(p, chat=True, max_new_tokens=48, ignore_eos=True) for p in PROMPTS]
+    refs = [plain.generate(p, GenerationParams(max_new_tokens=48, ignore_eos=True), chat=True) for p in PROMPTS]
     return base, tok, refs
 
 
@@ -41,7 +42,7 @@ def test_shipped_heads_are_lossless_and_accept_tokens(smollm2, name):
     gen = Generator(TorchRunner(base, resolve_heads(name, base), heads_name=name), tok)
     accepted = []
     for prompt, ref in zip(PROMPTS, refs):
-        r = gen.generate(prompt, chat=True, max_new_tokens=48, ignore_eos=True)
+        r = gen.generate(prompt, GenerationParams(max_new_tokens=48, ignore_eos=True), chat=True)
         assert r.token_ids == ref.token_ids
         accepted.append(r.tokens_per_step)
     # untrained heads accept ~1.0-1.15 tokens/step here; trained ones must do better

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from clover.runtime.cost import DraftConfidence
+from clover.runtime.policy import DraftConfidence
 
 
 def test_confidence_starts_at_the_raw_probability_and_learns_the_hit_rate():
@@ -59,6 +59,7 @@ def test_engine_loads_read_the_cached_curve_and_a_changed_key_measures_again(tmp
 
     import clover.runtime.cost as cost
     from clover.runtime.engine import Engine
+    from clover.runtime.params import EngineOptions
 
     artifact = tiny_artifact(tmp_path, "clover2", attention="fused")
     monkeypatch.setenv("CLOVER_CACHE", str(tmp_path / "cache"))
@@ -70,7 +71,9 @@ def test_engine_loads_read_the_cached_curve_and_a_changed_key_measures_again(tmp
     )
 
     def load(**kw):
-        engine = Engine.load(artifact, tree="auto", log=None, **{"max_batch": 2, "threads": 1, **kw})
+        engine = Engine.load(
+            artifact, tree="auto", log=None, options=EngineOptions(**{"max_batch": 2, "threads": 1, **kw})
+        )
         engine.close()
         return engine.policy.cost
 

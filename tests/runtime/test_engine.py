@@ -19,6 +19,7 @@ from clover.errors import CloverError
 from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
@@ -37,7 +38,9 @@ def artifacts(tmp_path_factory):
 
 def solo_plain(runner, tokenizer) -> list[list[int]]:
     gen = Generator(runner, tokenizer, "plain")
-    return [gen.generate(p, max_new_tokens=n, ignore_eos=True).token_ids for p, n in zip(PROMPTS, BUDGETS)]
+    return [
+        gen.generate(p, GenerationParams(max_new_tokens=n, ignore_eos=True)).token_ids for p, n in zip(PROMPTS, BUDGETS)
+    ]
 
 
 def run_concurrently(engine: Engine, concurrency: int) -> list[list[int]]:
@@ -46,7 +49,7 @@ def run_concurrently(engine: Engine, concurrency: int) -> list[list[int]]:
 
     def worker(k: int) -> None:
         for i in range(k, len(PROMPTS), concurrency):
-            out[i] = engine.generate(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True).token_ids
+            out[i] = engine.generate(PROMPTS[i], GenerationParams(max_new_tokens=BUDGETS[i], ignore_eos=True)).token_ids
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
     for t in threads:
@@ -63,7 +66,7 @@ def test_ort_engine_equals_solo_plain_at_any_concurrency(artifacts, arch):
     want = solo_plain(load_runner(artifacts[arch], heads="none"), tok)
     trees = ("plain", "chain-2", "small", "auto", "dynamic-6") if arch == "clover2" else ("plain", "chain-2", "auto")
     for tree in trees:
-        with Engine(load_runner(artifacts[arch]), tok, tree, max_batch=4, log=None) as engine:
+        with Engine(load_runner(artifacts[arch]), tok, tree, log=None, options=EngineOptions(max_batch=4)) as engine:
             for concurrency in (1, 4, 16):
                 got = run_concurrently(engine, concurrency)
                 for i, (g, w) in enumerate(zip(got, want)):
@@ -87,7 +90,7 @@ def test_fused_batched_graph_engine_equals_solo_plain(tmp_path_factory, weights)
         calls.append(sizes["new"]) or run(inputs, sizes, into)
     )  # rows per call
     for tree in ("plain", "chain-3", "auto") if weights else ("plain", "small", "mc26", "auto"):
-        with Engine(runner, tok, tree, max_batch=8, log=None) as engine:
+        with Engine(runner, tok, tree, log=None, options=EngineOptions(max_batch=8)) as engine:
             for concurrency in (1, 4, 16):
                 got = run_concurrently(engine, concurrency)
                 for i, (g, w) in enumerate(zip(got, want)):
@@ -107,7 +110,9 @@ def test_chunked_prefill_equals_solo_plain(tmp_path_factory, attention, weights)
     path = tiny_artifact(root, "clover2", tree="chain-3" if weights else None, weights=weights, attention=attention)
     tok = Tokenizer.from_dir(path / "tokenizer")
     want = solo_plain(load_runner(path, heads="none"), tok)
-    with Engine(load_runner(path, batch=True), tok, "chain-2", max_batch=4, log=None, prefill_chunk=5) as engine:
+    with Engine(
+        load_runner(path, batch=True), tok, "chain-2", log=None, options=EngineOptions(max_batch=4, prefill_chunk=5)
+    ) as engine:
         got = run_concurrently(engine, 6)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_identical(g, w, f"{attention} {weights} chunked prefill prompt {i}")
@@ -119,7 +124,9 @@ def test_torch_engine_equals_solo_plain(tmp_path):
 
     tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "tok"))
     want = solo_plain(TorchRunner(base), tok)
-    with Engine(TorchRunner(base, heads, "random:clover2"), tok, "chain-3", max_batch=4, log=None) as engine:
+    with Engine(
+        TorchRunner(base, heads, "random:clover2"), tok, "chain-3", log=None, options=EngineOptions(max_batch=4)
+    ) as engine:
         got = run_concurrently(engine, 16)
     for i, (g, w) in enumerate(zip(got, want)):
         assert_identical(g, w, f"torch clover2 chain-3 prompt {i}")
@@ -130,7 +137,12 @@ def test_lookup_drafts_in_the_engine(artifacts, tree):
     tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
     want = solo_plain(load_runner(artifacts["clover2"], heads="none"), tok)
     with Engine(
-        load_runner(artifacts["clover2"], heads="none"), tok, tree, drafts="lookup", max_batch=4, log=None
+        load_runner(artifacts["clover2"], heads="none"),
+        tok,
+        tree,
+        drafts="lookup",
+        log=None,
+        options=EngineOptions(max_batch=4),
     ) as engine:
         got = run_concurrently(engine, 8)
     for i, (g, w) in enumerate(zip(got, want)):
@@ -141,13 +153,19 @@ def test_sampling_requests_are_reproducible_per_seed_at_any_batch(artifacts):
     """A seeded sampled request gives the same tokens alone and among others (its RNG is its own)."""
     tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
     sampling = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
-    with Engine(load_runner(artifacts["clover2"]), tok, "chain-2", max_batch=4, log=None) as engine:
-        alone = engine.generate(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True).token_ids
+    with Engine(
+        load_runner(artifacts["clover2"]), tok, "chain-2", log=None, options=EngineOptions(max_batch=4)
+    ) as engine:
+        alone = engine.generate(
+            PROMPTS[3], GenerationParams(max_new_tokens=20, sampling=sampling, ignore_eos=True)
+        ).token_ids
         streams = [
-            engine.stream(p, max_new_tokens=20, sampling=SamplingParams(0.8, 0.95, seed=i), ignore_eos=True)
+            engine.stream(
+                p, GenerationParams(max_new_tokens=20, sampling=SamplingParams(0.8, 0.95, seed=i), ignore_eos=True)
+            )
             for i, p in enumerate(PROMPTS[:3])
         ]
-        mixed = engine.stream(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True)
+        mixed = engine.stream(PROMPTS[3], GenerationParams(max_new_tokens=20, sampling=sampling, ignore_eos=True))
         assert mixed.wait().token_ids == alone
         for s in streams:
             s.wait()
@@ -155,16 +173,20 @@ def test_sampling_requests_are_reproducible_per_seed_at_any_batch(artifacts):
 
 def test_stream_sync_and_async_deltas_add_up(artifacts):
     tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
-    with Engine(load_runner(artifacts["clover2"]), tok, "chain-2", max_batch=2, log=None) as engine:
-        want = engine.generate(PROMPTS[0], max_new_tokens=16, ignore_eos=True)
-        stream = engine.stream(PROMPTS[0], max_new_tokens=16, ignore_eos=True)
+    with Engine(
+        load_runner(artifacts["clover2"]), tok, "chain-2", log=None, options=EngineOptions(max_batch=2)
+    ) as engine:
+        want = engine.generate(PROMPTS[0], GenerationParams(max_new_tokens=16, ignore_eos=True))
+        stream = engine.stream(PROMPTS[0], GenerationParams(max_new_tokens=16, ignore_eos=True))
         deltas = list(stream)
         assert "".join(d.text for d in deltas) == want.text == stream.result.text
         assert [t for d in deltas for t in d.token_ids] == want.token_ids
 
         async def main():
-            outs = await asyncio.gather(*(engine.agenerate(p, max_new_tokens=12, ignore_eos=True) for p in PROMPTS[:6]))
-            s = engine.stream(PROMPTS[0], max_new_tokens=16, ignore_eos=True)
+            outs = await asyncio.gather(
+                *(engine.agenerate(p, GenerationParams(max_new_tokens=12, ignore_eos=True)) for p in PROMPTS[:6])
+            )
+            s = engine.stream(PROMPTS[0], GenerationParams(max_new_tokens=16, ignore_eos=True))
             ids = [t async for d in s for t in d.token_ids]
             return outs, ids
 
@@ -175,13 +197,15 @@ def test_stream_sync_and_async_deltas_add_up(artifacts):
 
 def test_cancel_frees_the_slot_and_the_engine_keeps_serving(artifacts):
     tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
-    with Engine(load_runner(artifacts["clover2"]), tok, "chain-2", max_batch=2, log=None) as engine:
-        s = engine.stream(PROMPTS[1], max_new_tokens=100, ignore_eos=True)
+    with Engine(
+        load_runner(artifacts["clover2"]), tok, "chain-2", log=None, options=EngineOptions(max_batch=2)
+    ) as engine:
+        s = engine.stream(PROMPTS[1], GenerationParams(max_new_tokens=100, ignore_eos=True))
         next(iter(s))
         s.cancel()
         with pytest.raises(Cancelled):
             s.wait()
-        assert engine.generate(PROMPTS[2], max_new_tokens=5, ignore_eos=True).new_tokens == 5
+        assert engine.generate(PROMPTS[2], GenerationParams(max_new_tokens=5, ignore_eos=True)).new_tokens == 5
         assert engine.runner.open_slots == 0
 
 
@@ -189,23 +213,25 @@ def test_bad_input_gets_a_clear_error_and_the_engine_keeps_serving(artifacts):
     path = artifacts["clover2"]
     tok = Tokenizer.from_dir(path / "tokenizer")
     with pytest.raises(CloverError, match="max_batch"):
-        Engine(load_runner(path), tok, max_batch=0, log=None)
+        Engine(load_runner(path), tok, log=None, options=EngineOptions(max_batch=0))
     with pytest.raises(CloverError, match="unknown tree|tree"):
         Engine(load_runner(path), tok, "no-such-tree", log=None)
-    with Engine(load_runner(path), tok, "chain-2", max_batch=2, max_waiting=1, log=None) as engine:
+    with Engine(
+        load_runner(path), tok, "chain-2", log=None, options=EngineOptions(max_batch=2, max_waiting=1)
+    ) as engine:
         with pytest.raises(CloverError, match="context"):
-            engine.generate(list(range(5, 90)) * 4, max_new_tokens=4)
+            engine.generate(list(range(5, 90)) * 4, GenerationParams(max_new_tokens=4))
         with pytest.raises(CloverError, match="temperature"):
-            engine.generate(PROMPTS[0], sampling=SamplingParams(temperature=-1.0))
+            engine.generate(PROMPTS[0], GenerationParams(sampling=SamplingParams(temperature=-1.0)))
         with pytest.raises(CloverError, match="max_new_tokens"):
-            engine.generate(PROMPTS[0], max_new_tokens=0)
-        streams = [engine.stream(PROMPTS[0], max_new_tokens=30, ignore_eos=True)]
+            engine.generate(PROMPTS[0], GenerationParams(max_new_tokens=0))
+        streams = [engine.stream(PROMPTS[0], GenerationParams(max_new_tokens=30, ignore_eos=True))]
         with pytest.raises(QueueFull):
             for _ in range(8):
-                streams.append(engine.stream(PROMPTS[0], max_new_tokens=30, ignore_eos=True))
+                streams.append(engine.stream(PROMPTS[0], GenerationParams(max_new_tokens=30, ignore_eos=True)))
         for s in streams:
             s.wait()
-        assert engine.generate(PROMPTS[0], max_new_tokens=3, ignore_eos=True).new_tokens == 3
+        assert engine.generate(PROMPTS[0], GenerationParams(max_new_tokens=3, ignore_eos=True)).new_tokens == 3
 
 
 def test_bad_token_ids_and_lengths_fail_alone_in_the_callers_thread(artifacts):
@@ -214,18 +240,18 @@ def test_bad_token_ids_and_lengths_fail_alone_in_the_callers_thread(artifacts):
     path = artifacts["clover2"]
     tok = Tokenizer.from_dir(path / "tokenizer")
     want = solo_plain(load_runner(path, heads="none"), tok)[1]
-    with Engine(load_runner(path), tok, "chain-2", max_batch=2, log=None) as engine:
+    with Engine(load_runner(path), tok, "chain-2", log=None, options=EngineOptions(max_batch=2)) as engine:
         V, context = engine.runner.info.vocab_size, engine.runner.info.max_context
-        canary = engine.stream(PROMPTS[1], max_new_tokens=BUDGETS[1], ignore_eos=True)
+        canary = engine.stream(PROMPTS[1], GenerationParams(max_new_tokens=BUDGETS[1], ignore_eos=True))
         for ids in ([1, 2, V], [-1, 3], [2**63], [1, 2.5], [True, 3], [99999999]):
             with pytest.raises(CloverError, match="not in the vocabulary") as e:
-                engine.stream(ids, max_new_tokens=4)
+                engine.stream(ids, GenerationParams(max_new_tokens=4))
             assert e.value.param == "prompt"
         with pytest.raises(CloverError, match="exceed the model's context") as e:
-            engine.stream(PROMPTS[0], max_new_tokens=10**30)
+            engine.stream(PROMPTS[0], GenerationParams(max_new_tokens=10**30))
         assert e.value.param == "max_new_tokens" and f"at most {context - len(PROMPTS[0])}" in str(e.value)
         assert_identical(canary.wait().token_ids, want, "a request decoding beside the bad ones")
-        rest = engine.generate(PROMPTS[0], max_new_tokens=None, ignore_eos=True)
+        rest = engine.generate(PROMPTS[0], GenerationParams(max_new_tokens=None, ignore_eos=True))
         assert rest.finish_reason == "length" and rest.prompt_tokens + rest.new_tokens == context
         assert engine.alive
 
@@ -236,7 +262,7 @@ def test_a_failed_step_fails_its_requests_alone_and_says_no_internals(artifacts)
     path = artifacts["clover2"]
     tok = Tokenizer.from_dir(path / "tokenizer")
     want = solo_plain(load_runner(path, heads="none"), tok)[2]
-    with Engine(load_runner(path), tok, "chain-2", max_batch=2, log=None) as engine:
+    with Engine(load_runner(path), tok, "chain-2", log=None, options=EngineOptions(max_batch=2)) as engine:
         forward_batch, calls = engine.runner.forward_batch, []
 
         def broken_once(batch):
@@ -247,11 +273,11 @@ def test_a_failed_step_fails_its_requests_alone_and_says_no_internals(artifacts)
 
         engine.runner.forward_batch = broken_once
         with pytest.raises(CloverError) as e:
-            engine.generate(PROMPTS[0], max_new_tokens=4)
+            engine.generate(PROMPTS[0], GenerationParams(max_new_tokens=4))
         assert "RuntimeError" in str(e.value) and "/secret" not in str(e.value) and "Gather" not in str(e.value)
         assert engine.alive
         assert_identical(
-            engine.generate(PROMPTS[2], max_new_tokens=BUDGETS[2], ignore_eos=True).token_ids,
+            engine.generate(PROMPTS[2], GenerationParams(max_new_tokens=BUDGETS[2], ignore_eos=True)).token_ids,
             want,
             "after a failed step",
         )
@@ -268,11 +294,15 @@ def test_a_fault_in_one_requests_part_of_the_step_fails_that_request_alone(artif
     tok = Tokenizer.from_dir(path / "tokenizer")
     want = solo_plain(load_runner(path, heads="none"), tok)
     log = io.StringIO()
-    with Engine(load_runner(path), tok, tree, max_batch=6, log=log) as engine:
+    with Engine(load_runner(path), tok, tree, log=log, options=EngineOptions(max_batch=6)) as engine:
         fault = Faulty(engine.runner, where)
-        streams = [engine.stream(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True) for i in range(3)]
-        bad = engine.stream(POISON, max_new_tokens=20, ignore_eos=True, request_id="cmpl-poisoned")
-        streams += [engine.stream(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True) for i in range(3, 5)]
+        streams = [
+            engine.stream(PROMPTS[i], GenerationParams(max_new_tokens=BUDGETS[i], ignore_eos=True)) for i in range(3)
+        ]
+        bad = engine.stream(POISON, GenerationParams(max_new_tokens=20, ignore_eos=True), request_id="cmpl-poisoned")
+        streams += [
+            engine.stream(PROMPTS[i], GenerationParams(max_new_tokens=BUDGETS[i], ignore_eos=True)) for i in range(3, 5)
+        ]
         with pytest.raises(CloverError) as e:
             bad.wait()
         message = str(e.value)
@@ -283,7 +313,7 @@ def test_a_fault_in_one_requests_part_of_the_step_fails_that_request_alone(artif
         assert "cmpl-poisoned" in log.getvalue() and "/secret/path" in log.getvalue()  # the log has it whole
         assert engine.runner.open_slots == 0
         assert_identical(
-            engine.generate(PROMPTS[5], max_new_tokens=BUDGETS[5], ignore_eos=True).token_ids,
+            engine.generate(PROMPTS[5], GenerationParams(max_new_tokens=BUDGETS[5], ignore_eos=True)).token_ids,
             want[5],
             "after the fault",
         )
@@ -295,11 +325,13 @@ def test_a_caller_whose_event_loop_closes_mid_stream_does_not_disturb_the_others
     path = artifacts["clover2"]
     tok = Tokenizer.from_dir(path / "tokenizer")
     want = solo_plain(load_runner(path, heads="none"), tok)
-    with Engine(load_runner(path), tok, "chain-2", max_batch=4, log=None) as engine:
-        streams = [engine.stream(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True) for i in range(3)]
+    with Engine(load_runner(path), tok, "chain-2", log=None, options=EngineOptions(max_batch=4)) as engine:
+        streams = [
+            engine.stream(PROMPTS[i], GenerationParams(max_new_tokens=BUDGETS[i], ignore_eos=True)) for i in range(3)
+        ]
 
         async def read_one():
-            s = engine.stream(PROMPTS[7], max_new_tokens=200, ignore_eos=True)
+            s = engine.stream(PROMPTS[7], GenerationParams(max_new_tokens=200, ignore_eos=True))
             await s.__aiter__().__anext__()
             return s
 
@@ -319,7 +351,7 @@ def test_a_dead_loop_fails_every_caller_at_once_and_refuses_new_ones(artifacts):
     caller hangs), new requests are refused with it, and close() returns."""
     path = artifacts["clover2"]
     tok = Tokenizer.from_dir(path / "tokenizer")
-    engine = Engine(load_runner(path), tok, "chain-2", max_batch=1, log=None)
+    engine = Engine(load_runner(path), tok, "chain-2", log=None, options=EngineOptions(max_batch=1))
     gate = threading.Event()
 
     def dying():
@@ -327,7 +359,7 @@ def test_a_dead_loop_fails_every_caller_at_once_and_refuses_new_ones(artifacts):
         raise SystemExit("the loop breaks")  # not an Exception: _serve does not catch it
 
     engine._iteration = dying
-    streams = [engine.stream(p, max_new_tokens=8) for p in PROMPTS[:3]]  # one running, two waiting
+    streams = [engine.stream(p, GenerationParams(max_new_tokens=8)) for p in PROMPTS[:3]]  # one running, two waiting
     gate.set()
     errors = []
 
@@ -345,10 +377,10 @@ def test_a_dead_loop_fails_every_caller_at_once_and_refuses_new_ones(artifacts):
     assert not any(r.is_alive() for r in readers) and len(errors) == 3, errors
     assert not engine.alive and isinstance(engine.error, SystemExit)
     with pytest.raises(EngineUnavailable, match="stopped"):
-        engine.stream(PROMPTS[0], max_new_tokens=2)
+        engine.stream(PROMPTS[0], GenerationParams(max_new_tokens=2))
     engine.close(timeout=5)
     with pytest.raises(EngineUnavailable):
-        engine.stream(PROMPTS[0], max_new_tokens=2)
+        engine.stream(PROMPTS[0], GenerationParams(max_new_tokens=2))
 
 
 def test_a_caller_whose_event_loop_closed_cancels_its_stream_instead_of_breaking_the_step():
@@ -368,7 +400,7 @@ def test_closing_refuses_new_requests_under_the_schedulers_lock(artifacts):
     engine.close()
     assert not engine.alive
     with pytest.raises(EngineUnavailable, match="closed"):
-        engine.generate(PROMPTS[0], max_new_tokens=2)
+        engine.generate(PROMPTS[0], GenerationParams(max_new_tokens=2))
 
 
 def test_threads_and_asyncio_callers_together_and_rss_flat_over_500_requests(artifacts):
@@ -377,16 +409,21 @@ def test_threads_and_asyncio_callers_together_and_rss_flat_over_500_requests(art
     path = artifacts["clover2"]
     tok = Tokenizer.from_dir(path / "tokenizer")
     want = solo_plain(load_runner(path, heads="none"), tok)
-    with Engine(load_runner(path), tok, "chain-2", max_batch=4, log=None) as engine:
+    with Engine(load_runner(path), tok, "chain-2", log=None, options=EngineOptions(max_batch=4)) as engine:
         got: dict[int, list[int]] = {}
 
         def worker(k: int) -> None:
             for i in range(k, 12, 4):
-                got[i] = engine.generate(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True).token_ids
+                got[i] = engine.generate(
+                    PROMPTS[i], GenerationParams(max_new_tokens=BUDGETS[i], ignore_eos=True)
+                ).token_ids
 
         async def main():
             outs = await asyncio.gather(
-                *(engine.agenerate(PROMPTS[i], max_new_tokens=BUDGETS[i], ignore_eos=True) for i in range(12, 16))
+                *(
+                    engine.agenerate(PROMPTS[i], GenerationParams(max_new_tokens=BUDGETS[i], ignore_eos=True))
+                    for i in range(12, 16)
+                )
             )
             for i, o in zip(range(12, 16), outs):
                 got[i] = o.token_ids
@@ -404,7 +441,7 @@ def test_threads_and_asyncio_callers_together_and_rss_flat_over_500_requests(art
         def burst(n: int) -> None:
             streams = []
             for i in range(n):
-                streams.append(engine.stream(PROMPTS[i % 16], max_new_tokens=3, ignore_eos=True))
+                streams.append(engine.stream(PROMPTS[i % 16], GenerationParams(max_new_tokens=3, ignore_eos=True)))
                 if len(streams) == 8:
                     for s in streams:
                         s.wait()
@@ -484,7 +521,9 @@ def test_engine_with_penalties_and_logprobs_equals_solo_plain(artifacts):
         ("auto", "artifact", "heads"),
         ("chain-3", "none", "lookup"),
     ):
-        with Engine(load_runner(path, heads=heads), tok, tree, drafts=drafts, max_batch=8, log=None) as engine:
+        with Engine(
+            load_runner(path, heads=heads), tok, tree, drafts=drafts, log=None, options=EngineOptions(max_batch=8)
+        ) as engine:
             for concurrency in (1, 8):
                 got = run_with_options(engine, concurrency)
                 for i, (g, w) in enumerate(zip(got, want)):
@@ -500,7 +539,9 @@ def test_torch_engine_with_penalties_equals_solo_plain(tmp_path):
     base, heads = tiny_modules("clover2")
     tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "tok"))
     want = solo_plain_with_options(TorchRunner(base), tok)
-    with Engine(TorchRunner(base, heads, "random:clover2"), tok, "mc26", max_batch=8, log=None) as engine:
+    with Engine(
+        TorchRunner(base, heads, "random:clover2"), tok, "mc26", log=None, options=EngineOptions(max_batch=8)
+    ) as engine:
         for concurrency in (1, 8):
             for i, (g, w) in enumerate(zip(run_with_options(engine, concurrency), want)):
                 assert_same_generation(g, w, f"torch clover2 mc26 concurrency {concurrency} prompt {i}")
@@ -509,30 +550,42 @@ def test_torch_engine_with_penalties_equals_solo_plain(tmp_path):
 def test_seeded_sampling_with_penalties_is_reproducible_alone_and_in_a_batch(artifacts):
     tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
     sampling = dataclasses.replace(PENALTIES, temperature=0.8, top_p=0.95, seed=7)
-    with Engine(load_runner(artifacts["clover2"]), tok, "small", max_batch=4, log=None) as engine:
-        alone = engine.generate(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True).token_ids
+    with Engine(
+        load_runner(artifacts["clover2"]), tok, "small", log=None, options=EngineOptions(max_batch=4)
+    ) as engine:
+        alone = engine.generate(
+            PROMPTS[3], GenerationParams(max_new_tokens=20, sampling=sampling, ignore_eos=True)
+        ).token_ids
         others = [
-            engine.stream(p, max_new_tokens=20, sampling=SamplingParams(0.8, 0.95, i, repetition_penalty=1.2))
+            engine.stream(
+                p, GenerationParams(max_new_tokens=20, sampling=SamplingParams(0.8, 0.95, i, repetition_penalty=1.2))
+            )
             for i, p in enumerate(PROMPTS[:3])
         ]
-        mixed = engine.stream(PROMPTS[3], max_new_tokens=20, sampling=sampling, ignore_eos=True)
+        mixed = engine.stream(PROMPTS[3], GenerationParams(max_new_tokens=20, sampling=sampling, ignore_eos=True))
         assert mixed.wait().token_ids == alone
         for s in others:
             s.wait()
         plain = dataclasses.replace(sampling, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
-        assert engine.generate(PROMPTS[3], max_new_tokens=20, sampling=plain, ignore_eos=True).token_ids != alone
+        assert (
+            engine.generate(PROMPTS[3], GenerationParams(max_new_tokens=20, sampling=plain, ignore_eos=True)).token_ids
+            != alone
+        )
 
 
 def test_stream_logprobs_arrive_with_the_text_that_shows_their_tokens(artifacts):
     """A stream's deltas carry the log-probabilities of the tokens whose text they complete: text held back for a
     possible stop string holds back its tokens' log-probabilities; all of them add up to the result's."""
     tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
-    with Engine(load_runner(artifacts["clover2"]), tok, "chain-2", max_batch=2, log=None) as engine:
-        want = engine.generate(PROMPTS[1], max_new_tokens=30, ignore_eos=True, sampling=PENALTIES)
+    with Engine(
+        load_runner(artifacts["clover2"]), tok, "chain-2", log=None, options=EngineOptions(max_batch=2)
+    ) as engine:
+        want = engine.generate(PROMPTS[1], GenerationParams(max_new_tokens=30, ignore_eos=True, sampling=PENALTIES))
         words = want.text.split()
         stop = f"{words[3]} w95"  # never matched, but held back each time the text ends with words[3]
         stream = engine.stream(
-            PROMPTS[1], max_new_tokens=30, ignore_eos=True, sampling=PENALTIES, stop=[stop], logprobs=2
+            PROMPTS[1],
+            GenerationParams(max_new_tokens=30, ignore_eos=True, sampling=PENALTIES, stop=[stop], logprobs=2),
         )
         shown, ids, with_logprobs, held = "", [], [], 0
         for delta in stream:
@@ -554,7 +607,7 @@ def test_stream_logprobs_arrive_with_the_text_that_shows_their_tokens(artifacts)
 def test_bad_options_fail_alone_with_their_param(artifacts):
     path = artifacts["clover2"]
     tok = Tokenizer.from_dir(path / "tokenizer")
-    with Engine(load_runner(path), tok, "chain-2", max_batch=2, log=None) as engine:
+    with Engine(load_runner(path), tok, "chain-2", log=None, options=EngineOptions(max_batch=2)) as engine:
         for kwargs, param in (
             ({"stop_token_ids": [96]}, "stop_token_ids"),
             ({"stop_token_ids": "w1"}, "stop_token_ids"),
@@ -566,7 +619,7 @@ def test_bad_options_fail_alone_with_their_param(artifacts):
             with pytest.raises(CloverError) as e:
                 engine.stream(PROMPTS[0], **{"max_new_tokens": 8, **kwargs})
             assert e.value.param == param, (kwargs, str(e.value))
-        assert engine.generate(PROMPTS[0], max_new_tokens=3, ignore_eos=True).new_tokens == 3
+        assert engine.generate(PROMPTS[0], GenerationParams(max_new_tokens=3, ignore_eos=True)).new_tokens == 3
 
 
 # -- several choices of one prompt: one prefill (Runner.fork) ------------------------------------------------------
@@ -574,8 +627,9 @@ def test_bad_options_fail_alone_with_their_param(artifacts):
 
 def shared_prefill_runs(engine, prompt, n, **kw):
     """n requests of one prompt, the others sharing the first one's prefill; their results."""
-    first = engine.stream(prompt, **kw)
-    others = [engine.stream(prompt, share_prefill=first, **kw) for _ in range(n - 1)]
+    params = GenerationParams(**kw)
+    first = engine.stream(prompt, params)
+    others = [engine.stream(prompt, params, share_prefill=first) for _ in range(n - 1)]
     return [s.wait() for s in (first, *others)]
 
 
@@ -590,20 +644,28 @@ def test_choices_share_one_prefill_and_each_equals_solo(tmp_path_factory, arch, 
     plain = Generator(load_runner(art, heads="none"), tok, "plain")
     long_prompt = [int(t) for t in np.random.default_rng(9).integers(6, 90, 40)]
     with Engine(
-        load_runner(art), tok, "small" if arch != "clover" else "chain-3", max_batch=4, log=None, prefill_chunk=16
+        load_runner(art),
+        tok,
+        "small" if arch != "clover" else "chain-3",
+        log=None,
+        options=EngineOptions(max_batch=4, prefill_chunk=16),
     ) as engine:
         for prompt in (PROMPTS[5], long_prompt):
-            want = plain.generate(prompt, max_new_tokens=20, ignore_eos=True).token_ids
+            want = plain.generate(prompt, GenerationParams(max_new_tokens=20, ignore_eos=True)).token_ids
             got = shared_prefill_runs(engine, prompt, 4, max_new_tokens=20, ignore_eos=True)
             for i, r in enumerate(got):
                 assert_identical(r.token_ids, want, f"{arch} {attention} choice {i} of {len(prompt)} prompt tokens")
         assert engine.prefills_shared == 6
         for seed in (3, 4):
             sampling = SamplingParams(0.9, 1.0, seed)
-            alone = engine.generate(PROMPTS[6], max_new_tokens=16, sampling=sampling, ignore_eos=True).token_ids
-            first = engine.stream(PROMPTS[6], max_new_tokens=16, sampling=SamplingParams(0.9, 1.0, 99), ignore_eos=True)
+            alone = engine.generate(
+                PROMPTS[6], GenerationParams(max_new_tokens=16, sampling=sampling, ignore_eos=True)
+            ).token_ids
+            first = engine.stream(
+                PROMPTS[6], GenerationParams(max_new_tokens=16, sampling=SamplingParams(0.9, 1.0, 99), ignore_eos=True)
+            )
             follower = engine.stream(
-                PROMPTS[6], max_new_tokens=16, sampling=sampling, ignore_eos=True, share_prefill=first
+                PROMPTS[6], GenerationParams(max_new_tokens=16, sampling=sampling, ignore_eos=True), share_prefill=first
             )
             assert follower.wait().token_ids == alone
             first.wait()
@@ -614,14 +676,18 @@ def test_choices_share_one_prefill_and_each_equals_solo(tmp_path_factory, arch, 
 def test_a_follower_whose_leader_is_gone_prefills_on_its_own(artifacts):
     tok = Tokenizer.from_dir(artifacts["clover2"] / "tokenizer")
     plain = Generator(load_runner(artifacts["clover2"], heads="none"), tok, "plain")
-    want = plain.generate(PROMPTS[7], max_new_tokens=12, ignore_eos=True).token_ids
-    with Engine(load_runner(artifacts["clover2"]), tok, "small", max_batch=4, log=None) as engine:
-        first = engine.stream(PROMPTS[7], max_new_tokens=12, ignore_eos=True)
+    want = plain.generate(PROMPTS[7], GenerationParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    with Engine(
+        load_runner(artifacts["clover2"]), tok, "small", log=None, options=EngineOptions(max_batch=4)
+    ) as engine:
+        first = engine.stream(PROMPTS[7], GenerationParams(max_new_tokens=12, ignore_eos=True))
         first.cancel()
-        follower = engine.stream(PROMPTS[7], max_new_tokens=12, ignore_eos=True, share_prefill=first)
+        follower = engine.stream(PROMPTS[7], GenerationParams(max_new_tokens=12, ignore_eos=True), share_prefill=first)
         assert follower.wait().token_ids == want
-        other = engine.stream(PROMPTS[8], max_new_tokens=12, ignore_eos=True)  # another prompt: no sharing
-        late = engine.stream(PROMPTS[7], max_new_tokens=12, ignore_eos=True, share_prefill=other)
+        other = engine.stream(
+            PROMPTS[8], GenerationParams(max_new_tokens=12, ignore_eos=True)
+        )  # another prompt: no sharing
+        late = engine.stream(PROMPTS[7], GenerationParams(max_new_tokens=12, ignore_eos=True), share_prefill=other)
         assert late.wait().token_ids == want
         other.wait()
         assert engine.runner.open_slots == 0
@@ -632,8 +698,12 @@ def test_torch_engine_choices_share_one_prefill(tmp_path):
 
     base, heads = tiny_modules("clover2")
     tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "tok"))
-    want = Generator(TorchRunner(base), tok, "plain").generate(PROMPTS[9], max_new_tokens=20, ignore_eos=True)
-    with Engine(TorchRunner(base, heads, "random:clover2"), tok, "mc26", max_batch=4, log=None) as engine:
+    want = Generator(TorchRunner(base), tok, "plain").generate(
+        PROMPTS[9], GenerationParams(max_new_tokens=20, ignore_eos=True)
+    )
+    with Engine(
+        TorchRunner(base, heads, "random:clover2"), tok, "mc26", log=None, options=EngineOptions(max_batch=4)
+    ) as engine:
         for i, r in enumerate(shared_prefill_runs(engine, PROMPTS[9], 3, max_new_tokens=20, ignore_eos=True)):
             assert_identical(r.token_ids, want.token_ids, f"torch choice {i}")
         assert engine.prefills_shared == 2
@@ -653,12 +723,18 @@ def test_prompt_logprobs_are_the_prefills_rows_in_every_chunk(tmp_path_factory, 
     _, logits = load_runner(art, heads="none").teacher_forced(np.array(prompt), np.arange(len(prompt) - 1))
     x = logits.astype(np.float64)
     want = x[np.arange(len(prompt) - 1), prompt[1:]] - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1)) - x.max(1)
-    plain = Generator(load_runner(art, heads="none"), tok, "plain").generate(prompt, max_new_tokens=10).token_ids
+    plain = (
+        Generator(load_runner(art, heads="none"), tok, "plain")
+        .generate(prompt, GenerationParams(max_new_tokens=10))
+        .token_ids
+    )
     gen = Generator(load_runner(art), tok, "small")
-    with Engine(load_runner(art), tok, "small", max_batch=2, log=None, prefill_chunk=7) as engine:
+    with Engine(
+        load_runner(art), tok, "small", log=None, options=EngineOptions(max_batch=2, prefill_chunk=7)
+    ) as engine:
         for r in (
-            gen.generate(prompt, max_new_tokens=10, prompt_logprobs=3),
-            engine.generate(prompt, max_new_tokens=10, prompt_logprobs=3),
+            gen.generate(prompt, GenerationParams(max_new_tokens=10, prompt_logprobs=3)),
+            engine.generate(prompt, GenerationParams(max_new_tokens=10, prompt_logprobs=3)),
         ):
             assert r.token_ids == plain and r.logprobs is None
             got = r.prompt_logprobs
@@ -669,5 +745,5 @@ def test_prompt_logprobs_are_the_prefills_rows_in_every_chunk(tmp_path_factory, 
                 assert e.top[0][1] >= e.logprob - 1e-9
             assert [e.text_offset for e in got] == sorted(e.text_offset for e in got)
         with pytest.raises(CloverError, match="prompt_logprobs") as err:
-            engine.stream(prompt, prompt_logprobs=21)
+            engine.stream(prompt, GenerationParams(prompt_logprobs=21))
         assert err.value.param == "prompt_logprobs"

@@ -21,6 +21,7 @@ from clover.errors import CloverError
 from clover.models.head_io import random_heads
 from clover.runtime.generator import Generator
 from clover.runtime.grammar import Grammar, GrammarCompiler, GrammarState, PathMasks
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
@@ -115,7 +116,7 @@ def test_plain_constrained_decoding_equals_the_reference_and_matches_the_grammar
     finished = 0
     for name, g in GRAMMARS.items():
         for p in PROMPTS:
-            r = gen.generate(p, max_new_tokens=N, grammar=g)
+            r = gen.generate(p, GenerationParams(max_new_tokens=N, grammar=g))
             want = reference[(name, p)]
             assert_identical(r.token_ids, want, f"plain {name} {p!r}")
             check_output(name, r.text, r.finish_reason)
@@ -239,14 +240,14 @@ def test_an_end_the_grammar_allows_alone_is_emitted_without_a_forward(base, tok)
     runner.forward_batch = lambda *a, **k: forwards.append(1) or real(*a, **k)
     gen = Generator(runner, tok, "plain")
     grammar = Grammar.choice(["ab"])
-    r = gen.generate("hi there", max_new_tokens=N, grammar=grammar)
+    r = gen.generate("hi there", GenerationParams(max_new_tokens=N, grammar=grammar))
     assert (r.text, r.finish_reason, r.token_ids[-1]) == ("ab", "stop", tok.eos_token_ids[0])
     assert (len(forwards), r.steps, r.tokens_per_step) == (2, 1, 1.0)  # the prefill and "b"'s step
     forwards.clear()
-    with_logprobs = gen.generate("hi there", max_new_tokens=N, grammar=grammar, logprobs=0)
+    with_logprobs = gen.generate("hi there", GenerationParams(max_new_tokens=N, grammar=grammar, logprobs=0))
     assert (with_logprobs.token_ids, len(forwards)) == (r.token_ids, 3)
     forwards.clear()
-    ignored = gen.generate("hi there", max_new_tokens=5, grammar=grammar, ignore_eos=True)
+    ignored = gen.generate("hi there", GenerationParams(max_new_tokens=5, grammar=grammar, ignore_eos=True))
     assert (ignored.token_ids[2:], ignored.finish_reason, len(forwards)) == ([tok.eos_token_ids[0]] * 3, "length", 5)
 
 
@@ -267,7 +268,7 @@ def test_greedy_identity_with_a_grammar_every_head_and_tree(base, tok, reference
         gen = Generator(runner, tok, tree)
         for name, g in GRAMMARS.items():
             for p in PROMPTS:
-                r = gen.generate(p, max_new_tokens=N, grammar=g)
+                r = gen.generate(p, GenerationParams(max_new_tokens=N, grammar=g))
                 want = reference[(name, p)]
                 assert_identical(r.token_ids, want, f"{arch} {spec} {name} {p!r}")
                 check_output(name, r.text, r.finish_reason)
@@ -282,7 +283,7 @@ def test_lookup_drafts_the_grammar_forbids_are_pruned(base, tok, reference, draf
     pruned = 0
     for name, g in GRAMMARS.items():
         for p in PROMPTS:
-            r = gen.generate(p, max_new_tokens=N, grammar=g)
+            r = gen.generate(p, GenerationParams(max_new_tokens=N, grammar=g))
             assert_identical(r.token_ids, reference[(name, p)], name)
             pruned += r.pruned_tokens
     assert pruned > 0, "no lookup draft was pruned: the test proves nothing"
@@ -295,7 +296,7 @@ def test_oracle_drafts_are_accepted_whole_under_a_grammar(base, tok, reference):
         p = PROMPTS[1]
         want = reference[(name, p)]
         runner = OracleRunner(base, tok.encode(p) + want)
-        r = Generator(runner, tok, "mc26").generate(p, max_new_tokens=N, grammar=GRAMMARS[name])
+        r = Generator(runner, tok, "mc26").generate(p, GenerationParams(max_new_tokens=N, grammar=GRAMMARS[name]))
         assert_identical(r.token_ids, want, f"oracle {name}")
         assert r.tokens_per_step > 3, r.accepted_per_step
 
@@ -307,8 +308,12 @@ def test_grammar_with_penalties_and_logprobs_equals_plain(base, tok):
     plain = Generator(TorchRunner(base), tok, "plain")
     spec = Generator(TorchRunner(base, random_heads(base, "clover2", 1)), tok, "mc26")
     for name in ("json_object", "regex"):
-        want = plain.generate(PROMPTS[0], max_new_tokens=N, grammar=GRAMMARS[name], sampling=sampling, logprobs=2)
-        got = spec.generate(PROMPTS[0], max_new_tokens=N, grammar=GRAMMARS[name], sampling=sampling, logprobs=2)
+        want = plain.generate(
+            PROMPTS[0], GenerationParams(max_new_tokens=N, grammar=GRAMMARS[name], sampling=sampling, logprobs=2)
+        )
+        got = spec.generate(
+            PROMPTS[0], GenerationParams(max_new_tokens=N, grammar=GRAMMARS[name], sampling=sampling, logprobs=2)
+        )
         assert_identical(got.token_ids, want.token_ids, name)
         assert [e.token_id for e in got.logprobs] == got.token_ids
         np.testing.assert_allclose([e.logprob for e in got.logprobs], [e.logprob for e in want.logprobs], atol=1e-4)
@@ -319,7 +324,10 @@ def test_seeded_sampling_under_a_grammar_is_reproducible_and_matches(base, tok):
     gen = Generator(runner, tok, "mc26")
     for name in ("json_schema", "regex", "lark"):
         outs = [
-            gen.generate(PROMPTS[0], max_new_tokens=N, grammar=GRAMMARS[name], sampling=SamplingParams(0.9, 0.95, 7))
+            gen.generate(
+                PROMPTS[0],
+                GenerationParams(max_new_tokens=N, grammar=GRAMMARS[name], sampling=SamplingParams(0.9, 0.95, 7)),
+            )
             for _ in range(2)
         ]
         assert outs[0].token_ids == outs[1].token_ids
@@ -340,14 +348,14 @@ def test_seeded_sampling_under_a_grammar_is_reproducible_and_matches(base, tok):
 def test_a_bad_grammar_fails_at_submission_naming_its_param(base, tok, grammar, says):
     gen = Generator(TorchRunner(base), tok, "plain")
     with pytest.raises(CloverError, match=says) as err:
-        gen.stream("hi", grammar=grammar)
+        gen.stream("hi", GenerationParams(grammar=grammar))
     assert err.value.param == "grammar"
 
 
 def test_min_tokens_with_a_grammar_is_refused(base, tok):
     with pytest.raises(CloverError, match="min_tokens cannot be combined") as err:
         Generator(TorchRunner(base), tok).stream(
-            "hi", grammar=Grammar.json_object(), sampling=SamplingParams(min_tokens=3)
+            "hi", GenerationParams(grammar=Grammar.json_object(), sampling=SamplingParams(min_tokens=3))
         )
     assert err.value.param == "min_tokens"
 
@@ -356,8 +364,10 @@ def test_without_llguidance_the_error_names_the_extra(base, tok, monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
     gen = Generator(TorchRunner(base), tok, "plain")
     with pytest.raises(CloverError, match=r"clover-deploy\[structured\]"):
-        gen.stream("hi", grammar=Grammar.regex("a+"))
-    assert gen.generate("hi", max_new_tokens=3).new_tokens == 3  # requests without a grammar need nothing
+        gen.stream("hi", GenerationParams(grammar=Grammar.regex("a+")))
+    assert (
+        gen.generate("hi", GenerationParams(max_new_tokens=3)).new_tokens == 3
+    )  # requests without a grammar need nothing
 
 
 # -- the engine: concurrent requests, each with its own grammar or none -------------------------------------------
@@ -382,14 +392,15 @@ def test_engine_concurrent_requests_with_mixed_grammars_equal_solo_plain(fused, 
 
     plain = Generator(load_runner(fused), tok, "plain")
     want = [
-        plain.generate(p, max_new_tokens=N, grammar=GRAMMARS.get(name)).token_ids if name else None for name, p in MIXED
+        plain.generate(p, GenerationParams(max_new_tokens=N, grammar=GRAMMARS.get(name))).token_ids if name else None
+        for name, p in MIXED
     ]
-    with Engine(load_runner(fused), tok, tree, max_batch=8, log=None) as engine:
+    with Engine(load_runner(fused), tok, tree, log=None, options=EngineOptions(max_batch=8)) as engine:
         for concurrency in (1, 8):
             for start in range(0, len(MIXED), concurrency):
                 chunk = MIXED[start : start + concurrency]
                 streams = [
-                    engine.stream(p, max_new_tokens=N, grammar=GRAMMARS.get(name) if name else None)
+                    engine.stream(p, GenerationParams(max_new_tokens=N, grammar=GRAMMARS.get(name) if name else None))
                     for name, p in chunk
                 ]
                 for k, s in enumerate(streams):
@@ -407,13 +418,20 @@ def test_engine_seeded_sampling_with_a_grammar_is_reproducible_alone_and_in_a_ba
     from clover.runtime.ort_backend import load_runner
 
     sampling = SamplingParams(0.8, 0.95, 11)
-    with Engine(load_runner(fused), tok, "mc26", max_batch=4, log=None) as engine:
-        alone = engine.generate(PROMPTS[1], max_new_tokens=N, sampling=sampling, grammar=GRAMMARS["json_schema"])
+    with Engine(load_runner(fused), tok, "mc26", log=None, options=EngineOptions(max_batch=4)) as engine:
+        alone = engine.generate(
+            PROMPTS[1], GenerationParams(max_new_tokens=N, sampling=sampling, grammar=GRAMMARS["json_schema"])
+        )
         others = [
-            engine.stream(PROMPTS[0], max_new_tokens=N, sampling=SamplingParams(0.9, 1.0, i), grammar=GRAMMARS[name])
+            engine.stream(
+                PROMPTS[0],
+                GenerationParams(max_new_tokens=N, sampling=SamplingParams(0.9, 1.0, i), grammar=GRAMMARS[name]),
+            )
             for i, name in enumerate(("regex", "lark", "json_object"))
         ]
-        mixed = engine.stream(PROMPTS[1], max_new_tokens=N, sampling=sampling, grammar=GRAMMARS["json_schema"])
+        mixed = engine.stream(
+            PROMPTS[1], GenerationParams(max_new_tokens=N, sampling=sampling, grammar=GRAMMARS["json_schema"])
+        )
         assert mixed.wait().token_ids == alone.token_ids
         for s, name in zip(others, ("regex", "lark", "json_object")):
             r = s.wait()
@@ -425,10 +443,10 @@ def test_engine_refuses_a_bad_grammar_alone(fused, tok):
     from clover.runtime.engine import Engine
     from clover.runtime.ort_backend import load_runner
 
-    with Engine(load_runner(fused), tok, "mc26", max_batch=4, log=None) as engine:
-        good = engine.stream(PROMPTS[0], max_new_tokens=N, grammar=GRAMMARS["regex"])
+    with Engine(load_runner(fused), tok, "mc26", log=None, options=EngineOptions(max_batch=4)) as engine:
+        good = engine.stream(PROMPTS[0], GenerationParams(max_new_tokens=N, grammar=GRAMMARS["regex"]))
         with pytest.raises(CloverError, match="not valid") as err:
-            engine.stream(PROMPTS[0], grammar=Grammar.regex("(unclosed"))
+            engine.stream(PROMPTS[0], GenerationParams(grammar=Grammar.regex("(unclosed")))
         assert err.value.param == "grammar"
         check_output("regex", good.wait().text, "stop")
         assert engine.alive

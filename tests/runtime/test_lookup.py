@@ -10,8 +10,9 @@ from clover.artifact import open_artifact
 from clover.errors import CloverError
 from clover.runtime.generator import Generator
 from clover.runtime.lookup import NgramStore, PromptLookup
-from clover.runtime.loop import Draft, merge_lookup
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.params import GenerationParams
+from clover.runtime.proposers import Draft, merge_lookup
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import resolve_tree
 
@@ -100,7 +101,7 @@ def greedy_identity(art, heads, tree):
         want, _ = run_tokens(plain, p, resolve_tree("plain"), 40)
         gen = Generator(runner, tokenizer, tree, drafts="lookup")
         gen.lookup_length = None  # verify every proposed token: acceptance counts independent of measured timings
-        result = gen.generate(p, max_new_tokens=40, ignore_eos=True)
+        result = gen.generate(p, GenerationParams(max_new_tokens=40, ignore_eos=True))
         assert result.heads == "lookup"
         assert_identical(result.token_ids, want, f"lookup on {art.name}")
         accepted += sum(n - 1 for n in result.accepted_per_step)
@@ -172,8 +173,10 @@ def test_heads_plus_lookup_spec_and_label(tmp_path):
     art = tiny_artifact(tmp_path, "clover2")
     g = Generator.load(art, heads="artifact+lookup", backend="ort", tree="small")
     assert g.drafts == "heads+lookup" and g.runner.info.heads == "clover2"
-    r = g.generate([5, 9, 2, 7, 5, 9, 2, 7, 5, 9], max_new_tokens=12)
-    plain = Generator.load(art, heads="none", backend="ort").generate([5, 9, 2, 7, 5, 9, 2, 7, 5, 9], max_new_tokens=12)
+    r = g.generate([5, 9, 2, 7, 5, 9, 2, 7, 5, 9], GenerationParams(max_new_tokens=12))
+    plain = Generator.load(art, heads="none", backend="ort").generate(
+        [5, 9, 2, 7, 5, 9, 2, 7, 5, 9], GenerationParams(max_new_tokens=12)
+    )
     assert r.token_ids == plain.token_ids and r.heads.endswith("+lookup")
 
 
@@ -273,7 +276,7 @@ def test_store_of_a_large_vocabulary(tmp_path):
 def test_lookup_length_learns_store_drafts_apart():
     """The store's drafts (match < 0) have their own acceptance estimates: a store that is always wrong does
     not make the sequence's own repeats look bad, and is cut to nothing on a curve where rows cost."""
-    from clover.runtime.lookup import LookupLength
+    from clover.runtime.policy import LookupLength
 
     ll = LookupLength(lambda rows: 10.0 + 3.0 * (rows - 1))
     for _ in range(50):
@@ -348,7 +351,7 @@ def test_store_drafts_keep_greedy_identity(tmp_path_factory, tmp_path, kind):
     for p in PROMPTS:
         want, _ = run_tokens(plain, p, resolve_tree("plain"), 30)
         got = Generator(load_runner(art), tokenizer, "chain-2", drafts="heads+lookup").generate(
-            p, max_new_tokens=30, ignore_eos=True
+            p, GenerationParams(max_new_tokens=30, ignore_eos=True)
         )
         assert_identical(got.token_ids, want, f"heads+lookup with a store on {kind}")
     bare = with_ngram_store(art, tmp_path / "bare", None)  # and taken out again
@@ -382,7 +385,7 @@ def test_store_of_another_base_is_refused(tmp_path_factory, tmp_path):
 def test_lookup_length_weighs_acceptance_against_verify_cost():
     """How much of a proposal to verify: all of it where rows are nearly free, less where they are dear, and
     what it learns moves the choice: repeats that always continue earn long chains, ones that never do earn none."""
-    from clover.runtime.lookup import LookupLength
+    from clover.runtime.policy import LookupLength
 
     cheap = LookupLength(lambda rows: 10.0 + 0.01 * rows)  # bandwidth-bound: a row costs 0.1% of a step
     dear = LookupLength(lambda rows: 10.0 * rows)  # compute-bound: a row costs a whole step
@@ -405,7 +408,7 @@ def test_lookup_length_weighs_acceptance_against_verify_cost():
 def test_lookup_goes_alone_where_the_heads_do_not_pay():
     """heads+lookup: each kind of proposal tries both ways (heads merged first), then takes the one with more
     tokens per measured millisecond, and the other now and then, so both rates stay current."""
-    from clover.runtime.lookup import LookupLength
+    from clover.runtime.policy import LookupLength
 
     W, E = LookupLength.WARMUP, LookupLength.EXPLORE
     ll = LookupLength(lambda rows: 1.0)
@@ -443,7 +446,7 @@ def test_heads_plus_lookup_alone_steps_keep_greedy_identity(tmp_path_factory, tr
         want, _ = run_tokens(plain, p, resolve_tree("plain"), 40)
         gen = Generator(load_runner(art), tokenizer, tree, drafts="heads+lookup")
         gen.lookup_length.alone = lambda *a: chosen.append(len(chosen) % 2 == 0) or chosen[-1]
-        got = gen.generate(p, max_new_tokens=40, ignore_eos=True)
+        got = gen.generate(p, GenerationParams(max_new_tokens=40, ignore_eos=True))
         assert_identical(got.token_ids, want, "heads+lookup with lookup-alone steps")
     assert len(chosen) > 10
 

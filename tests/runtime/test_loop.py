@@ -15,6 +15,7 @@ from numerics import assert_close_paths, chain_reduction
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
 from clover.runtime.generator import Generator
+from clover.runtime.params import GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
@@ -154,16 +155,20 @@ def test_generator_rejects_bad_inputs(base, tokenizer):
 
 def test_max_new_tokens_is_exact_and_stats_are_consistent(base, tokenizer):
     gen = Generator(OracleRunner(base, []), tokenizer, tree="chain-4")
-    plain = Generator(TorchRunner(base), tokenizer).generate("w7 w8 w9", max_new_tokens=200, ignore_eos=True)
+    plain = Generator(TorchRunner(base), tokenizer).generate(
+        "w7 w8 w9", GenerationParams(max_new_tokens=200, ignore_eos=True)
+    )
     for n in (1, 2, 5, 13):
         gen.runner.reference = tokenizer.encode("w7 w8 w9") + plain.token_ids
-        r = gen.generate("w7 w8 w9", max_new_tokens=n, ignore_eos=True)
+        r = gen.generate("w7 w8 w9", GenerationParams(max_new_tokens=n, ignore_eos=True))
         assert r.new_tokens == n and r.token_ids == plain.token_ids[:n] and r.finish_reason == "length"
         assert r.steps == len(r.accepted_per_step)
 
 
 def test_eos_ends_generation_exactly(base, tokenizer, tmp_path):
-    plain = Generator(TorchRunner(base), tokenizer).generate("w7 w8 w9", max_new_tokens=30, ignore_eos=True)
+    plain = Generator(TorchRunner(base), tokenizer).generate(
+        "w7 w8 w9", GenerationParams(max_new_tokens=30, ignore_eos=True)
+    )
     eos_at = 6
     eos = plain.token_ids[eos_at]
     tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path / "t", eos=eos))
@@ -171,7 +176,7 @@ def test_eos_ends_generation_exactly(base, tokenizer, tmp_path):
     first = plain.token_ids.index(eos)
     for runner in (TorchRunner(base), OracleRunner(base, ref)):
         r = Generator(runner, tok, tree="chain-4" if runner.info.heads else None).generate(
-            "w7 w8 w9", max_new_tokens=30
+            "w7 w8 w9", GenerationParams(max_new_tokens=30)
         )
         assert r.finish_reason == "stop"
         assert r.token_ids == plain.token_ids[: first + 1]
@@ -179,12 +184,14 @@ def test_eos_ends_generation_exactly(base, tokenizer, tmp_path):
 
 
 def test_stop_string_cuts_text_and_stream_never_shows_it(base, tokenizer):
-    plain = Generator(TorchRunner(base), tokenizer).generate("w7 w8 w9", max_new_tokens=30, ignore_eos=True)
+    plain = Generator(TorchRunner(base), tokenizer).generate(
+        "w7 w8 w9", GenerationParams(max_new_tokens=30, ignore_eos=True)
+    )
     words = plain.text.split()
     stop = " ".join(words[4:6])
     ref = tokenizer.encode("w7 w8 w9") + plain.token_ids
     gen = Generator(OracleRunner(base, ref), tokenizer, tree="mc26")
-    stream = gen.stream("w7 w8 w9", max_new_tokens=30, stop=[stop], ignore_eos=True)
+    stream = gen.stream("w7 w8 w9", GenerationParams(max_new_tokens=30, stop=[stop], ignore_eos=True))
     deltas = list(stream)
     r = stream.result
     assert r.finish_reason == "stop"
@@ -205,7 +212,8 @@ def penalised(base, tokenizer):
     """Plain greedy decoding with PENALTIES (and log-probabilities, 5 alternatives) of each prompt."""
     gen = Generator(TorchRunner(base), tokenizer, "plain")
     return {
-        tuple(p): gen.generate(p, max_new_tokens=40, sampling=PENALTIES, ignore_eos=True, logprobs=5) for p in PROMPTS
+        tuple(p): gen.generate(p, GenerationParams(max_new_tokens=40, sampling=PENALTIES, ignore_eos=True, logprobs=5))
+        for p in PROMPTS
     }
 
 
@@ -233,7 +241,7 @@ def test_greedy_identity_with_penalties_every_head_and_tree(base, tokenizer, pen
         gen = Generator(runner, tokenizer, tree)
         for p in PROMPTS:
             want = penalised[tuple(p)]
-            got = gen.generate(p, max_new_tokens=40, sampling=PENALTIES, ignore_eos=True, logprobs=5)
+            got = gen.generate(p, GenerationParams(max_new_tokens=40, sampling=PENALTIES, ignore_eos=True, logprobs=5))
             assert_identical(got.token_ids, want.token_ids, f"{arch} {spec} with penalties")
             assert_logprobs_close(got.logprobs, want.logprobs, base, f"{arch} {spec}")
             if not spec.startswith("dynamic"):  # a dynamic tree's size follows measured timings
@@ -248,7 +256,9 @@ def test_penalties_change_the_output_and_oracle_paths_stay_identical(base, token
         assert want != plain[tuple(p)] and len(set(want)) >= 4, want
         for tree in ("chain-4", "mc26"):
             runner = OracleRunner(base, p + want)
-            got = Generator(runner, tokenizer, tree).generate(p, max_new_tokens=40, sampling=PENALTIES, ignore_eos=True)
+            got = Generator(runner, tokenizer, tree).generate(
+                p, GenerationParams(max_new_tokens=40, sampling=PENALTIES, ignore_eos=True)
+            )
             assert_identical(got.token_ids, want, f"oracle {tree} with penalties")
             assert got.tokens_per_step > 3, got.accepted_per_step
 
@@ -257,7 +267,7 @@ def test_penalties_change_the_output_and_oracle_paths_stay_identical(base, token
 def test_lookup_drafts_with_penalties_are_identical(base, tokenizer, penalised, tree):
     gen = Generator(TorchRunner(base), tokenizer, tree, drafts="lookup")
     for p in PROMPTS:
-        got = gen.generate(p, max_new_tokens=40, sampling=PENALTIES, ignore_eos=True, logprobs=5)
+        got = gen.generate(p, GenerationParams(max_new_tokens=40, sampling=PENALTIES, ignore_eos=True, logprobs=5))
         assert_identical(got.token_ids, penalised[tuple(p)].token_ids, f"lookup {tree} with penalties")
         assert_logprobs_close(got.logprobs, penalised[tuple(p)].logprobs, base, f"lookup {tree}")
 
@@ -269,15 +279,18 @@ def test_logprobs_are_the_raw_distribution_and_plain_decodings(base, tokenizer, 
     plain_gen = Generator(TorchRunner(base), tokenizer, "plain")
     spec_gen = Generator(TorchRunner(base, random_heads(base, "clover2", 0)), tokenizer, "mc26")
     for p in PROMPTS:
-        want = plain_gen.generate(p, max_new_tokens=20, ignore_eos=True, logprobs=20)
-        got = spec_gen.generate(p, max_new_tokens=20, ignore_eos=True, logprobs=20)
+        want = plain_gen.generate(p, GenerationParams(max_new_tokens=20, ignore_eos=True, logprobs=20))
+        got = spec_gen.generate(p, GenerationParams(max_new_tokens=20, ignore_eos=True, logprobs=20))
         assert_identical(got.token_ids, want.token_ids, "logprobs run")
         assert_logprobs_close(got.logprobs, want.logprobs, base, "mc26 logprobs")
         for e in got.logprobs:
             values = [v for _, v in e.top]
             assert len(e.top) == 20 and values == sorted(values, reverse=True) and values[0] <= 0
             assert e.top[0] == (e.token_id, e.logprob)
-        assert Generator(TorchRunner(base), tokenizer, "plain").generate(p, max_new_tokens=5).logprobs is None
+        assert (
+            Generator(TorchRunner(base), tokenizer, "plain").generate(p, GenerationParams(max_new_tokens=5)).logprobs
+            is None
+        )
     penalised_tokens = [e for r in penalised.values() for e in r.logprobs]
     assert any(e.top[0][0] != e.token_id for e in penalised_tokens)  # the raw top-1 was penalised away
     assert all(any(t == e.token_id for t, _ in e.top) or e.logprob <= e.top[-1][1] for e in penalised_tokens)
@@ -292,13 +305,15 @@ def test_min_tokens_logit_bias_and_stop_token_ids_are_exact_under_speculation(ba
     for min_tokens in (0, 1, 7):
         sp = SamplingParams(logit_bias={1: 100.0}, min_tokens=min_tokens)
         for gen in (plain_gen, spec):
-            r = gen.generate(p, max_new_tokens=30, sampling=sp)
+            r = gen.generate(p, GenerationParams(max_new_tokens=30, sampling=sp))
             assert r.token_ids[-1] == 1 and len(r.token_ids) == min_tokens + 1 and r.finish_reason == "stop"
     want = penalised[tuple(p)].token_ids
     stop_at = next(i for i, t in enumerate(want) if t != want[0])  # the first token that differs from the first
     for sp, end in ((PENALTIES, stop_at + 1), (dataclasses.replace(PENALTIES, min_tokens=stop_at + 3), None)):
         got = [
-            g.generate(p, max_new_tokens=40, sampling=sp, ignore_eos=True, stop_token_ids=[want[stop_at]])
+            g.generate(
+                p, GenerationParams(max_new_tokens=40, sampling=sp, ignore_eos=True, stop_token_ids=[want[stop_at]])
+            )
             for g in (plain_gen, spec)
         ]
         assert_identical(got[1].token_ids, got[0].token_ids, "stop_token_ids")
@@ -311,7 +326,10 @@ def test_min_tokens_logit_bias_and_stop_token_ids_are_exact_under_speculation(ba
 def test_seeded_sampling_with_penalties_is_reproducible(base, tokenizer):
     gen = Generator(TorchRunner(base, random_heads(base, "clover2", 0)), tokenizer, "mc26")
     sp = dataclasses.replace(PENALTIES, temperature=0.9, top_p=0.95, seed=11, logit_bias={5: 3.0})
-    runs = [gen.generate(PROMPTS[0], max_new_tokens=24, sampling=sp, ignore_eos=True).token_ids for _ in range(2)]
+    runs = [
+        gen.generate(PROMPTS[0], GenerationParams(max_new_tokens=24, sampling=sp, ignore_eos=True)).token_ids
+        for _ in range(2)
+    ]
     assert runs[0] == runs[1]
 
 
@@ -325,5 +343,5 @@ def test_bad_options_name_their_param(base, tokenizer):
         ({"logprobs": 21}, "logprobs"),
     ):
         with pytest.raises(CloverError) as e:
-            gen.generate(PROMPTS[0], max_new_tokens=8, **kwargs)
+            gen.generate(PROMPTS[0], GenerationParams(max_new_tokens=8, **kwargs))
         assert e.value.param == param, (kwargs, str(e.value))

@@ -16,7 +16,7 @@ from clover.runtime.backend import RunnerInfo, backend_module
 from clover.runtime.generator import Generator
 from clover.runtime.loop import chain, speculative_steps
 from clover.runtime.ort_backend import OrtRunner, load_runner
-from clover.runtime.sampling import SamplingParams
+from clover.runtime.params import GenerationParams
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
 
@@ -150,15 +150,13 @@ def test_the_heads_read_the_prompt_in_the_prefill(artifacts):
     prompt = np.array(PROMPTS[1])
     for tree, prefill in (("mc26", [len(prompt)]), ("plain", [])):
         calls.clear()
-        steps = speculative_steps(
-            runner, prompt, resolve_tree(tree), SamplingParams(), np.random.default_rng(0), 64, "heads"
-        )
+        steps = speculative_steps(runner, prompt, resolve_tree(tree), GenerationParams(), "heads", capacity=64)
         next(steps)  # the prefill: the first token
         assert calls == prefill, tree
         next(steps)
         assert calls == prefill, tree
     calls.clear()
-    lookup = speculative_steps(runner, prompt, chain(4), SamplingParams(), np.random.default_rng(0), 64, "lookup")
+    lookup = speculative_steps(runner, prompt, chain(4), GenerationParams(), "lookup", capacity=64)
     next(lookup), next(lookup)
     assert calls == []
 
@@ -192,8 +190,8 @@ def test_generator_uses_the_artifact_tree_and_tokenizer(artifacts, base):
     assert gen.tree.name == m.tree.name and gen.runner.info.heads == "clover"
     plain = Generator.load(artifacts["clover"], heads="none", backend="ort")
     assert plain.tree.num_nodes == 1
-    a = gen.generate("w7 w8 w9 w40", max_new_tokens=16, ignore_eos=True)
-    b = plain.generate("w7 w8 w9 w40", max_new_tokens=16, ignore_eos=True)
+    a = gen.generate("w7 w8 w9 w40", GenerationParams(max_new_tokens=16, ignore_eos=True))
+    b = plain.generate("w7 w8 w9 w40", GenerationParams(max_new_tokens=16, ignore_eos=True))
     assert a.token_ids == b.token_ids and a.backend == "ort" and a.heads == "random:clover:0"
 
 
@@ -205,10 +203,11 @@ def test_runs_without_torch(artifacts, torch_plain):
         "for name in ('torch', 'transformers', 'tensorrt'):\n"
         "    sys.modules[name] = None  # any import of them now raises ImportError\n"
         "from clover.runtime.generator import Generator\n"
+        "from clover.runtime.params import GenerationParams\n"
         "out = {}\n"
         "for heads in ('artifact', 'none'):\n"
         f"    gen = Generator.load({str(artifacts['clover2'])!r}, heads=heads, backend='ort')\n"
-        f"    out[heads] = gen.generate({prompt!r}, max_new_tokens={N}, ignore_eos=True).token_ids\n"
+        f"    out[heads] = gen.generate({prompt!r}, GenerationParams(max_new_tokens={N}, ignore_eos=True)).token_ids\n"
         "bad = [m for m in sys.modules if m.startswith(('clover.models', 'clover.export'))]\n"
         "assert not bad, bad\n"
         "print(json.dumps(out))\n"

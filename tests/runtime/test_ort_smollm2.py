@@ -10,6 +10,7 @@ from clover.export.artifact import export_artifact
 from clover.export.config import ExportConfig
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
@@ -55,14 +56,16 @@ def test_logits_parity_on_a_real_prompt(setup):
 
 def test_greedy_identity_ort_speculative_ort_plain_torch_plain(setup):
     out, base, _, tok = setup
-    torch_plain = Generator(TorchRunner(base), tok).generate(PROMPT, chat=True, max_new_tokens=N, ignore_eos=True)
+    torch_plain = Generator(TorchRunner(base), tok).generate(
+        PROMPT, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True
+    )
     ort_plain = Generator.load(out, heads="none", backend="ort").generate(
-        PROMPT, chat=True, max_new_tokens=N, ignore_eos=True
+        PROMPT, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True
     )
     assert_identical(ort_plain.token_ids, torch_plain.token_ids, "ORT plain vs torch plain")
     for tree in (None, "small"):
         gen = Generator.load(out, backend="ort", tree=tree)
-        r = gen.generate(PROMPT, chat=True, max_new_tokens=N, ignore_eos=True)
+        r = gen.generate(PROMPT, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True)
         assert_identical(r.token_ids, torch_plain.token_ids, f"ORT {gen.tree.name} vs torch plain")
     print(
         f"\nSmolLM2 ({N} tokens): torch plain {torch_plain.tokens_per_second:.1f} tok/s, ORT plain "
@@ -95,9 +98,9 @@ def test_json_schema_requests_at_concurrency_8_equal_solo_constrained(setup):
         )
     ]
     plain = Generator.load(out, heads="none", backend="ort")
-    want = [plain.generate(q, chat=True, max_new_tokens=40, grammar=g) for q, g in asks]
-    with Engine.load(out, tree="mc26", max_batch=8, log=None) as engine:
-        streams = [engine.stream(q, chat=True, max_new_tokens=40, grammar=g) for q, g in asks]
+    want = [plain.generate(q, GenerationParams(max_new_tokens=40, grammar=g), chat=True) for q, g in asks]
+    with Engine.load(out, tree="mc26", log=None, options=EngineOptions(max_batch=8)) as engine:
+        streams = [engine.stream(q, GenerationParams(max_new_tokens=40, grammar=g), chat=True) for q, g in asks]
         for (q, g), s, w in zip(asks, streams, want):
             r = s.wait()
             assert_identical(r.token_ids, w.token_ids, f"concurrency 8 {'json' if g else 'free'} {q[:20]!r}")

@@ -9,6 +9,7 @@ from clover.artifact import open_artifact
 from clover.export.artifact import export_artifact
 from clover.export.config import ExportConfig
 from clover.runtime.generator import Generator
+from clover.runtime.params import GenerationParams
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -32,8 +33,8 @@ def test_int4_speculative_equals_int4_plain(int4):
     for tree in ("chain-2", "mc26"):
         spec = Generator.load(int4, backend="ort", tree=tree)
         for p in PROMPTS:
-            want = plain.generate(p, chat=True, max_new_tokens=N, ignore_eos=True)
-            got = spec.generate(p, chat=True, max_new_tokens=N, ignore_eos=True)
+            want = plain.generate(p, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True)
+            got = spec.generate(p, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True)
             assert_identical(got.token_ids, want.token_ids, f"int4 {tree} vs int4 plain, {p!r}")
             steps, tokens = steps + got.steps, tokens + got.new_tokens - 1
     assert tokens / steps > 1.2, "the shipped heads should draft accepted tokens on the int4 base"

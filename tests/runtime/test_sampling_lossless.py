@@ -37,6 +37,7 @@ import clover.runtime.acceptance as acceptance
 from clover.models.decoder import causal_mask
 from clover.models.head_io import random_heads
 from clover.runtime.loop import Decoding, speculative_steps, step
+from clover.runtime.params import GenerationParams
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_token
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import compile_tree, resolve_tree
@@ -112,7 +113,11 @@ def first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n: int, se
     for i, child in enumerate(np.random.SeedSequence(seed).spawn(n)):
         rng = np.random.default_rng(child)
         out: list[int] = []
-        for k, st in enumerate(speculative_steps(runner, prompt, tree, sampling, rng, capacity, drafts)):
+        for k, st in enumerate(
+            speculative_steps(
+                runner, prompt, tree, GenerationParams(sampling=sampling), drafts, capacity=capacity, rng=rng
+            )
+        ):
             out += st.tokens
             if k:
                 lengths.append(len(st.tokens))
@@ -353,10 +358,10 @@ def test_heads_and_lookup_in_one_tree_sample_the_base_law(base, base_logits):
             runner,
             prompt,
             tree,
-            sampling,
-            np.random.default_rng(child),
-            len(PROMPT) + NUM_TOKENS + tree.num_nodes + 3,
+            GenerationParams(sampling=sampling),
             "heads+lookup",
+            capacity=len(PROMPT) + NUM_TOKENS + tree.num_nodes + 3,
+            rng=np.random.default_rng(child),
         )
         for k, st in enumerate(steps):
             out += st.tokens
@@ -422,7 +427,15 @@ def two_by_two_samples(base, sampling: SamplingParams, seed: int, options) -> tu
     for i, child in enumerate(np.random.SeedSequence(seed).spawn(N)):
         out: list[int] = []
         capacity = len(PROMPT) + NUM_TOKENS + tree.num_nodes
-        steps = speculative_steps(runner, prompt, tree, sampling, np.random.default_rng(child), capacity, **options())
+        steps = speculative_steps(
+            runner,
+            prompt,
+            tree,
+            GenerationParams(sampling=sampling),
+            capacity=capacity,
+            rng=np.random.default_rng(child),
+            **options(),
+        )
         for k, st in enumerate(steps):
             out += st.tokens
             lengths += [len(st.tokens)] if k else []

@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 from clover.errors import CloverError
+from clover.runtime.cost import VerifyCost
 from clover.runtime.loop import Decoding
-from clover.runtime.scheduler import AutoTrees, RankAcceptance, Scheduler, VerifyCost
+from clover.runtime.params import EngineOptions
+from clover.runtime.policy import AutoTrees, RankAcceptance
 from clover.runtime.tree import prune_tree, resolve_tree
 
 
@@ -91,11 +93,12 @@ def test_verify_cost_interpolates_extrapolates_and_learns_a_correction():
     assert cost(2, 4) == pytest.approx(12.0, rel=1e-3) and cost(2, 1) == pytest.approx(6.0)
 
 
-def test_scheduler_rejects_bad_sizes():
-    with pytest.raises(CloverError, match="max_batch"):
-        Scheduler(0, 4)
-    with pytest.raises(CloverError, match="max_waiting"):
-        Scheduler(2, -1)
+def test_engine_options_reject_bad_sizes():
+    for bad, field in (({"max_batch": 0}, "max_batch"), ({"max_waiting": -1}, "max_waiting")):
+        with pytest.raises(CloverError, match=field):
+            EngineOptions(**bad)
+    with pytest.raises(CloverError, match="prefill_chunk"):
+        EngineOptions(prefill_chunk=0)
 
 
 def test_a_prompt_in_the_step_does_not_sway_the_choice():

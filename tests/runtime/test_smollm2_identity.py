@@ -6,6 +6,7 @@ from helpers import OracleRunner, assert_identical
 
 from clover.models.head_io import random_heads
 from clover.runtime.generator import Generator
+from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 
@@ -20,7 +21,9 @@ def setup(smollm2_path):
 
     base = load_base(smollm2_path)
     tok = Tokenizer.from_dir(smollm2_path)
-    plain = Generator(TorchRunner(base), tok).generate(PROMPT, chat=True, max_new_tokens=N, ignore_eos=True)
+    plain = Generator(TorchRunner(base), tok).generate(
+        PROMPT, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True
+    )
     return base, tok, plain
 
 
@@ -38,7 +41,7 @@ def setup(smollm2_path):
 def test_random_heads_are_lossless_on_smollm2(setup, arch, tree):
     base, tok, plain = setup
     gen = Generator(TorchRunner(base, random_heads(base, arch, seed=1)), tok, tree=tree)
-    r = gen.generate(PROMPT, chat=True, max_new_tokens=N, ignore_eos=True)
+    r = gen.generate(PROMPT, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True)
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     assert_identical(r.token_ids, plain.token_ids, f"{arch} {gen.tree.name}", TorchRunner(base), ids)
 
@@ -47,7 +50,7 @@ def test_oracle_draft_on_smollm2(setup):
     base, tok, plain = setup
     ids = tok.encode_chat([{"role": "user", "content": PROMPT}])
     gen = Generator(OracleRunner(base, ids + plain.token_ids), tok, tree="mc26")
-    r = gen.generate(PROMPT, chat=True, max_new_tokens=N, ignore_eos=True)
+    r = gen.generate(PROMPT, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True)
     assert_identical(r.token_ids, plain.token_ids, "oracle mc26", TorchRunner(base), ids)
     assert r.tokens_per_step > 3
     print(f"oracle tokens/step on SmolLM2 (mc26): {r.tokens_per_step:.2f}; steps {r.steps}")
@@ -77,7 +80,9 @@ def test_json_schema_output_equals_plain_constrained_on_smollm2(setup):
     }
     prompt = [{"role": "user", "content": f"{PROMPT} Answer as JSON following {json.dumps(schema)}"}]
     grammar = Grammar.json_schema(schema)
-    want = Generator(TorchRunner(base), tok).generate(prompt, chat=True, max_new_tokens=96, grammar=grammar)
+    want = Generator(TorchRunner(base), tok).generate(
+        prompt, GenerationParams(max_new_tokens=96, grammar=grammar), chat=True
+    )
     from clover.models.head_io import resolve_heads
 
     shipped = resolve_heads("smollm2-clover2", base)
@@ -87,7 +92,7 @@ def test_json_schema_output_equals_plain_constrained_on_smollm2(setup):
         Generator(TorchRunner(base, random_heads(base, "medusa", seed=1)), tok, "chain-3"),
         Generator(TorchRunner(base), tok, "chain-8", drafts="lookup"),
     ):
-        got = gen.generate(prompt, chat=True, max_new_tokens=96, grammar=grammar)
+        got = gen.generate(prompt, GenerationParams(max_new_tokens=96, grammar=grammar), chat=True)
         assert_identical(got.token_ids, want.token_ids, f"{gen.drafts} {gen.tree.name} json_schema")
     if want.finish_reason == "stop":
         jsonschema.validate(json.loads(want.text), schema)

@@ -19,6 +19,7 @@ from ort_helpers import tiny_artifact
 from clover.runtime.engine import Engine
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.serve import free_port
 
@@ -105,7 +106,10 @@ def solo(artifact):
     """Plain greedy decoding of each prompt alone (same graphs): what every greedy request must return."""
     gen = Generator(load_runner(artifact, heads="none"), Tokenizer.from_dir(artifact / "tokenizer"), "plain")
     return lambda prompt, **kw: (
-        gen.generate([{"role": "user", "content": prompt}], max_new_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw).text
+        gen.generate(
+            [{"role": "user", "content": prompt}],
+            GenerationParams(max_new_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw),
+        ).text
     )
 
 
@@ -178,7 +182,7 @@ def test_sixteen_concurrent_chats_equal_solo_streamed_and_not_and_reach_both_rep
 
 
 def test_bad_requests_get_the_single_process_servers_status_and_body(cluster, artifact):
-    engine = Engine.load(artifact, tree="plain", max_batch=2, log=None)
+    engine = Engine.load(artifact, tree="plain", log=None, options=EngineOptions(max_batch=2))
     single = Server(engine, MODEL)
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "w10"}], "max_tokens": 4}
     cases = [

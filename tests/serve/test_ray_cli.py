@@ -15,6 +15,7 @@ from ort_helpers import tiny_artifact
 
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.serve import free_port, wait_healthy
 
@@ -54,7 +55,7 @@ def test_clover_serve_ray_replicas_2_serves_and_stops(tmp_path_factory):
         gen = Generator(load_runner(artifact, heads="none"), Tokenizer.from_dir(artifact / "tokenizer"), "plain")
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60)
         for prompt in PROMPTS:
-            want = gen.generate([{"role": "user", "content": prompt}], max_new_tokens=16).text
+            want = gen.generate([{"role": "user", "content": prompt}], GenerationParams(max_new_tokens=16)).text
             r = c.chat.completions.create(
                 model="tiny", messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=16
             )

@@ -20,6 +20,7 @@ from ort_helpers import tiny_artifact
 from clover.runtime.engine import Engine
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.serve import free_port, wait_healthy
 
@@ -37,7 +38,7 @@ def artifact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(artifact):
-    engine = Engine.load(artifact, tree="auto", max_batch=4, max_waiting=64, log=None)
+    engine = Engine.load(artifact, tree="auto", log=None, options=EngineOptions(max_batch=4, max_waiting=64))
     s = Server(engine, MODEL)
     yield s
     s.close()
@@ -49,7 +50,8 @@ def solo(artifact):
     """Plain greedy decoding of each prompt alone (same graphs): what every greedy request must return."""
     gen = Generator(load_runner(artifact, heads="none"), Tokenizer.from_dir(artifact / "tokenizer"), "plain")
     return lambda prompt, chat=True, **kw: gen.generate(
-        [{"role": "user", "content": prompt}] if chat else prompt, max_new_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw
+        [{"role": "user", "content": prompt}] if chat else prompt,
+        GenerationParams(max_new_tokens=kw.pop("max_tokens", MAX_TOKENS), **kw),
     )
 
 
@@ -223,6 +225,77 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, arti
     assert r.choices[0].message.content is not None
 
 
+def test_text_that_is_not_valid_unicode_is_400_naming_its_field(server):
+    """A lone surrogate (a JSON \\ud800 escape with no partner, or its bytes sent raw) or bytes that are not UTF-8,
+    in any text field: 400 in OpenAI's shape naming the field, however deep (it reached the tokenizer and answered
+    500 in plain text). A surrogate pair is one character and is served; so is the next request."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "w10"}], "max_tokens": 4}
+    comp = {"model": MODEL, "prompt": "w10", "max_tokens": 4}
+    schema = {"name": "x", "schema": {"type": "string", "enum": ["w1"]}}
+    lone, low = "\ud800", "\udfff"  # json.dumps writes them as \u escapes, as a client's encoder does
+    parts = [{"type": "text", "text": "w2"}, {"type": "text", "text": low}]
+    cases = [  # (the body, the param)
+        ({**chat, "messages": [{"role": "user", "content": f"w10 {lone} w11"}]}, "messages.0.content"),
+        (
+            {**chat, "messages": [{"role": "system", "content": "w1"}, {"role": "user", "content": parts}]},
+            "messages.1.content.1.text",
+        ),
+        ({**chat, "messages": [{"role": "user", "content": "\ude00\ud83d"}]}, "messages.0.content"),  # reversed pair
+        ({**comp, "prompt": f"w10 {lone}"}, "prompt"),
+        ({**comp, "prompt": [f"w10 {low}"]}, "prompt.0"),
+        ({**comp, "stop": lone}, "stop"),
+        ({**comp, "stop": ["w3", f"w{lone}"]}, "stop.1"),
+        ({**comp, "user": f"u{lone}"}, "user"),
+        ({**chat, "safety_identifier": low}, "safety_identifier"),
+        ({**chat, "prompt_cache_key": lone}, "prompt_cache_key"),
+        ({**chat, "metadata": {"k": lone}}, "metadata.k"),
+        ({**chat, "metadata": {f"k{lone}": "v"}}, "metadata.k\\ud800"),  # a name: \u-escaped in the param
+        ({**chat, "model": f"{MODEL}{lone}"}, "model"),  # a 400, not a 404 that would echo it
+        ({**comp, "guided_choice": ["w1", lone]}, "guided_choice.1"),
+        (
+            {**chat, "response_format": {"type": "json_schema", "json_schema": {**schema, "description": lone}}},
+            "response_format.json_schema.description",
+        ),
+        (
+            {
+                **chat,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": [low]}}},
+            },
+            "response_format.json_schema.schema.enum.0",
+        ),
+        ({**comp, "prompt": f"w10 {lone}", "stream": True}, "prompt"),  # refused before any event
+    ]
+    post = lambda path, content: httpx.post(  # noqa: E731
+        server.url + path, content=content, headers={"content-type": "application/json"}, timeout=10
+    )
+    for body, param in cases:
+        path = "/chat/completions" if "messages" in body else "/completions"
+        # \u escapes (ASCII), and the surrogate's own three bytes (which Python's JSON parser reads as one)
+        for content in (json.dumps(body), json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass")):
+            r = post(path, content)
+            assert r.status_code == 400 and r.headers["content-type"] == "application/json", (param, r.text)
+            err = r.json()["error"]
+            assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] is None, r.text
+            assert err["message"].startswith(f"{param}: ") and "not valid Unicode" in err["message"], r.text
+    # bytes that are not UTF-8 at all: the field that holds them where the rest is JSON, else no field
+    for raw, param in (
+        (b'{"model": "tiny", "prompt": "w10 \xff", "max_tokens": 4}', "prompt"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "w1 \xc3("}]}', "messages.0.content"),
+        (b'{"model": "tiny", "prompt": "w10 \xff"', None),
+    ):
+        r = post("/chat/completions" if b"messages" in raw else "/completions", raw)
+        assert r.status_code == 400 and "not valid UTF-8" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == param, r.text
+    # a pair is one character (U+1F600): served, and so is an ordinary request after all of the above
+    r = post("/completions", json.dumps({**comp, "prompt": "w10 \U0001f600 w11"}))
+    assert r.status_code == 200 and isinstance(r.json()["choices"][0]["text"], str), r.text
+    r = client(server).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "w10 w11"}], max_tokens=4
+    )
+    assert r.choices[0].message.content is not None
+    assert httpx.get(server.url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
+
+
 def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(server, solo):
     """The rows the trusted servers answer with 400 (vLLM, llama.cpp): token ids outside the vocabulary, negative,
     past int64; max_tokens past the context; and abuse: 10,000 stop strings, a 50 MB body, JSON nested 100,000 deep,
@@ -364,7 +437,7 @@ def test_a_canary_keeps_its_inter_token_p99_while_abuse_is_refused(server, solo)
 def test_request_limits_stop_strings_ignore_eos_prompt_and_max_tokens(artifact):
     from clover.serve.limits import RequestLimits
 
-    engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
+    engine = Engine.load(artifact, tree="chain-2", log=None, options=EngineOptions(max_batch=2))
     s = Server(
         engine,
         MODEL,
@@ -438,7 +511,7 @@ def test_key_and_body_size_are_refused_before_the_body_is_read(artifact):
     body is cut off at the limit; deep JSON within the limit is a 400. The server keeps serving."""
     from clover.serve.limits import RequestLimits
 
-    engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
+    engine = Engine.load(artifact, tree="chain-2", log=None, options=EngineOptions(max_batch=2))
     s = Server(engine, MODEL, api_key="sesame", limits=RequestLimits(max_body_bytes=64 * 1024))
     key = {"authorization": "Bearer sesame", "content-type": "application/json"}
     try:
@@ -471,7 +544,7 @@ def test_concurrency_limit_metrics_key_docs_off_and_key_file(artifact, tmp_path)
     from clover.serve.limits import RequestLimits
     from clover.tools.serve import main as serve_main
 
-    engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
+    engine = Engine.load(artifact, tree="chain-2", log=None, options=EngineOptions(max_batch=2))
     s = Server(
         engine,
         MODEL,
@@ -534,7 +607,7 @@ def test_a_request_whose_step_part_fails_gets_500_alone_and_health_stays_ok(arti
 
     from helpers import POISON, Faulty
 
-    engine = Engine.load(artifact, tree="chain-2", max_batch=4, log=None)
+    engine = Engine.load(artifact, tree="chain-2", log=None, options=EngineOptions(max_batch=4))
     Faulty(engine.runner, "forward")
     s = Server(engine, MODEL)
     try:
@@ -567,7 +640,7 @@ def test_a_request_whose_step_part_fails_gets_500_alone_and_health_stays_ok(arti
 
 
 def test_health_says_dead_and_requests_get_503_once_the_engine_loop_died(artifact):
-    engine = Engine.load(artifact, tree="chain-2", max_batch=2, log=None)
+    engine = Engine.load(artifact, tree="chain-2", log=None, options=EngineOptions(max_batch=2))
     s = Server(engine, MODEL)
     try:
 
@@ -650,7 +723,7 @@ def test_metrics_count_what_was_served(server):
 
 
 def test_api_key_and_a_full_queue(artifact):
-    engine = Engine.load(artifact, tree="plain", max_batch=1, max_waiting=1, log=None)
+    engine = Engine.load(artifact, tree="plain", log=None, options=EngineOptions(max_batch=1, max_waiting=1))
     s = Server(engine, MODEL, api_key="sesame")
     try:
         with pytest.raises(openai.AuthenticationError) as e:

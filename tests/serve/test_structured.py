@@ -21,6 +21,7 @@ from clover.runtime.engine import Engine
 from clover.runtime.generator import Generator
 from clover.runtime.grammar import Grammar
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 
 openai = pytest.importorskip("openai")
@@ -42,7 +43,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.getbasetemp()
     artifact = tiny_artifact(root, "clover2", attention="fused")
     tok = Tokenizer.from_dir(char_tokenizer_dir(root / "char-tokenizer"))
-    engine = Engine(load_runner(artifact), tok, "mc26", max_batch=4, max_waiting=64, log=None)
+    engine = Engine(load_runner(artifact), tok, "mc26", log=None, options=EngineOptions(max_batch=4, max_waiting=64))
     server = Server(engine, MODEL)
     plain = Generator(load_runner(artifact), tok, "plain")
     yield server, plain
@@ -53,7 +54,8 @@ def setup(tmp_path_factory):
 def solo(plain, prompt: str, grammar: Grammar, chat: bool = True):
     """Plain constrained greedy decoding of the prompt alone: what the server must return."""
     return plain.generate(
-        [{"role": "user", "content": prompt}] if chat else prompt, max_new_tokens=MAX_TOKENS, grammar=grammar
+        [{"role": "user", "content": prompt}] if chat else prompt,
+        GenerationParams(max_new_tokens=MAX_TOKENS, grammar=grammar),
     )
 
 

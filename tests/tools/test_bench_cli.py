@@ -5,6 +5,7 @@ import json
 import pytest
 from helpers import tiny_hf_folder
 
+from clover.runtime.params import GenerationParams
 from clover.tools.bench import load_prompts
 from clover.tools.bench import main as bench_main
 
@@ -271,7 +272,7 @@ def test_replay_counts_what_a_chain_would_accept(base):
     import numpy as np
 
     from clover.runtime.generator import Generator
-    from clover.runtime.loop import draft_tree
+    from clover.runtime.proposers import draft_tree
     from clover.runtime.sampling import SamplingParams
     from clover.runtime.tree import resolve_tree
     from clover.tools.bench_replay import ReplayCounts, replay
@@ -279,7 +280,7 @@ def test_replay_counts_what_a_chain_would_accept(base):
     plain = Generator.load(str(base), "none", "torch")
     heads = Generator.load(str(base), "random:clover2", "torch", "chain-1")
     prompt = plain.encode_prompt("w10 w20 w30 w10 w20")
-    ids = plain.generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+    ids = plain.generate(prompt, GenerationParams(max_new_tokens=16, ignore_eos=True)).token_ids
     counts = ReplayCounts(3)
     replay(heads.runner, prompt, ids, 3, counts)
     assert counts.positions == [15, 14, 13]

@@ -15,6 +15,7 @@ from helpers import tiny_hf_folder
 import clover.runtime.engine  # noqa: F401
 from clover.runtime.generator import Generator
 from clover.runtime.ort_backend import load_runner
+from clover.runtime.params import GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools import data as data_tool
@@ -123,7 +124,7 @@ def test_grow_resumes_and_stores_plain_greedy_answers(setup, capsys):
     assert len({t for c in convs for t in c.response.tolist()}) > 20
     for c in convs:
         assert c.prompt.tolist() == first_turn_prompt(tok, chats[c.index])
-        want = plain.generate(c.prompt.tolist(), max_new_tokens=MAX_NEW)
+        want = plain.generate(c.prompt.tolist(), GenerationParams(max_new_tokens=MAX_NEW))
         assert c.response.tolist() == want.token_ids and c.finish_reason == want.finish_reason, c.index
     # info reads it all back; another generator setting is refused
     assert data_main(["info", str(out)]) == 0
@@ -281,7 +282,9 @@ def test_later_turns_continue_a_corpus_whose_first_turns_are_answered(setup, cap
     for c in convs[60:]:
         assert c.prompt.tolist() == turn_prompt(tok, chats[c.index], 2)
         assert len(c.prompt) > len(first_turn_prompt(tok, chats[c.index])) + 3  # with the first exchange before it
-        assert c.response.tolist() == plain.generate(c.prompt.tolist(), max_new_tokens=MAX_NEW).token_ids
+        assert (
+            c.response.tolist() == plain.generate(c.prompt.tolist(), GenerationParams(max_new_tokens=MAX_NEW)).token_ids
+        )
     capsys.readouterr()
     assert grow(setup, out, "--turns", 1) == 2
     assert "answers 2 turns per conversation; --turns 1 would shorten its prompt order" in capsys.readouterr().err
@@ -313,7 +316,8 @@ def test_a_second_pass_samples_another_answer_to_every_prompt(setup, capsys):
     assert sum(c.response.tolist() != g.response.tolist() for c, g in zip(second, convs)) >= len(second) // 2
     for position, c in enumerate(second, 60):
         want = plain.generate(
-            c.prompt.tolist(), max_new_tokens=MAX_NEW, sampling=SamplingParams(0.7, 0.95, seed=position)
+            c.prompt.tolist(),
+            GenerationParams(max_new_tokens=MAX_NEW, sampling=SamplingParams(0.7, 0.95, seed=position)),
         )
         assert c.prompt.tolist() == convs[position - 60].prompt.tolist() and c.response.tolist() == want.token_ids
     capsys.readouterr()

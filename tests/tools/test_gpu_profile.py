@@ -16,6 +16,7 @@ import torch
 
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
+from clover.runtime.params import GenerationParams
 from clover.runtime.torch_backend import TorchRunner, row_bucket
 from clover.tools import doctor
 from clover.tools import gpu_profile as gp
@@ -70,7 +71,10 @@ def test_random_decoder_at_smollm2s_depth_writes_varied_greedy_text(tmp_path):
     from clover.runtime.generator import Generator
 
     gen = Generator(TorchRunner(base), gp.word_tokenizer(tmp_path, cfg.vocab_size))
-    outs = [gen.generate(p, max_new_tokens=24, ignore_eos=True).token_ids for p in gp.prompts(cfg.vocab_size, 3)]
+    outs = [
+        gen.generate(p, GenerationParams(max_new_tokens=24, ignore_eos=True)).token_ids
+        for p in gp.prompts(cfg.vocab_size, 3)
+    ]
     assert all(len(set(o)) > 12 for o in outs), outs  # no loop on one token: identity checks see real text
 
 

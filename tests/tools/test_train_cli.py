@@ -9,6 +9,7 @@ from helpers import tiny_hf_folder
 from safetensors.numpy import load_file
 
 from clover.runtime.generator import Generator
+from clover.runtime.params import GenerationParams
 from clover.tools.train import main as train_main
 
 
@@ -81,9 +82,11 @@ def test_each_architecture_trains_and_stays_lossless(setup, arch, capsys):
     assert prov["command"].startswith("clover-train --base ") and f"--arch {arch}" in prov["command"]
     assert len(prov["epochs"]) == 2 and prov["data"]["responses"] == "base" and prov["data"]["seed"] == 0
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["epoch-0.pt", "epoch-1.pt"]
-    plain = Generator.load(base, "none").generate([3, 20, 21, 4, 5], max_new_tokens=20, ignore_eos=True)
+    plain = Generator.load(base, "none").generate(
+        [3, 20, 21, 4, 5], GenerationParams(max_new_tokens=20, ignore_eos=True)
+    )
     fast = Generator.load(base, str(out), tree="chain-3").generate(
-        [3, 20, 21, 4, 5], max_new_tokens=20, ignore_eos=True
+        [3, 20, 21, 4, 5], GenerationParams(max_new_tokens=20, ignore_eos=True)
     )
     assert fast.token_ids == plain.token_ids
 

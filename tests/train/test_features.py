@@ -9,6 +9,7 @@ from numerics import assert_stored
 
 from clover.errors import CloverError
 from clover.runtime.generator import Generator
+from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.torch_backend import TorchRunner
 from clover.train.features import (
@@ -57,7 +58,7 @@ def test_continuous_batch_generation_is_greedy_and_features_match_a_full_pass(tm
         prompt = next(p for p in prompts if ids[: len(p)] == p)
         found += 1
         answer = ids[len(prompt) :]
-        ref = gen.generate(prompt, max_new_tokens=spec.max_new_tokens, ignore_eos=True).token_ids
+        ref = gen.generate(prompt, GenerationParams(max_new_tokens=spec.max_new_tokens, ignore_eos=True)).token_ids
         stop = next((j + 1 for j, t in enumerate(ref) if t in (1, 7)), len(ref))
         assert answer == ref[:stop]  # greedy, cut at the first EOS or the length cap
         hidden, top, p = reference_features(base, ids, spec.topk)
