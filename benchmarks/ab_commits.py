@@ -34,10 +34,11 @@ from clover.runtime.generator import Generator
 from clover.tools.bench import load_prompts
 art, heads, n, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 gen = Generator.load(art, heads=heads, backend="ort", tree="plain" if heads == "none" else None)
-try:
+if "params" in __import__("inspect").signature(gen.generate).parameters:  # the request-options object
     from clover.runtime.params import GenerationParams
+
     run = lambda p: gen.generate(p, GenerationParams(max_new_tokens=new), chat=True)
-except ImportError:
+else:
     run = lambda p: gen.generate(p, max_new_tokens=new, chat=True)
 print(json.dumps([run(p).token_ids for p in load_prompts("mtbench", n)]))
 """

@@ -1,6 +1,6 @@
 """What a verify forward costs on this backend and machine: a curve of milliseconds by new rows, measured at
 start-up (`calibrate`) and cached across loads per artifact and machine (`verify_cost`). `--tree auto`
-(clover.runtime.scheduler) and dynamic trees (clover.runtime.loop) size speculation by it. numpy only."""
+and dynamic trees (clover.runtime.policy, clover.runtime.proposers) size speculation by it. numpy only."""
 
 from __future__ import annotations
 

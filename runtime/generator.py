@@ -19,6 +19,7 @@ from clover.runtime.configure import Speculation, load_backend
 from clover.runtime.grammar import GrammarCompiler
 from clover.runtime.loop import step
 from clover.runtime.params import PREFILL_CHUNK, DraftSource, EngineOptions, GenerationParams
+from clover.runtime.policy import LookupLength
 from clover.runtime.requests import Prompt, Request, encode_prompt
 from clover.runtime.results import GenerationResult
 from clover.runtime.tokenizer import Tokenizer
@@ -69,8 +70,13 @@ class Generator:
         return self.speculation.drafts
 
     @property
-    def lookup_length(self):
+    def lookup_length(self) -> LookupLength | None:
+        """What sizes prompt-lookup drafts (None: every proposed token is verified; settable)."""
         return self.speculation.lookup_length
+
+    @lookup_length.setter
+    def lookup_length(self, value: LookupLength | None) -> None:
+        self.speculation.lookup_length = value
 
     def encode_prompt(self, prompt: Prompt, chat: bool = False) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, chat)

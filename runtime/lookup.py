@@ -10,8 +10,8 @@ OCCURRENCES, for a grammar to pick among: PromptLookup.propose_valid), and is up
 (O(max_ngram) per token), so a proposal never scans the sequence. A match found through it is then extended
 backwards token by token (up to MATCH_EXTEND) to its real length L, and proposes up to MATCH_DRAFTS_PER_TOKEN * L
 tokens: a long repeated span (a signature, a quoted paragraph, a list's scaffold) goes on repeating.
-`LookupLength` then verifies as much of the proposal as pays for its rows on the runner's measured verify-cost
-curve, with acceptance by repeat length learned online. It is faster than a fixed rule (a match of n <= 3 tokens
+`LookupLength` (clover.runtime.policy) then verifies as much of the proposal as pays for its rows on the runner's
+measured verify-cost curve, with acceptance by repeat length learned online. It is faster than a fixed rule (a match of n <= 3 tokens
 drafts n) on a base where extra rows are cheap, where it verifies longer repeats, and on a quantized one, where rows
 are dear and it verifies fewer (measured: docs/experiments.md, 2026-11-25 "cost-aware lookup lengths").
 

@@ -90,7 +90,7 @@ class DynamicTree:
     depth: int  # deepest drafted node
     cost: Any = None  # callable rows -> ms; None: always verify `budget` nodes
     name: str = "dynamic"
-    confidence: Any = None  # clover.runtime.cost.DraftConfidence (learned online); None: the raw probabilities
+    confidence: Any = None  # clover.runtime.policy.DraftConfidence (learned online); None: the raw probabilities
 
     def __post_init__(self) -> None:
         if not (1 <= self.budget < MAX_TREE_NODES and 1 <= self.width and 1 <= self.depth):
