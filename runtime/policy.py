@@ -193,8 +193,8 @@ class AutoTrees:
 class LookupLength:
     """How many tokens of a lookup proposal to verify: as many as maximise expected tokens per verify millisecond
     on `cost` (rows -> ms: the runner's measured verify-cost curve, clover.runtime.cost). Extra rows are cheap on
-    a bandwidth-bound base (fp32 SmolLM2: 13 rows ~1.9x one row) and dear on a quantized one (int4: 5 rows ~1.9x),
-    so one fixed length loses on one of them. The chance that the next drafted token is accepted, given that the
+    a bandwidth-bound base (fp32) and dear on a quantized one (int4), so one fixed length loses on one of them
+    (the curves: docs/experiments.md). The chance that the next drafted token is accepted, given that the
     repeat so far is l tokens long (a match of L whose first j drafts were accepted is a repeat of L + j), is
     learned online from every verified proposal, starting from PRIOR; the store's drafts (match < 0) have their
     own estimates, by the length of the store's match plus the drafts before (an answer elsewhere that went on so).
