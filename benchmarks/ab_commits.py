@@ -92,6 +92,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=RESULTS / "ab_commits.json")
     a = ap.parse_args()
     from clover.tools.demo import demo_artifact
+    from clover.tools.machine import host
 
     artifact = a.artifact or demo_artifact()
     rev = subprocess.run(
@@ -134,6 +135,7 @@ def main() -> int:
         )
     doc = {
         "date": datetime.date.today().isoformat(),
+        "host": host(),
         "before": rev.stdout.strip(),
         "after": after_name,
         "artifact": artifact.name,
