@@ -470,13 +470,13 @@ OPTIONS = [
 N_OPTIONS = 8  # the prompts these tests run
 
 
-def options(i: int) -> dict:
-    return {**OPTIONS[i % len(OPTIONS)], "logprobs": 3, "ignore_eos": True, "max_new_tokens": BUDGETS[i]}
+def options(i: int) -> GenerationParams:
+    return GenerationParams(**OPTIONS[i % len(OPTIONS)], logprobs=3, ignore_eos=True, max_new_tokens=BUDGETS[i])
 
 
 def solo_plain_with_options(runner, tokenizer):
     gen = Generator(runner, tokenizer, "plain")
-    return [gen.generate(PROMPTS[i], **options(i)) for i in range(N_OPTIONS)]
+    return [gen.generate(PROMPTS[i], options(i)) for i in range(N_OPTIONS)]
 
 
 def run_with_options(engine: Engine, concurrency: int):
@@ -484,7 +484,7 @@ def run_with_options(engine: Engine, concurrency: int):
 
     def worker(k: int) -> None:
         for i in range(k, N_OPTIONS, concurrency):
-            out[i] = engine.generate(PROMPTS[i], **options(i))
+            out[i] = engine.generate(PROMPTS[i], options(i))
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(concurrency)]
     for t in threads:
@@ -617,7 +617,7 @@ def test_bad_options_fail_alone_with_their_param(artifacts):
             ({"logprobs": True}, "logprobs"),
         ):
             with pytest.raises(CloverError) as e:
-                engine.stream(PROMPTS[0], **{"max_new_tokens": 8, **kwargs})
+                engine.stream(PROMPTS[0], GenerationParams(**{"max_new_tokens": 8, **kwargs}))
             assert e.value.param == param, (kwargs, str(e.value))
         assert engine.generate(PROMPTS[0], GenerationParams(max_new_tokens=3, ignore_eos=True)).new_tokens == 3
 

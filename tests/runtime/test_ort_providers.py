@@ -281,8 +281,8 @@ def test_cuda_then_cpu_without_torch(artifacts, plain):
         "import onnxruntime\n"
         f"onnxruntime.get_available_providers = lambda: {[CPU]!r}  # the CPU build, whatever is installed\n"
         "from clover.runtime.generator import Generator\n"
-        f"gen = Generator.load({str(artifacts['clover2'])!r}, backend='ort', providers='cuda,cpu')\n"
-        "from clover.runtime.params import GenerationParams\n"
+        "from clover.runtime.params import EngineOptions, GenerationParams\n"
+        f"gen = Generator.load({str(artifacts['clover2'])!r}, backend='ort', options=EngineOptions(providers='cuda,cpu'))\n"
         f"print(json.dumps(gen.generate({prompt!r}, GenerationParams(max_new_tokens={N}, ignore_eos=True)).token_ids))\n"
     )
     assert json.loads(run_python(code)) == plain[tuple(prompt)]
