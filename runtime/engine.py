@@ -307,7 +307,8 @@ class Engine:
                 self._retire(r, Cancelled("the request was cancelled"))
         for r in sched.admit():  # joins this step: its prompt is prefilled in the same forward as the others' steps
             try:
-                r.start(self._open(r), spec, self.options.prefill_chunk, runner.info.vocab_size)
+                chunk, vocab = self.options.prefill_chunk, runner.info.vocab_size
+                r.start(self._open(r), spec.tree, spec.drafts, chunk, spec.lookup_length, vocab)
             except Exception as e:
                 self._fail(r, e)
         for r in list(sched.running):  # followers: fork their leader's prompt caches, or prefill on their own

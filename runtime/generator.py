@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from clover.runtime.backend import Runner
-from clover.runtime.configure import AUTO, Speculation, load_backend
+from clover.runtime.configure import Speculation, load_backend
 from clover.runtime.grammar import GrammarCompiler
 from clover.runtime.loop import step
 from clover.runtime.params import PREFILL_CHUNK, DraftSource, EngineOptions, GenerationParams
@@ -58,9 +58,7 @@ class Generator:
         or 'smollm2' for torch, an artifact folder for ort and trt; heads left None take the backend's defaults
         (torch: none; ort, trt: the artifact's); heads "lookup": prompt-lookup drafts on the base alone.
         `options`: the runner's (EngineOptions' dtype, threads, providers; a Generator decodes one sequence)."""
-        runner, tokenizer, drafts = load_backend(
-            base, heads, backend, options.replace(max_batch=1), tree in (None, AUTO)
-        )
+        runner, tokenizer, drafts = load_backend(base, heads, backend, options.replace(max_batch=1), tree is None)
         return cls(runner, tokenizer, tree, drafts)
 
     @property
@@ -120,7 +118,7 @@ class GenerationStream:
         gen, r, runner = self._gen, self._request, self._gen.runner
         spec, info = gen.speculation, runner.info
         runner.reset(r.capacity(info, spec.tree.num_nodes))
-        d = r.start(runner.solo, spec, PREFILL_CHUNK, info.vocab_size)
+        d = r.start(runner.solo, spec.tree, spec.drafts, PREFILL_CHUNK, spec.lookup_length, info.vocab_size)
         try:
             while not r.done:
                 steps = step(runner, [d], spec.policy.choose([d]))

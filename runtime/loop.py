@@ -35,8 +35,8 @@ from clover.runtime.proposers import (
     Proposal,
     Proposer,
     chain,
-    chain_proposal,
     constrain,
+    lookup_draft,
     proposer_for,
 )
 from clover.runtime.sampling import SamplingParams, probs_from_logits
@@ -229,8 +229,7 @@ def _constrained(d: Decoding, p: Proposal, room: int, vocab_size: int) -> Propos
         )
         if more:
             whole = np.concatenate((draft.tokens[1:], more))
-            longer = chain_proposal(d, whole, vocab_size)
-            tree, draft = constrain(longer.tree, longer.draft, masks)
+            tree, draft = constrain(chain(len(whole)), lookup_draft(d.root, whole, d.sampling, vocab_size), masks)
     p.tree, p.draft = tree, draft
     return p
 
@@ -327,7 +326,9 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     if d.drafts.heads and d.tree.num_nodes > 1:  # the heads' pass over the prompt: part of the prefill
         runner.draft_prepare(d.slot)
     d.root = first
-    _extend(d, [first])  # (no lookup index yet: it starts from the prompt and this token)
+    for follower in (d.processors, d.grammar):
+        if follower is not None:
+            follower.extend([first])
     d.lookup = (
         PromptLookup(
             list(d.prompt) + [first],

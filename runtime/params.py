@@ -51,11 +51,8 @@ class DraftSource(enum.StrEnum):
         return self is not DraftSource.HEADS
 
 
-def is_token_id(t: Any, vocab_size: int | None = None) -> bool:
-    """An int (not a bool) >= 0, below vocab_size when given: anything else would index outside the embedding table
-    (or wrap)."""
-    ok = not isinstance(t, (bool, np.bool_)) and isinstance(t, (int, np.integer)) and t >= 0
-    return ok and (vocab_size is None or t < vocab_size)
+def _token_id(t: Any) -> bool:
+    return not isinstance(t, (bool, np.bool_)) and isinstance(t, (int, np.integer)) and t >= 0
 
 
 @dataclass(frozen=True)
@@ -105,7 +102,7 @@ class GenerationParams:
             )
         ids = tuple(self.stop_token_ids)
         for t in ids:
-            if not is_token_id(t):
+            if not _token_id(t):
                 raise CloverError(f"stop_token_ids: {t!r} is not a token id (an int >= 0)", param="stop_token_ids")
         if not isinstance(self.ignore_eos, bool):
             raise CloverError(f"ignore_eos must be a bool, got {self.ignore_eos!r}", param="ignore_eos")
@@ -152,7 +149,7 @@ class GenerationParams:
             ("logit_bias", [t for t, _ in self.sampling.logit_bias]),
         ):
             for t in tokens:
-                if not is_token_id(t, vocab_size):
+                if not (_token_id(t) and t < vocab_size):
                     raise CloverError(
                         f"{what}: {t!r} is not a token id of this model: ids are ints from 0 to {vocab_size - 1}",
                         param=what,

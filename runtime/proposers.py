@@ -407,12 +407,6 @@ def _worth_verifying(d: Decoding, proposal: np.ndarray, rows: int) -> np.ndarray
     return proposal[: d.lookup_length.choose(d.lookup.match, len(proposal), rows)]
 
 
-def chain_proposal(d: Decoding, tokens: np.ndarray, vocab_size: int, **facts) -> Proposal:
-    """`tokens` verified as a chain after the sequence's root: point-mass drafts (prompt lookup's, a grammar's
-    forced tokens). `facts`: the Proposal's other fields."""
-    return Proposal(chain(len(tokens)), lookup_draft(d.root, tokens, d.sampling, vocab_size), **facts)
-
-
 def _learned(d: Decoding, whole: np.ndarray | None) -> tuple[int, np.ndarray] | None:
     return (d.lookup.match, whole) if whole is not None and d.lookup_length is not None else None
 
@@ -451,9 +445,11 @@ class LookupProposer:
 
     def propose(self, d: Decoding, tree: Tree, room: int) -> Proposal:
         whole = _lookup(d, min(tree.max_depth, room))
-        tokens = _worth_verifying(d, whole, 1)
-        learned, pruned = _learned(d, whole), _forbidden(d)
-        return chain_proposal(d, tokens, self.vocab_size, lookup=learned, pruned=pruned, extend_forced=True)
+        return self.chain(d, _worth_verifying(d, whole, 1), lookup=_learned(d, whole), pruned=_forbidden(d))
+
+    def chain(self, d: Decoding, tokens: np.ndarray, **facts) -> Proposal:
+        draft = lookup_draft(d.root, tokens, d.sampling, self.vocab_size)
+        return Proposal(chain(len(tokens)), draft, extend_forced=True, **facts)
 
 
 class MergedProposer:
@@ -475,10 +471,8 @@ class MergedProposer:
         pruned = _forbidden(d)
         if learn and d.lookup_length.alone(d.lookup.match, len(whole)):
             tokens = _worth_verifying(d, whole, 1)  # measured faster without the heads, for such proposals
-            learned = _learned(d, whole)
-            return chain_proposal(
-                d, tokens, self.vocab_size, lookup=learned, arm=(True, kind), heads_idle=True, pruned=pruned
-            )
+            draft = lookup_draft(d.root, tokens, d.sampling, self.vocab_size)
+            return Proposal(chain(len(tokens)), draft, _learned(d, whole), (True, kind), True, pruned)
         p = self.heads.draft(d, tree)
         whole = whole[: max(0, room - p.tree.num_nodes + 1)]  # the lookup path joins the heads' tree, in the rows left
         tree, draft = merge_lookup(p.tree, p.draft, _worth_verifying(d, whole, p.tree.num_nodes), self.chains_only)
@@ -507,8 +501,9 @@ class ForcedProposer:
             if len(more) > len(forced) and np.array_equal(more[: len(forced)], forced):
                 forced = more
         if self.heads is None or tree.max_depth <= only:
+            draft = lookup_draft(d.root, forced, d.sampling, self.vocab_size)
             idle = self.heads is not None
-            return chain_proposal(d, forced, self.vocab_size, heads_idle=idle, extend_forced=not idle)
+            return Proposal(chain(len(forced)), draft, heads_idle=idle, extend_forced=not idle)
         p = self.heads.draft(d, tree)
         tree, draft = merge_lookup(p.tree, p.draft, forced[: max(0, room - p.tree.num_nodes + 1)], self.chains_only)
         return Proposal(tree, draft)

@@ -13,7 +13,6 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.backend import RunnerInfo, Slot
-from clover.runtime.configure import Speculation
 from clover.runtime.grammar import GrammarCompiler, GrammarState
 from clover.runtime.logprobs import TokenLogprob, prompt_entries
 from clover.runtime.loop import Decoding, Step
@@ -43,9 +42,7 @@ def encode_prompt(tokenizer: Tokenizer, prompt: Prompt, chat: bool = False) -> l
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int) -> None:
-    """Every id an int in [0, vocab_size): anything else would index outside the embedding table (or wrap). The
-    test of params.is_token_id, written out: this loop runs over every id of a prompt given as ids, in the server's
-    threads, and a call per id costs the streams beside it (a canary's inter-token p99)."""
+    """Every id an int in [0, vocab_size): anything else would index outside the embedding table (or wrap)."""
     for i, t in enumerate(ids):
         if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
             raise CloverError(
@@ -121,18 +118,18 @@ class Request:
         """Cached tokens its slot needs at most: prompt, new tokens and one more tree."""
         return min(info.max_context, len(self.prompt) + self.stop.max_new_tokens + tree_nodes)
 
-    def start(self, slot: Slot | None, spec: Speculation, prefill_chunk: int, vocab_size: int) -> Decoding:
+    def start(self, slot: Slot | None, tree, drafts, prefill_chunk: int, lookup_length, vocab_size: int) -> Decoding:
         """Its sequence, joining the batch on `slot` (None: a follower waiting for its leader's prompt caches)."""
         sampling = self.params.sampling
         self.decoding = Decoding(
             slot,
             self.prompt,
-            spec.tree,
+            tree,
             sampling,
             np.random.default_rng(sampling.seed),
-            spec.drafts,
+            drafts,
             prefill_chunk,
-            lookup_length=spec.lookup_length,
+            lookup_length=lookup_length,
             processors=LogitsProcessors.of(sampling, self.prompt, self.stop.eos_token_ids, vocab_size),
             logprobs=self.params.logprobs,
             grammar=self.grammar,

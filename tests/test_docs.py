@@ -273,7 +273,7 @@ def test_cited_documents_exist():
 @pytest.mark.parametrize(
     "name, line, errors",
     [
-        ("runtime/x.py", "device (NOTES.md 5: public methods validate)", 1),
+        ("runtime/x.py", "device (STYLE.md 5: public methods validate)", 1),
         ("runtime/x.py", "(docs/design.md, Conventions 5)", 0),
         ("models/x.py", "rebuild the model from it (docs/design.md, Conventions 1, 2).", 0),
         ("runtime/x.py", "(docs/design.md, Conventions 99)", 1),
