@@ -265,6 +265,10 @@ class Manifest:
     # what the runtime drafts with when --heads is not given, chosen with `tree` by timing: "heads" (the
     # artifact's heads on `tree`), "lookup" (prompt lookup alone), "heads+lookup"; None: "heads"
     drafts: str | None = None
+    # the tokenizer has a chat template (an instruct model's, or one clover-export --chat-template stored): chat
+    # prompts render with it; False: a base model's tokenizer, plain text only unless the runtime is given one
+    # (--chat-template); None: manifests older than this field, where the tokenizer files alone tell
+    chat_template: bool | None = None
     format_version: int = FORMAT_VERSION
     kind: str = KIND
 
@@ -296,6 +300,7 @@ class Manifest:
             weights=WeightsSpec.from_dict(d["weights"]) if d.get("weights") else None,
             tree_timing=d.get("tree_timing"),
             drafts=_drafts(d.get("drafts"), d.get("heads") is not None),
+            chat_template=_optional_bool(d.get("chat_template"), "chat_template"),
             format_version=d["format_version"],
             kind=d["kind"],
         )
@@ -521,6 +526,12 @@ def _drafts(value: Any, heads: bool) -> str | None:
     """The manifest's default draft source, checked (a ValueError reads as a malformed manifest)."""
     if value not in (None, "heads", "lookup", "heads+lookup") or (value == "heads+lookup" and not heads):
         raise ValueError(f"drafts {value!r}")
+    return value
+
+
+def _optional_bool(value: Any, name: str) -> bool | None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{name} {value!r}")
     return value
 
 

@@ -48,6 +48,7 @@ from clover.export.ngram_store import StoreSource
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
 from clover.export.quantize import CalibrationSet
 from clover.models.clover2 import Clover2Heads
+from clover.models.config import BaseConfig
 from clover.models.decoder import Decoder
 from clover.models.heads import BaseFingerprint, DraftHeads
 from clover.runtime.tree import Tree, resolve_tree, tree_spec
@@ -92,11 +93,13 @@ def export_artifact(
     token_counts: TokenCounts | None = None,
     ngram_store: StoreSource | None = None,
     calibration: CalibrationSet | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     """Load `base` (an HF folder or 'smollm2') and `heads` (a folder, random:ARCH[:SEED] or none) in
     config.dtype and export them to the artifact directory `out` (config.draft_vocab: its tokens are the most
     frequent of `token_counts`; `ngram_store`: what prompt lookup drafts from, export/ngram_store.py;
-    `calibration`: --quant gptq's sequences)."""
+    `calibration`: --quant gptq's sequences; `chat_template`: Jinja text stored as the artifact's chat template,
+    replacing the base's or adding one to a base model that has none)."""
     from clover.models.head_io import pretrained_names, resolve_heads
     from clover.models.loading import load_base
     from clover.models.smollm2 import resolve_base
@@ -104,6 +107,7 @@ def export_artifact(
     say = progress or (lambda _: None)
     check_target(Path(out))
     base_path = resolve_base(base)
+    check_attention(BaseConfig.from_dir(base_path), config)  # before minutes of loading a large base
     say(f"loading base {base} ({config.dtype}) and heads {heads}")
     model = load_base(base_path, config.dtype)
     head_set = resolve_heads(heads, model)
@@ -119,6 +123,7 @@ def export_artifact(
         token_counts=token_counts,
         ngram_store=ngram_store,
         calibration=calibration,
+        chat_template=chat_template,
         progress=progress,
     )
     return artifact_from_modules(model, head_set, base_path, out, config, options)
@@ -136,6 +141,7 @@ class ArtifactOptions:
     token_counts: TokenCounts | None = None  # config.draft_vocab: its tokens are the most frequent of these
     ngram_store: StoreSource | None = None  # what prompt lookup drafts from (export/ngram_store.py)
     calibration: CalibrationSet | None = None  # the sequences --quant gptq calibrates on
+    chat_template: str | None = None  # Jinja text: the artifact's chat template, replacing the base's (if any)
     progress: Progress | None = None
 
     def say(self, line: str) -> None:
@@ -157,7 +163,9 @@ def artifact_from_modules(
     plan = plan_from_modules(base, heads, config, options)  # every check that needs no file, before one is written
     import_native_modules()
     with staging_folder(out) as tmp:
-        copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR)  # first: fail fast, before minutes of export
+        # first: fail fast, before minutes of export
+        tokenizer = copy_tokenizer(tokenizer_dir, tmp / TOKENIZER_DIR, options.chat_template)
+        options.say(tokenizer_note(tokenizer.has_chat_template, options.chat_template is not None))
         specs, parity, embedding = onnx_from_modules(plan, tmp)
         weights = weights_spec_from_onnx(plan, tmp, specs, embedding)
         specs = shared_lm_head_from_onnx(plan, tmp, specs)
@@ -168,6 +176,7 @@ def artifact_from_modules(
         manifest = manifest_from_parts(
             plan, specs, parity, engines=engines, weights=weights, draft_vocab=draft_vocab, store=store
         )
+        manifest = dataclasses.replace(manifest, chat_template=tokenizer.has_chat_template)
         check_batched_base(plan, tmp, manifest, batch_started)
         manifest = timed_tree_from_onnx(plan, tmp, manifest)
         options.say(f"{plan.step(plan.steps)} checksums and manifest")
@@ -215,6 +224,7 @@ def plan_from_modules(
         raise CloverError(
             f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}"
         )
+    check_attention(base.config, config)
     draft_ids = draft_vocab_ids(base, heads, config, options.token_counts)
     check_quantizer_inputs(base, config, options.calibration)
     tree = default_tree(heads, config.tree)
@@ -484,7 +494,11 @@ def timed_tree_from_onnx(plan: ArtifactPlan, tmp: Path, manifest: Manifest) -> M
     from clover.export.tree_timing import fastest_tree
 
     say = plan.options.say
-    say(f"{plan.step(plan.steps - 1)} default tree and drafts: timing plain, the trees and prompt lookup here")
+    chat = "chat" if manifest.chat_template else "plain-text"  # a base model's tokenizer has no template
+    say(
+        f"{plan.step(plan.steps - 1)} default tree and drafts: timing plain, the trees and prompt lookup here, "
+        f"on {chat} prompts"
+    )
     tree, drafts, timing = fastest_tree(tmp, manifest, say=say)
     return dataclasses.replace(
         manifest, tree=tree_spec(tree) if tree is not None else None, drafts=drafts, tree_timing=timing
@@ -767,9 +781,10 @@ def heads_spec(heads: DraftHeads, name: str) -> HeadsSpec:
     )
 
 
-def copy_tokenizer(src: Path, dst: Path) -> None:
-    """Copy the files clover.runtime.tokenizer.Tokenizer.from_dir reads, and check that they load."""
-    from clover.runtime.tokenizer import Tokenizer
+def copy_tokenizer(src: Path, dst: Path, chat_template: str | None = None):
+    """Copy the files clover.runtime.tokenizer.Tokenizer.from_dir reads, with `chat_template` (Jinja text) as the
+    chat template where given, and check that they load; returns the copy's Tokenizer."""
+    from clover.runtime.tokenizer import Tokenizer, write_chat_template
 
     if not (src / "tokenizer.json").is_file():
         raise CloverError(f"base folder {src} has no tokenizer.json: the artifact needs the base's fast tokenizer file")
@@ -777,7 +792,32 @@ def copy_tokenizer(src: Path, dst: Path) -> None:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
-    Tokenizer.from_dir(dst)
+    if chat_template is not None:
+        write_chat_template(dst, chat_template)
+    return Tokenizer.from_dir(dst)
+
+
+def tokenizer_note(has_template: bool, given: bool) -> str:
+    """The progress line on the artifact's chat template: whether chat prompts can be rendered, and how to add a
+    template to a base model's tokenizer."""
+    if given:
+        return "tokenizer: with the chat template given (--chat-template)"
+    if has_template:
+        return "tokenizer: with the base's chat template"
+    return (
+        "tokenizer: no chat template (a base model): the export's prompts are plain text, and chat requests need "
+        "one (clover-export --chat-template, or --chat-template at run time)"
+    )
+
+
+def check_attention(base: BaseConfig, config: ExportConfig) -> None:
+    """The attention variants a base's family allows, from its config alone: the fused graph has no sliding
+    window (export/fused_graph.py), so a Mistral with one is refused before anything is loaded or written."""
+    if config.attention == "fused" and base.sliding_window is not None:
+        raise CloverError(
+            f"--attention fused has no sliding window, but this {base.architecture} uses a "
+            f"{base.sliding_window}-token window: export it with --attention portable"
+        )
 
 
 def tool_versions() -> dict[str, str]:

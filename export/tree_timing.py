@@ -104,7 +104,10 @@ def fastest_tree(
     from clover.runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(root / manifest.tokenizer)
-    prompts = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    chat = tokenizer.has_chat_template  # a base model's tokenizer has none: its prompts are plain text
+    prompts = [
+        tokenizer.encode_chat([{"role": "user", "content": p}]) if chat else tokenizer.encode(p) for p in PROMPTS
+    ]
     heads = manifest.heads is not None
     runner = OrtRunner(root, manifest, use_heads=heads, options=OrtOptions(threads=threads, checksums=False))
     try:

@@ -256,6 +256,21 @@ class Tokenizer:
         """Token ids of the rendered chat; no special tokens are added (the template holds them)."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
 
+    def with_chat_template(self, template: str) -> Tokenizer:
+        """A copy of this tokenizer whose chat template is `template` (Jinja text), replacing the model's own or
+        adding one to a model that has none (a base model). The template is compiled here, so a syntax error
+        fails at once."""
+        out = Tokenizer(
+            self._backend,
+            special_tokens=self._special_tokens,
+            eos_token_ids=self._eos_token_ids,
+            chat_template=check_chat_template(template, "the chat template given"),
+            config={k: v for k, v in self._config.items() if k != "chat_template"},
+            source=self._source,
+        )
+        out._token_bytes, out._added = self._token_bytes, self._added
+        return out
+
     def _template(self) -> jinja2.Template:
         if self._chat_template is None:
             names = self._config.get("chat_template")
@@ -263,7 +278,12 @@ class Tokenizer:
             if isinstance(names, list):
                 found = sorted(str(t.get("name")) for t in names if isinstance(t, dict))
                 detail = f" named 'default' (it has {found})"
-            raise CloverError(f"model folder {self._source} has no chat template{detail}; run without --chat")
+            raise CloverError(
+                f"model folder {self._source} has no chat template{detail} (a base model continues text; an "
+                "instruct model ships a template): pass a template with --chat-template FILE_OR_TEMPLATE "
+                "(Python: EngineOptions(chat_template=...)), or send plain text (clover-generate without --chat, "
+                "/v1/completions)"
+            )
         if self._compiled_template is None:
             try:
                 self._compiled_template = _jinja_environment().from_string(self._chat_template)
@@ -276,6 +296,54 @@ class Tokenizer:
             f"Tokenizer(source={self._source!r}, vocab_size={self.vocab_size}, "
             f"eos_token_ids={self._eos_token_ids}, has_chat_template={self.has_chat_template})"
         )
+
+
+# ------------------------------------------------------------------------- user-given templates
+
+
+def read_chat_template(spec: str | Path) -> str:
+    """The chat template a user names, as vLLM's --chat-template takes it: a path to a file holding the template
+    (a Path always is one), else the text itself is the template when it holds Jinja's "{" or a line break. The
+    template is compiled, so a syntax error fails here, at load.
+
+    Raises:
+        CloverError: a name that looks like a path but is no readable file, or a template that is not valid Jinja.
+    """
+    if isinstance(spec, str) and not spec.strip():
+        raise CloverError("--chat-template is empty: pass a template file, or the Jinja template itself")
+    literal = isinstance(spec, str) and ("{" in spec or "\n" in spec)
+    try:
+        text = Path(spec).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # no such file, a name too long, a NUL, not UTF-8
+        if literal:
+            return check_chat_template(spec, "the chat template given")
+        raise CloverError(
+            f"--chat-template {str(spec)[:200]!r} is neither a readable template file ({type(e).__name__}: "
+            f"{e}) nor a Jinja template (it has no '{{'): pass the path of a .jinja file, or the template itself"
+        ) from None
+    return check_chat_template(text, f"chat template file {spec}")
+
+
+def check_chat_template(template: str, what: str) -> str:
+    """`template`, once it compiles in the environment chat templates render in (CloverError naming `what`)."""
+    if not isinstance(template, str) or not template.strip():
+        raise CloverError(f"{what} is empty: a chat template is Jinja text that renders `messages`")
+    try:
+        _jinja_environment().from_string(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise CloverError(f"{what} is not valid Jinja (line {e.lineno}: {e.message}): fix the template") from None
+    return template
+
+
+def write_chat_template(folder: str | Path, template: str) -> None:
+    """Make `template` the chat template of the tokenizer files in `folder`, for clover and transformers alike:
+    written to chat_template.jinja (which both read first), and dropped from tokenizer_config.json."""
+    folder = Path(folder)
+    (folder / CHAT_TEMPLATE_FILE).write_text(check_chat_template(template, "the chat template given"), "utf-8")
+    config = _read_json(folder / TOKENIZER_CONFIG_FILE)
+    if "chat_template" in config:
+        del config["chat_template"]
+        _write_json(folder / TOKENIZER_CONFIG_FILE, config)
 
 
 # --------------------------------------------------------------------------------------- helpers

@@ -24,7 +24,7 @@ from clover.artifact import (
 )
 from clover.errors import CloverError
 from clover.export import artifact as export_artifact_module
-from clover.export.artifact import artifact_from_modules, check_target
+from clover.export.artifact import ArtifactOptions, artifact_from_modules, check_target
 from clover.export.config import ExportConfig
 from clover.models.config import BaseConfig
 from clover.models.heads import BaseFingerprint
@@ -96,6 +96,50 @@ def test_plain_artifact_and_options(tmp_path):
     m = open_artifact(out)
     assert m.heads is None and m.tree is None and set(m.graphs) == {"base"} and m.parity == {}
     assert m.max_context == 64 and m.opset == 18
+
+
+def base_tokenizer_dir(path):
+    """The tiny tokenizer as a base model ships it: no chat template."""
+    folder = tiny_tokenizer_dir(path)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_the_manifest_records_whether_the_tokenizer_has_a_chat_template(clover2, tmp_path):
+    """A base model exports (its tokenizer has no template: the export says so and records it), --chat-template
+    stores one, and a manifest from before the field reads as it did (None: the tokenizer files tell)."""
+    assert read_manifest(clover2).chat_template is True
+    base, _ = tiny_modules("none")
+    tok = base_tokenizer_dir(tmp_path / "tok")
+    lines = []
+    config = ExportConfig(max_context=64, verify=False)
+    out = artifact_from_modules(base, None, tok, tmp_path / "base", config, ArtifactOptions(progress=lines.append))
+    m = open_artifact(out)
+    assert m.chat_template is False and not Tokenizer.from_dir(out / m.tokenizer).has_chat_template
+    assert any("no chat template (a base model)" in line and "--chat-template" in line for line in lines)
+
+    template = "{% for m in messages %}w6 {{ m['content'] }} {% endfor %}w7"
+    lines.clear()
+    given = ArtifactOptions(chat_template=template, progress=lines.append)
+    out = artifact_from_modules(base, None, tok, tmp_path / "templated", config, given)
+    m = open_artifact(out)
+    stored = Tokenizer.from_dir(out / m.tokenizer)
+    assert m.chat_template is True and any("with the chat template given" in line for line in lines)
+    assert stored.encode_chat([{"role": "user", "content": "w9"}]) == [6, 9, 7]
+    assert "chat_template" not in json.loads((out / m.tokenizer / "tokenizer_config.json").read_text())
+    # a template that is not Jinja fails at once, before a graph is written
+    with pytest.raises(CloverError, match="not valid Jinja"):
+        bad = ArtifactOptions(chat_template="{% for %}")
+        artifact_from_modules(base, None, tok, tmp_path / "bad", config, bad)
+    assert not (tmp_path / "bad").exists()
+
+    edit_manifest(out, lambda d: d.pop("chat_template"))
+    assert read_manifest(out).chat_template is None
+    edit_manifest(out, lambda d: d.update(chat_template="yes"))
+    with pytest.raises(CloverError, match="incomplete or malformed"):
+        read_manifest(out)
 
 
 @pytest.mark.parametrize(

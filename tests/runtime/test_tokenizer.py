@@ -176,7 +176,7 @@ def test_no_chat_template(tmp_path: Path, tiny_backend: HFTokenizer) -> None:
     tok = Tokenizer.from_dir(_write_folder(tmp_path, tiny_backend))
     assert not tok.has_chat_template
     assert tok.eos_token_ids == () and tok.bos_token is None and tok.eos_token is None
-    with pytest.raises(CloverError, match="no chat template; run without --chat"):
+    with pytest.raises(CloverError, match="no chat template .a base model.*--chat-template FILE_OR_TEMPLATE"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(CloverError, match=str(tmp_path)):
         tok.encode_chat([{"role": "user", "content": "hi"}])
@@ -184,6 +184,54 @@ def test_no_chat_template(tmp_path: Path, tiny_backend: HFTokenizer) -> None:
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [{"name": "rag", "template": "x"}]}))
     with pytest.raises(CloverError, match=r"no chat template named 'default' \(it has \['rag'\]\)"):
         Tokenizer.from_dir(tmp_path).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+)
+
+
+def test_a_chat_template_given_by_the_user(tmp_path: Path, tiny_backend: HFTokenizer) -> None:
+    """--chat-template as vLLM takes it: a file or the template itself; added to a base model's tokenizer or
+    replacing a model's own; compiled at once."""
+    from clover.runtime.tokenizer import read_chat_template
+
+    base = Tokenizer.from_dir(_write_folder(tmp_path / "base", tiny_backend))
+    messages = [{"role": "user", "content": "hi"}]
+    templated = base.with_chat_template(read_chat_template(TEMPLATE))
+    assert templated.has_chat_template and not base.has_chat_template
+    assert templated.apply_chat_template(messages) == "<user>hi<a>" and templated.encode("hi") == base.encode("hi")
+    (tmp_path / "t.jinja").write_text("{{ messages[0]['content'] }}!")
+    for spec in (tmp_path / "t.jinja", str(tmp_path / "t.jinja")):
+        assert base.with_chat_template(read_chat_template(spec)).apply_chat_template(messages) == "hi!"
+    own = Tokenizer.from_dir(_write_folder(tmp_path / "own", tiny_backend, chat_template__jinja="x"))
+    assert own.with_chat_template(TEMPLATE).apply_chat_template(messages) == "<user>hi<a>"  # replaced
+    for spec, message in (
+        (str(tmp_path / "missing.jinja"), "neither a readable template file"),
+        (str(tmp_path), "neither a readable template file"),  # a folder
+        ("{% for m in messages %}", "not valid Jinja"),
+        ("  ", "is empty"),
+    ):
+        with pytest.raises(CloverError, match=message):
+            read_chat_template(spec)
+    (tmp_path / "bad.jinja").write_text("{{ x ")
+    with pytest.raises(CloverError, match=r"chat template file .*bad.jinja is not valid Jinja"):
+        read_chat_template(tmp_path / "bad.jinja")
+
+
+def test_a_written_chat_template_is_what_transformers_reads(tmp_path: Path, tiny_backend: HFTokenizer) -> None:
+    from transformers import AutoTokenizer
+
+    from clover.runtime.tokenizer import write_chat_template
+
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": "old"}
+    folder = _write_folder(tmp_path, tiny_backend, tokenizer_config__json=config)
+    write_chat_template(folder, TEMPLATE)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    ours = Tokenizer.from_dir(folder).apply_chat_template(messages)
+    reference = AutoTokenizer.from_pretrained(str(folder))
+    theirs = reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours == theirs == "<user>hi<assistant>yo<a>"
 
 
 def test_config_files_and_eos_union(tmp_path: Path, tiny_backend: HFTokenizer) -> None:
