@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clover.models.decoder import Decoder
-from clover.models.heads import AugmentingBlock, BeginOutput, DraftHeads, HeadConfig, ResBlock, shifted
+from clover.models.heads import AugmentingBlock, BeginOutput, DraftHeads, HeadConfig, ResBlock, root_rows, shifted
 
 
 class CloverHeads(DraftHeads):
@@ -41,9 +41,9 @@ class CloverHeads(DraftHeads):
         h = h + self.attn_o(self.attn_v(self._embed(tokens)))
         return h, self.lm(self.heads[depth](h))
 
-    def begin(self, hidden, next_tokens, position_ids, past_lengths, past_keys, past_values) -> BeginOutput:
+    def begin(self, hidden, next_tokens, position_ids, past_lengths, past_keys, past_values, last=None) -> BeginOutput:
         a, new_k, new_v = self.augment(hidden, position_ids, past_lengths, past_keys, past_values)
-        state, logits = self._advance(0, a[:, -1], next_tokens[:, -1])
+        state, logits = self._advance(0, root_rows(a, last), root_rows(next_tokens, last))
         return BeginOutput(state, logits, new_k, new_v)
 
     def step(self, depth, parent_state, tokens):

@@ -21,7 +21,7 @@ from torch import nn
 
 from clover.models.config import BaseConfig
 from clover.models.decoder import Decoder
-from clover.models.heads import AugmentingBlock, BeginOutput, DraftHeads, HeadConfig, new_norm, shifted
+from clover.models.heads import AugmentingBlock, BeginOutput, DraftHeads, HeadConfig, new_norm, root_rows, shifted
 
 
 class GatedAttentionDecoder(nn.Module):
@@ -76,10 +76,10 @@ class Clover2Heads(DraftHeads):
     def num_cache_layers(self) -> int:
         return len(self.augment.layers)
 
-    def begin(self, hidden, next_tokens, position_ids, past_lengths, past_keys, past_values) -> BeginOutput:
+    def begin(self, hidden, next_tokens, position_ids, past_lengths, past_keys, past_values, last=None) -> BeginOutput:
         x = self.fuse(hidden, self.lm_weight[next_tokens])  # [B, N, H]
         a, new_k, new_v = self.augment(x, position_ids, past_lengths, past_keys, past_values)
-        state = a[:, -1]  # [B, H]
+        state = root_rows(a, last)  # [B, H]
         return BeginOutput(state, self.lm(self.head_norm(self.fc0(state))), new_k, new_v)
 
     def step(self, depth, parent_state, tokens):

@@ -164,13 +164,24 @@ class DraftHeads(nn.Module):
         past_lengths: torch.Tensor,
         past_keys: list[torch.Tensor],
         past_values: list[torch.Tensor],
+        last: torch.Tensor | None = None,
     ) -> BeginOutput:
-        """hidden [B, N, H] (pre-norm, accepted tokens), next_tokens [B, N], position_ids [B, N]."""
+        """hidden [B, N, H] (pre-norm, accepted tokens), next_tokens [B, N], position_ids [B, N]; last [B]: the row
+        of each sequence whose state is the root (rows after it are padding of a batch whose sequences accepted
+        different counts); None: the last row."""
         raise NotImplementedError
 
     def step(self, depth: int, parent_state: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """parent_state [n, H], tokens [n] at `depth` >= 1 -> (state [n, H], child logits [n, V])."""
         raise NotImplementedError
+
+    def step_batch(
+        self, depth: int, parent_state: torch.Tensor, tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` for B sequences at once: parent_state [B, n, H], tokens [B, n] -> ([B, n, H], [B, n, V])."""
+        B, n = tokens.shape
+        state, logits = self.step(depth, parent_state.reshape(B * n, -1), tokens.reshape(B * n))
+        return state.view(B, n, -1), logits.view(B, n, -1)
 
     def init_weights(self, base: Decoder, generator: torch.Generator) -> None:
         """Training-start initialisation (from the base where the method says so)."""
@@ -189,6 +200,11 @@ class DraftHeads(nn.Module):
     def head_logits(self, depth: int, x: torch.Tensor) -> torch.Tensor:
         """Draft logits of the vectors `teacher_forced` returns for `depth` (1-based)."""
         return self.lm(x)
+
+
+def root_rows(x: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """x [B, N, ...] at each sequence's root row `last` [B] (None: row N - 1): [B, ...]."""
+    return x[:, -1] if last is None else x[torch.arange(x.shape[0], device=x.device), last]
 
 
 def shifted(tokens: torch.Tensor, j: int) -> torch.Tensor:

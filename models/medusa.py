@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from clover.models.decoder import Decoder
-from clover.models.heads import BeginOutput, DraftHeads, HeadConfig, ResBlock
+from clover.models.heads import BeginOutput, DraftHeads, HeadConfig, ResBlock, root_rows
 
 
 class MedusaHeads(DraftHeads):
@@ -30,13 +30,17 @@ class MedusaHeads(DraftHeads):
         x = self.heads[k](state)
         return self.lm_heads[k](x) if self.lm_heads is not None else self.lm(x)
 
-    def begin(self, hidden, next_tokens, position_ids, past_lengths, past_keys, past_values) -> BeginOutput:
-        state = self.base_norm(hidden[:, -1])  # [B, H]
+    def begin(self, hidden, next_tokens, position_ids, past_lengths, past_keys, past_values, last=None) -> BeginOutput:
+        state = self.base_norm(root_rows(hidden, last))  # [B, H]
         return BeginOutput(state, self._logits(0, state), [], [])
 
     def step(self, depth, parent_state, tokens):
         # Every node at this depth sees the same root state: compute one row and broadcast it.
         logits = self._logits(depth, parent_state[:1]).expand(parent_state.shape[0], -1)
+        return parent_state, logits
+
+    def step_batch(self, depth, parent_state, tokens):
+        logits = self._logits(depth, parent_state[:, :1]).expand(-1, parent_state.shape[1], -1)  # one row per sequence
         return parent_state, logits
 
     def teacher_forced(self, hidden, tokens, depths):

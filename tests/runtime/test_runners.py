@@ -1,6 +1,7 @@
 """One suite for every runner (docs/design.md, Conventions 5, 9), parametrized over kinds x head architectures:
 
   torch       TorchRunner over the PyTorch modules the artifacts are exported from (ort_helpers.tiny_modules)
+  torch-batch BatchedTorchRunner over the same modules: one stacked cache, one forward for every slot
   ort         OrtRunner over the tiny artifact as clover-export --backend onnx writes it (one shared LM head)
   trt-on-ort  TrtRunner's bookkeeping with ONNX Runtime in place of its engines (ort_helpers.cpu_runner)
   trt         TrtRunner over TensorRT engines built from the tiny artifact (a GPU with TensorRT only)
@@ -29,6 +30,7 @@ from clover.runtime.backend import Runner, Verify
 from clover.runtime.loop import LOOKUP_DRAFTS, Decoding, step
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.torch_backend import TorchRunner
+from clover.runtime.torch_batch import BatchedTorchRunner
 from clover.runtime.tree import Tree, prune_tree, resolve_tree
 
 N = 24  # tokens per sequence
@@ -37,13 +39,13 @@ TREES = ("small", "chain-3")  # branching and chain, cut to the heads' depth (cl
 TRT = pytest.param(
     "trt", marks=[pytest.mark.gpu, pytest.mark.skipif(no_tensorrt_gpu() is not None, reason=str(no_tensorrt_gpu()))]
 )
-KINDS = ("torch", "ort", "trt-on-ort", TRT)
+KINDS = ("torch", "torch-batch", "ort", "trt-on-ort", TRT)
 # fp32 logits. Across kinds (a kind against ONNX Runtime: other kernels, other summation orders; TensorRT on a
 # GPU, TF32 off): numerics.assert_close_paths over the decoder's chain. Within one runner, the same rows in one
 # batched forward or alone: bit for bit on the CPU (torch runs each slot alone; ONNX Runtime's batched graph is
 # checked bit-exact against the solo one when exported), within the path tolerance on a GPU (TensorRT's kernels
-# need not be deterministic).
-EXACT_WITHIN = {"torch": True, "ort": True, "trt-on-ort": True, "trt": False}
+# need not be deterministic) and for the stacked torch runner (several slots' rows in one matmul: other blocking).
+EXACT_WITHIN = {"torch": True, "torch-batch": False, "ort": True, "trt-on-ort": True, "trt": False}
 
 
 # -- the comparator -------------------------------------------------------------------------------------------
@@ -106,6 +108,9 @@ class Runners:
         if kind == "torch":
             base, h = tiny_modules(arch)
             return TorchRunner(base, h, f"random:{arch}:{HEADS_SEED}") if heads else TorchRunner(base)
+        if kind == "torch-batch":
+            base, h = tiny_modules(arch)
+            return BatchedTorchRunner(base, h, f"random:{arch}:{HEADS_SEED}") if heads else BatchedTorchRunner(base)
         if kind == "ort":
             from clover.runtime.ort_backend import load_runner
 
@@ -163,7 +168,7 @@ def tree_for(runner: Runner, spec: str) -> Tree:
 @pytest.mark.parametrize("kind", KINDS)
 def test_greedy_speculative_equals_plain(runners, kind, arch, tree):
     spec, plain = runners(kind, arch), runners(kind, arch, heads=False)
-    assert spec.info.backend == plain.info.backend == kind.removesuffix("-on-ort")
+    assert spec.info.backend == plain.info.backend == kind.removesuffix("-on-ort").removesuffix("-batch")
     assert spec.info.heads == arch and plain.info.heads is None
     t = tree_for(spec, tree)
     for p in PROMPTS:

@@ -1,0 +1,494 @@
+"""PyTorch backend for batches: every sequence's KV cache in one stacked buffer, one forward for the whole batch,
+and the whole speculative step on the device.
+
+Layout. Each layer's K and V (the base's, and the heads' augmenting block's) is one buffer [S, Hkv, C + scratch, D]:
+row s is sequence slot s (a slot's index is the lowest free number, so a batch's rows stay dense), column j holds
+position j. A forward runs rows 0..n-1 for the n = highest slot + 1 rows a batch spans, over views of the buffers
+(no copy); rows of slots outside the batch get one padding token and are never committed. Buffers grow by doubling,
+in rows and in columns.
+
+Two ways to step. The Runner methods (forward_batch, commit, draft_*) serve the general loop (runtime/loop.py):
+sampling, logits processors, grammars, prompt lookup, dynamic trees, prefill. `decode` runs a greedy step of a fixed
+tree for many sequences without the host in the middle: the heads draft each level on the device (per-level top-k,
+the draft vocabulary as an index), one forward verifies every sequence's tree, acceptance (`accept_paths`: the
+longest path whose tokens are their parents' argmax) and the commit of each accepted path's K/V and of the heads'
+state happen on the device, and one device-to-host copy brings back each sequence's accepted count, path and emitted
+tokens (no logits). Its state between steps (each row's cached length, its root token, the heads' root state and
+draft logits) stays on the device. Rows of the batch that do not step (prefilling, or free) compute like the others
+but commit nothing: their writes go to the scratch columns past C, their lengths and roots stay.
+
+With `cuda_graphs=True` (a CUDA device and Triton: the base's attention is the plugin kernel, which reads each row's
+own prefix of the whole buffers) `decode` records the whole step, draft -> verify -> accept -> commit, as one CUDA
+graph per (row bucket, tree) and replays it: one host-to-device copy (which rows step) and one copy back per step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from clover.errors import CloverError
+from clover.models.decoder import Decoder, DecoderOutput, with_attention
+from clover.models.heads import DraftHeads
+from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot, Verify
+from clover.runtime.lookup import NgramStore
+from clover.runtime.torch_backend import row_bucket
+from clover.runtime.tree import Tree
+
+SCRATCH = 64  # columns past the capacity that rows not stepping in `decode` write to; bounds its trees' depth
+LONG = 64  # rows past which a forward's tokens (a prompt chunk) run in a forward of their own
+BLOCK = 256  # columns the buffers start with (doubled as sequences grow)
+
+
+@dataclass(frozen=True, eq=False)
+class Level:
+    """One depth d >= 1 of a tree, as `decode` drafts it: nodes start..end-1; each node's parent as a row of the
+    previous level's drafted rows and its rank among its siblings; the nodes of this level whose children are
+    drafted next (`expand`, rows of this level)."""
+
+    start: int
+    end: int
+    parent_row: torch.Tensor  # [m] int64
+    rank: torch.Tensor  # [m] int64
+    parent: torch.Tensor  # [m] int64 node ids
+    k: int  # top-k taken per parent row
+    expand: torch.Tensor  # [e] int64
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceTree:
+    """A compiled Tree's buffers on a device."""
+
+    tree: Tree
+    depth: torch.Tensor  # [T] int64
+    mask: torch.Tensor  # [T, T] bool
+    levels: tuple[Level, ...]
+
+    @classmethod
+    def of(cls, tree: Tree, device: torch.device) -> DeviceTree:
+        t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
+        levels, expanded = [], np.zeros(1, dtype=np.int64)  # the root's children are drafted first
+        for d in range(1, tree.max_depth + 1):
+            nodes = tree.levels[d]
+            parents = tree.parent[nodes].astype(np.int64)
+            row_of = {int(n): r for r, n in enumerate(expanded)}
+            kids = [r for r, n in enumerate(nodes) if len(tree.children[n])] if d < tree.max_depth else []
+            levels.append(
+                Level(
+                    int(nodes[0]),
+                    int(nodes[-1]) + 1,
+                    t([row_of[int(p)] for p in parents]),
+                    t(tree.rank[nodes]),
+                    t(parents),
+                    int(tree.rank[nodes].max()) + 1,
+                    t(kids),
+                )
+            )
+            expanded = nodes[kids]
+        return cls(tree, t(tree.depth), torch.as_tensor(tree.ancestor_mask, device=device), tuple(levels))
+
+
+def accept_paths(tree: DeviceTree, tokens: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy acceptance of B drafted trees at once, on their device: tokens [B, T] (node 0 the root) and target
+    [B, T] (the base's argmax at each node). A node is accepted when its parent is and its token is its parent's
+    target; among accepted siblings the first in rank order wins (runtime/acceptance.accept_greedy, the reference).
+    Returns path [B, D + 1] (node ids root first; past a sequence's count, its last node repeated) and count [B]."""
+    B, T = tokens.shape
+    accepted = torch.zeros(B, T, dtype=torch.bool, device=tokens.device)
+    accepted[:, 0] = True
+    path = torch.zeros(B, len(tree.levels) + 1, dtype=torch.int64, device=tokens.device)
+    count = torch.ones(B, dtype=torch.int64, device=tokens.device)
+    for d, lv in enumerate(tree.levels, start=1):
+        ok = accepted[:, lv.parent] & (tokens[:, lv.start : lv.end] == target[:, lv.parent])
+        ok &= ok.cumsum(1) == 1  # the first match only: one accepted node per depth
+        accepted[:, lv.start : lv.end] = ok
+        found = ok.any(1)
+        path[:, d] = torch.where(found, lv.start + ok.int().argmax(1), path[:, d - 1])
+        count += found
+    return path, count
+
+
+@dataclass(eq=False)
+class BatchSequence:
+    """A slot's host-side state: its row in the last forward's output, and (drafting through the Runner methods)
+    its tree nodes' draft states."""
+
+    last: DecoderOutput | None = None
+    row: int = 0  # this slot's row in `last`
+    states: torch.Tensor | None = None  # [n, H] draft state of tree node i (grown as drafted)
+
+
+@dataclass(eq=False)
+class StackedCache:
+    """Per-layer K and V buffers [S, Hkv, C + SCRATCH, D] for S slots of C tokens."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+    @property
+    def rows(self) -> int:
+        return self.keys[0].shape[0] if self.keys else 0
+
+    @property
+    def columns(self) -> int:
+        return self.keys[0].shape[2] - SCRATCH if self.keys else 0
+
+    def view(self, rows: int, columns: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return [k[:rows, :, :columns] for k in self.keys], [v[:rows, :, :columns] for v in self.values]
+
+    def grown(self, rows: int, columns: int) -> StackedCache:
+        """Buffers of at least rows x columns, keeping what is cached (no copy when they already fit)."""
+        if rows <= self.rows and columns <= self.columns or not self.keys:
+            return self
+        R, C = max(rows, self.rows), max(columns, self.columns)
+        make = lambda old: old.new_zeros(R, old.shape[1], C + SCRATCH, old.shape[3])
+        new = StackedCache([make(k) for k in self.keys], [make(v) for v in self.values])
+        for dst, src in zip(new.keys + new.values, self.keys + self.values):
+            dst[: src.shape[0], :, : self.columns] = src[:, :, : self.columns]
+        return new
+
+    def write(self, rows: torch.Tensor, start: torch.Tensor, new_keys, new_values) -> None:
+        """Row rows[b] gets new_*[l][b] [Hkv, L, D] at columns start[b] .. start[b] + L - 1."""
+        L = new_keys[0].shape[2] if new_keys else 0
+        columns = start[:, None] + torch.arange(L, device=start.device)  # [B, L]
+        for dst, src in zip(self.keys + self.values, list(new_keys) + list(new_values)):
+            dst[rows[:, None], :, columns] = src.transpose(1, 2)  # advanced dims first: [B, L, Hkv, D]
+
+
+class BatchedTorchRunner(Runner):
+    def __init__(
+        self,
+        base: Decoder,
+        heads: DraftHeads | None = None,
+        heads_name: str = "none",
+        draft_vocab: np.ndarray | None = None,
+        ngram_store: NgramStore | None = None,
+        cuda_graphs: bool = False,
+    ):
+        """As TorchRunner (runtime/torch_backend.py), with every sequence in one stacked cache (module doc).
+        cuda_graphs: `decode` replays the whole step from CUDA graphs; needs the model on a CUDA device."""
+        super().__init__()
+        self.device = base.lm_head.weight.device
+        self.cuda_graphs = cuda_graphs
+        if cuda_graphs:
+            if self.device.type != "cuda":
+                raise CloverError(f"cuda_graphs needs the model on a CUDA device, but it is on {self.device}")
+            base = with_attention(base, "plugin")  # reads each row's own prefix: whole buffers, fixed shapes
+        self.base, self.heads = base, heads
+        self._vocab = None if draft_vocab is None or heads is None else self._t(np.asarray(draft_vocab, np.int64))
+        self.engine_clock = EngineClock()
+        cfg = base.config
+        layers = heads.num_cache_layers if heads is not None else 0
+        self.cache = StackedCache(*base.empty_cache(1, BLOCK + SCRATCH))
+        self.head_cache = StackedCache(*base.empty_cache(1, BLOCK + SCRATCH, layers))
+        dtype = base.lm_head.weight.dtype
+        # what `decode` reads and writes per row, on the device
+        self.lengths = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.roots = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.root_state = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=self.device)
+        self.root_logits = torch.zeros(1, cfg.vocab_size, dtype=dtype, device=self.device)
+        self._trees: dict[str, DeviceTree] = {}
+        self._graphs: dict[tuple[int, str], DecodeGraph] = {}
+        self.info = RunnerInfo(
+            backend="torch",
+            vocab_size=cfg.vocab_size,
+            max_context=cfg.max_position_embeddings,
+            heads=heads.config.arch if heads is not None else None,
+            heads_max_depth=heads.config.max_depth if heads is not None else None,
+            heads_name=heads_name if heads is not None else "none",
+            kv_bytes_per_token=2
+            * cfg.num_kv_heads
+            * cfg.head_dim
+            * base.lm_head.weight.element_size()
+            * (cfg.num_layers + layers),
+            draft_vocab=None if self._vocab is None else np.asarray(draft_vocab, dtype=np.int64),
+            ngram_store=ngram_store,
+            batch_slots=1 << 30,  # any number of sequences in one forward
+        )
+
+    def _t(self, a: np.ndarray) -> torch.Tensor:
+        return torch.tensor(np.asarray(a), device=self.device)  # a copy: read-only inputs are fine
+
+    # -- slots ------------------------------------------------------------------------------------------------
+    def _open_slot(self, slot: Slot) -> BatchSequence:
+        self._ensure(slot.index + 1, slot.capacity)
+        self.lengths[slot.index] = 0
+        return BatchSequence()
+
+    def _ensure(self, rows: int, columns: int) -> None:
+        old = self.cache
+        R = max(rows, self.cache.rows) if rows <= self.cache.rows else max(rows, 2 * self.cache.rows)
+        C = self.cache.columns if columns <= self.cache.columns else max(columns, 2 * self.cache.columns)
+        self.cache, self.head_cache = self.cache.grown(R, C), self.head_cache.grown(R, C)
+        if self.cache is not old:
+            self._graphs.clear()  # recorded over the old buffers
+        grow = R - self.lengths.shape[0]
+        if grow > 0:
+            pad = lambda t: torch.cat((t, t.new_zeros(grow, *t.shape[1:])))
+            self.lengths, self.roots = pad(self.lengths), pad(self.roots)
+            self.root_state, self.root_logits = pad(self.root_state), pad(self.root_logits)
+            self._graphs.clear()
+
+    @torch.inference_mode()
+    def _fork(self, src: Slot, dst: Slot) -> None:
+        s, d, P = src.index, dst.index, src.past
+        for cache in (self.cache, self.head_cache):
+            for buf in cache.keys + cache.values:
+                buf[d, :, :P] = buf[s, :, :P]
+        for t in (self.lengths, self.roots, self.root_state, self.root_logits):
+            t[d] = t[s]
+
+    # -- the Runner methods: the general loop ------------------------------------------------------------------
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The base's logits of hidden rows [..., H] (pre-norm), for every path alike: one matmul for a batch's rows."""
+        return self.base.lm_head(self.base.norm(hidden))
+
+    def _forward_batch(self, batch: Sequence[Verify]) -> list[np.ndarray]:
+        # a long prompt chunk runs alone: padding a batch's tree rows to its length would multiply their work
+        alone = [v for v in batch if v.tokens.shape[0] > LONG]
+        together = [v for v in batch if v.tokens.shape[0] <= LONG]
+        logits = {}
+        for group in [[v] for v in alone] + ([together] if together else []):
+            logits.update(zip((id(v) for v in group), self._forward_rows(group)))
+        return [logits[id(v)] for v in batch]
+
+    @torch.inference_mode()
+    def _forward_rows(self, batch: Sequence[Verify]) -> list[np.ndarray]:
+        """One forward over the buffers' rows lo..hi-1 spanned by the batch's slots."""
+        lo, hi = min(v.slot.index for v in batch), max(v.slot.index for v in batch) + 1
+        rows, T = hi - lo, max(v.tokens.shape[0] for v in batch)
+        tokens = np.zeros((rows, T), np.int64)
+        positions = np.zeros((rows, T), np.int64)
+        mask = np.broadcast_to(np.eye(T, dtype=bool), (rows, T, T)).copy()  # padding rows see themselves only
+        past = np.zeros(rows, np.int64)
+        for v in batch:
+            r, n = v.slot.index - lo, v.tokens.shape[0]
+            tokens[r, :n], positions[r, :n], mask[r, :n, :n] = v.tokens, v.slot.past + v.depths, v.mask
+            past[r] = v.slot.past
+        keys, values = self.cache.view(hi, int(past.max()))
+        picked = [
+            (v.slot.index - lo, [v.tokens.shape[0] - 1] if v.last_only else range(v.tokens.shape[0])) for v in batch
+        ]
+        index = self._t(np.array([r * T + i for r, rs in picked for i in rs], dtype=np.int64))
+        with self.engine_clock:
+            out = self.base(
+                self._t(tokens),
+                self._t(positions),
+                self._t(mask),
+                self._t(past),
+                [k[lo:] for k in keys],
+                [v[lo:] for v in values],
+                logit_rows=torch.zeros(0, dtype=torch.int64, device=self.device),
+            )
+            logits = self._logits(out.hidden_states.reshape(rows * T, -1)[index]).float().cpu().numpy()
+        for v in batch:
+            v.slot.state.last, v.slot.state.row = out, v.slot.index - lo
+        return np.split(logits, np.cumsum([len(rs) for _, rs in picked])[:-1])
+
+    @torch.inference_mode()
+    def _commit(self, slot: Slot, path: np.ndarray, next_tokens: np.ndarray) -> None:
+        seq, r, P, m = slot.state, slot.index, slot.past, len(path)
+        rows, i = self._t(path), seq.row
+        row = torch.tensor([r], device=self.device)
+        start = torch.tensor([P], device=self.device)
+        self.cache.write(
+            row,
+            start,
+            [k[i : i + 1, :, rows] for k in seq.last.new_keys],
+            [v[i : i + 1, :, rows] for v in seq.last.new_values],
+        )
+        self.lengths[r], self.roots[r] = P + m, int(next_tokens[-1])
+        if self.heads is None:
+            return
+        keys, values = self.head_cache.view(r + 1, P)
+        with self.engine_clock:
+            out = self.heads.begin(
+                seq.last.hidden_states[i : i + 1, rows],
+                self._t(next_tokens)[None],
+                torch.arange(P, P + m, device=self.device)[None],
+                start,
+                [k[r : r + 1] for k in keys],
+                [v[r : r + 1] for v in values],
+            )
+        self.head_cache.write(row, start, out.new_keys, out.new_values)
+        self.root_state[r], self.root_logits[r] = out.state[0], out.logits[0]
+
+    @torch.inference_mode()
+    def _draft_begin(self, slot: Slot) -> np.ndarray:
+        slot.state.states = self.root_state[slot.index : slot.index + 1].clone()  # row i: tree node i's state
+        return self._drafted(self.root_logits[slot.index])
+
+    @torch.inference_mode()
+    def _draft_step(self, slot, depth, nodes, parents, tokens):
+        seq = slot.state
+        need = int(nodes.max()) + 1
+        if seq.states.shape[0] < need:
+            seq.states = torch.cat((seq.states, seq.states.new_zeros(need - seq.states.shape[0], seq.states.shape[1])))
+        with self.engine_clock:
+            state, logits = self.heads.step(depth, seq.states[self._t(parents)], self._t(tokens))
+        seq.states[self._t(nodes)] = state
+        return self._drafted(logits)
+
+    def _drafted(self, logits: torch.Tensor) -> np.ndarray:
+        return (logits if self._vocab is None else logits[..., self._vocab]).float().cpu().numpy()
+
+    # -- the step on the device ------------------------------------------------------------------------------
+    def device_tree(self, tree: Tree) -> DeviceTree:
+        if tree.name not in self._trees or self._trees[tree.name].tree is not tree:
+            self._trees[tree.name] = DeviceTree.of(tree, self.device)
+        return self._trees[tree.name]
+
+    def decode(self, slots: Sequence[Slot], tree: Tree) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One greedy step of `tree` for each of `slots` (prefilled, nothing pending, room for the tree), on the
+        device (module doc). Returns each slot's accepted path (node ids, root first) and emitted tokens (the
+        accepted drafts, then the bonus token); slots' lengths advance as a commit's would."""
+        if tree.max_depth and self.heads is None:
+            raise CloverError("this runner has no draft heads: use the plain tree")
+        if tree.max_depth >= SCRATCH:
+            raise CloverError(f"decode takes trees of depth < {SCRATCH}; this one is {tree.max_depth} deep")
+        for s in slots:
+            assert self._open.get(s.index) is s and not s.pending and s.past >= 1, "decode: a slot is not ready"
+            if s.past + tree.num_nodes > s.capacity:
+                raise CloverError(f"{tree.num_nodes} tree rows after {s.past} cached exceed the capacity {s.capacity}")
+        rows = max(s.index for s in slots) + 1
+        active = np.zeros(rows, dtype=bool)
+        active[[s.index for s in slots]] = True
+        dt = self.device_tree(tree)
+        with self.engine_clock, torch.inference_mode():
+            if self.cuda_graphs:
+                bucket = row_bucket(rows)
+                self._ensure(bucket, self.cache.columns)
+                key = (bucket, tree.name)
+                if key not in self._graphs:
+                    self._graphs[key] = DecodeGraph(self, dt, bucket)
+                packed = self._graphs[key](active)
+            else:
+                columns = int(max(s.past for s in slots))
+                packed = self._decode(dt, self._t(active), columns).cpu().numpy()  # the step's one copy back
+        L = tree.max_depth + 1
+        out = []
+        for s in slots:
+            count, path, emitted = packed[s.index, 0], packed[s.index, 1 : 1 + L], packed[s.index, 1 + L :]
+            s.past += int(count)
+            out.append((path[:count].copy(), emitted[:count].copy()))
+        return out
+
+    def _decode(self, dt: DeviceTree, active: torch.Tensor, columns: int) -> torch.Tensor:
+        """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns; returns [n, 1 + 2L]
+        int64: each row's count, path and emitted tokens. Only tensors in, one tensor out: it records as one graph."""
+        n, T = active.shape[0], dt.tree.num_nodes
+        lengths = self.lengths[:n]
+        tokens = self._draft(dt, n)
+        keys, values = self.cache.view(n, columns)
+        out = self.base(
+            tokens,
+            lengths[:, None] + dt.depth,
+            dt.mask.expand(n, T, T),
+            lengths,
+            keys,
+            values,
+            logit_rows=torch.zeros(0, dtype=torch.int64, device=self.device),
+        )
+        target = self._logits(out.hidden_states).argmax(-1)  # [n, T]
+        path, count = accept_paths(dt, tokens, target)
+        count = count * active
+        emitted = target.gather(1, path)  # [n, L]: what follows each path node; the last counted one is the bonus
+        L = path.shape[1]
+        # rows that do not step write into the scratch columns past every capacity
+        start = torch.where(active, lengths, self.cache.columns)
+        rows = torch.arange(n, device=self.device)
+        pick = path[:, None, :, None]
+        self.cache.write(
+            rows,
+            start,
+            [k.gather(2, pick.expand(-1, k.shape[1], -1, k.shape[3])) for k in out.new_keys],
+            [v.gather(2, pick.expand(-1, v.shape[1], -1, v.shape[3])) for v in out.new_values],
+        )
+        last = (count - 1).clamp(min=0)
+        if self.heads is not None:
+            hk, hv = self.head_cache.view(n, columns)
+            begin = self.heads.begin(
+                out.hidden_states.gather(1, path[:, :, None].expand(-1, -1, out.hidden_states.shape[2])),
+                emitted,
+                lengths[:, None] + torch.arange(L, device=self.device),
+                lengths,
+                hk,
+                hv,
+                last=last,
+            )
+            self.head_cache.write(rows, start, begin.new_keys, begin.new_values)
+            keep = active[:, None]
+            self.root_state[:n] = torch.where(keep, begin.state, self.root_state[:n])
+            self.root_logits[:n] = torch.where(keep, begin.logits, self.root_logits[:n])
+        self.roots[:n] = torch.where(active, emitted.gather(1, last[:, None])[:, 0], self.roots[:n])
+        self.lengths[:n] += count
+        return torch.cat((count[:, None], path, emitted), dim=1)
+
+    def _draft(self, dt: DeviceTree, n: int) -> torch.Tensor:
+        """Each row's tree tokens [n, T] from the heads, level by level: a node's token is the rank-th best of
+        its parent's draft logits (over the draft vocabulary, if any)."""
+        tokens = self.roots[:n, None].expand(n, dt.tree.num_nodes).clone()
+        if not dt.levels:
+            return tokens
+        logits = self.root_logits[:n, None]  # [n, rows, V]: draft logits of the rows whose children come next
+        states = self.root_state[:n, None]
+        for depth, lv in enumerate(dt.levels, start=1):
+            columns = logits if self._vocab is None else logits[..., self._vocab]
+            top = columns.topk(lv.k, dim=-1).indices  # [n, rows, k]
+            picked = top[:, lv.parent_row, lv.rank]  # [n, m]
+            picked = picked if self._vocab is None else self._vocab[picked]
+            tokens[:, lv.start : lv.end] = picked
+            if lv.expand.numel():
+                parent_rows = lv.parent_row[lv.expand]
+                states, logits = self.heads.step_batch(depth, states[:, parent_rows], picked[:, lv.expand])
+        return tokens
+
+
+class DecodeGraph:
+    """`BatchedTorchRunner._decode` for `rows` rows and one tree, recorded as one CUDA graph over the whole buffers.
+    Its one input is which rows step (a static buffer); its output, the packed result, comes back through pinned
+    memory."""
+
+    def __init__(self, runner: BatchedTorchRunner, dt: DeviceTree, rows: int) -> None:
+        device = runner.device
+        self.active = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.host_active = torch.zeros(rows, dtype=torch.bool, pin_memory=True)
+        columns = runner.cache.columns
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up with no row stepping: it commits nothing (Triton compiles here)
+            for _ in range(2):
+                runner._decode(dt, self.active, columns)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = runner._decode(dt, self.active, columns)
+        self.host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=True)
+
+    def __call__(self, active: np.ndarray) -> np.ndarray:
+        h = self.host_active.numpy()
+        h[:] = False
+        h[: len(active)] = active
+        self.active.copy_(self.host_active, non_blocking=True)
+        self.graph.replay()
+        self.host.copy_(self.out, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        return self.host.numpy()
+
+
+def load_runner(
+    base: Any, heads: str = "none", dtype: str = "float32", threads: int | None = None, cuda_graphs: bool = False
+) -> BatchedTorchRunner:
+    """A batched runner from CLI-style specs (as torch_backend.load_runner)."""
+    from clover.models.head_io import resolve_heads
+    from clover.models.loading import load_base
+    from clover.models.smollm2 import resolve_base
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    model = load_base(resolve_base(base), dtype)
+    return BatchedTorchRunner(model, resolve_heads(heads, model), heads_name=heads, cuda_graphs=cuda_graphs)
