@@ -164,6 +164,17 @@ class Runner(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} cannot fork a sequence")
 
     @property
+    def can_decode(self) -> bool:
+        """Whether `decode` runs greedy fixed-tree steps on the device (runtime/torch_batch.py)."""
+        return type(self).decode is not Runner.decode
+
+    def decode(self, slots: Sequence[Slot], tree: Tree) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One greedy step of `tree` for each slot, drafted, verified, accepted and committed on the runner's device:
+        each slot's accepted path (root first) and emitted tokens. The loop uses it where a sequence needs nothing
+        of the host in its step (runtime/loop.py); runners without it step through forward / commit / draft_*."""
+        raise NotImplementedError(f"{type(self).__name__} has no device-side step")
+
+    @property
     def open_slots(self) -> int:
         return len(self._open)
 

@@ -1,6 +1,8 @@
 """The speculate -> verify loop. numpy only: backends adapt engines to the Runner interface.
 
-One step (`step`, for a batch of sequences) runs four phases:
+One step (`step`, for a batch of sequences) runs four phases (on runners that can, sequences that need nothing of
+the host in their step, greedy with a fixed tree of heads' drafts, run all four on the device in one `decode` call
+instead: `_decoded`):
 1. draft: each sequence's next prompt chunk while it prefills; else its proposer's proposal (runtime/proposers.py:
    heads, prompt lookup, both merged, a grammar's forced tokens) for the tree the policy chose, pruned to what its
    grammar allows (`constrain`);
@@ -138,10 +140,24 @@ def step(
     slot's cached tokens, so running it again changes nothing already committed). isolate: a failed
     sequence's Step carries its `error` and the others step normally (the engine fails that request alone);
     otherwise the first error is raised after the others have stepped."""
+    trees = list(trees) if trees is not None else [d.tree for d in batch]
+    groups = _device_groups(runner, batch, trees)
+    if groups:
+        done = {
+            i: st
+            for group in groups
+            for i, st in zip(group, _decoded(runner, [batch[i] for i in group], trees[group[0]], isolate))
+        }
+        rest = [i for i in range(len(batch)) if i not in done]
+        for i, st in zip(
+            rest, step(runner, [batch[i] for i in rest], [trees[i] for i in rest], isolate) if rest else ()
+        ):
+            done[i] = st
+        return [done[i] for i in range(len(batch))]
     clock, engine = time.perf_counter, runner.engine_clock
     t0, e0 = clock(), engine.seconds if engine else 0.0
     errors: list[BaseException | None] = [None] * len(batch)
-    planned = _each(errors, lambda i: _plan(runner, batch[i], trees[i] if trees is not None else batch[i].tree))
+    planned = _each(errors, lambda i: _plan(runner, batch[i], trees[i]))
     t1 = clock()
     logits = _verify(runner, planned, errors)
     t2 = clock()
@@ -164,6 +180,49 @@ def step(
     failed = next((e for e in errors if e is not None), None)
     if failed is not None and not isolate:
         raise failed
+    return steps
+
+
+def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree]) -> list[list[int]]:
+    """The sequences whose step runs on the device (`Runner.decode`), grouped by tree: greedy, no processors, grammar
+    or log-probabilities, the heads' drafts (or none) for a fixed tree that fits."""
+    if not runner.can_decode:
+        return []
+    groups: dict[int, list[int]] = {}
+    for i, (d, t) in enumerate(zip(batch, trees)):
+        if (
+            not d.prefilling
+            and d.sampling.greedy
+            and d.processors is None
+            and d.grammar is None
+            and d.logprobs is None
+            and isinstance(t, Tree)
+            and (d.drafts is DraftSource.HEADS or t.num_nodes == 1)
+            and d.slot.past + t.num_nodes <= d.slot.capacity
+        ):
+            groups.setdefault(id(t), []).append(i)
+    return list(groups.values())
+
+
+def _decoded(runner: Runner, batch: Sequence[Decoding], tree: Tree, isolate: bool) -> list[Step]:
+    """One device-side step (draft, verify, accept, commit in one `decode` call) for sequences sharing `tree`."""
+    engine = runner.engine_clock
+    t0, e0 = time.perf_counter(), engine.seconds if engine else 0.0
+    try:
+        results = runner.decode([d.slot for d in batch], tree)
+    except Exception as e:
+        if not isolate:
+            raise
+        return [Step([], 0, error=e) for _ in batch]
+    seconds = {"verify": time.perf_counter() - t0}
+    if engine:
+        seconds["engine"] = engine.seconds - e0
+    steps = []
+    for d, (path, emitted) in zip(batch, results):
+        tokens = [int(t) for t in emitted]
+        _extend(d, tokens)
+        d.root = tokens[-1]
+        steps.append(Step(tokens, tree.num_nodes, tree=tree, rows=tree.num_nodes, path=path, seconds=dict(seconds)))
     return steps
 
 

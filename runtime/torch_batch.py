@@ -70,7 +70,7 @@ class DeviceTree:
 
     @classmethod
     def of(cls, tree: Tree, device: torch.device) -> DeviceTree:
-        t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64), device=device)
+        t = lambda a: torch.tensor(np.asarray(a, dtype=np.int64), device=device)
         levels, expanded = [], np.zeros(1, dtype=np.int64)  # the root's children are drafted first
         for d in range(1, tree.max_depth + 1):
             nodes = tree.levels[d]
@@ -89,7 +89,7 @@ class DeviceTree:
                 )
             )
             expanded = nodes[kids]
-        return cls(tree, t(tree.depth), torch.as_tensor(tree.ancestor_mask, device=device), tuple(levels))
+        return cls(tree, t(tree.depth), torch.tensor(tree.ancestor_mask, device=device), tuple(levels))
 
 
 def accept_paths(tree: DeviceTree, tokens: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -343,9 +343,8 @@ class BatchedTorchRunner(Runner):
         return self._trees[tree.name]
 
     def decode(self, slots: Sequence[Slot], tree: Tree) -> list[tuple[np.ndarray, np.ndarray]]:
-        """One greedy step of `tree` for each of `slots` (prefilled, nothing pending, room for the tree), on the
-        device (module doc). Returns each slot's accepted path (node ids, root first) and emitted tokens (the
-        accepted drafts, then the bonus token); slots' lengths advance as a commit's would."""
+        """Runner.decode for slots prefilled with nothing pending and room for the tree (module doc): each slot's
+        lengths advance as a commit's would."""
         if tree.max_depth and self.heads is None:
             raise CloverError("this runner has no draft heads: use the plain tree")
         if tree.max_depth >= SCRATCH:

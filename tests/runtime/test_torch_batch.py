@@ -1,0 +1,161 @@
+"""The stacked torch runner's device-side step (runtime/torch_batch.py), on CPU tensors: its acceptance against the
+numpy reference, and whole batches decoded through the loop (runtime/loop.step, which hands greedy fixed-tree
+steps to `decode`) emitting each sequence's plain greedy tokens and the host path's drafts. The Runner suite
+(test_runners.py, kind torch-batch) covers the rest of its interface."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers import assert_identical, run_tokens, tiny_base
+from ort_helpers import HEADS_SEED, PROMPTS
+
+from clover.models.head_io import random_heads
+from clover.runtime.acceptance import accept_greedy
+from clover.runtime.loop import Decoding, step
+from clover.runtime.sampling import SamplingParams
+from clover.runtime.torch_backend import TorchRunner
+from clover.runtime.torch_batch import BatchedTorchRunner, DeviceTree, accept_paths
+from clover.runtime.tree import prune_tree, resolve_tree
+
+N = 24
+ARCHS = ("medusa", "clover", "clover2")
+# three sequences of different lengths: a batch's rows hold different past lengths
+BATCH = [*PROMPTS, [3, 4, 5, 6, 7, 8, 9, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30]]
+
+
+@pytest.mark.parametrize("spec", ["plain", "chain-4", "small", "mc26"])
+def test_accept_paths_matches_the_numpy_reference(spec):
+    """Tokens and targets over 3 values: matches, misses and equal siblings (the first in rank order wins) abound."""
+    tree = resolve_tree(spec)
+    rng = np.random.default_rng(0)
+    B, T = 64, tree.num_nodes
+    tokens, target = rng.integers(0, 3, (B, T)), rng.integers(0, 3, (B, T))
+    path, count = accept_paths(DeviceTree.of(tree, torch.device("cpu")), torch.tensor(tokens), torch.tensor(target))
+    for b in range(B):
+        ref = accept_greedy(tree, tokens[b], np.eye(3, dtype=np.float32)[target[b]])
+        c = int(count[b])
+        assert path[b, :c].tolist() == ref.path.tolist(), b
+        assert int(target[b, path[b, c - 1]]) == ref.bonus_token
+        assert (path[b, c:] == path[b, c - 1]).all()  # past the count: the last node repeated
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A tiny base whose greedy continuations vary (larger weights than tiny_base's, which repeats one token), so
+    random heads' drafts are accepted in part: paths of every length are committed."""
+    base = tiny_base(3)
+    for name, p in base.named_parameters():
+        if p.ndim == 2:
+            torch.nn.init.normal_(p, std=1.0 if "embed" in name else 0.2)
+    return {arch: (base, random_heads(base, arch, HEADS_SEED)) for arch in ARCHS}
+
+
+def plain_tokens(base, prompt) -> list[int]:
+    return run_tokens(TorchRunner(base), prompt, resolve_tree("plain"), N)[0]
+
+
+def decode_together(runner, tree, prompts, n=N, hold=()) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt in a slot of its own, all stepped together by the loop; `hold`: sequences that wait (do not
+    step) for the first 2 steps while the others go on. Returns each one's first n tokens and tokens per step."""
+    ds = [
+        Decoding(
+            runner.open_slot(len(p) + n + tree.num_nodes), np.array(p), tree, SamplingParams(), np.random.default_rng(0)
+        )
+        for p in prompts
+    ]
+    out, per_step = [[] for _ in ds], [[] for _ in ds]
+    k = 0
+    while live := [i for i, d in enumerate(ds) if len(out[i]) < n and not d.full and (k >= 2 or i not in hold)]:
+        for i, st in zip(live, step(runner, [ds[i] for i in live])):
+            if st.tree is not None:
+                per_step[i].append(len(st.tokens))
+            out[i] += st.tokens
+        k += 1
+    for d in ds:
+        runner.release(d.slot)
+    return [o[:n] for o in out], per_step
+
+
+class Counting(BatchedTorchRunner):
+    """Counts the sequences each device-side step served."""
+
+    calls: list[int]
+
+    def decode(self, slots, tree):
+        self.calls.append(len(slots))
+        return super().decode(slots, tree)
+
+
+@pytest.mark.parametrize("spec", ["plain", "chain-3", "small"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_batch_decoded_on_the_device_emits_plain_greedy_and_the_host_drafts(models, arch, spec):
+    base, heads = models[arch]
+    runner = Counting(base, heads, f"random:{arch}:{HEADS_SEED}")
+    runner.calls = []
+    tree = prune_tree(resolve_tree(spec), heads.config.max_depth or 99)
+    got, per_step = decode_together(runner, tree, BATCH, hold=(1,))
+    assert max(runner.calls) == len(BATCH), runner.calls  # the three sequences in one device step
+    host = TorchRunner(base, heads, f"random:{arch}:{HEADS_SEED}")
+    for i, p in enumerate(BATCH):
+        assert_identical(got[i], plain_tokens(base, p), f"{arch} {tree.name} sequence {i}", TorchRunner(base), p)
+        # the same drafts as the host loop's: the same tokens accepted at every step
+        assert (
+            per_step[i][: len(run_tokens(host, p, tree, N)[1])] == run_tokens(host, p, tree, N)[1][: len(per_step[i])]
+        )
+    if tree.max_depth:  # accepted paths of several lengths were committed
+        assert len({n for s in per_step for n in s}) > 2, per_step
+
+
+def test_a_prefilling_sequence_and_a_sampling_one_step_beside_the_device_batch(models):
+    """A batch mixing device-side steps with host-side ones (a prompt still prefilling, a sampled sequence): each
+    greedy sequence still emits plain greedy, the sampled one its own host-path tokens."""
+    base, heads = models["clover2"]
+    runner = BatchedTorchRunner(base, heads, f"random:clover2:{HEADS_SEED}")
+    tree = resolve_tree("small")
+    sampled = SamplingParams(temperature=0.8, seed=3)
+    ds = [
+        Decoding(runner.open_slot(64), np.array(BATCH[0]), tree, SamplingParams(), np.random.default_rng(0)),
+        Decoding(
+            runner.open_slot(64), np.array(BATCH[2]), tree, SamplingParams(), np.random.default_rng(0), prefill_chunk=4
+        ),
+        Decoding(runner.open_slot(64), np.array(BATCH[1]), tree, sampled, np.random.default_rng(3)),
+    ]
+    out: list[list[int]] = [[] for _ in ds]
+    while live := [i for i, d in enumerate(ds) if len(out[i]) < N]:
+        for i, st in zip(live, step(runner, [ds[i] for i in live])):
+            out[i] += st.tokens
+    for i in (0, 1):
+        p = BATCH[[0, 2][i]]
+        assert_identical(out[i][:N], plain_tokens(base, p), f"greedy sequence {i}", TorchRunner(base), p)
+    alone = BatchedTorchRunner(base, heads, f"random:clover2:{HEADS_SEED}")
+    want = run_tokens(alone, BATCH[1], tree, N, sampling=sampled, seed=3)[0]
+    assert out[2][:N] == want
+
+
+def test_draft_vocabulary_on_the_device(models):
+    """Heads drafting over a subset of the vocabulary (its columns mapped back to ids on the device): plain greedy."""
+    base, heads = models["clover2"]
+    vocab = np.arange(0, base.config.vocab_size, 2, dtype=np.int64)  # every other token
+    runner = BatchedTorchRunner(base, heads, "random:clover2", draft_vocab=vocab)
+    got, per_step = decode_together(runner, resolve_tree("small"), BATCH)
+    for i, p in enumerate(BATCH):
+        assert_identical(got[i], plain_tokens(base, p), f"draft vocabulary, sequence {i}", TorchRunner(base), p)
+
+
+def test_decode_refuses_what_it_cannot_step(models):
+    base, heads = models["clover2"]
+    runner = BatchedTorchRunner(base)
+    slot = runner.open_slot(8)
+    runner.forward(np.array([5, 6]), np.arange(2), np.tri(2, dtype=bool), slot=slot)
+    runner.commit(np.arange(2), np.array([6, 7]), slot=slot)
+    with pytest.raises(Exception, match="no draft heads"):
+        runner.decode([slot], resolve_tree("small"))
+    assert runner.decode([slot], resolve_tree("plain"))[0][0].tolist() == [0]
+    with_heads = BatchedTorchRunner(base, heads)
+    full = with_heads.open_slot(8)
+    with_heads.forward(np.array([5, 6]), np.arange(2), np.tri(2, dtype=bool), slot=full)
+    with_heads.commit(np.arange(2), np.array([6, 7]), slot=full)
+    with pytest.raises(Exception, match="exceed the capacity"):
+        with_heads.decode([full], resolve_tree("chain-7"))
