@@ -19,6 +19,7 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.lookup import NgramStore
+from clover.runtime.sampling import SamplingParams
 from clover.runtime.tree import Tree
 
 
@@ -165,13 +166,16 @@ class Runner(abc.ABC):
 
     @property
     def can_decode(self) -> bool:
-        """Whether `decode` runs greedy fixed-tree steps on the device (runtime/torch_batch.py)."""
+        """Whether `decode` runs fixed-tree steps on the device (runtime/torch_batch.py)."""
         return type(self).decode is not Runner.decode
 
-    def decode(self, slots: Sequence[Slot], tree: Tree) -> list[tuple[np.ndarray, np.ndarray]]:
-        """One greedy step of `tree` for each slot, drafted, verified, accepted and committed on the runner's device:
-        each slot's accepted path (root first) and emitted tokens. The loop uses it where a sequence needs nothing
-        of the host in its step (runtime/loop.py); runners without it step through forward / commit / draft_*."""
+    def decode(
+        self, slots: Sequence[Slot], tree: Tree, sampling: Sequence[SamplingParams] | None = None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """One step of `tree` for each slot, greedy or sampled by its `sampling` (temperature, top-p; None: greedy),
+        drafted, verified, accepted and committed on the runner's device: each slot's accepted path (root first) and
+        emitted tokens. The loop uses it where a sequence needs nothing of the host in its step (runtime/loop.py);
+        runners without it step through forward / commit / draft_*."""
         raise NotImplementedError(f"{type(self).__name__} has no device-side step")
 
     @property

@@ -184,15 +184,15 @@ def step(
 
 
 def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree]) -> list[list[int]]:
-    """The sequences whose step runs on the device (`Runner.decode`), grouped by tree: greedy, no processors, grammar
-    or log-probabilities, the heads' drafts (or none) for a fixed tree that fits."""
+    """The sequences whose step runs on the device (`Runner.decode`), grouped by tree: greedy or unseeded sampling, no
+    processors, grammar or log-probabilities, the heads' drafts (or none) for a fixed tree that fits."""
     if not runner.can_decode:
         return []
     groups: dict[int, list[int]] = {}
     for i, (d, t) in enumerate(zip(batch, trees)):
         if (
             not d.prefilling
-            and d.sampling.greedy
+            and (d.sampling.greedy or d.sampling.seed is None)  # a seeded request draws from its own generator
             and d.processors is None
             and d.grammar is None
             and d.logprobs is None
@@ -209,7 +209,7 @@ def _decoded(runner: Runner, batch: Sequence[Decoding], tree: Tree, isolate: boo
     engine = runner.engine_clock
     t0, e0 = time.perf_counter(), engine.seconds if engine else 0.0
     try:
-        results = runner.decode([d.slot for d in batch], tree)
+        results = runner.decode([d.slot for d in batch], tree, [d.sampling for d in batch])
     except Exception as e:
         if not isolate:
             raise

@@ -36,6 +36,7 @@ from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
 from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot, Verify
 from clover.runtime.lookup import NgramStore
+from clover.runtime.sampling import SamplingParams
 from clover.runtime.torch_backend import row_bucket
 from clover.runtime.tree import Tree
 
@@ -57,6 +58,7 @@ class Level:
     parent: torch.Tensor  # [m] int64 node ids
     k: int  # top-k taken per parent row
     expand: torch.Tensor  # [e] int64
+    rows: torch.Tensor  # [r] int64 node ids of the previous level's drafted rows (the root for depth 1)
 
 
 @dataclass(frozen=True, eq=False)
@@ -67,6 +69,7 @@ class DeviceTree:
     depth: torch.Tensor  # [T] int64
     mask: torch.Tensor  # [T, T] bool
     levels: tuple[Level, ...]
+    children: torch.Tensor  # [T, max(1, max_children)] int64 child ids in rank order, padded with -1
 
     @classmethod
     def of(cls, tree: Tree, device: torch.device) -> DeviceTree:
@@ -86,10 +89,14 @@ class DeviceTree:
                     t(parents),
                     int(tree.rank[nodes].max()) + 1,
                     t(kids),
+                    t(expanded),
                 )
             )
             expanded = nodes[kids]
-        return cls(tree, t(tree.depth), torch.tensor(tree.ancestor_mask, device=device), tuple(levels))
+        children = np.full((tree.num_nodes, max(1, tree.max_children)), -1, dtype=np.int64)
+        for node, kids in enumerate(tree.children):
+            children[node, : len(kids)] = kids
+        return cls(tree, t(tree.depth), torch.tensor(tree.ancestor_mask, device=device), tuple(levels), t(children))
 
 
 def accept_paths(tree: DeviceTree, tokens: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,6 +117,93 @@ def accept_paths(tree: DeviceTree, tokens: torch.Tensor, target: torch.Tensor) -
         path[:, d] = torch.where(found, lv.start + ok.int().argmax(1), path[:, d - 1])
         count += found
     return path, count
+
+
+RESIDUAL_EPS = 1e-12  # as runtime/acceptance.py: a residual this light is an unreachable branch
+
+
+@dataclass(frozen=True, eq=False)
+class Law:
+    """Per row of a decode batch, how tokens are chosen: temperature [n] (0: greedy) and top_p [n]."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+
+    @property
+    def greedy(self) -> torch.Tensor:
+        return self.temperature <= 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's law over logits [n, ..., V], float32: temperature softmax then nucleus (the smallest set of most
+        likely tokens reaching top_p, ties by lower id, as runtime/sampling.probs_from_logits); greedy rows: the
+        temperature-1 softmax (drafts) or, by `target`, the argmax's point mass."""
+        shape = (-1,) + (1,) * (logits.dim() - 1)
+        t = torch.where(self.greedy, 1.0, self.temperature).view(shape)
+        probs = torch.softmax(logits.float() / t, dim=-1)
+        ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+        before = ordered.cumsum(-1) - ordered  # mass of the more likely tokens
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < self.top_p.view(shape))
+        probs = torch.where(keep, probs, 0.0)
+        return probs / probs.sum(-1, keepdim=True)
+
+    def target(self, logits: torch.Tensor) -> torch.Tensor:
+        point = torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        shape = (-1,) + (1,) * (logits.dim() - 1)
+        return torch.where(self.greedy.view(shape), point, self.probs(logits))
+
+
+def accept_sampled(
+    tree: DeviceTree,
+    tokens: torch.Tensor,
+    valid: torch.Tensor,
+    draft: torch.Tensor,
+    target: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recursive rejection sampling of B drafted trees at once, on their device (runtime/acceptance.accept_sampling,
+    the reference, with the same stages): tokens, valid [B, T]; draft [B, T, V] the law each node's children were
+    drawn from, in rank order without replacement; target [B, T, V] the base's law at each node. The emitted tokens
+    have the target's law exactly; a point-mass target row (greedy) accepts exactly its argmax.
+    Returns path [B, D + 1], count [B] and the bonus token [B]."""
+    B, T, V = target.shape
+    rows = torch.arange(B, device=tokens.device)
+    node = torch.zeros(B, dtype=torch.int64, device=tokens.device)
+    alive = torch.ones(B, dtype=torch.bool, device=tokens.device)
+    path = torch.zeros(B, len(tree.levels) + 1, dtype=torch.int64, device=tokens.device)
+    count = torch.ones(B, dtype=torch.int64, device=tokens.device)
+    bonus = torch.zeros(B, dtype=torch.int64, device=tokens.device)
+    p = target[:, 0]
+    for d in range(1, len(tree.levels) + 1):
+        q = draft[rows, node]
+        q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
+        kids = tree.children[node]  # [B, K]
+        moved, nxt = torch.zeros_like(alive), node.clone()
+        for i in range(kids.shape[1]):
+            child = kids[:, i].clamp(min=0)
+            live = alive & ~moved & (kids[:, i] >= 0) & valid[rows, child]
+            x = tokens[rows, child]
+            qx, px = q[rows, x], p[rows, x]
+            u = torch.rand(B, device=tokens.device, generator=generator)
+            took = live & (u * qx < px)  # accepted with probability min(1, p(x) / q(x))
+            nxt, moved = torch.where(took, child, nxt), moved | took
+            rejected = (live & ~took)[:, None]
+            residual = (p - q).clamp(min=0)
+            mass = residual.sum(-1, keepdim=True)
+            dropped = p.scatter(1, x[:, None], 0.0)
+            rest = dropped.sum(-1, keepdim=True)
+            fallback = torch.where(rest > 0, dropped / rest.clamp_min(1e-30), p)
+            p = torch.where(rejected, torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(1e-30), fallback), p)
+            q_rest = q.scatter(1, x[:, None], 0.0)
+            q = torch.where(rejected, q_rest / q_rest.sum(-1, keepdim=True).clamp_min(1e-30), q)
+        stopped = alive & ~moved
+        bonus = torch.where(stopped, torch.multinomial(p, 1, generator=generator)[:, 0], bonus)
+        alive &= moved
+        node = torch.where(alive, nxt, node)
+        path[:, d] = node
+        count += alive
+        p = torch.where(alive[:, None], target[rows, node], p)
+    bonus = torch.where(alive, torch.multinomial(p, 1, generator=generator)[:, 0], bonus)
+    return path, count, bonus
 
 
 @dataclass(eq=False)
@@ -192,6 +286,8 @@ class BatchedTorchRunner(Runner):
         self.root_state = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=self.device)
         self.root_logits = torch.zeros(1, cfg.vocab_size, dtype=dtype, device=self.device)
         self._trees: dict[str, DeviceTree] = {}
+        self.generator = torch.Generator(self.device)  # sampled steps' draws (seeded from fresh entropy)
+        self.generator.seed()
         self._graphs: dict[tuple[int, str], DecodeGraph] = {}
         self.info = RunnerInfo(
             backend="torch",
@@ -342,9 +438,11 @@ class BatchedTorchRunner(Runner):
             self._trees[tree.name] = DeviceTree.of(tree, self.device)
         return self._trees[tree.name]
 
-    def decode(self, slots: Sequence[Slot], tree: Tree) -> list[tuple[np.ndarray, np.ndarray]]:
+    def decode(
+        self, slots: Sequence[Slot], tree: Tree, sampling: Sequence[SamplingParams] | None = None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
         """Runner.decode for slots prefilled with nothing pending and room for the tree (module doc): each slot's
-        lengths advance as a commit's would."""
+        lengths advance as a commit's would. Sampling (temperature, top-p) draws from the runner's `generator`."""
         if tree.max_depth and self.heads is None:
             raise CloverError("this runner has no draft heads: use the plain tree")
         if tree.max_depth >= SCRATCH:
@@ -357,8 +455,17 @@ class BatchedTorchRunner(Runner):
         active = np.zeros(rows, dtype=bool)
         active[[s.index for s in slots]] = True
         dt = self.device_tree(tree)
+        law = None
+        if sampling is not None and not all(sp.greedy for sp in sampling):
+            temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+            for s, sp in zip(slots, sampling):
+                if not sp.greedy:
+                    temperature[s.index], top_p[s.index] = sp.temperature, sp.top_p
+            law = Law(self._t(temperature), self._t(top_p))
         with self.engine_clock, torch.inference_mode():
-            if self.cuda_graphs:
+            if law is not None:  # eager: the graphs are recorded for greedy steps
+                packed = self._decode(dt, self._t(active), int(max(s.past for s in slots)), law).cpu().numpy()
+            elif self.cuda_graphs:
                 bucket = row_bucket(rows)
                 self._ensure(bucket, self.cache.columns)
                 key = (bucket, tree.name)
@@ -376,12 +483,13 @@ class BatchedTorchRunner(Runner):
             out.append((path[:count].copy(), emitted[:count].copy()))
         return out
 
-    def _decode(self, dt: DeviceTree, active: torch.Tensor, columns: int) -> torch.Tensor:
-        """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns; returns [n, 1 + 2L]
-        int64: each row's count, path and emitted tokens. Only tensors in, one tensor out: it records as one graph."""
+    def _decode(self, dt: DeviceTree, active: torch.Tensor, columns: int, law: Law | None = None) -> torch.Tensor:
+        """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns, greedy (law None)
+        or by each row's law; returns [n, 1 + 2L] int64: each row's count, path and emitted tokens. Greedy, only
+        tensors in and one tensor out: it records as one graph."""
         n, T = active.shape[0], dt.tree.num_nodes
         lengths = self.lengths[:n]
-        tokens = self._draft(dt, n)
+        tokens, valid, laws = self._draft(dt, n, law)
         keys, values = self.cache.view(n, columns)
         out = self.base(
             tokens,
@@ -392,10 +500,16 @@ class BatchedTorchRunner(Runner):
             values,
             logit_rows=torch.zeros(0, dtype=torch.int64, device=self.device),
         )
-        target = self._logits(out.hidden_states).argmax(-1)  # [n, T]
-        path, count = accept_paths(dt, tokens, target)
+        logits = self._logits(out.hidden_states)  # [n, T, V]
+        if law is None:
+            target = logits.argmax(-1)
+            path, count = accept_paths(dt, tokens, target)
+            emitted = target.gather(1, path)  # [n, L]: what follows each path node; the last counted one is the bonus
+        else:
+            path, count, bonus = accept_sampled(dt, tokens, valid, laws, law.target(logits), self.generator)
+            emitted = torch.cat((tokens.gather(1, path[:, 1:]), bonus[:, None]), dim=1)
+            emitted.scatter_(1, (count - 1)[:, None], bonus[:, None])
         count = count * active
-        emitted = target.gather(1, path)  # [n, L]: what follows each path node; the last counted one is the bonus
         L = path.shape[1]
         # rows that do not step write into the scratch columns past every capacity
         start = torch.where(active, lengths, self.cache.columns)
@@ -427,24 +541,38 @@ class BatchedTorchRunner(Runner):
         self.lengths[:n] += count
         return torch.cat((count[:, None], path, emitted), dim=1)
 
-    def _draft(self, dt: DeviceTree, n: int) -> torch.Tensor:
-        """Each row's tree tokens [n, T] from the heads, level by level: a node's token is the rank-th best of
-        its parent's draft logits (over the draft vocabulary, if any)."""
-        tokens = self.roots[:n, None].expand(n, dt.tree.num_nodes).clone()
-        if not dt.levels:
-            return tokens
+    def _draft(self, dt: DeviceTree, n: int, law: Law | None = None):
+        """Each row's tree tokens [n, T] from the heads, level by level. Greedy (law None): a node's token is the
+        rank-th best of its parent's draft logits (over the draft vocabulary, if any). With a law: the children of a
+        row are drawn from its law without replacement (Gumbel-top-k; greedy rows: its top-k), and the laws [n, T, V]
+        and which nodes were drawn ([n, T] bool: a law with less support than children leaves some undrawn) come
+        back too, for `accept_sampled`."""
+        T, V = dt.tree.num_nodes, self.info.vocab_size
+        tokens = self.roots[:n, None].expand(n, T).clone()
+        valid = torch.ones(n, T, dtype=torch.bool, device=self.device)
+        laws = torch.zeros(n, T if law is not None else 0, V, device=self.device)
         logits = self.root_logits[:n, None]  # [n, rows, V]: draft logits of the rows whose children come next
         states = self.root_state[:n, None]
         for depth, lv in enumerate(dt.levels, start=1):
             columns = logits if self._vocab is None else logits[..., self._vocab]
-            top = columns.topk(lv.k, dim=-1).indices  # [n, rows, k]
+            if law is None:
+                top = columns.topk(lv.k, dim=-1).indices  # [n, rows, k]
+            else:
+                q = law.probs(columns)  # [n, rows, K]
+                noise = -torch.log(-torch.log(torch.rand(q.shape, device=self.device, generator=self.generator)))
+                keys = q.log() + torch.where(law.greedy[:, None, None], 0.0, noise)
+                drawn, top = keys.topk(lv.k, dim=-1)
+                valid[:, lv.start : lv.end] = (drawn[:, lv.parent_row, lv.rank] > -torch.inf) & valid[:, lv.parent]
+                laws[:, lv.rows] = (
+                    q if self._vocab is None else q.new_zeros(*q.shape[:2], V).index_copy(2, self._vocab, q)
+                )
             picked = top[:, lv.parent_row, lv.rank]  # [n, m]
             picked = picked if self._vocab is None else self._vocab[picked]
             tokens[:, lv.start : lv.end] = picked
             if lv.expand.numel():
                 parent_rows = lv.parent_row[lv.expand]
                 states, logits = self.heads.step_batch(depth, states[:, parent_rows], picked[:, lv.expand])
-        return tokens
+        return tokens, valid, laws
 
 
 class DecodeGraph:

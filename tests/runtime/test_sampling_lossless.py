@@ -525,3 +525,50 @@ def test_a_grammar_samples_the_masked_base_law(base, base_logits, tmp_path):
     assert p3 > ALPHA, f"x3 marginal law differs from the masked base law: p = {p3:.2e}"
     raw_joint, _, _ = exact_laws(base_logits, sampling)
     assert raw_joint[joint == 0].sum() > 0.3, "the grammar barely changes the law: the test proves little"
+
+
+# -- the device-side step (runtime/torch_batch.py) -------------------------------------------------------------
+
+
+def device_first_tokens(base, arch: str, tree, sampling: SamplingParams, n: int, seed: int, batch: int = 250):
+    """first_tokens through the stacked runner: `batch` sequences of the prompt stepped together by the loop, whose
+    unseeded sampled steps run on the device (`decode`, drawing from the runner's generator, seeded here)."""
+    from clover.runtime.torch_batch import BatchedTorchRunner
+
+    runner = BatchedTorchRunner(base, random_heads(base, arch, seed=0))
+    runner.generator.manual_seed(seed)
+    calls = []
+    decode = runner.decode
+    runner.decode = lambda slots, t, s=None: calls.append(len(slots)) or decode(slots, t, s)
+    capacity = len(PROMPT) + NUM_TOKENS + tree.num_nodes
+    tokens, lengths = np.zeros((n, NUM_TOKENS), dtype=np.int64), []
+    for start in range(0, n, batch):
+        rngs = np.random.SeedSequence(seed + start).spawn(batch)
+        ds = [
+            Decoding(runner.open_slot(capacity), np.array(PROMPT), tree, sampling, np.random.default_rng(r))
+            for r in rngs
+        ]
+        out: list[list[int]] = [[] for _ in ds]
+        while live := [i for i in range(batch) if len(out[i]) < NUM_TOKENS]:
+            for i, st in zip(live, step(runner, [ds[i] for i in live])):
+                if st.tree is not None:
+                    lengths.append(len(st.tokens))
+                out[i] += st.tokens
+        tokens[start : start + batch] = [o[:NUM_TOKENS] for o in out]
+        for d in ds:
+            runner.release(d.slot)
+    assert calls and max(calls) == batch, calls  # the speculative steps ran on the device, all rows at once
+    return tokens, np.array(lengths)
+
+
+@pytest.mark.parametrize("arch,tree,top_p", CASES, ids=CASE_IDS)
+def test_device_step_samples_the_base_law(base, base_logits, arch, tree, top_p):
+    """The same goodness of fit for the device-side step: Gumbel-top-k drafts, recursive rejection sampling over
+    siblings with the residual update, bonus tokens and the KV commit, all as torch ops over a batch of rows."""
+    tokens, lengths = device_first_tokens(base, arch, resolve_tree(tree), sampling_params(top_p), N, MASTER_SEED)
+    joint, marginal, _ = exact_laws(base_logits, sampling_params(top_p))
+    c12, c3 = counts_of(tokens)
+    p12, p3 = chi2_pvalue(c12, joint), chi2_pvalue(c3, marginal)
+    assert np.mean(lengths > 1) > 0.5 and np.mean(lengths == 1) > 0.1, np.bincount(lengths)
+    assert p12 > ALPHA, f"(x1, x2) joint law differs from the base's: chi-square p = {p12:.2e}"
+    assert p3 > ALPHA, f"x3 marginal law differs from the base's: chi-square p = {p3:.2e}"

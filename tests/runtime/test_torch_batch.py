@@ -83,9 +83,9 @@ class Counting(BatchedTorchRunner):
 
     calls: list[int]
 
-    def decode(self, slots, tree):
+    def decode(self, slots, tree, sampling=None):
         self.calls.append(len(slots))
-        return super().decode(slots, tree)
+        return super().decode(slots, tree, sampling)
 
 
 @pytest.mark.parametrize("spec", ["plain", "chain-3", "small"])
@@ -108,30 +108,34 @@ def test_a_batch_decoded_on_the_device_emits_plain_greedy_and_the_host_drafts(mo
         assert len({n for s in per_step for n in s}) > 2, per_step
 
 
-def test_a_prefilling_sequence_and_a_sampling_one_step_beside_the_device_batch(models):
-    """A batch mixing device-side steps with host-side ones (a prompt still prefilling, a sampled sequence): each
-    greedy sequence still emits plain greedy, the sampled one its own host-path tokens."""
+def test_a_prefilling_sequence_and_sampled_ones_step_beside_the_device_batch(models):
+    """A batch mixing the device-side step with host-side ones: a prompt still prefilling and a seeded sampled
+    sequence (its own generator) step on the host; an unseeded sampled sequence shares the device step with the
+    greedy ones, whose rows stay exactly greedy there (point-mass targets). Each greedy sequence emits plain greedy,
+    the seeded one its own host-path tokens."""
     base, heads = models["clover2"]
-    runner = BatchedTorchRunner(base, heads, f"random:clover2:{HEADS_SEED}")
+    runner = Counting(base, heads, f"random:clover2:{HEADS_SEED}")
+    runner.calls = []
     tree = resolve_tree("small")
-    sampled = SamplingParams(temperature=0.8, seed=3)
+    seeded = SamplingParams(temperature=0.8, seed=3)
+    greedy, hot = SamplingParams(), SamplingParams(temperature=1.5)
     ds = [
-        Decoding(runner.open_slot(64), np.array(BATCH[0]), tree, SamplingParams(), np.random.default_rng(0)),
-        Decoding(
-            runner.open_slot(64), np.array(BATCH[2]), tree, SamplingParams(), np.random.default_rng(0), prefill_chunk=4
-        ),
-        Decoding(runner.open_slot(64), np.array(BATCH[1]), tree, sampled, np.random.default_rng(3)),
+        Decoding(runner.open_slot(64), np.array(BATCH[0]), tree, greedy, np.random.default_rng(0)),
+        Decoding(runner.open_slot(64), np.array(BATCH[2]), tree, greedy, np.random.default_rng(0), prefill_chunk=4),
+        Decoding(runner.open_slot(64), np.array(BATCH[1]), tree, seeded, np.random.default_rng(3)),
+        Decoding(runner.open_slot(64), np.array(BATCH[1]), tree, hot, np.random.default_rng(4)),
     ]
     out: list[list[int]] = [[] for _ in ds]
     while live := [i for i, d in enumerate(ds) if len(out[i]) < N]:
         for i, st in zip(live, step(runner, [ds[i] for i in live])):
             out[i] += st.tokens
+    assert max(runner.calls) == 3, runner.calls  # the greedy pair and the unseeded sampled one, together
     for i in (0, 1):
         p = BATCH[[0, 2][i]]
         assert_identical(out[i][:N], plain_tokens(base, p), f"greedy sequence {i}", TorchRunner(base), p)
     alone = BatchedTorchRunner(base, heads, f"random:clover2:{HEADS_SEED}")
-    want = run_tokens(alone, BATCH[1], tree, N, sampling=sampled, seed=3)[0]
-    assert out[2][:N] == want
+    assert out[2][:N] == run_tokens(alone, BATCH[1], tree, N, sampling=seeded, seed=3)[0]
+    assert len(out[3]) >= N and all(0 <= t < base.config.vocab_size for t in out[3])
 
 
 def test_draft_vocabulary_on_the_device(models):
