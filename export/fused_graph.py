@@ -303,12 +303,13 @@ def write_layer(
 def finish_model(w: GraphWriter, name: str, inputs: list, outputs: list):
     from onnx import helper
 
+    from clover.onnx_ir import capped
+
     graph = helper.make_graph(w.nodes, name, inputs, outputs, w.inits)
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS, 1)], producer_name="clover-deploy"
     )
-    model.ir_version = 10
-    return model
+    return capped(model)  # make_model stamps onnx's newest IR version, which onnxruntime may not read
 
 
 def fused_base_model(base: Decoder, max_context: int, trees: bool = True):

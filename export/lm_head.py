@@ -175,13 +175,16 @@ def lm_head_names(model, key: str | None) -> tuple[str, ...]:
 
 
 def save_model(model, path: Path) -> None:
-    """Write `model` to `path` with its weights in `<name>.data`, replacing any old files whole."""
+    """Write `model` to `path` with its weights in `<name>.data`, replacing any old files whole; its IR version
+    capped (clover.onnx_ir)."""
     import onnx
+
+    from clover.onnx_ir import capped
 
     replace_graph(
         path,
         lambda out: onnx.save(
-            model,
+            capped(model),
             str(out),
             save_as_external_data=True,
             all_tensors_to_one_file=True,

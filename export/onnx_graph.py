@@ -1,6 +1,6 @@
 """Loaders for one graph: ONNX from a torch GraphDef, its checks, and the CPU session the checks run it in.
 
-    spec = onnx_from_torch(graph, out_dir, opset)      # <name>.onnx + <name>.onnx.data
+    spec = onnx_from_torch(graph, out_dir, opset)      # <name>.onnx + <name>.onnx.data, IR version capped
     check_onnx(out_dir / spec.file)                    # onnx.checker (by path) + strict shape inference
     outputs = run_checked(checking_session(out_dir / spec.file), names, feeds)
 Parity with PyTorch runs through Polygraphy: clover.export.compare.
@@ -39,7 +39,8 @@ def _quiet_exporter():
 
 
 def onnx_from_torch(graph: GraphDef, out_dir: Path, opset: int) -> GraphSpec:
-    """Export `graph` with torch.onnx.export(dynamo=True) to out_dir/<name>.onnx, weights as external data."""
+    """Export `graph` with torch.onnx.export(dynamo=True) to out_dir/<name>.onnx, weights as external data, its IR
+    version capped to what every supported onnxruntime reads (clover.onnx_ir: the exporter picks its own)."""
     path = out_dir / f"{graph.name}.onnx"
     args = graph.example(EXPORT_SIZES, torch.Generator().manual_seed(0))
     try:
@@ -59,7 +60,7 @@ def onnx_from_torch(graph: GraphDef, out_dir: Path, opset: int) -> GraphSpec:
     except Exception as e:  # the exporter raises many types; keep the first line of its summary
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CloverError(f"torch.onnx.export failed for the {graph.name} graph: {first}") from e
-    name_plugin_nodes(path)
+    finish_exported(path)
     return graph_spec(path)
 
 
@@ -70,19 +71,22 @@ def plugin_nodes(model) -> list:
     return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == OP_TYPE]
 
 
-def name_plugin_nodes(path: Path) -> None:
-    """Give each tree-attention node a unique, readable name (`layers.{i}.self_attn.tree_attention`):
-    the exporter names them all after the symbolic op, and TensorRT reports errors by node name.
-    Only the graph proto is rewritten; the external weight files stay as they are."""
+def finish_exported(path: Path) -> None:
+    """Rewrite the exported graph proto at `path` (the external weight files stay as they are) where it needs it:
+    its IR version capped (clover.onnx_ir), and each tree-attention node given a unique, readable name
+    (`layers.{i}.self_attn.tree_attention`): the exporter names them all after the symbolic op, and TensorRT
+    reports errors by node name."""
     import onnx
 
+    from clover.onnx_ir import capped
+
     model = onnx.load(str(path), load_external_data=False)
+    ir_version = model.ir_version
     nodes = plugin_nodes(model)
-    if not nodes:
-        return
     for i, node in enumerate(nodes):
         node.name = f"layers.{i}.self_attn.tree_attention"
-    onnx.save(model, str(path))
+    if capped(model).ir_version != ir_version or nodes:
+        onnx.save(model, str(path))
 
 
 def graph_spec(path: Path) -> GraphSpec:

@@ -182,6 +182,7 @@ def quantize_weights(
     whose weights `keep_lm_head` names (lm_head.weights_key: the base's, which the draft graphs share); returns how
     the token embedding is stored ("int4" or "float32": onnxruntime quantizes Gather to 4 bits only)."""
     from clover.export.lm_head import lm_head_names
+    from clover.onnx_ir import capped
 
     onnx, _ = _onnx_quantization()
     with quiet_root_logger():  # importing it calls logging.basicConfig(level=INFO) for the whole process
@@ -209,6 +210,7 @@ def quantize_weights(
         if gather:  # the embedding: hqq / kquant / gptq take MatMuls only
             model = _quantized(model, mnq, rtn_config(mnq, 4, block_size, symmetric, 0, ("Gather",)), excluded)
         set_accuracy_level(model, accuracy_level)  # HQQ writes none
+    capped(model)  # the quantizers keep the source's IR version, or stamp onnx's newest
     replace_graph(
         path, lambda out: onnx.save_model(model, str(out), save_as_external_data=True, location=out.name + ".data")
     )

