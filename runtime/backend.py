@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import importlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,7 +167,7 @@ class Runner(abc.ABC):
     @property
     def can_decode(self) -> bool:
         """Whether `decode` runs fixed-tree steps on the device (runtime/torch_batch.py)."""
-        return type(self).decode is not Runner.decode
+        return type(self).decode_async is not Runner.decode_async
 
     def decode(
         self, slots: Sequence[Slot], tree: Tree, sampling: Sequence[SamplingParams] | None = None
@@ -176,6 +176,14 @@ class Runner(abc.ABC):
         drafted, verified, accepted and committed on the runner's device: each slot's accepted path (root first) and
         emitted tokens. The loop uses it where a sequence needs nothing of the host in its step (runtime/loop.py);
         runners without it step through forward / commit / draft_*."""
+        return self.decode_async(slots, tree, sampling)()
+
+    def decode_async(
+        self, slots: Sequence[Slot], tree: Tree, sampling: Sequence[SamplingParams] | None = None
+    ) -> Callable[[], list[tuple[np.ndarray, np.ndarray]]]:
+        """`decode`, launched: returns at once where the device runs ahead of the host, with a call that waits for
+        the step and returns its results (the slots' lengths advance then). Between the two the host may do its
+        own work (the loop's overlap: runtime/loop.launch)."""
         raise NotImplementedError(f"{type(self).__name__} has no device-side step")
 
     @property

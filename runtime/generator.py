@@ -17,7 +17,7 @@ from pathlib import Path
 from clover.runtime.backend import Runner
 from clover.runtime.configure import Speculation, load_backend
 from clover.runtime.grammar import GrammarCompiler
-from clover.runtime.loop import step
+from clover.runtime.loop import launch, step
 from clover.runtime.params import PREFILL_CHUNK, DraftSource, EngineOptions, GenerationParams
 from clover.runtime.policy import LookupLength
 from clover.runtime.requests import Prompt, Request, encode_prompt
@@ -32,7 +32,9 @@ class Generator:
     """One sequence at a time on `runner`. `tree`: the tree every step speculates (a name or Tree; None: the
     artifact's default, or the heads' default; "auto": sized each step as Engine's); `drafts`: where drafts come
     from ("heads", "lookup": prompt lookup, no model, `tree` a chain capping the drafts per step, chain-12 by
-    default; "heads+lookup": both in one tree)."""
+    default; "heads+lookup": both in one tree); `overlap`: on a runner whose device runs ahead of the host (the
+    stacked torch runner), each step is launched before the last one is taken in (detokenized, checked for stops,
+    streamed), so that host work hides behind the device's; the tokens are the same either way."""
 
     def __init__(
         self,
@@ -40,8 +42,11 @@ class Generator:
         tokenizer: Tokenizer,
         tree: Tree | str | None = None,
         drafts: DraftSource | str = DraftSource.HEADS,
+        overlap: bool = True,
     ) -> None:
         self.runner, self.tokenizer = runner, tokenizer
+        # launch each device-side step before taking in the last one (runtime/loop.launch), where the runner can
+        self.overlap = overlap
         self.speculation = Speculation.build(runner, tree, drafts, EngineOptions(max_batch=1), log=None)
         self.grammars = GrammarCompiler(tokenizer, runner.info.vocab_size)
 
@@ -119,13 +124,17 @@ class GenerationStream:
         spec, info = gen.speculation, runner.info
         runner.reset(r.capacity(info, spec.tree.num_nodes))
         d = r.start(runner.solo, spec.tree, spec.drafts, PREFILL_CHUNK, spec.lookup_length, info.vocab_size)
+        ahead = None  # the next step, launched before this one was taken in (overlap)
         try:
             while not r.done:
-                steps = step(runner, [d], spec.policy.choose([d]))
+                steps = ahead() if ahead is not None else step(runner, [d], spec.policy.choose([d]))
+                ahead = launch(runner, [d], spec.policy.choose([d])) if gen.overlap and not d.full else None
                 spec.policy.observe([d], steps)
                 delta = r.absorb(steps[0])
                 if delta is not None and delta.text:
                     yield delta.text
+            if ahead is not None:  # the output ended with a step in flight: it finishes, its tokens are dropped
+                ahead()
         finally:
             spec.policy.forget(d)
         self.result = r.result(gen.tokenizer, info.backend, spec.label(info), spec.tree_name)

@@ -16,7 +16,7 @@ Plain decoding is the same loop with the root-only tree.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +44,17 @@ from clover.runtime.proposers import (
 from clover.runtime.sampling import SamplingParams, probs_from_logits
 from clover.runtime.tree import Tree
 
-__all__ = ["LOOKUP_DRAFTS", "PLAIN", "PREFILL_CHUNK", "Decoding", "Step", "chain", "speculative_steps", "step"]
+__all__ = [
+    "LOOKUP_DRAFTS",
+    "PLAIN",
+    "PREFILL_CHUNK",
+    "Decoding",
+    "Step",
+    "chain",
+    "launch",
+    "speculative_steps",
+    "step",
+]
 
 
 @dataclass
@@ -206,24 +216,48 @@ def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tr
 
 def _decoded(runner: Runner, batch: Sequence[Decoding], tree: Tree, isolate: bool) -> list[Step]:
     """One device-side step (draft, verify, accept, commit in one `decode` call) for sequences sharing `tree`."""
-    engine = runner.engine_clock
-    t0, e0 = time.perf_counter(), engine.seconds if engine else 0.0
     try:
-        results = runner.decode([d.slot for d in batch], tree, [d.sampling for d in batch])
+        return _launched(runner, batch, tree)()
     except Exception as e:
         if not isolate:
             raise
         return [Step([], 0, error=e) for _ in batch]
-    seconds = {"verify": time.perf_counter() - t0}
-    if engine:
-        seconds["engine"] = engine.seconds - e0
-    steps = []
-    for d, (path, emitted) in zip(batch, results):
-        tokens = [int(t) for t in emitted]
-        _extend(d, tokens)
-        d.root = tokens[-1]
-        steps.append(Step(tokens, tree.num_nodes, tree=tree, rows=tree.num_nodes, path=path, seconds=dict(seconds)))
+
+
+def _launched(runner: Runner, batch: Sequence[Decoding], tree: Tree) -> Callable[[], list[Step]]:
+    """The device-side step of `batch` launched; a call that waits for it and says what each sequence emitted."""
+    engine = runner.engine_clock
+    t0, e0 = time.perf_counter(), engine.seconds if engine else 0.0
+    wait = runner.decode_async([d.slot for d in batch], tree, [d.sampling for d in batch])
+
+    def steps() -> list[Step]:
+        results = wait()
+        seconds = {"verify": time.perf_counter() - t0}
+        if engine:
+            seconds["engine"] = engine.seconds - e0
+        out = []
+        for d, (path, emitted) in zip(batch, results):
+            tokens = [int(t) for t in emitted]
+            _extend(d, tokens)
+            d.root = tokens[-1]
+            out.append(Step(tokens, tree.num_nodes, tree=tree, rows=tree.num_nodes, path=path, seconds=dict(seconds)))
+        return out
+
     return steps
+
+
+def launch(
+    runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree] | None = None
+) -> Callable[[], list[Step]] | None:
+    """The next step of `batch` launched without waiting for it, when every sequence's step runs on the device
+    (`Runner.decode_async`): a call that waits and returns what `step` would have. None: step it with `step`.
+    The caller's overlap: while the device runs this step, the host takes in the last one (detokenizes, checks
+    stops, streams); a sequence found finished then has run one step more, whose tokens are dropped."""
+    trees = list(trees) if trees is not None else [d.tree for d in batch]
+    groups = _device_groups(runner, batch, trees)
+    if len(groups) != 1 or len(groups[0]) != len(batch):
+        return None
+    return _launched(runner, batch, trees[0])
 
 
 def _each(errors: list[BaseException | None], work) -> list:

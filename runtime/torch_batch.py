@@ -36,7 +36,6 @@ from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
 from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot, Verify
 from clover.runtime.lookup import NgramStore
-from clover.runtime.sampling import SamplingParams
 from clover.runtime.torch_backend import row_bucket
 from clover.runtime.tree import Tree
 
@@ -438,11 +437,10 @@ class BatchedTorchRunner(Runner):
             self._trees[tree.name] = DeviceTree.of(tree, self.device)
         return self._trees[tree.name]
 
-    def decode(
-        self, slots: Sequence[Slot], tree: Tree, sampling: Sequence[SamplingParams] | None = None
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Runner.decode for slots prefilled with nothing pending and room for the tree (module doc): each slot's
-        lengths advance as a commit's would. Sampling (temperature, top-p) draws from the runner's `generator`."""
+    def decode_async(self, slots, tree, sampling=None):
+        """Runner.decode_async for slots prefilled with nothing pending and room for the tree (module doc). Sampling
+        (temperature, top-p) draws from the runner's `generator`. With CUDA graphs the call returns once the step is
+        queued; otherwise (eager) once it is done."""
         if tree.max_depth and self.heads is None:
             raise CloverError("this runner has no draft heads: use the plain tree")
         if tree.max_depth >= SCRATCH:
@@ -463,25 +461,29 @@ class BatchedTorchRunner(Runner):
                     temperature[s.index], top_p[s.index] = sp.temperature, sp.top_p
             law = Law(self._t(temperature), self._t(top_p))
         with self.engine_clock, torch.inference_mode():
-            if law is not None:  # eager: the graphs are recorded for greedy steps
-                packed = self._decode(dt, self._t(active), int(max(s.past for s in slots)), law).cpu().numpy()
-            elif self.cuda_graphs:
+            if law is None and self.cuda_graphs:
                 bucket = row_bucket(rows)
                 self._ensure(bucket, self.cache.columns)
                 key = (bucket, tree.name)
                 if key not in self._graphs:
                     self._graphs[key] = DecodeGraph(self, dt, bucket)
-                packed = self._graphs[key](active)
-            else:
-                columns = int(max(s.past for s in slots))
-                packed = self._decode(dt, self._t(active), columns).cpu().numpy()  # the step's one copy back
+                wait = self._graphs[key].launch(active)
+            else:  # eager (the graphs are recorded for greedy steps)
+                packed = self._decode(dt, self._t(active), int(max(s.past for s in slots)), law).cpu().numpy()
+                wait = lambda: packed  # noqa: E731
         L = tree.max_depth + 1
-        out = []
-        for s in slots:
-            count, path, emitted = packed[s.index, 0], packed[s.index, 1 : 1 + L], packed[s.index, 1 + L :]
-            s.past += int(count)
-            out.append((path[:count].copy(), emitted[:count].copy()))
-        return out
+
+        def results() -> list[tuple[np.ndarray, np.ndarray]]:
+            with self.engine_clock:
+                packed = wait()  # the step's one copy back
+            out = []
+            for s in slots:
+                count, path, emitted = packed[s.index, 0], packed[s.index, 1 : 1 + L], packed[s.index, 1 + L :]
+                s.past += int(count)
+                out.append((path[:count].copy(), emitted[:count].copy()))
+            return out
+
+        return results
 
     def _decode(self, dt: DeviceTree, active: torch.Tensor, columns: int, law: Law | None = None) -> torch.Tensor:
         """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns, greedy (law None)
@@ -595,16 +597,24 @@ class DecodeGraph:
         with torch.cuda.graph(self.graph):
             self.out = runner._decode(dt, self.active, columns)
         self.host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=True)
+        self.done = torch.cuda.Event()
 
-    def __call__(self, active: np.ndarray) -> np.ndarray:
+    def launch(self, active: np.ndarray):
+        """Queue one replay for the rows `active` marks; returns a call that waits for it and gives the packed result
+        (valid until the next launch)."""
         h = self.host_active.numpy()
         h[:] = False
         h[: len(active)] = active
         self.active.copy_(self.host_active, non_blocking=True)
         self.graph.replay()
         self.host.copy_(self.out, non_blocking=True)
-        torch.cuda.current_stream().synchronize()
-        return self.host.numpy()
+        self.done.record()
+
+        def wait() -> np.ndarray:
+            self.done.synchronize()
+            return self.host.numpy()
+
+        return wait
 
 
 def load_runner(

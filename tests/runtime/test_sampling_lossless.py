@@ -538,8 +538,8 @@ def device_first_tokens(base, arch: str, tree, sampling: SamplingParams, n: int,
     runner = BatchedTorchRunner(base, random_heads(base, arch, seed=0))
     runner.generator.manual_seed(seed)
     calls = []
-    decode = runner.decode
-    runner.decode = lambda slots, t, s=None: calls.append(len(slots)) or decode(slots, t, s)
+    decode = runner.decode_async
+    runner.decode_async = lambda slots, t, s=None: calls.append(len(slots)) or decode(slots, t, s)
     capacity = len(PROMPT) + NUM_TOKENS + tree.num_nodes
     tokens, lengths = np.zeros((n, NUM_TOKENS), dtype=np.int64), []
     for start in range(0, n, batch):

@@ -83,9 +83,9 @@ class Counting(BatchedTorchRunner):
 
     calls: list[int]
 
-    def decode(self, slots, tree, sampling=None):
+    def decode_async(self, slots, tree, sampling=None):
         self.calls.append(len(slots))
-        return super().decode(slots, tree, sampling)
+        return super().decode_async(slots, tree, sampling)
 
 
 @pytest.mark.parametrize("spec", ["plain", "chain-3", "small"])
@@ -163,3 +163,36 @@ def test_decode_refuses_what_it_cannot_step(models):
     with_heads.commit(np.arange(2), np.array([6, 7]), slot=full)
     with pytest.raises(Exception, match="exceed the capacity"):
         with_heads.decode([full], resolve_tree("chain-7"))
+
+
+@pytest.mark.parametrize("stop_early", [False, True])
+def test_generator_overlap_changes_no_token(models, tmp_path, stop_early):
+    """The Generator launching each device-side step before taking in the last one: the same tokens and text as
+    without, plain and speculative, also when a stop token ends the output while a step is in flight (its tokens
+    dropped), and the runner serves the next request from a clean start."""
+    from helpers import tiny_tokenizer_dir
+
+    from clover.runtime.generator import Generator
+    from clover.runtime.params import GenerationParams
+    from clover.runtime.tokenizer import Tokenizer
+
+    base, heads = models["clover2"]
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path, vocab=base.config.vocab_size))
+    want = plain_tokens(base, BATCH[0])
+    stop = (want[9],) if stop_early else ()
+    params = GenerationParams(max_new_tokens=N, ignore_eos=True, stop_token_ids=stop)
+    outputs, calls = {}, {}
+    for spec in ("plain", "small"):
+        for overlap in (False, True):
+            runner = Counting(base, heads)
+            runner.calls = []
+            gen = Generator(runner, tok, spec, overlap=overlap)
+            first = gen.generate(BATCH[0], params)
+            again = gen.generate(BATCH[2], params)
+            outputs[spec, overlap] = (tuple(first.token_ids), first.text, tuple(again.token_ids))
+            calls[spec, overlap] = len(runner.calls)
+        # overlapped: each request's last step launched one more, found finished when it was taken in
+        assert calls[spec, True] == calls[spec, False] + 2, calls
+    assert len(set(outputs.values())) == 1, outputs
+    ids = list(outputs["plain", False][0])
+    assert ids == (want[: want.index(stop[0]) + 1] if stop_early else want)
