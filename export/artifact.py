@@ -107,7 +107,7 @@ def export_artifact(
     say = progress or (lambda _: None)
     check_target(Path(out))
     base_path = resolve_base(base)
-    check_attention(BaseConfig.from_dir(base_path), config)  # before minutes of loading a large base
+    config.check_base(BaseConfig.from_dir(base_path))  # before minutes of loading a large base
     say(f"loading base {base} ({config.dtype}) and heads {heads}")
     model = load_base(base_path, config.dtype)
     head_set = resolve_heads(heads, model)
@@ -224,7 +224,7 @@ def plan_from_modules(
         raise CloverError(
             f"the base model is {dtype} but the export asks for {config.dtype}: load it in {config.dtype}"
         )
-    check_attention(base.config, config)
+    config.check_base(base.config)
     draft_ids = draft_vocab_ids(base, heads, config, options.token_counts)
     check_quantizer_inputs(base, config, options.calibration)
     tree = default_tree(heads, config.tree)
@@ -808,16 +808,6 @@ def tokenizer_note(has_template: bool, given: bool) -> str:
         "tokenizer: no chat template (a base model): the export's prompts are plain text, and chat requests need "
         "one (clover-export --chat-template, or --chat-template at run time)"
     )
-
-
-def check_attention(base: BaseConfig, config: ExportConfig) -> None:
-    """The attention variants a base's family allows, from its config alone: the fused graph has no sliding
-    window (export/fused_graph.py), so a Mistral with one is refused before anything is loaded or written."""
-    if config.attention == "fused" and base.sliding_window is not None:
-        raise CloverError(
-            f"--attention fused has no sliding window, but this {base.architecture} uses a "
-            f"{base.sliding_window}-token window: export it with --attention portable"
-        )
 
 
 def tool_versions() -> dict[str, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from clover.errors import CloverError
+from clover.models.config import BaseConfig
 
 BACKENDS = ("onnx", "trt")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -20,6 +21,7 @@ CALIBRATION_SEQUENCES = 32  # --quant gptq: default --calibration-sequences
 # the quantizer, its block size and whether blocks are symmetric
 DEFAULT_QUANT = {"int4": ("rtn", 32, True), "int8": ("rtn", 32, True)}
 MAX_CALIBRATION_SEQUENCES = 512
+FUSED_HEAD_MULTIPLE = 16  # ONNX Runtime's GroupQueryAttention runs head sizes that are multiples of 16
 OPSETS = range(18, 24)  # torchlib implements 18+; 23 is the newest torch.onnx targets
 DEFAULT_OPSET = 20  # torch.onnx's default; TensorRT 10's parser and onnxruntime >= 1.17 read it
 
@@ -196,3 +198,24 @@ class ExportConfig:
         n = self.calibration_sequences
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CALIBRATION_SEQUENCES:
             raise CloverError(f"--calibration-sequences must be an int in 1..{MAX_CALIBRATION_SEQUENCES}, got {n!r}")
+
+    def check_base(self, base: BaseConfig) -> None:
+        """The checks that need the base's config.json alone: the attention variants its family and shapes allow
+        (before minutes of loading a large base)."""
+        if self.attention == "fused" and (why := fused_refusal(base)) is not None:
+            raise CloverError(f"--attention fused cannot write this base ({why}): export it with --attention portable")
+
+
+def fused_refusal(base: BaseConfig) -> str | None:
+    """Why the fused CPU graph (export/fused_graph.py) cannot write `base`, or None when it can: it has no sliding
+    window, and ONNX Runtime's GroupQueryAttention needs head sizes that are multiples of 16."""
+    if base.sliding_window is not None:
+        return (
+            f"it has no sliding window, and this {base.architecture} attends through a {base.sliding_window}-token one"
+        )
+    if base.head_dim % FUSED_HEAD_MULTIPLE:
+        return (
+            f"ONNX Runtime's GroupQueryAttention runs head sizes that are multiples of {FUSED_HEAD_MULTIPLE}, and this "
+            f"{base.architecture}'s heads are {base.head_dim} wide"
+        )
+    return None

@@ -16,7 +16,7 @@ from clover.runtime.cost import VerifyCost, verify_cost
 from clover.runtime.params import DraftSource, EngineOptions
 from clover.runtime.policy import AutoTrees, DraftConfidence, FixedTrees, LookupLength
 from clover.runtime.proposers import LOOKUP_DRAFTS, PLAIN, chain
-from clover.runtime.tokenizer import Tokenizer
+from clover.runtime.tokenizer import Tokenizer, read_chat_template
 from clover.runtime.tree import DynamicTree, Tree, default_tree, dynamic_tree, resolve_tree
 
 LOOKUP_SUFFIX = "+lookup"  # heads "NAME+lookup": prompt-lookup drafts merged into the heads' tree
@@ -149,9 +149,9 @@ def load_backend(
     Engine.load): heads "lookup" is prompt lookup on the base alone, "NAME+lookup" (or "+lookup" for the
     backend's default heads) adds its drafts to the heads' tree; heads left None take the backend's defaults;
     options.threads reaches the torch and ort backends, options.providers the ort backend, options.max_batch > 1
-    the ort backend's batched base graph where the artifact has one. default_drafts: heads left None on an
-    artifact take its manifest's `drafts` (timed at export); False (the caller named a tree for the heads): its
-    heads."""
+    the ort backend's batched base graph where the artifact has one, options.chat_template the tokenizer (replacing
+    the model's template, or adding one). default_drafts: heads left None on an artifact take its manifest's
+    `drafts` (timed at export); False (the caller named a tree for the heads): its heads."""
     module = backend_module(backend)
     if heads is None and default_drafts and backend in ("ort", "trt"):  # the artifact's default, timed at export
         heads = {"lookup": "lookup", "heads+lookup": LOOKUP_SUFFIX}.get(read_manifest(base).drafts)
@@ -170,4 +170,7 @@ def load_backend(
                 f"--providers chooses ONNX Runtime's execution providers: use it with --backend ort, not {backend}"
             )
         given["providers"] = options.providers
-    return module.load_runner(base, **given), Tokenizer.from_dir(module.base_dir(base)), drafts
+    # read before the runner: a bad template fails before minutes of loading
+    template = read_chat_template(options.chat_template) if options.chat_template is not None else None
+    runner, tokenizer = module.load_runner(base, **given), Tokenizer.from_dir(module.base_dir(base))
+    return runner, tokenizer if template is None else tokenizer.with_chat_template(template), drafts

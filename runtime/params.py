@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from os import PathLike
 from typing import Any
 
 import numpy as np
@@ -183,6 +184,9 @@ class EngineOptions:
     dtype: the torch backend's weights ("float32", "bfloat16", ...; None: the backend's default); threads: CPU
     threads of the torch and ort backends (None: their defaults); providers: the ort backend's execution
     providers, e.g. "cuda,cpu" (None: the CPU).
+    chat_template: the chat template chat prompts render with, replacing the model's own or adding one to a base
+    model that has none: the Jinja text, or the path of a file holding it (a Path, or a str without "{", as vLLM's
+    --chat-template); read and compiled at load. None: the model's own, if any.
     """
 
     max_batch: int = 8
@@ -191,6 +195,7 @@ class EngineOptions:
     dtype: str | None = None
     threads: int | None = None
     providers: str | tuple[str, ...] | None = None
+    chat_template: str | PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         for name, low, what in (
@@ -205,6 +210,11 @@ class EngineOptions:
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
             raise CloverError(f"threads must be an int >= 1 or None, got {self.threads!r}")
+        if self.chat_template is not None and not isinstance(self.chat_template, (str, PathLike)):
+            raise CloverError(
+                "chat_template must be the Jinja template (a str) or the path of a file holding it, got "
+                f"{type(self.chat_template).__name__}"
+            )
         if self.providers is not None and not isinstance(self.providers, str):
             object.__setattr__(self, "providers", tuple(self.providers))
 

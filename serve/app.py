@@ -253,6 +253,7 @@ async def models(request: Request) -> dict[str, Any]:
 
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     served = _served(request)
+    served.check_chat(body)
     served.check_prompt(body, len(body.messages), 0)  # before the messages are even copied
     messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
     served.check_prompt(body, len(messages), sum(len(m["content"]) for m in messages))
@@ -279,6 +280,20 @@ class Completions:
     def __init__(self, engine: Engine, model: str, limits: RequestLimits, metrics: Metrics, warmup: bool) -> None:
         self.engine, self.model, self.limits, self.metrics, self.warmup = engine, model, limits, metrics, warmup
         self.context = engine.runner.info.max_context
+
+    def check_chat(self, body: ChatCompletionRequest) -> None:
+        """400 for a chat request to a model without a chat template (a base model): it has no way to render
+        messages, and the message says what does."""
+        if not self.engine.tokenizer.has_chat_template and body.model == self.model:
+            raise ApiError(
+                400,
+                f"model {self.model!r} has no chat template (a base model continues text; an instruct model ships a "
+                "template), so it cannot render messages: send the text as a prompt to /v1/completions, or start "
+                "clover-serve with --chat-template FILE_OR_TEMPLATE (or export the artifact with clover-export "
+                "--chat-template)",
+                param="messages",
+                code="no_chat_template",
+            )
 
     def check_prompt(self, body: CompletionBody, messages: int | None, chars: int) -> None:
         """400 for a prompt over the server's limits, before it is templated or tokenized."""

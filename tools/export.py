@@ -45,9 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fused (default for --backend onnx --dtype float32): the base as ONNX Runtime's fused CPU operators "
         "(GroupQueryAttention, in-place KV cache: ~2x faster decoding on CPU, and the batched graph that lets "
         "clover.Engine / clover-serve run concurrent requests in one forward); portable (default for --backend "
-        "trt and other dtypes): standard ONNX ops that ONNX Runtime and TensorRT both run; plugin: one "
-        "CloverTreeAttention node per layer for the TensorRT plugin (the graph is checked on ONNX Runtime "
-        "through the node's ONNX reference function)",
+        "trt, the other dtypes and a base with a sliding window): standard ONNX ops that ONNX Runtime and "
+        "TensorRT both run; plugin: one CloverTreeAttention node per layer for the TensorRT plugin (the graph is "
+        "checked on ONNX Runtime through the node's ONNX reference function)",
     )
     p.add_argument(
         "--tree",
@@ -171,6 +171,14 @@ def build_parser() -> argparse.ArgumentParser:
         "none: no store. Without --tree the export times plain decoding, the heads' trees and prompt lookup "
         "here and records the fastest as the default the runtime drafts with",
     )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="store this chat template in the artifact, replacing the base's or adding one to a base model that "
+        "ships none (chat requests need one): a file holding the Jinja template, or the template itself (as "
+        "vLLM's --chat-template)",
+    )
     p.add_argument("--opset", type=int, default=None, help="ONNX opset (default 20)")
     p.add_argument("--no-verify", action="store_true", help="skip the export-time ONNX Runtime vs PyTorch parity check")
     return p
@@ -182,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     config = ExportConfig(
         backend=args.backend,
         dtype=args.dtype,
-        attention=args.attention or default_attention(args.backend, args.dtype),
+        attention=args.attention or default_attention(args.backend, args.dtype, args.base),
         opset=args.opset or DEFAULT_OPSET,
         tree=args.tree,
         max_context=args.max_context,
@@ -210,6 +218,11 @@ def run(args: argparse.Namespace) -> int:
         counts = corpus_sources(counts_from, store=False)[1] if counts_from is not None else None
         store = corpus_sources(store_from, counts=False)[0] if store_from is not None else None
     calibration = calibration_for(config, args.calibration, args.calibration_sequences)
+    chat_template = None
+    if args.chat_template is not None:  # read and compiled before minutes of loading
+        from clover.runtime.tokenizer import read_chat_template
+
+        chat_template = read_chat_template(args.chat_template)
     if config.backend == "trt":  # at once: before minutes of loading and exporting
         from clover.export.engines import require_engine_builder
 
@@ -225,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         token_counts=counts,
         ngram_store=store,
         calibration=calibration,
+        chat_template=chat_template,
         progress=lambda msg: print(f"clover-export: {msg}", file=sys.stderr, flush=True),
     )
     took = f"clover-export: done in {time.perf_counter() - start:.0f} s"
@@ -253,10 +267,23 @@ def ngram_store_corpora(spec: str | None, base: str) -> list[Path] | None:
     return None if spec.strip().lower() == "none" else corpus_list(spec)
 
 
-def default_attention(backend: str, dtype: str) -> str:
+def default_attention(backend: str, dtype: str, base: str | None = None) -> str:
     """--attention's default: the fused CPU graph where ONNX Runtime runs float32 (the fast path, batched), the
-    portable one for TensorRT and the other dtypes."""
-    return "fused" if backend == "onnx" and dtype == "float32" else "portable"
+    portable one for TensorRT, the other dtypes, and a `base` folder the fused graph cannot write (a sliding
+    window: Mistral), which is said in one line."""
+    if backend != "onnx" or dtype != "float32":
+        return "portable"
+    if base is not None and (Path(base) / "config.json").is_file():
+        from clover.export.config import fused_refusal
+        from clover.models.config import BaseConfig
+
+        why = fused_refusal(BaseConfig.from_dir(base))
+        if why is not None:
+            print(
+                f"clover-export: --attention portable: the fused graph cannot write this base ({why})", file=sys.stderr
+            )
+            return "portable"
+    return "fused"
 
 
 def corpus_list(spec: str | Path | Sequence[str | Path]) -> list[Path]:

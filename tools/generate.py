@@ -44,7 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", type=Path, help="file holding the prompt text ('-' for stdin)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="wrap the prompt as a user message in the model's chat template (a base model has none: give one with "
+        "--chat-template, or leave --chat out to continue the text)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the chat template --chat renders with, replacing the model's own or adding one to a base model: a "
+        "file holding the Jinja template, or the template itself (as vLLM's --chat-template)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -125,9 +137,16 @@ def run(args: argparse.Namespace) -> int:
         args.heads,
         backend_name(args),
         args.tree,
-        options=EngineOptions(dtype=args.dtype, threads=args.threads, providers=args.providers),
+        options=EngineOptions(
+            dtype=args.dtype, threads=args.threads, providers=args.providers, chat_template=args.chat_template
+        ),
     )
     params = GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop))
+    if args.chat and not gen.tokenizer.has_chat_template:
+        raise CloverError(
+            f"--chat renders the prompt with the model's chat template, and {model_source(args)} has none (a base "
+            "model continues text): pass --chat-template FILE_OR_TEMPLATE, or leave --chat out"
+        )
     if args.stream:
         stream = gen.stream(prompt, params, chat=args.chat)
         for delta in stream:

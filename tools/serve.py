@@ -90,6 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
         "where CUDA is not available)",
     )
     p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE_OR_TEMPLATE",
+        help="the chat template /v1/chat/completions renders with, replacing the artifact's own or adding one to a "
+        "base model that has none (without one, chat requests get 400 and /v1/completions serves plain text): a "
+        "file holding the Jinja template, or the template itself (as vLLM's --chat-template)",
+    )
+    p.add_argument(
         "--api-key",
         default=os.environ.get("CLOVER_API_KEY"),
         help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CLOVER_API_KEY, else none)",
@@ -310,6 +318,12 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         from clover.serve.ray import config_yaml, serve_on_ray
 
+        if args.chat_template is not None:
+            raise CloverError(
+                "--chat-template is not passed to Ray Serve replicas: store the template in the artifact "
+                "(clover-export --chat-template FILE_OR_TEMPLATE) and serve that"
+            )
+
         options = ray_options(args, limits, args.model or (DEMO_MODEL if args.demo else None))
         if args.print_config:
             if args.api_key and not args.api_key_file:
@@ -334,7 +348,11 @@ def run(args: argparse.Namespace) -> int:
         tree=args.tree,
         heads=args.heads,
         options=EngineOptions(
-            max_batch=args.max_batch, threads=args.threads, max_waiting=args.max_waiting, providers=args.providers
+            max_batch=args.max_batch,
+            threads=args.threads,
+            max_waiting=args.max_waiting,
+            providers=args.providers,
+            chat_template=args.chat_template,
         ),
     )
     model = args.model or (DEMO_MODEL if args.demo else args.artifact.resolve().name)
@@ -353,6 +371,13 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
+        if not engine.tokenizer.has_chat_template:
+            print(
+                f"clover-serve: {model} has no chat template (a base model): /v1/chat/completions answers 400, "
+                "/v1/completions serves plain text (--chat-template FILE_OR_TEMPLATE adds one)",
+                file=sys.stderr,
+                flush=True,
+            )
         serve(app, args.host, args.port, args.drain_seconds)
     finally:
         engine.close()

@@ -177,3 +177,29 @@ def test_prompt_file_and_stop_string(base_dir, tmp_path, capsys):
     assert cut["finish_reason"] == "stop" and cut["text"] == full["text"][: full["text"].index(stop)]
     code, _, err = run_cli(capsys, "--base", str(base_dir), "--prompt-file", str(tmp_path / "none.txt"))
     assert code == 2 and "does not exist" in err
+
+
+def test_a_base_model_continues_text_and_chats_with_a_given_template(base_dir, tmp_path, capsys):
+    """A base model (no chat template): plain text works; --chat says what to do; --chat-template (a file or the
+    template itself) renders the chat, as the same text would be prompted plainly."""
+    import shutil
+
+    base = shutil.copytree(base_dir, tmp_path / "base")
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    common = ["--base", str(base), "--prompt", "w7 w8", "--max-new-tokens", "6", "--json"]
+    code, out, err = run_cli(capsys, *common)
+    assert code == 0, err
+    code, out, err = run_cli(capsys, *common, "--chat")
+    assert code == 2 and err.count("\n") == 1 and "has none (a base model" in err
+    assert "--chat-template FILE_OR_TEMPLATE, or leave --chat out" in err
+    template = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"
+    (tmp_path / "t.jinja").write_text(template)
+    rendered = json.loads(run_cli(capsys, *common[:2], "--prompt", "w3 w7 w8 w4 w5", *common[4:])[1])
+    for given in (template, str(tmp_path / "t.jinja")):
+        code, out, err = run_cli(capsys, *common, "--chat", "--chat-template", given)
+        assert code == 0, err
+        assert json.loads(out)["token_ids"] == rendered["token_ids"]
+    code, _, err = run_cli(capsys, *common, "--chat", "--chat-template", str(tmp_path / "none.jinja"))
+    assert code == 2 and "neither a readable template file" in err
