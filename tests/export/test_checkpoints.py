@@ -1,0 +1,237 @@
+"""Checkpoints as users bring them, made by transformers here (no downloads): Llama, Llama with Llama-3 RoPE
+scaling, Mistral with a sliding window shorter than prompt + answer, Qwen2 with its qkv biases; stored in float32
+or bfloat16, sharded with an index, tied and untied embeddings, `eos_token_id` a list, and a base model's tokenizer
+(no chat template). Clover's greedy output equals transformers' greedy `generate`, token for token and stopping
+where it stops, on the torch backend and on ONNX exports (fused attention where the family allows it, portable
+otherwise), plain and speculative with random heads. Each family is exported once per module."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import assert_identical, tiny_tokenizer_dir
+
+from clover.artifact import open_artifact
+from clover.errors import CloverError
+from clover.export.artifact import export_artifact
+from clover.export.config import ExportConfig
+from clover.models.config import BaseConfig
+from clover.runtime.generator import Generator
+from clover.runtime.params import GenerationParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 300
+PROMPTS = ([5, 17, 33, 120, 250, 7], [9, 44, 201, 63, 12, 290, 88])
+NEW = 20  # generated tokens: prompt + answer is longer than Mistral's window
+WINDOW = 8
+NEVER = VOCAB - 1  # the tokenizer's EOS, first of each eos_token_id list
+
+
+@dataclass(frozen=True)
+class Family:
+    """One checkpoint: transformers' config class and its options, and how it is stored."""
+
+    name: str
+    config: str  # transformers config class
+    dtype: torch.dtype  # of the stored weights
+    tied: bool
+    options: tuple[tuple[str, object], ...] = ()
+
+    def hf_config(self):
+        return getattr(transformers, self.config)(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            initializer_range=0.2,  # peaked next-token laws: no near ties for rounding to flip
+            tie_word_embeddings=self.tied,
+            **dict(self.options),
+        )
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+FAMILIES = {
+    f.name: f
+    for f in (
+        Family("llama", "LlamaConfig", torch.float32, tied=True),
+        Family("llama3", "LlamaConfig", torch.bfloat16, tied=False, options=(("rope_scaling", LLAMA3_ROPE),)),
+        Family("mistral", "MistralConfig", torch.float32, tied=False, options=(("sliding_window", WINDOW),)),
+        Family("qwen2", "Qwen2Config", torch.bfloat16, tied=True),
+    )
+}
+
+
+def make_checkpoint(folder: Path, family: Family) -> Path:
+    """A random checkpoint saved by transformers in `family.dtype`, sharded with an index, and a base model's
+    tokenizer beside it. Its eos_token_id is a list: the tokenizer's EOS (never emitted here) and a token greedy
+    decoding of PROMPTS[0] first emits after a few others, so generation stops early there."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(family.hf_config()).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):  # transformers starts them at zero: make Qwen2's count
+                p.normal_(std=0.5)
+    model = model.to(family.dtype).float()  # the stored weights, computed in float32 (as the references are)
+    greedy = generated(model, PROMPTS[0], eos=None)
+    k = next(i for i in range(5, NEW) if greedy[i] not in greedy[:i])
+    eos = [NEVER, greedy[k]]
+    model.config.eos_token_id = model.generation_config.eos_token_id = eos
+    model.generation_config.pad_token_id = 0
+    model.to(family.dtype).save_pretrained(folder, max_shard_size="60KB")
+    tiny_tokenizer_dir(folder, vocab=VOCAB, eos=NEVER)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]  # a base model ships none
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def generated(model, prompt: list[int], **kw) -> list[int]:
+    """transformers' greedy continuation of `prompt` (the EOS it stops at included)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, **kw)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {name: make_checkpoint(root / name, f) for name, f in FAMILIES.items()}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints) -> dict[str, list[list[int]]]:
+    """transformers' greedy output per family and prompt, from the saved folder in float32."""
+    out = {}
+    for name, folder in checkpoints.items():
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        out[name] = [generated(model, p) for p in PROMPTS]
+    return out
+
+
+def test_the_checkpoints_are_what_users_bring(checkpoints, references):
+    for name, folder in checkpoints.items():
+        family = FAMILIES[name]
+        index = json.loads((folder / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) > 1 and ("lm_head.weight" in index["weight_map"]) != family.tied
+        config = BaseConfig.from_dir(folder)
+        assert config.eos_token_ids[0] == NEVER and len(config.eos_token_ids) == 2
+        assert (config.sliding_window, config.rope.type, config.attention_bias) == (
+            WINDOW if name == "mistral" else None,
+            "llama3" if name == "llama3" else "default",
+            name == "qwen2",
+        )
+        stopped = references[name][0]
+        assert len(stopped) < NEW and stopped[-1] == config.eos_token_ids[1]  # transformers stopped at the list's EOS
+        assert len(PROMPTS[0]) + NEW > WINDOW
+
+
+def outputs(gen: Generator) -> list[list[int]]:
+    return [list(gen.generate(p, GenerationParams(max_new_tokens=NEW)).token_ids) for p in PROMPTS]
+
+
+def assert_outputs(gen: Generator, want: list[list[int]], what: str) -> None:
+    for prompt, got, expected in zip(PROMPTS, outputs(gen), want):
+        assert_identical(got, expected, f"{what}, prompt {prompt}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_torch_backend_equals_transformers(checkpoints, references, name):
+    folder = checkpoints[name]
+    assert_outputs(Generator.load(folder, backend="torch", tree="plain"), references[name], f"{name} torch plain")
+    speculative = Generator.load(folder, "random:clover2", backend="torch", tree="small")
+    assert_outputs(speculative, references[name], f"{name} torch random:clover2 small")
+
+
+# (family, attention, heads): fused where the family allows it, portable for Mistral's sliding window (the
+# portable graph is traced from the decoder the torch backend runs, and costs ~10 s per export here; Medusa's
+# graph is the quickest beside it).
+EXPORTS = [
+    ("llama", "fused", "random:clover2"),
+    ("llama3", "fused", "random:clover2"),
+    ("qwen2", "fused", "random:clover2"),
+    ("mistral", "portable", "random:medusa"),
+]
+
+
+@pytest.fixture(scope="module")
+def exported(checkpoints, tmp_path_factory):
+    """The artifact of each of EXPORTS, exported once on first use (tree given: no timing)."""
+    root, done = tmp_path_factory.mktemp("exports"), {}
+
+    def get(name: str, attention: str, heads: str) -> Path:
+        if (name, attention) not in done:
+            config = ExportConfig(attention=attention, tree="chain-2" if "medusa" in heads else "small", max_batch=2)
+            done[name, attention] = export_artifact(checkpoints[name], heads, root / f"{name}-{attention}", config)
+        return done[name, attention]
+
+    return get
+
+
+@pytest.mark.parametrize("name,attention,heads", EXPORTS, ids=[f"{n}-{a}" for n, a, _ in EXPORTS])
+def test_onnx_export_equals_transformers(exported, references, name, attention, heads):
+    artifact = exported(name, attention, heads)
+    m = open_artifact(artifact)
+    assert m.attention == attention and m.chat_template is False and m.heads.name == heads
+    want = references[name]
+    assert_outputs(Generator.load(artifact, "none", backend="ort"), want, f"{name} {attention} ort plain")
+    assert_outputs(Generator.load(artifact, backend="ort"), want, f"{name} {attention} ort {heads} {m.tree.name}")
+    if attention == "fused":  # prompt lookup's chains verified on the fused base
+        assert_outputs(Generator.load(artifact, "lookup", backend="ort"), want, f"{name} fused ort lookup")
+
+
+def test_fused_attention_refuses_what_it_cannot_write_at_once(checkpoints, tmp_path, monkeypatch):
+    """Mistral's sliding window (and heads whose size GroupQueryAttention does not run): one error naming
+    --attention portable, from the config alone, before the weights are loaded or a file is written."""
+    import clover.models.loading
+
+    monkeypatch.setattr(clover.models.loading, "load_base", lambda *a: pytest.fail("loaded the weights"))
+    with pytest.raises(CloverError, match=r"sliding window.*8-token.*export it with --attention portable"):
+        export_artifact(checkpoints["mistral"], "none", tmp_path / "out", ExportConfig(attention="fused"))
+    assert not list(tmp_path.iterdir())
+    narrow = BaseConfig.from_hf({**FAMILIES["llama"].hf_config().to_dict(), "head_dim": 8})
+    with pytest.raises(CloverError, match="multiples of 16.*8 wide.*--attention portable"):
+        ExportConfig(attention="fused").check_base(narrow)
+    ExportConfig(attention="portable").check_base(narrow)
+
+
+def test_clover_export_of_base_models(checkpoints, references, tmp_path, capsys):
+    """Through clover-export: a base model (no chat template) exports, its trees timed on plain-text prompts;
+    --chat-template stores a template; Mistral's default attention is the portable graph, said in one line."""
+    from clover.tools.export import default_attention
+    from clover.tools.export import main as export_main
+
+    out = tmp_path / "llama"
+    assert export_main(["--base", str(checkpoints["llama"]), "--heads", "random:medusa", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "no chat template (a base model)" in err and "on plain-text prompts" in err
+    m = open_artifact(out)
+    assert m.attention == "fused" and m.chat_template is False and m.tree_timing is not None
+    assert_outputs(Generator.load(out, backend="ort"), references["llama"], f"llama clover-export {m.drafts}")
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5")
+    args = ["--base", checkpoints["llama"], "--out", out, "--chat-template", template, "--no-verify"]
+    assert export_main([str(a) for a in args]) == 0
+    assert "with the chat template given" in capsys.readouterr().err and open_artifact(out).chat_template is True
+    chat = Generator.load(out, backend="ort").generate("w10 w11", GenerationParams(max_new_tokens=4), chat=True)
+    assert chat.prompt_tokens == 5  # w3 w10 w11 w4 w5
+
+    assert default_attention("onnx", "float32", str(checkpoints["mistral"])) == "portable"
+    assert "--attention portable: the fused graph cannot write this base" in capsys.readouterr().err
+    assert default_attention("onnx", "float32", str(checkpoints["qwen2"])) == "fused"
+    code = export_main(["--base", str(checkpoints["mistral"]), "--out", str(tmp_path / "no"), "--attention", "fused"])
+    assert code == 2 and "export it with --attention portable" in capsys.readouterr().err
