@@ -20,7 +20,7 @@ import asyncio
 import sys
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,7 +30,7 @@ from clover.errors import CloverError
 from clover.runtime.backend import Runner
 from clover.runtime.configure import AUTO, Speculation, load_backend
 from clover.runtime.grammar import GrammarCompiler
-from clover.runtime.loop import step
+from clover.runtime.loop import Step, launch, step
 from clover.runtime.params import DraftSource, EngineOptions, GenerationParams
 from clover.runtime.requests import Prompt, Request, encode_prompt
 from clover.runtime.results import GenerationResult, StreamDelta
@@ -123,7 +123,8 @@ class Engine:
     sequence's tree sized by its measured acceptance and the verify-cost curve, calibrated at start-up or read from
     the user cache: cost.verify_cost), a fixed tree for every step (a name or Tree), or None (the artifact's
     default); `drafts`: where drafts come from (DraftSource or its name); `options`: batch size, queue length,
-    prefill chunk (EngineOptions); `log`: where start-up lines and failures are written (None: nowhere)."""
+    prefill chunk (EngineOptions); `log`: where start-up lines and failures are written (None: nowhere); `overlap`:
+    launch each device-side step before taking in the last one where the runner can (the same tokens either way)."""
 
     def __init__(
         self,
@@ -133,8 +134,17 @@ class Engine:
         drafts: DraftSource | str = DraftSource.HEADS,
         options: EngineOptions = EngineOptions(),
         log: IO | None = sys.stderr,
+        *,
+        overlap: bool = True,
     ) -> None:
         self.runner, self.tokenizer, self.options, self.log = runner, tokenizer, options, log
+        # On a runner whose device runs ahead of the host (Runner.decode_async), the next step of a batch that steps
+        # on the device alone is launched before this one is taken in: detokenizing, stops and streaming run while
+        # the device works. A request that ends meanwhile ran one step too many (dropped); its slot is released once
+        # that step is done.
+        self.overlap = overlap
+        self._ahead: tuple[list[Request], Callable[[], list[Step]]] | None = None
+        self._held: list[Request] = []  # ended requests whose slots the step in flight still writes
         self.scheduler = Scheduler(options.max_batch, options.max_waiting)
         self.speculation = Speculation.build(runner, tree, drafts, options, log)
         self.grammars = GrammarCompiler(tokenizer, runner.info.vocab_size)
@@ -301,6 +311,47 @@ class Engine:
             r.deliver(failure)
 
     def _iteration(self) -> None:
+        sched, spec = self.scheduler, self.speculation
+        if self._ahead is not None:  # the step launched last time: its requests, as they were then
+            batch, wait = self._ahead
+            self._ahead = None
+            try:
+                steps = wait()
+            finally:
+                self._release_held()
+            live = [i for i, r in enumerate(batch) if r in sched.running]  # the ended ones' tokens are dropped
+            batch, steps = [batch[i] for i in live], [steps[i] for i in live]
+        else:
+            batch = self._joined()
+            self.step_sequences = len(batch)
+            if not batch:
+                return
+            decodings = [r.decoding for r in batch]
+            # a sequence whose part of the step failed ends alone (loop.step keeps failures to their sequence)
+            steps = step(self.runner, decodings, spec.policy.choose(decodings), isolate=True)
+        decodings = [r.decoding for r in batch]
+        if all(st.error is None for st in steps):  # a step with a failure (and forwards run again) teaches nothing
+            spec.policy.observe(decodings, steps)
+            self._launch_next(batch)
+        for r, st in zip(batch, steps):
+            try:
+                if st.error is not None:
+                    raise st.error
+                delta = r.absorb(st)
+                if delta is not None:
+                    r.deliver(delta)
+                if r.done:
+                    info = self.runner.info
+                    self._retire(r, r.result(self.tokenizer, info.backend, spec.label(info), spec.tree_name))
+            except Exception as e:
+                self._fail(r, e)
+        if self._ahead is not None and not sched.running:  # nothing left to take in: finish it now, free the slots
+            self._ahead[1]()
+            self._ahead = None
+            self._release_held()
+
+    def _joined(self) -> list[Request]:
+        """The running requests after cancellations and admissions, those with a slot: this step's batch."""
         sched, runner, spec = self.scheduler, self.runner, self.speculation
         for r in list(sched.running):
             if r.cancelled.is_set():
@@ -317,27 +368,27 @@ class Engine:
                     self._place(r)
                 except Exception as e:
                     self._fail(r, e)
-        batch = [r for r in sched.running if r.decoding.slot is not None]
-        self.step_sequences = len(batch)
-        if not batch:
+        return [r for r in sched.running if r.decoding.slot is not None]
+
+    def _launch_next(self, batch: list[Request]) -> None:
+        """Launch the batch's next step now (overlap) when nothing would change it: no request waiting for room or a
+        slot, none cancelled, and every sequence's step on the device."""
+        sched = self.scheduler
+        if not self.overlap or not self.runner.can_decode or len(batch) != len(sched.running):
+            return
+        if (sched.waiting and len(sched.running) < sched.max_batch) or any(r.cancelled.is_set() for r in batch):
             return
         decodings = [r.decoding for r in batch]
-        # a sequence whose part of the step failed ends alone (loop.step keeps failures to their sequence)
-        steps = step(runner, decodings, spec.policy.choose(decodings), isolate=True)
-        if all(st.error is None for st in steps):  # a step with a failure (and forwards run again) teaches nothing
-            spec.policy.observe(decodings, steps)
-        for r, st in zip(batch, steps):
-            try:
-                if st.error is not None:
-                    raise st.error
-                delta = r.absorb(st)
-                if delta is not None:
-                    r.deliver(delta)
-                if r.done:
-                    info = runner.info
-                    self._retire(r, r.result(self.tokenizer, info.backend, spec.label(info), spec.tree_name))
-            except Exception as e:
-                self._fail(r, e)
+        if any(d.full for d in decodings):
+            return
+        wait = launch(self.runner, decodings, self.speculation.policy.choose(decodings))
+        if wait is not None:
+            self._ahead = (batch, wait)
+
+    def _release_held(self) -> None:
+        for r in self._held:
+            self.runner.release(r.decoding.slot)
+        self._held.clear()
 
     def _capacity(self, r: Request) -> int:
         return r.capacity(self.runner.info, self.tree.num_nodes)
@@ -366,7 +417,10 @@ class Engine:
 
     def _retire(self, r: Request, end: GenerationResult | BaseException) -> None:
         if r.decoding is not None and r.decoding.slot is not None:
-            self.runner.release(r.decoding.slot)
+            if self._ahead is not None and r in self._ahead[0]:
+                self._held.append(r)  # the step in flight writes its slot: released once it is done
+            else:
+                self.runner.release(r.decoding.slot)
             self.policy.forget(r.decoding)
         self.scheduler.retire(r)
         r.deliver(end)

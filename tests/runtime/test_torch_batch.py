@@ -196,3 +196,36 @@ def test_generator_overlap_changes_no_token(models, tmp_path, stop_early):
     assert len(set(outputs.values())) == 1, outputs
     ids = list(outputs["plain", False][0])
     assert ids == (want[: want.index(stop[0]) + 1] if stop_early else want)
+
+
+def test_engine_overlap_at_concurrency_changes_no_token(models, tmp_path):
+    """clover.Engine on the stacked runner, 8 requests at once with 4 slots (requests join as others end, one is
+    cut short by a stop token): every request's tokens are its plain greedy ones, overlap on and off, and every
+    slot comes back."""
+    from helpers import tiny_tokenizer_dir
+
+    from clover.runtime.engine import Engine
+    from clover.runtime.params import EngineOptions, GenerationParams
+    from clover.runtime.tokenizer import Tokenizer
+
+    base, heads = models["clover2"]
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path, vocab=base.config.vocab_size))
+    prompts = [BATCH[i % 3][: 5 + i] for i in range(8)]
+    want = [plain_tokens(base, p) for p in prompts]
+    results, launched = {}, {}
+    for overlap in (False, True):
+        runner = Counting(base, heads)
+        runner.calls = []
+        with Engine(runner, tok, "small", log=None, options=EngineOptions(max_batch=4), overlap=overlap) as engine:
+            streams = [
+                engine.stream(p, GenerationParams(max_new_tokens=N, ignore_eos=True, stop_token_ids=stop))
+                for p, stop in zip(prompts, [(), (want[1][6],)] + [()] * 6)
+            ]
+            results[overlap] = [s.wait().token_ids for s in streams]
+        assert max(runner.calls) == 4 and runner.open_slots == 0, (runner.calls, runner.open_slots)
+        launched[overlap] = len(runner.calls)
+    assert launched[True] > launched[False], launched  # overlapped steps ran (the ended requests' extra ones)
+    for i, p in enumerate(prompts):
+        expect = want[i][: want[i].index(want[1][6]) + 1] if i == 1 else want[i]
+        for overlap in (False, True):
+            assert_identical(results[overlap][i], expect, f"request {i}, overlap {overlap}", TorchRunner(base), p)
