@@ -748,6 +748,29 @@ def check_gpu_tree_auto(probe: Probe) -> str:
     )
 
 
+def check_gpu_engine(probe: Probe) -> str:
+    """The stacked runner's whole step on the device beside the per-sequence runner and transformers' generate
+    (gpu_profile.engine_step): the figures go to the report's `data.engine`, each measurement to `engine_rows`."""
+    gp = cuda_and_triton(probe)
+    rows, figures = probe.data.setdefault("engine_rows", {}), probe.data.setdefault("engine", {})
+    gp.engine_step(
+        "cuda",
+        False,
+        128,
+        lambda name, value: rows.__setitem__(name, value),
+        lambda key, value: figures.__setitem__(key, value if isinstance(value, bool) else round(float(value), 3)),
+    )
+    f = figures
+    if not f["identity_ok"]:
+        raise AssertionError(f"speculative tokens differ from plain greedy: {rows['identity, stacked runner']}")
+    return (
+        f"plain {f['plain_tok_s_135m']:.0f} tok/s (GPU idle {100 * f['gpu_idle_plain']:.0f}%), speculative step "
+        f"{f['spec_over_plain_135m']:.2f}x plain at 135M, {f['spec_over_plain_8b']:.2f}x at 8B; c32 "
+        f"{f['c32_over_c1_135m']:.1f}x c1; {f.get('over_hf_compiled', float('nan')):.1f}x transformers compiled; "
+        "speculative == plain for every head type at concurrency 1, 8, 32"
+    )
+
+
 def needs(fact: Callable[[], Any], what: str) -> None:
     """A check built on another one: not available here when that one is not, or failed (reported there)."""
     try:
@@ -785,6 +808,7 @@ GPU_CHECKS: tuple[tuple[str, Callable[[Probe], str]], ...] = (
     ("GPU: step loop host time", check_gpu_host),
     ("GPU: projected speedup per tree", check_gpu_projection),
     ("GPU: tree auto on the GPU curve", check_gpu_tree_auto),
+    ("GPU: the whole step on the device (stacked runner)", check_gpu_engine),
 )
 
 

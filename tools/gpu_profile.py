@@ -14,13 +14,18 @@ and Triton alone. Each measurement returns a one-line detail for the doctor's ta
     projection         decode speedup per tree: GPU step times of these shapes times the tokens per step the
                        shipped heads reach on the CPU (benchmarks/results), labelled a projection
     tree_auto          the curve `tree="auto"` calibrates on the GPU runner and the levels it picks with it
+    engine_step        the per-sequence runner, the stacked runner with the whole step on the device and
+                       transformers' generate, side by side: plain tokens/s and GPU idle, speculative over plain step
+                       cost (135M, 8B shapes), engine c32 over c1, identity at concurrency 1/8/32
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -605,3 +610,215 @@ def tree_auto(base: Decoder, heads, tokenizer, graphs: bool, top1: Sequence[floa
         "top1": list(top1),
         "top3": list(top3),
     }
+
+
+# -- the stacked runner's step against the others -------------------------------------------------------------
+
+LLAMA_8B = dataclasses.replace(
+    SHAPES["1b"],
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    tie_word_embeddings=False,
+)
+TINY = dataclasses.replace(
+    SHAPES["135m"], vocab_size=96, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+)  # fmt: skip
+
+
+def make_runner(kind: str, base, heads, graphs: bool):
+    from clover.runtime.torch_backend import TorchRunner
+    from clover.runtime.torch_batch import BatchedTorchRunner
+
+    name = "random:clover2:0" if heads is not None else "none"
+    if kind == "batched":
+        return BatchedTorchRunner(base, heads, name, cuda_graphs=graphs)
+    return TorchRunner(base, heads, name, cuda_graphs=graphs)
+
+
+def decode(gen, prompt: list[int], tokens: int, busy: bool) -> dict:
+    """One generate call after a warm-up: tokens/s, ms per step, tokens per step, and the GPU's idle share."""
+    params = GenerationParams(max_new_tokens=tokens, ignore_eos=True)
+    gen.generate(prompt, dataclasses.replace(params, max_new_tokens=8))  # graphs recorded, kernels compiled
+    sync()
+    t0 = time.perf_counter()
+    result = gen.generate(prompt, params)
+    sync()
+    wall = time.perf_counter() - t0
+    out = {
+        "tok_s": round(len(result.token_ids) / wall, 1),
+        "step_ms": round(1e3 * float(np.mean(result.step_seconds)), 3),
+        "tokens_per_step": round(result.tokens_per_step, 3),
+        "token_ids": result.token_ids,
+    }
+    if busy:  # the profiler slows launches: it only counts the kernels' time, against the wall time above
+        _, _, busy_ms = gpu_busy_ms(lambda: gen.generate(prompt, params))
+        out["gpu_idle"] = round(max(0.0, 1 - busy_ms / (1e3 * wall)), 3)
+    return out
+
+
+def engine_rate(runner, tokenizer, tree, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    """Tokens/s of len(prompts) requests at once through one Engine, and their tokens."""
+    from clover.runtime.engine import Engine
+
+    params = GenerationParams(max_new_tokens=tokens, ignore_eos=True)
+    options = EngineOptions(max_batch=len(prompts))
+    with Engine(runner, tokenizer, tree=tree, log=None, options=options) as engine:
+        engine.stream(prompts[0], dataclasses.replace(params, max_new_tokens=8)).wait()  # warm-up
+        sync()
+        t0 = time.perf_counter()
+        results = [s.wait() for s in [engine.stream(p, params) for p in prompts]]
+        wall = time.perf_counter() - t0
+    return sum(len(r.token_ids) for r in results) / wall, [r.token_ids for r in results]
+
+
+def hf_twin(base):
+    """transformers' Llama with `base`'s weights (its fused projections split back)."""
+    import transformers
+
+    c = base.config
+    cfg = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope.theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+    )  # fmt: skip
+    state = {}
+    for name, t in base.state_dict().items():
+        if ".qkv_proj." in name:
+            q, k, v = t.split([c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_kv_heads * c.head_dim])
+            for part, w in zip(("q_proj", "k_proj", "v_proj"), (q, k, v)):
+                state["model." + name.replace("qkv_proj", part)] = w
+        elif ".gate_up_proj." in name:
+            for part, w in zip(("gate_proj", "up_proj"), t.chunk(2)):
+                state["model." + name.replace("gate_up_proj", part)] = w
+        elif name != "lm_head.weight" or not c.tie_word_embeddings:
+            state[name if name.startswith("lm_head") else "model." + name] = t
+    w = base.lm_head.weight
+    with torch.device(w.device):
+        model = transformers.LlamaForCausalLM(cfg).to(w.dtype)
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def hf_rate(model, prompt: list[int], tokens: int, static: bool) -> tuple[float, list[int]]:
+    ids = torch.tensor([prompt], device=model.device)
+    extra = {"cache_implementation": "static"} if static else {}
+    run = lambda n: model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **extra)  # noqa: E731
+    run(tokens)  # warm-up (the static cache's compile)
+    sync()
+    t0 = time.perf_counter()
+    out = run(tokens)
+    sync()
+    return tokens / (time.perf_counter() - t0), out[0, len(prompt) :].tolist()
+
+
+def public_run(run: dict) -> dict:
+    return {k: v for k, v in run.items() if k != "token_ids"}
+
+
+def engine_step(
+    device: str, quick: bool, tokens: int, row: Callable[[str, Any], None], figure: Callable[[str, Any], None]
+) -> None:
+    """The decoding step side by side in one run (benchmarks/gpu_step.py, and clover-doctor --full's engine row):
+    TorchRunner (the base's forward in CUDA graphs), BatchedTorchRunner (the whole step on the device, one graph) and
+    transformers' `generate` on the same random weights; `row(name, value)` takes each measurement as it is made,
+    `figure(key, value)` the summary figures (the GPU report's `data.engine`). quick: a tiny model (the CPU test)."""
+    from clover.models.head_io import build_heads, random_heads
+    from clover.runtime.generator import Generator
+    from clover.runtime.torch_batch import BatchedTorchRunner
+    from clover.runtime.tree import default_tree, prune_tree, resolve_tree
+
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tokens = 12 if quick else tokens
+    shape, small, large = (TINY, "tiny", "tiny") if quick else (SHAPES["135m"], "135m", "8b")
+    tokenizer = word_tokenizer(Path(tempfile.mkdtemp()), shape.vocab_size)
+    work = prompts(shape.vocab_size, 32, length=32, seed=1)
+
+    # -- 135M: batch 1, plain and speculative, per runner ------------------------------------------------------------
+    cpu_base = random_decoder(shape, torch.float32, "cpu")
+    base = moved(cpu_base, device, dtype)
+    heads = moved(random_heads(cpu_base, "clover2", 0), device, dtype)
+    tree = default_tree(None)
+    runs = {}
+    for kind in ("per-sequence", "batched"):
+        for spec in (False, True):
+            runner = make_runner(kind, base, heads if spec else None, cuda)
+            gen = Generator(runner, tokenizer, tree if spec else None)
+            runs[kind, spec] = decode(gen, work[0], tokens, cuda)
+            row(f"{small} {kind} {'spec ' + tree.name if spec else 'plain'} batch 1", public_run(runs[kind, spec]))
+    best = runs["batched", False]
+    same = all(r["token_ids"] == best["token_ids"] for r in runs.values())
+    row(f"{small} batch 1 tokens identical (plain, speculative, both runners)", same)
+    figure("plain_tok_s_135m", best["tok_s"])
+    if cuda:
+        figure("gpu_idle_plain", best["gpu_idle"])
+    figure("spec_over_plain_135m", runs["batched", True]["step_ms"] / best["step_ms"])
+
+    # -- the engine: concurrency 1 and 32 --------------------------------------------------------------------------
+    runner = make_runner("batched", base, heads, cuda)
+    one, one_ids = engine_rate(runner, tokenizer, tree, work[:1], tokens)
+    many, many_ids = engine_rate(runner, tokenizer, tree, work[:32], tokens)
+    row(
+        f"{small} engine c1 / c32 tokens/s",
+        {"c1": round(one, 1), "c32": round(many, 1), "same": many_ids[0] == one_ids[0]},
+    )
+    figure("c32_over_c1_135m", many / one)
+
+    # -- transformers' generate on the same weights ---------------------------------------------------------------
+    try:
+        model = hf_twin(base)
+        hf = {"eager": hf_rate(model, work[0], tokens, static=False)}
+        if cuda:
+            hf["static compiled"] = hf_rate(model, work[0], tokens, static=True)
+        row(f"{small} transformers generate tokens/s", {k: round(v[0], 1) for k, v in hf.items()})
+        row(f"{small} transformers tokens == clover plain", {k: v[1] == best["token_ids"] for k, v in hf.items()})
+        figure("over_hf_compiled", best["tok_s"] / hf["static compiled" if cuda else "eager"][0])
+        del model
+    except ImportError as e:
+        row(f"{small} transformers generate tokens/s", f"not run: {e}")
+
+    # -- identity on the stacked runner -----------------------------------------------------------------------------
+    cases = []
+    for arch in ARCHS:
+        h = moved(random_heads(cpu_base, arch, 0), device, dtype)
+        t = prune_tree(resolve_tree("small"), h.config.max_depth or 99)
+        spec_runner = BatchedTorchRunner(base, h, f"random:{arch}:0", cuda_graphs=cuda)
+        plain_runner = BatchedTorchRunner(base, cuda_graphs=cuda)
+        for c in (1, 8, 32):
+            _, got = engine_rate(spec_runner, tokenizer, t, work[:c], tokens)
+            _, want = engine_rate(plain_runner, tokenizer, None, work[:c], tokens)
+            cases.append(
+                {
+                    "arch": arch,
+                    "tree": t.name,
+                    "concurrency": c,
+                    "identical": f"{sum(g == w for g, w in zip(got, want))}/{c}",
+                }
+            )
+    row("identity, stacked runner", cases)
+    figure("identity_ok", all(c["identical"].split("/")[0] == c["identical"].split("/")[1] for c in cases))
+    del base, heads, runner, cpu_base
+
+    # -- 8B shape: one speculative step against a plain one -------------------------------------------------------
+    big = TINY if quick else LLAMA_8B
+    base = random_decoder(big, dtype, device)
+    with torch.device(device):  # untrained weights: its step time, not its drafts, is measured
+        heads = build_heads(base, "clover2").to(dtype).eval().requires_grad_(False)
+    mc26 = resolve_tree("mc26")
+    plain = decode(Generator(BatchedTorchRunner(base, cuda_graphs=cuda), tokenizer), work[1], min(tokens, 64), cuda)
+    spec = decode(
+        Generator(BatchedTorchRunner(base, heads, cuda_graphs=cuda), tokenizer, mc26), work[1], min(tokens, 64), cuda
+    )
+    row(f"{large} batch 1 plain / spec mc26 ms per step", {"plain": plain["step_ms"], "mc26": spec["step_ms"]})
+    ratio = spec["step_ms"] / plain["step_ms"]
+    figure("spec_over_plain_8b", ratio)
+    cpu = {r["tree"]: r["tokens_per_step"] for r in cpu_acceptance() if r["prompts"] == "mtbench"}
+    if mc26.name in cpu:  # the shipped heads' tokens per step on the CPU (MT-Bench) over the step's cost
+        figure("projected_speedup_8b", cpu[mc26.name] / ratio)
