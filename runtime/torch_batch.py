@@ -288,6 +288,7 @@ class BatchedTorchRunner(Runner):
         self.generator = torch.Generator(self.device)  # sampled steps' draws (seeded from fresh entropy)
         self.generator.seed()
         self._graphs: dict[tuple[int, str], DecodeGraph] = {}
+        self.graphs_error: str | None = None  # why recording the step failed (it then runs eagerly)
         self.info = RunnerInfo(
             backend="torch",
             vocab_size=cfg.vocab_size,
@@ -461,13 +462,9 @@ class BatchedTorchRunner(Runner):
                     temperature[s.index], top_p[s.index] = sp.temperature, sp.top_p
             law = Law(self._t(temperature), self._t(top_p))
         with self.engine_clock, torch.inference_mode():
-            if law is None and self.cuda_graphs:
-                bucket = row_bucket(rows)
-                self._ensure(bucket, self.cache.columns)
-                key = (bucket, tree.name)
-                if key not in self._graphs:
-                    self._graphs[key] = DecodeGraph(self, dt, bucket)
-                wait = self._graphs[key].launch(active)
+            graph = self._graph(dt, rows) if law is None and self.cuda_graphs else None
+            if graph is not None:
+                wait = graph.launch(active)
             else:  # eager (the graphs are recorded for greedy steps)
                 packed = self._decode(dt, self._t(active), int(max(s.past for s in slots)), law).cpu().numpy()
                 wait = lambda: packed  # noqa: E731
@@ -484,6 +481,20 @@ class BatchedTorchRunner(Runner):
             return out
 
         return results
+
+    def _graph(self, dt: DeviceTree, rows: int) -> DecodeGraph | None:
+        """The recorded step for `rows` rows of this tree; None (eager from now on) if recording fails, with the
+        reason in `graphs_error`: a step that cannot be recorded still runs."""
+        bucket = row_bucket(rows)
+        self._ensure(bucket, self.cache.columns)
+        key = (bucket, dt.tree.name)
+        if key not in self._graphs:
+            try:
+                self._graphs[key] = DecodeGraph(self, dt, bucket)
+            except Exception as e:  # an op that cannot be captured on this torch / GPU
+                self.cuda_graphs, self.graphs_error = False, f"{type(e).__name__}: {e}"
+                return None
+        return self._graphs[key]
 
     def _decode(self, dt: DeviceTree, active: torch.Tensor, columns: int, law: Law | None = None) -> torch.Tensor:
         """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns, greedy (law None)

@@ -752,6 +752,8 @@ def engine_step(
             runner = make_runner(kind, base, heads if spec else None, cuda)
             gen = Generator(runner, tokenizer, tree if spec else None)
             runs[kind, spec] = decode(gen, work[0], tokens, cuda)
+            if kind == "batched" and cuda:  # a step that could not be recorded ran eagerly: say why
+                runs[kind, spec]["graphs"] = runner.graphs_error or "recorded"
             row(f"{small} {kind} {'spec ' + tree.name if spec else 'plain'} batch 1", public_run(runs[kind, spec]))
     best = runs["batched", False]
     same = all(r["token_ids"] == best["token_ids"] for r in runs.values())
