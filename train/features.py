@@ -140,6 +140,21 @@ class FeatureWriter:
         self.validation.append(validation)
         self.loss_tokens[validation] += int(loss_mask.sum())
 
+    def add_batch(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_probs: torch.Tensor,
+        loss_mask: torch.Tensor,
+        validation: list[bool],
+    ) -> None:
+        """A right-padded batch ([B, L], [B], [B, L, H], [B, L, K] x 2, [B, L]) of sequences, one copy to the host."""
+        arrays = [t.cpu().numpy() for t in (tokens, hidden, topk_ids, topk_probs, loss_mask)]
+        for b, n in enumerate(lengths.tolist()):
+            self.add(*(a[b, :n] for a in arrays), validation[b])
+
     def finish(self, extra: dict) -> FeatureCache:
         for f in self.files.values():
             f.close()
@@ -164,6 +179,87 @@ class FeatureWriter:
         for f in self.files.values():
             f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class MemoryWriter:
+    """FeatureWriter's twin that keeps the features in memory on `device` (nothing written to disk): a GPU's
+    memory holds the features of millions of tokens, so a run there builds them in a minute and never waits on
+    a disk. `finish()` makes a FeatureStore."""
+
+    def __init__(self, spec: FeatureSpec, hidden_size: int, device: torch.device):
+        self.spec, self.hidden_size, self.device = spec, hidden_size, torch.device(device)
+        self.parts: dict[str, list[torch.Tensor]] = {name: [] for name in _ARRAYS}
+        self.lengths: list[int] = []
+        self.validation: list[bool] = []
+        self.loss_tokens = [0, 0]  # train, validation
+        self.started = time.time()
+
+    def add_batch(
+        self,
+        tokens: torch.Tensor,
+        lengths: torch.Tensor,
+        hidden: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_probs: torch.Tensor,
+        loss_mask: torch.Tensor,
+        validation: list[bool],
+    ) -> None:
+        """A right-padded batch (FeatureWriter.add_batch's shapes): its real positions appended, on the device."""
+        L = tokens.shape[1]
+        real = torch.arange(L, device=tokens.device)[None] < lengths.to(tokens.device)[:, None]  # [B, L]
+        for name, t in zip(_ARRAYS, (tokens, hidden, topk_ids, topk_probs, loss_mask)):
+            self.parts[name].append(t[real].to(self.device, _TORCH[name]))
+        per_seq = loss_mask.sum(1).tolist()
+        for n, v, c in zip(lengths.tolist(), validation, per_seq):
+            self.lengths.append(n)
+            self.validation.append(bool(v))
+            self.loss_tokens[bool(v)] += int(c)
+
+    def add(
+        self,
+        tokens: np.ndarray,
+        hidden: np.ndarray,
+        topk_ids: np.ndarray,
+        topk_probs: np.ndarray,
+        loss_mask: np.ndarray,
+        validation: bool,
+    ) -> None:
+        assert not loss_mask[-1], "the last position has no next token"
+        arrays = (tokens, hidden, topk_ids, topk_probs, loss_mask)
+        for name, a in zip(_ARRAYS, arrays):
+            self.parts[name].append(torch.from_numpy(np.ascontiguousarray(a, dtype=_ARRAYS[name])).to(self.device))
+        self.lengths.append(len(tokens))
+        self.validation.append(validation)
+        self.loss_tokens[validation] += int(loss_mask.sum())
+
+    def finish(self, extra: dict) -> FeatureStore:
+        arrays = {name: torch.cat(parts) if parts else torch.zeros(0) for name, parts in self.parts.items()}
+        self.parts.clear()
+        offsets = np.concatenate(([0], np.cumsum(self.lengths, dtype=np.int64)))
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "spec": asdict(self.spec),
+            "hidden_size": self.hidden_size,
+            "num_tokens": int(offsets[-1]),
+            "num_sequences": len(self.validation),
+            "train_loss_tokens": self.loss_tokens[0],
+            "validation_loss_tokens": self.loss_tokens[1],
+            "build_seconds": round(time.time() - self.started, 1),
+            **extra,
+        }
+        return FeatureStore(arrays, offsets, np.array(self.validation, dtype=np.bool_), meta)
+
+    def abort(self) -> None:
+        self.parts.clear()
+
+
+_TORCH = {
+    "tokens": torch.int32,
+    "hidden": torch.float16,
+    "topk_ids": torch.int32,
+    "topk_probs": torch.float16,
+    "loss_mask": torch.bool,
+}
 
 
 class FeatureCache:
@@ -210,15 +306,98 @@ class FeatureCache:
         return out
 
 
+class FeatureStore:
+    """Features held in memory as flat tensors on one device, with FeatureCache's reading interface: batches are
+    gathered where the tensors live (on a GPU: no host work and no copy per batch). Built by MemoryWriter, loaded
+    from a cache (`from_cache`), or several joined (`concat`: features of several corpora trained together)."""
+
+    path = None  # nothing on disk
+
+    def __init__(self, arrays: dict[str, torch.Tensor], offsets: np.ndarray, validation: np.ndarray, meta: dict):
+        self.arrays, self.offsets, self.validation, self.meta = arrays, offsets, validation, meta
+        self.spec = FeatureSpec(**meta["spec"])
+        self.device = arrays["tokens"].device
+        self._starts = torch.from_numpy(offsets[:-1]).to(self.device)  # [S]
+        self._lengths = torch.from_numpy(np.diff(offsets)).to(self.device)  # [S]
+
+    @classmethod
+    def from_cache(cls, cache: FeatureCache, device: torch.device) -> FeatureStore:
+        """A disk cache read whole onto `device` (through pinned memory for a GPU)."""
+        device = torch.device(device)
+        arrays = {}
+        for name, arr in cache.arrays.items():
+            if device.type == "cuda":  # read from disk into pinned memory once, then one copy to the device
+                t = torch.empty(arr.shape, dtype=_TORCH[name], pin_memory=True)
+                t.numpy()[:] = arr
+                arrays[name] = t.to(device, non_blocking=True)
+            else:
+                arrays[name] = torch.from_numpy(np.array(arr))
+        return cls(arrays, cache.offsets, cache.validation, dict(cache.meta, path=str(cache.path)))
+
+    @classmethod
+    def concat(cls, stores: list[FeatureStore]) -> FeatureStore:
+        """Several stores as one (sequence ids follow the order given); meta sums the counts and lists the parts."""
+        if len(stores) == 1:
+            return stores[0]
+        arrays = {name: torch.cat([s.arrays[name] for s in stores]) for name in _ARRAYS}
+        offsets = np.concatenate(
+            [[0]] + [s.offsets[1:] + sum(t.offsets[-1] for t in stores[:i]) for i, s in enumerate(stores)]
+        )
+        validation = np.concatenate([s.validation for s in stores])
+        summed = ("num_tokens", "num_sequences", "train_loss_tokens", "validation_loss_tokens", "build_seconds")
+        meta = dict(stores[0].meta, parts=[s.meta for s in stores])
+        for key in summed:
+            meta[key] = (
+                round(sum(s.meta[key] for s in stores), 1)
+                if key == "build_seconds"
+                else sum(s.meta[key] for s in stores)
+            )
+        return cls(arrays, offsets.astype(np.int64), validation, meta)
+
+    def sequences(self, validation: bool) -> list[int]:
+        return [i for i, v in enumerate(self.validation) if bool(v) == validation]
+
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def batch(self, seq_ids: list[int]) -> dict[str, torch.Tensor]:
+        """FeatureCache.batch's right-padded tensors, gathered on the store's device."""
+        L = max(self.length(i) for i in seq_ids)
+        ids = torch.tensor(seq_ids, device=self.device)
+        lengths = self._lengths[ids]  # [B]
+        steps = torch.arange(L, device=self.device)
+        real = steps[None] < lengths[:, None]  # [B, L]
+        pos = torch.where(real, self._starts[ids][:, None] + steps[None], 0)  # [B, L] flat positions
+        out = {}
+        for name, arr in self.arrays.items():
+            x = arr[pos]
+            out[name] = x * real.view(*real.shape, *([1] * (x.dim() - 2))) if name != "loss_mask" else x & real
+        out["length"] = lengths
+        return out
+
+    def first_ranked(self, seq_ids: list[int]) -> torch.Tensor:
+        """The base's first-ranked token at every loss position of `seq_ids` [n] (frequent_tokens' counts)."""
+        chosen = torch.zeros(len(self.validation), dtype=torch.bool)
+        chosen[seq_ids] = True
+        per_pos = torch.repeat_interleave(chosen.to(self.device), self._lengths)  # [N]
+        return self.arrays["topk_ids"][:, 0][self.arrays["loss_mask"] & per_pos]
+
+
 # -- building --------------------------------------------------------------------------------------
 
 Progress = Callable[[int, int], None]  # (loss tokens so far, budget)
 
 
 @torch.inference_mode()
-def _topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+def _topk_tensors(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k ids int32 and probabilities float16 of `logits` [..., V], on its device."""
     probs, ids = torch.topk(torch.softmax(logits.float(), dim=-1), k, dim=-1)
-    return ids.to(torch.int32).numpy(), probs.to(torch.float16).numpy()
+    return ids.to(torch.int32), probs.to(torch.float16)
+
+
+def _topk(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+    ids, probs = _topk_tensors(logits, k)
+    return ids.cpu().numpy(), probs.cpu().numpy()
 
 
 @torch.inference_mode()
@@ -228,14 +407,14 @@ def prefill(
     """One sequence through the base: hidden [T, H] fp16, top-k per position, and its K/V.
     `last_only`: the distribution of the last position only (the rows before it get zeros), for
     prompts whose own positions carry no loss: it skips most of the LM-head work."""
-    T = len(ids)
+    T, dev = len(ids), _device(base)
     keys, values = base.empty_cache(1, 0)
-    rows = torch.tensor([T - 1]) if last_only else None
+    rows = torch.tensor([T - 1], device=dev) if last_only else None
     out = base(
-        torch.tensor([ids]),
-        torch.arange(T)[None],
-        causal_mask(T),
-        torch.zeros(1, dtype=torch.long),
+        torch.tensor([ids], device=dev),
+        torch.arange(T, device=dev)[None],
+        causal_mask(T, device=dev),
+        torch.zeros(1, dtype=torch.long, device=dev),
         keys,
         values,
         logit_rows=rows,
@@ -244,7 +423,11 @@ def prefill(
     if last_only:
         tk_ids = np.concatenate((np.zeros((T - 1, k), tk_ids.dtype), tk_ids))
         tk_p = np.concatenate((np.zeros((T - 1, k), tk_p.dtype), tk_p))
-    return out.hidden_states[0].to(torch.float16).numpy(), tk_ids, tk_p, out.new_keys, out.new_values
+    return out.hidden_states[0].to(torch.float16).cpu().numpy(), tk_ids, tk_p, out.new_keys, out.new_values
+
+
+def _device(base: Decoder) -> torch.device:
+    return base.lm_head.weight.device
 
 
 @torch.inference_mode()
@@ -255,21 +438,23 @@ def features_from_dataset(
     budgets: tuple[int, int],
     progress: Progress | None = None,
     batch_tokens: int = 8192,
+    window: int = 64,
 ) -> None:
     """Teacher-forced passes over tokenised conversations: (ids, assistant mask, is_validation) each.
 
-    Several sequences share a forward (right-padded, at most `batch_tokens` padded tokens; sorted by length
-    within windows of WINDOW sequences so they pad little). Distributions are computed at loss positions
-    only; the other rows get zeros, as prompt rows do in features_from_generation. `base` may also be an ONNX
-    Runtime runner of an artifact (clover.runtime.graph_runner.GraphRunner): one sequence per forward there."""
+    Several sequences share a forward on the base's device (right-padded, at most `batch_tokens` padded tokens;
+    sorted by length within windows of `window` sequences so they pad little). Distributions are computed at
+    loss positions only; the other rows get zeros, as prompt rows do in features_from_generation. `base` may
+    also be an ONNX Runtime runner of an artifact (clover.runtime.graph_runner.GraphRunner): one sequence per
+    forward there."""
     forward = _teacher_forced if isinstance(base, Decoder) else _graph_teacher_forced
     taken = [0, 0]  # loss tokens of the sequences accepted so far (written or waiting in the window)
-    window: list[tuple[list[int], np.ndarray, bool]] = []
+    pending: list[tuple[list[int], np.ndarray, bool]] = []
 
     def flush() -> None:
-        window.sort(key=lambda item: len(item[0]))
+        pending.sort(key=lambda item: len(item[0]))
         batch: list[tuple[list[int], np.ndarray, bool]] = []
-        for item in window:
+        for item in pending:
             if batch and (len(batch) + 1) * len(item[0]) > batch_tokens:
                 forward(base, batch, writer)
                 batch = []
@@ -280,7 +465,7 @@ def features_from_dataset(
             forward(base, batch, writer)
             if progress:
                 progress(writer.loss_tokens[0], budgets[0])
-        window.clear()
+        pending.clear()
 
     for ids, assistant, is_val in sequences:
         if taken[is_val] >= budgets[is_val] or len(ids) < 2:
@@ -288,49 +473,56 @@ def features_from_dataset(
         loss_mask = np.zeros(len(ids), dtype=np.bool_)
         loss_mask[:-1] = assistant[1:]
         taken[is_val] += int(loss_mask.sum())
-        window.append((ids, loss_mask, is_val))
-        if len(window) >= WINDOW:
+        pending.append((ids, loss_mask, is_val))
+        if len(pending) >= window:
             flush()
         if all(taken[v] >= budgets[v] for v in (0, 1)):
             break
     flush()
 
 
-WINDOW = 64  # sequences sorted by length together before they are cut into batches
+WINDOW = 64  # sequences sorted by length together before they are cut into batches (CPU default)
 LM_HEAD_ROWS = 1024  # rows per LM-head matmul while building (bounds the [rows, V] logits in memory)
 
 
-def _teacher_forced(base: Decoder, batch: list[tuple[list[int], np.ndarray, bool]], writer: FeatureWriter) -> None:
-    """One forward over `batch` (ids, loss mask, is_validation), its features written sequence by sequence."""
+def build_sizes(device: torch.device) -> tuple[int, int]:
+    """(batch_tokens, window) for teacher-forced feature batches: small on a CPU (memory, cache), large on a GPU,
+    where a 135M base needs tens of thousands of tokens per forward to keep the device busy."""
+    return (65536, 2048) if device.type == "cuda" else (8192, WINDOW)
+
+
+def _teacher_forced(base: Decoder, batch: list[tuple[list[int], np.ndarray, bool]], writer) -> None:
+    """One forward over `batch` (ids, loss mask, is_validation) on the base's device, handed to the writer whole."""
+    dev = _device(base)
     k, B, L = writer.spec.topk, len(batch), max(len(ids) for ids, _, _ in batch)
     ids = torch.zeros(B, L, dtype=torch.long)  # [B, L], right-padded: causal rows never see the padding
     loss = torch.zeros(B, L, dtype=torch.bool)  # [B, L]
     for b, (x, m, _) in enumerate(batch):
         ids[b, : len(x)] = torch.tensor(x)
         loss[b, : len(x)] = torch.from_numpy(m)
+    lengths = torch.tensor([len(x) for x, _, _ in batch])  # [B]
+    ids, loss = ids.to(dev, non_blocking=True), loss.to(dev, non_blocking=True)
     keys, values = base.empty_cache(B, 0)
     out = base(
         ids,
-        torch.arange(L).expand(B, L),
-        causal_mask(L, B),
-        torch.zeros(B, dtype=torch.long),
+        torch.arange(L, device=dev).expand(B, L),
+        causal_mask(L, B, dev),
+        torch.zeros(B, dtype=torch.long, device=dev),
         keys,
         values,
-        logit_rows=torch.zeros(0, dtype=torch.long),
+        logit_rows=torch.zeros(0, dtype=torch.long, device=dev),
     )
     rows = out.hidden_states[loss]  # [n, H]: the loss positions
-    tk_ids, tk_p = np.zeros((B, L, k), np.int32), np.zeros((B, L, k), np.float16)
-    parts = [_topk(base.lm_head(base.norm(rows[i : i + LM_HEAD_ROWS])), k) for i in range(0, len(rows), LM_HEAD_ROWS)]
+    tk_ids = torch.zeros(B, L, k, dtype=torch.int32, device=dev)  # [B, L, K]
+    tk_p = torch.zeros(B, L, k, dtype=torch.float16, device=dev)  # [B, L, K]
+    step = LM_HEAD_ROWS if dev.type == "cpu" else 16 * LM_HEAD_ROWS
+    parts = [_topk_tensors(base.lm_head(base.norm(rows[i : i + step])), k) for i in range(0, len(rows), step)]
     if parts:
-        sel = loss.numpy()
-        tk_ids[sel] = np.concatenate([p[0] for p in parts])
-        tk_p[sel] = np.concatenate([p[1] for p in parts])
-    hidden = out.hidden_states.to(torch.float16).numpy()  # [B, L, H]
-    for b, (x, m, is_val) in enumerate(batch):
-        n = len(x)
-        h = hidden[b, :n].copy()
-        h[-1] = 0  # the last position has no next token: zero features
-        writer.add(np.array(x), h, tk_ids[b, :n], tk_p[b, :n], m, is_val)
+        tk_ids[loss] = torch.cat([p[0] for p in parts])
+        tk_p[loss] = torch.cat([p[1] for p in parts])
+    hidden = out.hidden_states.to(torch.float16)  # [B, L, H]
+    hidden[torch.arange(B, device=dev), lengths.to(dev) - 1] = 0  # the last position has no next token
+    writer.add_batch(ids, lengths, hidden, tk_ids, tk_p, loss, [v for _, _, v in batch])
 
 
 def _graph_teacher_forced(runner, batch: list[tuple[list[int], np.ndarray, bool]], writer: FeatureWriter) -> None:
@@ -423,8 +615,9 @@ def features_from_generation(
     spec = writer.spec
     k, max_new = spec.topk, spec.max_new_tokens
     capacity = spec.max_length
+    dev = _device(base)
     keys, values = base.empty_cache(batch_size, capacity)
-    lengths = torch.zeros(batch_size, dtype=torch.long)  # cached tokens per row
+    lengths = torch.zeros(batch_size, dtype=torch.long)  # cached tokens per row (host: read per row)
     current = torch.zeros(batch_size, dtype=torch.long)  # the token each row feeds next
     slots: list[_Slot | None] = [None] * batch_size
     exhausted = False
@@ -477,17 +670,18 @@ def features_from_generation(
         if not active:
             break
         P = int(lengths[active].max())
+        on_dev = lengths.to(dev)
         out = base(
-            current[:, None],
-            lengths[:, None],
-            torch.ones(batch_size, 1, 1, dtype=torch.bool),
-            lengths,
+            current[:, None].to(dev),
+            on_dev[:, None],
+            torch.ones(batch_size, 1, 1, dtype=torch.bool, device=dev),
+            on_dev,
             [kk[:, :, :P] for kk in keys],
             [vv[:, :, :P] for vv in values],
         )
         for store, new in zip(keys + values, out.new_keys + out.new_values):
-            store[rows, :, lengths] = new[:, :, 0]
-        hidden = out.hidden_states[:, 0].to(torch.float16).numpy()
+            store[rows.to(dev), :, on_dev] = new[:, :, 0]
+        hidden = out.hidden_states[:, 0].to(torch.float16).cpu().numpy()
         tk_ids, tk_p = _topk(out.logits[:, 0], k)
         for b in active:
             lengths[b] += 1
@@ -510,14 +704,18 @@ def prepare_features(
     batch_size: int = 64,
     progress: Progress | None = None,
     teacher=None,
-) -> FeatureCache:
+    in_memory: torch.device | None = None,
+) -> FeatureCache | FeatureStore:
     """The cache for `spec` under `root`, built first if missing (the base model runs only here). `teacher`: the
-    runner of spec.teacher's artifact (teacher-forced data only), which computes the features instead of `base`."""
+    runner of spec.teacher's artifact (teacher-forced data only), which computes the features instead of `base`.
+    `in_memory`: a FeatureStore on that device instead, read from the cache where one exists, else built on the
+    base's device and never written to disk. Teacher-forced batches are sized for the base's device (build_sizes)."""
     from clover.train.data import first_turn_prompt, load_conversations, split, tokenize_conversation
 
     path = Path(root) / spec.key()
     if (path / "meta.json").is_file():
-        return FeatureCache(path)
+        cache = FeatureCache(path)
+        return cache if in_memory is None else FeatureStore.from_cache(cache, in_memory)
     if spec.teacher and (teacher is None or spec.responses == "base"):
         raise CloverError(
             "features from an artifact's graph (--features-from) need teacher-forced data: a corpus "
@@ -529,7 +727,12 @@ def prepare_features(
         corpus = open_corpus_for(spec)
     else:
         parts = split(load_conversations(spec.data), spec.seed, spec.validation_fraction)
-    writer = FeatureWriter(path, spec, base.config.hidden_size)
+    writer = (
+        FeatureWriter(path, spec, base.config.hidden_size)
+        if in_memory is None
+        else MemoryWriter(spec, base.config.hidden_size, in_memory)
+    )
+    batch_tokens, window = build_sizes(_device(base))
     if spec.dtype != str(base.lm_head.weight.dtype).removeprefix("torch.") and not spec.teacher:
         import copy
 
@@ -554,9 +757,11 @@ def prepare_features(
                     ids, mask = tokenize_conversation(tokenizer, messages, spec.max_length)
                     yield ids, mask, is_val
 
-            features_from_dataset(teacher or base, sequences(), writer, budgets, progress)
+            features_from_dataset(teacher or base, sequences(), writer, budgets, progress, batch_tokens, window)
         elif spec.responses == "corpus":
-            features_from_dataset(teacher or base, corpus_sequences(corpus, spec), writer, budgets, progress)
+            features_from_dataset(
+                teacher or base, corpus_sequences(corpus, spec), writer, budgets, progress, batch_tokens, window
+            )
         else:
             raise CloverError(f"unknown responses {spec.responses!r}: use 'base', 'dataset' or 'corpus'")
         if writer.loss_tokens[0] == 0 or writer.loss_tokens[1] == 0:

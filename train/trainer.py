@@ -1,12 +1,17 @@
-"""The training loop: batches from the feature cache, AdamW with warmup + cosine decay, per-epoch
-validation, checkpoints each epoch and resume. The base model never runs here (features are cached).
+"""The training loop: batches from the features (a disk cache or a FeatureStore in the device's memory), AdamW
+with warmup + cosine decay, bfloat16 autocast over float32 master weights, per-epoch validation, checkpoints at
+each epoch's end and, on a clock, inside one, and resume from the newest. A time budget (`Budget`) stops a run
+cleanly between two steps with a checkpoint, so the next run resumes there exactly (same batches, same optimizer
+state). The base model never runs here (its features are computed before).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,7 +22,7 @@ from clover import atomic
 from clover.errors import CloverError
 from clover.models.decoder import Decoder
 from clover.models.heads import DraftHeads
-from clover.train.features import FeatureCache
+from clover.train.features import FeatureCache, FeatureStore
 from clover.train.objectives import (
     EARLY_ANSWER_TOKENS,
     RECIPES,
@@ -33,7 +38,7 @@ from clover.train.objectives import (
 class TrainConfig:
     arch: str
     depths: int  # draft depths trained (the number of heads; clover2: depth trained for)
-    epochs: int = 1
+    epochs: float = 1  # may end inside an epoch (1.5: the second stops halfway; the schedule ends there)
     lr: float | None = None  # None: the recipe's default
     seed: int = 0
     batch_tokens: int = 4096  # padded tokens per optimiser step
@@ -67,6 +72,29 @@ class EpochMetrics:
 @dataclass
 class History:
     epochs: list[EpochMetrics] = field(default_factory=list)
+    steps: int = 0  # optimiser steps done (of the schedule's, total_steps)
+    total_steps: int = 0
+    stopped: bool = False  # the budget stopped the run before the schedule's end (a checkpoint holds where)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """When a run stops (time.time() seconds): at `deadline` between two steps, with a checkpoint; and a
+    checkpoint every `checkpoint_seconds` inside an epoch (None: at epochs' ends only)."""
+
+    deadline: float | None = None
+    checkpoint_seconds: float | None = None
+
+
+@dataclass
+class EpochSums:
+    """Training sums of the epoch under way (kept in a mid-epoch checkpoint so a resumed epoch reports alike)."""
+
+    loss_sum: float = 0.0
+    n_batches: int = 0
+    correct: list[float] = field(default_factory=list)
+    count: list[int] = field(default_factory=list)
+    seconds: float = 0.0
 
 
 def make_batches(cache: FeatureCache, seq_ids: list[int], batch_tokens: int, rng: random.Random) -> list[list[int]]:
@@ -98,7 +126,13 @@ def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
 
 class Trainer:
     def __init__(
-        self, base: Decoder, heads: DraftHeads, cache: FeatureCache, cfg: TrainConfig, out: Path, device: torch.device
+        self,
+        base: Decoder,
+        heads: DraftHeads,
+        cache: FeatureCache | FeatureStore,
+        cfg: TrainConfig,
+        out: Path,
+        device: torch.device,
     ):
         self.base, self.heads, self.cache, self.cfg, self.out, self.device = base, heads, cache, cfg, Path(out), device
         self.recipe = RECIPES[cfg.arch]
@@ -109,33 +143,41 @@ class Trainer:
         self.val_ids = cache.sequences(validation=True)
         probe = make_batches(cache, self.train_ids, cfg.batch_tokens, random.Random(0))
         self.steps_per_epoch = len(probe)
-        self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.total_steps = max(1, math.ceil(self.steps_per_epoch * cfg.epochs))
         self.frequent = frequent_tokens(cache, self.train_ids).to(device) if cfg.batch_softmax else None
-        self.history = History()
-        self.start_epoch = 0
+        self.history = History(total_steps=self.total_steps)
+        self.start_epoch, self.start_batch = 0, 0
+        self.sums: EpochSums | None = None  # a resumed mid-epoch run's sums so far
 
     # -- checkpoints ----------------------------------------------------------------------------
-    def checkpoint_path(self, epoch: int) -> Path:
-        return self.out / "checkpoints" / f"epoch-{epoch}.pt"
+    def checkpoint_path(self, epoch: int, batch: int | None = None) -> Path:
+        """epoch-E.pt after epoch E (0-based) ended; epoch-E-batch-I.pt inside it, before its batch I."""
+        name = f"epoch-{epoch}.pt" if batch is None else f"epoch-{epoch}-batch-{batch}.pt"
+        return self.out / "checkpoints" / name
 
-    def save_checkpoint(self, epoch: int) -> None:
-        path = self.checkpoint_path(epoch)
+    def save_checkpoint(self, epoch: int, batch: int | None = None, sums: EpochSums | None = None) -> None:
+        path = self.checkpoint_path(epoch, batch)
+        state = {
+            "epoch": epoch,
+            "heads": self.heads.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "config": asdict(self.cfg),
+            "history": [asdict(m) for m in self.history.epochs],
+            "torch_rng": torch.get_rng_state(),
+        }
+        if self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        if batch is not None:
+            state["batch"], state["sums"] = batch, asdict(sums)
         with atomic.replacing(path) as f:
-            torch.save(
-                {
-                    "epoch": epoch,
-                    "heads": self.heads.state_dict(),
-                    "optimizer": self.opt.state_dict(),
-                    "config": asdict(self.cfg),
-                    "history": [asdict(m) for m in self.history.epochs],
-                    "torch_rng": torch.get_rng_state(),
-                },
-                f,
-            )
+            torch.save(state, f)
+        for older in checkpoints(self.out):  # mid-epoch ones are superseded by any later checkpoint
+            if older != path and "-batch-" in older.name and _order(older) < _order(path):
+                older.unlink(missing_ok=True)
 
-    def resume(self) -> int:
-        """Load the newest checkpoint; returns the number of epochs already done."""
-        ckpts = sorted(self.out.glob("checkpoints/epoch-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    def resume(self) -> float:
+        """Load the newest checkpoint; returns the epochs already done (fractional inside an epoch)."""
+        ckpts = checkpoints(self.out)
         if not ckpts:
             raise CloverError(f"--resume: no checkpoint in {self.out / 'checkpoints'}: start without --resume")
         state = torch.load(ckpts[-1], weights_only=True)  # tensors, numbers, strings and containers only: no code runs
@@ -150,71 +192,117 @@ class Trainer:
         self.heads.load_state_dict(state["heads"])
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
+        if "cuda_rng" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.history.epochs = [EpochMetrics(**m) for m in state["history"]]
+        if "batch" in state:  # inside an epoch: go on at its next batch with its sums so far
+            self.start_epoch, self.start_batch = state["epoch"], state["batch"]
+            self.sums = EpochSums(**state["sums"])
+            return state["epoch"] + state["batch"] / self.steps_per_epoch
         self.start_epoch = state["epoch"] + 1
         return self.start_epoch
 
     # -- loop -----------------------------------------------------------------------------------
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.device.type == "cuda" and batch["tokens"].device.type == "cpu":  # a disk cache's batch
+            return {k: v.pin_memory().to(self.device, non_blocking=True) for k, v in batch.items()}
         return {k: v.to(self.device) for k, v in batch.items()}
 
-    def train(self, log=print) -> History:
+    def train(
+        self, log=print, budget: Budget = Budget(), on_epoch: Callable[[EpochMetrics], None] | None = None
+    ) -> History:
+        """Train to the schedule's end, or until `budget.deadline` (then `history.stopped`, and a checkpoint
+        holds the next batch). `on_epoch` sees each epoch's metrics once its checkpoint is written."""
         cfg = self.cfg
-        for epoch in range(self.start_epoch, cfg.epochs):
+        last_save = time.time()
+        epochs = math.ceil(self.total_steps / self.steps_per_epoch)
+        self.history.steps = self.start_epoch * self.steps_per_epoch + self.start_batch
+        for epoch in range(self.start_epoch, epochs):
             t0 = time.time()
             rng = random.Random(cfg.seed * 1000 + epoch)
             batches = make_batches(self.cache, self.train_ids, cfg.batch_tokens, rng)
-            sums = [DepthStats() for _ in range(cfg.depths)]
-            loss_sum, n_batches = 0.0, 0
+            batches = batches[: self.total_steps - epoch * self.steps_per_epoch]  # the last epoch may stop inside
+            first = self.start_batch if epoch == self.start_epoch else 0
+            sums = self.sums if epoch == self.start_epoch and self.sums is not None else EpochSums()
+            if not sums.correct:
+                sums.correct, sums.count = [0.0] * cfg.depths, [0] * cfg.depths
             self.heads.train()
-            bar = tqdm(batches, desc=f"{cfg.arch} epoch {epoch + 1}/{cfg.epochs}", unit="batch", dynamic_ncols=True)
-            for i, seq_ids in enumerate(bar):
-                step = epoch * self.steps_per_epoch + i
-                for group in self.opt.param_groups:
-                    group["lr"] = lr_at(step, self.total_steps, cfg)
-                batch = self.to_device(self.cache.batch(seq_ids))
-                vocab = Vocab.of_batch(batch, self.base.lm_head.weight, self.frequent) if cfg.batch_softmax else None
-                loss, stats = distill_loss(
-                    self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16, vocab
-                )
-                if not loss.requires_grad:  # no row of this batch has a target at any depth: nothing to learn
-                    continue
-                self.opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.heads.parameters(), cfg.grad_clip)
-                self.opt.step()
-                loss_sum, n_batches = loss_sum + float(loss.detach()), n_batches + 1
-                for acc, st in zip(sums, stats):
-                    acc.correct, acc.count = acc.correct + st.correct, acc.count + st.count
+            bar = tqdm(
+                total=len(batches),
+                initial=first,
+                desc=f"{cfg.arch} epoch {epoch + 1}/{epochs}",
+                unit="batch",
+                dynamic_ncols=True,
+            )
+            for i in range(first, len(batches)):
+                self.step(epoch * self.steps_per_epoch + i, batches[i], sums)
+                self.history.steps += 1
+                bar.update(1)
                 bar.set_postfix_str(
-                    f"loss {loss_sum / n_batches:.3f} top1 "
-                    + "/".join(f"{a.correct / max(1, a.count):.2f}" for a in sums)
+                    f"loss {sums.loss_sum / max(1, sums.n_batches):.3f} top1 "
+                    + "/".join(f"{c / max(1, n):.2f}" for c, n in zip(sums.correct, sums.count))
                 )
+                now = time.time()
+                if i + 1 < len(batches) and budget.deadline is not None and now >= budget.deadline:
+                    sums.seconds += now - t0
+                    self.save_checkpoint(epoch, i + 1, sums)
+                    bar.close()
+                    self.history.stopped = True
+                    log(
+                        f"time budget reached inside epoch {epoch + 1} (batch {i + 1}/{len(batches)}): checkpoint saved"
+                    )
+                    return self.history
+                if budget.checkpoint_seconds is not None and now - last_save >= budget.checkpoint_seconds:
+                    self.save_checkpoint(epoch, i + 1, dataclasses.replace(sums, seconds=sums.seconds + now - t0))
+                    last_save = now
             bar.close()
-            val_loss, val_top1, val_topk, val_early, chain = self.validate()
-            m = EpochMetrics(
-                epoch + 1,
-                round(loss_sum / max(1, n_batches), 4),
-                [round(a.correct / max(1, a.count), 4) for a in sums],
-                round(val_loss, 4),
-                [round(x, 4) for x in val_top1],
-                round(chain, 3),
-                round(time.time() - t0, 1),
-                [round(x, 4) for x in val_topk],
-                [round(x, 4) for x in val_early],
-            )
-            self.history.epochs.append(m)
-            self.save_checkpoint(epoch)
-            log(
-                f"epoch {m.epoch}: train loss {m.train_loss:.3f}, val loss {m.val_loss:.3f}, val top-1 per depth "
-                + " ".join(f"{x:.3f}" for x in m.val_top1)
-                + f", top-{TOPK_ACCURACY} "
-                + " ".join(f"{x:.3f}" for x in m.val_topk)
-                + f", top-1 over the first {EARLY_ANSWER_TOKENS} answer tokens "
-                + " ".join(f"{x:.3f}" for x in m.val_top1_early)
-                + f", chain acceptance {m.val_chain_accept:.2f} ({m.seconds:.0f}s)"
-            )
+            m = self.end_epoch(epoch, sums, sums.seconds + time.time() - t0)
+            log(describe(m))
+            if on_epoch is not None:
+                on_epoch(m)
+            last_save = time.time()
+            if budget.deadline is not None and time.time() >= budget.deadline and epoch + 1 < epochs:
+                self.history.stopped = True
+                log(f"time budget reached after epoch {epoch + 1}: checkpoint saved")
+                break
         return self.history
+
+    def step(self, step: int, seq_ids: list[int], sums: EpochSums) -> None:
+        """One optimiser step on the batch of `seq_ids`, its loss and per-depth accuracy added to `sums`."""
+        cfg = self.cfg
+        for group in self.opt.param_groups:
+            group["lr"] = lr_at(step, self.total_steps, cfg)
+        batch = self.to_device(self.cache.batch(seq_ids))
+        vocab = Vocab.of_batch(batch, self.base.lm_head.weight, self.frequent) if cfg.batch_softmax else None
+        loss, stats = distill_loss(self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16, vocab)
+        if not loss.requires_grad:  # no row of this batch has a target at any depth: nothing to learn
+            return
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.heads.parameters(), cfg.grad_clip)
+        self.opt.step()
+        sums.loss_sum, sums.n_batches = sums.loss_sum + float(loss.detach()), sums.n_batches + 1
+        for d, st in enumerate(stats):
+            sums.correct[d] += st.correct
+            sums.count[d] += st.count
+
+    def end_epoch(self, epoch: int, sums: EpochSums, seconds: float) -> EpochMetrics:
+        """Validation, the epoch's metrics in the history, and its checkpoint."""
+        val_loss, val_top1, val_topk, val_early, chain = self.validate()
+        m = EpochMetrics(
+            epoch + 1,
+            round(sums.loss_sum / max(1, sums.n_batches), 4),
+            [round(c / max(1, n), 4) for c, n in zip(sums.correct, sums.count)],
+            round(val_loss, 4),
+            [round(x, 4) for x in val_top1],
+            round(chain, 3),
+            round(seconds, 1),
+            [round(x, 4) for x in val_topk],
+            [round(x, 4) for x in val_early],
+        )
+        self.history.epochs.append(m)
+        self.save_checkpoint(epoch)
+        return m
 
     @torch.no_grad()
     def validate(self) -> tuple[float, list[float], list[float], list[float], float]:
@@ -253,9 +341,37 @@ class Trainer:
         )
 
 
-def frequent_tokens(cache: FeatureCache, seq_ids: list[int], count: int = 4096) -> torch.Tensor:
+def describe(m: EpochMetrics) -> str:
+    """One line of an epoch's metrics."""
+    return (
+        f"epoch {m.epoch}: train loss {m.train_loss:.3f}, val loss {m.val_loss:.3f}, val top-1 per depth "
+        + " ".join(f"{x:.3f}" for x in m.val_top1)
+        + f", top-{TOPK_ACCURACY} "
+        + " ".join(f"{x:.3f}" for x in m.val_topk)
+        + f", top-1 over the first {EARLY_ANSWER_TOKENS} answer tokens "
+        + " ".join(f"{x:.3f}" for x in m.val_top1_early)
+        + f", chain acceptance {m.val_chain_accept:.2f} ({m.seconds:.0f}s)"
+    )
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """The checkpoints in `out`, oldest first."""
+    return sorted((out / "checkpoints").glob("epoch-*.pt"), key=_order)
+
+
+def _order(path: Path) -> tuple[int, float]:
+    parts = path.stem.split("-")  # epoch-E or epoch-E-batch-I
+    return int(parts[1]), float(parts[3]) if len(parts) == 4 else math.inf
+
+
+def frequent_tokens(cache: FeatureCache | FeatureStore, seq_ids: list[int], count: int = 4096) -> torch.Tensor:
     """The `count` token ids most often ranked first by the base at the loss positions of `seq_ids`."""
     import numpy as np
+
+    if isinstance(cache, FeatureStore):
+        hist_t = torch.bincount(cache.first_ranked(seq_ids).long())
+        order_t = torch.argsort(-hist_t, stable=True)[:count]
+        return order_t[hist_t[order_t] > 0].cpu()
 
     hist = np.zeros(1, dtype=np.int64)
     for i in seq_ids:

@@ -168,3 +168,63 @@ def test_errors_are_one_line_with_exit_code_2(setup, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not found" in err[0]
     assert not (root / "x").exists()
+
+
+def test_a_run_cut_by_its_time_budget_resumes_to_the_uncut_runs_heads(setup, capsys):
+    root, _, _ = setup
+    whole, cut = root / "budget-whole", root / "budget-cut"
+    args = ("--arch", "clover2", "--epochs", "1.5", "--num-heads", "2")
+    assert _train(setup, whole, *args) == 0
+    # a budget spent at once: each invocation makes one step, then stops with a checkpoint inside the epoch
+    assert _train(setup, cut, *args, "--max-minutes", "0.00001") == 0
+    assert "stopped at the time budget after 1/" in capsys.readouterr().err
+    assert [p.name for p in (cut / "checkpoints").iterdir()] == ["epoch-0-batch-1.pt"]
+    prov = json.loads((cut / "training.json").read_text())
+    assert prov["complete"] is False and prov["steps"] == 1 and prov["runs"][0]["stopped_at_budget"] is True
+    assert (cut / "heads.safetensors").is_file()  # the heads so far, usable
+    assert _train(setup, cut, *args, "--max-minutes", "0.00001", "--resume") == 0
+    assert [p.name for p in (cut / "checkpoints").iterdir()] == ["epoch-0-batch-2.pt"]  # the older one superseded
+    assert _train(setup, cut, *args, "--resume", "--checkpoint-minutes", "0.00001") == 0
+    ww, wc = load_file(str(whole / "heads.safetensors")), load_file(str(cut / "heads.safetensors"))
+    assert all(np.array_equal(ww[k], wc[k]) for k in ww)
+    a, b = (json.loads((d / "training.json").read_text()) for d in (whole, cut))
+    assert [e["epoch"] for e in b["epochs"]] == [1, 2] and b["complete"] and b["steps"] == a["steps"]
+    for ea, eb in zip(a["epochs"], b["epochs"]):  # the cut epoch reports what the uncut one did
+        assert (ea["train_loss"], ea["val_top1"], ea["val_chain_accept"]) == (
+            eb["train_loss"],
+            eb["val_top1"],
+            eb["val_chain_accept"],
+        )
+    assert [r["stopped_at_budget"] for r in b["runs"]] == [True, True, False]
+    assert all(r["device"] == "cpu" and r["cuda"] is None for r in b["runs"])
+    assert a["complete"] and a["total_steps"] == a["steps"]  # 1.5 epochs: the second stops halfway through
+    assert sorted(p.name for p in (cut / "checkpoints").iterdir()) == ["epoch-0.pt", "epoch-1.pt"]
+
+
+def test_features_in_memory_train_the_same_heads_as_the_disk_cache(setup):
+    root, _, _ = setup
+    disk, memory = root / "feat-disk", root / "feat-memory"
+    args = ("--arch", "clover", "--epochs", "1", "--num-heads", "2", "--cache-dir", str(root / "features-mem"))
+    assert _train(setup, disk, *args) == 0
+    assert _train(setup, memory, *args[:-2], "--features", "memory", "--cache-dir", str(root / "features-none")) == 0
+    assert not (root / "features-none").exists()  # nothing written to disk
+    wd, wm = load_file(str(disk / "heads.safetensors")), load_file(str(memory / "heads.safetensors"))
+    assert all(np.array_equal(wd[k], wm[k]) for k in wd)
+    assert json.loads((memory / "training.json").read_text())["data"]["features"] == "memory"
+
+
+def test_bfloat16_heads_load_as_float16_ones_do(setup):
+    import torch
+
+    from clover.models.head_io import load_heads, save_heads
+    from clover.models.loading import load_base
+
+    root, base, _ = setup
+    a = root / "bf16-src"
+    assert _train(setup, a, "--arch", "clover2", "--epochs", "1", "--num-heads", "2") == 0
+    b = load_base(base, "float32")
+    heads = load_heads(a, b)
+    save_heads(heads, root / "bf16", dtype=torch.bfloat16)
+    again = load_heads(root / "bf16", b)
+    for k, v in heads.state_dict().items():
+        torch.testing.assert_close(again.state_dict()[k], v.to(torch.bfloat16).float())

@@ -295,3 +295,36 @@ def test_features_from_an_artifact_need_teacher_forced_data(tmp_path):
     with pytest.raises(CloverError, match="need teacher-forced data"):
         prepare_features(tiny_base(seed=1), None, spec, tmp_path)
     assert not any(tmp_path.iterdir())  # nothing half-written
+
+
+def test_features_in_memory_equal_the_disk_caches_and_batch_alike(tmp_path):
+    import torch
+
+    from clover.train.features import FeatureStore, MemoryWriter
+
+    corpus = grown(tmp_path / "c")
+    base = tiny_base(seed=1)
+    spec = FeatureSpec("feedfacefeedface", str(tmp_path / "c"), "corpus", 10_000, 0, 14, 12, 4, corpus=corpus.digest())
+    writer = FeatureWriter(tmp_path / "f", spec, base.config.hidden_size)
+    features_from_dataset(base, corpus_sequences(corpus, spec), writer, (10_000, 10_000), batch_tokens=40)
+    cache = writer.finish({})
+    memory = MemoryWriter(spec, base.config.hidden_size, torch.device("cpu"))
+    features_from_dataset(base, corpus_sequences(corpus, spec), memory, (10_000, 10_000), batch_tokens=40)
+    store = memory.finish({})
+    assert store.meta["num_tokens"] == cache.meta["num_tokens"] and list(store.offsets) == list(cache.offsets)
+    for name, arr in cache.arrays.items():
+        assert np.array_equal(store.arrays[name].numpy(), np.asarray(arr)), name
+    loaded = FeatureStore.from_cache(cache, torch.device("cpu"))
+    ids = [3, 0, 7, 5]
+    for a, b in ((cache.batch(ids), store.batch(ids)), (cache.batch(ids), loaded.batch(ids))):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    both = FeatureStore.concat([store, loaded])  # two sources trained together: the second's ids follow
+    n = store.meta["num_sequences"]
+    assert both.meta["num_sequences"] == 2 * n and len(both.sequences(False)) == 2 * len(store.sequences(False))
+    assert all(torch.equal(both.batch([n + i])[k], store.batch([i])[k]) for i in range(n) for k in ("tokens", "hidden"))
+    top, mask = np.asarray(cache.arrays["topk_ids"])[:, 0], np.asarray(cache.arrays["loss_mask"])
+    first = np.concatenate(
+        [top[cache.offsets[i] : cache.offsets[i + 1]][mask[cache.offsets[i] : cache.offsets[i + 1]]] for i in ids]
+    )
+    assert sorted(store.first_ranked(ids).tolist()) == sorted(first.tolist())
