@@ -19,6 +19,7 @@ import numpy as np
 
 from clover.errors import CloverError
 from clover.runtime.lookup import NgramStore
+from clover.runtime.processors import LogitsProcessors
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tree import Tree
 
@@ -170,16 +171,25 @@ class Runner(abc.ABC):
         return type(self).decode_async is not Runner.decode_async
 
     def decode(
-        self, slots: Sequence[Slot], tree: Tree, sampling: Sequence[SamplingParams] | None = None
+        self,
+        slots: Sequence[Slot],
+        tree: Tree,
+        sampling: Sequence[SamplingParams] | None = None,
+        processors: Sequence[LogitsProcessors | None] | None = None,
     ) -> list[tuple[np.ndarray, np.ndarray]]:
         """One step of `tree` for each slot, greedy or sampled by its `sampling` (temperature, top-p; None: greedy),
-        drafted, verified, accepted and committed on the runner's device: each slot's accepted path (root first) and
-        emitted tokens. The loop uses it where a sequence needs nothing of the host in its step (runtime/loop.py);
-        runners without it step through forward / commit / draft_*."""
-        return self.decode_async(slots, tree, sampling)()
+        its rows adjusted by its `processors` (penalties, logit bias, min_tokens; None: none) with each path's
+        history, drafted, verified, accepted and committed on the runner's device: each slot's accepted path (root
+        first) and emitted tokens. The loop uses it where a sequence needs nothing of the host in its step
+        (runtime/loop.py); runners without it step through forward / commit / draft_*."""
+        return self.decode_async(slots, tree, sampling, processors)()
 
     def decode_async(
-        self, slots: Sequence[Slot], tree: Tree, sampling: Sequence[SamplingParams] | None = None
+        self,
+        slots: Sequence[Slot],
+        tree: Tree,
+        sampling: Sequence[SamplingParams] | None = None,
+        processors: Sequence[LogitsProcessors | None] | None = None,
     ) -> Callable[[], list[tuple[np.ndarray, np.ndarray]]]:
         """`decode`, launched: returns at once where the device runs ahead of the host, with a call that waits for
         the step and returns its results (the slots' lengths advance then). Between the two the host may do its

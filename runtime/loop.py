@@ -194,8 +194,8 @@ def step(
 
 
 def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree]) -> list[list[int]]:
-    """The sequences whose step runs on the device (`Runner.decode`), grouped by tree: greedy or unseeded sampling, no
-    processors, grammar or log-probabilities, the heads' drafts (or none) for a fixed tree that fits."""
+    """The sequences whose step runs on the device (`Runner.decode`), grouped by tree: greedy or unseeded sampling (with
+    any logits processors), no grammar or log-probabilities, the heads' drafts (or none) for a fixed tree that fits."""
     if not runner.can_decode:
         return []
     groups: dict[int, list[int]] = {}
@@ -203,7 +203,6 @@ def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tr
         if (
             not d.prefilling
             and (d.sampling.greedy or d.sampling.seed is None)  # a seeded request draws from its own generator
-            and d.processors is None
             and d.grammar is None
             and d.logprobs is None
             and isinstance(t, Tree)
@@ -228,7 +227,9 @@ def _launched(runner: Runner, batch: Sequence[Decoding], tree: Tree) -> Callable
     """The device-side step of `batch` launched; a call that waits for it and says what each sequence emitted."""
     engine = runner.engine_clock
     t0, e0 = time.perf_counter(), engine.seconds if engine else 0.0
-    wait = runner.decode_async([d.slot for d in batch], tree, [d.sampling for d in batch])
+    wait = runner.decode_async(
+        [d.slot for d in batch], tree, [d.sampling for d in batch], [d.processors for d in batch]
+    )
 
     def steps() -> list[Step]:
         results = wait()

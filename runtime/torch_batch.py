@@ -36,6 +36,7 @@ from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
 from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot, Verify
 from clover.runtime.lookup import NgramStore
+from clover.runtime.processors import LogitsProcessors
 from clover.runtime.torch_backend import row_bucket
 from clover.runtime.tree import Tree
 
@@ -205,6 +206,103 @@ def accept_sampled(
     return path, count, bonus
 
 
+class DeviceProcessors:
+    """The logits processors of every row (runtime/processors.py: logit bias, repetition, frequency and presence
+    penalties, min_tokens) as tensors on the device, with each row's history (generated counts, tokens seen) kept
+    there: `decode` updates it from the tokens it emits, and a row is uploaded again from its request's
+    LogitsProcessors when the host has moved it on (a step on the host path) or it is a new request."""
+
+    def __init__(self, rows: int, vocab: int, device: torch.device) -> None:
+        self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        self.bias = torch.zeros(rows, vocab, device=device)
+        self.stop = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        self.repetition = torch.ones(rows, dtype=torch.float64, device=device)
+        self.frequency = torch.zeros(rows, device=device)
+        self.presence = torch.zeros(rows, device=device)
+        self.min_tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.generated = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.on = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.synced: dict[int, tuple[LogitsProcessors, int]] = {}  # row -> the processors it holds, at `generated`
+
+    @property
+    def rows(self) -> int:
+        return self.on.shape[0]
+
+    def grown(self, rows: int) -> DeviceProcessors:
+        if rows <= self.rows:
+            return self
+        new = DeviceProcessors(rows, self.counts.shape[1], self.counts.device)
+        for name in (
+            "counts",
+            "seen",
+            "bias",
+            "stop",
+            "repetition",
+            "frequency",
+            "presence",
+            "min_tokens",
+            "generated",
+            "on",
+        ):
+            getattr(new, name)[: self.rows] = getattr(self, name)
+        new.synced = self.synced
+        return new
+
+    def sync(self, row: int, p: LogitsProcessors | None) -> None:
+        """Row `row` holds `p`'s state (or no processors) from now on."""
+        if p is None:
+            self.on[row] = False
+            self.synced.pop(row, None)
+            return
+        held = self.synced.get(row)
+        if held is not None and held[0] is p and held[1] == p.generated:
+            return
+        t = lambda a, dtype=None: torch.as_tensor(np.asarray(a), dtype=dtype, device=self.on.device)  # noqa: E731
+        self.counts[row] = t(p.counts, torch.int32)
+        self.seen[row] = t(p.seen)
+        self.bias[row] = 0.0 if p.bias is None else t(p.bias, torch.float32)
+        self.stop[row] = False
+        if len(p.stop_ids):
+            self.stop[row, t(p.stop_ids, torch.int64)] = True
+        self.repetition[row], self.frequency[row], self.presence[row] = p.repetition, p.frequency, p.presence
+        self.min_tokens[row], self.generated[row], self.on[row] = p.min_tokens, p.generated, True
+        self.synced[row] = (p, p.generated)
+
+    def advanced(self, row: int, p: LogitsProcessors, emitted: int) -> None:
+        """The device moved row `row` on by `emitted` tokens (the host's `p` follows them)."""
+        self.synced[row] = (p, p.generated + emitted)
+
+    def apply(self, logits: torch.Tensor, tokens: torch.Tensor, tree: DeviceTree) -> torch.Tensor:
+        """Rows [n, T, V] (float32) adjusted as LogitsProcessors.apply adjusts them, each tree row with its own path's
+        history (the generated counts plus the drafted tokens from the root's child to the node), elementwise in the
+        same order and precision; rows without processors unchanged."""
+        n, T, V = logits.shape
+        path = torch.zeros(n, T, V, dtype=torch.int32, device=logits.device)
+        if T > 1:  # path[b, i, t]: times token t is drafted on node i's path (the root excluded)
+            drafted = tokens[:, None, 1:].expand(n, T, T - 1)
+            path.scatter_add_(2, drafted, tree.mask[None, :, 1:].expand(n, T, T - 1).to(torch.int32))
+        counts = (self.counts[:n, None] + path).float()
+        seen = self.seen[:n, None] | (path > 0)
+        x = logits + self.bias[:n, None]
+        rep = self.repetition[:n, None, None]
+        wide, top = x.double(), torch.finfo(torch.float32).max
+        scaled = torch.where(wide > 0, wide / rep, wide * rep).clamp(-top, top).float()
+        x = torch.where(seen & (rep != 1), scaled, x)
+        x = x - (self.frequency[:n, None, None] * counts + self.presence[:n, None, None] * (counts > 0).float())
+        early = (self.generated[:n, None] + tree.depth) < self.min_tokens[:n, None]  # [n, T]
+        x = torch.where(early[..., None] & self.stop[:n, None], -torch.inf, x)
+        return torch.where(self.on[:n, None, None], x, logits)
+
+    def commit(self, emitted: torch.Tensor, count: torch.Tensor) -> None:
+        """The emitted tokens [n, L] (the first count[b] of each row) join the rows' histories."""
+        n, L = emitted.shape
+        took = (torch.arange(L, device=emitted.device) < count[:, None]) & self.on[:n, None]
+        self.counts[:n].scatter_add_(1, emitted, took.to(torch.int32))
+        self.seen[:n] |= self.counts[:n] > 0
+        self.generated[:n] += torch.where(self.on[:n], count, 0)
+
+
 @dataclass(eq=False)
 class BatchSequence:
     """A slot's host-side state: its row in the last forward's output, and (drafting through the Runner methods)
@@ -289,6 +387,7 @@ class BatchedTorchRunner(Runner):
         self.generator.seed()
         self._graphs: dict[tuple[int, str], DecodeGraph] = {}
         self.graphs_error: str | None = None  # why recording the step failed (it then runs eagerly)
+        self.processors: DeviceProcessors | None = None  # made by the first step with logits processors
         self.info = RunnerInfo(
             backend="torch",
             vocab_size=cfg.vocab_size,
@@ -438,7 +537,7 @@ class BatchedTorchRunner(Runner):
             self._trees[tree.name] = DeviceTree.of(tree, self.device)
         return self._trees[tree.name]
 
-    def decode_async(self, slots, tree, sampling=None):
+    def decode_async(self, slots, tree, sampling=None, processors=None):
         """Runner.decode_async for slots prefilled with nothing pending and room for the tree (module doc). Sampling
         (temperature, top-p) draws from the runner's `generator`. With CUDA graphs the call returns once the step is
         queued; otherwise (eager) once it is done."""
@@ -461,12 +560,22 @@ class BatchedTorchRunner(Runner):
                 if not sp.greedy:
                     temperature[s.index], top_p[s.index] = sp.temperature, sp.top_p
             law = Law(self._t(temperature), self._t(top_p))
+        procs = processors is not None and any(p is not None for p in processors)
+        if procs or self.processors is not None:
+            self.processors = (self.processors or DeviceProcessors(rows, self.info.vocab_size, self.device)).grown(
+                self.lengths.shape[0]
+            )
+            with torch.inference_mode():
+                for s, p in zip(slots, processors or [None] * len(slots)):
+                    self.processors.sync(s.index, p)
         with self.engine_clock, torch.inference_mode():
-            graph = self._graph(dt, rows) if law is None and self.cuda_graphs else None
+            graph = self._graph(dt, rows) if law is None and not procs and self.cuda_graphs else None
             if graph is not None:
                 wait = graph.launch(active)
             else:  # eager (the graphs are recorded for greedy steps)
-                packed = self._decode(dt, self._t(active), int(max(s.past for s in slots)), law).cpu().numpy()
+                columns = int(max(s.past for s in slots))
+                packed = self._decode(dt, self._t(active), columns, law, self.processors if procs else None)
+                packed = packed.cpu().numpy()
                 wait = lambda: packed  # noqa: E731
         L = tree.max_depth + 1
 
@@ -474,9 +583,11 @@ class BatchedTorchRunner(Runner):
             with self.engine_clock:
                 packed = wait()  # the step's one copy back
             out = []
-            for s in slots:
+            for i, s in enumerate(slots):
                 count, path, emitted = packed[s.index, 0], packed[s.index, 1 : 1 + L], packed[s.index, 1 + L :]
                 s.past += int(count)
+                if procs and processors[i] is not None:
+                    self.processors.advanced(s.index, processors[i], int(count))
                 out.append((path[:count].copy(), emitted[:count].copy()))
             return out
 
@@ -496,7 +607,14 @@ class BatchedTorchRunner(Runner):
                 return None
         return self._graphs[key]
 
-    def _decode(self, dt: DeviceTree, active: torch.Tensor, columns: int, law: Law | None = None) -> torch.Tensor:
+    def _decode(
+        self,
+        dt: DeviceTree,
+        active: torch.Tensor,
+        columns: int,
+        law: Law | None = None,
+        processors: DeviceProcessors | None = None,
+    ) -> torch.Tensor:
         """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns, greedy (law None)
         or by each row's law; returns [n, 1 + 2L] int64: each row's count, path and emitted tokens. Greedy, only
         tensors in and one tensor out: it records as one graph."""
@@ -514,6 +632,8 @@ class BatchedTorchRunner(Runner):
             logit_rows=torch.zeros(0, dtype=torch.int64, device=self.device),
         )
         logits = self._logits(out.hidden_states)  # [n, T, V]
+        if processors is not None:
+            logits = processors.apply(logits.float(), tokens, dt)
         if law is None:
             target = logits.argmax(-1)
             path, count = accept_paths(dt, tokens, target)
@@ -523,6 +643,8 @@ class BatchedTorchRunner(Runner):
             emitted = torch.cat((tokens.gather(1, path[:, 1:]), bonus[:, None]), dim=1)
             emitted.scatter_(1, (count - 1)[:, None], bonus[:, None])
         count = count * active
+        if processors is not None:
+            processors.commit(emitted, count)
         L = path.shape[1]
         # rows that do not step write into the scratch columns past every capacity
         start = torch.where(active, lengths, self.cache.columns)

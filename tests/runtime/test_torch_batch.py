@@ -14,6 +14,7 @@ from ort_helpers import HEADS_SEED, PROMPTS
 from clover.models.head_io import random_heads
 from clover.runtime.acceptance import accept_greedy
 from clover.runtime.loop import Decoding, step
+from clover.runtime.processors import LogitsProcessors
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.torch_batch import BatchedTorchRunner, DeviceTree, accept_paths
@@ -56,12 +57,21 @@ def plain_tokens(base, prompt) -> list[int]:
     return run_tokens(TorchRunner(base), prompt, resolve_tree("plain"), N)[0]
 
 
-def decode_together(runner, tree, prompts, n=N, hold=()) -> tuple[list[list[int]], list[list[int]]]:
+def decode_together(
+    runner, tree, prompts, n=N, hold=(), sampling=SamplingParams(), stop_ids=()
+) -> tuple[list[list[int]], list[list[int]]]:
     """Each prompt in a slot of its own, all stepped together by the loop; `hold`: sequences that wait (do not
-    step) for the first 2 steps while the others go on. Returns each one's first n tokens and tokens per step."""
+    step) for the first 2 steps while the others go on; `sampling`'s logits processors (their min_tokens masking
+    `stop_ids`) on every sequence. Returns each one's first n tokens and tokens per step."""
+    V = runner.info.vocab_size
     ds = [
         Decoding(
-            runner.open_slot(len(p) + n + tree.num_nodes), np.array(p), tree, SamplingParams(), np.random.default_rng(0)
+            runner.open_slot(len(p) + n + tree.num_nodes),
+            np.array(p),
+            tree,
+            sampling,
+            np.random.default_rng(0),
+            processors=LogitsProcessors.of(sampling, np.array(p), stop_ids, V),
         )
         for p in prompts
     ]
@@ -83,9 +93,9 @@ class Counting(BatchedTorchRunner):
 
     calls: list[int]
 
-    def decode_async(self, slots, tree, sampling=None):
+    def decode_async(self, slots, tree, sampling=None, processors=None):
         self.calls.append(len(slots))
-        return super().decode_async(slots, tree, sampling)
+        return super().decode_async(slots, tree, sampling, processors)
 
 
 @pytest.mark.parametrize("spec", ["plain", "chain-3", "small"])
@@ -229,3 +239,59 @@ def test_engine_overlap_at_concurrency_changes_no_token(models, tmp_path):
         expect = want[i][: want[i].index(want[1][6]) + 1] if i == 1 else want[i]
         for overlap in (False, True):
             assert_identical(results[overlap][i], expect, f"request {i}, overlap {overlap}", TorchRunner(base), p)
+
+
+@pytest.mark.parametrize("spec", ["plain", "small"])
+def test_logits_processors_on_the_device_equal_the_host_path(models, spec):
+    """Penalties (repetition, frequency, presence), logit bias and min_tokens applied on the device, each tree row
+    with its own path's history: the device-side steps emit what plain greedy decoding with the same processors
+    emits on the host path (TorchRunner), sequence by sequence in a batch."""
+    base, heads = models["clover2"]
+    plain = [plain_tokens(base, p) for p in BATCH]
+    stop = (plain[0][2], plain[1][1])  # tokens greedy emits early: masked until min_tokens
+    sampling = SamplingParams(
+        repetition_penalty=1.3,
+        frequency_penalty=0.4,
+        presence_penalty=0.3,
+        logit_bias={plain[2][0]: -3.0, 5: 2.5},
+        min_tokens=6,
+    )
+    host, _ = decode_together(TorchRunner(base), resolve_tree("plain"), BATCH, sampling=sampling, stop_ids=stop)
+    assert host != [p[:N] for p in plain]  # the processors change the output
+    runner = Counting(base, heads)
+    runner.calls = []
+    got, _ = decode_together(runner, resolve_tree(spec), BATCH, hold=(1,), sampling=sampling, stop_ids=stop)
+    assert max(runner.calls) == len(BATCH), runner.calls
+    for i, p in enumerate(BATCH):
+        assert_identical(got[i], host[i], f"{spec} sequence {i} with processors")
+
+
+@pytest.mark.parametrize("spec", ["plain", "chain-4", "mc26"])
+def test_device_processors_equal_the_numpy_ones_bit_for_bit(spec):
+    """DeviceProcessors.apply against LogitsProcessors.apply (the reference) on random rows: drafted tokens from a
+    small range (repeats along paths, and of the history), every processor on, min_tokens reached inside the tree;
+    a row without processors unchanged. Bit equality: the same elementwise formula in the same precision."""
+    from clover.runtime.torch_batch import DeviceProcessors
+
+    tree, V = resolve_tree(spec), 40
+    rng = np.random.default_rng(1)
+    dt = DeviceTree.of(tree, torch.device("cpu"))
+    sampling = SamplingParams(
+        repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=-0.4, logit_bias={3: 4.0, 7: -2.5}, min_tokens=7
+    )
+    rows = []
+    for b in range(3):
+        p = LogitsProcessors(sampling, rng.integers(0, V, 6), [1, 2], V)
+        p.extend(rng.integers(0, 8, 3 + b).tolist())
+        rows.append(p)
+    device = DeviceProcessors(4, V, torch.device("cpu"))
+    for b, p in enumerate(rows):
+        device.sync(b, p)
+    device.sync(3, None)
+    logits = rng.standard_normal((4, tree.num_nodes, V)).astype(np.float32) * 3
+    tokens = rng.integers(0, 8, (4, tree.num_nodes))
+    got = device.apply(torch.tensor(logits), torch.tensor(tokens), dt).numpy()
+    for b, p in enumerate(rows):
+        want = p.apply(logits[b], tree, tokens[b])
+        assert np.array_equal(got[b], want), (b, np.abs(got[b] - want).max())
+    assert np.array_equal(got[3], logits[3])
