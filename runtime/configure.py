@@ -152,6 +152,11 @@ def load_backend(
     the ort backend's batched base graph where the artifact has one, options.chat_template the tokenizer (replacing
     the model's template, or adding one). default_drafts: heads left None on an artifact take its manifest's
     `drafts` (timed at export); False (the caller named a tree for the heads): its heads."""
+    if options.device is not None and backend != "torch":
+        raise CloverError(
+            f"--device places the torch backend's model: use it with --backend torch, not {backend} (ONNX Runtime "
+            "takes --providers cuda)"
+        )
     module = backend_module(backend)
     if heads is None and default_drafts and backend in ("ort", "trt"):  # the artifact's default, timed at export
         heads = {"lookup": "lookup", "heads+lookup": LOOKUP_SUFFIX}.get(read_manifest(base).drafts)
@@ -164,6 +169,8 @@ def load_backend(
         given["batch"] = True  # the artifact's batched base graph, if any
     if options.threads is not None and backend in ("torch", "ort"):
         given["threads"] = options.threads
+    if options.device is not None:
+        given["device"] = options.device
     if options.providers is not None:
         if backend != "ort":
             raise CloverError(

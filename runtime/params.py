@@ -184,6 +184,9 @@ class EngineOptions:
     dtype: the torch backend's weights ("float32", "bfloat16", ...; None: the backend's default); threads: CPU
     threads of the torch and ort backends (None: their defaults); providers: the ort backend's execution
     providers, e.g. "cuda,cpu" (None: the CPU).
+    device: the torch backend's device ("cuda", "cuda:1", "cpu"); given, the backend runs the stacked runner there
+    (runtime/torch_batch.py: every sequence in one forward, the step on the device, CUDA graphs on a GPU); None: the
+    per-sequence runner on the CPU.
     chat_template: the chat template chat prompts render with, replacing the model's own or adding one to a base
     model that has none: the Jinja text, or the path of a file holding it (a Path, or a str without "{", as vLLM's
     --chat-template); read and compiled at load. None: the model's own, if any.
@@ -196,6 +199,7 @@ class EngineOptions:
     threads: int | None = None
     providers: str | tuple[str, ...] | None = None
     chat_template: str | PathLike[str] | None = None
+    device: str | None = None
 
     def __post_init__(self) -> None:
         for name, low, what in (
@@ -210,6 +214,10 @@ class EngineOptions:
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):
             raise CloverError(f"threads must be an int >= 1 or None, got {self.threads!r}")
+        if self.device is not None and (not isinstance(self.device, str) or not self.device.strip()):
+            raise CloverError(
+                f'device must be a torch device name ("cuda", "cuda:1", "cpu") or None, got {self.device!r}'
+            )
         if self.chat_template is not None and not isinstance(self.chat_template, (str, PathLike)):
             raise CloverError(
                 "chat_template must be the Jinja template (a str) or the path of a file holding it, got "

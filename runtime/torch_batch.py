@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -748,17 +747,3 @@ class DecodeGraph:
             return self.host.numpy()
 
         return wait
-
-
-def load_runner(
-    base: Any, heads: str = "none", dtype: str = "float32", threads: int | None = None, cuda_graphs: bool = False
-) -> BatchedTorchRunner:
-    """A batched runner from CLI-style specs (as torch_backend.load_runner)."""
-    from clover.models.head_io import resolve_heads
-    from clover.models.loading import load_base
-    from clover.models.smollm2 import resolve_base
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    model = load_base(resolve_base(base), dtype)
-    return BatchedTorchRunner(model, resolve_heads(heads, model), heads_name=heads, cuda_graphs=cuda_graphs)

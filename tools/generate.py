@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="float32 (default), float16 or bfloat16; an artifact has its own")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (torch intra-op / ONNX Runtime intra-op)")
     p.add_argument("--providers", default=None, help=PROVIDERS_HELP)
+    p.add_argument(
+        "--device",
+        default=None,
+        help="the torch backend's device (cuda, cuda:1, cpu): the stacked runner there, its whole step on the device "
+        "with CUDA graphs on a GPU (default: the per-sequence runner on the CPU)",
+    )
     out = p.add_mutually_exclusive_group()
     out.add_argument("--stream", action="store_true", help="print text as it is generated")
     out.add_argument("--json", action="store_true", help="print one JSON object with tokens, text and statistics")
@@ -138,7 +144,11 @@ def run(args: argparse.Namespace) -> int:
         backend_name(args),
         args.tree,
         options=EngineOptions(
-            dtype=args.dtype, threads=args.threads, providers=args.providers, chat_template=args.chat_template
+            dtype=args.dtype,
+            threads=args.threads,
+            providers=args.providers,
+            chat_template=args.chat_template,
+            device=args.device,
         ),
     )
     params = GenerationParams(max_new_tokens=args.max_new_tokens, sampling=sampling, stop=tuple(args.stop))

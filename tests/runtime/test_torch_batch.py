@@ -295,3 +295,26 @@ def test_device_processors_equal_the_numpy_ones_bit_for_bit(spec):
         want = p.apply(logits[b], tree, tokens[b])
         assert np.array_equal(got[b], want), (b, np.abs(got[b] - want).max())
     assert np.array_equal(got[3], logits[3])
+
+
+def test_engine_options_device_loads_the_stacked_runner(tmp_path):
+    """EngineOptions.device (clover-generate --device): the torch backend runs the stacked runner there, with the
+    same tokens as the per-sequence runner; other backends and unusable devices are refused with the fix."""
+    from helpers import tiny_hf_folder
+
+    from clover.errors import CloverError
+    from clover.runtime.generator import Generator
+    from clover.runtime.params import EngineOptions, GenerationParams
+
+    folder = tiny_hf_folder(tmp_path / "base")
+    params = GenerationParams(max_new_tokens=12, ignore_eos=True)
+    stacked = Generator.load(folder, "random:clover2", "torch", "small", EngineOptions(device="cpu"))
+    alone = Generator.load(folder, "random:clover2", "torch", "small")
+    assert isinstance(stacked.runner, BatchedTorchRunner) and isinstance(alone.runner, TorchRunner)
+    assert stacked.generate([5, 6, 7], params).token_ids == alone.generate([5, 6, 7], params).token_ids
+    with pytest.raises(CloverError, match="use it with --backend torch"):
+        Generator.load(folder, None, "ort", None, EngineOptions(device="cpu"))
+    with pytest.raises(CloverError, match="not usable here"):
+        Generator.load(folder, None, "torch", None, EngineOptions(device="nodevice"))
+    with pytest.raises(CloverError, match="device must be"):
+        EngineOptions(device="")
