@@ -16,6 +16,7 @@ referenced, never saved with the heads.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -134,6 +135,9 @@ class DraftHeads(nn.Module):
     """Base class of Medusa, Clover and Clover-2 head sets."""
 
     config: HeadConfig
+    # over_vocab: the draft vocabulary's ids [K] and those rows of the LM weight (None: every token is a column)
+    draft_ids: torch.Tensor | None = None
+    draft_rows: torch.Tensor | None = None
 
     def __init__(self, config: HeadConfig, base: Decoder):
         super().__init__()
@@ -149,7 +153,15 @@ class DraftHeads(nn.Module):
         return 0
 
     def lm(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.lm_weight.T
+        return x @ (self.lm_weight if self.draft_rows is None else self.draft_rows).T
+
+    def over_vocab(self, ids: torch.Tensor) -> DraftHeads:
+        """These heads drafting over the tokens `ids` [K] alone (a draft vocabulary): a shallow copy sharing every
+        parameter whose draft logits have K columns, column j for token ids[j], computed from those rows of the LM
+        weight only (a K/V share of the LM head's work; the embeddings of drafted tokens still read every row)."""
+        clone = copy.copy(self)
+        clone.draft_ids, clone.draft_rows = ids, self.lm_weight[ids]
+        return clone
 
     def base_norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

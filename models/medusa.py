@@ -26,9 +26,19 @@ class MedusaHeads(DraftHeads):
             nn.ModuleList(nn.Linear(H, V, bias=False) for _ in range(config.num_heads)) if config.own_lm_head else None
         )
 
+    own_rows: list[torch.Tensor] | None = None  # over_vocab with own LM heads: each head's rows of the draft vocabulary
+
     def _logits(self, k: int, state: torch.Tensor) -> torch.Tensor:
         x = self.heads[k](state)
-        return self.lm_heads[k](x) if self.lm_heads is not None else self.lm(x)
+        if self.lm_heads is None:
+            return self.lm(x)
+        return self.lm_heads[k](x) if self.own_rows is None else x @ self.own_rows[k].T
+
+    def over_vocab(self, ids: torch.Tensor) -> MedusaHeads:
+        clone = super().over_vocab(ids)
+        if self.lm_heads is not None:
+            clone.own_rows = [head.weight[ids] for head in self.lm_heads]
+        return clone
 
     def begin(self, hidden, next_tokens, position_ids, past_lengths, past_keys, past_values, last=None) -> BeginOutput:
         state = self.base_norm(root_rows(hidden, last))  # [B, H]

@@ -117,8 +117,9 @@ class TorchRunner(Runner):
                     f"sliding window; this model has a {base.config.sliding_window}-token window"
                 )
             base = with_attention(base, "plugin")
-        self.base, self.heads = base, heads
         self._vocab = None if draft_vocab is None or heads is None else self._t(np.asarray(draft_vocab, dtype=np.int64))
+        # with a draft vocabulary the heads compute only its columns (a K/V share of their LM head's work)
+        self.base, self.heads = base, heads if self._vocab is None else heads.over_vocab(self._vocab)
         self.engine_clock = EngineClock()
         cfg = base.config
         self.info = RunnerInfo(
@@ -245,7 +246,7 @@ class TorchRunner(Runner):
 
     def _drafted(self, logits: torch.Tensor) -> np.ndarray:
         """Draft logits as the loop takes them: [..., K] over the draft vocabulary's columns, if any."""
-        return (logits if self._vocab is None else logits[..., self._vocab]).float().cpu().numpy()
+        return logits.float().cpu().numpy()  # over the draft vocabulary's columns already (over_vocab)
 
 
 def base_dir(base: str | Path) -> Path:

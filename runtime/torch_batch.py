@@ -368,8 +368,9 @@ class BatchedTorchRunner(Runner):
             if self.device.type != "cuda":
                 raise CloverError(f"cuda_graphs needs the model on a CUDA device, but it is on {self.device}")
             base = with_attention(base, "plugin")  # reads each row's own prefix: whole buffers, fixed shapes
-        self.base, self.heads = base, heads
         self._vocab = None if draft_vocab is None or heads is None else self._t(np.asarray(draft_vocab, np.int64))
+        # with a draft vocabulary the heads compute only its columns (a K/V share of their LM head's work)
+        self.base, self.heads = base, heads if self._vocab is None else heads.over_vocab(self._vocab)
         self.engine_clock = EngineClock()
         cfg = base.config
         layers = heads.num_cache_layers if heads is not None else 0
@@ -380,7 +381,8 @@ class BatchedTorchRunner(Runner):
         self.lengths = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.roots = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.root_state = torch.zeros(1, cfg.hidden_size, dtype=dtype, device=self.device)
-        self.root_logits = torch.zeros(1, cfg.vocab_size, dtype=dtype, device=self.device)
+        columns = cfg.vocab_size if self._vocab is None else len(self._vocab)  # the heads' draft logits
+        self.root_logits = torch.zeros(1, columns, dtype=dtype, device=self.device)
         self._trees: dict[str, DeviceTree] = {}
         self.generator = torch.Generator(self.device)  # sampled steps' draws (seeded from fresh entropy)
         self.generator.seed()
@@ -528,7 +530,7 @@ class BatchedTorchRunner(Runner):
         return self._drafted(logits)
 
     def _drafted(self, logits: torch.Tensor) -> np.ndarray:
-        return (logits if self._vocab is None else logits[..., self._vocab]).float().cpu().numpy()
+        return logits.float().cpu().numpy()  # over the draft vocabulary's columns already (over_vocab)
 
     # -- the step on the device ------------------------------------------------------------------------------
     def device_tree(self, tree: Tree) -> DeviceTree:
@@ -688,7 +690,7 @@ class BatchedTorchRunner(Runner):
         logits = self.root_logits[:n, None]  # [n, rows, V]: draft logits of the rows whose children come next
         states = self.root_state[:n, None]
         for depth, lv in enumerate(dt.levels, start=1):
-            columns = logits if self._vocab is None else logits[..., self._vocab]
+            columns = logits  # over the draft vocabulary already, if any (over_vocab)
             if law is None:
                 top = columns.topk(lv.k, dim=-1).indices  # [n, rows, k]
             else:

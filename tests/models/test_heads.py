@@ -509,3 +509,33 @@ def test_corrupt_or_incomplete_config_is_a_clover_error(base, tmp_path):
     cfg.write_text(json.dumps(doc))
     with pytest.raises(CloverError, match="incomplete or malformed"):
         load_heads(tmp_path / "h", base)
+
+
+@pytest.mark.parametrize("arch,own", [("medusa", False), ("medusa", True), ("clover", False), ("clover2", False)])
+def test_over_vocab_drafts_the_vocabularys_columns(base, arch, own):
+    """heads.over_vocab(ids): the same parameters, draft logits over the K ids only (begin and step), equal to the
+    full logits' columns within the path tolerance (a matmul over K rows instead of V); the heads themselves unchanged."""
+    heads = trained_like(base, arch, own_lm_head=own) if own else trained_like(base, arch)
+    ids = torch.arange(0, base.config.vocab_size, 3)
+    small = heads.over_vocab(ids)
+    assert all(a is b for a, b in zip(small.parameters(), heads.parameters()))
+    H, N = base.config.hidden_size, 4
+    g = torch.Generator().manual_seed(0)
+    hidden, nxt = torch.randn(1, N, H, generator=g), torch.randint(0, base.config.vocab_size, (1, N), generator=g)
+    args = (
+        hidden,
+        nxt,
+        torch.arange(N)[None],
+        torch.zeros(1, dtype=torch.long),
+        *base.empty_cache(1, 0, heads.num_cache_layers),
+    )
+    with torch.inference_mode():
+        full, part = heads.begin(*args), small.begin(*args)
+        assert part.logits.shape[-1] == len(ids) and full.logits.shape[-1] == base.config.vocab_size
+        assert_close_paths(part.logits, full.logits[..., ids], reduction=H)
+        tokens = torch.tensor([5, 9])
+        (_, f), (_, p) = (
+            heads.step(1, full.state.expand(2, -1), tokens),
+            small.step(1, full.state.expand(2, -1), tokens),
+        )
+        assert_close_paths(p, f[..., ids], reduction=H)
