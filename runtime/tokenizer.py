@@ -9,6 +9,7 @@ decoder LLMs: encoding, decoding, EOS ids and chat-template rendering. Needs onl
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 import jinja2.sandbox
 import tokenizers
 from tokenizers import processors
@@ -63,6 +65,7 @@ class Tokenizer:
         self._config = dict(config or {})
         self._source = source
         self._compiled_template: jinja2.Template | None = None
+        self._takes_tools: bool | None = None  # template_takes_tools, read on first use
         self._token_bytes: dict[int, bytes] = {}  # token_bytes' answers
         self._added: dict[int, str] | None = None  # added (special) tokens' contents by id, read on first use
 
@@ -224,12 +227,24 @@ class Tokenizer:
 
     # ----------------------------------------------------------------------------- chat template
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         """Render `messages` with the model's chat template, as transformers' `apply_chat_template`.
 
         Args:
-            messages: `[{"role": ..., "content": ...}, ...]`; keys whose value is None are dropped.
+            messages: `[{"role": ..., "content": ...}, ...]`; keys whose value is None are dropped. Tool use in
+                OpenAI's shape: an assistant message's `tool_calls` (`[{"id", "type": "function", "function":
+                {"name", "arguments"}}]`, arguments a JSON string or an object) and `tool` messages.
             add_generation_prompt: append the header that starts the assistant's reply.
+            tools: OpenAI tool definitions (`{"type": "function", "function": {"name", "description",
+                "parameters"}}`). A template that takes `tools` (Llama 3.1's, Qwen2.5's) renders them and the tool
+                messages itself; for one that does not, they are written into the system message in the hermes
+                format (`tool_prompt`), and tool calls and results as hermes text (`hermes_messages`) unless the
+                template handles tool messages itself (it names the `tool` role, `tool_calls` or `tool_call_id`).
 
         Returns:
             The prompt text, special tokens included as text.
@@ -241,10 +256,20 @@ class Tokenizer:
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise CloverError(f"chat messages must be a list of dicts, got {messages!r}")
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        extra: dict[str, Any] = {}
+        if self.template_takes_tools:
+            messages = [_arguments_as_objects(m) for m in messages]  # templates write them with tojson
+            if tools:
+                extra["tools"] = tools
+        elif _TOOL_MESSAGES.search(self._chat_template or ""):  # it renders (or refuses) tool messages itself
+            messages = hermes_messages([_arguments_as_objects(m) for m in messages], tools, convert=False)
+        else:
+            messages = hermes_messages(messages, tools)
         try:
             return template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                **extra,
                 **self._special_tokens,
             )
         except CloverError:
@@ -252,9 +277,24 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise CloverError(f"chat template of {self._source} failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template reads a `tools` variable (and so renders tool definitions and, as the
+        templates that do, tool calls and results)."""
+        if self._takes_tools is None:
+            self._takes_tools = "tools" in jinja2.meta.find_undeclared_variables(
+                _jinja_environment().parse(self._chat_template or "")
+            )
+        return self._takes_tools
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """Token ids of the rendered chat; no special tokens are added (the template holds them)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     def with_chat_template(self, template: str) -> Tokenizer:
         """A copy of this tokenizer whose chat template is `template` (Jinja text), replacing the model's own or
@@ -346,6 +386,98 @@ def write_chat_template(folder: str | Path, template: str) -> None:
         _write_json(folder / TOKENIZER_CONFIG_FILE, config)
 
 
+# ------------------------------------------------------------------------------ tools in the chat
+
+TOOL_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def tool_prompt(tools: list[dict[str, Any]]) -> str:
+    """The tool definitions as the system message's text for a template without tools: the hermes format (Hermes 2
+    Pro's and Qwen2.5's, one JSON definition a line), which asks for calls as `<tool_call>JSON</tool_call>`."""
+    return TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+
+
+def hermes_messages(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, convert: bool = True
+) -> list[dict[str, Any]]:
+    """Messages for a template that knows nothing of tools: the tool definitions appended to the system message
+    (or a system message of their own first); with `convert`, an assistant's `tool_calls` as `<tool_call>` blocks
+    after its text, and consecutive `tool` messages as one user message of `<tool_response>` blocks (as Qwen2.5's
+    template writes them)."""
+    out: list[dict[str, Any]] = [] if convert else list(messages)
+    responses = False  # the last message out is tool responses
+    for m in messages if convert else ():
+        if m.get("role") == "tool":
+            response = f"<tool_response>\n{_text(m.get('content'))}\n</tool_response>"
+            if responses:
+                out[-1]["content"] += "\n" + response
+            else:
+                out.append({"role": "user", "content": response})
+            responses = True
+            continue
+        responses = False
+        calls = [_call_object(c) for c in m.get("tool_calls") or ()]
+        m = {k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")}
+        if calls or m.get("content") is None:  # other messages as they are
+            blocks = [f"<tool_call>\n{json.dumps(c, ensure_ascii=False)}\n</tool_call>" for c in calls]
+            m["content"] = "\n".join(([_text(m["content"])] if m.get("content") else []) + blocks)
+        out.append(m)
+    if tools:
+        text = tool_prompt(tools)
+        if out and out[0].get("role") == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{text}"}
+        else:
+            out.insert(0, {"role": "system", "content": text})
+    return out
+
+
+def _call_object(call: Any) -> dict[str, Any]:
+    """An OpenAI tool call as hermes writes it: `{"name", "arguments"}`, the arguments an object."""
+    function = call.get("function", call) if isinstance(call, dict) else {}
+    args = function.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return {"name": function.get("name"), "arguments": args}
+
+
+def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose tool calls' `arguments` are objects: OpenAI sends them as JSON text, and templates write
+    them with tojson (as vLLM hands them over)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    fixed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+            try:
+                args = json.loads(function["arguments"])
+            except ValueError:
+                args = function["arguments"]
+            call = {**call, "function": {**function, "arguments": args}}
+        fixed.append(call)
+    return {**message, "tool_calls": fixed}
+
+
+def _text(content: Any) -> str:
+    return "" if content is None else str(content)
+
+
 # --------------------------------------------------------------------------------------- helpers
 
 
@@ -363,6 +495,8 @@ def _byte_level_table() -> dict[str, int]:
 
 
 _UNICODE_BYTES = _byte_level_table()
+# a template that names these renders (or refuses) tool messages itself
+_TOOL_MESSAGES = re.compile(r"""['"]tool['"]|tool_calls|tool_call_id""")
 
 
 def _jinja_environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:

@@ -11,6 +11,10 @@ engine, so it fails alone); 401 for a missing or wrong API key; 404 for an unkno
 the engine's queue is full, it is still warming up, or it has stopped. A client that disconnects cancels its
 request, which frees its slot at the engine's next step.
 
+A chat request's `tools` (serve/tool_calls.py) are rendered through the chat template; `tool_choice` "required" or
+a named function constrains the output to calls by the grammar engine, "auto" parses the model's text with the
+server's parser; either way the answer's calls come back as `tool_calls` (streamed: `delta.tool_calls`).
+
 `create_app` only builds the app: its middleware, error handlers and routes. The routes are module functions that
 share one `Completions` (on app.state): it submits a request's candidates to the engine and answers them as one
 JSON response or, streamed, through an `EventStream`.
@@ -58,6 +62,7 @@ from clover.serve.schemas import (
     now,
     unicode_fault,
 )
+from clover.serve.tool_calls import ToolCall, ToolOptions, ToolPlan, ToolStream, parse, plan_tools
 
 RETRY_AFTER_S = 1
 # fields holding token ids: an error in one entry names the field, with what it must hold
@@ -138,12 +143,14 @@ def create_app(
     docs: bool = True,
     metrics_need_key: bool = False,
     metrics: Metrics | None = None,
+    tools: ToolOptions = ToolOptions(),
 ) -> FastAPI:
     """The app serving `engine` as model `model`; with `api_key`, /v1 routes (and /metrics with `metrics_need_key`)
     need `Authorization: Bearer KEY`. warmup: /health turns 200 after one short request has run (False: at once).
     limits: what one request may ask. docs: serve /docs, /redoc and /openapi.json. metrics: the engine's Metrics
-    (default: new ones; a Ray Serve replica passes its own, labelled)."""
-    served = Completions(engine, model, limits, metrics or Metrics(engine), warmup)
+    (default: new ones; a Ray Serve replica passes its own, labelled). tools: how tool calls are served
+    (`tool_choice` "auto" needs a parser)."""
+    served = Completions(engine, model, limits, metrics or Metrics(engine), warmup, tools)
     hidden = {} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="clover-serve", lifespan=_lifespan, **hidden)
     app.state.completions = served  # what the routes share
@@ -255,8 +262,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     served = _served(request)
     served.check_chat(body)
     served.check_prompt(body, len(body.messages), 0)  # before the messages are even copied
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-    served.check_prompt(body, len(messages), sum(len(m["content"]) for m in messages))
+    messages = [m.for_template() for m in body.messages]
+    tools = sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in body.tools or ())
+    served.check_prompt(body, len(messages), sum(m.chars() for m in body.messages) + tools)
     return await served.complete(request, body, messages, chat=True)
 
 
@@ -277,8 +285,17 @@ class Completions:
     """What the routes share (app.state.completions): the engine serving `model`, the request limits, the metrics;
     and a completion request's work: its candidates submitted to the engine, then answered whole or streamed."""
 
-    def __init__(self, engine: Engine, model: str, limits: RequestLimits, metrics: Metrics, warmup: bool) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        model: str,
+        limits: RequestLimits,
+        metrics: Metrics,
+        warmup: bool,
+        tools: ToolOptions = ToolOptions(),
+    ) -> None:
         self.engine, self.model, self.limits, self.metrics, self.warmup = engine, model, limits, metrics, warmup
+        self.tools = tools
         self.context = engine.runner.info.max_context
 
     def check_chat(self, body: ChatCompletionRequest) -> None:
@@ -306,30 +323,44 @@ class Completions:
         """The answer to a completion request: a JSON response, or its server-sent events with `stream`."""
         # templating and tokenizing run in a worker thread: a huge prompt must not stall /health and every stream
         rid = new_id("chatcmpl" if chat else "cmpl")  # also names the request in the engine's log
-        outs = await run_in_threadpool(self.submit, request, body, prompt, rid)
+        outs, plan = await run_in_threadpool(self.submit, request, body, prompt, rid)
         if body.stream:
             return StreamingResponse(
-                EventStream(self, outs, rid, body, chat).events(),
+                EventStream(self, outs, rid, body, chat, plan).events(),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
             )
         results = await self._wait(request, outs, rid)
         if results is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-        return self._answer(body, prompt, rid, chat, results)
+        return self._answer(body, prompt, rid, chat, results, plan)
 
-    def submit(self, request: Request, body: CompletionBody, prompt: Any, rid: str) -> list[EngineStream]:
+    def submit(
+        self, request: Request, body: CompletionBody, prompt: Any, rid: str
+    ) -> tuple[list[EngineStream], ToolPlan | None]:
         """The request's candidates, submitted (one for n = 1): each a sequence of the engine's batch, a seeded
-        request's candidate i seeded seed + i."""
+        request's candidate i seeded seed + i; and a chat request's tool plan."""
         self._check_served(request, body)
         grammar_field = None
         outs: list[EngineStream] = []
         try:
             self.limits.check(body.stop_strings(), body.ignore_eos)
             grammar, grammar_field = body.grammar() or (None, None)
+            plan = self._tool_plan(body) if isinstance(body, ChatCompletionRequest) else None
+            if plan is not None and plan.grammar is not None:  # a constrained call
+                if grammar is not None:
+                    raise CloverError(
+                        f"{grammar_field} cannot be combined with tool_choice {plan.mode!r} (the call's grammar "
+                        "constrains the output): leave one of them out",
+                        param=grammar_field,
+                    )
+                grammar, grammar_field = plan.grammar, plan.field
             n, candidates = body.choices()
             sampling = _sampling(body)
-            ids = encode_prompt(self.engine.tokenizer, prompt)  # messages through the chat template; text; ids as given
+            if plan is not None and plan.prompt_tools:
+                ids = self.engine.tokenizer.encode_chat(prompt, tools=plan.prompt_tools)
+            else:
+                ids = encode_prompt(self.engine.tokenizer, prompt)  # messages through the template; text; ids
             # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
             new = self.limits.new_tokens(len(ids), body.token_limit(), self.context)
             for i in range(candidates):
@@ -343,13 +374,26 @@ class Completions:
                 )
             for option in body.options_used():
                 self.metrics.options.labels(option).inc()
-            return outs
+            return outs, plan
         except BaseException as e:
             for out in outs:  # a request is all of its candidates or none of them
                 out.cancel()
             if isinstance(e, CloverError):
                 raise _refusal(e, body, grammar_field) from None
             raise
+
+    def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
+        """What the request's tools make of it; each function a constrained call may call compiled first, so that
+        a schema that cannot compile is named (CloverError, a 400)."""
+        mode, name = body.tool_mode()
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
+        plan = plan_tools(tools, mode, name, body.parallel_tool_calls, self.tools)
+        for field, grammar in plan.checks:
+            try:
+                self.engine.grammars.state(grammar)
+            except CloverError as e:
+                raise CloverError(f"{field}: {e}", param=field) from None
+        return plan
 
     def _check_served(self, request: Request, body: CompletionBody) -> None:
         if body.model != self.model:
@@ -386,13 +430,19 @@ class Completions:
         return results
 
     def _answer(
-        self, body: CompletionBody, prompt: Any, rid: str, chat: bool, results: list[GenerationResult]
+        self,
+        body: CompletionBody,
+        prompt: Any,
+        rid: str,
+        chat: bool,
+        results: list[GenerationResult],
+        plan: ToolPlan | None = None,
     ) -> JSONResponse:
         """The JSON response: the n best candidates (all of them without best_of), usage and speculation stats."""
         n, _ = body.choices()
         wanted = body.logprobs_wanted()
         echo = None if chat or not body.echo else echoed(self.engine.tokenizer, prompt, results[0])
-        choices = [self._choice(i, result, chat, wanted, echo) for i, result in enumerate(best(results, n))]
+        choices = [self._choice(i, result, chat, wanted, echo, plan) for i, result in enumerate(best(results, n))]
         return JSONResponse(
             {
                 "id": rid,
@@ -407,7 +457,13 @@ class Completions:
         )
 
     def _choice(
-        self, index: int, result: GenerationResult, chat: bool, wanted: int | None, echo: tuple[str, dict] | None
+        self,
+        index: int,
+        result: GenerationResult,
+        chat: bool,
+        wanted: int | None,
+        echo: tuple[str, dict] | None,
+        plan: ToolPlan | None = None,
     ) -> dict[str, Any]:
         reason = finish_reason(result)
         logprobs = None if wanted is None else render_logprobs(self.engine.tokenizer, result.logprobs, chat)
@@ -420,7 +476,12 @@ class Completions:
                     o + len(text) for o in logprobs["text_offset"][len(before["tokens"]) :]
                 ]
         if chat:
-            message = {"role": "assistant", "content": result.text}
+            message: dict[str, Any] = {"role": "assistant", "content": result.text}
+            if plan is not None and plan.split is not None:  # the text outside calls, and the calls
+                message["content"], calls = parse(plan.split, result.text, plan.parallel)
+                if calls:
+                    message["tool_calls"] = [c.to_openai() for c in calls]
+                    reason = tool_reason(reason)
             return {"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs}
         return {"index": index, "text": result.text, "finish_reason": reason, "logprobs": logprobs}
 
@@ -475,9 +536,17 @@ class EventStream:
     choice's end (its finish reason and speculation stats), the usage when asked, then `data: [DONE]`."""
 
     def __init__(
-        self, served: Completions, outs: list[EngineStream], rid: str, body: CompletionBody, chat: bool
+        self,
+        served: Completions,
+        outs: list[EngineStream],
+        rid: str,
+        body: CompletionBody,
+        chat: bool,
+        plan: ToolPlan | None = None,
     ) -> None:
         self.served, self.outs, self.rid, self.body, self.chat = served, outs, rid, body, chat
+        # each choice's text parsed into content and tool calls as it comes (None: the text is the content)
+        self.tools: list[ToolStream | None] = [plan.stream() if plan else None for _ in outs]
         self.created, self.kind = now(), "chat.completion.chunk" if chat else "text_completion"
         self.wants_logprobs = body.logprobs_wanted() is not None
         # each choice's deltas as they come, through one queue (None: that choice ended)
@@ -500,7 +569,17 @@ class EventStream:
                     result = outs[index].result
                     reason = finish_reason(result)
                     self.served.metrics.finished(result, reason)
+                    if (tools := self.tools[index]) is not None:  # what the end settles: content, calls
+                        for event in self.tool_events(index, *tools.finish()):
+                            yield event
+                        reason = tool_reason(reason) if tools.calls else reason
                     yield self.chunk(index, self.piece("", reason), clover=speculation([result]).model_dump())
+                elif (tools := self.tools[index]) is not None:
+                    content, calls = tools.feed(item.text)
+                    if content or item.logprobs:
+                        yield self.chunk(index, self.piece(content), item.logprobs)
+                    for event in self.tool_events(index, "", calls):
+                        yield event
                 # a token's log-probability comes with the text that shows it (held-back text holds it back too)
                 elif item.text or item.logprobs:
                     yield self.chunk(index, self.piece(item.text), item.logprobs)
@@ -517,6 +596,17 @@ class EventStream:
                     out.cancel()
                     self.served.metrics.requests.labels("abort").inc()
         yield "data: [DONE]\n\n"
+
+    def tool_events(self, index: int, content: str, calls: list[ToolCall]) -> list[str]:
+        """Choice `index`'s settled content, then each settled call whole (`delta.tool_calls`, numbered in the
+        choice by `index`, as OpenAI's), one chunk each."""
+        events = [self.chunk(index, self.piece(content))] if content else []
+        tools = self.tools[index]
+        first = len(tools.calls) - len(calls)
+        for k, call in enumerate(calls):
+            delta = {"tool_calls": [call.to_openai(index=first + k)]}
+            events.append(self.chunk(index, {"delta": delta, "finish_reason": None}))
+        return events
 
     async def pump(self, index: int, out: EngineStream) -> None:
         """Choice `index`'s deltas into the queue, then None (its end) or the exception that ended it."""
@@ -603,6 +693,11 @@ def echoed(tokenizer: Tokenizer, prompt: str | list[int], first: GenerationResul
 
 def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
+
+
+def tool_reason(reason: str) -> str:
+    """The finish reason of an answer with tool calls: tool_calls where it ended by itself (cut short: length)."""
+    return "tool_calls" if reason == "stop" else reason
 
 
 def best(results: list[GenerationResult], n: int) -> list[GenerationResult]:

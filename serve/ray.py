@@ -48,6 +48,7 @@ from typing import Any
 from clover.errors import CloverError
 from clover.runtime.params import EngineOptions, GenerationParams
 from clover.serve.limits import RequestLimits, read_api_key_file
+from clover.serve.tool_calls import ToolOptions
 
 APP_NAME = "clover"
 DEPLOYMENT = "CloverServer"
@@ -63,7 +64,7 @@ class RayServeOptions:
 
     artifact: the artifact folder, at this path on every node. model: the name clients send (default: the folder's
     name). backend: ort or trt (default: trt for an artifact with engines, else ort). tree, heads, max_batch, max_waiting,
-    providers: as clover-serve's flags, per replica. threads: ONNX Runtime intra-op threads per replica, and the CPUs
+    providers, tools (ToolOptions): as clover-serve's flags, per replica. threads: ONNX Runtime intra-op threads per replica, and the CPUs
     Ray reserves for it (`ray_actor_options.num_cpus`). replicas: a fixed number, or autoscale = (min, max) with
     target_ongoing_requests per replica (default: max_batch, a full batch each). api_key: in this process only (never
     written to a config); api_key_file: read by each replica (a path on every node); neither: $CLOVER_API_KEY of the
@@ -88,6 +89,7 @@ class RayServeOptions:
     metrics_need_key: bool = False
     docs: bool = True
     limits: RequestLimits = RequestLimits()
+    tools: ToolOptions = ToolOptions()
     manifest_sha256: str | None = None
     drain_seconds: float = 30.0
     health_check_period_s: float = 10.0
@@ -140,6 +142,8 @@ class RayServeOptions:
         values = dict(args)
         if isinstance(values.get("limits"), dict):
             values["limits"] = RequestLimits(**values["limits"])
+        if isinstance(values.get("tools"), dict):
+            values["tools"] = ToolOptions(**values["tools"])
         if values.get("autoscale") is not None:
             values["autoscale"] = tuple(values["autoscale"])
         return cls(**values)
@@ -311,6 +315,7 @@ def replica_app(engine, o: RayServeOptions, replica: str, board) -> tuple[Any, a
         docs=o.docs,
         metrics_need_key=o.metrics_need_key,
         metrics=metrics,
+        tools=o.tools,
     )
 
     def own() -> str:

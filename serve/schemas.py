@@ -1,7 +1,7 @@
 """OpenAI API request and response bodies (the fields clover-serve supports), validated with pydantic.
 
 Every request field is declared: supported ones, harmless ones accepted and ignored (`user`, `metadata`, ...), and
-ones that would change the output but are not supported (`tools`, `n` > 1, ...), which are refused with a 400
+ones that would change the output but are not supported (`functions`, `audio`, ...), which are refused with a 400
 naming them unless they carry their no-op value. An undeclared field is refused too
 (`extra="forbid"`): nothing that could change the output is silently ignored. docs/serving.md lists every field.
 Text that is not valid Unicode (a lone surrogate), in any field at any depth, is refused with the field's path.
@@ -9,6 +9,7 @@ Text that is not valid Unicode (a lone surrogate), in any field at any depth, is
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -32,10 +33,8 @@ from clover.runtime.logprobs import MAX_LOGPROBS
 # Fields refused unless they carry their no-op value (their types admit only that value), and why.
 REFUSED = {
     "suffix": "suffix (insertion) is not supported: leave it out",
-    "tools": "tools (function calling) are not supported: leave them out",
-    "tool_choice": "tool_choice is not supported (no tools): leave it out or send 'none'",
-    "functions": "functions (function calling) are not supported: leave them out",
-    "function_call": "function_call is not supported (no functions): leave it out or send 'none'",
+    "functions": "functions (the deprecated form of tools) are not supported: send tools instead",
+    "function_call": "function_call (the deprecated form of tool_choice) is not supported: send tool_choice instead",
     "audio": "audio output is not supported: leave it out",
     "modalities": 'only the "text" modality is supported',
     "prediction": "prediction (predicted outputs) is not supported: leave it out",
@@ -60,12 +59,90 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any]  # JSON text, as OpenAI sends it (an object is taken too)
+
+
+class ToolCallIn(BaseModel):
+    """A call in an assistant message sent back in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call answered
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessage:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content (only an assistant's tool_calls stand without)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to assistant messages, not {self.role} ones")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (developer as system; keys without a value left out)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role}
+        out["content"] = None if self.content is None else self.text()
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+    def chars(self) -> int:
+        """Characters of text the message brings to the prompt (its calls' names and arguments included)."""
+        calls = self.tool_calls or ()
+        return len(self.text()) + sum(len(c.function.name) + len(str(c.function.arguments)) for c in calls)
+
+
+MAX_TOOLS = 128  # tools per request (OpenAI's limit)
+FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"  # OpenAI's (letters, digits, _ and -, at most 64), and dots
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object (none: no arguments)
+    strict: bool | None = None  # a constrained call always follows the schema: strict or not
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+TOOL_CHOICES = ("none", "auto", "required")
 
 
 class StreamOptions(BaseModel):
@@ -240,10 +317,11 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    parallel_tool_calls: bool | None = None  # accepted and ignored: there are no tools
+    # function calling (serve/tool_calls.py)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: one call at most
     # refused unless no-op (REFUSED)
-    tools: list[Any] | None = Field(default=None, max_length=0)
-    tool_choice: Literal["none"] | None = None
     functions: list[Any] | None = Field(default=None, max_length=0)
     function_call: Literal["none"] | None = None
     audio: None = None
@@ -252,6 +330,39 @@ class ChatCompletionRequest(_Generation):
     reasoning_effort: None = None
     verbosity: None = None
     web_search_options: None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, value: Any) -> Any:
+        # one message for every wrong value, rather than one per member of the union
+        if isinstance(value, str) and value in TOOL_CHOICES or value is None:
+            return value
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValueError:
+            raise ValueError(
+                f"tool_choice is 'none', 'auto', 'required' or {{\"type\": \"function\", \"function\": "
+                f'{{"name": NAME}}}}, got {json.dumps(value)[:200]}'
+            ) from None
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        names = [t.function.name for t in tools or ()]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"tools name each function once: {', '.join(twice)} appear more than once")
+        return tools
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """(mode, function): mode "none" (no tools, or tool_choice none), "auto" (also tools without a tool_choice,
+        OpenAI's default), "required", or "named" with the function's name."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named", choice.function.name
+        if choice is None:
+            return ("auto" if self.tools else "none"), None
+        return choice, None
 
     @field_validator("logprobs", mode="before")
     @classmethod

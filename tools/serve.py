@@ -28,6 +28,7 @@ from clover.runtime.params import EngineOptions
 from clover.tools.cli import run_cli
 
 DEMO_MODEL = "smollm2-clover2"  # the model name `--demo` serves
+PARSER_NAMES = ("hermes", "llama3_json")  # --tool-call-parser's choices (clover.serve.tool_calls.PARSERS)
 
 
 def free_port() -> int:
@@ -96,6 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="the chat template /v1/chat/completions renders with, replacing the artifact's own or adding one to a "
         "base model that has none (without one, chat requests get 400 and /v1/completions serves plain text): a "
         "file holding the Jinja template, or the template itself (as vLLM's --chat-template)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='serve tool_choice "auto" (also what tools without a tool_choice ask for): the model\'s answer is '
+        "parsed for calls by --tool-call-parser (as vLLM's flag); without it such requests get 400, and "
+        'tool_choice "required" or a named function (constrained calls) are served either way',
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=PARSER_NAMES,
+        help="how the model writes tool calls, for tool_choice auto: hermes (JSON calls between tool_call tags: "
+        "Hermes, Qwen2.5, and the format given to models whose chat template has no tools) or llama3_json (Llama "
+        '3.1\'s {"name": ..., "parameters": ...})',
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='leave the tools out of the prompt of a request with tool_choice "none" (default: rendered, as vLLM)',
     )
     p.add_argument(
         "--api-key",
@@ -214,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 RAY_FLAGS = ("replicas", "autoscale", "target_ongoing_requests", "threads_per_replica", "address", "print_config")
 
 
-def ray_options(args: argparse.Namespace, limits, model: str | None):
+def ray_options(args: argparse.Namespace, limits, model: str | None, tools):
     """clover-serve --ray's flags as RayServeOptions."""
     from clover.serve.ray import RayServeOptions
 
@@ -246,6 +267,7 @@ def ray_options(args: argparse.Namespace, limits, model: str | None):
         metrics_need_key=args.metrics_need_key,
         docs=not args.disable_docs,
         limits=limits,
+        tools=tools,
         manifest_sha256=args.manifest_sha256,
         drain_seconds=args.drain_seconds,
     )
@@ -313,6 +335,9 @@ def run(args: argparse.Namespace) -> int:
         args.max_messages,
         args.max_prompt_chars,
     )  # before minutes of loading
+    from clover.serve.tool_calls import ToolOptions
+
+    tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.exclude_tools_when_tool_choice_none)
     if args.api_key_file is not None:
         args.api_key = read_api_key_file(args.api_key_file)
     if args.ray:
@@ -324,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
                 "(clover-export --chat-template FILE_OR_TEMPLATE) and serve that"
             )
 
-        options = ray_options(args, limits, args.model or (DEMO_MODEL if args.demo else None))
+        options = ray_options(args, limits, args.model or (DEMO_MODEL if args.demo else None), tools)
         if args.print_config:
             if args.api_key and not args.api_key_file:
                 print(
@@ -364,6 +389,7 @@ def run(args: argparse.Namespace) -> int:
             limits=limits,
             docs=not args.disable_docs,
             metrics_need_key=args.metrics_need_key,
+            tools=tools,
         )
         print(
             f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "

@@ -979,7 +979,8 @@ def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
             {"response_format": {"type": "json_object"}},
             "response_format",
         ),  # the word-level vocabulary cannot spell JSON
-        (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        # tools alone ask for tool_choice auto, which needs --enable-auto-tool-choice (as vLLM)
+        (chat, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
         (chat, {"tool_choice": "auto"}, "tool_choice"),
         (chat, {"functions": [{"name": "f"}]}, "functions"),
         (chat, {"function_call": "auto"}, "function_call"),
