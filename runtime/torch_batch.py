@@ -19,7 +19,8 @@ but commit nothing: their writes go to the scratch columns past C, their lengths
 
 With `cuda_graphs=True` (a CUDA device and Triton: the base's attention is the plugin kernel, which reads each row's
 own prefix of the whole buffers) `decode` records the whole step, draft -> verify -> accept -> commit, as one CUDA
-graph per (row bucket, tree) and replays it: one host-to-device copy (which rows step) and one copy back per step.
+graph per (row bucket, tree, greedy or sampled, with processors or not) and replays it: one host-to-device copy (which
+rows step, their temperature and top-p) and one copy back per step.
 """
 
 from __future__ import annotations
@@ -195,14 +196,25 @@ def accept_sampled(
             q_rest = q.scatter(1, x[:, None], 0.0)
             q = torch.where(rejected, q_rest / q_rest.sum(-1, keepdim=True).clamp_min(1e-30), q)
         stopped = alive & ~moved
-        bonus = torch.where(stopped, torch.multinomial(p, 1, generator=generator)[:, 0], bonus)
+        bonus = torch.where(stopped, gumbel_max(p, generator), bonus)
         alive &= moved
         node = torch.where(alive, nxt, node)
         path[:, d] = node
         count += alive
         p = torch.where(alive[:, None], target[rows, node], p)
-    bonus = torch.where(alive, torch.multinomial(p, 1, generator=generator)[:, 0], bonus)
+    bonus = torch.where(alive, gumbel_max(p, generator), bonus)
     return path, count, bonus
+
+
+def gumbel(shape: tuple[int, ...], device: torch.device, generator: torch.Generator | None) -> torch.Tensor:
+    """Standard Gumbel noise (elementwise ops only: it records in a CUDA graph, where multinomial may not)."""
+    u = torch.rand(shape, device=device, generator=generator).clamp_min(torch.finfo(torch.float32).tiny)
+    return -torch.log(-torch.log(u))
+
+
+def gumbel_max(p: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of p [B, V] drawn with law p exactly (Gumbel-max); never a zero-probability one."""
+    return (p.log() + gumbel(p.shape, p.device, generator)).argmax(-1)
 
 
 class DeviceProcessors:
@@ -386,7 +398,7 @@ class BatchedTorchRunner(Runner):
         self._trees: dict[str, DeviceTree] = {}
         self.generator = torch.Generator(self.device)  # sampled steps' draws (seeded from fresh entropy)
         self.generator.seed()
-        self._graphs: dict[tuple[int, str], DecodeGraph] = {}
+        self._graphs: dict[tuple[int, str, bool, bool], DecodeGraph] = {}
         self.graphs_error: str | None = None  # why recording the step failed (it then runs eagerly)
         self.processors: DeviceProcessors | None = None  # made by the first step with logits processors
         self.info = RunnerInfo(
@@ -554,28 +566,32 @@ class BatchedTorchRunner(Runner):
         active = np.zeros(rows, dtype=bool)
         active[[s.index for s in slots]] = True
         dt = self.device_tree(tree)
-        law = None
-        if sampling is not None and not all(sp.greedy for sp in sampling):
-            temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-            for s, sp in zip(slots, sampling):
-                if not sp.greedy:
-                    temperature[s.index], top_p[s.index] = sp.temperature, sp.top_p
-            law = Law(self._t(temperature), self._t(top_p))
+        sampled = sampling is not None and not all(sp.greedy for sp in sampling)
+        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        for s, sp in zip(slots, sampling if sampled else ()):
+            if not sp.greedy:
+                temperature[s.index], top_p[s.index] = sp.temperature, sp.top_p
         procs = processors is not None and any(p is not None for p in processors)
         if procs or self.processors is not None:
-            self.processors = (self.processors or DeviceProcessors(rows, self.info.vocab_size, self.device)).grown(
+            held = self.processors
+            self.processors = (held or DeviceProcessors(rows, self.info.vocab_size, self.device)).grown(
                 self.lengths.shape[0]
             )
+            if held is not None and self.processors is not held:
+                self._graphs.clear()  # recorded over the old tensors
             with torch.inference_mode():
                 for s, p in zip(slots, processors or [None] * len(slots)):
                     self.processors.sync(s.index, p)
         with self.engine_clock, torch.inference_mode():
-            graph = self._graph(dt, rows) if law is None and not procs and self.cuda_graphs else None
+            graph = self._graph(dt, rows, sampled, procs) if self.cuda_graphs else None
             if graph is not None:
-                wait = graph.launch(active)
-            else:  # eager (the graphs are recorded for greedy steps)
+                wait = graph.launch(active, temperature, top_p)
+            else:
+                law = Law(self._t(temperature), self._t(top_p)) if sampled else None
                 columns = int(max(s.past for s in slots))
-                packed = self._decode(dt, self._t(active), columns, law, self.processors if procs else None)
+                packed = self._decode(
+                    dt, self._t(active), columns, law, self.processors if procs else None, self.generator
+                )
                 packed = packed.cpu().numpy()
                 wait = lambda: packed  # noqa: E731
         L = tree.max_depth + 1
@@ -594,15 +610,19 @@ class BatchedTorchRunner(Runner):
 
         return results
 
-    def _graph(self, dt: DeviceTree, rows: int) -> DecodeGraph | None:
-        """The recorded step for `rows` rows of this tree; None (eager from now on) if recording fails, with the
-        reason in `graphs_error`: a step that cannot be recorded still runs."""
+    def _graph(self, dt: DeviceTree, rows: int, sampled: bool, procs: bool) -> DecodeGraph | None:
+        """The recorded step for `rows` rows of this tree (greedy or sampled, with processors or not); None (eager
+        from now on) if recording fails, with the reason in `graphs_error`: a step that cannot be recorded still
+        runs."""
         bucket = row_bucket(rows)
         self._ensure(bucket, self.cache.columns)
-        key = (bucket, dt.tree.name)
+        if procs and self.processors.rows < bucket:
+            self.processors = self.processors.grown(bucket)
+            self._graphs.clear()
+        key = (bucket, dt.tree.name, sampled, procs)
         if key not in self._graphs:
             try:
-                self._graphs[key] = DecodeGraph(self, dt, bucket)
+                self._graphs[key] = DecodeGraph(self, dt, bucket, sampled, procs)
             except Exception as e:  # an op that cannot be captured on this torch / GPU
                 self.cuda_graphs, self.graphs_error = False, f"{type(e).__name__}: {e}"
                 return None
@@ -615,13 +635,14 @@ class BatchedTorchRunner(Runner):
         columns: int,
         law: Law | None = None,
         processors: DeviceProcessors | None = None,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns, greedy (law None)
         or by each row's law; returns [n, 1 + 2L] int64: each row's count, path and emitted tokens. Greedy, only
         tensors in and one tensor out: it records as one graph."""
         n, T = active.shape[0], dt.tree.num_nodes
         lengths = self.lengths[:n]
-        tokens, valid, laws = self._draft(dt, n, law)
+        tokens, valid, laws = self._draft(dt, n, law, generator)
         keys, values = self.cache.view(n, columns)
         out = self.base(
             tokens,
@@ -640,7 +661,7 @@ class BatchedTorchRunner(Runner):
             path, count = accept_paths(dt, tokens, target)
             emitted = target.gather(1, path)  # [n, L]: what follows each path node; the last counted one is the bonus
         else:
-            path, count, bonus = accept_sampled(dt, tokens, valid, laws, law.target(logits), self.generator)
+            path, count, bonus = accept_sampled(dt, tokens, valid, laws, law.target(logits), generator)
             emitted = torch.cat((tokens.gather(1, path[:, 1:]), bonus[:, None]), dim=1)
             emitted.scatter_(1, (count - 1)[:, None], bonus[:, None])
         count = count * active
@@ -677,7 +698,7 @@ class BatchedTorchRunner(Runner):
         self.lengths[:n] += count
         return torch.cat((count[:, None], path, emitted), dim=1)
 
-    def _draft(self, dt: DeviceTree, n: int, law: Law | None = None):
+    def _draft(self, dt: DeviceTree, n: int, law: Law | None = None, generator: torch.Generator | None = None):
         """Each row's tree tokens [n, T] from the heads, level by level. Greedy (law None): a node's token is the
         rank-th best of its parent's draft logits (over the draft vocabulary, if any). With a law: the children of a
         row are drawn from its law without replacement (Gumbel-top-k; greedy rows: its top-k), and the laws [n, T, V]
@@ -695,7 +716,7 @@ class BatchedTorchRunner(Runner):
                 top = columns.topk(lv.k, dim=-1).indices  # [n, rows, k]
             else:
                 q = law.probs(columns)  # [n, rows, K]
-                noise = -torch.log(-torch.log(torch.rand(q.shape, device=self.device, generator=self.generator)))
+                noise = gumbel(q.shape, self.device, generator)
                 keys = q.log() + torch.where(law.greedy[:, None, None], 0.0, noise)
                 drawn, top = keys.topk(lv.k, dim=-1)
                 valid[:, lv.start : lv.end] = (drawn[:, lv.parent_row, lv.rank] > -torch.inf) & valid[:, lv.parent]
@@ -712,34 +733,43 @@ class BatchedTorchRunner(Runner):
 
 
 class DecodeGraph:
-    """`BatchedTorchRunner._decode` for `rows` rows and one tree, recorded as one CUDA graph over the whole buffers.
-    Its one input is which rows step (a static buffer); its output, the packed result, comes back through pinned
-    memory."""
+    """`BatchedTorchRunner._decode` for `rows` rows and one tree (greedy or sampled, with the runner's processors or
+    not), recorded as one CUDA graph over the whole buffers. Its inputs are which rows step and, sampled, each row's
+    temperature and top-p (static buffers, one host-to-device copy); its output, the packed result, comes back through
+    pinned memory. Sampled graphs draw from the default CUDA generator, whose state graphs advance safely."""
 
-    def __init__(self, runner: BatchedTorchRunner, dt: DeviceTree, rows: int) -> None:
+    def __init__(self, runner: BatchedTorchRunner, dt: DeviceTree, rows: int, sampled: bool, procs: bool) -> None:
         device = runner.device
-        self.active = torch.zeros(rows, dtype=torch.bool, device=device)
-        self.host_active = torch.zeros(rows, dtype=torch.bool, pin_memory=True)
+        self.inputs = torch.zeros(3, rows, device=device)  # active, temperature, top-p
+        self.host_inputs = torch.zeros(3, rows, pin_memory=True)
+        law = Law(self.inputs[1], self.inputs[2]) if sampled else None
+        processors = runner.processors if procs else None
         columns = runner.cache.columns
+
+        def step() -> torch.Tensor:
+            return runner._decode(dt, self.inputs[0] > 0, columns, law, processors, None)
+
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up with no row stepping: it commits nothing (Triton compiles here)
             for _ in range(2):
-                runner._decode(dt, self.active, columns)
+                step()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.out = runner._decode(dt, self.active, columns)
+            self.out = step()
         self.host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=True)
         self.done = torch.cuda.Event()
 
-    def launch(self, active: np.ndarray):
+    def launch(self, active: np.ndarray, temperature: np.ndarray, top_p: np.ndarray):
         """Queue one replay for the rows `active` marks; returns a call that waits for it and gives the packed result
         (valid until the next launch)."""
-        h = self.host_active.numpy()
-        h[:] = False
-        h[: len(active)] = active
-        self.active.copy_(self.host_active, non_blocking=True)
+        h = self.host_inputs.numpy()
+        h[:] = 0.0
+        n = len(active)
+        h[0, :n], h[1, :n], h[2, :n] = active, temperature, top_p
+        h[2, n:] = 1.0
+        self.inputs.copy_(self.host_inputs, non_blocking=True)
         self.graph.replay()
         self.host.copy_(self.out, non_blocking=True)
         self.done.record()
