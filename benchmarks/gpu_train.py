@@ -1,4 +1,4 @@
-"""Head training at scale in one short GPU session: features for every corpus, then Clover-2, Clover and Medusa.
+"""Head training at scale in one short GPU run: features for every corpus, then Clover-2, Clover and Medusa.
 
   python benchmarks/gpu_train.py --gguf /path/SmolLM2-135M-Instruct.Q4_1.gguf --out "$OUT" --minutes 8
 
@@ -7,7 +7,7 @@ teacher-forced passes, kept in the GPU's memory), then trains each architecture 
 minutes left (clover-train's library with --max-minutes: each stops cleanly at its share with a checkpoint). Epochs
 come from the data and a timed probe of a few steps, so each schedule's cosine decay ends inside its share.
 
-Written under --out (what a device call returns: few files, each under 16 MiB): `report.json` (the plan, feature
+Written under --out (few files, each under 16 MiB, so that an offline GPU host can hand them back): `report.json` (the plan, feature
 and training speeds, per-epoch validation metrics per architecture; rewritten after every epoch, so a run cut by
 its time limit keeps what it measured), `heads.tar.part-NN` (the heads folders with their training.json, a tar
 split in 15 MiB parts, rewritten after every epoch; `cat heads.tar.part-* | tar x` puts them back together).

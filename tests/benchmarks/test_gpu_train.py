@@ -1,4 +1,4 @@
-"""benchmarks/gpu_train.py on a tiny model and two tiny corpora on the CPU: the code the GPU session runs, end to
+"""benchmarks/gpu_train.py on a tiny model and two tiny corpora on the CPU: the code a GPU run runs, end to
 end (features once, each architecture trained in its share, the report and the packed heads after every epoch)."""
 
 import json
@@ -30,7 +30,7 @@ def test_all_architectures_report_every_epoch_and_come_back_packed(tmp_path):
             assert all(m["val_chain_accept"] >= 1 for m in run["epoch_metrics"])
         parts = sorted(out.glob("heads.tar.part-*"))
         assert parts and all(p.stat().st_size <= module.PART_BYTES for p in parts)
-        assert len(list(out.iterdir())) <= 8  # what a device call returns
+        assert len(list(out.iterdir())) <= 8  # few small files: what an offline GPU host hands back
         (tmp_path / "heads.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
         with tarfile.open(tmp_path / "heads.tar") as tar:
             tar.extractall(tmp_path / "back", filter="data")
