@@ -262,6 +262,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     served = _served(request)
     served.check_chat(body)
     served.check_prompt(body, len(body.messages), 0)  # before the messages are even copied
+    try:
+        body.check_messages()
+    except CloverError as e:
+        raise ApiError(400, str(e), param=e.param) from None
     messages = [m.for_template() for m in body.messages]
     tools = sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in body.tools or ())
     served.check_prompt(body, len(messages), sum(m.chars() for m in body.messages) + tools)

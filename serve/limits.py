@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clover.errors import CloverError
-from clover.serve.schemas import error_body
+from clover.serve.schemas import MAX_MESSAGES, error_body
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,8 @@ class RequestLimits:
         ):
             if value is not None and value < 1:
                 raise CloverError(f"{flag} must be >= 1, got {value}")
+        if self.max_messages > MAX_MESSAGES:
+            raise CloverError(f"--max-messages must be <= {MAX_MESSAGES} (what a chat request may hold at all)")
 
     def new_tokens(self, prompt_tokens: int, asked: int | None, context: int) -> int | None:
         """What to ask the engine for: `asked` (max_tokens), refused over the cap or with a prompt over

@@ -78,15 +78,17 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call answered
 
-    @model_validator(mode="after")
-    def _content_or_calls(self) -> ChatMessage:
+    def fault(self) -> str | None:
+        """What is wrong with this message's fields together, or None. Checked by the request once its message count is
+        within the server's limit (ChatCompletionRequest.check_messages), not by pydantic per message: a Python
+        validator per message would hold the event loop for a refused body of thousands of messages."""
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError(f"a {self.role} message needs content (only an assistant's tool_calls stand without)")
+            return f"a {self.role} message needs content (only an assistant's tool_calls stand without)"
         if self.tool_calls and self.role != "assistant":
-            raise ValueError(f"tool_calls belong to assistant messages, not {self.role} ones")
+            return f"tool_calls belong to assistant messages, not {self.role} ones"
         if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id: the id of the call it answers")
-        return self
+            return "a tool message needs tool_call_id: the id of the call it answers"
+        return None
 
     def text(self) -> str:
         if self.content is None:
@@ -110,6 +112,10 @@ class ChatMessage(BaseModel):
 
 
 MAX_TOOLS = 128  # tools per request (OpenAI's limit)
+# Messages a chat request may hold at all, refused while parsing, before its text is walked or validated (a refused
+# body of tens of thousands of messages would otherwise hold the event loop, and every stream, for tens of ms);
+# --max-messages sets the server's own limit at or below it.
+MAX_MESSAGES = 4096
 FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"  # OpenAI's (letters, digits, _ and -, at most 64), and dots
 
 
@@ -331,6 +337,18 @@ class ChatCompletionRequest(_Generation):
     verbosity: None = None
     web_search_options: None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _few_enough_messages(cls, body: Any) -> Any:
+        messages = body.get("messages") if isinstance(body, dict) else None
+        if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+            raise PydanticCustomError(
+                "too_many_messages",
+                "{n} messages: a chat request holds at most {most}",
+                {"n": len(messages), "most": MAX_MESSAGES},
+            )
+        return body
+
     @field_validator("tool_choice", mode="before")
     @classmethod
     def _tool_choice(cls, value: Any) -> Any:
@@ -353,6 +371,13 @@ class ChatCompletionRequest(_Generation):
             twice = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"tools name each function once: {', '.join(twice)} appear more than once")
         return tools
+
+    def check_messages(self) -> None:
+        """CloverError naming the first message whose fields do not go together (ChatMessage.fault)."""
+        for i, m in enumerate(self.messages):
+            fault = m.fault()
+            if fault is not None:
+                raise CloverError(fault, param=f"messages.{i}")
 
     def tool_mode(self) -> tuple[str, str | None]:
         """(mode, function): mode "none" (no tools, or tool_choice none), "auto" (also tools without a tool_choice,
@@ -446,6 +471,8 @@ def unicode_fault(body: dict[str, Any]) -> tuple[str, str] | None:
     """Text of a parsed JSON body (a value or a key, at any depth) that UTF-8 cannot encode, as (its field's dotted
     path, e.g. "messages.0.content"; what is wrong with it); None when all of it is valid Unicode. Iterative: a body
     nests as deep as the JSON parser allows."""
+    if _all_unicode(body):  # the common case, in C: a refused body of thousands of messages walked in Python
+        return None  # would hold the event loop (and every stream) for tens of milliseconds
     todo: list[tuple[tuple[str, ...], Any]] = [((), body)]
     while todo:
         path, value = todo.pop()
@@ -462,6 +489,16 @@ def unicode_fault(body: dict[str, Any]) -> tuple[str, str] | None:
                 ((*path, str(i)), v) for i, v in reversed(list(enumerate(value))) if isinstance(v, _TEXT_HOLDERS)
             )
     return None
+
+
+def _all_unicode(body: dict[str, Any]) -> bool:
+    """Whether every text of a parsed JSON body encodes as UTF-8 (serialized and encoded whole, in C); False also
+    when it cannot be serialized so (then the walk decides)."""
+    try:
+        json.dumps(body, ensure_ascii=False, check_circular=False).encode("utf-8")
+    except (UnicodeEncodeError, ValueError, TypeError, RecursionError):
+        return False
+    return True
 
 
 def _lone_surrogate(text: str) -> int | None:
