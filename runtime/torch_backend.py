@@ -89,6 +89,31 @@ class ForwardGraph:
         return self.out
 
 
+def torch_info(
+    base: Decoder,
+    heads: DraftHeads | None,
+    heads_name: str,
+    draft_vocab: np.ndarray | None,
+    ngram_store: NgramStore | None,
+    batch_slots: int = 1,
+) -> RunnerInfo:
+    """What a runner over these torch modules tells the loop (both torch runners)."""
+    cfg = base.config
+    layers = cfg.num_layers + (heads.num_cache_layers if heads is not None else 0)
+    return RunnerInfo(
+        backend="torch",
+        vocab_size=cfg.vocab_size,
+        max_context=cfg.max_position_embeddings,
+        heads=heads.config.arch if heads is not None else None,
+        heads_max_depth=heads.config.max_depth if heads is not None else None,
+        heads_name=heads_name if heads is not None else "none",
+        kv_bytes_per_token=2 * cfg.num_kv_heads * cfg.head_dim * base.lm_head.weight.element_size() * layers,
+        draft_vocab=None if draft_vocab is None or heads is None else np.asarray(draft_vocab, dtype=np.int64),
+        ngram_store=ngram_store,
+        batch_slots=batch_slots,
+    )
+
+
 class TorchRunner(Runner):
     def __init__(
         self,
@@ -121,22 +146,7 @@ class TorchRunner(Runner):
         # with a draft vocabulary the heads compute only its columns (a K/V share of their LM head's work)
         self.base, self.heads = base, heads if self._vocab is None else heads.over_vocab(self._vocab)
         self.engine_clock = EngineClock()
-        cfg = base.config
-        self.info = RunnerInfo(
-            backend="torch",
-            vocab_size=cfg.vocab_size,
-            max_context=cfg.max_position_embeddings,
-            heads=heads.config.arch if heads is not None else None,
-            heads_max_depth=heads.config.max_depth if heads is not None else None,
-            heads_name=heads_name if heads is not None else "none",
-            kv_bytes_per_token=2
-            * cfg.num_kv_heads
-            * cfg.head_dim
-            * base.lm_head.weight.element_size()
-            * (cfg.num_layers + (heads.num_cache_layers if heads is not None else 0)),
-            draft_vocab=None if self._vocab is None else np.asarray(draft_vocab, dtype=np.int64),
-            ngram_store=ngram_store,
-        )
+        self.info = torch_info(base, heads, heads_name, draft_vocab, ngram_store)
 
     @property
     def cache(self):

@@ -34,10 +34,10 @@ import torch
 from clover.errors import CloverError
 from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
-from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot, Verify
+from clover.runtime.backend import EngineClock, Runner, Slot, Verify
 from clover.runtime.lookup import NgramStore
 from clover.runtime.processors import LogitsProcessors
-from clover.runtime.torch_backend import row_bucket
+from clover.runtime.torch_backend import row_bucket, torch_info
 from clover.runtime.tree import Tree
 
 SCRATCH = 64  # columns past the capacity that rows not stepping in `decode` write to; bounds its trees' depth
@@ -401,22 +401,8 @@ class BatchedTorchRunner(Runner):
         self._graphs: dict[tuple[int, str, bool, bool], DecodeGraph] = {}
         self.graphs_error: str | None = None  # why recording the step failed (it then runs eagerly)
         self.processors: DeviceProcessors | None = None  # made by the first step with logits processors
-        self.info = RunnerInfo(
-            backend="torch",
-            vocab_size=cfg.vocab_size,
-            max_context=cfg.max_position_embeddings,
-            heads=heads.config.arch if heads is not None else None,
-            heads_max_depth=heads.config.max_depth if heads is not None else None,
-            heads_name=heads_name if heads is not None else "none",
-            kv_bytes_per_token=2
-            * cfg.num_kv_heads
-            * cfg.head_dim
-            * base.lm_head.weight.element_size()
-            * (cfg.num_layers + layers),
-            draft_vocab=None if self._vocab is None else np.asarray(draft_vocab, dtype=np.int64),
-            ngram_store=ngram_store,
-            batch_slots=1 << 30,  # any number of sequences in one forward
-        )
+        # any number of sequences in one forward
+        self.info = torch_info(base, heads, heads_name, draft_vocab, ngram_store, batch_slots=1 << 30)
 
     def _t(self, a: np.ndarray) -> torch.Tensor:
         return torch.tensor(np.asarray(a), device=self.device)  # a copy: read-only inputs are fine
