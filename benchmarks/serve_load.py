@@ -3,6 +3,7 @@
     python benchmarks/serve_load.py [--clients 1,2,4,8,16] [--seconds 30] [--rounds 2] [--artifact DIR]
     python benchmarks/serve_load.py --soak [--soak-minutes 10]
     python benchmarks/serve_load.py --against REF [--clients 8] [--rounds 3]
+    python benchmarks/serve_load.py --abuse [--rounds 5]
 
 Load: starts `clover-serve` (the `make demo` artifact unless --artifact) on 127.0.0.1 and, for each client count
 N, runs N streaming chat clients (the official `openai` client) in a closed loop over MT-Bench first turns
@@ -22,6 +23,15 @@ Soak: --soak-minutes of mixed traffic from 8 workers: short and long requests, s
 disconnects mid-stream, bad requests. Reported: status counts, the server's RSS at the end of the first minute
 and at the end (growth), and whether every request's slot was freed (running and waiting 0 at the end).
 Targets: no 5xx, RSS growth under 10%, every slot freed. Writes benchmarks/results/serve_soak.json.
+
+Abuse: a streaming canary (greedy, 200 tokens) alone and beside another process sending the abuse cases (token ids
+outside the vocabulary, max_tokens past a field, 10,000 stop strings, a 50 MB body, JSON nested 100,000 deep, 100,000
+and 20,000 messages) in a loop as fast as the server answers, and beside the same flood of GET /health (the control:
+on a small machine any flood takes cores from the streams), interleaved for --rounds rounds. Reported: the canary's
+inter-token p50 / p99 / max each way, the abuse answers' statuses. Targets: the canary's text is the same each time,
+every abuse answer is 400 or 413, and its p99 beside the abuse is at most 2x its p99 beside the /health flood
+(refusing a body costs about what answering the cheapest request does; parsing a refused body holds the GIL, so it
+pauses the streams, never for long). Writes benchmarks/results/serve_abuse.json.
 Exit status 0 when the targets hold.
 """
 
@@ -51,6 +61,44 @@ MODEL = "clover"
 HTTP_TARGET = 0.85
 AGAINST_TARGET = 0.95
 RSS_TARGET = 0.10
+ABUSE_TARGET = 2.0  # the canary's p99 beside the abuse flood over its p99 beside a /health flood
+
+# Sends the abuse cases to clover-serve (argv[1]: its /v1 URL) from its own process, so that a client's work and its
+# copies of the bodies do not count as the server's. argv[3] "loop": over and over until stdin closes, printing each
+# answer's status; "health": the same loop of GET /health instead (a flood of the cheapest request, the control);
+# "once": each case once, printing each answer as JSON (status, seconds, its error message).
+ABUSER = """
+import json, sys, threading, time, httpx
+base, model, mode = sys.argv[1:4]
+msgs = lambda n: json.dumps({"model": model, "messages": [{"role": "user", "content": "w1"}] * n})
+cases = [("/completions", json.dumps({"model": model, "prompt": [1, 2, 99999999], "max_tokens": 4})),
+         ("/completions", json.dumps({"model": model, "prompt": "w1", "max_tokens": 10**30})),
+         ("/completions", json.dumps({"model": model, "prompt": "w1", "stop": ["w"] * 10_000})),
+         ("/completions", b"x" * (50 * 2**20)), ("/completions", "[" * 100_000 + "]" * 100_000),
+         ("/chat/completions", msgs(100_000)), ("/chat/completions", msgs(20_000))]
+with httpx.Client(timeout=10) as c:
+    if mode == "once":
+        cases.append(("/completions", json.dumps({"model": model, "prompt": "w1 " * 100_000})))
+        for path, body in cases:
+            t0 = time.perf_counter()
+            r = c.post(base + path, content=body, headers={"content-type": "application/json"})
+            message = (r.json().get("error") or {}).get("message")
+            print(json.dumps({"status": r.status_code, "seconds": time.perf_counter() - t0, "message": message}))
+        sys.exit()
+    done = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    health = base.removesuffix("/v1") + "/health"
+    while not done.is_set():
+        for path, body in cases:
+            try:
+                if mode == "health":
+                    code = c.get(health).status_code
+                else:
+                    code = c.post(base + path, content=body, headers={"content-type": "application/json"}).status_code
+            except httpx.HTTPError as e:
+                code = type(e).__name__
+            print(code, flush=True)
+"""
 
 
 # Runs clover-serve from another source tree (argv[1]): its folders mapped to the clover packages ahead of the
@@ -72,8 +120,11 @@ runpy.run_module("clover.tools.serve", run_name="__main__")
 """
 
 
-def start_server(artifact: Path, port: int, threads: int, max_batch: int, tree: Path | None = None) -> subprocess.Popen:
-    """clover-serve on 127.0.0.1:port; `tree`: from that source tree instead of the installed one."""
+def start_server(
+    artifact: Path, port: int, threads: int, max_batch: int, tree: Path | None = None, extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """clover-serve on 127.0.0.1:port; `tree`: from that source tree instead of the installed one; `extra`: more
+    flags."""
     launch = ["-m", "clover.tools.serve"] if tree is None else ["-c", FROM_TREE, str(tree)]
     proc = subprocess.Popen(
         [
@@ -89,6 +140,7 @@ def start_server(artifact: Path, port: int, threads: int, max_batch: int, tree: 
             str(max_batch),
             "--model",
             MODEL,
+            *extra,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -208,7 +260,7 @@ def load(args: argparse.Namespace, artifact: Path) -> int:
     levels = [int(c) for c in args.clients.split(",")]
     prompts = load_prompts("mtbench", 80)
     port = free_port()
-    server = start_server(artifact, port, args.threads, args.max_batch)
+    server = start_server(artifact, port, args.threads, args.max_batch, extra=("--allow-ignore-eos",))
     url = f"http://127.0.0.1:{port}/v1"
     engine = Engine.load(
         artifact, tree="auto", log=None, options=EngineOptions(max_batch=args.max_batch, threads=args.threads)
@@ -445,6 +497,90 @@ def soak(args: argparse.Namespace, artifact: Path) -> int:
     return 1 if failed else 0
 
 
+def abuse(args: argparse.Namespace, artifact: Path) -> int:
+    import openai
+
+    from clover.tools.bench import load_prompts
+
+    prompt = load_prompts("mtbench", 1)[0]
+    port = free_port()
+    server = start_server(artifact, port, args.threads, args.max_batch, extra=("--allow-ignore-eos",))
+    url = f"http://127.0.0.1:{port}/v1"
+    c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+
+    def canary() -> tuple[str, list[float]]:
+        stream = c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            temperature=0,
+            max_tokens=200,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        times, text = [], ""
+        for chunk in stream:
+            times.append(time.perf_counter())
+            text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+        return text, list(np.diff(times))
+
+    gaps: dict[str, list[float]] = {"alone": [], "beside_health_flood": [], "beside_abuse_flood": []}
+    texts, statuses = set(), {}
+    try:
+        canary()  # warm
+        for r in range(args.rounds):  # interleaved: whatever else loads the machine weighs on all alike
+            for side, mode in (("alone", None), ("beside_health_flood", "health"), ("beside_abuse_flood", "loop")):
+                if mode is None:
+                    text, g = canary()
+                else:
+                    flood = subprocess.Popen(
+                        [sys.executable, "-c", ABUSER, url, MODEL, mode],
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                    try:
+                        flood.stdout.readline()  # the loop under way
+                        text, g = canary()
+                    finally:
+                        out, _ = flood.communicate("", timeout=120)
+                    if mode == "loop":
+                        for code in out.split():
+                            statuses[code] = statuses.get(code, 0) + 1
+                texts.add(text)
+                gaps[side] += g
+            print(f"round {r + 1}: p99 " + ", ".join(f"{k} {pct(v, 99)} ms" for k, v in gaps.items()), flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    ratio = round(pct(gaps["beside_abuse_flood"], 99) / max(pct(gaps["beside_health_flood"], 99), 1e-3), 2)
+    failed = []
+    if len(texts) != 1:
+        failed.append(f"the canary's text changed ({len(texts)} different texts)")
+    if not set(statuses) <= {"400", "413"}:
+        failed.append(f"abuse answered {statuses}")
+    if ratio > ABUSE_TARGET:
+        failed.append(
+            f"the canary's p99 beside abuse is {ratio}x its p99 beside a /health flood (target <= {ABUSE_TARGET})"
+        )
+    doc = {
+        "host": host(),
+        "artifact": str(artifact),
+        "rounds": args.rounds,
+        "tokens_per_canary": 200,
+        "itl_ms": {k: {"p50": pct(v, 50), "p99": pct(v, 99), "max": pct(v, 100)} for k, v in gaps.items()},
+        "abuse_over_health_flood_p99": ratio,
+        "abuse_statuses": statuses,
+        "targets": {"abuse_over_health_flood_p99_at_most": ABUSE_TARGET, "failed": failed},
+    }
+    write(RESULTS / "serve_abuse.json", doc)
+    print(f"{'canary':>20} {'itl p50':>8} {'p99':>6} {'max':>6}")
+    for name, row in doc["itl_ms"].items():
+        print(f"{name:>20} {row['p50']:>8.1f} {row['p99']:>6.1f} {row['max']:>6.1f}")
+    print(f"abuse answers {statuses}; p99 beside abuse / beside a /health flood: {ratio}x")
+    print("; ".join(failed) or "all targets met")
+    return 1 if failed else 0
+
+
 def against(args: argparse.Namespace, artifact: Path) -> int:
     import shutil
     import tempfile
@@ -542,6 +678,7 @@ def main() -> int:
     ap.add_argument("--soak", action="store_true")
     ap.add_argument("--soak-minutes", type=float, default=10.0)
     ap.add_argument("--against", default=None, help="a git revision: its clover-serve beside this tree's")
+    ap.add_argument("--abuse", action="store_true", help="a canary's inter-token latency beside abusive requests")
     args = ap.parse_args()
     if args.artifact is None:
         from clover.tools.demo import cached_artifact
@@ -549,6 +686,8 @@ def main() -> int:
         args.artifact = cached_artifact("smollm2", "smollm2-clover2")
     if args.against:
         return against(args, args.artifact)
+    if args.abuse:
+        return abuse(args, args.artifact)
     return soak(args, args.artifact) if args.soak else load(args, args.artifact)
 
 

@@ -10,11 +10,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from helpers import Server, rss_bytes
+from helpers import Server, rss_bytes, script_module
 from ort_helpers import tiny_artifact
 
 from clover.runtime.engine import Engine
@@ -332,34 +333,15 @@ def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(
         r = post({"model": MODEL, "prompt": "w10 w11", "max_tokens": limit})
         assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
         assert limit != 10**6 or "context" in r.json()["error"]["message"], r.text
-    raw = lambda path, body: httpx.post(
-        base + path,
-        content=body,
-        timeout=10,  # noqa: E731
-        headers={"content-type": "application/json"},
+    rss = rss_bytes()  # the bodies come from another process: a client's copies of them must not count here
+    out = subprocess.run(
+        [sys.executable, "-c", ABUSER, server.url, MODEL, "once"], capture_output=True, text=True, timeout=120
     )
-    rss = rss_bytes()
-    for path, body, status in (
-        ("/completions", json.dumps({"model": MODEL, "prompt": "w1", "stop": ["w"] * 10_000}), 400),
-        ("/completions", b"x" * (50 * 2**20), 413),
-        ("/completions", "[" * 100_000 + "]" * 100_000, 400),
-        (
-            "/chat/completions",
-            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 100_000}),
-            413,
-        ),
-        (
-            "/chat/completions",
-            json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w1"}] * 20_000}),
-            400,
-        ),
-        ("/completions", json.dumps({"model": MODEL, "prompt": "w1 " * 100_000}), 400),
-    ):
-        t0 = time.perf_counter()
-        r = raw(path, body)
-        assert r.status_code == status and r.json()["error"]["message"], (len(body), r.text[:200])
-        assert time.perf_counter() - t0 < 1.0, len(body)
-    assert rss_bytes() - rss < 200 * 2**20
+    answers = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [a["status"] for a in answers] == [400, 400, 400, 413, 400, 413, 400, 400], out.stdout + out.stderr
+    for a in answers:
+        assert a["message"] and a["seconds"] < 1.0, a
+    assert rss_bytes() - rss < 100 * 2**20  # not even one copy of the 50 MB body, nor the parse of a refused one
     assert t.is_alive() or len(got.get("text", "")) > 0  # it decoded through the abuse (or just finished)
     t.join(timeout=60)
     assert not t.is_alive() and got["text"] == solo(PROMPTS[5], max_tokens=200, ignore_eos=True).text
@@ -367,28 +349,9 @@ def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(
     assert health.status_code == 200 and health.json() == {"status": "ok"}
 
 
-# Sends the abuse cases above to the server in a loop, from its own process (a client's work must not count as the
-# server's), until stdin closes; prints each answer's status.
-ABUSER = """
-import json, sys, threading, httpx
-base, model = sys.argv[1], sys.argv[2]
-msgs = lambda n: json.dumps({"model": model, "messages": [{"role": "user", "content": "w1"}] * n})
-cases = [("/completions", json.dumps({"model": model, "prompt": [1, 2, 99999999], "max_tokens": 4})),
-         ("/completions", json.dumps({"model": model, "prompt": "w1", "max_tokens": 10**30})),
-         ("/completions", json.dumps({"model": model, "prompt": "w1", "stop": ["w"] * 10_000})),
-         ("/completions", b"x" * (50 * 2**20)), ("/completions", "[" * 100_000 + "]" * 100_000),
-         ("/chat/completions", msgs(100_000)), ("/chat/completions", msgs(20_000))]
-done = threading.Event()
-threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-with httpx.Client(timeout=10) as c:
-    while not done.is_set():
-        for path, body in cases:
-            try:
-                code = c.post(base + path, content=body, headers={"content-type": "application/json"}).status_code
-            except httpx.HTTPError as e:
-                code = type(e).__name__
-            print(code, flush=True)
-"""
+# The abuse cases, sent from their own process (benchmarks/serve_load.py --abuse measures a canary beside them).
+with script_module(Path(__file__).parents[2] / "benchmarks" / "serve_load.py") as _serve_load:
+    ABUSER = _serve_load.ABUSER
 
 
 def test_a_canary_keeps_its_inter_token_p99_while_abuse_is_refused(server, solo):
@@ -398,7 +361,7 @@ def test_a_canary_keeps_its_inter_token_p99_while_abuse_is_refused(server, solo)
     loop, such as tokenizing or templating a huge prompt, stalls it for hundreds of ms). The pauses of parsing a
     refused ~1 MB body (json and pydantic, C calls that hold the GIL, 10-30 ms on 2 shared cores: no Python server
     avoids them in-process) are not bounded tighter here: how tight they are is a measurement, and measurements of
-    speed belong in benchmarks/ (serve_load.py), where noise is controlled and reported, not in a unit test."""
+    speed belong in benchmarks/ (serve_load.py --abuse), where noise is controlled and reported, not in a unit test."""
     import numpy as np
 
     def canary_gaps() -> list[float]:
@@ -421,7 +384,10 @@ def test_a_canary_keeps_its_inter_token_p99_while_abuse_is_refused(server, solo)
     for _ in range(3):  # interleaved: whatever else loads the machine weighs on both alike
         alone += canary_gaps()
         abuser = subprocess.Popen(
-            [sys.executable, "-c", ABUSER, server.url, MODEL], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", ABUSER, server.url, MODEL, "loop"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             assert abuser.stdout.readline()  # the loop under way
