@@ -13,11 +13,12 @@ import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from clover.errors import CloverError
+from clover.runtime.logprobs import StepLogprobs
 from clover.runtime.lookup import NgramStore
 from clover.runtime.processors import LogitsProcessors
 from clover.runtime.sampling import SamplingParams
@@ -99,6 +100,15 @@ class Verify:
     last_only: bool = False
 
 
+class Decoded(NamedTuple):
+    """One sequence's device-side step (`Runner.decode`): its accepted path (tree nodes, root first), the tokens it
+    emitted (the last one the bonus) and their log-probabilities when asked for."""
+
+    path: np.ndarray
+    emitted: np.ndarray
+    logprobs: StepLogprobs | None = None
+
+
 class Runner(abc.ABC):
     """Sequences (slots) on one engine: forward (prefill / verify, several slots in one call), commit, and
     tree drafting, each for a slot. The single-sequence methods (`reset`, then `forward` / `commit` /
@@ -176,13 +186,15 @@ class Runner(abc.ABC):
         tree: Tree,
         sampling: Sequence[SamplingParams] | None = None,
         processors: Sequence[LogitsProcessors | None] | None = None,
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        logprobs: Sequence[int | None] | None = None,
+    ) -> list[Decoded]:
         """One step of `tree` for each slot, greedy or sampled by its `sampling` (temperature, top-p; None: greedy),
         its rows adjusted by its `processors` (penalties, logit bias, min_tokens; None: none) with each path's
         history, drafted, verified, accepted and committed on the runner's device: each slot's accepted path (root
-        first) and emitted tokens. The loop uses it where a sequence needs nothing of the host in its step
-        (runtime/loop.py); runners without it step through forward / commit / draft_*."""
-        return self.decode_async(slots, tree, sampling, processors)()
+        first), emitted tokens and, where its `logprobs` asks (alternatives per token; None: none), their
+        log-probabilities (runtime/logprobs.py's). The loop uses it where a sequence needs nothing of the host in its
+        step (runtime/loop.py); runners without it step through forward / commit / draft_*."""
+        return self.decode_async(slots, tree, sampling, processors, logprobs)()
 
     def decode_async(
         self,
@@ -190,7 +202,8 @@ class Runner(abc.ABC):
         tree: Tree,
         sampling: Sequence[SamplingParams] | None = None,
         processors: Sequence[LogitsProcessors | None] | None = None,
-    ) -> Callable[[], list[tuple[np.ndarray, np.ndarray]]]:
+        logprobs: Sequence[int | None] | None = None,
+    ) -> Callable[[], list[Decoded]]:
         """`decode`, launched: returns at once where the device runs ahead of the host, with a call that waits for
         the step and returns its results (the slots' lengths advance then). Between the two the host may do its
         own work (the loop's overlap: runtime/loop.launch)."""

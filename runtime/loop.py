@@ -195,7 +195,7 @@ def step(
 
 def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree]) -> list[list[int]]:
     """The sequences whose step runs on the device (`Runner.decode`), grouped by tree: greedy or unseeded sampling (with
-    any logits processors), no grammar or log-probabilities, the heads' drafts (or none) for a fixed tree that fits."""
+    any logits processors and log-probabilities), no grammar, the heads' drafts (or none) for a fixed tree that fits."""
     if not runner.can_decode:
         return []
     groups: dict[int, list[int]] = {}
@@ -204,7 +204,6 @@ def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tr
             not d.prefilling
             and (d.sampling.greedy or d.sampling.seed is None)  # a seeded request draws from its own generator
             and d.grammar is None
-            and d.logprobs is None
             and isinstance(t, Tree)
             and (d.drafts is DraftSource.HEADS or t.num_nodes == 1)
             and d.slot.past + t.num_nodes <= d.slot.capacity
@@ -228,7 +227,11 @@ def _launched(runner: Runner, batch: Sequence[Decoding], tree: Tree) -> Callable
     engine = runner.engine_clock
     t0, e0 = time.perf_counter(), engine.seconds if engine else 0.0
     wait = runner.decode_async(
-        [d.slot for d in batch], tree, [d.sampling for d in batch], [d.processors for d in batch]
+        [d.slot for d in batch],
+        tree,
+        [d.sampling for d in batch],
+        [d.processors for d in batch],
+        [d.logprobs for d in batch],
     )
 
     def steps() -> list[Step]:
@@ -237,11 +240,13 @@ def _launched(runner: Runner, batch: Sequence[Decoding], tree: Tree) -> Callable
         if engine:
             seconds["engine"] = engine.seconds - e0
         out = []
-        for d, (path, emitted) in zip(batch, results):
-            tokens = [int(t) for t in emitted]
+        for d, r in zip(batch, results):
+            tokens = [int(t) for t in r.emitted]
             _extend(d, tokens)
             d.root = tokens[-1]
-            out.append(Step(tokens, tree.num_nodes, tree=tree, rows=tree.num_nodes, path=path, seconds=dict(seconds)))
+            st = Step(tokens, tree.num_nodes, tree=tree, rows=tree.num_nodes, path=r.path, seconds=dict(seconds))
+            st.logprobs = r.logprobs
+            out.append(st)
         return out
 
     return steps

@@ -13,7 +13,7 @@ tree for many sequences without the host in the middle: the heads draft each lev
 the draft vocabulary as an index), one forward verifies every sequence's tree, acceptance (`accept_paths`: the
 longest path whose tokens are their parents' argmax) and the commit of each accepted path's K/V and of the heads'
 state happen on the device, and one device-to-host copy brings back each sequence's accepted count, path and emitted
-tokens (no logits). Its state between steps (each row's cached length, its root token, the heads' root state and
+tokens (no logits; with log-probabilities, the emitted tokens' and the top 20 of each of their rows). Its state between steps (each row's cached length, its root token, the heads' root state and
 draft logits) stays on the device. Rows of the batch that do not step (prefilling, or free) compute like the others
 but commit nothing: their writes go to the scratch columns past C, their lengths and roots stay.
 
@@ -34,7 +34,8 @@ import torch
 from clover.errors import CloverError
 from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
-from clover.runtime.backend import EngineClock, Runner, Slot, Verify
+from clover.runtime.backend import Decoded, EngineClock, Runner, Slot, Verify
+from clover.runtime.logprobs import MAX_LOGPROBS, StepLogprobs
 from clover.runtime.lookup import NgramStore
 from clover.runtime.processors import LogitsProcessors
 from clover.runtime.torch_backend import row_bucket, torch_info
@@ -536,7 +537,7 @@ class BatchedTorchRunner(Runner):
             self._trees[tree.name] = DeviceTree.of(tree, self.device)
         return self._trees[tree.name]
 
-    def decode_async(self, slots, tree, sampling=None, processors=None):
+    def decode_async(self, slots, tree, sampling=None, processors=None, logprobs=None):
         """Runner.decode_async for slots prefilled with nothing pending and room for the tree (module doc). Sampling
         (temperature, top-p) draws from the runner's `generator`. With CUDA graphs the call returns once the step is
         queued; otherwise (eager) once it is done."""
@@ -558,6 +559,7 @@ class BatchedTorchRunner(Runner):
             if not sp.greedy:
                 temperature[s.index], top_p[s.index] = sp.temperature, sp.top_p
         procs = processors is not None and any(p is not None for p in processors)
+        lp = logprobs is not None and any(k is not None for k in logprobs)
         if procs or self.processors is not None:
             held = self.processors
             self.processors = (held or DeviceProcessors(rows, self.info.vocab_size, self.device)).grown(
@@ -569,35 +571,48 @@ class BatchedTorchRunner(Runner):
                 for s, p in zip(slots, processors or [None] * len(slots)):
                     self.processors.sync(s.index, p)
         with self.engine_clock, torch.inference_mode():
-            graph = self._graph(dt, rows, sampled, procs) if self.cuda_graphs else None
+            graph = self._graph(dt, rows, sampled, procs, lp) if self.cuda_graphs else None
             if graph is not None:
                 wait = graph.launch(active, temperature, top_p)
             else:
                 law = Law(self._t(temperature), self._t(top_p)) if sampled else None
                 columns = int(max(s.past for s in slots))
                 packed = self._decode(
-                    dt, self._t(active), columns, law, self.processors if procs else None, self.generator
+                    dt, self._t(active), columns, law, self.processors if procs else None, self.generator, lp
                 )
                 packed = packed.cpu().numpy()
                 wait = lambda: packed  # noqa: E731
-        L = tree.max_depth + 1
+        L, K = tree.max_depth + 1, min(MAX_LOGPROBS, self.info.vocab_size)
 
-        def results() -> list[tuple[np.ndarray, np.ndarray]]:
+        def results() -> list[Decoded]:
             with self.engine_clock:
                 packed = wait()  # the step's one copy back
             out = []
             for i, s in enumerate(slots):
-                count, path, emitted = packed[s.index, 0], packed[s.index, 1 : 1 + L], packed[s.index, 1 + L :]
-                s.past += int(count)
+                row = packed[s.index]
+                count, path, emitted = int(row[0]), row[1 : 1 + L], row[1 + L : 1 + 2 * L]
+                s.past += count
                 if procs and processors[i] is not None:
-                    self.processors.advanced(s.index, processors[i], int(count))
-                out.append((path[:count].copy(), emitted[:count].copy()))
+                    self.processors.advanced(s.index, processors[i], count)
+                step_lp = None
+                if lp and logprobs[i] is not None:
+                    k, floats = logprobs[i], lambda a: a.astype(np.int32).view(np.float32).astype(np.float64)
+                    chosen, rest = row[1 + 2 * L : 1 + 3 * L], row[1 + 3 * L :]
+                    ids, values = rest[: L * K].reshape(L, K), rest[L * K :].reshape(L, K)
+                    step_lp = StepLogprobs(
+                        emitted[:count].copy(),
+                        floats(chosen[:count]),
+                        ids[:count, :k].copy(),
+                        floats(values[:count, :k]),
+                    )
+                out.append(Decoded(path[:count].copy(), emitted[:count].copy(), step_lp))
             return out
 
         return results
 
-    def _graph(self, dt: DeviceTree, rows: int, sampled: bool, procs: bool) -> DecodeGraph | None:
-        """The recorded step for `rows` rows of this tree (greedy or sampled, with processors or not); None (eager
+    def _graph(self, dt: DeviceTree, rows: int, sampled: bool, procs: bool, lp: bool) -> DecodeGraph | None:
+        """The recorded step for `rows` rows of this tree (greedy or sampled, with processors or not, with
+        log-probabilities or not); None (eager
         from now on) if recording fails, with the reason in `graphs_error`: a step that cannot be recorded still
         runs."""
         bucket = row_bucket(rows)
@@ -605,10 +620,10 @@ class BatchedTorchRunner(Runner):
         if procs and self.processors.rows < bucket:
             self.processors = self.processors.grown(bucket)
             self._graphs.clear()
-        key = (bucket, dt.tree.name, sampled, procs)
+        key = (bucket, dt.tree.name, sampled, procs, lp)
         if key not in self._graphs:
             try:
-                self._graphs[key] = DecodeGraph(self, dt, bucket, sampled, procs)
+                self._graphs[key] = DecodeGraph(self, dt, bucket, sampled, procs, lp)
             except Exception as e:  # an op that cannot be captured on this torch / GPU
                 self.cuda_graphs, self.graphs_error = False, f"{type(e).__name__}: {e}"
                 return None
@@ -622,10 +637,11 @@ class BatchedTorchRunner(Runner):
         law: Law | None = None,
         processors: DeviceProcessors | None = None,
         generator: torch.Generator | None = None,
+        logprobs: bool = False,
     ) -> torch.Tensor:
         """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns, greedy (law None)
-        or by each row's law; returns [n, 1 + 2L] int64: each row's count, path and emitted tokens. Greedy, only
-        tensors in and one tensor out: it records as one graph."""
+        or by each row's law; returns [n, 1 + 2L] int64: each row's count, path and emitted tokens, then with
+        `logprobs` [n, L (1 + 2K)] more (`_logprobs`). Only tensors in and one tensor out: it records as one graph."""
         n, T = active.shape[0], dt.tree.num_nodes
         lengths = self.lengths[:n]
         tokens, valid, laws = self._draft(dt, n, law, generator)
@@ -639,7 +655,7 @@ class BatchedTorchRunner(Runner):
             values,
             logit_rows=torch.zeros(0, dtype=torch.int64, device=self.device),
         )
-        logits = self._logits(out.hidden_states)  # [n, T, V]
+        logits = raw = self._logits(out.hidden_states)  # [n, T, V]
         if processors is not None:
             logits = processors.apply(logits.float(), tokens, dt)
         if law is None:
@@ -682,7 +698,22 @@ class BatchedTorchRunner(Runner):
             self.root_logits[:n] = torch.where(keep, begin.logits, self.root_logits[:n])
         self.roots[:n] = torch.where(active, emitted.gather(1, last[:, None])[:, 0], self.roots[:n])
         self.lengths[:n] += count
-        return torch.cat((count[:, None], path, emitted), dim=1)
+        packed = (count[:, None], path, emitted, *((self._logprobs(raw, path, emitted),) if logprobs else ()))
+        return torch.cat(packed, dim=1)
+
+    @staticmethod
+    def _logprobs(raw: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+        """runtime/logprobs.py's log-probabilities of each emitted token (the raw distribution of its path row, before
+        any processor) and the K = MAX_LOGPROBS most likely tokens of that row (ties by lower id, as topk_tokens),
+        packed as int64 [n, L (1 + 2K)]: the chosen tokens' values, the top ids, the top values; values are float32
+        bits (the host reads them back as float32; the log-sum-exp is float32 here, float64 on the host)."""
+        rows = raw.gather(1, path[:, :, None].expand(-1, -1, raw.shape[2])).float()  # [n, L, V]
+        lse = torch.logsumexp(rows, dim=-1, keepdim=True)
+        chosen = rows.gather(2, emitted[:, :, None]) - lse  # [n, L, 1]
+        values, ids = rows.sort(dim=-1, descending=True, stable=True)  # stable: equal values keep id order
+        K = min(MAX_LOGPROBS, rows.shape[2])
+        bits = lambda x: x.contiguous().view(torch.int32).to(torch.int64).flatten(1)  # noqa: E731
+        return torch.cat((bits(chosen), ids[..., :K].flatten(1), bits(values[..., :K] - lse)), dim=1)
 
     def _draft(self, dt: DeviceTree, n: int, law: Law | None = None, generator: torch.Generator | None = None):
         """Each row's tree tokens [n, T] from the heads, level by level. Greedy (law None): a node's token is the
@@ -720,11 +751,13 @@ class BatchedTorchRunner(Runner):
 
 class DecodeGraph:
     """`BatchedTorchRunner._decode` for `rows` rows and one tree (greedy or sampled, with the runner's processors or
-    not), recorded as one CUDA graph over the whole buffers. Its inputs are which rows step and, sampled, each row's
+    not, with log-probabilities or not), recorded as one CUDA graph over the whole buffers. Its inputs are which rows step and, sampled, each row's
     temperature and top-p (static buffers, one host-to-device copy); its output, the packed result, comes back through
     pinned memory. Sampled graphs draw from the default CUDA generator, whose state graphs advance safely."""
 
-    def __init__(self, runner: BatchedTorchRunner, dt: DeviceTree, rows: int, sampled: bool, procs: bool) -> None:
+    def __init__(
+        self, runner: BatchedTorchRunner, dt: DeviceTree, rows: int, sampled: bool, procs: bool, lp: bool
+    ) -> None:
         device = runner.device
         self.inputs = torch.zeros(3, rows, device=device)  # active, temperature, top-p
         self.host_inputs = torch.zeros(3, rows, pin_memory=True)
@@ -733,7 +766,7 @@ class DecodeGraph:
         columns = runner.cache.columns
 
         def step() -> torch.Tensor:
-            return runner._decode(dt, self.inputs[0] > 0, columns, law, processors, None)
+            return runner._decode(dt, self.inputs[0] > 0, columns, law, processors, None, lp)
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))

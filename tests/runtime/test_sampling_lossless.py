@@ -539,7 +539,7 @@ def device_first_tokens(base, arch: str, tree, sampling: SamplingParams, n: int,
     runner.generator.manual_seed(seed)
     calls = []
     decode = runner.decode_async
-    runner.decode_async = lambda slots, t, s=None, p=None: calls.append(len(slots)) or decode(slots, t, s, p)
+    runner.decode_async = lambda slots, t, *args: calls.append(len(slots)) or decode(slots, t, *args)
     capacity = len(PROMPT) + NUM_TOKENS + tree.num_nodes
     tokens, lengths = np.zeros((n, NUM_TOKENS), dtype=np.int64), []
     for start in range(0, n, batch):

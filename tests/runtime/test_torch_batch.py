@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from helpers import assert_identical, run_tokens, tiny_base
+from numerics import assert_close_paths, chain_reduction
 from ort_helpers import HEADS_SEED, PROMPTS
 
 from clover.models.head_io import random_heads
@@ -93,9 +94,9 @@ class Counting(BatchedTorchRunner):
 
     calls: list[int]
 
-    def decode_async(self, slots, tree, sampling=None, processors=None):
+    def decode_async(self, slots, tree, *args):
         self.calls.append(len(slots))
-        return super().decode_async(slots, tree, sampling, processors)
+        return super().decode_async(slots, tree, *args)
 
 
 @pytest.mark.parametrize("spec", ["plain", "chain-3", "small"])
@@ -136,7 +137,7 @@ def test_a_prefilling_sequence_and_sampled_ones_step_beside_the_device_batch(mod
         Decoding(runner.open_slot(64), np.array(BATCH[1]), tree, hot, np.random.default_rng(4)),
     ]
     out: list[list[int]] = [[] for _ in ds]
-    while live := [i for i, d in enumerate(ds) if len(out[i]) < N]:
+    while live := [i for i, d in enumerate(ds) if len(out[i]) < N and not d.full]:
         for i, st in zip(live, step(runner, [ds[i] for i in live])):
             out[i] += st.tokens
     assert max(runner.calls) == 3, runner.calls  # the greedy pair and the unseeded sampled one, together
@@ -295,6 +296,55 @@ def test_device_processors_equal_the_numpy_ones_bit_for_bit(spec):
         want = p.apply(logits[b], tree, tokens[b])
         assert np.array_equal(got[b], want), (b, np.abs(got[b] - want).max())
     assert np.array_equal(got[3], logits[3])
+
+
+def logprobs_together(runner, tree, prompts, ks, sampling=SamplingParams()) -> list[list]:
+    """Each prompt stepped together by the loop with `ks[i]` log-probability alternatives (None: none): each
+    sequence's first N StepLogprobs entries as (token, value, top ids, top values)."""
+    V = runner.info.vocab_size
+    ds = [
+        Decoding(
+            runner.open_slot(len(p) + N + tree.num_nodes),
+            np.array(p),
+            tree,
+            sampling,
+            np.random.default_rng(0),
+            processors=LogitsProcessors.of(sampling, np.array(p), (), V),
+            logprobs=k,
+        )
+        for p, k in zip(prompts, ks)
+    ]
+    out = [[] for _ in ds]
+    while live := [i for i, d in enumerate(ds) if len(out[i]) < N and not d.full]:
+        for i, st in zip(live, step(runner, [ds[i] for i in live])):
+            assert (st.logprobs is None) == (ks[i] is None or not st.tokens)
+            for e in st.logprobs.entries(range(len(st.tokens))) if st.logprobs is not None else ():
+                out[i].append((e.token_id, e.logprob, [t for t, _ in e.top], [v for _, v in e.top]))
+    for d in ds:
+        runner.release(d.slot)
+    return [o[:N] for o in out]
+
+
+@pytest.mark.parametrize("spec", ["plain", "small"])
+def test_logprobs_on_the_device_equal_the_host_path(models, spec):
+    """Log-probabilities computed on the device (the accepted path's raw rows, in the step's one copy back) for the
+    sequences that ask, beside one that does not, with penalties on: the host path's tokens and top ids, its values
+    within the paths' tolerance (tests/numerics.py: the stacked forward and the host's run different kernels; a
+    float32 log-sum-exp here, float64 there)."""
+    base, heads = models["clover2"]
+    sampling = SamplingParams(repetition_penalty=1.3, logit_bias={5: 2.5})
+    ks = [3, None, 20]
+    host = logprobs_together(TorchRunner(base), resolve_tree("plain"), BATCH, ks, sampling)
+    runner = Counting(base, heads)
+    runner.calls = []
+    got = logprobs_together(runner, resolve_tree(spec), BATCH, ks, sampling)
+    assert max(runner.calls) == len(BATCH), runner.calls  # on the device, all three in one step
+    reduction = chain_reduction(base.config, context=max(map(len, BATCH)) + N)
+    for i, k in enumerate(ks):
+        assert len(got[i]) == (N if k is not None else 0)
+        for j, (g, h) in enumerate(zip(got[i], host[i])):
+            assert g[0] == h[0] and g[2] == h[2] and len(g[2]) == k, (i, j, g, h)
+            assert_close_paths([g[1], *g[3]], [h[1], *h[3]], reduction=reduction, msg=f"sequence {i} token {j}")
 
 
 def test_engine_options_device_loads_the_stacked_runner(tmp_path):
