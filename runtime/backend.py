@@ -100,6 +100,18 @@ class Verify:
     last_only: bool = False
 
 
+@dataclass(frozen=True)
+class SlotStep:
+    """What one sequence's device-side step (`Runner.decode`) asks for beyond greedy: its sampling (temperature,
+    top-p), its logits processors (penalties, logit bias, min_tokens), log-probabilities (alternatives per token),
+    a grammar (a runtime.grammar.GrammarState: each tree row masked by its path's state)."""
+
+    sampling: SamplingParams | None = None
+    processors: LogitsProcessors | None = None
+    logprobs: int | None = None
+    grammar: Any = None
+
+
 class Decoded(NamedTuple):
     """One sequence's device-side step (`Runner.decode`): its accepted path (tree nodes, root first), the tokens it
     emitted (the last one the bonus) and their log-probabilities when asked for."""
@@ -180,29 +192,16 @@ class Runner(abc.ABC):
         """Whether `decode` runs fixed-tree steps on the device (runtime/torch_batch.py)."""
         return type(self).decode_async is not Runner.decode_async
 
-    def decode(
-        self,
-        slots: Sequence[Slot],
-        tree: Tree,
-        sampling: Sequence[SamplingParams] | None = None,
-        processors: Sequence[LogitsProcessors | None] | None = None,
-        logprobs: Sequence[int | None] | None = None,
-    ) -> list[Decoded]:
-        """One step of `tree` for each slot, greedy or sampled by its `sampling` (temperature, top-p; None: greedy),
-        its rows adjusted by its `processors` (penalties, logit bias, min_tokens; None: none) with each path's
-        history, drafted, verified, accepted and committed on the runner's device: each slot's accepted path (root
-        first), emitted tokens and, where its `logprobs` asks (alternatives per token; None: none), their
-        log-probabilities (runtime/logprobs.py's). The loop uses it where a sequence needs nothing of the host in its
-        step (runtime/loop.py); runners without it step through forward / commit / draft_*."""
-        return self.decode_async(slots, tree, sampling, processors, logprobs)()
+    def decode(self, slots: Sequence[Slot], tree: Tree, asks: Sequence[SlotStep] | None = None) -> list[Decoded]:
+        """One step of `tree` for each slot, drafted, verified, accepted and committed on the runner's device, as
+        its `asks` says (SlotStep: sampling, logits processors with each path's history, log-probabilities, a
+        grammar's masks; None: greedy, nothing else): each slot's accepted path (root first), emitted tokens and,
+        when asked, their log-probabilities. The loop uses it where a sequence needs nothing else of the host in
+        its step (runtime/loop.py); runners without it step through forward / commit / draft_*."""
+        return self.decode_async(slots, tree, asks)()
 
     def decode_async(
-        self,
-        slots: Sequence[Slot],
-        tree: Tree,
-        sampling: Sequence[SamplingParams] | None = None,
-        processors: Sequence[LogitsProcessors | None] | None = None,
-        logprobs: Sequence[int | None] | None = None,
+        self, slots: Sequence[Slot], tree: Tree, asks: Sequence[SlotStep] | None = None
     ) -> Callable[[], list[Decoded]]:
         """`decode`, launched: returns at once where the device runs ahead of the host, with a call that waits for
         the step and returns its results (the slots' lengths advance then). Between the two the host may do its

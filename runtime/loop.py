@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
-from clover.runtime.backend import Runner, Slot, Verify
+from clover.runtime.backend import Runner, Slot, SlotStep, Verify
 from clover.runtime.grammar import GrammarState
 from clover.runtime.logprobs import StepLogprobs, token_logprobs
 from clover.runtime.lookup import PromptLookup
@@ -195,7 +195,7 @@ def step(
 
 def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree]) -> list[list[int]]:
     """The sequences whose step runs on the device (`Runner.decode`), grouped by tree: greedy or unseeded sampling (with
-    any logits processors and log-probabilities), no grammar, the heads' drafts (or none) for a fixed tree that fits."""
+    any logits processors, log-probabilities, grammar), the heads' drafts (or none) for a fixed tree that fits."""
     if not runner.can_decode:
         return []
     groups: dict[int, list[int]] = {}
@@ -203,7 +203,6 @@ def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tr
         if (
             not d.prefilling
             and (d.sampling.greedy or d.sampling.seed is None)  # a seeded request draws from its own generator
-            and d.grammar is None
             and isinstance(t, Tree)
             and (d.drafts is DraftSource.HEADS or t.num_nodes == 1)
             and d.slot.past + t.num_nodes <= d.slot.capacity
@@ -226,13 +225,8 @@ def _launched(runner: Runner, batch: Sequence[Decoding], tree: Tree) -> Callable
     """The device-side step of `batch` launched; a call that waits for it and says what each sequence emitted."""
     engine = runner.engine_clock
     t0, e0 = time.perf_counter(), engine.seconds if engine else 0.0
-    wait = runner.decode_async(
-        [d.slot for d in batch],
-        tree,
-        [d.sampling for d in batch],
-        [d.processors for d in batch],
-        [d.logprobs for d in batch],
-    )
+    asks = [SlotStep(d.sampling, d.processors, d.logprobs, d.grammar) for d in batch]
+    wait = runner.decode_async([d.slot for d in batch], tree, asks)
 
     def steps() -> list[Step]:
         results = wait()
@@ -244,7 +238,16 @@ def _launched(runner: Runner, batch: Sequence[Decoding], tree: Tree) -> Callable
             tokens = [int(t) for t in r.emitted]
             _extend(d, tokens)
             d.root = tokens[-1]
-            st = Step(tokens, tree.num_nodes, tree=tree, rows=tree.num_nodes, path=r.path, seconds=dict(seconds))
+            end = _free_end(d)  # as on the host path: the request ends with it, the device never sees it
+            st = Step(
+                tokens if end is None else [*tokens, end],
+                tree.num_nodes,
+                tree=tree,
+                rows=tree.num_nodes,
+                path=r.path,
+                seconds=dict(seconds),
+                free_end=end is not None,
+            )
             st.logprobs = r.logprobs
             out.append(st)
         return out

@@ -25,7 +25,7 @@ rows step, their temperature and top-p) and one copy back per step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +34,7 @@ import torch
 from clover.errors import CloverError
 from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
-from clover.runtime.backend import Decoded, EngineClock, Runner, Slot, Verify
+from clover.runtime.backend import Decoded, EngineClock, Runner, Slot, SlotStep, Verify
 from clover.runtime.logprobs import MAX_LOGPROBS, StepLogprobs
 from clover.runtime.lookup import NgramStore
 from clover.runtime.processors import LogitsProcessors
@@ -316,6 +316,41 @@ class DeviceProcessors:
 
 
 @dataclass(eq=False)
+@dataclass(frozen=True)
+class StepKind:
+    """What a device step computes beyond a greedy one (one recorded graph per kind): sampling, logits processors,
+    log-probabilities, grammar masks (the step then goes to the host and back between drafting and the verify)."""
+
+    sampled: bool = False
+    procs: bool = False
+    logprobs: bool = False
+    grammar: bool = False
+
+
+GREEDY = StepKind()
+
+
+def grammar_words(
+    tokens: np.ndarray, slots: Sequence[Slot], asks: Sequence[SlotStep], tree: Tree, vocab: int
+) -> np.ndarray:
+    """The packed masks [n, T, W] int32 of the drafted trees `tokens` [n, T] (rows: slot indices): for a sequence
+    with a grammar, row i's is the tokens its grammar allows after the path root..i (runtime/grammar.PathMasks: the
+    host path's masks); every token elsewhere (no grammar, or a path the grammar forbids: its node cannot be
+    accepted, since its parent's row allows only what the grammar does)."""
+    words = np.full((tokens.shape[0], tree.num_nodes, (vocab + 31) // 32), -1, dtype=np.int32)
+    for s, a in zip(slots, asks):
+        if a.grammar is None:
+            continue
+        masks, paths = a.grammar.paths(), [()]
+        for node in range(1, tree.num_nodes):  # a parent comes before its children
+            paths.append((*paths[tree.parent[node]], int(tokens[s.index, node])))
+        for node, path in enumerate(paths):
+            bits = masks._packed(path) if masks.permits(path) else None
+            if bits is not None:
+                words[s.index, node] = bits
+    return words
+
+
 class BatchSequence:
     """A slot's host-side state: its row in the last forward's output, and (drafting through the Runner methods)
     its tree nodes' draft states."""
@@ -537,10 +572,10 @@ class BatchedTorchRunner(Runner):
             self._trees[tree.name] = DeviceTree.of(tree, self.device)
         return self._trees[tree.name]
 
-    def decode_async(self, slots, tree, sampling=None, processors=None, logprobs=None):
+    def decode_async(self, slots, tree, asks=None):
         """Runner.decode_async for slots prefilled with nothing pending and room for the tree (module doc). Sampling
         (temperature, top-p) draws from the runner's `generator`. With CUDA graphs the call returns once the step is
-        queued; otherwise (eager) once it is done."""
+        queued (with a grammar: once its masks are on the device); otherwise (eager) once it is done."""
         if tree.max_depth and self.heads is None:
             raise CloverError("this runner has no draft heads: use the plain tree")
         if tree.max_depth >= SCRATCH:
@@ -549,18 +584,22 @@ class BatchedTorchRunner(Runner):
             assert self._open.get(s.index) is s and not s.pending and s.past >= 1, "decode: a slot is not ready"
             if s.past + tree.num_nodes > s.capacity:
                 raise CloverError(f"{tree.num_nodes} tree rows after {s.past} cached exceed the capacity {s.capacity}")
+        asks = list(asks) if asks is not None else [SlotStep()] * len(slots)
         rows = max(s.index for s in slots) + 1
         active = np.zeros(rows, dtype=bool)
         active[[s.index for s in slots]] = True
         dt = self.device_tree(tree)
-        sampled = sampling is not None and not all(sp.greedy for sp in sampling)
+        kind = StepKind(
+            sampled=any(a.sampling is not None and not a.sampling.greedy for a in asks),
+            procs=any(a.processors is not None for a in asks),
+            logprobs=any(a.logprobs is not None for a in asks),
+            grammar=any(a.grammar is not None for a in asks),
+        )
         temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
-        for s, sp in zip(slots, sampling if sampled else ()):
-            if not sp.greedy:
-                temperature[s.index], top_p[s.index] = sp.temperature, sp.top_p
-        procs = processors is not None and any(p is not None for p in processors)
-        lp = logprobs is not None and any(k is not None for k in logprobs)
-        if procs or self.processors is not None:
+        for s, a in zip(slots, asks):
+            if a.sampling is not None and not a.sampling.greedy:
+                temperature[s.index], top_p[s.index] = a.sampling.temperature, a.sampling.top_p
+        if kind.procs or self.processors is not None:
             held = self.processors
             self.processors = (held or DeviceProcessors(rows, self.info.vocab_size, self.device)).grown(
                 self.lengths.shape[0]
@@ -568,18 +607,21 @@ class BatchedTorchRunner(Runner):
             if held is not None and self.processors is not held:
                 self._graphs.clear()  # recorded over the old tensors
             with torch.inference_mode():
-                for s, p in zip(slots, processors or [None] * len(slots)):
-                    self.processors.sync(s.index, p)
+                for s, a in zip(slots, asks):
+                    self.processors.sync(s.index, a.processors)
+        masks = (
+            (lambda tokens: grammar_words(tokens, slots, asks, dt.tree, self.info.vocab_size)) if kind.grammar else None
+        )
         with self.engine_clock, torch.inference_mode():
-            graph = self._graph(dt, rows, sampled, procs, lp) if self.cuda_graphs else None
+            graph = self._graph(dt, rows, kind) if self.cuda_graphs else None
             if graph is not None:
-                wait = graph.launch(active, temperature, top_p)
+                wait = graph.launch(active, temperature, top_p, masks)
             else:
-                law = Law(self._t(temperature), self._t(top_p)) if sampled else None
+                law = Law(self._t(temperature), self._t(top_p)) if kind.sampled else None
                 columns = int(max(s.past for s in slots))
-                packed = self._decode(
-                    dt, self._t(active), columns, law, self.processors if procs else None, self.generator, lp
-                )
+                processors = self.processors if kind.procs else None
+                on_device = None if masks is None else lambda tokens: self._t(masks(tokens.cpu().numpy()))
+                packed = self._decode(dt, self._t(active), columns, law, processors, self.generator, kind, on_device)
                 packed = packed.cpu().numpy()
                 wait = lambda: packed  # noqa: E731
         L, K = tree.max_depth + 1, min(MAX_LOGPROBS, self.info.vocab_size)
@@ -592,11 +634,11 @@ class BatchedTorchRunner(Runner):
                 row = packed[s.index]
                 count, path, emitted = int(row[0]), row[1 : 1 + L], row[1 + L : 1 + 2 * L]
                 s.past += count
-                if procs and processors[i] is not None:
-                    self.processors.advanced(s.index, processors[i], count)
+                if asks[i].processors is not None:
+                    self.processors.advanced(s.index, asks[i].processors, count)
                 step_lp = None
-                if lp and logprobs[i] is not None:
-                    k, floats = logprobs[i], lambda a: a.astype(np.int32).view(np.float32).astype(np.float64)
+                if asks[i].logprobs is not None:
+                    k, floats = asks[i].logprobs, lambda a: a.astype(np.int32).view(np.float32).astype(np.float64)
                     chosen, rest = row[1 + 2 * L : 1 + 3 * L], row[1 + 3 * L :]
                     ids, values = rest[: L * K].reshape(L, K), rest[L * K :].reshape(L, K)
                     step_lp = StepLogprobs(
@@ -610,20 +652,18 @@ class BatchedTorchRunner(Runner):
 
         return results
 
-    def _graph(self, dt: DeviceTree, rows: int, sampled: bool, procs: bool, lp: bool) -> DecodeGraph | None:
-        """The recorded step for `rows` rows of this tree (greedy or sampled, with processors or not, with
-        log-probabilities or not); None (eager
-        from now on) if recording fails, with the reason in `graphs_error`: a step that cannot be recorded still
-        runs."""
+    def _graph(self, dt: DeviceTree, rows: int, kind: StepKind) -> DecodeGraph | None:
+        """The recorded step of this kind for `rows` rows of this tree; None (eager from now on) if recording fails,
+        with the reason in `graphs_error`: a step that cannot be recorded still runs."""
         bucket = row_bucket(rows)
         self._ensure(bucket, self.cache.columns)
-        if procs and self.processors.rows < bucket:
+        if kind.procs and self.processors.rows < bucket:
             self.processors = self.processors.grown(bucket)
             self._graphs.clear()
-        key = (bucket, dt.tree.name, sampled, procs, lp)
+        key = (bucket, dt.tree.name, kind)
         if key not in self._graphs:
             try:
-                self._graphs[key] = DecodeGraph(self, dt, bucket, sampled, procs, lp)
+                self._graphs[key] = DecodeGraph(self, dt, bucket, kind)
             except Exception as e:  # an op that cannot be captured on this torch / GPU
                 self.cuda_graphs, self.graphs_error = False, f"{type(e).__name__}: {e}"
                 return None
@@ -637,14 +677,36 @@ class BatchedTorchRunner(Runner):
         law: Law | None = None,
         processors: DeviceProcessors | None = None,
         generator: torch.Generator | None = None,
-        logprobs: bool = False,
+        kind: StepKind = GREEDY,
+        masks: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns, greedy (law None)
-        or by each row's law; returns [n, 1 + 2L] int64: each row's count, path and emitted tokens, then with
-        `logprobs` [n, L (1 + 2K)] more (`_logprobs`). Only tensors in and one tensor out: it records as one graph."""
+        """The step for rows 0..n-1 (active [n] bool: which commit), over `columns` cache columns: drafted, then
+        (`masks`: the grammar's words for the drafted tokens, a trip to the host) verified and committed
+        (`_verified`)."""
+        drafted = self._draft(dt, active.shape[0], law, generator)
+        words = masks(drafted[0]) if masks is not None else None
+        return self._verified(dt, active, columns, drafted, law, processors, generator, kind, words)
+
+    def _verified(
+        self,
+        dt: DeviceTree,
+        active: torch.Tensor,
+        columns: int,
+        drafted: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        law: Law | None,
+        processors: DeviceProcessors | None,
+        generator: torch.Generator | None,
+        kind: StepKind,
+        words: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Verify `_draft`'s trees greedy (law None) or by each row's law, each row adjusted by its processors, then
+        masked by the grammar's packed `words` [n, T, W] int32 (bit t of word t // 32: token t allowed; None: no
+        grammar), accept and commit; returns [n, 1 + 2L] int64: each row's count, path and emitted tokens, then
+        with `kind.logprobs` [n, L (1 + 2K)] more (`_logprobs`). Only tensors in and one tensor out: it records as
+        one graph."""
         n, T = active.shape[0], dt.tree.num_nodes
         lengths = self.lengths[:n]
-        tokens, valid, laws = self._draft(dt, n, law, generator)
+        tokens, valid, laws = drafted
         keys, values = self.cache.view(n, columns)
         out = self.base(
             tokens,
@@ -658,6 +720,10 @@ class BatchedTorchRunner(Runner):
         logits = raw = self._logits(out.hidden_states)  # [n, T, V]
         if processors is not None:
             logits = processors.apply(logits.float(), tokens, dt)
+        if words is not None:  # after the processors, as on the host path
+            bits = (words[..., None] >> torch.arange(32, dtype=torch.int32, device=self.device)) & 1
+            allowed = bits.flatten(2)[..., : logits.shape[2]].bool()
+            logits = logits.float().masked_fill(~allowed, -torch.inf)
         if law is None:
             target = logits.argmax(-1)
             path, count = accept_paths(dt, tokens, target)
@@ -698,7 +764,7 @@ class BatchedTorchRunner(Runner):
             self.root_logits[:n] = torch.where(keep, begin.logits, self.root_logits[:n])
         self.roots[:n] = torch.where(active, emitted.gather(1, last[:, None])[:, 0], self.roots[:n])
         self.lengths[:n] += count
-        packed = (count[:, None], path, emitted, *((self._logprobs(raw, path, emitted),) if logprobs else ()))
+        packed = (count[:, None], path, emitted, *((self._logprobs(raw, path, emitted),) if kind.logprobs else ()))
         return torch.cat(packed, dim=1)
 
     @staticmethod
@@ -750,45 +816,74 @@ class BatchedTorchRunner(Runner):
 
 
 class DecodeGraph:
-    """`BatchedTorchRunner._decode` for `rows` rows and one tree (greedy or sampled, with the runner's processors or
-    not, with log-probabilities or not), recorded as one CUDA graph over the whole buffers. Its inputs are which rows step and, sampled, each row's
-    temperature and top-p (static buffers, one host-to-device copy); its output, the packed result, comes back through
-    pinned memory. Sampled graphs draw from the default CUDA generator, whose state graphs advance safely."""
+    """`BatchedTorchRunner._decode` of one kind (StepKind) for `rows` rows and one tree, recorded as one CUDA graph
+    over the whole buffers (with a grammar: two, drafting and the rest, with the host's masks between). Its inputs
+    are which rows step and, sampled, each row's temperature and top-p (static buffers, one host-to-device copy);
+    its output, the packed result, comes back through pinned memory. Sampled graphs draw from the default CUDA
+    generator, whose state graphs advance safely."""
 
-    def __init__(
-        self, runner: BatchedTorchRunner, dt: DeviceTree, rows: int, sampled: bool, procs: bool, lp: bool
-    ) -> None:
+    def __init__(self, runner: BatchedTorchRunner, dt: DeviceTree, rows: int, kind: StepKind) -> None:
         device = runner.device
         self.inputs = torch.zeros(3, rows, device=device)  # active, temperature, top-p
         self.host_inputs = torch.zeros(3, rows, pin_memory=True)
-        law = Law(self.inputs[1], self.inputs[2]) if sampled else None
-        processors = runner.processors if procs else None
-        columns = runner.cache.columns
-
-        def step() -> torch.Tensor:
-            return runner._decode(dt, self.inputs[0] > 0, columns, law, processors, None, lp)
+        law = Law(self.inputs[1], self.inputs[2]) if kind.sampled else None
+        processors = runner.processors if kind.procs else None
+        columns, words = runner.cache.columns, None
+        if kind.grammar:
+            W = (runner.info.vocab_size + 31) // 32
+            words = torch.full((rows, dt.tree.num_nodes, W), -1, dtype=torch.int32, device=device)
+            self.host_words = torch.zeros(words.shape, dtype=torch.int32, pin_memory=True)
+        self.words = words
+        draft = lambda: runner._draft(dt, rows, law, None)  # noqa: E731
+        rest = lambda d: runner._verified(dt, self.inputs[0] > 0, columns, d, law, processors, None, kind, words)  # noqa: E731
 
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # warm-up with no row stepping: it commits nothing (Triton compiles here)
             for _ in range(2):
-                step()
+                rest(draft())
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = step()
+        self.draft_graph = None
+        if kind.grammar:  # drafting alone, its tokens to the host for the masks, then the rest
+            self.draft_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.draft_graph):
+                self.drafted = draft()
+            self.host_tokens = torch.zeros(self.drafted[0].shape, dtype=torch.int64, pin_memory=True)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = rest(self.drafted)
+        else:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = rest(draft())
         self.host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=True)
         self.done = torch.cuda.Event()
 
-    def launch(self, active: np.ndarray, temperature: np.ndarray, top_p: np.ndarray):
-        """Queue one replay for the rows `active` marks; returns a call that waits for it and gives the packed result
-        (valid until the next launch)."""
+    def launch(
+        self,
+        active: np.ndarray,
+        temperature: np.ndarray,
+        top_p: np.ndarray,
+        masks: Callable[[np.ndarray], np.ndarray] | None = None,
+    ):
+        """Queue one replay for the rows `active` marks (with a grammar, `masks` gives the words of the drafted
+        tokens: the draft is replayed and waited for first); returns a call that waits for it and gives the packed
+        result (valid until the next launch)."""
         h = self.host_inputs.numpy()
         h[:] = 0.0
         n = len(active)
         h[0, :n], h[1, :n], h[2, :n] = active, temperature, top_p
         h[2, n:] = 1.0
         self.inputs.copy_(self.host_inputs, non_blocking=True)
+        if self.draft_graph is not None:
+            self.draft_graph.replay()
+            self.host_tokens.copy_(self.drafted[0], non_blocking=True)
+            self.done.record()
+            self.done.synchronize()
+            words = self.host_words.numpy()
+            words[:] = -1
+            words[:n] = masks(self.host_tokens.numpy()[:n])
+            self.words.copy_(self.host_words, non_blocking=True)
         self.graph.replay()
         self.host.copy_(self.out, non_blocking=True)
         self.done.record()

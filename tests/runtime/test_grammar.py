@@ -370,6 +370,72 @@ def test_without_llguidance_the_error_names_the_extra(base, tok, monkeypatch):
     )  # requests without a grammar need nothing
 
 
+# -- the stacked runner: each tree row masked on the device ----------------------------------------------------
+
+
+def counting(runner):
+    """The runner, with the sequences of each of its device-side steps counted in runner.calls."""
+    runner.calls, decode = [], runner.decode_async
+    runner.decode_async = lambda slots, tree, *args: runner.calls.append(len(slots)) or decode(slots, tree, *args)
+    return runner
+
+
+@pytest.mark.parametrize("arch,spec", [("clover2", "mc26"), ("medusa", "small"), ("clover", "chain-3")])
+def test_greedy_identity_with_a_grammar_on_the_device(base, tok, reference, arch, spec):
+    """The stacked runner's device step under a grammar: drafted on the device, the drafted paths' masks computed on
+    the host (the same PathMasks) and packed, every row masked on the device after its processors, accepted and
+    committed there. Plain constrained decoding's tokens, with overlap on and off; the engine at concurrency 4
+    with grammars mixed with none, and with one asking for log-probabilities."""
+    from clover.runtime.engine import Engine
+    from clover.runtime.torch_batch import BatchedTorchRunner
+
+    runner = counting(BatchedTorchRunner(base, random_heads(base, arch, 0)))
+    for overlap in (False, True):
+        gen = Generator(runner, tok, spec, overlap=overlap)
+        for name, g in GRAMMARS.items():
+            for p in PROMPTS:
+                r = gen.generate(p, GenerationParams(max_new_tokens=N, grammar=g))
+                assert_identical(r.token_ids, reference[(name, p)], f"{arch} {spec} {name} {p!r} overlap {overlap}")
+                check_output(name, r.text, r.finish_reason)
+    assert runner.calls, "no step ran on the device"
+    runner.calls.clear()
+    mixed = [(name, p) for name in ["json_schema", "regex", None, "lark"] for p in PROMPTS]
+    with Engine(runner, tok, spec, log=None, options=EngineOptions(max_batch=4)) as engine:
+        streams = [
+            engine.stream(
+                p,
+                GenerationParams(
+                    max_new_tokens=N, grammar=GRAMMARS.get(name) if name else None, logprobs=2 if k == 1 else None
+                ),
+            )
+            for k, (name, p) in enumerate(mixed)
+        ]
+        for (name, p), s in zip(mixed, streams):
+            r = s.wait()
+            if name is not None:
+                assert_identical(r.token_ids, reference[(name, p)], f"engine {arch} {spec} {name} {p!r}")
+    assert max(runner.calls) > 1, runner.calls  # grammars and none in one device step
+
+
+def test_unseeded_sampling_with_a_grammar_on_the_device_matches_it(base, tok):
+    """Sampling on the device under a grammar (rejection sampling against each row's masked, tempered law): every
+    finished output matches its grammar."""
+    from clover.runtime.torch_batch import BatchedTorchRunner
+
+    runner = counting(BatchedTorchRunner(base, random_heads(base, "clover2", 0)))
+    runner.generator.manual_seed(5)
+    gen = Generator(runner, tok, "mc26")
+    finished = 0
+    for name, g in GRAMMARS.items():
+        for i in range(3):
+            r = gen.generate(
+                PROMPTS[i % 2], GenerationParams(max_new_tokens=N, grammar=g, sampling=SamplingParams(0.9, 0.95))
+            )
+            check_output(name, r.text, r.finish_reason)
+            finished += r.finish_reason == "stop"
+    assert runner.calls and finished >= 5, (runner.calls, finished)
+
+
 # -- the engine: concurrent requests, each with its own grammar or none -------------------------------------------
 
 # (grammar name or None, prompt): requests of one batch, mixed
