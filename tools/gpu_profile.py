@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from clover.models.config import BaseConfig, RopeConfig
 from clover.models.decoder import Decoder, rope_inv_freq
 from clover.runtime.params import EngineOptions, GenerationParams
+from clover.runtime.sampling import SamplingParams
 from clover.tools.bench import first_difference
 
 # Real models' shapes, random weights. SmolLM2-135M-Instruct's config, and Llama-3.2-1B's.
@@ -662,11 +663,16 @@ def decode(gen, prompt: list[int], tokens: int, busy: bool) -> dict:
     return out
 
 
-def engine_rate(runner, tokenizer, tree, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
-    """Tokens/s of len(prompts) requests at once through one Engine, and their tokens."""
+def engine_rate(
+    runner, tokenizer, tree, prompts: list[list[int]], tokens: int, sampling: SamplingParams | None = None
+) -> tuple[float, list[list[int]]]:
+    """Tokens/s of len(prompts) requests at once through one Engine, and their tokens; `sampling`: their logits
+    processors (and then their log-probabilities too: 5 alternatives each)."""
     from clover.runtime.engine import Engine
 
     params = GenerationParams(max_new_tokens=tokens, ignore_eos=True)
+    if sampling is not None:
+        params = dataclasses.replace(params, sampling=sampling, logprobs=5)
     options = EngineOptions(max_batch=len(prompts))
     with Engine(runner, tokenizer, tree=tree, log=None, options=options) as engine:
         engine.stream(prompts[0], dataclasses.replace(params, max_new_tokens=8)).wait()  # warm-up
@@ -804,6 +810,19 @@ def engine_step(
                     "identical": f"{sum(g == w for g, w in zip(got, want))}/{c}",
                 }
             )
+    # logits processors on every tree row and log-probabilities in the step's copy back (their own graphs)
+    h = moved(random_heads(cpu_base, "clover2", 0), device, dtype)
+    procs = SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3, logit_bias={5: 2.0, 7: -1.0})
+    _, got = engine_rate(BatchedTorchRunner(base, h, cuda_graphs=cuda), tokenizer, tree, work[:8], tokens, procs)
+    _, want = engine_rate(BatchedTorchRunner(base, cuda_graphs=cuda), tokenizer, None, work[:8], tokens, procs)
+    cases.append(
+        {
+            "arch": "clover2",
+            "tree": f"{tree.name}, penalties, logit bias, log-probabilities",
+            "concurrency": 8,
+            "identical": f"{sum(g == w for g, w in zip(got, want))}/8",
+        }
+    )
     row("identity, stacked runner", cases)
     figure("identity_ok", all(c["identical"].split("/")[0] == c["identical"].split("/")[1] for c in cases))
     del base, heads, runner, cpu_base
