@@ -2,6 +2,7 @@
 
     clover-serve --artifact DIR | --demo [--backend ort|trt] [--host 127.0.0.1] [--port 8000] [--max-batch N]
                  [--tree auto|NAME] [--heads artifact|lookup|+lookup|none] [--providers cuda,cpu] [--api-key KEY] [--model NAME]
+    clover-serve --base DIR|smollm2 [--heads DIR|random:ARCH|lookup|none] [--device cuda] [--dtype bfloat16] ...
     clover-serve ... --ray [--replicas N | --autoscale MIN:MAX] [--threads-per-replica T] [--address auto|HOST:PORT]
     clover-serve ... --ray --print-config > config.yaml      (then: serve deploy config.yaml)
 
@@ -59,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--artifact", type=Path, help="folder written by clover-export")
     src.add_argument(
+        "--base",
+        default=None,
+        help="an HF checkpoint folder or 'smollm2', served by the torch backend (no export): --heads a head "
+        "checkpoint folder, random:ARCH, lookup or none; --device cuda for the stacked runner on a GPU",
+    )
+    src.add_argument(
         "--demo",
         action="store_true",
         help="the `make demo` artifact (SmolLM2 int4 + the shipped Clover-2 "
@@ -66,9 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--backend",
-        choices=("ort", "trt"),
+        choices=("ort", "trt", "torch"),
         default=None,
-        help="default: trt for an artifact with TensorRT engines, else ort",
+        help="default: trt for an artifact with TensorRT engines, else ort; torch with --base",
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="with --base: the torch backend's device (cuda, cuda:1, cpu): the stacked runner there, every sequence "
+        "in one forward and the whole step on the device, with CUDA graphs on a GPU (default: the per-sequence "
+        "runner on the CPU)",
+    )
+    p.add_argument(
+        "--dtype", default=None, help="with --base: float32 (default), float16 or bfloat16 (an artifact has its own)"
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -80,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="what drafts: artifact (its heads), lookup (prompt lookup alone), +lookup (its heads and prompt "
         "lookup), none (plain decoding); default: the artifact's own default, timed at export (its manifest's "
-        "drafts)",
+        "drafts). With --base: a shipped head set (smollm2-clover2), a head checkpoint folder, random:ARCH[:SEED], lookup "
+        "or none (default)",
     )
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.add_argument(
@@ -343,6 +361,12 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         from clover.serve.ray import config_yaml, serve_on_ray
 
+        if args.base is not None or args.device is not None or args.dtype is not None:
+            raise CloverError(
+                "--ray serves an artifact (each replica loads it): export the checkpoint with clover-export, and "
+                "serve --artifact without --base, --device or --dtype"
+            )
+
         if args.chat_template is not None:
             raise CloverError(
                 "--chat-template is not passed to Ray Serve replicas: store the template in the artifact "
@@ -364,11 +388,22 @@ def run(args: argparse.Namespace) -> int:
             if args.manifest_sha256 is not None:
                 check_pin(args.artifact, args.manifest_sha256)
         return serve_on_ray(options, args.host, args.port, args.address)
-    if args.manifest_sha256 is not None:
-        check_pin(args.artifact, args.manifest_sha256)
-    backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
+    if args.base is not None:
+        source, backend = args.base, args.backend or "torch"
+        if backend != "torch" or args.manifest_sha256 is not None:
+            raise CloverError(
+                "--base serves a checkpoint with the torch backend: --backend ort / trt and --manifest-sha256 take "
+                "an --artifact (clover-export makes one)"
+            )
+    else:
+        if args.manifest_sha256 is not None:
+            check_pin(args.artifact, args.manifest_sha256)
+        if args.backend == "torch" or args.dtype is not None:
+            raise CloverError("--backend torch and --dtype serve a checkpoint: give it with --base")
+        source = args.artifact
+        backend = args.backend or ("trt" if read_manifest(args.artifact).backend == "trt" else "ort")
     engine = Engine.load(
-        args.artifact,
+        source,
         backend=backend,
         tree=args.tree,
         heads=args.heads,
@@ -378,9 +413,11 @@ def run(args: argparse.Namespace) -> int:
             max_waiting=args.max_waiting,
             providers=args.providers,
             chat_template=args.chat_template,
+            dtype=args.dtype,
+            device=args.device,
         ),
     )
-    model = args.model or (DEMO_MODEL if args.demo else args.artifact.resolve().name)
+    model = args.model or (DEMO_MODEL if args.demo else Path(source).resolve().name)
     try:
         app = create_app(
             engine,
