@@ -451,20 +451,21 @@ def features_from_dataset(
     taken = [0, 0]  # loss tokens of the sequences accepted so far (written or waiting in the window)
     pending: list[tuple[list[int], np.ndarray, bool]] = []
 
+    def run(batch: list[tuple[list[int], np.ndarray, bool]]) -> None:
+        forward(base, batch, writer)
+        if progress:
+            progress(writer.loss_tokens[0], budgets[0])
+
     def flush() -> None:
         pending.sort(key=lambda item: len(item[0]))
         batch: list[tuple[list[int], np.ndarray, bool]] = []
         for item in pending:
             if batch and (len(batch) + 1) * len(item[0]) > batch_tokens:
-                forward(base, batch, writer)
+                run(batch)
                 batch = []
-                if progress:
-                    progress(writer.loss_tokens[0], budgets[0])
             batch.append(item)
         if batch:
-            forward(base, batch, writer)
-            if progress:
-                progress(writer.loss_tokens[0], budgets[0])
+            run(batch)
         pending.clear()
 
     for ids, assistant, is_val in sequences:
