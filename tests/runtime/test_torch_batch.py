@@ -59,11 +59,13 @@ def plain_tokens(base, prompt) -> list[int]:
 
 
 def decode_together(
-    runner, tree, prompts, n=N, hold=(), sampling=SamplingParams(), stop_ids=()
+    runner, tree, prompts, n=N, hold=(), sampling=SamplingParams(), stop_ids=(), logprobs=None, steps=None
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Each prompt in a slot of its own, all stepped together by the loop; `hold`: sequences that wait (do not
     step) for the first 2 steps while the others go on; `sampling`'s logits processors (their min_tokens masking
-    `stop_ids`) on every sequence. Returns each one's first n tokens and tokens per step."""
+    `stop_ids`) on every sequence; `logprobs[i]`: sequence i's log-probability alternatives (None: none); `steps`:
+    a list per sequence that each of its Steps is appended to. Returns each one's first n tokens and tokens per
+    step."""
     V = runner.info.vocab_size
     ds = [
         Decoding(
@@ -73,13 +75,16 @@ def decode_together(
             sampling,
             np.random.default_rng(0),
             processors=LogitsProcessors.of(sampling, np.array(p), stop_ids, V),
+            logprobs=logprobs[i] if logprobs is not None else None,
         )
-        for p in prompts
+        for i, p in enumerate(prompts)
     ]
     out, per_step = [[] for _ in ds], [[] for _ in ds]
     k = 0
     while live := [i for i, d in enumerate(ds) if len(out[i]) < n and not d.full and (k >= 2 or i not in hold)]:
         for i, st in zip(live, step(runner, [ds[i] for i in live])):
+            if steps is not None:
+                steps[i].append(st)
             if st.tree is not None:
                 per_step[i].append(len(st.tokens))
             out[i] += st.tokens
@@ -299,29 +304,16 @@ def test_device_processors_equal_the_numpy_ones_bit_for_bit(spec):
 
 
 def logprobs_together(runner, tree, prompts, ks, sampling=SamplingParams()) -> list[list]:
-    """Each prompt stepped together by the loop with `ks[i]` log-probability alternatives (None: none): each
-    sequence's first N StepLogprobs entries as (token, value, top ids, top values)."""
-    V = runner.info.vocab_size
-    ds = [
-        Decoding(
-            runner.open_slot(len(p) + N + tree.num_nodes),
-            np.array(p),
-            tree,
-            sampling,
-            np.random.default_rng(0),
-            processors=LogitsProcessors.of(sampling, np.array(p), (), V),
-            logprobs=k,
-        )
-        for p, k in zip(prompts, ks)
-    ]
-    out = [[] for _ in ds]
-    while live := [i for i, d in enumerate(ds) if len(out[i]) < N and not d.full]:
-        for i, st in zip(live, step(runner, [ds[i] for i in live])):
-            assert (st.logprobs is None) == (ks[i] is None or not st.tokens)
+    """decode_together with `ks[i]` log-probability alternatives for sequence i (None: none): each sequence's first
+    N StepLogprobs entries as (token, value, top ids, top values)."""
+    steps = [[] for _ in prompts]
+    decode_together(runner, tree, prompts, sampling=sampling, logprobs=ks, steps=steps)
+    out = [[] for _ in prompts]
+    for i, k in enumerate(ks):
+        for st in steps[i]:
+            assert (st.logprobs is None) == (k is None or not st.tokens)
             for e in st.logprobs.entries(range(len(st.tokens))) if st.logprobs is not None else ():
                 out[i].append((e.token_id, e.logprob, [t for t, _ in e.top], [v for _, v in e.top]))
-    for d in ds:
-        runner.release(d.slot)
     return [o[:N] for o in out]
 
 
