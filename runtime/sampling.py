@@ -40,6 +40,10 @@ class SamplingParams:
         kept as pairs sorted by id).
     min_tokens: >= 0; the end-of-sequence and stop-token ids are masked until this many tokens are generated
         (and stop strings are not matched before then).
+
+    After the temperature (ignored when greedy; vLLM's, SGLang's and llama.cpp's): top_k: the k most likely
+    tokens only (ties by lower id; 0 or -1: off); min_p: in [0, 1], only the tokens at least min_p times as likely
+    as the most likely one (0: off). Then top_p over what they kept.
     """
 
     temperature: float = 0.0
@@ -50,6 +54,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] | Mapping[int, float] = ()
     min_tokens: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -71,6 +77,11 @@ class SamplingParams:
             )
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise CloverError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}", param="min_tokens")
+        if isinstance(self.top_k, (bool, np.bool_)) or not isinstance(self.top_k, (int, np.integer)) or self.top_k < -1:
+            raise CloverError(f"top_k must be an int >= 1, or 0 or -1 to disable it, got {self.top_k!r}", param="top_k")
+        object.__setattr__(self, "top_k", max(int(self.top_k), 0))
+        if not (_number(self.min_p) and 0 <= self.min_p <= 1):
+            raise CloverError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}", param="min_p")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
@@ -118,16 +129,18 @@ def _check_2d(logits: np.ndarray) -> None:
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Temperature softmax followed by nucleus (top-p) filtering.
+    """Temperature softmax, then top-k and min-p, then nucleus (top-p) filtering.
 
     Args:
         logits: [N, V] any float dtype.
         params: sampling parameters with temperature > 0.
 
     Returns:
-        [N, V] float64 rows summing to 1. With top_p < 1, each row keeps the smallest set of
-        highest-probability tokens whose cumulative probability is >= top_p (ties broken by lower token
-        id, at least one token), zeroes the rest and renormalizes.
+        [N, V] float64 rows summing to 1. With top_k, each row keeps its k most likely tokens (ties broken by
+        lower token id); with min_p, the tokens at least min_p times as likely as its most likely one; with
+        top_p < 1, of what is left (renormalized), the smallest set of highest-probability tokens whose
+        cumulative probability is >= top_p (ties broken by lower token id, at least one token). The rest are
+        zeroed and the row renormalized.
     """
     assert not params.greedy, "probs_from_logits is for sampling; greedy uses argmax"
     _check_2d(logits)
@@ -135,6 +148,14 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     x -= x.max(axis=1, keepdims=True)
     probs = np.exp(x)
     probs /= probs.sum(axis=1, keepdims=True)
+    if 0 < params.top_k < probs.shape[1]:
+        keep = np.zeros(probs.shape, dtype=bool)
+        np.put_along_axis(keep, topk_tokens(x, params.top_k), True, axis=1)
+        probs = np.where(keep, probs, 0.0)
+    if params.min_p > 0:  # relative to the row's most likely token, which top-k keeps
+        probs = np.where(probs >= params.min_p * probs.max(axis=1, keepdims=True), probs, 0.0)
+    if params.top_k or params.min_p:
+        probs /= probs.sum(axis=1, keepdims=True)
     if params.top_p >= 1.0:
         return probs
 

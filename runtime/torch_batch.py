@@ -20,7 +20,7 @@ but commit nothing: their writes go to the scratch columns past C, their lengths
 With `cuda_graphs=True` (a CUDA device and Triton: the base's attention is the plugin kernel, which reads each row's
 own prefix of the whole buffers) `decode` records the whole step, draft -> verify -> accept -> commit, as one CUDA
 graph per (row bucket, tree, greedy or sampled, with processors or not) and replays it: one host-to-device copy (which
-rows step, their temperature and top-p) and one copy back per step.
+rows step, their temperature, top-p, top-k and min-p) and one copy back per step.
 """
 
 from __future__ import annotations
@@ -125,25 +125,34 @@ RESIDUAL_EPS = 1e-12  # as runtime/acceptance.py: a residual this light is an un
 
 @dataclass(frozen=True, eq=False)
 class Law:
-    """Per row of a decode batch, how tokens are chosen: temperature [n] (0: greedy) and top_p [n]."""
+    """Per row of a decode batch, how tokens are chosen: temperature [n] (0: greedy), top_p [n], top_k [n] (0: off)
+    and min_p [n] (0: off)."""
 
     temperature: torch.Tensor
     top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
 
     @property
     def greedy(self) -> torch.Tensor:
         return self.temperature <= 0
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's law over logits [n, ..., V], float32: temperature softmax then nucleus (the smallest set of most
-        likely tokens reaching top_p, ties by lower id, as runtime/sampling.probs_from_logits); greedy rows: the
-        temperature-1 softmax (drafts) or, by `target`, the argmax's point mass."""
+        """Each row's law over logits [n, ..., V], float32, as runtime/sampling.probs_from_logits: temperature
+        softmax, its top-k (ties by lower id) and the tokens at least min_p times as likely as the first, then
+        the nucleus of what they keep (the smallest set of most likely tokens reaching top_p, ties by lower id);
+        greedy rows: the temperature-1 softmax (drafts) or, by `target`, the argmax's point mass."""
         shape = (-1,) + (1,) * (logits.dim() - 1)
         t = torch.where(self.greedy, 1.0, self.temperature).view(shape)
         probs = torch.softmax(logits.float() / t, dim=-1)
         ordered, order = probs.sort(dim=-1, descending=True, stable=True)
-        before = ordered.cumsum(-1) - ordered  # mass of the more likely tokens
-        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, before < self.top_p.view(shape))
+        rank = torch.arange(probs.shape[-1], device=probs.device)
+        k = torch.where(self.top_k > 0, self.top_k, probs.shape[-1]).view(shape)
+        kept = (rank < k) & (ordered >= self.min_p.view(shape) * ordered[..., :1])
+        ordered = torch.where(kept, ordered, 0.0)
+        ordered = ordered / ordered.sum(-1, keepdim=True)
+        before = ordered.cumsum(-1) - ordered  # mass of the more likely tokens kept
+        keep = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, kept & (before < self.top_p.view(shape)))
         probs = torch.where(keep, probs, 0.0)
         return probs / probs.sum(-1, keepdim=True)
 
@@ -595,10 +604,12 @@ class BatchedTorchRunner(Runner):
             logprobs=any(a.logprobs is not None for a in asks),
             grammar=any(a.grammar is not None for a in asks),
         )
-        temperature, top_p = np.zeros(rows, np.float32), np.ones(rows, np.float32)
+        law = np.zeros((4, rows), np.float32)  # temperature, top-p, top-k, min-p
+        law[1] = 1.0
         for s, a in zip(slots, asks):
             if a.sampling is not None and not a.sampling.greedy:
-                temperature[s.index], top_p[s.index] = a.sampling.temperature, a.sampling.top_p
+                sp = a.sampling
+                law[:, s.index] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
         if kind.procs or self.processors is not None:
             held = self.processors
             self.processors = (held or DeviceProcessors(rows, self.info.vocab_size, self.device)).grown(
@@ -615,9 +626,9 @@ class BatchedTorchRunner(Runner):
         with self.engine_clock, torch.inference_mode():
             graph = self._graph(dt, rows, kind) if self.cuda_graphs else None
             if graph is not None:
-                wait = graph.launch(active, temperature, top_p, masks)
+                wait = graph.launch(active, law, masks)
             else:
-                law = Law(self._t(temperature), self._t(top_p)) if kind.sampled else None
+                law = Law(*self._t(law)) if kind.sampled else None
                 columns = int(max(s.past for s in slots))
                 processors = self.processors if kind.procs else None
                 on_device = None if masks is None else lambda tokens: self._t(masks(tokens.cpu().numpy()))
@@ -818,15 +829,15 @@ class BatchedTorchRunner(Runner):
 class DecodeGraph:
     """`BatchedTorchRunner._decode` of one kind (StepKind) for `rows` rows and one tree, recorded as one CUDA graph
     over the whole buffers (with a grammar: two, drafting and the rest, with the host's masks between). Its inputs
-    are which rows step and, sampled, each row's temperature and top-p (static buffers, one host-to-device copy);
+    are which rows step and, sampled, each row's temperature, top-p, top-k and min-p (static buffers, one copy in);
     its output, the packed result, comes back through pinned memory. Sampled graphs draw from the default CUDA
     generator, whose state graphs advance safely."""
 
     def __init__(self, runner: BatchedTorchRunner, dt: DeviceTree, rows: int, kind: StepKind) -> None:
         device = runner.device
-        self.inputs = torch.zeros(3, rows, device=device)  # active, temperature, top-p
-        self.host_inputs = torch.zeros(3, rows, pin_memory=True)
-        law = Law(self.inputs[1], self.inputs[2]) if kind.sampled else None
+        self.inputs = torch.zeros(5, rows, device=device)  # active, temperature, top-p, top-k, min-p
+        self.host_inputs = torch.zeros(5, rows, pin_memory=True)
+        law = Law(*self.inputs[1:]) if kind.sampled else None
         processors = runner.processors if kind.procs else None
         columns, words = runner.cache.columns, None
         if kind.grammar:
@@ -859,20 +870,14 @@ class DecodeGraph:
         self.host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=True)
         self.done = torch.cuda.Event()
 
-    def launch(
-        self,
-        active: np.ndarray,
-        temperature: np.ndarray,
-        top_p: np.ndarray,
-        masks: Callable[[np.ndarray], np.ndarray] | None = None,
-    ):
-        """Queue one replay for the rows `active` marks (with a grammar, `masks` gives the words of the drafted
-        tokens: the draft is replayed and waited for first); returns a call that waits for it and gives the packed
-        result (valid until the next launch)."""
+    def launch(self, active: np.ndarray, law: np.ndarray, masks: Callable[[np.ndarray], np.ndarray] | None = None):
+        """Queue one replay for the rows `active` marks, `law` [4, n] their temperature, top-p, top-k and min-p
+        (with a grammar, `masks` gives the words of the drafted tokens: the draft is replayed and waited for first);
+        returns a call that waits for it and gives the packed result (valid until the next launch)."""
         h = self.host_inputs.numpy()
         h[:] = 0.0
         n = len(active)
-        h[0, :n], h[1, :n], h[2, :n] = active, temperature, top_p
+        h[0, :n], h[1:, :n] = active, law
         h[2, n:] = 1.0
         self.inputs.copy_(self.host_inputs, non_blocking=True)
         if self.draft_graph is not None:

@@ -495,6 +495,8 @@ def _sampling(body: CompletionBody) -> SamplingParams:
         temperature=body.temperature,
         top_p=body.top_p,
         seed=body.seed,
+        top_k=body.top_k,
+        min_p=body.min_p,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         repetition_penalty=body.repetition_penalty,

@@ -209,6 +209,8 @@ class _Generation(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[TokenIdKey, Bias] | None = None
     # vLLM's extensions
+    top_k: int = Field(default=-1, ge=-1, lt=2**31)  # the k most likely tokens (-1 or 0: off)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)  # tokens at least min_p times as likely as the most likely
     repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None

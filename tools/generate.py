@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens only (0: off)")
+    p.add_argument(
+        "--min-p", type=float, default=0.0, help="sample from the tokens at least this times as likely as the first"
+    )
     p.add_argument("--seed", type=int, default=None, help="sampling seed")
     p.add_argument(
         "--tree",
@@ -135,7 +139,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     prompt = read_prompt(args)
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    sampling = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, seed=args.seed, top_k=args.top_k, min_p=args.min_p
+    )
     if args.threads is not None and args.threads < 1:
         raise CloverError(f"--threads must be at least 1, got {args.threads}")
     gen = Generator.load(
@@ -172,7 +178,13 @@ def run(args: argparse.Namespace) -> int:
         result = gen.generate(prompt, params, chat=args.chat)
         if args.json:
             doc = result.to_dict()
-            doc["sampling"] = {"temperature": args.temperature, "top_p": args.top_p, "seed": args.seed}
+            doc["sampling"] = {
+                "temperature": args.temperature,
+                "top_p": args.top_p,
+                "top_k": args.top_k,
+                "min_p": args.min_p,
+                "seed": args.seed,
+            }
             print(json.dumps(doc))
         else:
             print(result.text)

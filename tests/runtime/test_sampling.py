@@ -54,6 +54,12 @@ def test_params_defaults_and_greedy() -> None:
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p"),
         ({"top_p": float("nan")}, r"top_p"),
+        ({"top_k": -2}, r"top_k must be an int >= 1, or 0 or -1"),
+        ({"top_k": 2.0}, r"top_k"),
+        ({"top_k": True}, r"top_k"),
+        ({"min_p": -0.1}, r"min_p must be a number in \[0, 1\]"),
+        ({"min_p": 1.01}, r"min_p"),
+        ({"min_p": float("nan")}, r"min_p"),
     ],
 )
 def test_params_validation(kwargs: dict, match: str) -> None:
@@ -119,6 +125,24 @@ def test_top_p_matches_brute_force() -> None:
             n = next(n for n in range(1, p.size + 1) if p[order[:n]].sum() >= top_p)
             assert set(np.flatnonzero(row).tolist()) == set(order[:n])
             np.testing.assert_allclose(row.sum(), 1.0)
+
+
+def test_top_k_and_min_p_match_brute_force() -> None:
+    """top_k keeps the k most likely tokens (ties by lower id), min_p those at least min_p x the most likely, and
+    top_p the nucleus of what they kept (renormalized); -1 disables top_k as 0 does."""
+    rng = np.random.default_rng(3)
+    logits = np.round(rng.normal(size=(8, 40)) * 2, 1)  # rounded: ties at the k-th place occur
+    assert SamplingParams(top_k=-1).top_k == 0
+    for top_k, min_p, top_p in ((1, 0.0, 1.0), (5, 0.0, 1.0), (5, 0.2, 1.0), (0, 0.3, 1.0), (12, 0.05, 0.7)):
+        got = probs_from_logits(logits, SamplingParams(temperature=0.8, top_p=top_p, top_k=top_k, min_p=min_p))
+        full = special.softmax(logits / 0.8, axis=1)
+        for row, p in zip(got, full, strict=True):
+            order = sorted(range(p.size), key=lambda i: (-p[i], i))
+            kept = [i for rank, i in enumerate(order) if (not top_k or rank < top_k) and p[i] >= min_p * p[order[0]]]
+            q = p[kept] / p[kept].sum()
+            n = next(n for n in range(1, len(kept) + 1) if q[:n].sum() >= top_p) if top_p < 1 else len(kept)
+            assert set(np.flatnonzero(row).tolist()) == set(kept[:n]), (top_k, min_p, top_p)
+            np.testing.assert_allclose(row[kept[:n]], p[kept[:n]] / p[kept[:n]].sum())
 
 
 def full_sort_nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:

@@ -54,12 +54,22 @@ N = 1000  # generations per case
 N_BROKEN = 400  # generations for the broken-verifier power check (its bias is large)
 MASTER_SEED = 20_240_805
 
-CASES = [("clover2", "mc26", 1.0), ("clover2", "mc26", 0.8), ("medusa", "small", 1.0)]
-CASE_IDS = [f"{a}-{t}-top_p{p}" for a, t, p in CASES]
+# (arch, tree, law): law is top_p, or (top_p, top_k, min_p)
+CASES = [
+    ("clover2", "mc26", 1.0),
+    ("clover2", "mc26", 0.8),
+    ("medusa", "small", 1.0),
+    ("clover2", "mc26", (1.0, 6, 0.05)),
+]
+CASE_IDS = [
+    f"{a}-{t}-top_p{p}" if not isinstance(p, tuple) else f"{a}-{t}-top_p{p[0]}-top_k{p[1]}-min_p{p[2]}"
+    for a, t, p in CASES
+]
 
 
-def sampling_params(top_p: float) -> SamplingParams:
-    return SamplingParams(temperature=TEMPERATURE, top_p=top_p)
+def sampling_params(law: float | tuple[float, int, float]) -> SamplingParams:
+    top_p, top_k, min_p = law if isinstance(law, tuple) else (law, 0, 0.0)
+    return SamplingParams(temperature=TEMPERATURE, top_p=top_p, top_k=top_k, min_p=min_p)
 
 
 # -- exact reference ---------------------------------------------------------------------------------
@@ -193,6 +203,8 @@ def test_reference_laws_are_informative(base_logits):
     assert np.all(entropy > 0.5) and np.all(entropy < 0.95 * np.log(V)), entropy
     kept = (probs_from_logits(np.vstack([l1[None], l2]), sampling_params(0.8)) > 0).sum(axis=1)
     assert kept.min() >= 2 and kept.max() < V, kept  # top-p removes tokens but leaves a choice
+    kept = (probs_from_logits(np.vstack([l1[None], l2]), sampling_params(CASES[3][2])) > 0).sum(axis=1)
+    assert kept.min() >= 2 and kept.max() <= 6, kept  # so do top-k and min-p
     joint, marginal, _ = exact_laws(base_logits, sampling_params(1.0))
     assert np.isclose(joint.sum(), 1.0) and np.isclose(marginal.sum(), 1.0)
 

@@ -303,6 +303,30 @@ def test_device_processors_equal_the_numpy_ones_bit_for_bit(spec):
     assert np.array_equal(got[3], logits[3])
 
 
+def test_device_laws_equal_the_host_laws():
+    """Law.probs (temperature, top-k, min-p, top-p per row, as torch ops) against runtime/sampling.probs_from_logits
+    on the same rows: the same support (ties at the k-th place and in the nucleus by lower id), the same values."""
+    from clover.runtime.sampling import probs_from_logits
+    from clover.runtime.torch_batch import Law
+
+    rng = np.random.default_rng(4)
+    logits = np.round(rng.normal(size=(6, 50)) * 2, 1).astype(np.float32)  # rounded: ties occur
+    rows = [
+        (0.8, 1.0, 0, 0.0),
+        (1.2, 0.9, 0, 0.0),
+        (0.7, 1.0, 5, 0.0),
+        (1.0, 1.0, 0, 0.2),
+        (0.9, 0.6, 8, 0.05),
+        (1.0, 0.8, 1, 0.0),
+    ]
+    law = Law(*torch.tensor(np.array(rows, dtype=np.float32).T))
+    got = law.probs(torch.tensor(logits)).numpy()
+    for b, (t, top_p, top_k, min_p) in enumerate(rows):
+        want = probs_from_logits(logits[b : b + 1], SamplingParams(t, top_p, top_k=top_k, min_p=min_p))[0]
+        assert np.array_equal(got[b] > 0, want > 0), b
+        np.testing.assert_allclose(got[b], want, atol=1e-6)
+
+
 def logprobs_together(runner, tree, prompts, ks, sampling=SamplingParams()) -> list[list]:
     """decode_together with `ks[i]` log-probability alternatives for sequence i (None: none): each sequence's first
     N StepLogprobs entries as (token, value, top ids, top values)."""

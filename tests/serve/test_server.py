@@ -911,6 +911,28 @@ def test_penalties_and_token_options_through_the_server_equal_solo_plain(server,
     }
 
 
+def test_top_k_and_min_p_through_the_client(server, solo):
+    """vLLM's top_k and min_p (extra_body): sampling from the single most likely token (top_k 1, or min_p 1 where
+    no two tokens tie) gives greedy decoding's text at any temperature and seed; a wider top_k still samples
+    reproducibly with a seed."""
+    c = client(server)
+    want = solo(PROMPTS[13], ignore_eos=True)
+    base = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPTS[13]}],
+        temperature=1.5,
+        max_tokens=MAX_TOKENS,
+    )
+    for seed, extra in ((1, {"top_k": 1}), (2, {"min_p": 1.0}), (3, {"top_k": 1, "min_p": 0.5})):
+        r = c.chat.completions.create(**base, seed=seed, extra_body={"ignore_eos": True, **extra})
+        assert r.choices[0].message.content == want.text, extra
+    wide = [
+        c.chat.completions.create(**base, seed=7, extra_body={"ignore_eos": True, "top_k": 5, "min_p": 0.05})
+        for _ in range(2)
+    ]
+    assert wide[0].choices[0].message.content == wide[1].choices[0].message.content
+
+
 def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
     """Bad values of the new fields, fields that would change the output but are not supported, and unknown fields:
     400 with the field as `param`. Harmless fields (user, metadata, store, ...) and no-op values are accepted."""
@@ -956,7 +978,10 @@ def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
         (chat, {"modalities": ["text", "audio"]}, "modalities"),
         (chat, {"prediction": {"type": "content", "content": "w1"}}, "prediction"),
         (chat, {"reasoning_effort": "low"}, "reasoning_effort"),
-        (chat, {"top_k": 5}, "top_k"),  # unknown here: refused, not ignored
+        (chat, {"top_k": -2}, "top_k"),
+        (comp, {"top_k": 2.5}, "top_k"),
+        (chat, {"min_p": 1.5}, "min_p"),
+        (chat, {"mirostat": 2}, "mirostat"),  # unknown here: refused, not ignored
         (comp, {"guided_json": {}}, "guided_json"),  # (the same)
     ]
     for base, extra, param in cases:
