@@ -104,6 +104,12 @@ class Request:
         check_token_ids(ids, info.vocab_size)
         new = params.check(len(ids), info.max_context, info.vocab_size)
         stop = params.stop_conditions(new, tokenizer.eos_token_ids)
+        if stop.min_tokens and len(set(stop.eos_token_ids)) >= info.vocab_size:
+            raise CloverError(
+                f"min_tokens masks the end-of-sequence and stop_token_ids until {stop.min_tokens} tokens are "
+                f"generated, and they are all {info.vocab_size} tokens of the vocabulary: nothing could be generated",
+                param="min_tokens",
+            )
         return cls(
             np.array(ids, dtype=np.int64),
             params,

@@ -956,6 +956,7 @@ def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
         (chat, {"logit_bias": {"96": 1}}, "logit_bias"),  # the tiny vocabulary has 96 tokens
         (comp, {"min_tokens": -1}, "min_tokens"),
         (comp, {"min_tokens": 5}, "min_tokens"),  # more than max_tokens 4
+        (comp, {"min_tokens": 2, "stop_token_ids": list(range(96))}, "min_tokens"),  # masks every token
         (comp, {"stop_token_ids": [96]}, "stop_token_ids"),
         (comp, {"stop_token_ids": [-1]}, "stop_token_ids"),
         (chat, {"n": 0}, "n"),
