@@ -638,13 +638,14 @@ def shared_prefill_runs(engine, prompt, n, **kw):
 def test_choices_share_one_prefill_and_each_equals_solo(tmp_path_factory, arch, attention):
     """The followers fork the leader's caches after all but the last prompt token and run that token themselves:
     every greedy choice equals solo plain decoding, a seeded follower equals a lone request with its seed, a long
-    prompt (several chunks) is shared too, and the forks really happened."""
+    prompt (several chunks, past the first cache block: the follower's caches grow to hold the copy) is shared too,
+    and the forks really happened."""
     art = tiny_artifact(tmp_path_factory.getbasetemp(), arch, attention=attention)
     tok = Tokenizer.from_dir(art / "tokenizer")
     plain = Generator(load_runner(art, heads="none"), tok, "plain")
     long_prompt = [int(t) for t in np.random.default_rng(9).integers(6, 90, 40)]
     with Engine(
-        load_runner(art),
+        load_runner(art, cache_block=16),
         tok,
         "small" if arch != "clover" else "chain-3",
         log=None,
