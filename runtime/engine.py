@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import threading
+import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -430,7 +431,8 @@ class Engine:
         carry a backend's internals and paths) with the request's id; the engine's log has it whole."""
         self.error = error
         self._say(f"request {r.id or '(no id)'} failed: {error!r}")
-        if not isinstance(error, CloverError):
+        if not isinstance(error, CloverError):  # a defect: where it happened, for whoever reads the log
+            self._say("".join(traceback.format_exception(error)).rstrip())
             ref = f" (request {r.id})" if r.id else ""
             error = CloverError(
                 f"the engine's step failed{ref} ({type(error).__name__}); the server log has the details"

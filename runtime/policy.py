@@ -36,9 +36,10 @@ class RankAcceptance:
         return (self.hits + self.prior * prior) / (self.trials + self.prior)
 
     def observe(self, tree: Tree, path: np.ndarray) -> None:
-        """One verified tree and its accepted path (root first)."""
+        """One verified tree and its accepted path (root first). Depths past the table's (a grammar's forced
+        chain runs deeper than any tree the policy chooses) are not counted."""
         self.version += 1
-        for d in range(1, tree.max_depth + 1):
+        for d in range(1, min(tree.max_depth, self.trials.shape[0] - 1) + 1):
             if d - 1 >= len(path):
                 break
             kids = tree.children[int(path[d - 1])]

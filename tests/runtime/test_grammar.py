@@ -274,6 +274,27 @@ def test_greedy_identity_with_a_grammar_every_head_and_tree(base, tok, reference
                 check_output(name, r.text, r.finish_reason)
 
 
+def test_a_forced_chain_deeper_than_the_trees_under_tree_auto(base, tok):
+    """A schema whose forced text (a long key) is drafted as a chain deeper than any tree the auto policy chooses:
+    its statistics count only the depths they hold, and the output is plain constrained decoding's."""
+    schema = {
+        "type": "object",
+        "properties": {"a_rather_long_key_name_here": {"type": "boolean"}},
+        "required": ["a_rather_long_key_name_here"],
+        "additionalProperties": False,
+    }
+    grammar = Grammar.json_schema(schema)
+    want = constrained_reference(
+        TorchRunner(base), GrammarCompiler(tok, base.config.vocab_size), tok, grammar, PROMPTS[0], N
+    )
+    for drafts in ("heads", "lookup"):
+        runner = TorchRunner(base, random_heads(base, "clover2", 0) if drafts == "heads" else None)
+        gen = Generator(runner, tok, "auto", drafts=drafts)
+        r = gen.generate(PROMPTS[0], GenerationParams(max_new_tokens=N, grammar=grammar))
+        assert_identical(r.token_ids, want, f"{drafts} auto")
+        assert max(r.accepted_per_step) > 10, r.accepted_per_step  # the forced chain, accepted whole
+
+
 @pytest.mark.parametrize("drafts,tree", [("lookup", "chain-8"), ("heads+lookup", "small")])
 def test_lookup_drafts_the_grammar_forbids_are_pruned(base, tok, reference, drafts, tree):
     """Prompt-lookup proposals are not masked when drafted: the ones the grammar forbids leave the tree before the

@@ -54,6 +54,13 @@ def test_rank_acceptance_counts_trials_and_hits_per_depth_and_rank():
     assert a.trials[2].sum() == len(tree.children[second])  # depth 2 tried under the accepted node only
 
 
+def test_rank_acceptance_ignores_depths_past_its_table():
+    """A grammar's forced chain can run deeper than the policy's trees: the depths past its table are not counted."""
+    a = RankAcceptance(3, 2, prior=1e-12)
+    a.observe(resolve_tree("chain-8"), np.arange(9))  # accepted whole, 8 deep
+    assert a.trials[1:].tolist() == [[1, 0]] * 3 and a.hits[1:].tolist() == [[1, 0]] * 3
+
+
 def test_auto_speculates_where_rows_are_cheap_and_acceptance_high():
     cheap = VerifyCost({1: 10.0, 64: 11.0})  # bandwidth-bound: extra rows nearly free
     policy = AutoTrees(resolve_tree("chain-4"), cheap)
