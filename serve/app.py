@@ -166,7 +166,7 @@ def create_app(
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
-    app.get("/health")(health)
+    app.api_route("/health", methods=["GET", "HEAD"])(health)  # HEAD: what some load balancers probe with
     app.get("/metrics")(metrics_text)
     app.get("/v1/models")(models)
     app.post("/v1/chat/completions")(chat_completions)

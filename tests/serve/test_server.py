@@ -347,6 +347,7 @@ def test_bad_ids_and_lengths_are_400_while_a_canary_streams_and_health_stays_ok(
     assert not t.is_alive() and got["text"] == solo(PROMPTS[5], max_tokens=200, ignore_eos=True).text
     health = httpx.get(base.removesuffix("/v1") + "/health", timeout=5)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
+    assert httpx.head(base.removesuffix("/v1") + "/health", timeout=5).status_code == 200  # a load balancer's probe
 
 
 # The abuse cases, sent from their own process (benchmarks/serve_load.py --abuse measures a canary beside them).
