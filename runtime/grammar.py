@@ -294,7 +294,7 @@ class PathMasks:
         self.g.seconds += time.perf_counter() - t0
         return ok
 
-    def _packed(self, path: tuple[int, ...]) -> np.ndarray | None:
+    def packed(self, path: tuple[int, ...]) -> np.ndarray | None:
         """The bitmask of the tokens allowed after `path` (bit t of word t // 32), None when the path is
         forbidden. A state that allows nothing (the grammar finished without an end token) allows the
         end-of-sequence tokens, so the request ends there."""
@@ -314,11 +314,11 @@ class PathMasks:
         return bits
 
     def allowed(self, path: tuple[int, ...]) -> np.ndarray | None:
-        """[V] bool: the tokens the grammar allows after `path` (`_packed`, unpacked); None when it forbids the
+        """[V] bool: the tokens the grammar allows after `path` (`packed`, unpacked); None when it forbids the
         path."""
         if path in self._masks:
             return self._masks[path]
-        bits = self._packed(path)
+        bits = self.packed(path)
         t0 = time.perf_counter()
         out = None
         if bits is not None:
@@ -335,7 +335,7 @@ class PathMasks:
         docs/experiments.md, 2026-11-28 "structured output, the grammar's check without its mask"). The mask's bit
         decides where it is more than the parser's check: where the grammar forces bytes (the mask then allows only
         their canonical tokenization, the check any spelling) and where the end may come (an accepting or stopped
-        state, an end token: the end-of-sequence rule of `_packed`)."""
+        state, an end token: the end-of-sequence rule of `packed`)."""
         t0 = time.perf_counter()
         state = self._state(path)
         quick = (
@@ -349,13 +349,13 @@ class PathMasks:
         self.g.seconds += time.perf_counter() - t0
         if quick or state is None:
             return ok
-        bits = self._packed(path)
+        bits = self.packed(path)
         return bits is not None and bool((int(bits[token >> 5]) >> (token & 31)) & 1)
 
     def best(self, path: tuple[int, ...], logits: np.ndarray) -> int:
         """The allowed token of highest logit after the allowed `path` (ties: the lowest id), as the argmax of the
         masked row; a mask with one token gives it without unpacking."""
-        bits = self._packed(path).view(np.uint32)
+        bits = self.packed(path).view(np.uint32)
         nonzero = np.flatnonzero(bits)
         if len(nonzero) == 1 and not (word := int(bits[nonzero[0]])) & (word - 1):  # one bit set
             return int(nonzero[0]) * 32 + word.bit_length() - 1

@@ -354,7 +354,7 @@ def grammar_words(
         for node in range(1, tree.num_nodes):  # a parent comes before its children
             paths.append((*paths[tree.parent[node]], int(tokens[s.index, node])))
         for node, path in enumerate(paths):
-            bits = masks._packed(path) if masks.permits(path) else None
+            bits = masks.packed(path)  # None: the grammar forbids the path
             if bits is not None:
                 words[s.index, node] = bits
     return words
