@@ -161,7 +161,7 @@ class KVCache:
 
     def copy_from(self, other: KVCache, rows: int, capacity: int) -> None:
         """Hold a copy of `other`'s first `rows` slots (a forked sequence; room up to `capacity` tokens)."""
-        self.ensure(rows + 1 + self.shared, 0, capacity + self.shared)  # make_room(rows, 0, ...), keeping nothing
+        self.make_room(0, rows, capacity)  # a fresh sequence: nothing of its own to keep
         for new, old in zip(self.buffers, other.buffers):
             new[:, :, :rows] = old[:, :, :rows]
 

@@ -247,8 +247,8 @@ def _launched(runner: Runner, batch: Sequence[Decoding], tree: Tree) -> Callable
                 path=r.path,
                 seconds=dict(seconds),
                 free_end=end is not None,
+                logprobs=r.logprobs,
             )
-            st.logprobs = r.logprobs
             out.append(st)
         return out
 

@@ -324,7 +324,6 @@ class DeviceProcessors:
         self.generated[:n] += torch.where(self.on[:n], count, 0)
 
 
-@dataclass(eq=False)
 @dataclass(frozen=True)
 class StepKind:
     """What a device step computes beyond a greedy one (one recorded graph per kind): sampling, logits processors,
@@ -360,6 +359,7 @@ def grammar_words(
     return words
 
 
+@dataclass(eq=False)
 class BatchSequence:
     """A slot's host-side state: its row in the last forward's output, and (drafting through the Runner methods)
     its tree nodes' draft states."""
@@ -604,12 +604,12 @@ class BatchedTorchRunner(Runner):
             logprobs=any(a.logprobs is not None for a in asks),
             grammar=any(a.grammar is not None for a in asks),
         )
-        law = np.zeros((4, rows), np.float32)  # temperature, top-p, top-k, min-p
-        law[1] = 1.0
+        laws = np.zeros((4, rows), np.float32)  # each row's temperature, top-p, top-k, min-p
+        laws[1] = 1.0
         for s, a in zip(slots, asks):
             if a.sampling is not None and not a.sampling.greedy:
                 sp = a.sampling
-                law[:, s.index] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
+                laws[:, s.index] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
         if kind.procs or self.processors is not None:
             held = self.processors
             self.processors = (held or DeviceProcessors(rows, self.info.vocab_size, self.device)).grown(
@@ -626,9 +626,9 @@ class BatchedTorchRunner(Runner):
         with self.engine_clock, torch.inference_mode():
             graph = self._graph(dt, rows, kind) if self.cuda_graphs else None
             if graph is not None:
-                wait = graph.launch(active, law, masks)
+                wait = graph.launch(active, laws, masks)
             else:
-                law = Law(*self._t(law)) if kind.sampled else None
+                law = Law(*self._t(laws)) if kind.sampled else None
                 columns = int(max(s.past for s in slots))
                 processors = self.processors if kind.procs else None
                 on_device = None if masks is None else lambda tokens: self._t(masks(tokens.cpu().numpy()))
@@ -860,24 +860,20 @@ class DecodeGraph:
             with torch.cuda.graph(self.draft_graph):
                 self.drafted = draft()
             self.host_tokens = torch.zeros(self.drafted[0].shape, dtype=torch.int64, pin_memory=True)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = rest(self.drafted)
-        else:
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.out = rest(draft())
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = rest(self.drafted if kind.grammar else draft())
         self.host = torch.zeros(self.out.shape, dtype=torch.int64, pin_memory=True)
         self.done = torch.cuda.Event()
 
-    def launch(self, active: np.ndarray, law: np.ndarray, masks: Callable[[np.ndarray], np.ndarray] | None = None):
-        """Queue one replay for the rows `active` marks, `law` [4, n] their temperature, top-p, top-k and min-p
+    def launch(self, active: np.ndarray, laws: np.ndarray, masks: Callable[[np.ndarray], np.ndarray] | None = None):
+        """Queue one replay for the rows `active` marks, `laws` [4, n] their temperature, top-p, top-k and min-p
         (with a grammar, `masks` gives the words of the drafted tokens: the draft is replayed and waited for first);
         returns a call that waits for it and gives the packed result (valid until the next launch)."""
         h = self.host_inputs.numpy()
         h[:] = 0.0
         n = len(active)
-        h[0, :n], h[1:, :n] = active, law
+        h[0, :n], h[1:, :n] = active, laws
         h[2, n:] = 1.0
         self.inputs.copy_(self.host_inputs, non_blocking=True)
         if self.draft_graph is not None:
