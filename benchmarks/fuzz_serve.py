@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from clover import atomic
     from clover.runtime.engine import Engine
-    from clover.serve.app import create_app
+    from clover.serve.app import AppOptions, create_app
     from clover.serve.limits import RequestLimits
     from clover.tools.machine import host
 
@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> int:
         for key in (None, "sesame"):
             engine = Engine.load(artifact, tree="auto", log=None, options=EngineOptions(max_batch=4))
             try:
-                app = create_app(engine, MODEL, api_key=key, warmup=False, limits=RequestLimits(allow_ignore_eos=True))
+                app = create_app(
+                    engine, MODEL, AppOptions(api_key=key, warmup=False, limits=RequestLimits(allow_ignore_eos=True))
+                )
                 t0 = time.perf_counter()
                 seen = fuzz(
                     app, args.examples, None if key is None else {"authorization": f"Bearer {key}"}, args.case_seconds

@@ -27,15 +27,18 @@ import contextlib
 import dataclasses
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from clover import __version__
 from clover.errors import CloverError
 from clover.runtime.engine import Engine, EngineStream
 from clover.runtime.grammar import Grammar
@@ -46,7 +49,7 @@ from clover.runtime.results import GenerationResult, StreamDelta
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.scheduler import Cancelled, EngineUnavailable, QueueFull
 from clover.runtime.tokenizer import Tokenizer
-from clover.serve.limits import RequestGuard, RequestLimits
+from clover.serve.limits import Cors, RequestGuard, RequestLimits
 from clover.serve.metrics import Metrics
 from clover.serve.schemas import (
     INVALID_UNICODE,
@@ -55,7 +58,9 @@ from clover.serve.schemas import (
     UNKNOWN_FIELD,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Speculation,
+    TokenizeRequest,
     Usage,
     error_body,
     new_id,
@@ -134,41 +139,62 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {msg}" if param else f"the request body is invalid: {msg}"), param
 
 
+@dataclass(frozen=True)
+class AppOptions:
+    """How create_app serves its engine. api_key: /v1 routes and /tokenize, /detokenize (and /metrics with
+    `metrics_need_key`) need `Authorization: Bearer KEY`. warmup: /health turns 200 after one short request has run
+    (False: at once). limits: what one request may ask. docs: serve /docs, /redoc and /openapi.json. tools: how tool
+    calls are served (`tool_choice` "auto" needs a parser). cors: cross-origin requests (None: no CORS headers, a
+    browser on another origin is refused)."""
+
+    api_key: str | None = field(default=None, repr=False)
+    warmup: bool = True
+    limits: RequestLimits = RequestLimits()
+    docs: bool = True
+    metrics_need_key: bool = False
+    tools: ToolOptions = ToolOptions()
+    cors: Cors | None = Cors()
+
+
 def create_app(
-    engine: Engine,
-    model: str,
-    api_key: str | None = None,
-    warmup: bool = True,
-    limits: RequestLimits = RequestLimits(),
-    docs: bool = True,
-    metrics_need_key: bool = False,
-    metrics: Metrics | None = None,
-    tools: ToolOptions = ToolOptions(),
+    engine: Engine, model: str, options: AppOptions = AppOptions(), metrics: Metrics | None = None
 ) -> FastAPI:
-    """The app serving `engine` as model `model`; with `api_key`, /v1 routes (and /metrics with `metrics_need_key`)
-    need `Authorization: Bearer KEY`. warmup: /health turns 200 after one short request has run (False: at once).
-    limits: what one request may ask. docs: serve /docs, /redoc and /openapi.json. metrics: the engine's Metrics
-    (default: new ones; a Ray Serve replica passes its own, labelled). tools: how tool calls are served
-    (`tool_choice` "auto" needs a parser)."""
-    served = Completions(engine, model, limits, metrics or Metrics(engine), warmup, tools)
-    hidden = {} if docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    """The app serving `engine` as model `model`, as `options` say. metrics: the engine's Metrics (default: new ones;
+    a Ray Serve replica passes its own, labelled)."""
+    o = options
+    served = Completions(engine, model, o.limits, metrics or Metrics(engine), o.warmup, o.tools)
+    hidden = {} if o.docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="clover-serve", lifespan=_lifespan, **hidden)
     app.state.completions = served  # what the routes share
     # the API key, the body's size and the requests in flight are checked before the body is read
     app.add_middleware(
         RequestGuard,
-        api_key=api_key,
-        max_body_bytes=limits.max_body_bytes,
-        max_concurrent=limits.max_concurrent_requests,
-        metrics_need_key=metrics_need_key,
+        api_key=o.api_key,
+        max_body_bytes=o.limits.max_body_bytes,
+        max_concurrent=o.limits.max_concurrent_requests,
+        metrics_need_key=o.metrics_need_key,
         retry_after_s=RETRY_AFTER_S,
     )
+    if o.cors is not None:  # added last, so outermost: a preflight is answered before the key is asked for
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(o.cors.origins),
+            allow_methods=list(o.cors.methods),
+            allow_headers=list(o.cors.headers),
+            allow_credentials=o.cors.credentials,
+            expose_headers=["X-Request-Id"],
+        )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.api_route("/health", methods=["GET", "HEAD"])(health)  # HEAD: what some load balancers probe with
+    app.get("/ping", operation_id="ping")(health)  # vLLM's (SageMaker's) name for the same probe
+    app.get("/version")(version)
     app.get("/metrics")(metrics_text)
     app.get("/v1/models")(models)
+    app.get("/v1/models/{model_id:path}")(model_card)
+    app.post("/tokenize")(tokenize)
+    app.post("/detokenize")(detokenize)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/completions")(completions)
     return app
@@ -242,20 +268,64 @@ async def metrics_text(request: Request) -> Response:
     return Response(generate_latest(_served(request).metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
-async def models(request: Request) -> dict[str, Any]:
-    served = _served(request)
+async def version(request: Request) -> dict[str, str]:
+    return {"version": __version__}
+
+
+def _model_object(served: Completions) -> dict[str, Any]:
     return {
-        "object": "list",
-        "data": [
-            {
-                "id": served.model,
-                "object": "model",
-                "created": 0,
-                "owned_by": "clover-deploy",
-                "max_model_len": served.context,
-            }
-        ],
+        "id": served.model,
+        "object": "model",
+        "created": 0,
+        "owned_by": "clover-deploy",
+        "max_model_len": served.context,
     }
+
+
+async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_object(_served(request))]}
+
+
+async def model_card(model_id: str, request: Request) -> dict[str, Any]:
+    served = _served(request)
+    served.check_model(model_id)
+    return _model_object(served)
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    served = _served(request)
+    if body.model is not None:
+        served.check_model(body.model)
+    tokenizer = served.engine.tokenizer
+    try:
+        if body.messages is not None:
+            for i, m in enumerate(body.messages):
+                if (fault := m.fault()) is not None:
+                    raise ApiError(400, f"messages.{i}: {fault}", param=f"messages.{i}")
+            messages = [m.for_template() for m in body.messages]
+            tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
+            ids = await run_in_threadpool(tokenizer.encode_chat, messages, body.add_generation_prompt, tools)
+        else:
+            ids = await run_in_threadpool(tokenizer.encode, body.prompt, body.add_special_tokens)
+    except CloverError as e:
+        raise ApiError(400, str(e), param="messages" if body.messages is not None else "prompt") from None
+    out: dict[str, Any] = {"count": len(ids), "max_model_len": served.context, "tokens": ids}
+    if body.return_token_strs:
+        out["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
+    return out
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    served = _served(request)
+    if body.model is not None:
+        served.check_model(body.model)
+    vocab = served.engine.tokenizer.vocab_size
+    bad = next((i for i, t in enumerate(body.tokens) if t >= vocab), None)
+    if bad is not None:
+        raise ApiError(
+            400, f"tokens.{bad}: token id {body.tokens[bad]} is not in the vocabulary (0-{vocab - 1})", param="tokens"
+        )
+    return {"prompt": await run_in_threadpool(served.engine.tokenizer.decode, body.tokens, False)}
 
 
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -330,7 +400,7 @@ class Completions:
         outs, plan = await run_in_threadpool(self.submit, request, body, prompt, rid)
         if body.stream:
             return StreamingResponse(
-                EventStream(self, outs, rid, body, chat, plan).events(),
+                EventStream(self, outs, rid, body, chat, plan, echo=self.echo_text(body, prompt)).events(),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
             )
@@ -338,6 +408,12 @@ class Completions:
         if results is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         return self._answer(body, prompt, rid, chat, results, plan)
+
+    def echo_text(self, body: CompletionBody, prompt: Any) -> str | None:
+        """The prompt's text a completion with `echo` puts before its own (as sent, or its ids decoded)."""
+        if not getattr(body, "echo", False):
+            return None
+        return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     def submit(
         self, request: Request, body: CompletionBody, prompt: Any, rid: str
@@ -392,21 +468,25 @@ class Completions:
         mode, name = body.tool_mode()
         tools = [t.model_dump(exclude_none=True) for t in body.tools or ()]
         plan = plan_tools(tools, mode, name, body.parallel_tool_calls, self.tools)
-        for field, grammar in plan.checks:
+        for where, grammar in plan.checks:
             try:
                 self.engine.grammars.state(grammar)
             except CloverError as e:
-                raise CloverError(f"{field}: {e}", param=field) from None
+                raise CloverError(f"{where}: {e}", param=where) from None
         return plan
 
-    def _check_served(self, request: Request, body: CompletionBody) -> None:
-        if body.model != self.model:
+    def check_model(self, model: str) -> None:
+        """404 for a model this server does not serve."""
+        if model != self.model:
             raise ApiError(
                 404,
-                f"model {body.model!r} does not exist: this server serves {self.model!r} (GET /v1/models)",
+                f"model {model!r} does not exist: this server serves {self.model!r} (GET /v1/models)",
                 param="model",
                 code="model_not_found",
             )
+
+    def _check_served(self, request: Request, body: CompletionBody) -> None:
+        self.check_model(body.model)
         if not request.app.state.ready:
             raise _busy("the server is warming up: retry in a moment")
 
@@ -549,8 +629,10 @@ class EventStream:
         body: CompletionBody,
         chat: bool,
         plan: ToolPlan | None = None,
+        echo: str | None = None,
     ) -> None:
         self.served, self.outs, self.rid, self.body, self.chat = served, outs, rid, body, chat
+        self.echo = echo  # a completion's prompt text, streamed first in each choice (echo)
         # each choice's text parsed into content and tool calls as it comes (None: the text is the content)
         self.tools: list[ToolStream | None] = [plan.stream() if plan else None for _ in outs]
         self.created, self.kind = now(), "chat.completion.chunk" if chat else "text_completion"
@@ -565,6 +647,9 @@ class EventStream:
             if self.chat:
                 for i in range(len(outs)):
                     yield self.chunk(i, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+            elif self.echo:
+                for i in range(len(outs)):
+                    yield self.chunk(i, self.piece(self.echo))
             running = len(outs)
             while running:
                 index, item = await self.queue.get()

@@ -16,11 +16,12 @@ from clover.serve.schemas import MAX_MESSAGES, error_body
 @dataclass(frozen=True)
 class RequestLimits:
     """max_stop_strings / max_stop_chars: stop strings per request and characters per string (each is searched for
-    in the output at every step, on the engine's thread, for every request: OpenAI allows 4). allow_ignore_eos:
+    in the output at every step, on the engine's thread, for every request: OpenAI allows 4, vLLM any number, and
+    lm-evaluation-harness sends a task's whole `until` list). allow_ignore_eos:
     honour vLLM's `ignore_eos` extension (it makes a request run to max_tokens; for load tests). max_body_bytes: a
     request body's size (RequestGuard: refused before it is read)."""
 
-    max_stop_strings: int = 4
+    max_stop_strings: int = 64
     max_stop_chars: int = 256
     allow_ignore_eos: bool = False
     max_body_bytes: int = 2 * 2**20  # a request body's bytes (RequestGuard), checked before it is read
@@ -98,6 +99,18 @@ class RequestLimits:
             )
 
 
+@dataclass(frozen=True)
+class Cors:
+    """Cross-origin requests from browser front-ends (Starlette's CORSMiddleware, answering preflights before the
+    API key is checked, as vLLM's): the origins, methods and headers allowed ("*": any), and whether credentials
+    (cookies, an Authorization header a browser adds) may be sent."""
+
+    origins: tuple[str, ...] = ("*",)
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+    credentials: bool = False
+
+
 def read_api_key_file(path: Path, flag: str = "--api-key-file") -> str:
     """The API key on the first line of `path` (a one-line CloverError naming `flag` if unreadable or empty)."""
     try:
@@ -110,8 +123,8 @@ def read_api_key_file(path: Path, flag: str = "--api-key-file") -> str:
 
 
 class RequestGuard:
-    """Pure-ASGI middleware that refuses before any body is read: a request without the API key to a /v1 route (and
-    /metrics with `metrics_need_key`) gets 401, a body over `max_body_bytes` 413 (by its Content-Length or, for a
+    """Pure-ASGI middleware that refuses before any body is read: a request without the API key to a /v1 route,
+    /tokenize or /detokenize (and /metrics with `metrics_need_key`) gets 401, a body over `max_body_bytes` 413 (by its Content-Length or, for a
     chunked body, as the bytes arrive), a /v1 request beyond `max_concurrent` in flight 503 with Retry-After. FastAPI
     would otherwise read and parse a whole body (an unauthenticated multi-GB POST included) before its dependencies
     run."""
@@ -127,7 +140,7 @@ class RequestGuard:
     ) -> None:
         self.app, self.max_body_bytes, self.max_concurrent = app, max_body_bytes, max_concurrent
         self.key = None if api_key is None else f"Bearer {api_key}".encode()
-        self.keyed = ("/v1", "/metrics") if metrics_need_key else ("/v1",)
+        self.keyed = ("/v1", "/tokenize", "/detokenize", *(("/metrics",) if metrics_need_key else ()))
         self.retry_after = str(retry_after_s).encode()
         self.in_flight = 0  # /v1 requests being answered (one event loop: no lock needed)
 
@@ -136,7 +149,8 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
         path = _route(scope)
-        if self.key is not None and path.startswith(self.keyed):
+        # a browser's CORS preflight (OPTIONS) carries no credentials: the CORS middleware answers it, else a 405
+        if self.key is not None and path.startswith(self.keyed) and scope.get("method") != "OPTIONS":
             if not secrets.compare_digest(headers.get(b"authorization", b""), self.key):
                 return await _refuse(
                     send,

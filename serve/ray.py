@@ -47,7 +47,7 @@ from typing import Any
 
 from clover.errors import CloverError
 from clover.runtime.params import EngineOptions, GenerationParams
-from clover.serve.limits import RequestLimits, read_api_key_file
+from clover.serve.limits import Cors, RequestLimits, read_api_key_file
 from clover.serve.tool_calls import ToolOptions
 
 APP_NAME = "clover"
@@ -90,6 +90,7 @@ class RayServeOptions:
     docs: bool = True
     limits: RequestLimits = RequestLimits()
     tools: ToolOptions = ToolOptions()
+    cors: Cors | None = Cors()
     manifest_sha256: str | None = None
     drain_seconds: float = 30.0
     health_check_period_s: float = 10.0
@@ -144,6 +145,8 @@ class RayServeOptions:
             values["limits"] = RequestLimits(**values["limits"])
         if isinstance(values.get("tools"), dict):
             values["tools"] = ToolOptions(**values["tools"])
+        if isinstance(values.get("cors"), dict):
+            values["cors"] = Cors(**{k: tuple(v) if isinstance(v, list) else v for k, v in values["cors"].items()})
         if values.get("autoscale") is not None:
             values["autoscale"] = tuple(values["autoscale"])
         return cls(**values)
@@ -302,21 +305,20 @@ def replica_app(engine, o: RayServeOptions, replica: str, board) -> tuple[Any, a
     metrics board), and the task that publishes this replica's series to the board."""
     from prometheus_client import generate_latest
 
-    from clover.serve.app import create_app
+    from clover.serve.app import AppOptions, create_app
     from clover.serve.metrics import Metrics
 
     metrics = Metrics(engine, labels={"replica": replica})
-    app = create_app(
-        engine,
-        o.model_name,
+    options = AppOptions(
         api_key=replica_api_key(o),
         warmup=False,  # warmed in the constructor
         limits=o.limits,
         docs=o.docs,
         metrics_need_key=o.metrics_need_key,
-        metrics=metrics,
         tools=o.tools,
+        cors=o.cors,
     )
+    app = create_app(engine, o.model_name, options, metrics)
 
     def own() -> str:
         return generate_latest(metrics.registry).decode()

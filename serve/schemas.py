@@ -9,8 +9,10 @@ Text that is not valid Unicode (a lone surrogate), in any field at any depth, is
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+import typing
 import uuid
 from typing import Annotated, Any, Literal
 
@@ -232,6 +234,16 @@ class _Generation(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _null_is_not_given(cls, body: Any) -> Any:
+        # OpenAI, vLLM and llama.cpp read an explicit null as "not given", and client libraries send it: a field whose
+        # type has no null (temperature, top_p, stream, the penalties, ...) takes its default, as if left out
+        if isinstance(body, dict) and any(v is None for v in body.values()):
+            defaulted = _non_nullable(cls)
+            return {k: v for k, v in body.items() if v is not None or k not in defaulted}
+        return body
+
+    @model_validator(mode="before")
+    @classmethod
     def _valid_unicode(cls, body: Any) -> Any:
         # JSON's \u escapes (and Python's parser) admit a lone surrogate, which no UTF-8 text holds: the tokenizer
         # and every response would fail on it. Refused before any field is read, in any field, named however deep.
@@ -315,8 +327,12 @@ class _Generation(BaseModel):
             raise CloverError(f"best_of ({best}) must be at least n ({n})", param="best_of")
         if best > n and self.stream:
             raise CloverError("best_of above n cannot be streamed (the best are known at the end)", param="best_of")
-        if getattr(self, "echo", False) and self.stream:
-            raise CloverError("echo is not streamed: send stream false to get the prompt back", param="echo")
+        if getattr(self, "echo", False) and self.stream and self.logprobs_wanted() is not None:
+            raise CloverError(
+                "echo with logprobs is not streamed (the prompt's log-probabilities come with the whole answer): send "
+                "stream false, or echo without logprobs",
+                param="echo",
+            )
         return n, best
 
 
@@ -453,6 +469,35 @@ class CompletionRequest(_Generation):
         return self.logprobs
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, as vLLM's: a prompt's token ids, or a chat's after the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=MAX_MESSAGES)
+    add_special_tokens: bool = True  # a prompt's (a chat's come from its template)
+    add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send a prompt or messages (one of them)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize, as vLLM's: the text of token ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
@@ -467,6 +512,16 @@ class Speculation(BaseModel):
     drafted_tokens: int
     accepted_tokens: int
     tree: str
+
+
+@functools.cache
+def _non_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """The request fields (by their JSON names) whose types do not admit null, and that have a default."""
+    return frozenset(
+        f.alias or name
+        for name, f in model.model_fields.items()
+        if not f.is_required() and type(None) not in typing.get_args(f.annotation) and f.annotation is not type(None)
+    )
 
 
 def unicode_fault(body: dict[str, Any]) -> tuple[str, str] | None:

@@ -250,16 +250,15 @@ class Server:
 
     def __init__(self, engine, model: str, api_key: str | None = None, limits=None, **app_options) -> None:
         """limits: a clover.serve.limits.RequestLimits (default: the server's, with ignore_eos allowed);
-        app_options: create_app's other options (docs, metrics_need_key)."""
-        from clover.serve.app import create_app
+        app_options: the other fields of clover.serve.app.AppOptions (docs, metrics_need_key, tools, cors)."""
+        from clover.serve.app import AppOptions, create_app
         from clover.serve.limits import RequestLimits
         from clover.tools.serve import serve
 
         self.engine, self.port = engine, free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        app = create_app(
-            engine, model, api_key=api_key, limits=limits or RequestLimits(allow_ignore_eos=True), **app_options
-        )
+        limits = limits or RequestLimits(allow_ignore_eos=True)
+        app = create_app(engine, model, AppOptions(api_key=api_key, limits=limits, **app_options))
         box = {}
         self.thread = threading.Thread(
             target=serve, args=(app, "127.0.0.1", self.port, 5.0, lambda s: box.setdefault("s", s)), daemon=True

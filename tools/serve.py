@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -152,7 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="on SIGTERM / SIGINT, wait this long at most for in-flight requests",
     )
-    p.add_argument("--max-stop-strings", type=int, default=4, help="stop strings per request (default 4, as OpenAI)")
+    p.add_argument(
+        "--max-stop-strings",
+        type=int,
+        default=64,
+        help="stop strings per request (default 64; OpenAI takes 4, vLLM any)",
+    )
     p.add_argument("--max-stop-chars", type=int, default=256, help="characters per stop string (default 256)")
     p.add_argument(
         "--max-body-bytes",
@@ -202,6 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
         "manifest.json has this sha256 (it lists every file's checksum, so this pins the whole artifact; an "
         "artifact is trusted code: TensorRT engines are executable)",
     )
+    p.add_argument(
+        "--allowed-origins",
+        type=json_list,
+        default=["*"],
+        metavar="JSON",
+        help='origins browser front-ends may call from, a JSON list (default ["*"], as vLLM; "[]": no CORS headers)',
+    )
+    p.add_argument(
+        "--allowed-methods", type=json_list, default=["*"], metavar="JSON", help='CORS methods (default ["*"])'
+    )
+    p.add_argument(
+        "--allowed-headers", type=json_list, default=["*"], metavar="JSON", help='CORS headers (default ["*"])'
+    )
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: let browsers send credentials")
     p.add_argument("--metrics-need-key", action="store_true", help="/metrics needs the API key too")
     p.add_argument("--disable-docs", action="store_true", help="serve no /docs, /redoc or /openapi.json")
     p.add_argument(
@@ -253,7 +273,31 @@ def build_parser() -> argparse.ArgumentParser:
 RAY_FLAGS = ("replicas", "autoscale", "target_ongoing_requests", "threads_per_replica", "address", "print_config")
 
 
-def ray_options(args: argparse.Namespace, limits, model: str | None, tools):
+def json_list(text: str) -> list[str]:
+    """A flag's JSON list of strings (vLLM's form for --allowed-origins and the like)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(
+            f"a JSON list of strings, such as '[\"https://app.example.com\"]', got {text!r}"
+        )
+    return value
+
+
+def cors_policy(args: argparse.Namespace):
+    """The server's CORS policy from its flags (None: --allowed-origins '[]', no CORS headers at all)."""
+    from clover.serve.limits import Cors
+
+    if not args.allowed_origins:
+        return None
+    return Cors(
+        tuple(args.allowed_origins), tuple(args.allowed_methods), tuple(args.allowed_headers), args.allow_credentials
+    )
+
+
+def ray_options(args: argparse.Namespace, limits, model: str | None, tools, cors=None):
     """clover-serve --ray's flags as RayServeOptions."""
     from clover.serve.ray import RayServeOptions
 
@@ -286,6 +330,7 @@ def ray_options(args: argparse.Namespace, limits, model: str | None, tools):
         docs=not args.disable_docs,
         limits=limits,
         tools=tools,
+        cors=cors,
         manifest_sha256=args.manifest_sha256,
         drain_seconds=args.drain_seconds,
     )
@@ -327,7 +372,7 @@ def run(args: argparse.Namespace) -> int:
         ) from None
     from clover.artifact import check_pin, read_manifest
     from clover.runtime.engine import Engine
-    from clover.serve.app import create_app
+    from clover.serve.app import AppOptions, create_app
 
     given = [f"--{f.replace('_', '-')}" for f in RAY_FLAGS if getattr(args, f) not in (None, False)]
     if given and not args.ray:
@@ -356,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
     from clover.serve.tool_calls import ToolOptions
 
     tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.exclude_tools_when_tool_choice_none)
+    cors = cors_policy(args)
     if args.api_key_file is not None:
         args.api_key = read_api_key_file(args.api_key_file)
     if args.ray:
@@ -373,7 +419,7 @@ def run(args: argparse.Namespace) -> int:
                 "(clover-export --chat-template FILE_OR_TEMPLATE) and serve that"
             )
 
-        options = ray_options(args, limits, args.model or (DEMO_MODEL if args.demo else None), tools)
+        options = ray_options(args, limits, args.model or (DEMO_MODEL if args.demo else None), tools, cors)
         if args.print_config:
             if args.api_key and not args.api_key_file:
                 print(
@@ -419,15 +465,15 @@ def run(args: argparse.Namespace) -> int:
     )
     model = args.model or (DEMO_MODEL if args.demo else Path(source).resolve().name)
     try:
-        app = create_app(
-            engine,
-            model,
+        options = AppOptions(
             api_key=args.api_key or None,
             limits=limits,
             docs=not args.disable_docs,
             metrics_need_key=args.metrics_need_key,
             tools=tools,
+            cors=cors,
         )
+        app = create_app(engine, model, options)
         print(
             f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "
             f"{args.tree}, drafts {engine.drafts}{', API key required' if args.api_key else ''})",

@@ -17,7 +17,7 @@ from ort_helpers import tiny_artifact
 
 from clover.runtime.engine import Engine
 from clover.runtime.params import EngineOptions
-from clover.serve.app import create_app
+from clover.serve.app import AppOptions, create_app
 from clover.serve.limits import RequestLimits
 
 _spec = importlib.util.spec_from_file_location(
@@ -39,7 +39,9 @@ def artifact(tmp_path_factory):
 def test_fuzzed_requests_never_break_the_server(artifact, key):
     engine = Engine.load(artifact, tree="chain-2", log=None, options=EngineOptions(max_batch=4))
     try:
-        app = create_app(engine, MODEL, api_key=key, warmup=False, limits=RequestLimits(allow_ignore_eos=True))
+        app = create_app(
+            engine, MODEL, AppOptions(api_key=key, warmup=False, limits=RequestLimits(allow_ignore_eos=True))
+        )
         seen = fuzz(app, EXAMPLES, None if key is None else {"authorization": f"Bearer {key}"}, CASE_SECONDS)
         posts = seen[("POST", "/v1/chat/completions")] + seen[("POST", "/v1/completions")]
         assert 200 in posts and 400 in posts, seen  # the cases reach the engine, and bad ones are refused
@@ -125,7 +127,7 @@ def test_text_that_is_not_valid_unicode_is_always_400_naming_its_field(artifact)
 
     engine = Engine.load(artifact, tree="chain-2", log=None, options=EngineOptions(max_batch=4))
     try:
-        with TestClient(create_app(engine, MODEL, warmup=False)) as client:
+        with TestClient(create_app(engine, MODEL, AppOptions(warmup=False))) as client:
 
             @given(case=poisoned())
             @settings(

@@ -964,7 +964,7 @@ def test_bad_option_values_and_unsupported_fields_are_400_naming_them(server):
         (chat, {"n": 17}, "n"),
         (comp, {"best_of": 2, "n": 3}, "best_of"),
         (comp, {"best_of": 3, "stream": True}, "best_of"),
-        (comp, {"echo": True, "stream": True}, "echo"),
+        (comp, {"echo": True, "stream": True, "logprobs": 1}, "echo"),
         (comp, {"suffix": "w9"}, "suffix"),
         (
             chat,

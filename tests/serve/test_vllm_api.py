@@ -1,0 +1,136 @@
+"""What clients written for vLLM's OpenAI server send, on the real server over a tiny artifact: explicit nulls, many
+stop strings, and vLLM's utility routes (/ping, /version, /v1/models/{id}, /tokenize, /detokenize)."""
+
+import json
+
+import httpx
+import pytest
+from helpers import Server
+from ort_helpers import tiny_artifact
+
+from clover import __version__
+from clover.runtime.engine import Engine, EngineOptions
+from clover.runtime.tokenizer import Tokenizer
+
+MODEL = "tiny"
+KEY = "secret"
+CHAT = [{"role": "user", "content": "w10 w20 w30"}]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    return tiny_artifact(tmp_path_factory.getbasetemp(), "clover2", attention="fused")
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    engine = Engine.load(artifact, log=None, options=EngineOptions(max_batch=2))
+    s = Server(engine, MODEL, api_key=KEY)
+    s.root = s.url.removesuffix("/v1")
+    s.tok = Tokenizer.from_dir(artifact / "tokenizer")
+    yield s
+    s.close()
+    engine.close()
+
+
+def post(server, path, body, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.root + path, json=body, headers=headers, timeout=60)
+
+
+def test_null_means_not_given(server):
+    nulls = dict(temperature=None, top_p=None, stream=None, presence_penalty=None, frequency_penalty=None)
+    greedy = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "temperature": 0, "max_tokens": 8})
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 8, "seed": 3, **nulls})
+    assert greedy.status_code == r.status_code == 200, r.text
+    again = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 8, "seed": 3})
+    # null temperature is the default 1.0 (sampled), exactly as leaving it out: same seed, same text
+    assert r.json()["choices"][0]["message"] == again.json()["choices"][0]["message"]
+    body = {"model": MODEL, "prompt": "w10 w20", "temperature": None, "echo": None, "stream": None, "top_k": None}
+    r = post(server, "/v1/completions", {**body, "max_tokens": 4})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
+    # an unknown field is still refused, null or not
+    assert post(server, "/v1/completions", {**body, "max_tokens": 4, "temprature": None}).status_code == 400
+
+
+def test_a_task_s_whole_until_list_is_taken(server):
+    until = [f"w{i}" for i in range(60, 90)]  # 30 stop strings (lm-eval sends a task's whole list)
+    r = post(
+        server,
+        "/v1/completions",
+        {"model": MODEL, "prompt": "w10 w20", "max_tokens": 8, "temperature": 0, "stop": until},
+    )
+    assert r.status_code == 200, r.text
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": "w10", "max_tokens": 2, "stop": until * 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"  # 90: over the default 64
+
+
+def test_ping_version_and_one_model(server):
+    assert httpx.get(server.root + "/ping").status_code == 200
+    assert httpx.get(server.root + "/version").json() == {"version": __version__}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    card = httpx.get(f"{server.url}/models/{MODEL}", headers=auth)
+    assert card.status_code == 200 and card.json()["id"] == MODEL and card.json()["object"] == "model"
+    missing = httpx.get(f"{server.url}/models/other", headers=auth)
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_and_detokenize(server):
+    r = post(server, "/tokenize", {"model": MODEL, "prompt": "w10 w20 w30", "return_token_strs": True})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["tokens"] == server.tok.encode("w10 w20 w30") and got["count"] == len(got["tokens"])
+    assert got["token_strs"] == [server.tok.id_to_token(t) for t in got["tokens"]] and got["max_model_len"] > 0
+    chat = post(server, "/tokenize", {"messages": CHAT}).json()
+    assert chat["tokens"] == server.tok.encode_chat(CHAT)
+    bare = post(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": False}).json()
+    assert bare["tokens"] == server.tok.encode_chat(CHAT, add_generation_prompt=False) != chat["tokens"]
+    back = post(server, "/detokenize", {"model": MODEL, "tokens": got["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": server.tok.decode(got["tokens"], False)}
+    # one input, a served model, ids in the vocabulary, and the key
+    assert post(server, "/tokenize", {"prompt": "w1", "messages": CHAT}).status_code == 400
+    assert post(server, "/tokenize", {"model": "other", "prompt": "w1"}).status_code == 404
+    bad = post(server, "/detokenize", {"tokens": [1, 10**6]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    assert post(server, "/tokenize", {"prompt": "w1"}, key=None).status_code == 401
+
+
+def test_echo_streams_the_prompt_first(server):
+    body = {"model": MODEL, "prompt": "w10 w20", "max_tokens": 6, "temperature": 0, "echo": True}
+    whole = post(server, "/v1/completions", body).json()["choices"][0]["text"]
+    with httpx.stream(
+        "POST", server.url + "/completions", json={**body, "stream": True}, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = [c["text"] for e in events for c in e["choices"]]
+    assert texts[0] == "w10 w20" and "".join(texts) == whole and whole.startswith("w10 w20")
+
+
+def test_cors_preflight_and_origin(server):
+    origin = {"Origin": "https://app.example.com"}
+    preflight = {**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    r = httpx.options(server.url + "/chat/completions", headers=preflight)  # no key: a preflight carries none
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*", r.text
+    assert "authorization" in r.headers["access-control-allow-headers"].lower()
+    ok = httpx.post(
+        server.url + "/completions",
+        json={"model": MODEL, "prompt": "w10", "max_tokens": 2},
+        headers={**origin, "Authorization": f"Bearer {KEY}"},
+    )
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+    assert "x-request-id" in ok.headers["access-control-expose-headers"].lower()
+    assert httpx.post(server.url + "/completions", json={}, headers=origin).status_code == 401  # the key still counts
+
+    from clover.serve.limits import Cors
+
+    strict = Server(server.engine, MODEL, api_key=KEY, cors=Cors(origins=("https://app.example.com",)))
+    closed = Server(server.engine, MODEL, api_key=KEY, cors=None)
+    try:
+        assert httpx.options(strict.url + "/models", headers=preflight).status_code == 200
+        other = {**preflight, "Origin": "https://evil.example.com"}
+        assert httpx.options(strict.url + "/models", headers=other).status_code == 400  # origin not allowed
+        r = httpx.options(closed.url + "/models", headers=preflight)
+        assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    finally:
+        strict.close()
+        closed.close()
