@@ -9,7 +9,7 @@ ifeq ($(PYTHON),$(VENV)/bin/python)
 ENV = $(VENV)/bin/python
 endif
 
-.PHONY: install demo serve lint test test-fast test-isa test-gpu gpu-check gpu-wheels bench peers train-data
+.PHONY: install demo serve lint test test-times test-fast test-isa test-gpu gpu-check gpu-wheels bench peers train-data
 
 $(VENV)/bin/python:
 	$(BOOTSTRAP) -m venv $(VENV)
@@ -42,11 +42,21 @@ lint: install
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
+# One pytest-xdist worker per core (tests/conftest.py gives each its share of the threads); a module's tests stay on
+# one worker (loadscope), so its module-scoped fixtures are built once, and modules start longest first as
+# tests/module_times.json measured them (`make test-times` measures them again).
+# PYTEST_WORKERS=0 runs in this process alone.
+PYTEST_WORKERS ?= auto
+XDIST = -n $(PYTEST_WORKERS) --dist loadscope --no-loadscope-reorder
+
 test: lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q $(XDIST) --durations=30
+
+test-times: install
+	$(PYTHON) -m pytest -q $(XDIST) --durations=30 --record-module-times tests/module_times.json
 
 test-fast: install
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q $(XDIST) -m "not slow"
 
 # The numerics-sensitive tests once per CPU kernel family this machine can emulate, so a tolerance that holds only on
 # this CPU's kernels fails here rather than on another machine (tests/numerics.py): ATen's vector kernels, oneDNN and
@@ -60,7 +70,7 @@ NUMERICS_TESTS = tests/models tests/plugins/test_tree_attention.py tests/runtime
                  tests/export/test_fused_graph.py tests/export/test_plugin_graph.py tests/export/test_draft_quant.py \
                  tests/train/test_teacher_forced.py tests/train/test_features.py tests/train/test_corpus.py
 test-isa: install
-	@for s in $(ISA_SETTINGS); do echo "make test-isa: $$s"; env $$s $(PYTHON) -m pytest -q -m "not slow" $(NUMERICS_TESTS) || exit 1; done
+	@for s in $(ISA_SETTINGS); do echo "make test-isa: $$s"; env $$s $(PYTHON) -m pytest -q $(XDIST) -m "not slow" $(NUMERICS_TESTS) || exit 1; done
 
 # The GPU-marked tests (they skip without CUDA), in the environment with the gpu extra (docs/gpu.md):
 # make test-gpu PYTHON=.venv-gpu/bin/python

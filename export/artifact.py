@@ -47,6 +47,7 @@ from clover.export.graphs import GraphDef, Sizes, base_graph, draft_graphs, floa
 from clover.export.ngram_store import StoreSource
 from clover.export.onnx_graph import check_onnx, graph_spec, onnx_from_torch
 from clover.export.quantize import CalibrationSet
+from clover.export.trace_cache import traced
 from clover.models.clover2 import Clover2Heads
 from clover.models.config import BaseConfig
 from clover.models.decoder import Decoder
@@ -616,7 +617,7 @@ def checked_onnx_from_torch(
         write_fused_begin(graph.module.heads, out_dir / "draft_begin.onnx", max_context)
         spec = graph_spec(out_dir / "draft_begin.onnx")
     else:
-        spec = onnx_from_torch(graph, out_dir, config.opset)
+        spec = traced(graph, out_dir, config.opset, onnx_from_torch)  # a trace seen before comes from the cache
     check_onnx(out_dir / spec.file)
     verify = config.verify and config.dtype != "bfloat16"
     return spec, verified_parity(graph, out_dir / spec.file, config.dtype) if verify else None

@@ -8,6 +8,7 @@ $CLOVER_SMOLLM2_GGUF names the same file anywhere else (a host without the packa
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -49,19 +50,21 @@ def smollm2_dir() -> Path:
     if (out / "config.json").is_file():
         return out
     gguf = gguf_path()
-    print(f"clover: converting {gguf.name} to {out} (once, about a minute)", file=sys.stderr)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
-    try:
-        _convert(gguf, tmp)
-        if (out / "config.json").is_file():  # another process won the race
-            shutil.rmtree(tmp)
-        else:
+    # processes starting side by side (server replicas, test workers) convert once: the others wait on the lock
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (out / "config.json").is_file():  # another process converted it while this one waited
+            return out
+        print(f"clover: converting {gguf.name} to {out} (once, about a minute)", file=sys.stderr)
+        tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=out.parent))
+        try:
+            _convert(gguf, tmp)
             shutil.rmtree(out, ignore_errors=True)
             tmp.rename(out)  # atomic: config.json appears only with the whole folder
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return out
 
 

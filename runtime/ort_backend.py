@@ -38,6 +38,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,7 +91,9 @@ def _ort():
 
 @dataclass(frozen=True)
 class OrtOptions:
-    """threads: intra-op threads per session, 0 = onnxruntime's default (one per physical core).
+    """threads: intra-op threads per session; 0 = $OMP_NUM_THREADS where it is set (the count torch takes too, so
+      processes that share a machine can cap both with one variable), else onnxruntime's default (one per
+      physical core).
     spin: a session's idle intra-op threads busy-wait for its next op. A decode step runs a few
       hundred ops, each waking a sleeping thread otherwise, so a plain step is faster spinning. Every session
       of the runner (base, LM heads, draft graphs) spins, and spinning stops when a run returns, so the
@@ -197,6 +200,12 @@ def check_session(placement: Placement, session, name: str) -> Placement:
     return Placement((CPU,), False, f"{why}: running on the CPU")
 
 
+def env_threads() -> int:
+    """$OMP_NUM_THREADS as a thread count, 0 (onnxruntime's default) where it is unset or not a positive int."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 0
+
+
 def session_options(opts: OrtOptions):
     """Session options of every session of a runner: `opts.threads` intra-op threads that, with `opts.spin`,
     busy-wait for the next op while a run lasts and stop when it returns (see OrtOptions.spin)."""
@@ -204,7 +213,7 @@ def session_options(opts: OrtOptions):
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL  # one request, one op at a time: no inter-op pool
-    so.intra_op_num_threads = opts.threads
+    so.intra_op_num_threads = opts.threads or env_threads()
     so.inter_op_num_threads = 1
     so.log_severity_level = 3  # errors only: optimizer notes are not actionable for a user
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if opts.spin else "0")

@@ -187,7 +187,8 @@ def create_app(
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
-    app.api_route("/health", methods=["GET", "HEAD"])(health)  # HEAD: what some load balancers probe with
+    app.get("/health")(health)
+    app.head("/health", include_in_schema=False)(health)  # what some load balancers probe with
     app.get("/ping", operation_id="ping")(health)  # vLLM's (SageMaker's) name for the same probe
     app.get("/version")(version)
     app.get("/metrics")(metrics_text)

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -45,6 +46,37 @@ def script_module(path: Path, also_drop: Sequence[str] = ()) -> Iterator:
     finally:
         for n in (name, *also_drop):
             sys.modules.pop(n, None)
+
+
+def shared_root(root: Path) -> Path:
+    """`root`, a session's base temp dir; under pytest-xdist, the folder every worker of the run shares (the
+    workers' base temp dirs are its popen-gwN subfolders), so what a session builds once is built once per run
+    rather than once per worker."""
+    root = Path(root)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    return root.parent if worker and root.name == f"popen-{worker}" else root
+
+
+def built_once(out: Path, build) -> Path:
+    """`out` built by `build(out)` once per run: the first process to get here builds it while holding a lock on
+    it, and the others wait for it and find it done (a marker beside it, written last). A build that failed is
+    retried."""
+    import fcntl
+    import shutil
+
+    out = Path(out)
+    done = out.parent / f".{out.name}.built"
+    if done.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.is_file():
+            shutil.rmtree(out, ignore_errors=True)
+            start = time.perf_counter()
+            build(out)
+            done.write_text(f"{time.perf_counter() - start:.1f} s\n")  # what the build cost, for docs/testing.md
+    return out
 
 
 def tiny_config(vocab: int = 96, family: str = "LlamaForCausalLM", max_context: int = 256, **kw) -> BaseConfig:
@@ -123,7 +155,8 @@ def char_tokenizer_dir(path: Path, eos: int = 1, chars: str = CHARS) -> Path:
 
 
 def tiny_hf_folder(path: Path, seed: int = 0) -> Path:
-    """A random-init transformers Llama saved as an HF folder, with the tiny tokenizer: a --base for CLI tests."""
+    """A random-init transformers Llama saved as an HF folder, with the tiny tokenizer: a --base for CLI tests.
+    Deterministic in `seed`, so a run's workers can share one (built_once)."""
     import transformers
 
     torch.manual_seed(seed)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import tiny_base, tiny_tokenizer_dir
+from helpers import built_once, shared_root, tiny_base, tiny_tokenizer_dir
 
-from clover.artifact import MANIFEST_FILE, read_manifest
+from clover.artifact import read_manifest
 from clover.export.artifact import ArtifactOptions, artifact_from_modules
 from clover.export.config import ExportConfig
 from clover.export.engines import EngineLimits, profiles_for
@@ -48,10 +48,10 @@ def tiny_artifact(
     shared_lm_head: bool = True,
     draft_vocab: int | None = None,
 ) -> Path:
-    """Export tiny_modules(arch, dtype) to
-    root/artifacts/<arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>][-<attention>][-own-lm-heads][-dv<K>] once
-    per session. shared_lm_head=False: every graph keeps its LM head, as in a TensorRT artifact. draft_vocab: the
-    K most frequent tokens of `tiny_token_counts`."""
+    """Export tiny_modules(arch, dtype) to shared_root(root)/artifacts/
+    <arch>-<dtype>[-<tree>][-drafts-<q>][-weights-<w>][-<attention>][-own-lm-heads][-dv<K>] once per run (built_once:
+    one build for all xdist workers). shared_lm_head=False: every graph keeps its LM head, as in a TensorRT
+    artifact. draft_vocab: the K most frequent tokens of `tiny_token_counts`."""
     parts = (
         arch,
         dtype,
@@ -62,11 +62,16 @@ def tiny_artifact(
         None if shared_lm_head else "own-lm-heads",
         draft_vocab and f"dv{draft_vocab}",
     )
-    out = Path(root) / "artifacts" / "-".join(filter(None, parts))
-    if (out / MANIFEST_FILE).is_file():
-        return out
+    out = shared_root(root) / "artifacts" / "-".join(filter(None, parts))
+    return built_once(
+        out,
+        lambda out: _export_tiny(out, arch, dtype, tree, draft_quant, weights, attention, shared_lm_head, draft_vocab),
+    )
+
+
+def _export_tiny(out, arch, dtype, tree, draft_quant, weights, attention, shared_lm_head, draft_vocab) -> Path:
     base, heads = tiny_modules(arch, dtype)
-    tokenizer = tiny_tokenizer_dir(Path(root) / "artifacts" / "tokenizer")
+    tokenizer = tiny_tokenizer_dir(out.parent / f".tokenizer-{out.name}")  # one per artifact: built side by side
     name = f"random:{arch}:{HEADS_SEED}" if heads is not None else "none"
     config = ExportConfig(
         dtype=dtype,

@@ -6,6 +6,7 @@ satisfied from the index. The index-dependent parts skip, saying so, where no pa
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -41,7 +42,12 @@ def skip_if_offline(out: subprocess.CompletedProcess, what: str) -> None:
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    built = run(sys.executable, "-m", "build", "--outdir", out, ROOT)
+    # Built from a copy: setuptools stages the sdist's tree and the wheel's build/ inside the project, where a test
+    # running beside this one (tests/test_docs.py walks the checkout) would find a second copy of every file.
+    src = tmp_path_factory.mktemp("src") / ROOT.name
+    hidden = shutil.ignore_patterns(".*", "build", "dist", "*.egg-info", "__pycache__")
+    shutil.copytree(ROOT, src, ignore=hidden, symlinks=True)
+    built = run(sys.executable, "-m", "build", "--outdir", out, src)
     skip_if_offline(built, "python -m build (its isolated environment installs setuptools)")
     assert built.returncode == 0, built.stderr[-3000:]
     return out

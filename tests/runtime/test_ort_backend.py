@@ -239,3 +239,16 @@ def test_every_session_spins_while_its_run_lasts_and_stops_after_it():
     assert entry(so, "session.force_spinning_stop") == "1"
     quiet = session_options(OrtOptions(threads=2, spin=False))  # nothing spins: threads sleep between ops
     assert entry(quiet, "session.intra_op.allow_spinning") == "0" and quiet.intra_op_num_threads == 2
+
+
+def test_threads_zero_takes_omp_num_threads_where_it_is_set(monkeypatch):
+    from clover.runtime.ort_backend import OrtOptions, session_options
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert session_options(OrtOptions()).intra_op_num_threads == 3
+    assert session_options(OrtOptions(threads=2)).intra_op_num_threads == 2  # an explicit count wins
+    for unset in ("", "zero", "0", "-2"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert session_options(OrtOptions()).intra_op_num_threads == 0  # onnxruntime's default
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert session_options(OrtOptions()).intra_op_num_threads == 0

@@ -26,7 +26,9 @@ def setup(smollm2_path, tmp_path_factory):
     from clover.models.head_io import resolve_heads
     from clover.models.loading import load_base
 
-    out = export_artifact(smollm2_path, HEADS, tmp_path_factory.mktemp("smollm2") / "art", ExportConfig(verify=False))
+    # --tree given: the export-time tree timing is covered by the tiny artifacts
+    config = ExportConfig(verify=False, tree="mc26")
+    out = export_artifact(smollm2_path, HEADS, tmp_path_factory.mktemp("smollm2") / "art", config)
     base = load_base(smollm2_path)
     return out, base, resolve_heads(HEADS, base), Tokenizer.from_dir(smollm2_path)
 

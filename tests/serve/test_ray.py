@@ -194,7 +194,7 @@ def test_bad_requests_get_the_single_process_servers_status_and_body(cluster, ar
         ("/chat/completions", {**chat, "max_tokens": 10**6}),
         ("/chat/completions", {**chat, "messages": [{"role": "user", "content": "w7 " * 400}]}),
         ("/completions", {"model": MODEL, "prompt": [1, 2, 99999999], "max_tokens": 4}),
-        ("/completions", {"model": MODEL, "prompt": "w1", "stop": ["w"] * 10}),
+        ("/completions", {"model": MODEL, "prompt": "w1", "stop": ["w"] * 100}),
         ("/completions", b"x" * (3 * 2**20)),
         ("/nothing", {}),
     ]

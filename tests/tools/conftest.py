@@ -1,14 +1,15 @@
 """One tiny HF base folder and one artifact exported from it by clover-export, shared by the CLI tests
-(an export costs ~15 s on 2 cores). Tests that change an artifact copy it first."""
+(an export costs ~15 s on 2 cores), built once per run for all xdist workers. Tests that change an artifact copy
+it first."""
 
 import pytest
-from helpers import tiny_hf_folder
+from helpers import built_once, shared_root, tiny_hf_folder
 
 
 @pytest.fixture(scope="session")
 def base_dir(tmp_path_factory):
     pytest.importorskip("transformers")
-    return tiny_hf_folder(tmp_path_factory.mktemp("base"))
+    return built_once(shared_root(tmp_path_factory.getbasetemp()) / "cli-base", tiny_hf_folder)
 
 
 @pytest.fixture(scope="session")
@@ -16,8 +17,8 @@ def cli_artifact(base_dir, tmp_path_factory):
     """random:clover2 heads, tree small, exported through the CLI (so it records its sources)."""
     from clover.tools.export import main as export_main
 
-    out = tmp_path_factory.mktemp("exports") / "clover2"
-    assert (
-        export_main(["--base", str(base_dir), "--heads", "random:clover2", "--out", str(out), "--tree", "small"]) == 0
-    )
-    return out
+    def export(out):
+        argv = ["--base", str(base_dir), "--heads", "random:clover2", "--out", str(out), "--tree", "small"]
+        assert export_main(argv) == 0
+
+    return built_once(shared_root(tmp_path_factory.getbasetemp()) / "cli-exports" / "clover2", export)
