@@ -152,6 +152,11 @@ class Tokenizer:
         return self._eos_token_ids
 
     @property
+    def special_tokens(self) -> dict[str, str]:
+        """The known `bos_token`, `eos_token`, `unk_token` and `pad_token` strings."""
+        return dict(self._special_tokens)
+
+    @property
     def bos_token(self) -> str | None:
         return self._special_tokens.get("bos_token")
 

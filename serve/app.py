@@ -141,7 +141,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 @dataclass(frozen=True)
 class AppOptions:
-    """How create_app serves its engine. api_key: /v1 routes and /tokenize, /detokenize (and /metrics with
+    """How create_app serves its engine. api_key: /v1 routes and /tokenize, /detokenize, /tokenizer_info (and /metrics with
     `metrics_need_key`) need `Authorization: Bearer KEY`. warmup: /health turns 200 after one short request has run
     (False: at once). limits: what one request may ask. docs: serve /docs, /redoc and /openapi.json. tools: how tool
     calls are served (`tool_choice` "auto" needs a parser). cors: cross-origin requests (None: no CORS headers, a
@@ -196,6 +196,7 @@ def create_app(
     app.get("/v1/models/{model_id:path}")(model_card)
     app.post("/tokenize")(tokenize)
     app.post("/detokenize")(detokenize)
+    app.get("/tokenizer_info")(tokenizer_info)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/completions")(completions)
     return app
@@ -316,6 +317,21 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     return out
 
 
+async def tokenizer_info(request: Request) -> dict[str, Any]:
+    """GET /tokenizer_info, as vLLM's: the special tokens, the chat template and the context (what lm-eval's remote
+    tokenizer reads, beside /tokenize and /detokenize)."""
+    served = _served(request)
+    tokenizer = served.engine.tokenizer
+    special = tokenizer.special_tokens
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **{k: special.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")},
+        "chat_template": tokenizer.chat_template,
+        "model_max_length": served.context,
+        "vocab_size": tokenizer.vocab_size,
+    }
+
+
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     served = _served(request)
     if body.model is not None:
@@ -340,14 +356,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     messages = [m.for_template() for m in body.messages]
     tools = sum(len(json.dumps(t.model_dump(exclude_none=True))) for t in body.tools or ())
     served.check_prompt(body, len(messages), sum(m.chars() for m in body.messages) + tools)
-    return await served.complete(request, body, messages, chat=True)
+    return await served.complete(request, body, [messages], chat=True)
 
 
 async def completions(body: CompletionRequest, request: Request) -> Response:
     served = _served(request)
-    prompt = body.prompt_input()
-    served.check_prompt(body, None, len(prompt) if isinstance(prompt, str) else 0)
-    return await served.complete(request, body, prompt, chat=False)
+    prompts = body.prompt_inputs()
+    served.check_prompt(body, None, max(len(p) if isinstance(p, str) else 0 for p in prompts))
+    return await served.complete(request, body, prompts, chat=False)
 
 
 # -- the work -------------------------------------------------------------------------------------------------------
@@ -394,21 +410,23 @@ class Completions:
         except CloverError as e:
             raise ApiError(400, str(e), param=request_param(e.param, body)) from None
 
-    async def complete(self, request: Request, body: CompletionBody, prompt: Any, chat: bool) -> Response:
-        """The answer to a completion request: a JSON response, or its server-sent events with `stream`."""
+    async def complete(self, request: Request, body: CompletionBody, prompts: list[Any], chat: bool) -> Response:
+        """The answer to a completion request (`prompts`: a chat's messages, or a completion's prompts): a JSON
+        response, or its server-sent events with `stream`."""
         # templating and tokenizing run in a worker thread: a huge prompt must not stall /health and every stream
         rid = new_id("chatcmpl" if chat else "cmpl")  # also names the request in the engine's log
-        outs, plan = await run_in_threadpool(self.submit, request, body, prompt, rid)
+        outs, plan = await run_in_threadpool(self.submit, request, body, prompts, rid)
         if body.stream:
+            echo = [self.echo_text(body, p) for p in prompts for _ in range(body.choices()[1])]
             return StreamingResponse(
-                EventStream(self, outs, rid, body, chat, plan, echo=self.echo_text(body, prompt)).events(),
+                EventStream(self, outs, rid, body, chat, plan, echo=echo).events(),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
             )
         results = await self._wait(request, outs, rid)
         if results is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
-        return self._answer(body, prompt, rid, chat, results, plan)
+        return self._answer(body, prompts, rid, chat, results, plan)
 
     def echo_text(self, body: CompletionBody, prompt: Any) -> str | None:
         """The prompt's text a completion with `echo` puts before its own (as sent, or its ids decoded)."""
@@ -417,10 +435,11 @@ class Completions:
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
     def submit(
-        self, request: Request, body: CompletionBody, prompt: Any, rid: str
+        self, request: Request, body: CompletionBody, prompts: list[Any], rid: str
     ) -> tuple[list[EngineStream], ToolPlan | None]:
-        """The request's candidates, submitted (one for n = 1): each a sequence of the engine's batch, a seeded
-        request's candidate i seeded seed + i; and a chat request's tool plan."""
+        """The request's candidates, submitted prompt after prompt (one for one prompt and n = 1): each a sequence
+        of the engine's batch, a seeded request's candidate i of each prompt seeded seed + i; and a chat request's
+        tool plan."""
         self._check_served(request, body)
         grammar_field = None
         outs: list[EngineStream] = []
@@ -437,22 +456,27 @@ class Completions:
                     )
                 grammar, grammar_field = plan.grammar, plan.field
             n, candidates = body.choices()
+            self._check_sequences(len(prompts) * candidates)
             sampling = _sampling(body)
-            if plan is not None and plan.prompt_tools:
-                ids = self.engine.tokenizer.encode_chat(prompt, tools=plan.prompt_tools)
-            else:
-                ids = encode_prompt(self.engine.tokenizer, prompt)  # messages through the template; text; ids
-            # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves: 400
-            new = self.limits.new_tokens(len(ids), body.token_limit(), self.context)
-            for i in range(candidates):
-                outs.append(
-                    self.engine.stream(
-                        ids,
-                        _candidate(body, i, candidates > n, new, sampling, grammar),
-                        request_id=rid if candidates == 1 else f"{rid}-{i}",
-                        share_prefill=outs[0] if outs else None,  # one prefill for all candidates
+            for prompt in prompts:
+                if plan is not None and plan.prompt_tools:
+                    ids = self.engine.tokenizer.encode_chat(prompt, tools=plan.prompt_tools)
+                else:
+                    ids = encode_prompt(self.engine.tokenizer, prompt)  # messages through the template; text; ids
+                # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves:
+                # 400. max_tokens 0 (the prompt alone): its prefill's token is generated and left out of the answer.
+                asked = body.token_limit()
+                new = self.limits.new_tokens(len(ids), 1 if asked == 0 else asked, self.context)
+                first = len(outs)
+                for i in range(candidates):
+                    outs.append(
+                        self.engine.stream(
+                            ids,
+                            _candidate(body, i, candidates > n, new, sampling, grammar),
+                            request_id=rid if len(prompts) * candidates == 1 else f"{rid}-{first + i}",
+                            share_prefill=outs[first] if i else None,  # one prefill for a prompt's candidates
+                        )
                     )
-                )
             for option in body.options_used():
                 self.metrics.options.labels(option).inc()
             return outs, plan
@@ -486,6 +510,16 @@ class Completions:
                 code="model_not_found",
             )
 
+    def _check_sequences(self, sequences: int) -> None:
+        """400 for a request of more sequences (prompts times candidates) than the engine ever queues at once."""
+        room = self.engine.scheduler.max_waiting
+        if sequences > room:
+            raise CloverError(
+                f"this request makes {sequences} sequences (prompts times best_of or n): this server queues at most "
+                f"{room} at once; send fewer prompts per request",
+                param="prompt",
+            )
+
     def _check_served(self, request: Request, body: CompletionBody) -> None:
         self.check_model(body.model)
         if not request.app.state.ready:
@@ -517,17 +551,23 @@ class Completions:
     def _answer(
         self,
         body: CompletionBody,
-        prompt: Any,
+        prompts: list[Any],
         rid: str,
         chat: bool,
         results: list[GenerationResult],
         plan: ToolPlan | None = None,
     ) -> JSONResponse:
-        """The JSON response: the n best candidates (all of them without best_of), usage and speculation stats."""
-        n, _ = body.choices()
+        """The JSON response: each prompt's n best candidates (all of them without best_of), numbered prompt after
+        prompt; usage and speculation stats."""
+        n, candidates = body.choices()
         wanted = body.logprobs_wanted()
-        echo = None if chat or not body.echo else echoed(self.engine.tokenizer, prompt, results[0])
-        choices = [self._choice(i, result, chat, wanted, echo, plan) for i, result in enumerate(best(results, n))]
+        alone = not chat and body.token_limit() == 0  # max_tokens 0: the prompt alone
+        choices = []
+        for p, prompt in enumerate(prompts):
+            group = results[p * candidates : (p + 1) * candidates]
+            echo = None if chat or not body.echo else echoed(self.engine.tokenizer, prompt, group[0])
+            for result in best(group, n):
+                choices.append(self._choice(len(choices), result, chat, wanted, echo, plan, alone))
         return JSONResponse(
             {
                 "id": rid,
@@ -535,7 +575,7 @@ class Completions:
                 "created": now(),
                 "model": self.model,
                 "choices": choices,
-                "usage": usage(results).model_dump(),
+                "usage": usage(results, candidates, generated=not alone).model_dump(),
                 "clover": speculation(results).model_dump(),
             },
             headers={"X-Request-Id": rid},
@@ -549,8 +589,13 @@ class Completions:
         wanted: int | None,
         echo: tuple[str, dict] | None,
         plan: ToolPlan | None = None,
+        alone: bool = False,
     ) -> dict[str, Any]:
+        """Choice `index` of `result`; alone (max_tokens 0): its echo alone, the generated token left out."""
         reason = finish_reason(result)
+        if alone:
+            result = dataclasses.replace(result, text="", logprobs=[])
+            reason = "length"
         logprobs = None if wanted is None else render_logprobs(self.engine.tokenizer, result.logprobs, chat)
         if echo is not None:  # the prompt's text and tokens before the completion's
             text, before = echo
@@ -630,10 +675,10 @@ class EventStream:
         body: CompletionBody,
         chat: bool,
         plan: ToolPlan | None = None,
-        echo: str | None = None,
+        echo: list[str | None] | None = None,
     ) -> None:
         self.served, self.outs, self.rid, self.body, self.chat = served, outs, rid, body, chat
-        self.echo = echo  # a completion's prompt text, streamed first in each choice (echo)
+        self.echo = echo or [None] * len(outs)  # each choice's prompt text, streamed first (a completion's echo)
         # each choice's text parsed into content and tool calls as it comes (None: the text is the content)
         self.tools: list[ToolStream | None] = [plan.stream() if plan else None for _ in outs]
         self.created, self.kind = now(), "chat.completion.chunk" if chat else "text_completion"
@@ -648,9 +693,10 @@ class EventStream:
             if self.chat:
                 for i in range(len(outs)):
                     yield self.chunk(i, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-            elif self.echo:
-                for i in range(len(outs)):
-                    yield self.chunk(i, self.piece(self.echo))
+            else:
+                for i, text in enumerate(self.echo):
+                    if text:
+                        yield self.chunk(i, self.piece(text))
             running = len(outs)
             while running:
                 index, item = await self.queue.get()
@@ -676,7 +722,8 @@ class EventStream:
                 elif item.text or item.logprobs:
                     yield self.chunk(index, self.piece(item.text), item.logprobs)
             if self.body.include_usage:
-                yield self.chunk(None, None, usage=usage([out.result for out in outs]).model_dump())
+                results = [out.result for out in outs]
+                yield self.chunk(None, None, usage=usage(results, self.body.choices()[1]).model_dump())
         except Cancelled:
             return
         except CloverError as e:  # the engine failed this request's step: say so in the stream
@@ -801,10 +848,11 @@ def best(results: list[GenerationResult], n: int) -> list[GenerationResult]:
     return [results[i] for i in keep]
 
 
-def usage(results: list[GenerationResult]) -> Usage:
-    """Tokens of a request: its prompt once, and every candidate's generated tokens (best_of's too)."""
-    completion = sum(r.new_tokens for r in results)
-    prompt = results[0].prompt_tokens
+def usage(results: list[GenerationResult], candidates: int, generated: bool = True) -> Usage:
+    """Tokens of a request: each prompt once (its `candidates` results in a row), and every candidate's generated
+    tokens (best_of's too; none when not `generated`, max_tokens 0)."""
+    completion = sum(r.new_tokens for r in results) if generated else 0
+    prompt = sum(r.prompt_tokens for r in results[::candidates])
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

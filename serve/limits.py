@@ -124,7 +124,7 @@ def read_api_key_file(path: Path, flag: str = "--api-key-file") -> str:
 
 class RequestGuard:
     """Pure-ASGI middleware that refuses before any body is read: a request without the API key to a /v1 route,
-    /tokenize or /detokenize (and /metrics with `metrics_need_key`) gets 401, a body over `max_body_bytes` 413 (by its Content-Length or, for a
+    /tokenize, /detokenize or /tokenizer_info (and /metrics with `metrics_need_key`) gets 401, a body over `max_body_bytes` 413 (by its Content-Length or, for a
     chunked body, as the bytes arrive), a /v1 request beyond `max_concurrent` in flight 503 with Retry-After. FastAPI
     would otherwise read and parse a whole body (an unauthenticated multi-GB POST included) before its dependencies
     run."""
@@ -140,7 +140,13 @@ class RequestGuard:
     ) -> None:
         self.app, self.max_body_bytes, self.max_concurrent = app, max_body_bytes, max_concurrent
         self.key = None if api_key is None else f"Bearer {api_key}".encode()
-        self.keyed = ("/v1", "/tokenize", "/detokenize", *(("/metrics",) if metrics_need_key else ()))
+        self.keyed = (
+            "/v1",
+            "/tokenize",
+            "/detokenize",
+            "/tokenizer_info",
+            *(("/metrics",) if metrics_need_key else ()),
+        )
         self.retry_after = str(retry_after_s).encode()
         self.in_flight = 0  # /v1 requests being answered (one event loop: no lock needed)
 

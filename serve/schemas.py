@@ -52,6 +52,7 @@ UNKNOWN_FIELD = (
 INVALID_UNICODE = "invalid_unicode"  # the validation error of text holding a lone surrogate; ctx["field"] names it
 _TEXT_HOLDERS = (str, dict, list)  # what unicode_fault walks: a prompt of token ids (a long list of ints) is skipped
 MAX_CHOICES = 16  # n and best_of: each choice is a sequence of the batch
+MAX_PROMPTS = 64  # prompts of one completions request: each is best_of sequences of the batch
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,17})$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 
@@ -432,12 +433,15 @@ class ChatCompletionRequest(_Generation):
 
 
 class CompletionRequest(_Generation):
-    prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    # one prompt (text or token ids), or a list of them: the choices of prompt p are indexes p * n to p * n + n - 1
+    prompt: str | list[int] | list[str] | list[list[int]]
+    # OpenAI's default for completions; 0 with echo: the prompt alone, with its log-probabilities (a loglikelihood)
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    # refused unless no-op (REFUSED)
-    echo: bool = False  # the prompt before the completion, and its tokens' log-probabilities with logprobs
+    # the prompt before the completion, and its tokens' log-probabilities with logprobs
+    echo: bool = Field(default=False, validate_default=True)
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # candidates, the n most likely returned
+    # refused unless no-op (REFUSED)
     suffix: Literal[""] | None = None
 
     @field_validator("logprobs", mode="before")
@@ -452,18 +456,34 @@ class CompletionRequest(_Generation):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: str | list[int] | list[str]) -> str | list[int] | list[str]:
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str) and len(prompt) != 1:
-            raise ValueError(f"one prompt per request is supported, got {len(prompt)}")
-        if not prompt or (isinstance(prompt, list) and isinstance(prompt[0], str) and not prompt[0]):
+    def _prompts(cls, prompt: str | list[int] | list[str] | list[list[int]]) -> Any:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            if len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"{len(prompt)} prompts: a request holds at most {MAX_PROMPTS}")
+            empty = [i for i, p in enumerate(prompt) if not p]
+            if empty:
+                raise ValueError(f"prompt {empty[0]} of the list is empty")
+        elif not prompt:
             raise ValueError("the prompt is empty")
         return prompt
+
+    @field_validator("echo")
+    @classmethod
+    def _nothing_to_answer(cls, echo: bool, info) -> bool:
+        if info.data.get("max_tokens") == 0 and not echo:
+            raise ValueError("max_tokens 0 answers with the prompt alone: send echo true with it, or max_tokens >= 1")
+        if info.data.get("max_tokens") == 0 and info.data.get("stream"):
+            raise ValueError("max_tokens 0 (the prompt alone) is not streamed: send stream false")
+        return echo
 
     def token_limit(self) -> int | None:
         return self.max_tokens
 
-    def prompt_input(self) -> str | list[int]:
-        return self.prompt[0] if isinstance(self.prompt, list) and isinstance(self.prompt[0], str) else self.prompt
+    def prompt_inputs(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids."""
+        if isinstance(self.prompt, list) and isinstance(self.prompt[0], str | list):
+            return list(self.prompt)
+        return [self.prompt]
 
     def logprobs_wanted(self) -> int | None:
         return self.logprobs

@@ -208,7 +208,7 @@ def test_bad_requests_get_their_status_and_the_server_keeps_serving(server, arti
         ("/chat/completions", {**chat, "model": "gpt-9"}, 404, "model"),
         ("/chat/completions", {**chat, "messages": [{"role": "user", "content": "w7 " * 400}]}, 400, "messages"),
         ("/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
-        ("/completions", {"model": MODEL, "prompt": ["w1", "w2"]}, 400, "prompt"),
+        ("/completions", {"model": MODEL, "prompt": ["w1"] * 65}, 400, "prompt"),  # over 64 prompts
     ]
     for path, body, status, param in cases:
         r = post(path, body)

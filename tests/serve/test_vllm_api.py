@@ -134,3 +134,59 @@ def test_cors_preflight_and_origin(server):
     finally:
         strict.close()
         closed.close()
+
+
+def completion(server, **body):
+    r = post(server, "/v1/completions", {"model": MODEL, "temperature": 0, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_list_of_prompts_answers_each_as_alone(server):
+    """lm-eval's shapes: a list of texts, of token-id lists, or one token-id list in a list; prompt p's choices are
+    indexes p * n .. p * n + n - 1, each equal to that prompt sent alone (greedy), usage the sum."""
+    texts = ["w10 w20", "w30 w31 w32", "w40"]
+    ids = [server.tok.encode(t) for t in texts]
+    alone = [completion(server, prompt=t, max_tokens=6) for t in texts]
+    for prompt in (texts, ids):
+        got = completion(server, prompt=prompt, max_tokens=6, n=2)
+        assert [c["index"] for c in got["choices"]] == list(range(6))
+        assert [c["text"] for c in got["choices"]] == [a["choices"][0]["text"] for a in alone for _ in (0, 1)]
+        assert got["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+        assert got["usage"]["completion_tokens"] == 2 * sum(a["usage"]["completion_tokens"] for a in alone)
+    one = completion(server, prompt=[ids[1]], max_tokens=6)
+    assert [c["text"] for c in one["choices"]] == [alone[1]["choices"][0]["text"]]
+    r = post(
+        server, "/v1/completions", {"model": MODEL, "prompt": texts, "max_tokens": 6, "temperature": 0, "stream": True}
+    )
+    streamed = ["", "", ""]
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                streamed[c["index"]] += c["text"]
+    assert streamed == [a["choices"][0]["text"] for a in alone]
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt(server):
+    """lm-eval's loglikelihood: echo + logprobs + max_tokens 0 over token-id lists answers each prompt alone with its
+    tokens' log-probabilities (the first has none), the ones a max_tokens 1 answer puts before its token."""
+    ids = [server.tok.encode(t) for t in ("w10 w20 w30", "w40 w41")]
+    got = completion(server, prompt=ids, max_tokens=0, echo=True, logprobs=1)
+    one = completion(server, prompt=ids, max_tokens=1, echo=True, logprobs=1)
+    assert got["usage"]["completion_tokens"] == 0
+    assert got["usage"]["prompt_tokens"] == sum(map(len, ids))
+    for p, (zero, first) in enumerate(zip(got["choices"], one["choices"])):
+        assert zero["index"] == p and zero["finish_reason"] == "length"
+        assert zero["text"] == server.tok.decode(ids[p])
+        lp = zero["logprobs"]
+        assert len(lp["tokens"]) == len(ids[p]) and lp["token_logprobs"][0] is None
+        assert all(x < 0 for x in lp["token_logprobs"][1:])
+        assert {k: v[: len(ids[p])] for k, v in first["logprobs"].items()} == lp
+    for body, field in (
+        ({"max_tokens": 0}, "echo"),  # nothing to answer
+        ({"max_tokens": 0, "echo": True, "stream": True}, "echo"),
+        ({"prompt": ["w1"] * 65}, "prompt"),
+        ({"prompt": ["w1", ""]}, "prompt"),
+    ):
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": "w1", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
