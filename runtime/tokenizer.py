@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -237,6 +237,9 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render `messages` with the model's chat template, as transformers' `apply_chat_template`.
 
@@ -245,6 +248,10 @@ class Tokenizer:
                 OpenAI's shape: an assistant message's `tool_calls` (`[{"id", "type": "function", "function":
                 {"name", "arguments"}}]`, arguments a JSON string or an object) and `tool` messages.
             add_generation_prompt: append the header that starts the assistant's reply.
+            continue_final_message: end the text with the final message's content, open (its end-of-turn cut off),
+                for the model to continue it; not with add_generation_prompt.
+            template_kwargs: more variables for the template (Qwen3's `enable_thinking`, say); not one the
+                renderer sets (messages, tools, add_generation_prompt, the special tokens).
             tools: OpenAI tool definitions (`{"type": "function", "function": {"name", "description",
                 "parameters"}}`). A template that takes `tools` (Llama 3.1's, Qwen2.5's) renders them and the tool
                 messages itself; for one that does not, they are written into the system message in the hermes
@@ -260,6 +267,19 @@ class Tokenizer:
         template = self._template()
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
             raise CloverError(f"chat messages must be a list of dicts, got {messages!r}")
+        kwargs = dict(template_kwargs or {})
+        taken = sorted(kwargs.keys() & {"messages", "tools", "add_generation_prompt", *self._special_tokens})
+        if taken:
+            raise CloverError(
+                f"template variables {', '.join(taken)} are set by the renderer, not by the request",
+                param="template_kwargs",
+            )
+        if continue_final_message and add_generation_prompt:
+            raise CloverError(
+                "continue_final_message continues the final message: it cannot add a generation prompt (send "
+                "add_generation_prompt false with it)",
+                param="continue_final_message",
+            )
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         extra: dict[str, Any] = {}
         if self.template_takes_tools:
@@ -271,16 +291,18 @@ class Tokenizer:
         else:
             messages = hermes_messages(messages, tools)
         try:
-            return template.render(
+            text = template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 **extra,
                 **self._special_tokens,
+                **kwargs,
             )
         except CloverError:
             raise
         except jinja2.TemplateError as e:
             raise CloverError(f"chat template of {self._source} failed: {e}") from e
+        return _open_final(text, messages[-1] if messages else {}) if continue_final_message else text
 
     @property
     def template_takes_tools(self) -> bool:
@@ -297,9 +319,20 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """Token ids of the rendered chat; no special tokens are added (the template holds them)."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+        """Token ids of the rendered chat (apply_chat_template); no special tokens are added (the template holds
+        them)."""
+        text = self.apply_chat_template(
+            messages,
+            add_generation_prompt,
+            tools,
+            continue_final_message=continue_final_message,
+            template_kwargs=template_kwargs,
+        )
+        return self.encode(text, add_special_tokens=False)
 
     def with_chat_template(self, template: str) -> Tokenizer:
         """A copy of this tokenizer whose chat template is `template` (Jinja text), replacing the model's own or
@@ -613,4 +646,24 @@ def _apply_bos_eos_flags(
     single = f"{bos}$A:0{eos}"
     backend.post_processor = processors.TemplateProcessing(
         single=single, pair=f"{single}{bos1} $B:1{eos1}", special_tokens=list(dict.fromkeys(ids))
+    )
+
+
+def _open_final(text: str, final: dict[str, Any]) -> str:
+    """`text` cut right after the final message's content (as transformers' continue_final_message): the model
+    continues that message instead of starting a new one."""
+    content = final.get("content")
+    if isinstance(content, list):  # content parts: the last text part
+        content = next((p.get("text") for p in reversed(content) if isinstance(p, dict) and p.get("text")), None)
+    if not isinstance(content, str) or not content.strip():
+        raise CloverError(
+            "continue_final_message continues the final message: it needs text content", param="continue_final_message"
+        )
+    for piece in (content, content.strip()):
+        at = text.rfind(piece)
+        if at >= 0:
+            return text[: at + len(piece)]
+    raise CloverError(
+        "the chat template does not write the final message's content as sent: it cannot be continued",
+        param="continue_final_message",
     )

@@ -116,6 +116,8 @@ def request_param(engine_param: str | None, body: Any) -> str | None:
         return "top_logprobs"
     if engine_param == "prompt_logprobs":  # asked for by echo with logprobs
         return "logprobs"
+    if engine_param == "template_kwargs":
+        return "chat_template_kwargs"
     return engine_param  # temperature, top_p, stop, the penalties, logit_bias, min_tokens, ...: the same names
 
 
@@ -459,10 +461,7 @@ class Completions:
             self._check_sequences(len(prompts) * candidates)
             sampling = _sampling(body)
             for prompt in prompts:
-                if plan is not None and plan.prompt_tools:
-                    ids = self.engine.tokenizer.encode_chat(prompt, tools=plan.prompt_tools)
-                else:
-                    ids = encode_prompt(self.engine.tokenizer, prompt)  # messages through the template; text; ids
+                ids = self.prompt_ids(body, prompt, plan)
                 # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves:
                 # 400. max_tokens 0 (the prompt alone): its prefill's token is generated and left out of the answer.
                 asked = body.token_limit()
@@ -486,6 +485,22 @@ class Completions:
             if isinstance(e, CloverError):
                 raise _refusal(e, body, grammar_field) from None
             raise
+
+    def prompt_ids(self, body: CompletionBody, prompt: Any, plan: ToolPlan | None) -> list[int]:
+        """A prompt's token ids: a chat's messages through the template (its tools, vLLM's template controls); a
+        completion's text or ids; the last truncate_prompt_tokens of them where the request asks."""
+        if isinstance(body, ChatCompletionRequest):
+            ids = self.engine.tokenizer.encode_chat(
+                prompt,
+                body.add_generation_prompt,
+                tools=plan.prompt_tools if plan is not None and plan.prompt_tools else None,
+                continue_final_message=body.continue_final_message,
+                template_kwargs=body.chat_template_kwargs,
+            )
+        else:
+            ids = encode_prompt(self.engine.tokenizer, prompt)
+        keep = body.truncate_prompt_tokens
+        return ids[-keep:] if keep is not None else ids
 
     def _tool_plan(self, body: ChatCompletionRequest) -> ToolPlan:
         """What the request's tools make of it; each function a constrained call may call compiled first, so that
@@ -562,24 +577,31 @@ class Completions:
         n, candidates = body.choices()
         wanted = body.logprobs_wanted()
         alone = not chat and body.token_limit() == 0  # max_tokens 0: the prompt alone
-        choices = []
+        choices, prompt_ids = [], None
         for p, prompt in enumerate(prompts):
             group = results[p * candidates : (p + 1) * candidates]
             echo = None if chat or not body.echo else echoed(self.engine.tokenizer, prompt, group[0])
+            if body.return_token_ids:  # vLLM's: the prompt's ids per choice (a chat's once, beside the choices)
+                prompt_ids = self.prompt_ids(body, prompt, plan)
             for result in best(group, n):
-                choices.append(self._choice(len(choices), result, chat, wanted, echo, plan, alone))
-        return JSONResponse(
-            {
-                "id": rid,
-                "object": "chat.completion" if chat else "text_completion",
-                "created": now(),
-                "model": self.model,
-                "choices": choices,
-                "usage": usage(results, candidates, generated=not alone).model_dump(),
-                "clover": speculation(results).model_dump(),
-            },
-            headers={"X-Request-Id": rid},
-        )
+                choice = self._choice(len(choices), result, chat, wanted, echo, plan, alone)
+                if body.return_token_ids:
+                    choice["token_ids"] = [] if alone else list(result.token_ids)
+                    if not chat:
+                        choice["prompt_token_ids"] = prompt_ids
+                choices.append(choice)
+        answer = {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": now(),
+            "model": self.model,
+            "choices": choices,
+            "usage": usage(results, candidates, generated=not alone).model_dump(),
+            "clover": speculation(results).model_dump(),
+        }
+        if chat and body.return_token_ids:
+            answer["prompt_token_ids"] = prompt_ids
+        return JSONResponse(answer, headers={"X-Request-Id": rid})
 
     def _choice(
         self,
@@ -719,8 +741,11 @@ class EventStream:
                     for event in self.tool_events(index, "", calls):
                         yield event
                 # a token's log-probability comes with the text that shows it (held-back text holds it back too)
-                elif item.text or item.logprobs:
-                    yield self.chunk(index, self.piece(item.text), item.logprobs)
+                elif item.text or item.logprobs or (self.body.return_token_ids and item.token_ids):
+                    piece = self.piece(item.text)
+                    if self.body.return_token_ids:  # vLLM's: each delta's token ids
+                        piece["token_ids"] = list(item.token_ids)
+                    yield self.chunk(index, piece, item.logprobs)
             if self.body.include_usage:
                 results = [out.result for out in outs]
                 yield self.chunk(None, None, usage=usage(results, self.body.choices()[1]).model_dump())

@@ -189,6 +189,36 @@ class ResponseFormatJsonSchema(BaseModel):
     json_schema: JsonSchema
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's structured_outputs: one of json (a schema), json_object, regex, choice or grammar (Lark)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = Field(default=None, min_length=1)
+    choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        given = [k for k in ("json_", "json_object", "regex", "choice", "grammar") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes one of json, json_object, regex, choice or grammar")
+        return self
+
+    def compiled(self) -> Grammar:
+        if self.json_ is not None:
+            return Grammar.json_schema(self.json_)
+        if self.json_object:
+            return Grammar.json_object()
+        if self.regex is not None:
+            return Grammar.regex(self.regex)
+        if self.choice is not None:
+            return Grammar.choice(self.choice)
+        return Grammar.lark(self.grammar)
+
+
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 ResponseFormat = Annotated[
     ResponseFormatText | ResponseFormatJsonObject | ResponseFormatJsonSchema, Field(discriminator="type")
@@ -224,6 +254,11 @@ class _Generation(BaseModel):
     guided_regex: str | None = Field(default=None, min_length=1)
     guided_choice: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = Field(default=None, min_length=1)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's current form of the guided_* fields
+    # more of vLLM's: the generated (and prompt) token ids in the answer; the prompt's last k tokens only
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    priority: int = 0  # vLLM's priority scheduling: this server schedules first come, first served
     # accepted and ignored: they do not change the output
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -253,6 +288,13 @@ class _Generation(BaseModel):
             field, what = fault
             raise PydanticCustomError(INVALID_UNICODE, "{what}", {"field": field, "what": what})
         return body
+
+    @field_validator("priority")
+    @classmethod
+    def _first_come(cls, priority: int) -> int:
+        if priority != 0:
+            raise ValueError("this server schedules first come, first served (no priority scheduling): send priority 0")
+        return priority
 
     @field_validator("stop")
     @classmethod
@@ -308,6 +350,8 @@ class _Generation(BaseModel):
             found.append((Grammar.choice(self.guided_choice), "guided_choice"))
         if self.guided_grammar is not None:
             found.append((Grammar.lark(self.guided_grammar), "guided_grammar"))
+        if self.structured_outputs is not None:
+            found.append((self.structured_outputs.compiled(), "structured_outputs"))
         if len(found) > 1:
             fields = " and ".join(f for _, f in found)
             raise CloverError(f"{fields} each set the output's grammar: send one of them", param=found[1][1])
@@ -346,6 +390,10 @@ class ChatCompletionRequest(_Generation):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: one call at most
+    # vLLM's chat template controls
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the answer continues the final (assistant) message
+    chat_template_kwargs: dict[str, Any] | None = None  # more template variables (Qwen3's enable_thinking)
     # refused unless no-op (REFUSED)
     functions: list[Any] | None = Field(default=None, max_length=0)
     function_call: Literal["none"] | None = None

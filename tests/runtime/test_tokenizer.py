@@ -309,3 +309,21 @@ def test_bad_config_files(tmp_path: Path, tiny_backend: HFTokenizer, name: str, 
     (folder / name).write_text(content)
     with pytest.raises(CloverError, match=match):
         Tokenizer.from_dir(folder)
+
+
+def test_template_kwargs_reach_the_template_and_the_final_message_can_stay_open(tmp_path):
+    from helpers import tiny_tokenizer_dir
+
+    template = (
+        "{% if enable_thinking %}w6 {% endif %}{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
+        "{% if add_generation_prompt %}w5{% endif %}"
+    )
+    tok = Tokenizer.from_dir(tiny_tokenizer_dir(tmp_path)).with_chat_template(template)
+    chat = [{"role": "user", "content": "w10"}, {"role": "assistant", "content": "w20 w21"}]
+    assert tok.apply_chat_template(chat, template_kwargs={"enable_thinking": True}).startswith("w6 w3 w10")
+    assert tok.apply_chat_template(chat).startswith("w3 w10")
+    assert tok.apply_chat_template(chat, False, continue_final_message=True) == "w3 w10 w4 w3 w20 w21"
+    with pytest.raises(CloverError, match="add_generation_prompt"):
+        tok.apply_chat_template(chat, True, continue_final_message=True)
+    with pytest.raises(CloverError, match="set by the renderer"):
+        tok.apply_chat_template(chat, template_kwargs={"add_generation_prompt": False})

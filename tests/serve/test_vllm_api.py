@@ -190,3 +190,47 @@ def test_max_tokens_0_with_echo_scores_the_prompt(server):
     ):
         r = post(server, "/v1/completions", {"model": MODEL, "prompt": "w1", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_vllm_s_own_fields(server):
+    """structured_outputs as guided_* (tests/serve/test_structured.py runs the grammars); return_token_ids; truncate_prompt_tokens; priority 0 only; the chat template
+    controls add_generation_prompt, continue_final_message and chat_template_kwargs."""
+    base = {"model": MODEL, "prompt": "w10 w20", "max_tokens": 4, "temperature": 0}
+    # the same grammar as guided_choice (which this word-level tokenizer cannot spell: the same 400, by its name)
+    guided = post(server, "/v1/completions", {**base, "guided_choice": ["w7 w8", "w9"]}).json()["error"]
+    structured = post(server, "/v1/completions", {**base, "structured_outputs": {"choice": ["w7 w8", "w9"]}})
+    assert structured.json()["error"]["param"] == "structured_outputs"
+    assert structured.json()["error"]["message"] == guided["message"].replace("guided_choice", "structured_outputs")
+    got = completion(server, **base, return_token_ids=True)["choices"][0]
+    assert got["prompt_token_ids"] == server.tok.encode("w10 w20")
+    assert server.tok.decode(got["token_ids"]) == got["text"]
+    cut = completion(server, **{**base, "prompt": "w1 w2 w10 w20"}, truncate_prompt_tokens=2)
+    assert cut["usage"]["prompt_tokens"] == 2 and cut["choices"][0]["text"] == got["text"]
+    assert completion(server, **base, priority=0)["choices"][0]["text"] == got["text"]
+
+    def chat(**body):
+        r = post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "return_token_ids": True, **body})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def tokenized(messages, add_generation_prompt):
+        body = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        return post(server, "/tokenize", body).json()["tokens"]
+
+    assert chat(messages=CHAT)["prompt_token_ids"] == tokenized(CHAT, True)
+    assert chat(messages=CHAT, add_generation_prompt=False)["prompt_token_ids"] == tokenized(CHAT, False)
+    started = [*CHAT, {"role": "assistant", "content": "w50 w51"}]
+    ids = chat(messages=started, add_generation_prompt=False, continue_final_message=True)["prompt_token_ids"]
+    closed = tokenized(started, False)
+    assert ids == closed[: len(ids)] and ids[-2:] == server.tok.encode("w50 w51") and len(ids) < len(closed)
+    assert chat(messages=CHAT, chat_template_kwargs={"enable_thinking": False})["prompt_token_ids"] == tokenized(
+        CHAT, True
+    )
+    for path, body, field in (
+        ("/v1/completions", {**base, "priority": 1}, "priority"),
+        ("/v1/completions", {**base, "structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
+        ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
+        ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+    ):
+        r = post(server, path, {"model": MODEL, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
