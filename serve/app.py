@@ -633,7 +633,7 @@ class Completions:
                 message["content"], calls = parse(plan.split, result.text, plan.parallel)
                 if calls:
                     message["tool_calls"] = [c.to_openai() for c in calls]
-                    reason = tool_reason(reason)
+                    reason = tool_reason(reason, plan)
             return {"index": index, "message": message, "finish_reason": reason, "logprobs": logprobs}
         return {"index": index, "text": result.text, "finish_reason": reason, "logprobs": logprobs}
 
@@ -702,6 +702,7 @@ class EventStream:
         self.served, self.outs, self.rid, self.body, self.chat = served, outs, rid, body, chat
         self.echo = echo or [None] * len(outs)  # each choice's prompt text, streamed first (a completion's echo)
         # each choice's text parsed into content and tool calls as it comes (None: the text is the content)
+        self.plan = plan
         self.tools: list[ToolStream | None] = [plan.stream() if plan else None for _ in outs]
         self.created, self.kind = now(), "chat.completion.chunk" if chat else "text_completion"
         self.wants_logprobs = body.logprobs_wanted() is not None
@@ -732,7 +733,7 @@ class EventStream:
                     if (tools := self.tools[index]) is not None:  # what the end settles: content, calls
                         for event in self.tool_events(index, *tools.finish()):
                             yield event
-                        reason = tool_reason(reason) if tools.calls else reason
+                        reason = tool_reason(reason, self.plan) if tools.calls else reason
                     yield self.chunk(index, self.piece("", reason), clover=speculation([result]).model_dump())
                 elif (tools := self.tools[index]) is not None:
                     content, calls = tools.feed(item.text)
@@ -859,9 +860,10 @@ def finish_reason(result: GenerationResult) -> str:
     return "length" if result.finish_reason == "length" else "stop"
 
 
-def tool_reason(reason: str) -> str:
-    """The finish reason of an answer with tool calls: tool_calls where it ended by itself (cut short: length)."""
-    return "tool_calls" if reason == "stop" else reason
+def tool_reason(reason: str, plan: ToolPlan) -> str:
+    """The finish reason of an answer with tool calls: tool_calls where it ended by itself (cut short: length), but
+    stop for a named tool_choice, as OpenAI and vLLM answer it."""
+    return "tool_calls" if reason == "stop" and plan.mode != "named" else reason
 
 
 def best(results: list[GenerationResult], n: int) -> list[GenerationResult]:
