@@ -55,6 +55,7 @@ DEPLOYMENT = "CloverServer"
 BOARD = "MetricsBoard"
 IMPORT_PATH = "clover.serve.ray:build_app"
 RAY_EXTRA = "pip install 'clover-deploy[ray]'"
+LOCAL_DRAINING_PERIOD_S = 5.0  # a local cluster's HAProxy drops a stopping replica within this (local_cluster_env)
 BOARD_TIMEOUT_S = 2.0  # a call to the metrics board (restarting, or deleted with the application) gives up after this
 
 
@@ -431,10 +432,14 @@ def local_cluster_env() -> str:
     """Set, unless already set, what a local cluster started by this process should run with (its processes
     inherit the environment; call before ray.init): workers at nice 0 (Ray starts them at nice 15, so replicas
     would yield the cores to any other job on the machine) and, where HAProxy is available, Serve's HAProxy ingress
-    in place of its Python HTTP proxy. Returns the ingress in use, for the start-up line."""
+    in place of its Python HTTP proxy, with a stopping replica kept out of HAProxy's routing for
+    LOCAL_DRAINING_PERIOD_S (Serve's floor, 30 s, gives HAProxies on other nodes time to drop it; this one is on the
+    same machine and reloads in well under a second), so a stop or a scale-down takes seconds. Returns the ingress
+    in use, for the start-up line."""
     os.environ.setdefault("RAY_worker_niceness", "0")
     if haproxy_available():
         os.environ.setdefault("RAY_SERVE_ENABLE_HA_PROXY", "1")
+        os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", str(LOCAL_DRAINING_PERIOD_S))
     return "HAProxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "Ray Serve's HTTP proxy"
 
 
