@@ -148,6 +148,7 @@ class GenerationParams:
         for what, tokens in (
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", [t for t, _ in self.sampling.logit_bias]),
+            ("allowed_token_ids", self.sampling.allowed_token_ids),
         ):
             for t in tokens:
                 if not (_token_id(t) and t < vocab_size):

@@ -1,4 +1,5 @@
-"""Per-request logits processors over a verified tree: penalties, logit bias, min_tokens (numpy only).
+"""Per-request logits processors over a verified tree: penalties, logit bias, min_tokens, allowed tokens (numpy
+only).
 
 A tree node's logits row is the base's next-token distribution after the path root..node, so its processors
 must see the history of *that* path: the prompt, the tokens generated so far (the root, the last emitted token,
@@ -14,7 +15,9 @@ columns the history touches) or from the history plus the path (a per-node fix-u
 keep their raw value.
 
 Order (vLLM's): logit_bias, then repetition_penalty (prompt + generated), then frequency and presence penalties
-(generated only), then the min_tokens mask (-inf on the end-of-sequence and stop-token ids).
+(generated only), then the min_tokens mask (-inf on the end-of-sequence and stop-token ids), then the
+allowed_token_ids mask (-inf on every other token: the same for every row, so a tree's rows are masked as plain
+decoding's).
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ class LogitsProcessors:
         self.min_tokens = sampling.min_tokens
         self.stop_ids = np.array(sorted(set(int(i) for i in stop_ids)), dtype=np.int64)  # masked before min_tokens
         self.path_dependent = bool(self.frequency or self.presence or self.repetition != 1)
+        self.banned = None  # [V] bool: tokens allowed_token_ids leaves out (None: every token allowed)
+        if sampling.allowed_token_ids:
+            self.banned = np.ones(vocab_size, dtype=bool)
+            self.banned[list(sampling.allowed_token_ids)] = False
 
     @classmethod
     def of(
@@ -56,7 +63,8 @@ class LogitsProcessors:
         """The chain for a request, or None when no processor would change a logit. stop_ids: the ids that end
         generation (end-of-sequence unless ignored, and the stop-token ids), masked before min_tokens."""
         penalties = sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1
-        if not (penalties or sampling.logit_bias or (sampling.min_tokens and len(stop_ids))):
+        masks = (sampling.min_tokens and len(stop_ids)) or sampling.allowed_token_ids
+        if not (penalties or sampling.logit_bias or masks):
             return None
         return cls(sampling, prompt, stop_ids, vocab_size)
 
@@ -94,6 +102,8 @@ class LogitsProcessors:
             early = np.flatnonzero(self.generated + tree.depth < self.min_tokens)  # rows whose token comes too soon
             if len(early):
                 out[np.ix_(early, self.stop_ids)] = -np.inf
+        if self.banned is not None:
+            out[:, self.banned] = -np.inf
         return out
 
     def _columns(self) -> np.ndarray:

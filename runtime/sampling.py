@@ -40,6 +40,8 @@ class SamplingParams:
         kept as pairs sorted by id).
     min_tokens: >= 0; the end-of-sequence and stop-token ids are masked until this many tokens are generated
         (and stop strings are not matched before then).
+    allowed_token_ids: vLLM's: only these tokens may be generated (every other logit -inf); () allows all. Kept
+        sorted and unique.
 
     After the temperature (ignored when greedy; vLLM's, SGLang's and llama.cpp's): top_k: the k most likely
     tokens only (ties by lower id; 0 or -1: off); min_p: in [0, 1], only the tokens at least min_p times as likely
@@ -56,6 +58,7 @@ class SamplingParams:
     min_tokens: int = 0
     top_k: int = 0
     min_p: float = 0.0
+    allowed_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -83,6 +86,13 @@ class SamplingParams:
         if not (_number(self.min_p) and 0 <= self.min_p <= 1):
             raise CloverError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}", param="min_p")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        allowed = list(self.allowed_token_ids)
+        if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or t < 0 for t in allowed):
+            raise CloverError(
+                f"allowed_token_ids must be token ids (ints >= 0), got {self.allowed_token_ids!r}",
+                param="allowed_token_ids",
+            )
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
 
     @property
     def greedy(self) -> bool:
@@ -90,13 +100,14 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Any logits processor is on (penalties, logit_bias, min_tokens)."""
+        """Any logits processor is on (penalties, logit_bias, min_tokens, allowed_token_ids)."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1
             or self.logit_bias
             or self.min_tokens
+            or self.allowed_token_ids
         )
 
 

@@ -238,6 +238,7 @@ class DeviceProcessors:
         self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         self.bias = torch.zeros(rows, vocab, device=device)
         self.stop = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+        self.banned = torch.zeros(rows, vocab, dtype=torch.bool, device=device)  # allowed_token_ids leaves them out
         self.repetition = torch.ones(rows, dtype=torch.float64, device=device)
         self.frequency = torch.zeros(rows, device=device)
         self.presence = torch.zeros(rows, device=device)
@@ -259,6 +260,7 @@ class DeviceProcessors:
             "seen",
             "bias",
             "stop",
+            "banned",
             "repetition",
             "frequency",
             "presence",
@@ -286,6 +288,7 @@ class DeviceProcessors:
         self.stop[row] = False
         if len(p.stop_ids):
             self.stop[row, t(p.stop_ids, torch.int64)] = True
+        self.banned[row] = False if p.banned is None else t(p.banned)
         self.repetition[row], self.frequency[row], self.presence[row] = p.repetition, p.frequency, p.presence
         self.min_tokens[row], self.generated[row], self.on[row] = p.min_tokens, p.generated, True
         self.synced[row] = (p, p.generated)
@@ -313,6 +316,7 @@ class DeviceProcessors:
         x = x - (self.frequency[:n, None, None] * counts + self.presence[:n, None, None] * (counts > 0).float())
         early = (self.generated[:n, None] + tree.depth) < self.min_tokens[:n, None]  # [n, T]
         x = torch.where(early[..., None] & self.stop[:n, None], -torch.inf, x)
+        x = torch.where(self.banned[:n, None], -torch.inf, x)
         return torch.where(self.on[:n, None, None], x, logits)
 
     def commit(self, emitted: torch.Tensor, count: torch.Tensor) -> None:

@@ -650,6 +650,7 @@ def _sampling(body: CompletionBody) -> SamplingParams:
         repetition_penalty=body.repetition_penalty,
         logit_bias=body.logit_bias_ids(),
         min_tokens=body.min_tokens,
+        allowed_token_ids=tuple(body.allowed_token_ids or ()),
     )
 
 

@@ -247,6 +247,7 @@ class _Generation(BaseModel):
     repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     ignore_eos: bool = False  # run to max_tokens past end-of-sequence (load tests)
     # structured output: OpenAI's response_format, and vLLM's guided decoding fields (Lark for guided_grammar)
     response_format: ResponseFormat | None = None
@@ -325,6 +326,7 @@ class _Generation(BaseModel):
                 ("logit_bias", bool(self.logit_bias)),
                 ("min_tokens", self.min_tokens > 0),
                 ("stop_token_ids", bool(self.stop_token_ids)),
+                ("allowed_token_ids", bool(self.allowed_token_ids)),
                 ("structured_output", self.grammar() is not None),
             )
             if on

@@ -323,6 +323,18 @@ def test_min_tokens_logit_bias_and_stop_token_ids_are_exact_under_speculation(ba
             assert len(got[0].token_ids) > stop_at + 2 and got[0].token_ids[: stop_at + 3].count(want[stop_at]) == 0
 
 
+def test_allowed_token_ids_are_exact_under_speculation(base, tokenizer):
+    """Only the allowed tokens come out, greedy speculative equal to greedy plain, with the heads drafting others."""
+    allowed = tuple(range(10, 60, 2))
+    sp = SamplingParams(allowed_token_ids=allowed)
+    plain = Generator(TorchRunner(base), tokenizer, "plain")
+    spec = Generator(TorchRunner(base, random_heads(base, "clover2", 0)), tokenizer, "mc26")
+    for p in PROMPTS[:2]:
+        got = [g.generate(p, GenerationParams(max_new_tokens=24, sampling=sp)) for g in (plain, spec)]
+        assert_identical(got[1].token_ids, got[0].token_ids, "allowed_token_ids")
+        assert set(got[0].token_ids) <= set(allowed) and len(got[0].token_ids) == 24
+
+
 def test_seeded_sampling_with_penalties_is_reproducible(base, tokenizer):
     gen = Generator(TorchRunner(base, random_heads(base, "clover2", 0)), tokenizer, "mc26")
     sp = dataclasses.replace(PENALTIES, temperature=0.9, top_p=0.95, seed=11, logit_bias={5: 3.0})

@@ -25,6 +25,7 @@ SETTINGS = {
     "frequency+presence": SamplingParams(frequency_penalty=0.9, presence_penalty=-0.6),
     "logit_bias": SamplingParams(logit_bias={3: 5.0, 4: -100.0, 7: 2.5}),
     "min_tokens": SamplingParams(min_tokens=6),
+    "allowed_token_ids": SamplingParams(allowed_token_ids=(2, 3, 5, 8, 11, 40)),
     "all": SamplingParams(
         presence_penalty=1.5,
         frequency_penalty=2.0,
@@ -111,6 +112,8 @@ def test_nothing_runs_without_a_processor():
         ({"logit_bias": {True: 1.0}}, "logit_bias"),
         ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 2.0}, "min_tokens"),
+        ({"allowed_token_ids": (3, -1)}, "allowed_token_ids"),
+        ({"allowed_token_ids": (True,)}, "allowed_token_ids"),
     ],
 )
 def test_bad_values_name_their_param(kwargs, param):

@@ -5,6 +5,8 @@ steps to `decode`) emitting each sequence's plain greedy tokens and the host pat
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -285,9 +287,10 @@ def test_device_processors_equal_the_numpy_ones_bit_for_bit(spec):
     sampling = SamplingParams(
         repetition_penalty=1.7, frequency_penalty=0.6, presence_penalty=-0.4, logit_bias={3: 4.0, 7: -2.5}, min_tokens=7
     )
+    allowed = dataclasses.replace(sampling, allowed_token_ids=tuple(range(0, V, 3)))
     rows = []
     for b in range(3):
-        p = LogitsProcessors(sampling, rng.integers(0, V, 6), [1, 2], V)
+        p = LogitsProcessors(allowed if b == 1 else sampling, rng.integers(0, V, 6), [1, 2], V)
         p.extend(rng.integers(0, 8, 3 + b).tolist())
         rows.append(p)
     device = DeviceProcessors(4, V, torch.device("cpu"))

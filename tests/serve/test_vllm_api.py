@@ -207,6 +207,8 @@ def test_vllm_s_own_fields(server):
     cut = completion(server, **{**base, "prompt": "w1 w2 w10 w20"}, truncate_prompt_tokens=2)
     assert cut["usage"]["prompt_tokens"] == 2 and cut["choices"][0]["text"] == got["text"]
     assert completion(server, **base, priority=0)["choices"][0]["text"] == got["text"]
+    only = completion(server, **base, allowed_token_ids=[30, 31], return_token_ids=True)["choices"][0]
+    assert set(only["token_ids"]) <= {30, 31} and len(only["token_ids"]) == 4
 
     def chat(**body):
         r = post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 4, "return_token_ids": True, **body})
@@ -228,6 +230,7 @@ def test_vllm_s_own_fields(server):
     )
     for path, body, field in (
         ("/v1/completions", {**base, "priority": 1}, "priority"),
+        ("/v1/completions", {**base, "allowed_token_ids": [5, 96]}, "allowed_token_ids"),  # past the vocabulary
         ("/v1/completions", {**base, "structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
         ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
         ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
