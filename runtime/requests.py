@@ -126,6 +126,7 @@ class Request:
 
     def start(self, slot: Slot | None, tree, drafts, prefill_chunk: int, lookup_length, vocab_size: int) -> Decoding:
         """Its sequence, joining the batch on `slot` (None: a follower waiting for its leader's prompt caches)."""
+        self.progress.admitted()
         sampling = self.params.sampling
         self.decoding = Decoding(
             slot,

@@ -51,6 +51,7 @@ class GenerationResult:
     heads: str = "none"
     tree: str = "plain"
     time_to_first_token: float = 0.0  # seconds from the request to its first token (queueing and prefill)
+    queue_seconds: float = 0.0  # seconds from the request to joining the batch
     drafted_tokens: int = 0  # drafted tokens verified, over all steps
     accepted_tokens: int = 0  # drafted tokens accepted (tokens emitted minus one bonus token per step)
     draft_steps: int = 0  # verify steps that checked drafted tokens (plain steps draft none)
@@ -70,6 +71,7 @@ class Progress:
     def __init__(self, prompt_tokens: int) -> None:
         self.prompt_tokens = prompt_tokens
         self.start = time.perf_counter()
+        self.queued = 0.0  # seconds from start to joining the batch (admitted)
         self.first_token: float | None = None  # seconds from start to the first token
         self.accepted: list[int] = []  # tokens emitted per verify step
         self.drafted = 0  # drafted tokens verified (tree nodes but the root)
@@ -77,6 +79,10 @@ class Progress:
         self.pruned = 0  # drafted tokens its grammar forbade before the verify
         self.step_seconds: list[float] = []
         self.timings: dict[str, float] = {}
+
+    def admitted(self) -> None:
+        """It joins the batch: its time in the queue ends."""
+        self.queued = time.perf_counter() - self.start
 
     def add(self, step: Step) -> None:
         """One step of this sequence: a prompt chunk (no tokens), the prefill's first token, or a verify step."""
@@ -126,6 +132,7 @@ class Progress:
             heads=heads,
             tree=tree,
             time_to_first_token=self.first_token or 0.0,
+            queue_seconds=self.queued,
             drafted_tokens=self.drafted,
             accepted_tokens=sum(acc) - len(acc),
             draft_steps=self.draft_steps,

@@ -164,7 +164,7 @@ def create_app(
     """The app serving `engine` as model `model`, as `options` say. metrics: the engine's Metrics (default: new ones;
     a Ray Serve replica passes its own, labelled)."""
     o = options
-    served = Completions(engine, model, o.limits, metrics or Metrics(engine), o.warmup, o.tools)
+    served = Completions(engine, model, o.limits, metrics or Metrics(engine, model=model), o.warmup, o.tools)
     hidden = {} if o.docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="clover-serve", lifespan=_lifespan, **hidden)
     app.state.completions = served  # what the routes share
@@ -478,6 +478,8 @@ class Completions:
                     )
             for option in body.options_used():
                 self.metrics.options.labels(option).inc()
+            self.metrics.params_n.observe(n)
+            self.metrics.params_max_tokens.observe(new if new is not None else self.context)
             return outs, plan
         except BaseException as e:
             for out in outs:  # a request is all of its candidates or none of them

@@ -1,7 +1,10 @@
-"""Prometheus metrics under the names vLLM dashboards read, with a `clover:` prefix instead of `vllm:`.
+"""Prometheus metrics: every series under a `clover:` name, and those vLLM has also under vLLM's own `vllm:` name
+with its `model_name` label, so dashboards, alerts and autoscalers keyed on vLLM's series read this server too.
 
 Mean acceptance length = 1 + accepted tokens / drafts (as in vLLM's spec-decode metrics). Every server has its
-own registry, so several apps can live in one process (tests).
+own registry, so several apps can live in one process (tests). The request timings follow vLLM's definitions:
+queue (submitted to scheduled), prefill (scheduled to the first token), decode (first token to the last),
+inference (scheduled to the last), end to end (submitted to the last).
 """
 
 from __future__ import annotations
@@ -14,16 +17,62 @@ from prometheus_client.metrics_core import Metric
 from clover.runtime.results import GenerationResult
 
 PREFIX = "clover:"
+VLLM_PREFIX = "vllm:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# The series vLLM serves under the same name (vLLM's prefix): the rest are clover-deploy's own
+VLLM_SERIES = {
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "prompt_tokens",
+    "generation_tokens",
+    "request_success",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+    "request_params_n",
+    "request_params_max_tokens",
+    "time_to_first_token_seconds",
+    "inter_token_latency_seconds",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+    "request_inference_time_seconds",
+    "request_prefill_time_seconds",
+    "request_decode_time_seconds",
+    "spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos",
+}
 
 
 class Metrics:
     """labels: added to every series (a Ray Serve replica's `replica`); `registry` is what /metrics exposes."""
 
-    def __init__(self, engine, labels: Mapping[str, str] | None = None) -> None:
-        self.registry = r = CollectorRegistry()
-        if labels:
-            self.registry = ConstantLabels(r, labels)
+    def __init__(self, engine, labels: Mapping[str, str] | None = None, model: str = "") -> None:
+        """model: the served model's name, vLLM's `model_name` label on the vllm: series."""
+        r = CollectorRegistry()
+        self.registry = WithVllmNames(ConstantLabels(r, labels) if labels else r, model)
         p = PREFIX
         self.drafts = Counter(p + "spec_decode_num_drafts", "Verify steps that checked drafted tokens", registry=r)
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r)
@@ -66,7 +115,35 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.e2e, self.queue, self.inference, self.prefill, self.decode = (
+            Histogram(p + name, what, buckets=REQUEST_BUCKETS, registry=r)
+            for name, what in (
+                ("e2e_request_latency_seconds", "Seconds from a request's arrival to its last token"),
+                ("request_queue_time_seconds", "Seconds a request waited for a slot in the batch"),
+                ("request_inference_time_seconds", "Seconds from joining the batch to the last token"),
+                ("request_prefill_time_seconds", "Seconds from joining the batch to the first token"),
+                ("request_decode_time_seconds", "Seconds from the first token to the last"),
+            )
+        )
+        self.prompt_lengths = Histogram(
+            p + "request_prompt_tokens", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.generation_lengths = Histogram(
+            p + "request_generation_tokens", "Generated tokens per request", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.params_n = Histogram(
+            p + "request_params_n", "The n of each request", buckets=(1, 2, 5, 10, 20), registry=r
+        )
+        self.params_max_tokens = Histogram(
+            p + "request_params_max_tokens", "The max_tokens of each request", buckets=TOKEN_BUCKETS, registry=r
+        )
         sched = engine.scheduler
+        slots = engine.max_batch * engine.runner.info.max_context
+        Gauge(
+            p + "kv_cache_usage_perc",
+            "Fraction of the KV cache the running sequences hold (their tokens over max_batch x the context)",
+            registry=r,
+        ).set_function(lambda: sum(len(q.prompt) + q.tracker.num_tokens for q in list(sched.running)) / slots)
         Gauge(p + "num_requests_running", "Requests in the batch", registry=r).set_function(lambda: len(sched.running))
         Gauge(p + "num_requests_waiting", "Requests queued for a slot", registry=r).set_function(
             lambda: len(sched.waiting)
@@ -91,11 +168,39 @@ class Metrics:
                 self.accepted_per_pos.labels(str(position)).inc()
         if result.new_tokens:
             self.ttft.observe(result.time_to_first_token)
+            self.prefill.observe(max(result.time_to_first_token - result.queue_seconds, 0.0))
+            self.decode.observe(max(result.seconds - result.time_to_first_token, 0.0))
+        self.e2e.observe(result.seconds)
+        self.queue.observe(result.queue_seconds)
+        self.inference.observe(max(result.seconds - result.queue_seconds, 0.0))
+        self.prompt_lengths.observe(result.prompt_tokens)
+        self.generation_lengths.observe(result.new_tokens)
         left = max(result.new_tokens - 1, 0)  # tokens after the first (the last step's may be cut by max_tokens)
         for emitted, seconds in zip(result.accepted_per_step, result.step_seconds):
             for _ in range(min(emitted, left)):
                 self.itl.observe(seconds / emitted)
             left -= min(emitted, left)
+
+
+class WithVllmNames:
+    """A registry's series, and each one vLLM has (VLLM_SERIES) again under vLLM's name and `model_name` label."""
+
+    def __init__(self, registry, model: str) -> None:
+        self.inner, self.model = registry, model
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.inner.collect():
+            yield family
+            name = family.name.removeprefix(PREFIX)
+            if name in VLLM_SERIES:
+                twin = Metric(VLLM_PREFIX + name, family.documentation, family.type, family.unit)
+                twin.samples = [
+                    s._replace(
+                        name=VLLM_PREFIX + s.name.removeprefix(PREFIX), labels={"model_name": self.model, **s.labels}
+                    )
+                    for s in family.samples
+                ]
+                yield twin
 
 
 class ConstantLabels:

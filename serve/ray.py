@@ -309,7 +309,7 @@ def replica_app(engine, o: RayServeOptions, replica: str, board) -> tuple[Any, a
     from clover.serve.app import AppOptions, create_app
     from clover.serve.metrics import Metrics
 
-    metrics = Metrics(engine, labels={"replica": replica})
+    metrics = Metrics(engine, labels={"replica": replica}, model=o.model_name)
     options = AppOptions(
         api_key=replica_api_key(o),
         warmup=False,  # warmed in the constructor

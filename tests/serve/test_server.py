@@ -689,6 +689,20 @@ def test_metrics_count_what_was_served(server):
     while get()["clover:batch_size"] != 0 and time.monotonic() < deadline:  # the engine goes idle after the request
         time.sleep(0.05)
     assert get()["clover:batch_size"] == 0
+    # vLLM's names beside, with its model_name label: the same counts, and its request timing histograms
+    vllm = lambda name: f'vllm:{name}{{model_name="{MODEL}"}}'  # noqa: E731
+    assert delta(vllm("generation_tokens_total")) == r.usage.completion_tokens
+    assert delta(vllm("prompt_tokens_total")) == r.usage.prompt_tokens
+    assert delta(vllm("spec_decode_num_accepted_tokens_total")) == spec["accepted_tokens"]
+    for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time"):
+        assert delta(vllm(f"{name}_seconds_count")) == 1, name
+        assert delta(vllm(f"{name}_seconds_sum")) >= 0, name
+    assert delta(vllm("request_inference_time_seconds_sum")) <= delta(vllm("e2e_request_latency_seconds_sum"))
+    assert delta(vllm("request_prompt_tokens_sum")) == r.usage.prompt_tokens
+    assert delta(vllm("request_generation_tokens_sum")) == r.usage.completion_tokens
+    assert delta(vllm("request_params_max_tokens_sum")) == 16 and delta(vllm("request_params_n_sum")) == 1
+    assert 0 <= after[vllm("kv_cache_usage_perc")] <= 1 and vllm("num_requests_running") in after
+    assert not any(k.startswith("vllm:batch_size") for k in after)  # clover-deploy's own series keep their name only
 
 
 def test_api_key_and_a_full_queue(artifact):
