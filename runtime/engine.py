@@ -70,6 +70,11 @@ class EngineStream:
         if self._request is not None:
             self._request.cancelled.set()
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The tokens of its prompt (0 before it is submitted)."""
+        return 0 if self._request is None else len(self._request.prompt)
+
     def _take(self, item: StreamDelta | GenerationResult | BaseException) -> StreamDelta | None:
         """The next delta, or None at the end (the result is kept; an error is raised)."""
         if isinstance(item, GenerationResult):

@@ -431,8 +431,12 @@ class Completions:
         return self._answer(body, prompts, rid, chat, results, plan)
 
     def echo_text(self, body: CompletionBody, prompt: Any) -> str | None:
-        """The prompt's text a completion with `echo` puts before its own (as sent, or its ids decoded)."""
-        if not getattr(body, "echo", False):
+        """What `echo` puts before the answer: a completion's prompt text (as sent, or its ids decoded); a chat's
+        final message's content where the assistant sent it (vLLM's), else nothing."""
+        if isinstance(body, ChatCompletionRequest):
+            final = body.messages[-1]
+            return final.content if body.echo and final.role == "assistant" and isinstance(final.content, str) else None
+        if not body.echoes_prompt():
             return None
         return prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
 
@@ -582,7 +586,11 @@ class Completions:
         choices, prompt_ids = [], None
         for p, prompt in enumerate(prompts):
             group = results[p * candidates : (p + 1) * candidates]
-            echo = None if chat or not body.echo else echoed(self.engine.tokenizer, prompt, group[0])
+            if chat:
+                text = self.echo_text(body, prompt)
+                echo = None if not text else (text, {})
+            else:
+                echo = echoed(self.engine.tokenizer, prompt, group[0]) if body.echoes_prompt() else None
             if body.return_token_ids:  # vLLM's: the prompt's ids per choice (a chat's once, beside the choices)
                 prompt_ids = self.prompt_ids(body, prompt, plan)
             for result in best(group, n):
@@ -621,10 +629,10 @@ class Completions:
             result = dataclasses.replace(result, text="", logprobs=[])
             reason = "length"
         logprobs = None if wanted is None else render_logprobs(self.engine.tokenizer, result.logprobs, chat)
-        if echo is not None:  # the prompt's text and tokens before the completion's
+        if echo is not None:  # the prompt's text (and a completion's its tokens) before the answer's
             text, before = echo
             result = dataclasses.replace(result, text=text + result.text)
-            if logprobs is not None:
+            if logprobs is not None and before:
                 logprobs = {k: before[k] + logprobs[k] for k in before}
                 logprobs["text_offset"][len(before["tokens"]) :] = [
                     o + len(text) for o in logprobs["text_offset"][len(before["tokens"]) :]
@@ -673,7 +681,7 @@ def _candidate(
         logprobs=wanted if wanted is not None or not ranked else 0,
         grammar=grammar,
         # echo: the prompt's log-probabilities, once (the candidates share the prompt)
-        prompt_logprobs=wanted if getattr(body, "echo", False) and i == 0 else None,
+        prompt_logprobs=wanted if body.echoes_prompt() and i == 0 else None,
     )
 
 
@@ -711,6 +719,9 @@ class EventStream:
         self.wants_logprobs = body.logprobs_wanted() is not None
         # each choice's deltas as they come, through one queue (None: that choice ended)
         self.queue: asyncio.Queue[tuple[int, StreamDelta | BaseException | None]] = asyncio.Queue()
+        options = body.stream_options
+        self.continuous = bool(options and options.continuous_usage_stats)  # vLLM's: usage in every chunk
+        self.generated = [0] * len(outs)  # each choice's tokens so far
 
     async def events(self) -> AsyncIterator[str]:
         outs = self.outs
@@ -719,15 +730,16 @@ class EventStream:
             if self.chat:
                 for i in range(len(outs)):
                     yield self.chunk(i, {"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-            else:
-                for i, text in enumerate(self.echo):
-                    if text:
-                        yield self.chunk(i, self.piece(text))
+            for i, text in enumerate(self.echo):  # what echo puts first
+                if text:
+                    yield self.chunk(i, self.piece(text))
             running = len(outs)
             while running:
                 index, item = await self.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, StreamDelta):
+                    self.generated[index] += len(item.token_ids)
                 if item is None:
                     running -= 1
                     result = outs[index].result
@@ -799,6 +811,11 @@ class EventStream:
             "choices": [] if choice is None else [{"index": index, "logprobs": rendered, **choice}],
             **extra,
         }
+        if self.continuous and choice is not None:  # the usage so far: each prompt once, every choice's tokens
+            per = self.body.choices()[1]
+            prompt = sum(out.prompt_tokens for out in self.outs[::per])
+            done = sum(self.generated)
+            doc["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
         return f"data: {json.dumps(doc)}\n\n"
 
     def piece(self, text: str, reason: str | None = None) -> dict[str, Any]:

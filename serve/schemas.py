@@ -158,6 +158,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
     include_obfuscation: bool | None = None  # accepted and ignored (no obfuscation padding is sent)
 
 
@@ -365,6 +366,10 @@ class _Generation(BaseModel):
         """Alternatives per token to report (None: no log-probabilities)."""
         raise NotImplementedError
 
+    def echoes_prompt(self) -> bool:
+        """A completion's echo: the prompt's text (and log-probabilities) before the answer's."""
+        return False
+
     def choices(self) -> tuple[int, int]:
         """(choices returned, candidates generated): n, and best_of where the endpoint has it. CloverError (a 400)
         when best_of is below n, or above n while streaming."""
@@ -374,7 +379,7 @@ class _Generation(BaseModel):
             raise CloverError(f"best_of ({best}) must be at least n ({n})", param="best_of")
         if best > n and self.stream:
             raise CloverError("best_of above n cannot be streamed (the best are known at the end)", param="best_of")
-        if getattr(self, "echo", False) and self.stream and self.logprobs_wanted() is not None:
+        if self.echoes_prompt() and self.stream and self.logprobs_wanted() is not None:
             raise CloverError(
                 "echo with logprobs is not streamed (the prompt's log-probabilities come with the whole answer): send "
                 "stream false, or echo without logprobs",
@@ -392,6 +397,8 @@ class ChatCompletionRequest(_Generation):
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None  # False: one call at most
+    # vLLM's: the final message's content before the answer's where it is the assistant's (the answer continues it)
+    echo: bool = False
     # vLLM's chat template controls
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the answer continues the final (assistant) message
@@ -528,6 +535,9 @@ class CompletionRequest(_Generation):
 
     def token_limit(self) -> int | None:
         return self.max_tokens
+
+    def echoes_prompt(self) -> bool:
+        return self.echo
 
     def prompt_inputs(self) -> list[str | list[int]]:
         """The prompts, each text or token ids."""

@@ -237,3 +237,45 @@ def test_vllm_s_own_fields(server):
     ):
         r = post(server, path, {"model": MODEL, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == field, (body, r.text)
+
+
+def events(r) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_chat_echo_and_continuous_usage(server):
+    """echo on chat puts the final assistant message's content before the answer (streamed first); a stream with
+    continuous_usage_stats carries the usage so far in every chunk, ending at the request's usage."""
+    started = [*CHAT, {"role": "assistant", "content": "w50 w51"}]
+    body = {"model": MODEL, "messages": started, "max_tokens": 6, "temperature": 0, "add_generation_prompt": False}
+    plain = post(server, "/v1/chat/completions", {**body, "continue_final_message": True}).json()
+    echoed = post(server, "/v1/chat/completions", {**body, "continue_final_message": True, "echo": True}).json()
+    answer = plain["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == "w50 w51" + answer
+    streamed = post(
+        server, "/v1/chat/completions", {**body, "continue_final_message": True, "echo": True, "stream": True}
+    )
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in events(streamed) if c["choices"])
+    assert text == "w50 w51" + answer
+    # echo where the final message is the user's: nothing to put first
+    user = post(server, "/v1/chat/completions", {**body, "messages": CHAT, "add_generation_prompt": True, "echo": True})
+    alone = post(server, "/v1/chat/completions", {**body, "messages": CHAT, "add_generation_prompt": True})
+    assert user.json()["choices"][0]["message"] == alone.json()["choices"][0]["message"]
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    r = post(
+        server,
+        "/v1/completions",
+        {
+            "model": MODEL,
+            "prompt": "w10 w20",
+            "max_tokens": 6,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": options,
+            "ignore_eos": True,
+        },
+    )
+    chunks = events(r)
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and all(c["usage"]["prompt_tokens"] == 2 for c in chunks if c["choices"])
+    assert chunks[-1]["usage"]["completion_tokens"] == counts[-1] == 6
