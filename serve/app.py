@@ -51,11 +51,13 @@ from clover.runtime.scheduler import Cancelled, EngineUnavailable, QueueFull
 from clover.runtime.tokenizer import Tokenizer
 from clover.serve.limits import Cors, RequestGuard, RequestLimits
 from clover.serve.metrics import Metrics
+from clover.serve.responses import Store, create_response, get_response
 from clover.serve.schemas import (
     INVALID_UNICODE,
     REFUSED,
     RESPONSE_FORMATS,
     UNKNOWN_FIELD,
+    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -77,29 +79,6 @@ TOKEN_MAPS = {
 }
 WARMUP_PROMPT = "Hello"
 CompletionBody = ChatCompletionRequest | CompletionRequest  # the bodies of the two POST routes
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code, self.headers = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-            headers,
-        )
 
 
 def _error_response(e: ApiError) -> JSONResponse:
@@ -201,6 +180,9 @@ def create_app(
     app.get("/tokenizer_info")(tokenizer_info)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/completions")(completions)
+    app.state.responses = Store()
+    app.post("/v1/responses")(create_response)
+    app.get("/v1/responses/{response_id}")(get_response)
     return app
 
 
@@ -425,7 +407,7 @@ class Completions:
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
             )
-        results = await self._wait(request, outs, rid)
+        results = await self.wait(request, outs, rid)
         if results is None:
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         return self._answer(body, prompts, rid, chat, results, plan)
@@ -546,7 +528,7 @@ class Completions:
         if not request.app.state.ready:
             raise _busy("the server is warming up: retry in a moment")
 
-    async def _wait(self, request: Request, outs: list[EngineStream], rid: str) -> list[GenerationResult] | None:
+    async def wait(self, request: Request, outs: list[EngineStream], rid: str) -> list[GenerationResult] | None:
         """The candidates' results once they have all ended; None when the client went away first."""
         try:
             for out in outs:  # they decode together in the engine's batch; their ends are awaited in turn

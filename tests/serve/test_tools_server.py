@@ -200,3 +200,74 @@ def test_bad_tools_are_400_naming_their_field_and_the_server_keeps_serving(serve
         assert r.status_code == 400 and err["param"] == "tool_choice", r.text
         assert "--enable-auto-tool-choice" in err["message"] and "--tool-call-parser" in err["message"]
     assert post(tool_choice="none").status_code == 200
+
+
+def test_the_responses_api_answers_as_the_chat_path_streamed_or_not(servers):
+    """POST /v1/responses (the openai client's responses.create): text input with instructions answers the chat
+    path's text for the same messages, plain and speculative alike, streamed as output_text deltas or whole; a
+    stored response is fetched back; store false keeps nothing to continue from."""
+    ask = dict(model=MODEL, instructions="Answer in one sentence.", input="Name a colour.", max_output_tokens=16)
+    chat = [{"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": "Name a colour."}]
+    want = client(servers[0]).chat.completions.create(model=MODEL, messages=chat, temperature=0, max_tokens=16)
+    want = want.choices[0].message.content
+    for s in servers:
+        r = client(s).responses.create(**ask, temperature=0)
+        assert r.output_text == want and r.status in ("completed", "incomplete") and r.usage.output_tokens > 0
+        assert client(s).responses.retrieve(r.id).output_text == want
+        deltas, kinds = [], []
+        for event in client(s).responses.create(**ask, temperature=0, stream=True):
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        assert "".join(deltas) == want and kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    unstored = client(servers[1]).responses.create(**ask, temperature=0, store=False)
+    with pytest.raises(openai.NotFoundError):
+        client(servers[1]).responses.create(model=MODEL, input="And another?", previous_response_id=unstored.id)
+
+
+def test_the_responses_api_calls_a_function_and_continues_from_its_output(servers):
+    """A function tool named by tool_choice gives a function_call item whose arguments follow its schema; its output
+    sent back with previous_response_id continues the conversation as the chat path does with the same messages."""
+    tool = {"type": "function", "name": "get_weather", "description": "The weather now", "parameters": WEATHER}
+    for s in servers:
+        c = client(s)
+        r = c.responses.create(
+            model=MODEL,
+            input=ASK[0]["content"],
+            tools=[tool],
+            tool_choice={"type": "function", "name": "get_weather"},
+            temperature=0,
+            max_output_tokens=MAX_TOKENS,
+        )
+        (call,) = [item for item in r.output if item.type == "function_call"]
+        assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), WEATHER)
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": '{"celsius": 18}'}
+        after = c.responses.create(
+            model=MODEL,
+            input=[result],
+            previous_response_id=r.id,
+            tools=[tool],
+            tool_choice="none",
+            temperature=0,
+            max_output_tokens=24,
+        )
+        messages = [
+            *ASK,
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": call.call_id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": call.call_id, "content": '{"celsius": 18}'},
+        ]
+        want = c.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS[:1], tool_choice="none", temperature=0, max_tokens=24
+        )
+        assert after.output_text == (want.choices[0].message.content or "")
