@@ -313,7 +313,8 @@ class Turn:
 
 class ResponseEvents:
     """A response as the Responses API streams it: response.created, then the message item's text deltas as they
-    settle (text that could begin a call waits), each function call item whole, response.completed last."""
+    settle (text that could begin a call waits), each function call item whole, response.completed last
+    (response.incomplete where max_output_tokens cut it)."""
 
     def __init__(self, served: Any, store: Store, out: EngineStream, turn: Turn) -> None:
         self.served, self.store, self.out, self.turn = served, store, out, turn
@@ -379,7 +380,7 @@ class ResponseEvents:
         doc = response_object(body, self.rid, "completed", items, result)
         if body.store:
             self.store.put(doc, conversation_after(self.messages, text, calls))
-        yield self.event("response.completed", response=doc)
+        yield self.event("response.incomplete" if doc["status"] == "incomplete" else "response.completed", response=doc)
 
     def text_events(self, piece: str, message: dict[str, Any] | None):
         """The events of settled text `piece`: the message item and its text part opened first (yielded as a dict:

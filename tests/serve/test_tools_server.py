@@ -219,7 +219,8 @@ def test_the_responses_api_answers_as_the_chat_path_streamed_or_not(servers):
             kinds.append(event.type)
             if event.type == "response.output_text.delta":
                 deltas.append(event.delta)
-        assert "".join(deltas) == want and kinds[0] == "response.created" and kinds[-1] == "response.completed"
+        assert "".join(deltas) == want and kinds[0] == "response.created"
+        assert kinds[-1] == ("response.completed" if r.status == "completed" else "response.incomplete")
     unstored = client(servers[1]).responses.create(**ask, temperature=0, store=False)
     with pytest.raises(openai.NotFoundError):
         client(servers[1]).responses.create(model=MODEL, input="And another?", previous_response_id=unstored.id)
@@ -271,3 +272,33 @@ def test_the_responses_api_calls_a_function_and_continues_from_its_output(server
             model=MODEL, messages=messages, tools=TOOLS[:1], tool_choice="none", temperature=0, max_tokens=24
         )
         assert after.output_text == (want.choices[0].message.content or "")
+
+
+def test_an_openai_agents_sdk_agent_runs_its_tool(servers):
+    """The openai-agents SDK's default model (the Responses API) against the server with auto tool choice: the agent
+    calls its function tool (required on its first turn), gets the result, and answers with text."""
+    agents = pytest.importorskip("agents")
+    import asyncio
+
+    agents.set_tracing_disabled(True)
+    called = []
+
+    @agents.function_tool
+    def get_weather(city: str, unit: str) -> str:
+        """The weather now in a city."""
+        called.append((city, unit))
+        return f"18 degrees {unit} and sunny in {city}"
+
+    model = agents.OpenAIResponsesModel(
+        model=MODEL, openai_client=openai.AsyncOpenAI(base_url=servers[1].url, api_key="x")
+    )
+    agent = agents.Agent(
+        name="weather",
+        instructions="You answer questions about the weather in one short sentence.",
+        tools=[get_weather],
+        model=model,
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0, max_tokens=160),
+    )
+    result = asyncio.run(agents.Runner.run(agent, ASK[0]["content"], max_turns=4))
+    assert len(called) >= 1 and all(isinstance(city, str) for city, _ in called), called
+    assert isinstance(result.final_output, str) and result.final_output.strip()
