@@ -34,12 +34,14 @@ class StopConditions:
         stop_strings: texts that end generation; the text ends right before the first one; reason "stop".
         min_tokens: stop strings are matched only from this many generated tokens on (a stop string completed by
             an earlier token does not end generation); the engine masks the EOS ids until then (processors.py).
+        include_stop_str: the text ends right after the stop string instead (vLLM's include_stop_str_in_output).
     """
 
     max_new_tokens: int
     eos_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     min_tokens: int = 0
+    include_stop_str: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -222,11 +224,14 @@ class OutputTracker:
         start = max(0, scan_from - self._max_stop_len + 1)
         region = self._stable[start:] + self._pending.rstrip(_REPLACEMENT_CHAR)
         hits = [
-            i for s in self._stop.stop_strings if (i := region.find(s, max(0, scan_from - start - len(s) + 1))) >= 0
+            (i, len(s))
+            for s in self._stop.stop_strings
+            if (i := region.find(s, max(0, scan_from - start - len(s) + 1))) >= 0
         ]
         if not hits:
             return False
-        self._cut = start + min(hits)
+        at, length = min(hits, key=lambda h: h[0])  # the first to start (the first listed, at a tie)
+        self._cut = start + at + (length if self._stop.include_stop_str else 0)
         return True
 
     def _safe_end(self) -> int:

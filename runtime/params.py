@@ -63,8 +63,8 @@ class GenerationParams:
     max_new_tokens: at most this many generated tokens; None: up to the end of the context. More than the
         context leaves after the prompt is an error (CloverError naming max_new_tokens), everywhere.
     sampling: temperature, top-p, seed, penalties, logit_bias, min_tokens (SamplingParams).
-    stop: strings that end the output (cut before them). stop_token_ids: ids that end it like EOS (kept in
-        token_ids, no text). ignore_eos: go on past the model's EOS tokens.
+    stop: strings that end the output (cut before them; include_stop_str: after them). stop_token_ids: ids that end
+        it like EOS (kept in token_ids, no text). ignore_eos: go on past the model's EOS tokens.
     logprobs: each generated token's log-probability with this many alternatives (0-20; None: none).
     prompt_logprobs: each prompt token's log-probability (the first has none) with this many alternatives.
     grammar: what the output must match (clover.Grammar: JSON object / schema, regex, Lark, choice).
@@ -75,6 +75,7 @@ class GenerationParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    include_stop_str: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
@@ -173,6 +174,7 @@ class GenerationParams:
             eos_token_ids=tuple(dict.fromkeys((*eos, *self.stop_token_ids))),
             stop_strings=self.stop,
             min_tokens=self.sampling.min_tokens,
+            include_stop_str=self.include_stop_str,
         )
 
 

@@ -658,6 +658,7 @@ def _candidate(
         sampling=dataclasses.replace(sampling, seed=seed),
         stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
+        include_stop_str=body.include_stop_str_in_output,
         stop_token_ids=body.stop_token_ids or (),
         # best_of ranks candidates by their tokens' log-probabilities
         logprobs=wanted if wanted is not None or not ranked else 0,

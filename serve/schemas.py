@@ -250,6 +250,7 @@ class _Generation(BaseModel):
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     ignore_eos: bool = False  # run to max_tokens past end-of-sequence (load tests)
+    include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
     # structured output: OpenAI's response_format, and vLLM's guided decoding fields (Lark for guided_grammar)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | None = None

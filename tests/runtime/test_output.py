@@ -217,6 +217,21 @@ def test_two_stop_strings_inside_one_token(tok: Tokenizer) -> None:
     assert tracker.text == text[: text.index(piece[1:3])]
 
 
+def test_include_stop_str_ends_the_text_after_the_stop_string(tok: Tokenizer) -> None:
+    """vLLM's include_stop_str_in_output: the same tokens and the same stop, the text cut after the stop string (the
+    first to start, as without it), streamed the same."""
+    text = "The answer is 42. Thanks for asking!"
+    ids = tok.encode(text, add_special_tokens=False)
+    for stops in (("42",), ("asking", "answer"), ("ks f",)):
+        plain = OutputTracker(tok, StopConditions(100, stop_strings=stops))
+        plain.add(ids)
+        tracker = OutputTracker(tok, StopConditions(100, stop_strings=stops, include_stop_str=True))
+        deltas = [tracker.add([i]) for i in ids] + [tracker.flush()]
+        first = min((text.index(s), s) for s in stops if s in text)
+        assert tracker.token_ids == plain.token_ids and tracker.finish_reason == "stop"
+        assert tracker.text == "".join(deltas) == text[: first[0] + len(first[1])]
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize(
     "stop_strings",

@@ -207,6 +207,15 @@ def test_vllm_s_own_fields(server):
     cut = completion(server, **{**base, "prompt": "w1 w2 w10 w20"}, truncate_prompt_tokens=2)
     assert cut["usage"]["prompt_tokens"] == 2 and cut["choices"][0]["text"] == got["text"]
     assert completion(server, **base, priority=0)["choices"][0]["text"] == got["text"]
+    words = completion(server, **{**base, "max_tokens": 8}, ignore_eos=True)["choices"][0]["text"].split()
+    stop = words[3]
+    cut = words[: words.index(stop)]  # the text before the stop word's first place, and the word itself
+    for include, text in ((False, " ".join(cut) + " "), (True, " ".join([*cut, stop]))):
+        body = {**base, "max_tokens": 8, "ignore_eos": True, "stop": [stop], "include_stop_str_in_output": include}
+        for stream in (False, True):
+            r = post(server, "/v1/completions", {**body, "stream": stream})
+            got = "".join(c["choices"][0]["text"] for c in events(r) if c["choices"]) if stream else None
+            assert (got if stream else r.json()["choices"][0]["text"]).strip() == text.strip(), (include, stream)
     only = completion(server, **base, allowed_token_ids=[30, 31], return_token_ids=True)["choices"][0]
     assert set(only["token_ids"]) <= {30, 31} and len(only["token_ids"]) == 4
 
