@@ -79,8 +79,10 @@ class OutputTracker:
     `tracker.flush()` once. The deltas of all `add` calls plus `flush()` concatenate to `tracker.text`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: StopConditions) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: StopConditions, skip_special_tokens: bool = True) -> None:
+        """skip_special_tokens: special tokens add no text (False: their text is written, <|im_end|> say)."""
         self._tokenizer = tokenizer
+        self._skip_special = skip_special_tokens
         self._stop = stop
         self._eos = frozenset(stop.eos_token_ids)
         self._max_stop_len = max((len(s) for s in stop.stop_strings), default=0)
@@ -205,8 +207,9 @@ class OutputTracker:
         """Extend `_stable` / `_pending` with the text of one more token (prefix/read offset window)."""
         self._detok_ids.append(token_id)
         decode = self._tokenizer.decode
-        prefix_text = decode(self._detok_ids[self._prefix_offset : self._read_offset], skip_special_tokens=True)
-        new_text = decode(self._detok_ids[self._prefix_offset :], skip_special_tokens=True)
+        skip = self._skip_special
+        prefix_text = decode(self._detok_ids[self._prefix_offset : self._read_offset], skip_special_tokens=skip)
+        new_text = decode(self._detok_ids[self._prefix_offset :], skip_special_tokens=skip)
         if len(new_text) > len(prefix_text) and not new_text.endswith(_REPLACEMENT_CHAR):
             self._stable += new_text[len(prefix_text) :]
             self._pending = ""

@@ -64,7 +64,8 @@ class GenerationParams:
         context leaves after the prompt is an error (CloverError naming max_new_tokens), everywhere.
     sampling: temperature, top-p, seed, penalties, logit_bias, min_tokens (SamplingParams).
     stop: strings that end the output (cut before them; include_stop_str: after them). stop_token_ids: ids that end
-        it like EOS (kept in token_ids, no text). ignore_eos: go on past the model's EOS tokens.
+        it like EOS (kept in token_ids, no text). ignore_eos: go on past the model's EOS tokens. skip_special_tokens:
+        special tokens add no text (False: their text is written).
     logprobs: each generated token's log-probability with this many alternatives (0-20; None: none).
     prompt_logprobs: each prompt token's log-probability (the first has none) with this many alternatives.
     grammar: what the output must match (clover.Grammar: JSON object / schema, regex, Lark, choice).
@@ -76,6 +77,7 @@ class GenerationParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str: bool = False
+    skip_special_tokens: bool = True
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None

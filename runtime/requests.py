@@ -114,7 +114,7 @@ class Request:
             np.array(ids, dtype=np.int64),
             params,
             stop,
-            OutputTracker(tokenizer, stop),
+            OutputTracker(tokenizer, stop, params.skip_special_tokens),
             Progress(len(ids)),
             grammar_state(grammars, params, stop.eos_token_ids),
             token_logprobs=None if params.logprobs is None else [],

@@ -659,6 +659,7 @@ def _candidate(
         stop=body.stop_strings(),
         ignore_eos=body.ignore_eos,
         include_stop_str=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
         stop_token_ids=body.stop_token_ids or (),
         # best_of ranks candidates by their tokens' log-probabilities
         logprobs=wanted if wanted is not None or not ranked else 0,

@@ -35,6 +35,8 @@ from clover.runtime.logprobs import MAX_LOGPROBS
 # Fields refused unless they carry their no-op value (their types admit only that value), and why.
 REFUSED = {
     "suffix": "suffix (insertion) is not supported: leave it out",
+    "spaces_between_special_tokens": "special tokens are joined as the tokenizer's decoder joins them: leave "
+    "spaces_between_special_tokens out (or true)",
     "functions": "functions (the deprecated form of tools) are not supported: send tools instead",
     "function_call": "function_call (the deprecated form of tool_choice) is not supported: send tool_choice instead",
     "audio": "audio output is not supported: leave it out",
@@ -251,6 +253,8 @@ class _Generation(BaseModel):
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     ignore_eos: bool = False  # run to max_tokens past end-of-sequence (load tests)
     include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
+    skip_special_tokens: bool = True  # special tokens add no text (False: written out)
+    spaces_between_special_tokens: Literal[True] = True  # the tokenizer's decoder joins them: no other way here
     # structured output: OpenAI's response_format, and vLLM's guided decoding fields (Lark for guided_grammar)
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | None = None

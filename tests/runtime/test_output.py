@@ -217,6 +217,19 @@ def test_two_stop_strings_inside_one_token(tok: Tokenizer) -> None:
     assert tracker.text == text[: text.index(piece[1:3])]
 
 
+def test_special_tokens_are_written_out_unless_skipped(tok: Tokenizer) -> None:
+    """skip_special_tokens (True by default) leaves a special token's text out; False writes it, streamed alike."""
+    ids = tok.encode("Hi there", add_special_tokens=False)
+    start = tok.token_to_id("<|im_start|>")
+    text = {}
+    for skip in (True, False):
+        tracker = OutputTracker(tok, StopConditions(100), skip_special_tokens=skip)
+        deltas = [tracker.add([i]) for i in [start, *ids]] + [tracker.flush()]
+        assert "".join(deltas) == tracker.text
+        text[skip] = tracker.text
+    assert text[True] == "Hi there" and text[False] == "<|im_start|>Hi there"
+
+
 def test_include_stop_str_ends_the_text_after_the_stop_string(tok: Tokenizer) -> None:
     """vLLM's include_stop_str_in_output: the same tokens and the same stop, the text cut after the stop string (the
     first to start, as without it), streamed the same."""

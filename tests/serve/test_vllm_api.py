@@ -207,6 +207,8 @@ def test_vllm_s_own_fields(server):
     cut = completion(server, **{**base, "prompt": "w1 w2 w10 w20"}, truncate_prompt_tokens=2)
     assert cut["usage"]["prompt_tokens"] == 2 and cut["choices"][0]["text"] == got["text"]
     assert completion(server, **base, priority=0)["choices"][0]["text"] == got["text"]
+    # this tokenizer has no special tokens in the answer: written out or not, the same text
+    assert completion(server, **base, skip_special_tokens=False)["choices"][0]["text"] == got["text"]
     words = completion(server, **{**base, "max_tokens": 8}, ignore_eos=True)["choices"][0]["text"].split()
     stop = words[3]
     cut = words[: words.index(stop)]  # the text before the stop word's first place, and the word itself
@@ -239,6 +241,7 @@ def test_vllm_s_own_fields(server):
     )
     for path, body, field in (
         ("/v1/completions", {**base, "priority": 1}, "priority"),
+        ("/v1/completions", {**base, "spaces_between_special_tokens": False}, "spaces_between_special_tokens"),
         ("/v1/completions", {**base, "allowed_token_ids": [5, 96]}, "allowed_token_ids"),  # past the vocabulary
         ("/v1/completions", {**base, "structured_outputs": {"choice": ["a"], "regex": "b"}}, "structured_outputs"),
         ("/v1/chat/completions", {"messages": CHAT, "continue_final_message": True}, "continue_final_message"),
