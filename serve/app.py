@@ -563,7 +563,6 @@ class Completions:
         """The JSON response: each prompt's n best candidates (all of them without best_of), numbered prompt after
         prompt; usage and speculation stats."""
         n, candidates = body.choices()
-        wanted = body.logprobs_wanted()
         alone = not chat and body.token_limit() == 0  # max_tokens 0: the prompt alone
         choices, prompt_ids = [], None
         for p, prompt in enumerate(prompts):
@@ -572,11 +571,12 @@ class Completions:
                 text = self.echo_text(body, prompt)
                 echo = None if not text else (text, {})
             else:
-                echo = echoed(self.engine.tokenizer, prompt, group[0]) if body.echoes_prompt() else None
+                as_ids = body.return_tokens_as_token_ids
+                echo = echoed(self.engine.tokenizer, prompt, group[0], as_ids) if body.echoes_prompt() else None
             if body.return_token_ids:  # vLLM's: the prompt's ids per choice (a chat's once, beside the choices)
                 prompt_ids = self.prompt_ids(body, prompt, plan)
             for result in best(group, n):
-                choice = self._choice(len(choices), result, chat, wanted, echo, plan, alone)
+                choice = self._choice(len(choices), result, body, echo, plan, alone)
                 if body.return_token_ids:
                     choice["token_ids"] = [] if alone else list(result.token_ids)
                     if not chat:
@@ -599,18 +599,19 @@ class Completions:
         self,
         index: int,
         result: GenerationResult,
-        chat: bool,
-        wanted: int | None,
+        body: CompletionBody,
         echo: tuple[str, dict] | None,
         plan: ToolPlan | None = None,
         alone: bool = False,
     ) -> dict[str, Any]:
         """Choice `index` of `result`; alone (max_tokens 0): its echo alone, the generated token left out."""
+        chat, wanted = isinstance(body, ChatCompletionRequest), body.logprobs_wanted()
         reason = finish_reason(result)
         if alone:
             result = dataclasses.replace(result, text="", logprobs=[])
             reason = "length"
-        logprobs = None if wanted is None else render_logprobs(self.engine.tokenizer, result.logprobs, chat)
+        tokenizer, as_ids = self.engine.tokenizer, body.return_tokens_as_token_ids
+        logprobs = None if wanted is None else render_logprobs(tokenizer, result.logprobs, chat, as_ids)
         if echo is not None:  # the prompt's text (and a completion's its tokens) before the answer's
             text, before = echo
             result = dataclasses.replace(result, text=text + result.text)
@@ -786,7 +787,8 @@ class EventStream:
     ) -> str:
         """One event: `choice` (None: no choice, e.g. the usage chunk) with its tokens' log-probabilities if asked."""
         wanted = self.wants_logprobs and logprobs
-        rendered = render_logprobs(self.served.engine.tokenizer, logprobs, self.chat) if wanted else None
+        tokenizer, as_ids = self.served.engine.tokenizer, self.body.return_tokens_as_token_ids
+        rendered = render_logprobs(tokenizer, logprobs, self.chat, as_ids) if wanted else None
         doc = {
             "id": self.rid,
             "object": self.kind,
@@ -809,24 +811,27 @@ class EventStream:
         return {"text": text, "finish_reason": reason}
 
 
-def render_logprobs(tokenizer: Tokenizer, entries, chat: bool) -> dict[str, Any]:
+def render_logprobs(tokenizer: Tokenizer, entries, chat: bool, as_ids: bool = False) -> dict[str, Any]:
     """Log-probabilities in OpenAI's shape: chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`, or the
     completions API's legacy `{tokens, token_logprobs, top_logprobs, text_offset}` (its top_logprobs maps token text
-    to log-probability and holds the chosen token too, as OpenAI's does)."""
+    to log-probability and holds the chosen token too, as OpenAI's does). as_ids: tokens named `token_id:ID`
+    (vLLM's return_tokens_as_token_ids) instead of by their text."""
 
     def lp(x: float) -> float:
         return max(x, -9999.0)  # no -inf in JSON (vLLM's floor)
+
+    def name(t: int) -> str:
+        return f"token_id:{t}" if as_ids else tokenizer.token_text(t)
 
     if chat:
         return {
             "content": [
                 {
-                    "token": tokenizer.token_text(e.token_id),
+                    "token": name(e.token_id),
                     "logprob": lp(e.logprob),
                     "bytes": list(tokenizer.token_bytes(e.token_id)),
                     "top_logprobs": [
-                        {"token": tokenizer.token_text(t), "logprob": lp(v), "bytes": list(tokenizer.token_bytes(t))}
-                        for t, v in e.top
+                        {"token": name(t), "logprob": lp(v), "bytes": list(tokenizer.token_bytes(t))} for t, v in e.top
                     ],
                 }
                 for e in entries
@@ -834,26 +839,26 @@ def render_logprobs(tokenizer: Tokenizer, entries, chat: bool) -> dict[str, Any]
             "refusal": None,
         }
     return {
-        "tokens": [tokenizer.token_text(e.token_id) for e in entries],
+        "tokens": [name(e.token_id) for e in entries],
         "token_logprobs": [lp(e.logprob) for e in entries],
-        "top_logprobs": [
-            {tokenizer.token_text(t): lp(v) for t, v in (*e.top, (e.token_id, e.logprob))} for e in entries
-        ],
+        "top_logprobs": [{name(t): lp(v) for t, v in (*e.top, (e.token_id, e.logprob))} for e in entries],
         "text_offset": [e.text_offset for e in entries],
     }
 
 
-def echoed(tokenizer: Tokenizer, prompt: str | list[int], first: GenerationResult) -> tuple[str, dict[str, list]]:
+def echoed(
+    tokenizer: Tokenizer, prompt: str | list[int], first: GenerationResult, as_ids: bool = False
+) -> tuple[str, dict[str, list]]:
     """A completions prompt echoed: its text (as sent, or its ids decoded) and its legacy log-probabilities (the
     first token has none, as OpenAI's), from the candidate that computed them (None where none were asked)."""
     text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
     entries = first.prompt_logprobs
     if entries is None:
         return text, {}
-    rendered = render_logprobs(tokenizer, entries, chat=False)
+    rendered = render_logprobs(tokenizer, entries, False, as_ids)
     ids = encode_prompt(tokenizer, prompt)  # as the request was submitted
     return text, {
-        "tokens": [tokenizer.token_text(ids[0])] + rendered["tokens"],
+        "tokens": [f"token_id:{ids[0]}" if as_ids else tokenizer.token_text(ids[0])] + rendered["tokens"],
         "token_logprobs": [None] + rendered["token_logprobs"],
         "top_logprobs": [None] + rendered["top_logprobs"],
         "text_offset": [0] + rendered["text_offset"],

@@ -264,6 +264,7 @@ class _Generation(BaseModel):
     structured_outputs: StructuredOutputs | None = None  # vLLM's current form of the guided_* fields
     # more of vLLM's: the generated (and prompt) token ids in the answer; the prompt's last k tokens only
     return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False  # log-probabilities name tokens `token_id:ID`, not by their text
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     priority: int = 0  # vLLM's priority scheduling: this server schedules first come, first served
     # accepted and ignored: they do not change the output

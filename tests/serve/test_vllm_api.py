@@ -291,3 +291,31 @@ def test_chat_echo_and_continuous_usage(server):
     counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
     assert counts == sorted(counts) and all(c["usage"]["prompt_tokens"] == 2 for c in chunks if c["choices"])
     assert chunks[-1]["usage"]["completion_tokens"] == counts[-1] == 6
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id(server):
+    """Log-probabilities name their tokens `token_id:ID` (vLLM's), completions with echo and chat alike."""
+    ids = server.tok.encode("w10 w20")
+    body = {"prompt": ids, "max_tokens": 3, "echo": True, "logprobs": 2, "return_tokens_as_token_ids": True}
+    lp = completion(server, **body)["choices"][0]["logprobs"]
+    named = completion(server, **{**body, "return_tokens_as_token_ids": False})["choices"][0]["logprobs"]
+    assert lp["tokens"][:2] == ["token_id:10", "token_id:20"] and lp["token_logprobs"] == named["token_logprobs"]
+    assert [int(t.removeprefix("token_id:")) for t in lp["tokens"]] == server.tok.encode(" ".join(named["tokens"]))
+    r = post(
+        server,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": CHAT,
+            "max_tokens": 3,
+            "temperature": 0,
+            "logprobs": True,
+            "top_logprobs": 2,
+            "return_tokens_as_token_ids": True,
+        },
+    )
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert all(
+        c["token"].startswith("token_id:") and all(t["token"].startswith("token_id:") for t in c["top_logprobs"])
+        for c in content
+    )
