@@ -28,13 +28,15 @@ MAX_LOGPROBS = 20  # most alternatives per token (OpenAI's top_logprobs bound; v
 @dataclass(frozen=True)
 class TokenLogprob:
     """One generated token's log-probability under the base's raw distribution, its most likely alternatives
-    (`top`: (token id, log-probability) pairs, most likely first, ties by lower id; as many as asked) and where its
-    text starts in the generated text (`text_offset`: characters, counted in the text before any stop-string cut)."""
+    (`top`: (token id, log-probability) pairs, most likely first, ties by lower id; as many as asked), where its
+    text starts in the generated text (`text_offset`: characters, counted in the text before any stop-string cut)
+    and, where it was computed, its rank in the distribution (1 + how many tokens are more likely; vLLM's)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...]
     text_offset: int
+    rank: int | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,7 @@ class StepLogprobs:
     logprobs: np.ndarray  # [n] float64
     top_ids: np.ndarray  # [n, k] int64, most likely first
     top_logprobs: np.ndarray  # [n, k] float64
+    ranks: np.ndarray | None = None  # [n] int64: 1 + the tokens more likely than each (None: not computed)
 
     def entries(self, text_offsets: Sequence[int]) -> list[TokenLogprob]:
         """The first len(text_offsets) tokens (those the output kept) as TokenLogprobs, with their offsets."""
@@ -54,6 +57,7 @@ class StepLogprobs:
                 float(self.logprobs[i]),
                 tuple(zip(self.top_ids[i].tolist(), self.top_logprobs[i].tolist())),
                 int(text_offsets[i]),
+                None if self.ranks is None else int(self.ranks[i]),
             )
             for i in range(min(len(text_offsets), len(self.token_ids)))
         ]
@@ -89,13 +93,14 @@ def check_logprobs(k: int | None, param: str = "logprobs") -> None:
         )
 
 
-def token_logprobs(rows: np.ndarray, tokens: Sequence[int], k: int) -> StepLogprobs:
+def token_logprobs(rows: np.ndarray, tokens: Sequence[int], k: int, ranks: bool = False) -> StepLogprobs:
     """log_softmax of each row at its token, and each row's k most likely tokens.
 
     Args:
         rows: [n, V] raw logits; row i is the distribution token i was drawn from.
         tokens: [n] the tokens emitted.
         k: alternatives per token (0: none).
+        ranks: also each token's rank (the prompt's log-probabilities report it; generated tokens' do not).
 
     Returns:
         StepLogprobs, float64 (the log-sum-exp summed in float64).
@@ -107,6 +112,9 @@ def token_logprobs(rows: np.ndarray, tokens: Sequence[int], k: int) -> StepLogpr
     peak = x.max(axis=1, keepdims=True)
     # exp in the rows' precision (10x faster than float64 on a 49k vocabulary), summed in float64
     lse = peak[:, 0].astype(np.float64) + np.log(np.exp(x - peak).sum(axis=1, dtype=np.float64))  # [n]
-    chosen = x[np.arange(n), ids].astype(np.float64) - lse
+    picked = x[np.arange(n), ids]
+    chosen = picked.astype(np.float64) - lse
+    rank = 1 + (x > picked[:, None]).sum(axis=1) if ranks else None  # [n]
     top = topk_tokens(x, min(k, v)) if k else np.zeros((n, 0), dtype=np.int64)  # [n, k]
-    return StepLogprobs(ids, chosen, top, np.take_along_axis(x, top, axis=1).astype(np.float64) - lse[:, None])
+    top_lp = np.take_along_axis(x, top, axis=1).astype(np.float64) - lse[:, None]
+    return StepLogprobs(ids, chosen, top, top_lp, rank)

@@ -415,7 +415,7 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     prompt_lp = None
     if d.prompt_logprobs is not None:  # row i: the distribution of prompt token start + i + 1
         after = d.prompt[start + 1 : start + n + 1]
-        prompt_lp = token_logprobs(logits[: len(after)], after, d.prompt_logprobs)
+        prompt_lp = token_logprobs(logits[: len(after)], after, d.prompt_logprobs, ranks=True)
     if d.prefilling:
         runner.commit(np.arange(n), d.prompt[start + 1 : start + n + 1], slot=d.slot)
         return Step([], 0, rows=n, prompt_logprobs=prompt_lp)

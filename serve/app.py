@@ -572,15 +572,21 @@ class Completions:
                 echo = None if not text else (text, {})
             else:
                 as_ids = body.return_tokens_as_token_ids
-                echo = echoed(self.engine.tokenizer, prompt, group[0], as_ids) if body.echoes_prompt() else None
+                k = body.logprobs_wanted()
+                echo = echoed(self.engine.tokenizer, prompt, group[0], k, as_ids) if body.echoes_prompt() else None
             if body.return_token_ids:  # vLLM's: the prompt's ids per choice (a chat's once, beside the choices)
                 prompt_ids = self.prompt_ids(body, prompt, plan)
+            scored = None
+            if body.prompt_logprobs is not None:  # vLLM's: per choice (a chat's once, beside the choices)
+                scored = vllm_prompt_logprobs(self.engine.tokenizer, group[0], body.prompt_logprobs)
             for result in best(group, n):
                 choice = self._choice(len(choices), result, body, echo, plan, alone)
                 if body.return_token_ids:
                     choice["token_ids"] = [] if alone else list(result.token_ids)
                     if not chat:
                         choice["prompt_token_ids"] = prompt_ids
+                if scored is not None and not chat:
+                    choice["prompt_logprobs"] = scored
                 choices.append(choice)
         answer = {
             "id": rid,
@@ -593,6 +599,8 @@ class Completions:
         }
         if chat and body.return_token_ids:
             answer["prompt_token_ids"] = prompt_ids
+        if chat and scored is not None:
+            answer["prompt_logprobs"] = scored
         return JSONResponse(answer, headers={"X-Request-Id": rid})
 
     def _choice(
@@ -665,9 +673,35 @@ def _candidate(
         # best_of ranks candidates by their tokens' log-probabilities
         logprobs=wanted if wanted is not None or not ranked else 0,
         grammar=grammar,
-        # echo: the prompt's log-probabilities, once (the candidates share the prompt)
-        prompt_logprobs=wanted if body.echoes_prompt() and i == 0 else None,
+        # echo and prompt_logprobs: the prompt's log-probabilities, once (the candidates share the prompt)
+        prompt_logprobs=prompt_alternatives(body) if i == 0 else None,
     )
+
+
+def prompt_alternatives(body: CompletionBody) -> int | None:
+    """Alternatives per prompt token the request needs: echo's (with logprobs) and prompt_logprobs', the more."""
+    asked = [
+        k for k in (body.logprobs_wanted() if body.echoes_prompt() else None, body.prompt_logprobs) if k is not None
+    ]
+    return max(asked) if asked else None
+
+
+def vllm_prompt_logprobs(tokenizer: Tokenizer, result: GenerationResult, k: int) -> list[dict[str, Any] | None]:
+    """vLLM's prompt_logprobs: None for the first token, then per prompt token its own entry and the k most likely,
+    each `{"logprob", "rank", "decoded_token"}` by token id."""
+    out: list[dict[str, Any] | None] = [None]
+    for e in result.prompt_logprobs or ():
+        entry = {
+            str(t): {"logprob": max(v, -9999.0), "rank": r, "decoded_token": tokenizer.token_text(t)}
+            for r, (t, v) in enumerate(e.top[:k], 1)
+        }
+        entry[str(e.token_id)] = {
+            "logprob": max(e.logprob, -9999.0),
+            "rank": e.rank,
+            "decoded_token": tokenizer.token_text(e.token_id),
+        }
+        out.append(entry)
+    return out
 
 
 def _refusal(e: CloverError, body: CompletionBody, grammar_field: str | None) -> ApiError:
@@ -847,14 +881,15 @@ def render_logprobs(tokenizer: Tokenizer, entries, chat: bool, as_ids: bool = Fa
 
 
 def echoed(
-    tokenizer: Tokenizer, prompt: str | list[int], first: GenerationResult, as_ids: bool = False
+    tokenizer: Tokenizer, prompt: str | list[int], first: GenerationResult, k: int | None, as_ids: bool = False
 ) -> tuple[str, dict[str, list]]:
-    """A completions prompt echoed: its text (as sent, or its ids decoded) and its legacy log-probabilities (the
-    first token has none, as OpenAI's), from the candidate that computed them (None where none were asked)."""
+    """A completions prompt echoed: its text (as sent, or its ids decoded) and its legacy log-probabilities with k
+    alternatives (the first token has none, as OpenAI's), from the candidate that computed them (none where k is
+    None)."""
     text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
-    entries = first.prompt_logprobs
-    if entries is None:
+    if first.prompt_logprobs is None or k is None:
         return text, {}
+    entries = [dataclasses.replace(e, top=e.top[:k]) for e in first.prompt_logprobs]  # prompt_logprobs may ask more
     rendered = render_logprobs(tokenizer, entries, False, as_ids)
     ids = encode_prompt(tokenizer, prompt)  # as the request was submitted
     return text, {

@@ -265,6 +265,7 @@ class _Generation(BaseModel):
     # more of vLLM's: the generated (and prompt) token ids in the answer; the prompt's last k tokens only
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False  # log-probabilities name tokens `token_id:ID`, not by their text
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, vLLM's shape
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     priority: int = 0  # vLLM's priority scheduling: this server schedules first come, first served
     # accepted and ignored: they do not change the output

@@ -319,3 +319,21 @@ def test_return_tokens_as_token_ids_names_tokens_by_id(server):
         c["token"].startswith("token_id:") and all(t["token"].startswith("token_id:") for t in c["top_logprobs"])
         for c in content
     )
+
+
+def test_prompt_logprobs_in_vllm_s_shape(server):
+    """prompt_logprobs k: None for the first prompt token, then each token's own log-probability and rank beside the
+    k most likely (ranks 1..k), the same numbers echo's logprobs report; on chat beside the choices."""
+    ids = server.tok.encode("w10 w20 w30 w40")
+    got = completion(server, prompt=ids, max_tokens=2, prompt_logprobs=3)["choices"][0]["prompt_logprobs"]
+    echo = completion(server, prompt=ids, max_tokens=2, echo=True, logprobs=1)["choices"][0]["logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for i, entry in enumerate(got[1:], 1):
+        own = entry[str(ids[i])]
+        assert own["logprob"] == pytest.approx(echo["token_logprobs"][i], abs=1e-6)
+        assert own["decoded_token"] == f"w{ids[i]}" and own["rank"] >= 1
+        assert {v["rank"] for k, v in entry.items() if k != str(ids[i])} <= {1, 2, 3}
+        assert len(entry) == (3 if own["rank"] <= 3 else 4)  # the top 3, and the token itself where it is not in them
+        assert (own["rank"] == 1) == (own["logprob"] == max(v["logprob"] for v in entry.values()))
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 2, "prompt_logprobs": 1})
+    assert r.status_code == 200 and r.json()["prompt_logprobs"][0] is None
