@@ -206,6 +206,7 @@ def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tr
             and isinstance(t, Tree)
             and (d.drafts is DraftSource.HEADS or t.num_nodes == 1)
             and d.slot.past + t.num_nodes <= d.slot.capacity
+            and (d.processors is None or not d.processors.sequence_dependent)  # longer bad words: the host's
         ):
             groups.setdefault(id(t), []).append(i)
     return list(groups.values())

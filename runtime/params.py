@@ -152,6 +152,7 @@ class GenerationParams:
             ("stop_token_ids", self.stop_token_ids),
             ("logit_bias", [t for t, _ in self.sampling.logit_bias]),
             ("allowed_token_ids", self.sampling.allowed_token_ids),
+            ("bad_words", [t for w in self.sampling.bad_words for t in w]),
         ):
             for t in tokens:
                 if not (_token_id(t) and t < vocab_size):

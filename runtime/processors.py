@@ -16,8 +16,9 @@ keep their raw value.
 
 Order (vLLM's): logit_bias, then repetition_penalty (prompt + generated), then frequency and presence penalties
 (generated only), then the min_tokens mask (-inf on the end-of-sequence and stop-token ids), then the
-allowed_token_ids mask (-inf on every other token: the same for every row, so a tree's rows are masked as plain
-decoding's).
+allowed_token_ids mask (-inf on every other token) and bad_words (a one-token word -inf everywhere; a longer
+one's last token -inf on the rows whose context, the generated tokens then the row's path, ends with the rest of
+it): each row masked as plain decoding masks it once that path is generated.
 """
 
 from __future__ import annotations
@@ -51,10 +52,18 @@ class LogitsProcessors:
         self.min_tokens = sampling.min_tokens
         self.stop_ids = np.array(sorted(set(int(i) for i in stop_ids)), dtype=np.int64)  # masked before min_tokens
         self.path_dependent = bool(self.frequency or self.presence or self.repetition != 1)
-        self.banned = None  # [V] bool: tokens allowed_token_ids leaves out (None: every token allowed)
+        self.banned = None  # [V] bool: tokens no row may take (allowed_token_ids, one-token bad words); None: none
         if sampling.allowed_token_ids:
             self.banned = np.ones(vocab_size, dtype=bool)
             self.banned[list(sampling.allowed_token_ids)] = False
+        singles = [w[0] for w in sampling.bad_words if len(w) == 1]
+        if singles:
+            self.banned = np.zeros(vocab_size, dtype=bool) if self.banned is None else self.banned
+            self.banned[singles] = True
+        # longer bad words: (the tokens before the last, the last); they need the generated tokens themselves
+        self.bad_sequences = [(w[:-1], w[-1]) for w in sampling.bad_words if len(w) > 1]
+        self.tail: list[int] = []  # the last generated tokens, as many as the longest bad word's prefix
+        self.tail_length = max((len(p) for p, _ in self.bad_sequences), default=0)
 
     @classmethod
     def of(
@@ -63,7 +72,7 @@ class LogitsProcessors:
         """The chain for a request, or None when no processor would change a logit. stop_ids: the ids that end
         generation (end-of-sequence unless ignored, and the stop-token ids), masked before min_tokens."""
         penalties = sampling.presence_penalty or sampling.frequency_penalty or sampling.repetition_penalty != 1
-        masks = (sampling.min_tokens and len(stop_ids)) or sampling.allowed_token_ids
+        masks = (sampling.min_tokens and len(stop_ids)) or sampling.allowed_token_ids or sampling.bad_words
         if not (penalties or sampling.logit_bias or masks):
             return None
         return cls(sampling, prompt, stop_ids, vocab_size)
@@ -74,6 +83,8 @@ class LogitsProcessors:
         np.add.at(self.counts, t, 1)
         self.seen[t] = True
         self.generated += len(t)
+        if self.tail_length:
+            self.tail = (self.tail + [int(x) for x in t])[-self.tail_length :]
 
     def apply(self, logits: np.ndarray, tree: Tree, tokens: np.ndarray) -> np.ndarray:
         """The tree's rows adjusted, each with its own path's history.
@@ -104,6 +115,25 @@ class LogitsProcessors:
                 out[np.ix_(early, self.stop_ids)] = -np.inf
         if self.banned is not None:
             out[:, self.banned] = -np.inf
+        for row, token in self._bad_ends(tree, tokens):
+            out[row, token] = -np.inf
+        return out
+
+    @property
+    def sequence_dependent(self) -> bool:
+        """A row's mask depends on the tokens of its context themselves (longer bad words): the host path only."""
+        return bool(self.bad_sequences)
+
+    def _bad_ends(self, tree: Tree, tokens: np.ndarray) -> list[tuple[int, int]]:
+        """(row, token) for each longer bad word whose last token would complete it on that row: the row's context
+        (the generated tokens, then the drafted tokens of its path, the root excluded) ends with the rest of it."""
+        if not self.bad_sequences:
+            return []
+        out = []
+        for row in range(tree.num_nodes):
+            path = [int(tokens[j]) for j in np.flatnonzero(tree.ancestor_mask[row]) if j != 0]
+            context = self.tail + path
+            out += [(row, last) for prefix, last in self.bad_sequences if tuple(context[-len(prefix) :]) == prefix]
         return out
 
     def _columns(self) -> np.ndarray:

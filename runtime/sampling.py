@@ -42,6 +42,8 @@ class SamplingParams:
         (and stop strings are not matched before then).
     allowed_token_ids: vLLM's: only these tokens may be generated (every other logit -inf); () allows all. Kept
         sorted and unique.
+    bad_words: vLLM's, as token sequences: the last token of each is banned where the tokens generated so far end
+        with the rest of it (a one-token sequence: always).
 
     After the temperature (ignored when greedy; vLLM's, SGLang's and llama.cpp's): top_k: the k most likely
     tokens only (ties by lower id; 0 or -1: off); min_p: in [0, 1], only the tokens at least min_p times as likely
@@ -59,6 +61,7 @@ class SamplingParams:
     top_k: int = 0
     min_p: float = 0.0
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
@@ -87,12 +90,19 @@ class SamplingParams:
             raise CloverError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}", param="min_p")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         allowed = list(self.allowed_token_ids)
-        if any(isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)) or t < 0 for t in allowed):
+        if not all(_token(t) for t in allowed):
             raise CloverError(
                 f"allowed_token_ids must be token ids (ints >= 0), got {self.allowed_token_ids!r}",
                 param="allowed_token_ids",
             )
         object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
+        words = [tuple(w) for w in self.bad_words]
+        if any(not w or any(not _token(t) for t in w) for w in words):
+            raise CloverError(
+                f"bad_words must be non-empty sequences of token ids (ints >= 0), got {self.bad_words!r}",
+                param="bad_words",
+            )
+        object.__setattr__(self, "bad_words", tuple(dict.fromkeys(tuple(int(t) for t in w) for w in words)))
 
     @property
     def greedy(self) -> bool:
@@ -108,7 +118,12 @@ class SamplingParams:
             or self.logit_bias
             or self.min_tokens
             or self.allowed_token_ids
+            or self.bad_words
         )
+
+
+def _token(t) -> bool:
+    return isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) and t >= 0
 
 
 def _number(x) -> bool:

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -445,7 +445,7 @@ class Completions:
                 grammar, grammar_field = plan.grammar, plan.field
             n, candidates = body.choices()
             self._check_sequences(len(prompts) * candidates)
-            sampling = _sampling(body)
+            sampling = _sampling(body, bad_word_ids(self.engine.tokenizer, body.bad_words or ()))
             for prompt in prompts:
                 ids = self.prompt_ids(body, prompt, plan)
                 # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves:
@@ -639,7 +639,19 @@ class Completions:
         return {"index": index, "text": result.text, "finish_reason": reason, "logprobs": logprobs}
 
 
-def _sampling(body: CompletionBody) -> SamplingParams:
+def bad_word_ids(tokenizer: Tokenizer, words: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's bad_words as token sequences: each word's tokens, and its tokens after a space where they differ (a
+    word inside a sentence is usually the second)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)
+
+
+def _sampling(body: CompletionBody, bad_words: tuple[tuple[int, ...], ...] = ()) -> SamplingParams:
     return SamplingParams(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -652,6 +664,7 @@ def _sampling(body: CompletionBody) -> SamplingParams:
         logit_bias=body.logit_bias_ids(),
         min_tokens=body.min_tokens,
         allowed_token_ids=tuple(body.allowed_token_ids or ()),
+        bad_words=bad_words,
     )
 
 

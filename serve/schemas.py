@@ -54,6 +54,7 @@ UNKNOWN_FIELD = (
 INVALID_UNICODE = "invalid_unicode"  # the validation error of text holding a lone surrogate; ctx["field"] names it
 _TEXT_HOLDERS = (str, dict, list)  # what unicode_fault walks: a prompt of token ids (a long list of ints) is skipped
 MAX_CHOICES = 16  # n and best_of: each choice is a sequence of the batch
+MAX_BAD_WORDS = 256  # bad_words per request: each is checked against every row of every step
 MAX_PROMPTS = 64  # prompts of one completions request: each is best_of sequences of the batch
 TokenIdKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,17})$")]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
@@ -251,6 +252,7 @@ class _Generation(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=MAX_BAD_WORDS)
     ignore_eos: bool = False  # run to max_tokens past end-of-sequence (load tests)
     include_stop_str_in_output: bool = False  # the text ends after the stop string that ended it, not before
     skip_special_tokens: bool = True  # special tokens add no text (False: written out)
@@ -335,6 +337,7 @@ class _Generation(BaseModel):
                 ("min_tokens", self.min_tokens > 0),
                 ("stop_token_ids", bool(self.stop_token_ids)),
                 ("allowed_token_ids", bool(self.allowed_token_ids)),
+                ("bad_words", bool(self.bad_words)),
                 ("structured_output", self.grammar() is not None),
             )
             if on

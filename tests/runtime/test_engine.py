@@ -459,13 +459,15 @@ def test_threads_and_asyncio_callers_together_and_rss_flat_over_500_requests(art
 # -- logits processors and log-probabilities through the engine ---------------------------------------------------
 
 PENALTIES = SamplingParams(presence_penalty=2.0, frequency_penalty=2.0, repetition_penalty=2.0)
-# each request its own options, mixed in one batch: none, strong penalties, repetition with a bias, and a stop id
-# forced by logit_bias but masked by min_tokens until 5 tokens are out
+# each request its own options, mixed in one batch: none, strong penalties, repetition with a bias, a stop id
+# forced by logit_bias but masked by min_tokens until 5 tokens are out, allowed tokens with bad words
 OPTIONS = [
     {},
     {"sampling": PENALTIES},
     {"sampling": SamplingParams(repetition_penalty=1.5, frequency_penalty=0.5, logit_bias={50: 3.0})},
     {"sampling": SamplingParams(min_tokens=5, logit_bias={60: 100.0}), "stop_token_ids": [60]},
+    # allowed tokens, and bad words (the longer ones keep a sequence on the host path)
+    {"sampling": SamplingParams(allowed_token_ids=tuple(range(10, 90)), bad_words=((30,), (41, 42), (55, 56, 57)))},
 ]
 N_OPTIONS = 8  # the prompts these tests run
 

@@ -335,6 +335,23 @@ def test_allowed_token_ids_are_exact_under_speculation(base, tokenizer):
         assert set(got[0].token_ids) <= set(allowed) and len(got[0].token_ids) == 24
 
 
+def test_bad_words_are_exact_under_speculation(base, tokenizer):
+    """bad_words (token sequences): greedy speculative equals greedy plain, and no banned sequence is generated;
+    the words are taken from the plain answer, so each one changes it."""
+    plain = Generator(TorchRunner(base), tokenizer, "plain")
+    spec = Generator(TorchRunner(base, random_heads(base, "clover2", 0)), tokenizer, "mc26")
+    params = GenerationParams(max_new_tokens=24, ignore_eos=True)
+    free = plain.generate(PROMPTS[0], params).token_ids
+    words = ((free[2],), tuple(free[5:7]), tuple(free[9:12]))
+    sp = SamplingParams(bad_words=words)
+    got = [g.generate(PROMPTS[0], dataclasses.replace(params, sampling=sp)) for g in (plain, spec)]
+    assert_identical(got[1].token_ids, got[0].token_ids, "bad_words")
+    out = got[0].token_ids
+    assert out != free
+    for w in words:
+        assert not any(tuple(out[i : i + len(w)]) == w for i in range(len(out))), (w, out)
+
+
 def test_seeded_sampling_with_penalties_is_reproducible(base, tokenizer):
     gen = Generator(TorchRunner(base, random_heads(base, "clover2", 0)), tokenizer, "mc26")
     sp = dataclasses.replace(PENALTIES, temperature=0.9, top_p=0.95, seed=11, logit_bias={5: 3.0})

@@ -26,6 +26,7 @@ SETTINGS = {
     "logit_bias": SamplingParams(logit_bias={3: 5.0, 4: -100.0, 7: 2.5}),
     "min_tokens": SamplingParams(min_tokens=6),
     "allowed_token_ids": SamplingParams(allowed_token_ids=(2, 3, 5, 8, 11, 40)),
+    "bad_words": SamplingParams(bad_words=((3,), (5, 7), (2, 4, 6), (9, 9), (1, 1, 1, 1, 1, 8))),
     "all": SamplingParams(
         presence_penalty=1.5,
         frequency_penalty=2.0,
@@ -114,6 +115,8 @@ def test_nothing_runs_without_a_processor():
         ({"min_tokens": 2.0}, "min_tokens"),
         ({"allowed_token_ids": (3, -1)}, "allowed_token_ids"),
         ({"allowed_token_ids": (True,)}, "allowed_token_ids"),
+        ({"bad_words": ((),)}, "bad_words"),
+        ({"bad_words": ((4, -1),)}, "bad_words"),
     ],
 )
 def test_bad_values_name_their_param(kwargs, param):

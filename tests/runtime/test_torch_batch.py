@@ -274,6 +274,23 @@ def test_logits_processors_on_the_device_equal_the_host_path(models, spec):
         assert_identical(got[i], host[i], f"{spec} sequence {i} with processors")
 
 
+@pytest.mark.parametrize("spec", ["plain", "small"])
+def test_allowed_tokens_and_bad_words_through_the_stacked_runner_equal_the_host_path(models, spec):
+    """allowed_token_ids and one-token bad words masked on the device, longer bad words on the host path (their rows
+    read the tokens themselves): what plain greedy decoding with the same masks emits, sequence by sequence."""
+    base, heads = models["clover2"]
+    plain = [plain_tokens(base, p) for p in BATCH]
+    for sampling in (
+        SamplingParams(allowed_token_ids=tuple(range(0, 96, 2)), bad_words=((plain[0][1],),)),
+        SamplingParams(bad_words=((plain[0][1],), tuple(plain[1][2:4]))),
+    ):
+        host, _ = decode_together(TorchRunner(base), resolve_tree("plain"), BATCH, sampling=sampling)
+        assert host != [p[:N] for p in plain]  # the masks change the output
+        got, _ = decode_together(BatchedTorchRunner(base, heads), resolve_tree(spec), BATCH, sampling=sampling)
+        for i in range(len(BATCH)):
+            assert_identical(got[i], host[i], f"{spec} sequence {i} with {sampling}")
+
+
 @pytest.mark.parametrize("spec", ["plain", "chain-4", "mc26"])
 def test_device_processors_equal_the_numpy_ones_bit_for_bit(spec):
     """DeviceProcessors.apply against LogitsProcessors.apply (the reference) on random rows: drafted tokens from a

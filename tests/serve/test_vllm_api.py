@@ -218,6 +218,11 @@ def test_vllm_s_own_fields(server):
             r = post(server, "/v1/completions", {**body, "stream": stream})
             got = "".join(c["choices"][0]["text"] for c in events(r) if c["choices"]) if stream else None
             assert (got if stream else r.json()["choices"][0]["text"]).strip() == text.strip(), (include, stream)
+    free = completion(server, **{**base, "max_tokens": 8}, ignore_eos=True)["choices"][0]["text"].split()
+    banned = completion(server, **{**base, "max_tokens": 8}, ignore_eos=True, bad_words=[free[1], " ".join(free[4:6])])
+    words = banned["choices"][0]["text"].split()
+    assert words != free and free[1] not in words
+    assert not any(words[i : i + 2] == free[4:6] for i in range(len(words)))
     only = completion(server, **base, allowed_token_ids=[30, 31], return_token_ids=True)["choices"][0]
     assert set(only["token_ids"]) <= {30, 31} and len(only["token_ids"]) == 4
 
