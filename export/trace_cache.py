@@ -23,6 +23,7 @@ import importlib
 import os
 import shutil
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,6 +33,7 @@ import torch
 from clover import atomic
 from clover.artifact import GraphSpec
 from clover.cache import cache_dir
+from clover.errors import CloverError
 from clover.export.graphs import EXPORT_SIZES, GraphDef
 
 TRACE_CACHE_ENV = "CLOVER_TRACE_CACHE"
@@ -51,27 +53,28 @@ def trace_folder() -> Path | None:
 
 def traced(graph: GraphDef, out_dir: Path, opset: int, trace: Callable[[GraphDef, Path, int], GraphSpec]) -> GraphSpec:
     """`trace(graph, out_dir, opset)`'s files in out_dir (<name>.onnx and its external data), from the cache when
-    this graph was traced before; the files are copies, free to be rewritten (quantized) in place."""
+    this graph was traced before; the files are copies, free to be rewritten (quantized) in place. The cache is
+    best-effort: one that cannot be written (a full disk, a path that is not a folder) costs a trace, not the
+    export."""
     from clover.export.onnx_graph import graph_spec
 
     out_dir.mkdir(parents=True, exist_ok=True)
     folder = trace_folder()
     key = trace_key(graph, opset) if folder is not None else None
-    if key is None:
+    lock = _cache_lock(folder, key) if key is not None else None
+    if lock is None:
         return trace(graph, out_dir, opset)
     entry = folder / key
-    folder.mkdir(parents=True, exist_ok=True)
-    with _locked(folder / f".{key}.lock"):
+    with lock:
         if entry.is_dir():
             _copy_files(entry, out_dir)
             os.utime(entry)  # the most recently used
         else:
-            with atomic.staging_folder(entry) as tmp:
-                trace(graph, tmp, opset)
-                _copy_files(tmp, out_dir)
-                if _size(tmp) <= _limit_bytes() / 2:  # a larger one is used once and not kept
-                    atomic.publish_folder(tmp, entry)
-    _evict(folder, keep=entry)
+            _trace_and_keep(graph, out_dir, opset, trace, entry)
+    try:
+        _evict(folder, keep=entry)
+    except OSError:  # an entry another process is deleting, say: the next export evicts
+        pass
     return graph_spec(out_dir / f"{graph.name}.onnx")
 
 
@@ -79,6 +82,34 @@ def _copy_files(src: Path, dest: Path) -> None:
     dest.mkdir(parents=True, exist_ok=True)
     for f in sorted(src.iterdir()):
         shutil.copyfile(f, dest / f.name)
+
+
+def _cache_lock(folder: Path, key: str) -> _Locked | None:
+    """The key's lock in the cache folder, taken; None where the folder cannot be made or written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        return _Locked(folder / f".{key}.lock")
+    except OSError:
+        return None
+
+
+def _trace_and_keep(graph: GraphDef, out_dir: Path, opset: int, trace: Callable, entry: Path) -> None:
+    """Trace into a folder of its own beside the export's files, keep a copy in the cache (a larger one than half
+    its limit is used once and not kept), then move the files into out_dir."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".trace-{graph.name}-", dir=out_dir))
+    try:
+        trace(graph, tmp, opset)
+        if _size(tmp) <= _limit_bytes() / 2:
+            try:
+                with atomic.staging_folder(entry) as staged:
+                    _copy_files(tmp, staged)
+                    atomic.publish_folder(staged, entry)
+            except (OSError, CloverError):  # no room for the cache: the next export traces again, nothing more
+                pass
+        for f in tmp.iterdir():
+            os.replace(f, out_dir / f.name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def trace_key(graph: GraphDef, opset: int) -> str | None:
@@ -154,17 +185,17 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-class _locked:
-    """An exclusive lock on `path` (fcntl), held for a `with` block."""
+class _Locked:
+    """An exclusive lock on `path` (fcntl), taken when made, released at the end of a `with` block."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
         import fcntl
 
-        self.file = open(self.path, "w")  # noqa: SIM115 (held open for the block)
+        self.file = open(path, "w")  # noqa: SIM115 (held open until released)
         fcntl.flock(self.file, fcntl.LOCK_EX)
+
+    def __enter__(self) -> _Locked:
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.file.close()  # closing releases the lock

@@ -104,3 +104,17 @@ def test_off_traces_every_time_and_writes_no_cache(tmp_path, monkeypatch):
     for out in ("a", "b"):
         traced(medusa(1), tmp_path / out, 20, trace)
     assert trace.calls == 2 and not (tmp_path / "cache").exists()
+
+
+def test_a_cache_that_cannot_be_written_costs_a_trace_not_the_export(tmp_path, monkeypatch):
+    """The cache is best-effort: a CLOVER_TRACE_CACHE that is a file (no folder can be made there) traces every
+    time and the export's files are whole; a trace that leaves no room in the cache still lands in out_dir."""
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv(TRACE_CACHE_ENV, str(blocked / "traces"))
+    trace = Counted()
+    for out in ("a", "b"):
+        spec = traced(medusa(1), tmp_path / out, 20, trace)
+        check_onnx(tmp_path / out / spec.file)
+    assert trace.calls == 2 and digests(tmp_path / "a") == digests(tmp_path / "b")
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".trace-")]  # no staging left behind
