@@ -24,7 +24,7 @@ from starlette.concurrency import run_in_threadpool
 from clover.errors import CloverError
 from clover.runtime.engine import EngineStream
 from clover.runtime.results import GenerationResult
-from clover.serve.schemas import ApiError, ChatCompletionRequest, new_id, now
+from clover.serve.schemas import ApiError, ChatCompletionRequest, FunctionDefinition, NamedFunction, new_id, now
 from clover.serve.tool_calls import ToolCall, ToolPlan, parse
 
 MAX_STORED = 1000  # stored responses kept (the oldest go first)
@@ -75,21 +75,16 @@ class FunctionCallOutputItem(BaseModel):
 InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(union_mode="left_to_right")]
 
 
-class FunctionTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionTool(FunctionDefinition):
+    """A function tool as the Responses API sends it: the chat API's function definition, flat, with its type."""
 
     type: Literal["function"]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the arguments always follow the schema where a call is constrained
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedTool(NamedFunction):
+    """tool_choice naming a function, the Responses API's flat form of the chat API's."""
 
     type: Literal["function"]
-    name: str
 
 
 class TextFormat(BaseModel):
@@ -115,7 +110,7 @@ class ResponsesRequest(BaseModel):
     input: str | list[InputItem]
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
@@ -169,7 +164,7 @@ class ResponsesRequest(BaseModel):
                 }
                 for t in self.tools
             ]
-        if isinstance(self.tool_choice, NamedFunction):
+        if isinstance(self.tool_choice, NamedTool):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
         elif self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
@@ -239,7 +234,7 @@ def response_object(body: ResponsesRequest, rid: str, status: str, output: list,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": result.prompt_tokens + result.new_tokens,
         }
-    tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedFunction) else body.tool_choice
+    tool_choice = body.tool_choice.model_dump() if isinstance(body.tool_choice, NamedTool) else body.tool_choice
     return {
         "id": rid,
         "object": "response",
@@ -317,9 +312,11 @@ class ResponseEvents:
     (response.incomplete where max_output_tokens cut it)."""
 
     def __init__(self, served: Any, store: Store, out: EngineStream, turn: Turn) -> None:
-        self.served, self.store, self.out, self.turn = served, store, out, turn
+        self.served, self.store, self.out = served, store, out
         self.body, self.rid, self.messages, self.plan = turn.body, turn.rid, turn.messages, turn.plan
         self.sequence = 0
+        self.text, self.calls = "", []  # what has settled so far
+        self.message: dict[str, Any] | None = None  # the message item, once it has text
 
     def event(self, kind: str, **fields: Any) -> str:
         doc = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -328,27 +325,17 @@ class ResponseEvents:
 
     async def events(self) -> AsyncIterator[str]:
         body, out = self.body, self.out
-        yield self.event("response.created", response=response_object(body, self.rid, "in_progress", [], None))
-        yield self.event("response.in_progress", response=response_object(body, self.rid, "in_progress", [], None))
-        tools = self.plan.stream() if self.plan is not None and self.plan.split is not None else None
-        text, calls, message = "", [], None
+        started = response_object(body, self.rid, "in_progress", [], None)
+        yield self.event("response.created", response=started)
+        yield self.event("response.in_progress", response=started)
+        tools = self.plan.stream() if self.plan.split is not None else None
         try:
             async for delta in out:
-                piece, found = tools.feed(delta.text) if tools is not None else (delta.text, [])
-                for chunk in self.text_events(piece, message):
-                    if isinstance(chunk, dict):
-                        message = chunk
-                    else:
-                        yield chunk
-                text, calls = text + piece, calls + found
+                for event in self.settled(*(tools.feed(delta.text) if tools is not None else (delta.text, []))):
+                    yield event
             if tools is not None:
-                piece, found = tools.finish()
-                for chunk in self.text_events(piece, message):
-                    if isinstance(chunk, dict):
-                        message = chunk
-                    else:
-                        yield chunk
-                text, calls = text + piece, calls + found
+                for event in self.settled(*tools.finish()):
+                    yield event
         except CloverError as e:
             failed = response_object(body, self.rid, "failed", [], None)
             failed["error"] = {"code": "server_error", "message": str(e)}
@@ -357,18 +344,14 @@ class ResponseEvents:
         finally:
             if out.result is None:
                 out.cancel()
-        result = out.result
+        result, text, message = out.result, self.text, self.message
         self.served.metrics.finished(result, "length" if result.finish_reason == "length" else "stop")
-        items = output_items(text, calls)
+        items = output_items(text, self.calls)
         if message is not None:  # the streamed message keeps its id
             items[0]["id"] = message["id"]
             part = items[0]["content"][0]
-            yield self.event(
-                "response.output_text.done", item_id=message["id"], output_index=0, content_index=0, text=text
-            )
-            yield self.event(
-                "response.content_part.done", item_id=message["id"], output_index=0, content_index=0, part=part
-            )
+            yield self.event("response.output_text.done", **self.place(), text=text)
+            yield self.event("response.content_part.done", **self.place(), part=part)
             yield self.event("response.output_item.done", output_index=0, item=items[0])
         first = 1 if message is not None else 0
         for i, item in enumerate(items[first:], first):
@@ -379,28 +362,25 @@ class ResponseEvents:
             yield self.event("response.output_item.done", output_index=i, item=item)
         doc = response_object(body, self.rid, "completed", items, result)
         if body.store:
-            self.store.put(doc, conversation_after(self.messages, text, calls))
+            self.store.put(doc, conversation_after(self.messages, text, self.calls))
         yield self.event("response.incomplete" if doc["status"] == "incomplete" else "response.completed", response=doc)
 
-    def text_events(self, piece: str, message: dict[str, Any] | None):
-        """The events of settled text `piece`: the message item and its text part opened first (yielded as a dict:
-        the caller keeps it), then the delta."""
+    def place(self) -> dict[str, Any]:
+        """Where the message's text is: its item, the first output, the first content part."""
+        return {"item_id": self.message["id"], "output_index": 0, "content_index": 0}
+
+    def settled(self, piece: str, found: list[ToolCall]) -> list[str]:
+        """The events of text that settled (calls are sent whole at the end): the message item and its text part
+        opened before its first text, then the delta."""
+        self.text, self.calls = self.text + piece, self.calls + found
         if not piece:
-            return
-        if message is None:
-            message = {
-                "type": "message",
-                "id": new_id("msg"),
-                "status": "in_progress",
-                "role": "assistant",
-                "content": [],
-            }
-            yield message
-            yield self.event("response.output_item.added", output_index=0, item=message)
+            return []
+        events = []
+        if self.message is None:
+            self.message = {"type": "message", "id": new_id("msg"), "status": "in_progress", "role": "assistant"}
+            self.message["content"] = []
+            events.append(self.event("response.output_item.added", output_index=0, item=self.message))
             part = {"type": "output_text", "text": "", "annotations": []}
-            yield self.event(
-                "response.content_part.added", item_id=message["id"], output_index=0, content_index=0, part=part
-            )
-        yield self.event(
-            "response.output_text.delta", item_id=message["id"], output_index=0, content_index=0, delta=piece
-        )
+            events.append(self.event("response.content_part.added", **self.place(), part=part))
+        events.append(self.event("response.output_text.delta", **self.place(), delta=piece))
+        return events
