@@ -105,6 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: over the batch's candidates, the base's top-k tokens; several times faster on CPU)",
     )
     p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per optimiser step")
+    p.add_argument(
+        "--feature-noise",
+        type=float,
+        default=0.0,
+        metavar="A",
+        help="train on the base's features plus uniform noise of amplitude A x each row's RMS, as EAGLE trains "
+        "its drafter (0: none; the targets stay clean)",
+    )
+    p.add_argument(
+        "--keep",
+        choices=("best", "last"),
+        default="best",
+        help="heads written at the schedule's end: the validated epoch with the best chain acceptance (with "
+        "--init, the starting heads too, validated before the first step), or the last epoch's",
+    )
     p.add_argument("--gen-batch", type=int, default=64, help="sequences generated together (--responses base)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N")
     p.add_argument(
@@ -161,11 +176,13 @@ def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> i
     from clover.models.loading import load_base
     from clover.models.smollm2 import cache_dir, resolve_base
     from clover.runtime.tokenizer import Tokenizer
-    from clover.train.trainer import Budget, TrainConfig, Trainer
+    from clover.train.trainer import Budget, TrainConfig, Trainer, describe
 
     started = time.time()
     if args.out is None and not args.prepare_only:
         raise CloverError("--out is required (where to write the heads), unless --prepare-only")
+    if not 0 <= args.feature_noise <= 10:
+        raise CloverError(f"--feature-noise must be between 0 and 10, got {args.feature_noise}")
     for name in ("max_tokens", "topk", "batch_tokens", "gen_batch", "max_length", "max_new_tokens"):
         if getattr(args, name) < 1:
             raise CloverError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -221,12 +238,15 @@ def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> i
         seed=args.seed,
         batch_tokens=args.batch_tokens,
         batch_softmax=not args.full_vocab,
+        feature_noise=args.feature_noise,
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(base, heads, cache, cfg, args.out, device)
+    trainer = Trainer(base, heads, cache, cfg, args.out, device, initialised=initial is not None)
     if args.resume:
         done = trainer.resume()
         print(f"resumed after {done:g} epochs", file=sys.stderr)
+    elif initial is not None and args.keep == "best":
+        print(describe(trainer.validate_initial()), file=sys.stderr)
     budget = Budget(
         started + args.max_minutes * 60 if args.max_minutes else None,
         args.checkpoint_minutes * 60 if args.checkpoint_minutes else None,
@@ -241,8 +261,13 @@ def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> i
             f"training: {training_speed(cache, history)} loss tokens/s (epoch wall time, validation included)",
             file=sys.stderr,
         )
+    kept = None
+    if args.keep == "best" and not history.stopped and history.epochs:
+        kept = trainer.keep_best()
+        if kept != history.epochs[-1].epoch:
+            print(f"kept the heads of epoch {kept} (the best validated chain acceptance)", file=sys.stderr)
     save_heads(heads, args.out)
-    write_provenance(args, cfg, cache, history, time.time() - started, device, corpora)
+    write_provenance(args, cfg, cache, history, time.time() - started, device, corpora, kept)
     if history.stopped:
         print(
             f"stopped at the time budget after {history.steps}/{history.total_steps} steps: heads so far written to "
@@ -493,7 +518,9 @@ def hardware(device) -> dict:
     }
 
 
-def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: float, device, corpora=(None,)) -> None:
+def write_provenance(
+    args: argparse.Namespace, cfg, cache, history, seconds: float, device, corpora=(None,), kept: int | None = None
+) -> None:
     """training.json: how these heads were made (command, data slice, seed, time, hardware, metrics), with one
     record per invocation (a run cut by --max-minutes and its --resume runs each add theirs)."""
     import torch
@@ -542,6 +569,8 @@ def write_provenance(args: argparse.Namespace, cfg, cache, history, seconds: flo
         "hardware": hardware(device),  # this invocation's (each run records its device)
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "epochs": [asdict(m) for m in history.epochs],
+        "initial": asdict(history.initial) if history.initial is not None else None,  # the --init heads, epoch 0
+        "kept_epoch": kept,  # the epoch whose heads were written (0: the --init heads; None: the run was cut)
     }
     atomic.write_text(args.out / "training.json", json.dumps(prov, indent=2) + "\n")
 

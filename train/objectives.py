@@ -163,11 +163,24 @@ def distill_loss(
     return total, stats
 
 
-def head_outputs(heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int) -> list[torch.Tensor]:
-    """The heads' teacher-forced pre-LM-head vectors per depth (float32), bf16 matmuls inside."""
+def head_outputs(
+    heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int, noise: float = 0.0
+) -> list[torch.Tensor]:
+    """The heads' teacher-forced pre-LM-head vectors per depth (float32), bf16 matmuls inside; `noise` > 0 feeds
+    them the base's features with uniform noise (`with_noise`), the targets staying clean."""
     hidden = batch["hidden"].float()
+    if noise:
+        hidden = with_noise(hidden, noise)
     with mixed_precision(hidden.device):
         return [o.float() for o in heads.teacher_forced(hidden, batch["tokens"].long(), depths)]
+
+
+def with_noise(hidden: torch.Tensor, noise: float) -> torch.Tensor:
+    """hidden + U(-a, a) per element, a = `noise` x the row's RMS. EAGLE trains its drafter on noisy features so
+    that it tolerates the errors of its own predicted ones; scaling by the row's RMS makes one setting fit bases
+    whose residual streams differ in scale (SmolLM2's rows: RMS ~32)."""
+    amplitude = noise * hidden.pow(2).mean(-1, keepdim=True).sqrt()
+    return hidden + (torch.rand_like(hidden) * 2 - 1) * amplitude
 
 
 def mixed_precision(device: torch.device):

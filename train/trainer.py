@@ -48,6 +48,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     betas: tuple[float, float] = (0.9, 0.95)
     batch_softmax: bool = True  # training softmax over the batch's candidate tokens (see objectives.py)
+    feature_noise: float = 0.0  # uniform noise on the fed features, x each row's RMS (objectives.with_noise)
 
     @property
     def peak_lr(self) -> float:
@@ -57,7 +58,7 @@ class TrainConfig:
 @dataclass
 class EpochMetrics:
     epoch: int
-    train_loss: float
+    train_loss: float | None  # None: epoch 0, the heads before training
     train_top1: list[float]
     val_loss: float
     val_top1: list[float]  # per depth: head argmax == base argmax, on validation rows with a target
@@ -72,6 +73,7 @@ class EpochMetrics:
 @dataclass
 class History:
     epochs: list[EpochMetrics] = field(default_factory=list)
+    initial: EpochMetrics | None = None  # the --init heads' validation before any step (epoch 0)
     steps: int = 0  # optimiser steps done (of the schedule's, total_steps)
     total_steps: int = 0
     stopped: bool = False  # the budget stopped the run before the schedule's end (a checkpoint holds where)
@@ -133,8 +135,12 @@ class Trainer:
         cfg: TrainConfig,
         out: Path,
         device: torch.device,
+        initialised: bool = False,
     ):
+        """`initialised`: the heads are trained ones (--init): `validate_initial` and `keep_best` may keep them."""
         self.base, self.heads, self.cache, self.cfg, self.out, self.device = base, heads, cache, cfg, Path(out), device
+        # the --init heads as they came, before a resume overwrites them
+        self.initial_state = {k: v.detach().clone() for k, v in heads.state_dict().items()} if initialised else None
         self.recipe = RECIPES[cfg.arch]
         self.lm_bf16 = base.lm_head.weight.detach().to(torch.bfloat16)
         params = [p for p in heads.parameters() if p.requires_grad]
@@ -163,6 +169,7 @@ class Trainer:
             "optimizer": self.opt.state_dict(),
             "config": asdict(self.cfg),
             "history": [asdict(m) for m in self.history.epochs],
+            "initial": asdict(self.history.initial) if self.history.initial is not None else None,
             "torch_rng": torch.get_rng_state(),
         }
         if self.device.type == "cuda":
@@ -183,7 +190,8 @@ class Trainer:
         state = torch.load(ckpts[-1], weights_only=True)  # tensors, numbers, strings and containers only: no code runs
         saved = {k: (tuple(v) if isinstance(v, list) else v) for k, v in state["config"].items()}
         mine = asdict(self.cfg)
-        differs = [k for k in mine if k not in ("epochs",) and saved.get(k) != mine[k]]
+        defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}  # a field newer than the checkpoint
+        differs = [k for k in mine if k not in ("epochs",) and saved.get(k, defaults[k]) != mine[k]]
         if differs:
             raise CloverError(
                 f"--resume: checkpoint {ckpts[-1]} was trained with other settings ({', '.join(differs)}): "
@@ -195,6 +203,8 @@ class Trainer:
         if "cuda_rng" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda_rng"], self.device)
         self.history.epochs = [EpochMetrics(**m) for m in state["history"]]
+        if state.get("initial") is not None:
+            self.history.initial = EpochMetrics(**state["initial"])
         if "batch" in state:  # inside an epoch: go on at its next batch with its sums so far
             self.start_epoch, self.start_batch = state["epoch"], state["batch"]
             self.sums = EpochSums(**state["sums"])
@@ -274,7 +284,10 @@ class Trainer:
             group["lr"] = lr_at(step, self.total_steps, cfg)
         batch = self.to_device(self.cache.batch(seq_ids))
         vocab = Vocab.of_batch(batch, self.base.lm_head.weight, self.frequent) if cfg.batch_softmax else None
-        loss, stats = distill_loss(self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16, vocab)
+        outs = head_outputs(self.heads, batch, cfg.depths, noise=cfg.feature_noise)
+        loss, stats = distill_loss(
+            self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16, vocab, outs=outs
+        )
         if not loss.requires_grad:  # no row of this batch has a target at any depth: nothing to learn
             return
         self.opt.zero_grad(set_to_none=True)
@@ -288,11 +301,45 @@ class Trainer:
 
     def end_epoch(self, epoch: int, sums: EpochSums, seconds: float) -> EpochMetrics:
         """Validation, the epoch's metrics in the history, and its checkpoint."""
-        val_loss, val_top1, val_topk, val_early, chain = self.validate()
-        m = EpochMetrics(
+        m = self.metrics(
             epoch + 1,
             round(sums.loss_sum / max(1, sums.n_batches), 4),
             [round(c / max(1, n), 4) for c, n in zip(sums.correct, sums.count)],
+            seconds,
+        )
+        self.history.epochs.append(m)
+        self.save_checkpoint(epoch)
+        return m
+
+    def validate_initial(self) -> EpochMetrics:
+        """The heads' validation before training (epoch 0): the bar that `keep_best` holds trained epochs to."""
+        t0 = time.time()
+        self.history.initial = self.metrics(0, None, [], 0.0)
+        self.history.initial.seconds = round(time.time() - t0, 1)
+        return self.history.initial
+
+    def keep_best(self) -> int:
+        """Put back the heads of the validated epoch with the best chain acceptance (the first of equals; 0: the
+        heads before training, if `validate_initial` measured them) and return that epoch."""
+        if not self.history.epochs:
+            return 0
+        initial = [self.history.initial] if self.history.initial is not None and self.initial_state is not None else []
+        best = max(initial + self.history.epochs, key=lambda m: (m.val_chain_accept, -m.epoch))
+        if best is self.history.epochs[-1]:
+            return best.epoch
+        if best.epoch == 0:
+            state = self.initial_state
+        else:
+            state = torch.load(self.checkpoint_path(best.epoch - 1), weights_only=True)["heads"]
+        self.heads.load_state_dict(state)
+        return best.epoch
+
+    def metrics(self, epoch: int, train_loss: float | None, train_top1: list[float], seconds: float) -> EpochMetrics:
+        val_loss, val_top1, val_topk, val_early, chain = self.validate()
+        return EpochMetrics(
+            epoch,
+            train_loss,
+            train_top1,
             round(val_loss, 4),
             [round(x, 4) for x in val_top1],
             round(chain, 3),
@@ -300,9 +347,6 @@ class Trainer:
             [round(x, 4) for x in val_topk],
             [round(x, 4) for x in val_early],
         )
-        self.history.epochs.append(m)
-        self.save_checkpoint(epoch)
-        return m
 
     @torch.no_grad()
     def validate(self) -> tuple[float, list[float], list[float], list[float], float]:
@@ -344,7 +388,8 @@ class Trainer:
 def describe(m: EpochMetrics) -> str:
     """One line of an epoch's metrics."""
     return (
-        f"epoch {m.epoch}: train loss {m.train_loss:.3f}, val loss {m.val_loss:.3f}, val top-1 per depth "
+        (f"epoch {m.epoch}: train loss {m.train_loss:.3f}, " if m.train_loss is not None else "before training: ")
+        + f"val loss {m.val_loss:.3f}, val top-1 per depth "
         + " ".join(f"{x:.3f}" for x in m.val_top1)
         + f", top-{TOPK_ACCURACY} "
         + " ".join(f"{x:.3f}" for x in m.val_topk)

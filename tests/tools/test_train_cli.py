@@ -228,3 +228,37 @@ def test_bfloat16_heads_load_as_float16_ones_do(setup):
     again = load_heads(root / "bf16", b)
     for k, v in heads.state_dict().items():
         torch.testing.assert_close(again.state_dict()[k], v.to(torch.bfloat16).float())
+
+
+def test_best_epoch_is_kept_and_feature_noise_is_seeded(setup, capsys):
+    root, _, _ = setup
+    start = root / "keep-start"
+    assert _train(setup, start, "--arch", "clover2", "--epochs", "2", "--num-heads", "2") == 0
+    # a learning rate that wrecks the heads: no trained epoch beats the --init heads, which are written back
+    best, last = root / "keep-best", root / "keep-last"
+    wreck = ("--init", str(start), "--epochs", "1", "--lr", "50", "--seed", "1")
+    capsys.readouterr()
+    assert _train(setup, best, *wreck) == 0
+    err = capsys.readouterr().err
+    assert "before training: val loss" in err and "kept the heads of epoch 0" in err
+    assert _train(setup, last, *wreck, "--keep", "last") == 0
+    prov = json.loads((best / "training.json").read_text())
+    assert prov["kept_epoch"] == 0 and prov["initial"]["epoch"] == 0 and prov["initial"]["train_loss"] is None
+    assert prov["initial"]["val_chain_accept"] > prov["epochs"][0]["val_chain_accept"]
+    assert json.loads((last / "training.json").read_text())["kept_epoch"] is None
+    ws, wb, wl = (load_file(str(d / "heads.safetensors")) for d in (start, best, last))
+    assert all(np.array_equal(ws[k], wb[k]) for k in ws)
+    assert not all(np.array_equal(ws[k], wl[k]) for k in ws)
+    # noise on the fed features changes the heads, the same way for the same seed, and they stay lossless
+    args = ("--arch", "clover2", "--epochs", "1", "--num-heads", "2", "--feature-noise", "0.5")
+    n1, n2, clean = root / "noise-1", root / "noise-2", root / "noise-0"
+    assert _train(setup, n1, *args) == 0 and _train(setup, n2, *args) == 0
+    assert _train(setup, clean, *args[:-2]) == 0
+    w1, w2, w0 = (load_file(str(d / "heads.safetensors")) for d in (n1, n2, clean))
+    assert all(np.array_equal(w1[k], w2[k]) for k in w1)
+    assert not all(np.array_equal(w1[k], w0[k]) for k in w1)
+    assert json.loads((n1 / "training.json").read_text())["train_config"]["feature_noise"] == 0.5
+    _, base, _ = setup
+    prompt, params = [3, 20, 21, 4, 5], GenerationParams(max_new_tokens=20, ignore_eos=True)
+    plain = Generator.load(base, "none").generate(prompt, params)
+    assert Generator.load(base, str(n1), tree="chain-2").generate(prompt, params).token_ids == plain.token_ids
