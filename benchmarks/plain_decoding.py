@@ -39,8 +39,8 @@ def main() -> None:
     import transformers
     from tqdm import tqdm
 
+    from clover.runtime.backends.torch import base_dir
     from clover.runtime.generator import Generator
-    from clover.runtime.torch_backend import base_dir
 
     path = base_dir(args.base)
     gen = Generator.load(args.base, "none", "torch")

@@ -30,9 +30,9 @@ from pathlib import Path
 import jsonschema
 from tqdm import tqdm
 
+from clover.runtime.backends.ort import base_dir, load_runner
 from clover.runtime.generator import Generator
 from clover.runtime.grammar import Grammar
-from clover.runtime.ort_backend import base_dir, load_runner
 from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.demo import demo_artifact, demo_tree

@@ -206,7 +206,7 @@ def check_batched(folder: Path, manifest, sequences: int = 3, seed: int = 0) -> 
     every logit and hidden state must be bit for bit the same: prompts of different lengths, then a step
     with chains of different lengths, then a plain step."""
     from clover.runtime.backend import Verify
-    from clover.runtime.ort_backend import OrtOptions, OrtRunner
+    from clover.runtime.backends.ort import OrtOptions, OrtRunner
 
     runner = OrtRunner(folder, manifest, use_heads=False, options=OrtOptions(spin=False, checksums=False, batch=True))
     n = min(sequences, runner.batch_slots)

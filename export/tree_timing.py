@@ -98,9 +98,9 @@ def fastest_tree(
     tree with prompt lookup merged in, on the artifact's graphs in `root` (its manifest given, not yet written,
     with its n-gram store if any); returns the default tree (None without heads), the default draft source
     ("heads", "lookup" or "heads+lookup") and the record of the timing for the manifest."""
+    from clover.runtime.backends.ort import OrtOptions, OrtRunner
     from clover.runtime.configure import lookup_length
     from clover.runtime.loop import LOOKUP_DRAFTS, chain
-    from clover.runtime.ort_backend import OrtOptions, OrtRunner
     from clover.runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_dir(root / manifest.tokenizer)

@@ -17,7 +17,7 @@ flag PREFER_AOT_PYTHON_PLUGINS, which Polygraphy's network loaders cannot set, o
   engine and launches it itself, so running an engine needs neither Python nor this module.
 - @trtp.impl (JIT, a Python callback per launch), on 10.7 and 10.8 only: the same Triton kernel through
   its PyTorch launcher; engines built with it need this module registered where they run
-  (clover.runtime.trt_backend does that for `plugin` artifacts).
+  (clover.runtime.backends.trt does that for `plugin` artifacts).
 
 Kernel ABI: TensorRT launches an AOT kernel with the input pointers, then the extra scalar arguments,
 then the output pointers ("extra_args: symbolic expressions for scalar inputs to the kernel, located

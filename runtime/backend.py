@@ -35,7 +35,7 @@ class RunnerInfo:
     heads_name: str = "none"  # what --heads named, for reports
     default_tree: Tree | None = None  # the tree an exported artifact was built for (used when none is asked)
     # The base verifies chains bit for bit like plain steps but not branching trees (a fused graph with int8
-    # compute, ort_backend.py): a branching tree could change the output, so it is refused.
+    # compute, backends/ort.py): a branching tree could change the output, so it is refused.
     chains_only: bool = False
     kv_bytes_per_token: int = 0  # KV cache bytes one cached token takes (base and heads), for memory plans
     batch_slots: int = 1  # sequences one forward runs together (more take several engine calls)
@@ -189,7 +189,7 @@ class Runner(abc.ABC):
 
     @property
     def can_decode(self) -> bool:
-        """Whether `decode` runs fixed-tree steps on the device (runtime/torch_batch.py)."""
+        """Whether `decode` runs fixed-tree steps on the device (runtime/backends/torch_batch.py)."""
         return type(self).decode_async is not Runner.decode_async
 
     def decode(self, slots: Sequence[Slot], tree: Tree, asks: Sequence[SlotStep] | None = None) -> list[Decoded]:
@@ -325,9 +325,9 @@ class Runner(abc.ABC):
 
 
 BACKENDS = {
-    "torch": "clover.runtime.torch_backend",
-    "ort": "clover.runtime.ort_backend",
-    "trt": "clover.runtime.trt_backend",
+    "torch": "clover.runtime.backends.torch",
+    "ort": "clover.runtime.backends.ort",
+    "trt": "clover.runtime.backends.trt",
 }
 
 

@@ -191,7 +191,7 @@ class EngineOptions:
     threads of the torch and ort backends (None: their defaults); providers: the ort backend's execution
     providers, e.g. "cuda,cpu" (None: the CPU).
     device: the torch backend's device ("cuda", "cuda:1", "cpu"); given, the backend runs the stacked runner there
-    (runtime/torch_batch.py: every sequence in one forward, the step on the device, CUDA graphs on a GPU); None: the
+    (runtime/backends/torch_batch.py: every sequence in one forward, the step on the device, CUDA graphs on a GPU); None: the
     per-sequence runner on the CPU.
     chat_template: the chat template chat prompts render with, replacing the model's own or adding one to a base
     model that has none: the Jinja text, or the path of a file holding it (a Path, or a str without "{", as vLLM's

@@ -10,7 +10,7 @@ import pytest
 os.environ.setdefault("CLOVER_COST_CACHE", "0")
 
 # Under pytest-xdist (`make test` runs -n auto) each worker takes its share of the cores: torch and ONNX Runtime
-# sessions (runtime/ort_backend.env_threads) both read OMP_NUM_THREADS, so two workers that each ran a thread per
+# sessions (runtime/backends/ort.env_threads) both read OMP_NUM_THREADS, so two workers that each ran a thread per
 # core would oversubscribe the machine, and ONNX Runtime's spinning threads would steal each other's cores. Set here,
 # before any test imports torch, and inherited by the servers and CLIs the tests start.
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))

@@ -20,7 +20,7 @@ import torch
 from clover.models.config import BaseConfig, RopeConfig
 from clover.models.decoder import Decoder, causal_mask
 from clover.runtime.backend import Runner, RunnerInfo
-from clover.runtime.torch_backend import TorchRunner
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.tools.bench import first_difference
 from clover.tools.serve import free_port, wait_healthy
 

@@ -114,7 +114,7 @@ class OrtEngine:
 
     def __init__(self, root, name, graph, limits):
         ort = pytest.importorskip("onnxruntime")
-        from clover.runtime.trt_backend import BindingTable, torch_dtype
+        from clover.runtime.backends.trt import BindingTable, torch_dtype
 
         self.table = BindingTable.of(name, graph, profiles_for(name, graph, limits))
         opts = ort.SessionOptions()
@@ -144,7 +144,7 @@ def cpu_runner(artifact, use_heads=True, limits=TRT_LIMITS, cache_block=8):
     """A TrtRunner over `artifact`'s graphs (exported with shared_lm_head=False) run by OrtEngine on the CPU, and
     its engines by graph name. The small cache_block makes the KV caches double many times."""
     from clover.runtime.backend import Runner
-    from clover.runtime.trt_backend import TrtRunner, graphs_used
+    from clover.runtime.backends.trt import TrtRunner, graphs_used
 
     m = read_manifest(artifact)
     engines = {n: OrtEngine(artifact, n, m.graphs[n], limits) for n in graphs_used(m, use_heads)}

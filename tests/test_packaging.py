@@ -79,7 +79,7 @@ def test_the_wheel_installs_and_runs_in_a_fresh_venv_without_torch(dist, tmp_pat
         helped = run(env_dir / "bin" / command, "--help", env=clean, cwd=tmp_path)
         assert helped.returncode == 0 and "usage:" in helped.stdout, (command, helped.stderr[-2000:])
     probe = (
-        "import sys, clover, clover.runtime.ort_backend, clover.serve.app, clover.tools.serve\n"
+        "import sys, clover, clover.runtime.backends.ort, clover.serve.app, clover.tools.serve\n"
         "from clover import Engine, Generator, GenerationResult, StreamDelta, QueueFull, SamplingParams\n"
         "assert 'torch' not in sys.modules, 'the ORT serving path imported torch'\n"
         "import importlib.util; assert importlib.util.find_spec('torch') is None\n"

@@ -180,7 +180,7 @@ def generators(args: argparse.Namespace):
     from clover.runtime.generator import Generator
 
     if args.backend == "ort":
-        from clover.runtime import ort_backend
+        from clover.runtime.backends import ort as ort_backend
         from clover.runtime.tokenizer import Tokenizer
 
         artifact = demo_artifact(args.base, args.heads)
@@ -188,7 +188,7 @@ def generators(args: argparse.Namespace):
         spec = Generator(ort_backend.load_runner(artifact), tok, args.tree or demo_tree(artifact))
         plain = Generator(ort_backend.load_runner(artifact, heads="none", checksums=False), tok)
         return spec, plain, Generator(plain.runner, tok, drafts="lookup"), artifact
-    from clover.runtime.torch_backend import TorchRunner
+    from clover.runtime.backends.torch_runner import TorchRunner
 
     spec = Generator.load(args.base, args.heads, "torch", args.tree)
     plain = Generator(TorchRunner(spec.runner.base), spec.tokenizer)  # same weights, no heads

@@ -399,7 +399,7 @@ def tokenizer_of(folder: Path):
 def ort_runners(artifact: Path, cuda: bool):
     """(speculative, plain) ONNX Runtime runners; cuda: on the CUDA provider, or an error saying why not (a runner
     asked for cuda,cpu falls back to the CPU with a note)."""
-    from clover.runtime import ort_backend
+    from clover.runtime.backends import ort as ort_backend
 
     providers = ("cuda", "cpu") if cuda else ("cpu",)
     runners = (
@@ -413,13 +413,13 @@ def ort_runners(artifact: Path, cuda: bool):
 
 
 def trt_runners(artifact: Path):
-    from clover.runtime import trt_backend
+    from clover.runtime.backends import trt as trt_backend
 
     return trt_backend.load_runner(artifact), trt_backend.load_runner(artifact, heads="none")
 
 
 def torch_cuda_runners(base, heads, heads_name: str):
-    from clover.runtime.torch_backend import TorchRunner
+    from clover.runtime.backends.torch_runner import TorchRunner
 
     base, heads = copy.deepcopy(base).to("cuda"), copy.deepcopy(heads).to("cuda")
     return TorchRunner(base, heads, heads_name), TorchRunner(base)

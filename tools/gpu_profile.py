@@ -135,7 +135,7 @@ def word_tokenizer(folder: Path, vocab: int):
 
 
 def runners(base: Decoder, heads, name: str, graphs: bool):
-    from clover.runtime.torch_backend import TorchRunner
+    from clover.runtime.backends.torch_runner import TorchRunner
 
     return TorchRunner(base, heads, name, cuda_graphs=graphs), TorchRunner(base, cuda_graphs=graphs)
 
@@ -380,7 +380,7 @@ class CurvePoint:
 
 def curve(base: Decoder, graphs: bool, kv: int, rows: Sequence[int] = CURVE_ROWS, reps: int = 7) -> list[CurvePoint]:
     """ms per verify forward of R new rows (a chain) after `kv` cached tokens, one sequence."""
-    from clover.runtime.torch_backend import ForwardGraph, TorchRunner, row_bucket
+    from clover.runtime.backends.torch_runner import ForwardGraph, TorchRunner, row_bucket
 
     runner = TorchRunner(base, cuda_graphs=graphs)
     V, rng = base.config.vocab_size, np.random.default_rng(0)
@@ -633,8 +633,8 @@ TINY = dataclasses.replace(
 
 
 def make_runner(kind: str, base, heads, graphs: bool):
-    from clover.runtime.torch_backend import TorchRunner
-    from clover.runtime.torch_batch import BatchedTorchRunner
+    from clover.runtime.backends.torch_batch import BatchedTorchRunner
+    from clover.runtime.backends.torch_runner import TorchRunner
 
     name = "random:clover2:0" if heads is not None else "none"
     if kind == "batched":
@@ -736,8 +736,8 @@ def engine_step(
     transformers' `generate` on the same random weights; `row(name, value)` takes each measurement as it is made,
     `figure(key, value)` the summary figures (the GPU report's `data.engine`). quick: a tiny model (the CPU test)."""
     from clover.models.head_io import build_heads, random_heads
+    from clover.runtime.backends.torch_batch import BatchedTorchRunner
     from clover.runtime.generator import Generator
-    from clover.runtime.torch_batch import BatchedTorchRunner
     from clover.runtime.tree import default_tree, prune_tree, resolve_tree
 
     cuda = device == "cuda"

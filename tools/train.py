@@ -592,7 +592,7 @@ def feature_teacher(artifact: Path, base, threads: int | None):
 
     from clover.artifact import base_graph_sha256, fingerprints_match, open_artifact
     from clover.models.heads import BaseFingerprint
-    from clover.runtime.ort_backend import load_runner
+    from clover.runtime.backends.ort import load_runner
 
     manifest = open_artifact(artifact)
     if not fingerprints_match(manifest.base_fingerprint, dataclasses.asdict(BaseFingerprint.of(base))):

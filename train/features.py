@@ -445,7 +445,7 @@ def features_from_dataset(
     Several sequences share a forward on the base's device (right-padded, at most `batch_tokens` padded tokens;
     sorted by length within windows of `window` sequences so they pad little). Distributions are computed at
     loss positions only; the other rows get zeros, as prompt rows do in features_from_generation. `base` may
-    also be an ONNX Runtime runner of an artifact (clover.runtime.graph_runner.GraphRunner): one sequence per
+    also be an ONNX Runtime runner of an artifact (clover.runtime.backends.graph.GraphRunner): one sequence per
     forward there."""
     forward = _teacher_forced if isinstance(base, Decoder) else _graph_teacher_forced
     taken = [0, 0]  # loss tokens of the sequences accepted so far (written or waiting in the window)

@@ -14,8 +14,8 @@ from clover.artifact import open_artifact
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.quantize import fold_transposed_weights, quantized_ops
-from clover.runtime.ort_backend import load_runner
-from clover.runtime.torch_backend import TorchRunner
+from clover.runtime.backends.ort import load_runner
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.tree import resolve_tree
 
 N = 40

@@ -14,7 +14,7 @@ from clover.errors import CloverError
 from clover.export.artifact import ArtifactOptions, artifact_from_modules
 from clover.export.config import ExportConfig
 from clover.export.draft_vocab import coverage, ranked_ids
-from clover.runtime.ort_backend import load_runner
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.proposers import draft_tree
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tree import prune_tree, resolve_tree

@@ -383,7 +383,7 @@ def test_build_engine_without_a_timing_cache(tmp_path, monkeypatch):
 def test_build_engines_on_a_gpu(tmp_path_factory, tmp_path, attention):
     """The loader chain run for real: an engine with the artifact's profiles and I/O, the timing cache written
     (no temporary left), the builder's phases reported; with the tree-attention plugin too."""
-    from clover.runtime import tensorrt as rt
+    from clover.runtime.backends import tensorrt as rt
 
     src = tiny_artifact(tmp_path_factory.getbasetemp(), "clover", attention=attention, shared_lm_head=False)
     root = tmp_path / "artifact"

@@ -16,8 +16,8 @@ from clover.artifact import open_artifact
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.models.config import BaseConfig
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.generator import Generator
-from clover.runtime.ort_backend import load_runner
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import compile_spec, resolve_tree
 

@@ -10,7 +10,7 @@ from ort_helpers import PROMPTS, tiny_artifact
 
 from clover.artifact import open_artifact, read_manifest
 from clover.export.lm_head import LM_INPUT, lm_head_nodes
-from clover.runtime.ort_backend import load_runner
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.tree import resolve_tree
 
 ARCHS = ("medusa", "clover", "clover2")

@@ -16,7 +16,7 @@ from clover.export.artifact import ArtifactOptions, artifact_from_modules
 from clover.export.config import ExportConfig
 from clover.export.quantize import CalibrationSet, check_block_layout, quantized_ops
 from clover.models.heads import BaseFingerprint
-from clover.runtime.ort_backend import load_runner
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.tree import resolve_tree
 
 N = 24

@@ -13,7 +13,7 @@ from clover.artifact import MANIFEST_FILE, open_artifact, read_manifest
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.export.quantize import quantized_ops
-from clover.runtime.ort_backend import load_runner
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.tree import resolve_tree
 
 N = 40

@@ -5,10 +5,10 @@ import json
 import pytest
 
 from clover.models.head_io import PRETRAINED_DIR, pretrained_names, read_head_config, resolve_heads
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.generator import Generator
 from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.torch_backend import TorchRunner
 
 SHIPPED = {"smollm2-medusa": "medusa", "smollm2-clover": "clover", "smollm2-clover2": "clover2"}
 PROMPTS = ["Write a short poem about the sea.", "What are the main causes of climate change? Answer briefly."]

@@ -22,7 +22,7 @@ def test_the_verify_cost_curve_is_measured_once_per_runner(monkeypatch):
     from helpers import tiny_base
 
     import clover.runtime.cost as cost
-    from clover.runtime.torch_backend import TorchRunner
+    from clover.runtime.backends.torch_runner import TorchRunner
 
     measured = []
     real = cost.calibrate
@@ -43,8 +43,8 @@ def test_the_verify_cost_curve_is_measured_once_per_runner(monkeypatch):
 def test_the_calibrated_curve_never_falls():
     from helpers import tiny_base
 
+    from clover.runtime.backends.torch_runner import TorchRunner
     from clover.runtime.cost import calibrate
-    from clover.runtime.torch_backend import TorchRunner
 
     curve = calibrate(TorchRunner(tiny_base()), 12, reps=3)
     assert curve.rows.tolist() == [1, 2, 3, 4, 5, 8, 11, 12]

@@ -16,13 +16,13 @@ from numerics import assert_close_paths, chain_reduction
 from ort_helpers import tiny_artifact, tiny_modules
 
 from clover.errors import CloverError
+from clover.runtime.backends.ort import load_runner
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
 from clover.runtime.generator import Generator
-from clover.runtime.ort_backend import load_runner
 from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.torch_backend import TorchRunner
 
 ARCHS = ("medusa", "clover", "clover2")
 # 16 prompts of different lengths, each with its own length budget: requests end at different steps

@@ -19,12 +19,12 @@ from helpers import OracleRunner, assert_identical, char_tokenizer_dir, tiny_bas
 
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.generator import Generator
 from clover.runtime.grammar import Grammar, GrammarCompiler, GrammarState, PathMasks
 from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import dynamic_tree, resolve_tree
 
 pytest.importorskip("llguidance")
@@ -407,8 +407,8 @@ def test_greedy_identity_with_a_grammar_on_the_device(base, tok, reference, arch
     the host (the same PathMasks) and packed, every row masked on the device after its processors, accepted and
     committed there. Plain constrained decoding's tokens, with overlap on and off; the engine at concurrency 4
     with grammars mixed with none, and with one asking for log-probabilities."""
+    from clover.runtime.backends.torch_batch import BatchedTorchRunner
     from clover.runtime.engine import Engine
-    from clover.runtime.torch_batch import BatchedTorchRunner
 
     runner = counting(BatchedTorchRunner(base, random_heads(base, arch, 0)))
     for overlap in (False, True):
@@ -441,7 +441,7 @@ def test_greedy_identity_with_a_grammar_on_the_device(base, tok, reference, arch
 def test_unseeded_sampling_with_a_grammar_on_the_device_matches_it(base, tok):
     """Sampling on the device under a grammar (rejection sampling against each row's masked, tempered law): every
     finished output matches its grammar."""
-    from clover.runtime.torch_batch import BatchedTorchRunner
+    from clover.runtime.backends.torch_batch import BatchedTorchRunner
 
     runner = counting(BatchedTorchRunner(base, random_heads(base, "clover2", 0)))
     runner.generator.manual_seed(5)
@@ -474,8 +474,8 @@ def fused(tmp_path_factory):
 def test_engine_concurrent_requests_with_mixed_grammars_equal_solo_plain(fused, tok, tree):
     """The serving path (ONNX Runtime, fused attention, batched steps): requests with different grammars and
     without one, at concurrency 1 and 8, each equal solo plain constrained decoding on the same graphs."""
+    from clover.runtime.backends.ort import load_runner
     from clover.runtime.engine import Engine
-    from clover.runtime.ort_backend import load_runner
 
     plain = Generator(load_runner(fused), tok, "plain")
     want = [
@@ -501,8 +501,8 @@ def test_engine_concurrent_requests_with_mixed_grammars_equal_solo_plain(fused, 
 
 
 def test_engine_seeded_sampling_with_a_grammar_is_reproducible_alone_and_in_a_batch(fused, tok):
+    from clover.runtime.backends.ort import load_runner
     from clover.runtime.engine import Engine
-    from clover.runtime.ort_backend import load_runner
 
     sampling = SamplingParams(0.8, 0.95, 11)
     with Engine(load_runner(fused), tok, "mc26", log=None, options=EngineOptions(max_batch=4)) as engine:
@@ -527,8 +527,8 @@ def test_engine_seeded_sampling_with_a_grammar_is_reproducible_alone_and_in_a_ba
 
 
 def test_engine_refuses_a_bad_grammar_alone(fused, tok):
+    from clover.runtime.backends.ort import load_runner
     from clover.runtime.engine import Engine
-    from clover.runtime.ort_backend import load_runner
 
     with Engine(load_runner(fused), tok, "mc26", log=None, options=EngineOptions(max_batch=4)) as engine:
         good = engine.stream(PROMPTS[0], GenerationParams(max_new_tokens=N, grammar=GRAMMARS["regex"]))

@@ -36,7 +36,7 @@ def test_torch_backend_is_loaded_lazily_by_name():
     from clover.errors import CloverError
     from clover.runtime.backend import backend_module
 
-    assert backend_module("torch").__name__ == "clover.runtime.torch_backend"
+    assert backend_module("torch").__name__ == "clover.runtime.backends.torch"
     try:
         backend_module("tensorrt-llm")
     except CloverError as e:
@@ -51,8 +51,8 @@ def test_the_ort_serving_path_imports_no_torch():
         "clover.tools.serve",
         "clover.serve.app",
         "clover.runtime.engine",
-        "clover.runtime.ort_backend",
-        "clover.runtime.graph_runner",
+        "clover.runtime.backends.ort",
+        "clover.runtime.backends.graph",
     ]
     code = (
         "import sys\n"

@@ -8,9 +8,9 @@ from ort_helpers import PROMPTS, tiny_artifact
 
 from clover.artifact import open_artifact
 from clover.errors import CloverError
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.generator import Generator
 from clover.runtime.lookup import NgramStore, PromptLookup
-from clover.runtime.ort_backend import load_runner
 from clover.runtime.params import GenerationParams
 from clover.runtime.proposers import Draft, merge_lookup
 from clover.runtime.tokenizer import Tokenizer

@@ -14,11 +14,11 @@ from numerics import assert_close_paths, chain_reduction
 
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.generator import Generator
 from clover.runtime.params import GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
 
 PROMPTS = [[7, 8, 9, 10, 11], [40, 41, 3, 90, 12, 13, 14, 15, 16, 17, 18]]

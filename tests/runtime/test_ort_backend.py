@@ -13,11 +13,11 @@ from ort_helpers import PROMPTS, tiny_artifact, tiny_modules
 from clover.artifact import read_manifest
 from clover.errors import CloverError
 from clover.runtime.backend import RunnerInfo, backend_module
+from clover.runtime.backends.ort import OrtRunner, load_runner
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.generator import Generator
 from clover.runtime.loop import chain, speculative_steps
-from clover.runtime.ort_backend import OrtRunner, load_runner
 from clover.runtime.params import GenerationParams
-from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
 
 N = 40
@@ -230,7 +230,7 @@ def test_fp16_artifact_speculative_equals_plain(tmp_path_factory):
 
 
 def test_every_session_spins_while_its_run_lasts_and_stops_after_it():
-    from clover.runtime.ort_backend import OrtOptions, session_options
+    from clover.runtime.backends.ort import OrtOptions, session_options
 
     entry = lambda so, key: so.get_session_config_entry(key)  # noqa: E731
     so = session_options(OrtOptions(threads=2))
@@ -242,7 +242,7 @@ def test_every_session_spins_while_its_run_lasts_and_stops_after_it():
 
 
 def test_threads_zero_takes_omp_num_threads_where_it_is_set(monkeypatch):
-    from clover.runtime.ort_backend import OrtOptions, session_options
+    from clover.runtime.backends.ort import OrtOptions, session_options
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert session_options(OrtOptions()).intra_op_num_threads == 3

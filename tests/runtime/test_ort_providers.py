@@ -15,8 +15,8 @@ from ort_helpers import PROMPTS, tiny_artifact
 
 from clover.artifact import open_artifact
 from clover.errors import CloverError
-from clover.runtime import ort_backend
-from clover.runtime.ort_backend import (
+from clover.runtime.backends import ort as ort_backend
+from clover.runtime.backends.ort import (
     CPU,
     CUDA,
     CUDA_GRAPHS,
@@ -117,9 +117,9 @@ def test_cuda_without_the_cuda_provider_is_one_clear_line(artifacts):
 
 @needs_cpu_build
 def test_cuda_then_cpu_runs_on_the_cpu_and_says_so_once(artifacts, plain, caplog):
-    with caplog.at_level(logging.WARNING, logger="clover.runtime.ort_backend"):
+    with caplog.at_level(logging.WARNING, logger="clover.runtime.backends.ort"):
         runner = load_runner(artifacts["clover2"], providers="cuda,cpu")
-    notes = [r.getMessage() for r in caplog.records if r.name == "clover.runtime.ort_backend"]
+    notes = [r.getMessage() for r in caplog.records if r.name == "clover.runtime.backends.ort"]
     assert notes == [runner.placement.note] and "running on the CPU" in notes[0] and "\n" not in notes[0]
     assert runner.placement.providers == (CPU,) and not runner.placement.cuda
     got = greedy(runner)
@@ -162,10 +162,12 @@ def test_the_runner_detects_the_silent_fallback(artifacts, plain, monkeypatch, c
     """The whole path, as onnxruntime-gpu without its libraries: CUDA listed, sessions created on the CPU."""
     monkeypatch.setattr(ort, "get_available_providers", lambda: [CUDA, CPU])
     monkeypatch.setattr(ort_backend, "CudaDevice", FakeCuda)
-    with caplog.at_level(logging.WARNING, logger="clover.runtime.ort_backend"):
+    with caplog.at_level(logging.WARNING, logger="clover.runtime.backends.ort"):
         runner = load_runner(artifacts["clover2"], providers="cuda,cpu")
     assert runner.placement.providers == (CPU,) and "cuDNN 9 libraries were not found" in runner.placement.note
-    assert [r.getMessage() for r in caplog.records if r.name == "clover.runtime.ort_backend"] == [runner.placement.note]
+    assert [r.getMessage() for r in caplog.records if r.name == "clover.runtime.backends.ort"] == [
+        runner.placement.note
+    ]
     got = greedy(runner)
     for p in PROMPTS:
         assert_identical(got[tuple(p)], plain[tuple(p)], "silent fallback")
@@ -198,7 +200,7 @@ class TorchCpuRunner(OrtRunner):
 
     def _arrays(self, sessions):
         torch = pytest.importorskip("torch")
-        from clover.runtime.trt_backend import TorchArrays
+        from clover.runtime.backends.trt import TorchArrays
 
         arrays = sessions.bind_by_address("cpu", 0, TorchArrays(torch.device("cpu"), None))
         for graph in sessions.graphs:

@@ -8,11 +8,11 @@ from helpers import assert_identical
 
 from clover.export.artifact import export_artifact
 from clover.export.config import ExportConfig
+from clover.runtime.backends.ort import load_runner
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.generator import Generator
-from clover.runtime.ort_backend import load_runner
 from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import resolve_tree
 
 pytestmark = pytest.mark.slow

@@ -27,10 +27,10 @@ from ort_helpers import HEADS_SEED, PROMPTS, cpu_runner, no_tensorrt_gpu, tiny_a
 
 from clover.models.decoder import causal_mask
 from clover.runtime.backend import Runner, Verify
+from clover.runtime.backends.torch_batch import BatchedTorchRunner
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.loop import LOOKUP_DRAFTS, Decoding, step
 from clover.runtime.sampling import SamplingParams
-from clover.runtime.torch_backend import TorchRunner
-from clover.runtime.torch_batch import BatchedTorchRunner
 from clover.runtime.tree import Tree, prune_tree, resolve_tree
 
 N = 24  # tokens per sequence
@@ -112,13 +112,13 @@ class Runners:
             base, h = tiny_modules(arch)
             return BatchedTorchRunner(base, h, f"random:{arch}:{HEADS_SEED}") if heads else BatchedTorchRunner(base)
         if kind == "ort":
-            from clover.runtime.ort_backend import load_runner
+            from clover.runtime.backends.ort import load_runner
 
             return load_runner(tiny_artifact(self.root, arch), heads="artifact" if heads else "none")
         if kind == "trt-on-ort":  # the graphs of a TensorRT artifact: each keeps its LM head
             return cpu_runner(tiny_artifact(self.root, arch, shared_lm_head=False), use_heads=heads)[0]
         assert kind == "trt", kind
-        from clover.runtime.trt_backend import load_runner
+        from clover.runtime.backends.trt import load_runner
 
         return load_runner(self._engines(arch), heads="artifact" if heads else "none")
 

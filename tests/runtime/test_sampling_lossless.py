@@ -36,10 +36,10 @@ from scipy import stats
 import clover.runtime.acceptance as acceptance
 from clover.models.decoder import causal_mask
 from clover.models.head_io import random_heads
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.loop import Decoding, speculative_steps, step
 from clover.runtime.params import GenerationParams
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_token
-from clover.runtime.torch_backend import TorchRunner
 from clover.runtime.tree import compile_tree, resolve_tree
 
 ALPHA = 1e-3
@@ -539,13 +539,13 @@ def test_a_grammar_samples_the_masked_base_law(base, base_logits, tmp_path):
     assert raw_joint[joint == 0].sum() > 0.3, "the grammar barely changes the law: the test proves little"
 
 
-# -- the device-side step (runtime/torch_batch.py) -------------------------------------------------------------
+# -- the device-side step (runtime/backends/torch_batch.py) -------------------------------------------------------------
 
 
 def device_first_tokens(base, arch: str, tree, sampling: SamplingParams, n: int, seed: int, batch: int = 250):
     """first_tokens through the stacked runner: `batch` sequences of the prompt stepped together by the loop, whose
     unseeded sampled steps run on the device (`decode`, drawing from the runner's generator, seeded here)."""
-    from clover.runtime.torch_batch import BatchedTorchRunner
+    from clover.runtime.backends.torch_batch import BatchedTorchRunner
 
     runner = BatchedTorchRunner(base, random_heads(base, arch, seed=0))
     runner.generator.manual_seed(seed)

@@ -5,10 +5,10 @@ import pytest
 from helpers import OracleRunner, assert_identical
 
 from clover.models.head_io import random_heads
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.generator import Generator
 from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.torch_backend import TorchRunner
 
 pytestmark = pytest.mark.slow
 PROMPT = "Explain in a few sentences why the sky is blue."

@@ -1,4 +1,4 @@
-"""The stacked torch runner's device-side step (runtime/torch_batch.py), on CPU tensors: its acceptance against the
+"""The stacked torch runner's device-side step (runtime/backends/torch_batch.py), on CPU tensors: its acceptance against the
 numpy reference, and whole batches decoded through the loop (runtime/loop.step, which hands greedy fixed-tree
 steps to `decode`) emitting each sequence's plain greedy tokens and the host path's drafts. The Runner suite
 (test_runners.py, kind torch-batch) covers the rest of its interface."""
@@ -16,11 +16,11 @@ from ort_helpers import HEADS_SEED, PROMPTS
 
 from clover.models.head_io import random_heads
 from clover.runtime.acceptance import accept_greedy
+from clover.runtime.backends.torch_batch import BatchedTorchRunner, DeviceTree, accept_paths
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.loop import Decoding, step
 from clover.runtime.processors import LogitsProcessors
 from clover.runtime.sampling import SamplingParams
-from clover.runtime.torch_backend import TorchRunner
-from clover.runtime.torch_batch import BatchedTorchRunner, DeviceTree, accept_paths
 from clover.runtime.tree import prune_tree, resolve_tree
 
 N = 24
@@ -296,7 +296,7 @@ def test_device_processors_equal_the_numpy_ones_bit_for_bit(spec):
     """DeviceProcessors.apply against LogitsProcessors.apply (the reference) on random rows: drafted tokens from a
     small range (repeats along paths, and of the history), every processor on, min_tokens reached inside the tree;
     a row without processors unchanged. Bit equality: the same elementwise formula in the same precision."""
-    from clover.runtime.torch_batch import DeviceProcessors
+    from clover.runtime.backends.torch_batch import DeviceProcessors
 
     tree, V = resolve_tree(spec), 40
     rng = np.random.default_rng(1)
@@ -326,8 +326,8 @@ def test_device_processors_equal_the_numpy_ones_bit_for_bit(spec):
 def test_device_laws_equal_the_host_laws():
     """Law.probs (temperature, top-k, min-p, top-p per row, as torch ops) against runtime/sampling.probs_from_logits
     on the same rows: the same support (ties at the k-th place and in the nucleus by lower id), the same values."""
+    from clover.runtime.backends.torch_batch import Law
     from clover.runtime.sampling import probs_from_logits
-    from clover.runtime.torch_batch import Law
 
     rng = np.random.default_rng(4)
     logits = np.round(rng.normal(size=(6, 50)) * 2, 1).astype(np.float32)  # rounded: ties occur

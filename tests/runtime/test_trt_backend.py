@@ -13,16 +13,16 @@ from ort_helpers import PROMPTS, TRT_LIMITS, cpu_runner, tiny_artifact
 from clover.artifact import read_manifest, uses_exported_heads
 from clover.errors import CloverError
 from clover.export.engines import profiles_for
-from clover.runtime import trt_backend
 from clover.runtime.backend import backend_module
-from clover.runtime.tree import resolve_tree
-from clover.runtime.trt_backend import (
+from clover.runtime.backends import trt as trt_backend
+from clover.runtime.backends.trt import (
     BindingTable,
     check_engine_io,
     graphs_used,
     load_runner,
     max_slots,
 )
+from clover.runtime.tree import resolve_tree
 from clover.tools.cli import run_cli
 from clover.trt import MISSING
 
@@ -149,9 +149,9 @@ def test_importing_the_backend_needs_neither_tensorrt_nor_torch():
     code = (
         "import sys\n"
         "sys.modules['tensorrt'] = None\n"
-        "import clover.runtime.trt_backend, clover.runtime.tensorrt, clover.export.engines, clover.plugins.trt_plugin\n"
+        "import clover.runtime.backends.trt, clover.runtime.backends.tensorrt, clover.export.engines, clover.plugins.trt_plugin\n"
         "from clover.runtime.backend import backend_module\n"
-        "assert backend_module('trt').__name__ == 'clover.runtime.trt_backend'\n"
+        "assert backend_module('trt').__name__ == 'clover.runtime.backends.trt'\n"
         "bad = [m for m in ('torch', 'onnxruntime', 'triton') if m in sys.modules]\n"
         "assert not bad, bad\n"
         "print('ok')\n"
@@ -166,7 +166,7 @@ def test_tensorrt_imports_form_no_loop():
         "import sys\n"
         "import clover.trt\n"
         "print(sorted(m for m in sys.modules if m.startswith('clover.')))\n"
-        "import clover.runtime.tensorrt\n"
+        "import clover.runtime.backends.tensorrt\n"
         "print(sorted(m for m in sys.modules if m.startswith(('clover.plugins', 'clover.export'))))\n"
     )
     assert run_python(code).split("\n")[:2] == ["['clover.errors', 'clover.trt']", "[]"]
@@ -196,7 +196,7 @@ def test_no_tensorrt_builder_code_in_the_runtime():
 
 
 def test_backend_is_registered():
-    assert backend_module("trt").__name__ == "clover.runtime.trt_backend"
+    assert backend_module("trt").__name__ == "clover.runtime.backends.trt"
 
 
 # -- the runner's profiles on the CPU ------------------------------------------------------------------------
@@ -206,7 +206,7 @@ def test_runner_profiles_by_prompt_length(artifacts):
     """A short prompt and plain steps fit the tighter verify profile; a prompt longer than any tree runs the
     prefill profile, then verify; a tree larger than the engines' max_tree has no profile. The engines' slot
     limit is the runner's context."""
-    from clover.runtime.ort_backend import load_runner as load_ort
+    from clover.runtime.backends.ort import load_runner as load_ort
 
     plain, plain_engines = cpu_runner(artifacts["clover2"], use_heads=False)
     assert plain.info.backend == "trt" and plain.info.max_context == LIMITS.max_context

@@ -16,9 +16,9 @@ import pytest
 from helpers import Server
 from ort_helpers import tiny_artifact
 
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.engine import Engine
 from clover.runtime.generator import Generator
-from clover.runtime.ort_backend import load_runner
 from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.serve import free_port

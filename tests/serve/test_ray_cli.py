@@ -13,8 +13,8 @@ import httpx
 import pytest
 from ort_helpers import tiny_artifact
 
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.generator import Generator
-from clover.runtime.ort_backend import load_runner
 from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 from clover.tools.serve import free_port, wait_healthy

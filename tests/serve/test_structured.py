@@ -17,10 +17,10 @@ from helpers import Server, char_tokenizer_dir
 from ort_helpers import tiny_artifact
 from pydantic import BaseModel, Field
 
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.engine import Engine
 from clover.runtime.generator import Generator
 from clover.runtime.grammar import Grammar
-from clover.runtime.ort_backend import load_runner
 from clover.runtime.params import EngineOptions, GenerationParams
 from clover.runtime.tokenizer import Tokenizer
 

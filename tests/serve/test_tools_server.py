@@ -15,10 +15,10 @@ import pytest
 from helpers import Server
 
 from clover.runtime import cost
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.engine import Engine
 from clover.runtime.params import EngineOptions
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.torch_backend import TorchRunner
 from clover.serve.tool_calls import ToolOptions
 
 openai = pytest.importorskip("openai")

@@ -13,8 +13,8 @@ from helpers import tiny_hf_folder
 
 # Imported at collection, so Engine's default log= binds the session's stderr, not one test's capsys stream.
 import clover.runtime.engine  # noqa: F401
+from clover.runtime.backends.ort import load_runner
 from clover.runtime.generator import Generator
-from clover.runtime.ort_backend import load_runner
 from clover.runtime.params import GenerationParams
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.tokenizer import Tokenizer

@@ -16,8 +16,8 @@ import torch
 
 from clover.errors import CloverError
 from clover.models.head_io import random_heads
+from clover.runtime.backends.torch_runner import TorchRunner, row_bucket
 from clover.runtime.params import GenerationParams
-from clover.runtime.torch_backend import TorchRunner, row_bucket
 from clover.tools import doctor
 from clover.tools import gpu_profile as gp
 from clover.tools.machine import cpu_info

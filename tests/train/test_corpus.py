@@ -252,7 +252,7 @@ def test_features_from_an_artifacts_graph(tmp_path, tmp_path_factory):
     will serve: int4 there); an fp32 graph gives the torch base's features."""
     from ort_helpers import BASE_SEED, tiny_artifact, tiny_modules
 
-    from clover.runtime.ort_backend import load_runner
+    from clover.runtime.backends.ort import load_runner
 
     corpus = grown(tmp_path / "c")
     base = tiny_modules("clover2")[0]

@@ -8,10 +8,10 @@ from helpers import reference_features, tiny_base, tiny_tokenizer_dir
 from numerics import assert_stored
 
 from clover.errors import CloverError
+from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.generator import Generator
 from clover.runtime.params import GenerationParams
 from clover.runtime.tokenizer import Tokenizer
-from clover.runtime.torch_backend import TorchRunner
 from clover.train.features import (
     FeatureCache,
     FeatureSpec,

@@ -1,6 +1,6 @@
 """ONNX Runtime backend: runs an exported artifact with numpy + onnxruntime only (no torch, no model code).
 
-The runner is graph_runner.GraphRunner (KV caches, commit, drafting) over numpy arrays; this module runs the
+The runner is graph.GraphRunner (KV caches, commit, drafting) over numpy arrays; this module runs the
 graphs. Every input and output goes through IOBinding: an OrtValue over a numpy array shares its memory,
 so the graph reads the KV cache where it lies and nothing is copied per step, and arrays bound on the
 previous call (the caches) are not bound again. A fused graph (--attention fused) writes its new K/V rows
@@ -15,7 +15,7 @@ new rows of up to `batch_slots` sequences in one call: packed into one row dimen
 tree mask, and each sequence slot's own KV buffers bound to its own per-slot inputs.
 
 Execution providers (`OrtOptions.providers`, `--providers cuda,cpu`: names in order of preference). On the CPU
-the tensors are numpy arrays. On CUDA (onnxruntime-gpu) they are torch CUDA tensors (trt_backend.TorchArrays:
+the tensors are numpy arrays. On CUDA (onnxruntime-gpu) they are torch CUDA tensors (trt.TorchArrays:
 KV caches and step tensors stay on the device, only logits come back), bound through IOBinding by address, and
 every session runs on the runner's own CUDA stream (the provider's `user_compute_stream`), so torch's copies and
 ONNX Runtime's kernels are ordered without host waits; torch is imported on this path only. Where the CUDA
@@ -60,7 +60,7 @@ from clover.artifact import (
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.errors import CloverError
 from clover.runtime.backend import EngineClock
-from clover.runtime.graph_runner import Arrays, GraphRunner, KVCache, NumpyArrays, graphs_used
+from clover.runtime.backends.graph import Arrays, GraphRunner, KVCache, NumpyArrays, graphs_used
 from clover.runtime.lookup import NgramStore
 
 LM_HEAD, LM_INPUT = "lm_head", "lm_input"  # as clover.export.lm_head (no export import here: no torch)
@@ -224,7 +224,7 @@ def session_options(opts: OrtOptions):
 
 class Graph:
     """One InferenceSession and its IOBinding, driven by the I/O names, dims and dtypes of the manifest
-    (graph_runner.EngineGraph). It binds numpy arrays (OrtValues over their memory) or, after `on_device`, torch
+    (graph.EngineGraph). It binds numpy arrays (OrtValues over their memory) or, after `on_device`, torch
     tensors by address. `cuda_graph`: the session was created with CUDA graphs (module doc)."""
 
     def __init__(self, spec: GraphSpec, session, clock: EngineClock, cuda_graph: bool = False) -> None:
@@ -241,7 +241,7 @@ class Graph:
         self.lm_head: Graph | None = None  # runs after this graph when it outputs LM_INPUT (use_lm_head)
         self.device: tuple[str, int] | None = None  # where bound tensors live, after on_device
         self._arrays: Any = None  # their TorchArrays
-        self._torch_dtype: Any = None  # trt_backend.torch_dtype, imported with torch
+        self._torch_dtype: Any = None  # trt.torch_dtype, imported with torch
         self._captured: dict[tuple, CapturedShape] = {}  # by input shapes
         # A session with CUDA graphs captures every run it is not told otherwise of: gpu_graph_id -1 runs uncaptured.
         self._run_options = None
@@ -253,9 +253,9 @@ class Graph:
         return self.spec.has_input(name)
 
     def on_device(self, device_type: str, index: int, arrays: Arrays) -> None:
-        """Take torch tensors (`arrays`: trt_backend.TorchArrays) on device `device_type` ("cuda"; "cpu" in tests)
+        """Take torch tensors (`arrays`: trt.TorchArrays) on device `device_type` ("cuda"; "cpu" in tests)
         and bind them by address; outputs are new tensors there."""
-        from clover.runtime.trt_backend import torch_dtype
+        from clover.runtime.backends.trt import torch_dtype
 
         self.device, self._arrays, self._torch_dtype = (device_type, index), arrays, torch_dtype
         self._inputs, self._into, self._captured = {}, {}, {}
@@ -389,7 +389,7 @@ class CudaDevice:
         return options
 
     def arrays(self) -> Arrays:
-        from clover.runtime.trt_backend import TorchArrays
+        from clover.runtime.backends.trt import TorchArrays
 
         return TorchArrays(self.device, self.stream)
 

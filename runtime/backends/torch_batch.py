@@ -35,10 +35,10 @@ from clover.errors import CloverError
 from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
 from clover.runtime.backend import Decoded, EngineClock, Runner, Slot, SlotStep, Verify
+from clover.runtime.backends.torch_runner import row_bucket, torch_info
 from clover.runtime.logprobs import MAX_LOGPROBS, StepLogprobs
 from clover.runtime.lookup import NgramStore
 from clover.runtime.processors import LogitsProcessors
-from clover.runtime.torch_backend import row_bucket, torch_info
 from clover.runtime.tree import Tree
 
 SCRATCH = 64  # columns past the capacity that rows not stepping in `decode` write to; bounds its trees' depth
@@ -420,7 +420,7 @@ class BatchedTorchRunner(Runner):
         ngram_store: NgramStore | None = None,
         cuda_graphs: bool = False,
     ):
-        """As TorchRunner (runtime/torch_backend.py), with every sequence in one stacked cache (module doc).
+        """As TorchRunner (runtime/backends/torch_runner.py), with every sequence in one stacked cache (module doc).
         cuda_graphs: `decode` replays the whole step from CUDA graphs; needs the model on a CUDA device."""
         super().__init__()
         self.device = base.lm_head.weight.device

@@ -15,7 +15,6 @@ only and are never committed. Prompts longer than the largest bucket run eagerly
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -257,38 +256,3 @@ class TorchRunner(Runner):
     def _drafted(self, logits: torch.Tensor) -> np.ndarray:
         """Draft logits as the loop takes them: [..., K] over the draft vocabulary's columns, if any."""
         return logits.float().cpu().numpy()  # over the draft vocabulary's columns already (over_vocab)
-
-
-def base_dir(base: str | Path) -> Path:
-    """The HF folder a base spec names (tokenizer files live there)."""
-    from clover.models.smollm2 import resolve_base
-
-    return resolve_base(base)
-
-
-def load_runner(
-    base: str | Path, heads: str = "none", dtype: str = "float32", threads: int | None = None, device: str | None = None
-) -> Runner:
-    """Build a runner from CLI-style specs: base = folder or 'smollm2'; heads = folder, random:ARCH[:SEED] or none;
-    threads: torch's intra-op threads (process-wide; None leaves torch's default); device: given, the stacked runner
-    on that device (runtime/torch_batch.py; CUDA graphs on a GPU), else the per-sequence TorchRunner on the CPU."""
-    from clover.models.head_io import resolve_heads
-    from clover.models.loading import load_base
-    from clover.models.smollm2 import resolve_base
-
-    if threads is not None:
-        torch.set_num_threads(threads)
-    model = load_base(resolve_base(base), dtype)
-    if device is None:
-        return TorchRunner(model, resolve_heads(heads, model), heads_name=heads)
-    from clover.runtime.torch_batch import BatchedTorchRunner
-
-    try:
-        place = torch.device(device)
-        torch.empty(0, device=place)
-    except (RuntimeError, AssertionError) as e:
-        raise CloverError(f"device {device!r} is not usable here ({str(e).splitlines()[0]}): use cpu") from e
-    head_set = resolve_heads(heads, model)
-    model = model.to(place)
-    head_set = None if head_set is None else head_set.to(place)
-    return BatchedTorchRunner(model, head_set, heads_name=heads, cuda_graphs=place.type == "cuda")

@@ -1,5 +1,5 @@
 """TensorRT backend: runs the engines of an artifact exported with clover-export --backend trt, on one
-CUDA GPU, with the same commit / draft semantics as the ONNX Runtime backend (ort_backend.py), so greedy
+CUDA GPU, with the same commit / draft semantics as the ONNX Runtime backend (backends/ort.py), so greedy
 speculative output is token-identical to plain greedy decoding on this backend.
 
 Device buffers are torch CUDA tensors, not polygraphy.cuda or cuda-python allocations: torch is already
@@ -7,7 +7,7 @@ part of every GPU install here (the plugin's Triton kernel runs on it), its cach
 per-step output allocations free, its streams order our copies after TensorRT's writes, `index_select`
 compacts the KV cache on the device, and `.cpu().numpy()` hands logits to the loop without another copy.
 
-The runner is graph_runner.GraphRunner (KV caches, commit, drafting), the same as ONNX Runtime's, over
+The runner is graph.GraphRunner (KV caches, commit, drafting), the same as ONNX Runtime's, over
 `TorchArrays`: caches are [1, Hkv, slots, D] device tensors per layer, compacted on the device; only logits
 ever travel to the host.
 
@@ -41,8 +41,8 @@ from clover.artifact import (
 )
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.errors import CloverError
-from clover.runtime import tensorrt as rt
-from clover.runtime.graph_runner import Arrays, GraphRunner, graphs_used  # noqa: F401 (graphs_used: tests, tools)
+from clover.runtime.backends import tensorrt as rt
+from clover.runtime.backends.graph import Arrays, GraphRunner, graphs_used  # noqa: F401 (graphs_used: tests, tools)
 from clover.runtime.lookup import NgramStore
 from clover.trt import ITEMSIZE, check_engine_compatible, device_info, require_tensorrt
 
