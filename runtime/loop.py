@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
-from clover.runtime.backend import Runner, Slot, SlotStep, Verify
+from clover.runtime.backend import Runner, SlotStep, Verify
 from clover.runtime.grammar import GrammarState
-from clover.runtime.logprobs import StepLogprobs, token_logprobs
+from clover.runtime.logprobs import token_logprobs
 from clover.runtime.lookup import PromptLookup
 from clover.runtime.params import PREFILL_CHUNK, DraftSource, GenerationParams
 from clover.runtime.policy import LookupLength, learn_from_step
@@ -34,14 +34,16 @@ from clover.runtime.proposers import (
     LOOKUP_DRAFTS,
     PLAIN,
     Draft,
+    DraftInput,
     Proposal,
-    Proposer,
     chain,
     constrain,
     lookup_draft,
     proposer_for,
 )
+from clover.runtime.results import Step
 from clover.runtime.sampling import SamplingParams, probs_from_logits
+from clover.runtime.state import Decoding
 from clover.runtime.tree import Tree
 
 __all__ = [
@@ -55,76 +57,6 @@ __all__ = [
     "speculative_steps",
     "step",
 ]
-
-
-@dataclass
-class Step:
-    """What one model step emitted (the prefill is step 0) and where its time went."""
-
-    tokens: list[int]
-    tree_nodes: int  # nodes verified (1 for plain steps and the prefill)
-    tree: Tree | None = None  # the tree verified (None for the prefill)
-    rows: int = 1  # rows this sequence put in the step's forward (its tree's nodes, or its prompt chunk)
-    path: np.ndarray | None = None  # its accepted node ids, root first
-    # drafts="heads+lookup": the heads' own tree and the accepted path's part in it (what their acceptance
-    # statistics count); None when the step's tree is the heads' tree
-    heads_tree: Tree | None = None
-    heads_path: np.ndarray | None = None
-    draft_seconds: float = 0.0  # this sequence's share of the draft phase
-    # draft / verify / accept / commit (prefill for step 0), and "engine": the part of the step spent in the
-    # engine's own calls (absent where the backend cannot tell); the rest of the step is host time.
-    seconds: dict[str, float] = field(default_factory=dict)
-    error: BaseException | None = None  # step(isolate=True): this sequence's part failed (it emitted nothing)
-    logprobs: StepLogprobs | None = None  # the emitted tokens' log-probabilities, when the sequence asks for them
-    pruned: int = 0  # drafted nodes its grammar forbade, left out of the verify
-    # its last token is the end its grammar allowed alone, emitted without a forward (not a verified token)
-    free_end: bool = False
-    # a prompt chunk's tokens' log-probabilities (each but the prompt's first), when the sequence asks for them
-    prompt_logprobs: StepLogprobs | None = None
-
-    @property
-    def wall(self) -> float:
-        """The step's wall time (its phases; "engine" is a part of them)."""
-        return sum(v for k, v in self.seconds.items() if k != "engine")
-
-
-@dataclass(eq=False)
-class Decoding:
-    """One sequence being decoded: its runner slot, its prompt (prefilled `prefill_chunk` rows per step), its
-    tree (the deepest it may speculate; `step` picks a smaller one when the sequence is nearly full), sampling,
-    where its drafts come from, and the token the next step starts from."""
-
-    slot: Slot
-    prompt: np.ndarray  # [P] int64
-    tree: Tree
-    sampling: SamplingParams
-    rng: np.random.Generator
-    drafts: DraftSource = DraftSource.HEADS
-    prefill_chunk: int = PREFILL_CHUNK
-    prefilled: int = 0  # prompt tokens in the cache
-    root: int = -1  # the last emitted token (the bonus token of the last step)
-    lookup: PromptLookup | None = None
-    # how many of each lookup proposal to verify (shared by the runner's sequences); None: all of it
-    lookup_length: LookupLength | None = None
-    processors: LogitsProcessors | None = None  # this request's logits processors (None: none, no work)
-    logprobs: int | None = None  # alternatives per emitted token's log-probability (None: no log-probabilities)
-    grammar: GrammarState | None = None  # what the output must match (runtime/grammar.py; None: anything)
-    # a prompt chunk ends here (the prompt's last token alone after it): other sequences of the same prompt fork
-    # this one's caches at that point and each runs the last token itself (its own first token, its own draft state)
-    fork_at: int | None = None
-    prompt_logprobs: int | None = None  # alternatives per prompt token's log-probability (None: none)
-    proposer: Proposer | None = None  # made by the first step that drafts (runtime/proposers.proposer_for)
-
-    def __post_init__(self) -> None:
-        self.drafts = DraftSource.of(self.drafts)
-
-    @property
-    def prefilling(self) -> bool:
-        return self.prefilled < len(self.prompt)
-
-    @property
-    def full(self) -> bool:
-        return self.slot.past + 1 > self.slot.capacity
 
 
 @dataclass
@@ -314,10 +246,24 @@ def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
     if d.proposer is None:
         d.proposer = proposer_for(runner, d.drafts, d.grammar is not None)
     room = d.slot.capacity - d.slot.past - 1  # drafted tokens that still fit
-    p = d.proposer.propose(d, tree, room)
+    p = d.proposer.propose(draft_input(d), tree, room)
     if d.grammar is not None:
         p = _constrained(d, p, room, runner.info.vocab_size)
     return _Planned(Verify(d.slot, p.draft.tokens, p.tree.depth, p.tree.ancestor_mask), p, time.perf_counter() - td)
+
+
+def draft_input(d: Decoding) -> DraftInput:
+    """What the sequence's proposer drafts its next step from."""
+    return DraftInput(
+        root=d.root,
+        slot=d.slot,
+        sampling=d.sampling,
+        rng=d.rng,
+        grammar=d.grammar,
+        lookup=d.lookup,
+        budget=d.lookup_length,
+        measured=d.slot.past > len(d.prompt),
+    )
 
 
 def _constrained(d: Decoding, p: Proposal, room: int, vocab_size: int) -> Proposal:
@@ -325,7 +271,7 @@ def _constrained(d: Decoding, p: Proposal, room: int, vocab_size: int) -> Propos
     lookup drafts goes on with the tokens the grammar forces after it."""
     masks = d.grammar.paths()
     tree, draft = constrain(p.tree, p.draft, masks)
-    p.pruned += p.tree.num_nodes - tree.num_nodes
+    p.feedback.pruned += p.tree.num_nodes - tree.num_nodes
     if p.extend_forced and tree.num_nodes > 1:
         more = masks.forced_after(
             tuple(int(t) for t in draft.tokens[1:]), min(FORCED_DRAFTS, room - tree.num_nodes + 1)
@@ -383,7 +329,7 @@ def _committed(runner: Runner, d: Decoding, planned: _Planned, acc: Acceptance |
         rows=t.num_nodes,
         path=acc.path,
         draft_seconds=planned.draft_seconds,
-        pruned=p.pruned,
+        pruned=p.feedback.pruned,
         free_end=end is not None,
     )
     if d.logprobs is not None:  # emitted token k was drawn from row path[k]: the accepted path's rows, in order
@@ -391,7 +337,7 @@ def _committed(runner: Runner, d: Decoding, planned: _Planned, acc: Acceptance |
     if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
         in_heads = dr.heads[acc.path]
         st.heads_tree, st.heads_path = dr.heads_tree, in_heads[in_heads >= 0]
-    elif p.heads_idle:  # the heads drafted nothing: their statistics see a plain step
+    elif p.feedback.heads_idle:  # the heads drafted nothing: their statistics see a plain step
         st.heads_tree, st.heads_path = PLAIN, acc.path[:1]
     return st
 
@@ -456,28 +402,32 @@ def speculative_steps(
     drafts: DraftSource | str = DraftSource.HEADS,
     *,
     capacity: int | None = None,
-    **state,
+    rng: np.random.Generator | None = None,
+    lookup_length: LookupLength | None = None,
+    processors: LogitsProcessors | None = None,
+    grammar: GrammarState | None = None,
 ) -> Iterator[Step]:
     """One sequence on the runner's solo slot, with room for prompt + params.max_new_tokens (the rest of the
     context for None) + the tree, or `capacity`: yield each step that emitted tokens (or prompt log-probabilities) until the
     sequence is full; the caller stops iterating when done. `drafts`: where drafts come from ("lookup": `tree`
-    is a chain whose depth caps them); `state`: the sequence's own objects as Decoding takes them (rng,
-    lookup_length, processors, grammar: a GrammarState), where the defaults (a generator seeded by
-    params.sampling.seed, no processors, no grammar) do not serve."""
+    is a chain whose depth caps them); rng (default: seeded by params.sampling.seed), lookup_length, processors,
+    grammar: the sequence's own objects, as Decoding takes them."""
     prompt = np.asarray(prompt, dtype=np.int64)
     context = runner.info.max_context
     new = context - len(prompt) if params.max_new_tokens is None else params.max_new_tokens
     runner.reset(min(context, len(prompt) + new + tree.num_nodes) if capacity is None else capacity)
-    state.setdefault("rng", np.random.default_rng(params.sampling.seed))
     d = Decoding(
-        runner.solo,
-        prompt,
-        tree,
-        params.sampling,
+        slot=runner.solo,
+        prompt=prompt,
+        tree=tree,
+        sampling=params.sampling,
+        rng=np.random.default_rng(params.sampling.seed) if rng is None else rng,
         drafts=drafts,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
-        **state,
+        lookup_length=lookup_length,
+        processors=processors,
+        grammar=grammar,
     )
     while not d.full:
         for st in step(runner, [d]):

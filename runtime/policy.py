@@ -8,16 +8,25 @@ dropped by `forget`. The verify-cost curve they size speculation by is measured 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from clover.runtime.cost import VerifyCost
+from clover.runtime.proposers import Proposal
+from clover.runtime.results import Step
 from clover.runtime.tree import DynamicTree, Tree, prune_tree
 
-if TYPE_CHECKING:
-    from clover.runtime.loop import Decoding, Step
-    from clover.runtime.proposers import Proposal
+
+class Decoding(Protocol):
+    """What the policy reads of a sequence (runtime/state.Decoding), its identity keying the sequence's own
+    estimates."""
+
+    tree: Tree | DynamicTree
+    lookup_length: LookupLength | None
+
+    @property
+    def prefilling(self) -> bool: ...
 
 
 class RankAcceptance:
@@ -310,8 +319,10 @@ def learn_from_step(d: Decoding, p: Proposal, st: Step, ms: float) -> None:
     emitted), and heads+lookup's arms (the step's tokens and its `ms`)."""
     if p.draft.confidence is not None and isinstance(d.tree, DynamicTree) and d.tree.confidence is not None:
         d.tree.confidence.observe(p.draft.confidence[1:], np.isin(np.arange(1, p.tree.num_nodes), st.path))
-    if p.lookup is not None:
-        d.lookup_length.observe(*p.lookup, st.tokens[: len(st.tokens) - st.free_end])
-    if p.arm is not None:
-        alone, kind = p.arm
-        d.lookup_length.observe_step(kind, alone, len(st.tokens), ms)
+    f = p.feedback
+    if f.draft_call_ms is not None and isinstance(d.tree, DynamicTree) and d.tree.confidence is not None:
+        d.tree.confidence.observe_draft(f.draft_call_ms)
+    if f.lookup is not None:
+        d.lookup_length.observe(f.lookup.match, f.lookup.proposal, st.tokens[: len(st.tokens) - st.free_end])
+    if f.arm is not None:
+        d.lookup_length.observe_step(f.arm.kind, f.arm.alone, len(st.tokens), ms)

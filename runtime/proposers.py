@@ -1,6 +1,10 @@
 """Where each step's drafts come from: a proposer per draft source, behind one small interface.
 
-    proposal = proposer.propose(sequence, tree, room)   # Proposal: the tree to verify, its draft, what to learn
+    proposal = proposer.propose(inputs, tree, room)   # DraftInput -> Proposal: the tree to verify and its draft
+
+A proposer reads only its typed inputs (`DraftInput`: the root token, the sequence's slot, sampling, grammar,
+prompt-lookup index, and the policy's `LookupBudget`) and returns a `Proposal`; what the learners need of it once
+it is verified travels beside the draft in its `Feedback`, to runtime/policy.learn_from_step.
 
 `HeadsProposer` fills a fixed tree depth by depth from the runner's draft heads, or sizes a dynamic one by
 confidence; `LookupProposer` verifies a chain of prompt-lookup tokens (runtime/lookup.py; no model call);
@@ -15,20 +19,17 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 
 from clover.runtime.backend import Runner, Slot
-from clover.runtime.grammar import MaskRows, PathMasks
+from clover.runtime.grammar import GrammarState, MaskRows, PathMasks
+from clover.runtime.lookup import PromptLookup
 from clover.runtime.params import DraftSource
-from clover.runtime.policy import LookupLength
 from clover.runtime.sampling import SamplingParams, probs_from_logits, sample_without_replacement, topk_tokens
 from clover.runtime.tree import DynamicTree, Tree, compile_tree, resolve_tree
-
-if TYPE_CHECKING:
-    from clover.runtime.loop import Decoding
 
 PLAIN = compile_tree([], name="plain")
 # prompt-lookup tokens drafted per step at most: drafts="lookup" verifies a chain this deep by default (any chain
@@ -141,12 +142,12 @@ def draft_dynamic(
     rng: np.random.Generator,
     slot: Slot | None = None,
     grammar: PathMasks | None = None,
-) -> tuple[Tree, Draft]:
+) -> tuple[Tree, Draft, float | None]:
     """This step's tree, drafted by confidence (tree.DynamicTree): depth by depth the `width` drafted nodes of
     highest cumulative draft probability get `width` children each; greedy keeps the best nodes (by cumulative
     probability: ancestors first) up to the count that maximises expected tokens per verify millisecond,
     sampling keeps every drafted node. With a grammar the heads' logits are masked as in `draft_tree`. Returns the
-    compiled tree and its draft."""
+    compiled tree, its draft and the milliseconds a draft call took (None: one call only), for DraftConfidence."""
     vocab = runner.info.draft_vocab
     law = probs_from_logits if not sampling.greedy else None
     greedy_law = SamplingParams(temperature=1.0)  # greedy ranks nodes by the heads' plain softmax
@@ -199,13 +200,12 @@ def draft_dynamic(
         p = np.array(parent)[frontier]
         logits = runner.draft_step(depth, frontier, p, np.array(tokens)[frontier], slot)
         calls += 1
-    if spec.confidence is not None and calls > 1:
-        spec.confidence.observe_draft((time.perf_counter() - t0) * 1e3 / calls)
+    call_ms = (time.perf_counter() - t0) * 1e3 / calls if calls > 1 else None
     kept = np.arange(len(tokens))
     if law is None:  # greedy: the best nodes, as many as pay for their rows
         n = _best_count(spec, worth, score, 0.0)[0] if spec.cost is not None else min(len(tokens) - 1, spec.budget)
         kept = np.array([0] + sorted(_by_score(score)[:n]), dtype=np.int64)
-    return _compiled_draft(kept, tokens, parent, score, laws, runner.info.vocab_size, vocab, spec.name)
+    return (*_compiled_draft(kept, tokens, parent, score, laws, runner.info.vocab_size, vocab, spec.name), call_ms)
 
 
 def _deeper_pays(spec: DynamicTree, worth, score: list[float], frontier: np.ndarray, spent: float, calls: int) -> bool:
@@ -369,19 +369,66 @@ def constrain(tree: Tree, draft: Draft, grammar: PathMasks) -> tuple[Tree, Draft
     return new, pruned
 
 
+class LookupBudget(Protocol):
+    """The policy's say on prompt lookup (runtime/policy.LookupLength): how many of a proposal's tokens are worth
+    their verify rows, and whether heads+lookup leaves the heads out for such a proposal."""
+
+    def choose(self, match: int, n: int, rows: int = 1) -> int: ...
+
+    def alone(self, match: int, n: int) -> bool: ...
+
+    @staticmethod
+    def kind(match: int, n: int) -> int: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftInput:
+    """Everything a proposer drafts one sequence's step from."""
+
+    root: int  # the token the step starts from (the last one emitted)
+    slot: Slot  # the sequence's runner slot: its heads' state
+    sampling: SamplingParams
+    rng: np.random.Generator
+    grammar: GrammarState | None = None  # what the output must match (None: anything)
+    lookup: PromptLookup | None = None  # the sequence's prompt-lookup index over its context so far
+    budget: LookupBudget | None = None  # the policy's lookup lengths (None: verify every proposed token)
+    measured: bool = True  # the policy may learn heads+lookup's arms from this step (not the first after the prompt)
+
+
+@dataclass(frozen=True)
+class LookupOutcome:
+    """A lookup proposal to learn acceptance from once verified: its match length and the whole proposal."""
+
+    match: int
+    proposal: np.ndarray
+
+
+@dataclass(frozen=True)
+class Arm:
+    """heads+lookup: a step whose arm LookupLength measures (lookup alone or beside the heads), by proposal kind."""
+
+    alone: bool
+    kind: int
+
+
+@dataclass(kw_only=True)
+class Feedback:
+    """What the learners and the step's statistics need of a proposal once it is verified."""
+
+    lookup: LookupOutcome | None = None
+    arm: Arm | None = None
+    heads_idle: bool = False  # a sequence that drafts with heads verifies a chain they did not draft
+    pruned: int = 0  # drafted nodes its grammar forbade (or that were invalid), left out of the verify
+    draft_call_ms: float | None = None  # a dynamic tree's milliseconds per draft call (DraftConfidence learns it)
+
+
 @dataclass
 class Proposal:
-    """One sequence's drafts for one step: the tree to verify and its draft, and what the policy learns from once
-    the step is verified."""
+    """One sequence's drafts for one step: the tree to verify and its draft, and its feedback."""
 
     tree: Tree
     draft: Draft
-    # (match length, whole proposal) of a lookup proposal, which LookupLength learns acceptance from
-    lookup: tuple[int, np.ndarray] | None = None
-    # heads+lookup: (lookup alone?, proposal kind) of a step whose arm LookupLength measures
-    arm: tuple[bool, int] | None = None
-    heads_idle: bool = False  # a sequence that drafts with heads verifies a chain they did not draft
-    pruned: int = 0  # drafted nodes its grammar forbade (or that were invalid), left out of the verify
+    feedback: Feedback = field(default_factory=Feedback)
     # point-mass lookup drafts: under a grammar the tokens it forces after the chain join it (runtime/loop.constrain)
     extend_forced: bool = False
 
@@ -392,28 +439,28 @@ class Proposer(Protocol):
 
     source: DraftSource
 
-    def propose(self, d: Decoding, tree: Tree, room: int) -> Proposal: ...
+    def propose(self, x: DraftInput, tree: Tree, room: int) -> Proposal: ...
 
 
-def _lookup(d: Decoding, k: int) -> np.ndarray:
+def _lookup(x: DraftInput, k: int) -> np.ndarray:
     """Up to k prompt-lookup drafts; under a grammar, the kept match whose continuation it allows furthest."""
-    return d.lookup.propose(k) if d.grammar is None else d.lookup.propose_valid(k, d.grammar.valid_prefix)
+    return x.lookup.propose(k) if x.grammar is None else x.lookup.propose_valid(k, x.grammar.valid_prefix)
 
 
-def _worth_verifying(d: Decoding, proposal: np.ndarray, rows: int) -> np.ndarray:
-    """The part of a lookup proposal worth its verify rows (d.lookup_length), beside `rows` other rows."""
-    if d.lookup_length is None or not len(proposal):
+def _worth_verifying(x: DraftInput, proposal: np.ndarray, rows: int) -> np.ndarray:
+    """The part of a lookup proposal worth its verify rows (the policy's budget), beside `rows` other rows."""
+    if x.budget is None or not len(proposal):
         return proposal
-    return proposal[: d.lookup_length.choose(d.lookup.match, len(proposal), rows)]
+    return proposal[: x.budget.choose(x.lookup.match, len(proposal), rows)]
 
 
-def _learned(d: Decoding, whole: np.ndarray | None) -> tuple[int, np.ndarray] | None:
-    return (d.lookup.match, whole) if whole is not None and d.lookup_length is not None else None
+def _outcome(x: DraftInput, whole: np.ndarray) -> LookupOutcome | None:
+    return LookupOutcome(x.lookup.match, whole) if x.budget is not None else None
 
 
-def _forbidden(d: Decoding) -> int:
+def _forbidden(x: DraftInput) -> int:
     """Of the lookup draft, what the grammar forbade (cut or replaced before drafting): counted as pruned."""
-    return d.lookup.forbidden if d.grammar is not None else 0
+    return x.lookup.forbidden if x.grammar is not None else 0
 
 
 class HeadsProposer:
@@ -425,36 +472,36 @@ class HeadsProposer:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
 
-    def propose(self, d: Decoding, tree: Tree, room: int) -> Proposal:
-        return self.draft(d, tree if tree.num_nodes - 1 <= room else PLAIN)
+    def propose(self, x: DraftInput, tree: Tree, room: int) -> Proposal:
+        return self.draft(x, tree if tree.num_nodes - 1 <= room else PLAIN)
 
-    def draft(self, d: Decoding, tree: Tree | DynamicTree) -> Proposal:
-        masks = d.grammar.paths() if d.grammar is not None else None
+    def draft(self, x: DraftInput, tree: Tree | DynamicTree) -> Proposal:
+        masks = x.grammar.paths() if x.grammar is not None else None
         if isinstance(tree, DynamicTree):
-            return Proposal(*draft_dynamic(self.runner, tree, d.root, d.sampling, d.rng, d.slot, masks))
-        return Proposal(tree, draft_tree(self.runner, tree, d.root, d.sampling, d.rng, d.slot, masks))
+            t, draft, call_ms = draft_dynamic(self.runner, tree, x.root, x.sampling, x.rng, x.slot, masks)
+            return Proposal(t, draft, Feedback(draft_call_ms=call_ms))
+        return Proposal(tree, draft_tree(self.runner, tree, x.root, x.sampling, x.rng, x.slot, masks))
 
 
 class LookupProposer:
-    """A chain of prompt-lookup tokens, as long as `tree` is deep and as LookupLength judges worth its rows."""
+    """A chain of prompt-lookup tokens, as long as `tree` is deep and as the policy's budget judges worth its rows."""
 
     source = DraftSource.LOOKUP
 
     def __init__(self, runner: Runner) -> None:
         self.vocab_size = runner.info.vocab_size
 
-    def propose(self, d: Decoding, tree: Tree, room: int) -> Proposal:
-        whole = _lookup(d, min(tree.max_depth, room))
-        return self.chain(d, _worth_verifying(d, whole, 1), lookup=_learned(d, whole), pruned=_forbidden(d))
-
-    def chain(self, d: Decoding, tokens: np.ndarray, **facts) -> Proposal:
-        draft = lookup_draft(d.root, tokens, d.sampling, self.vocab_size)
-        return Proposal(chain(len(tokens)), draft, extend_forced=True, **facts)
+    def propose(self, x: DraftInput, tree: Tree, room: int) -> Proposal:
+        whole = _lookup(x, min(tree.max_depth, room))
+        tokens = _worth_verifying(x, whole, 1)
+        draft = lookup_draft(x.root, tokens, x.sampling, self.vocab_size)
+        feedback = Feedback(lookup=_outcome(x, whole), pruned=_forbidden(x))
+        return Proposal(chain(len(tokens)), draft, feedback, extend_forced=True)
 
 
 class MergedProposer:
     """heads+lookup: the lookup path joins the heads' tree in the rows left; for a kind of proposal where steps
-    without the heads have measured faster (LookupLength.alone), the lookup chain goes alone."""
+    without the heads have measured faster (LookupBudget.alone), the lookup chain goes alone."""
 
     source = DraftSource.MERGED
 
@@ -462,21 +509,24 @@ class MergedProposer:
         self.heads, self.chains_only = HeadsProposer(runner), runner.info.chains_only
         self.vocab_size = runner.info.vocab_size
 
-    def propose(self, d: Decoding, tree: Tree, room: int) -> Proposal:
+    def propose(self, x: DraftInput, tree: Tree, room: int) -> Proposal:
         tree = tree if tree.num_nodes - 1 <= room else PLAIN
-        whole = _lookup(d, min(LOOKUP_DRAFTS, room))
+        whole = _lookup(x, min(LOOKUP_DRAFTS, room))
         # steps learned from (heads drafted or not): not the first after the prompt (its heads draft over all of it)
-        learn = d.lookup_length is not None and tree.num_nodes > 1 and d.slot.past > len(d.prompt)
-        kind = LookupLength.kind(d.lookup.match, len(whole)) if learn else -1
-        pruned = _forbidden(d)
-        if learn and d.lookup_length.alone(d.lookup.match, len(whole)):
-            tokens = _worth_verifying(d, whole, 1)  # measured faster without the heads, for such proposals
-            draft = lookup_draft(d.root, tokens, d.sampling, self.vocab_size)
-            return Proposal(chain(len(tokens)), draft, _learned(d, whole), (True, kind), True, pruned)
-        p = self.heads.draft(d, tree)
+        learn = x.budget is not None and tree.num_nodes > 1 and x.measured
+        kind = x.budget.kind(x.lookup.match, len(whole)) if learn else -1
+        pruned = _forbidden(x)
+        if learn and x.budget.alone(x.lookup.match, len(whole)):
+            tokens = _worth_verifying(x, whole, 1)  # measured faster without the heads, for such proposals
+            draft = lookup_draft(x.root, tokens, x.sampling, self.vocab_size)
+            feedback = Feedback(lookup=_outcome(x, whole), arm=Arm(True, kind), heads_idle=True, pruned=pruned)
+            return Proposal(chain(len(tokens)), draft, feedback)
+        p = self.heads.draft(x, tree)
         whole = whole[: max(0, room - p.tree.num_nodes + 1)]  # the lookup path joins the heads' tree, in the rows left
-        tree, draft = merge_lookup(p.tree, p.draft, _worth_verifying(d, whole, p.tree.num_nodes), self.chains_only)
-        return Proposal(tree, draft, _learned(d, whole), (False, kind) if learn else None, pruned=pruned)
+        tree, draft = merge_lookup(p.tree, p.draft, _worth_verifying(x, whole, p.tree.num_nodes), self.chains_only)
+        p.feedback.lookup, p.feedback.pruned = _outcome(x, whole), pruned
+        p.feedback.arm = Arm(False, kind) if learn else None
+        return Proposal(tree, draft, p.feedback)
 
 
 class ForcedProposer:
@@ -490,23 +540,23 @@ class ForcedProposer:
         self.heads = getattr(inner, "heads", inner if isinstance(inner, HeadsProposer) else None)
         self.chains_only, self.vocab_size = runner.info.chains_only, runner.info.vocab_size
 
-    def propose(self, d: Decoding, tree: Tree, room: int) -> Proposal:
+    def propose(self, x: DraftInput, tree: Tree, room: int) -> Proposal:
         speculating = self.heads is None or 0 < tree.num_nodes - 1 <= room  # (a plain step stays plain)
-        forced = np.asarray(d.grammar.forced(min(FORCED_DRAFTS, room)) if speculating else [], np.int64)
+        forced = np.asarray(x.grammar.forced(min(FORCED_DRAFTS, room)) if speculating else [], np.int64)
         if not len(forced):
-            return self.inner.propose(d, tree, room)
+            return self.inner.propose(x, tree, room)
         only = len(forced)
-        if d.lookup is not None:  # a lookup proposal that starts with the forced tokens goes on further
-            more = _lookup(d, min(LOOKUP_DRAFTS, room))
+        if x.lookup is not None:  # a lookup proposal that starts with the forced tokens goes on further
+            more = _lookup(x, min(LOOKUP_DRAFTS, room))
             if len(more) > len(forced) and np.array_equal(more[: len(forced)], forced):
                 forced = more
         if self.heads is None or tree.max_depth <= only:
-            draft = lookup_draft(d.root, forced, d.sampling, self.vocab_size)
+            draft = lookup_draft(x.root, forced, x.sampling, self.vocab_size)
             idle = self.heads is not None
-            return Proposal(chain(len(forced)), draft, heads_idle=idle, extend_forced=not idle)
-        p = self.heads.draft(d, tree)
+            return Proposal(chain(len(forced)), draft, Feedback(heads_idle=idle), extend_forced=not idle)
+        p = self.heads.draft(x, tree)
         tree, draft = merge_lookup(p.tree, p.draft, forced[: max(0, room - p.tree.num_nodes + 1)], self.chains_only)
-        return Proposal(tree, draft)
+        return Proposal(tree, draft, Feedback(draft_call_ms=p.feedback.draft_call_ms))
 
 
 def proposer_for(runner: Runner, source: DraftSource, grammar: bool) -> Proposer:

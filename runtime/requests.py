@@ -15,11 +15,11 @@ from clover.errors import CloverError
 from clover.runtime.backend import RunnerInfo, Slot
 from clover.runtime.grammar import GrammarCompiler, GrammarState
 from clover.runtime.logprobs import TokenLogprob, prompt_entries
-from clover.runtime.loop import Decoding, Step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.params import GenerationParams
 from clover.runtime.processors import LogitsProcessors
-from clover.runtime.results import GenerationResult, Progress, StreamDelta
+from clover.runtime.results import GenerationResult, Progress, Step, StreamDelta
+from clover.runtime.state import Decoding
 from clover.runtime.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | list[dict[str, str]]
@@ -129,13 +129,13 @@ class Request:
         self.progress.admitted()
         sampling = self.params.sampling
         self.decoding = Decoding(
-            slot,
-            self.prompt,
-            tree,
-            sampling,
-            np.random.default_rng(sampling.seed),
-            drafts,
-            prefill_chunk,
+            slot=slot,
+            prompt=self.prompt,
+            tree=tree,
+            sampling=sampling,
+            rng=np.random.default_rng(sampling.seed),
+            drafts=drafts,
+            prefill_chunk=prefill_chunk,
             lookup_length=lookup_length,
             processors=LogitsProcessors.of(sampling, self.prompt, self.stop.eos_token_ids, vocab_size),
             logprobs=self.params.logprobs,

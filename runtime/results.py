@@ -5,16 +5,45 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from clover.runtime.grammar import GrammarState
-from clover.runtime.logprobs import TokenLogprob
+from clover.runtime.logprobs import StepLogprobs, TokenLogprob
 from clover.runtime.output import OutputTracker
+from clover.runtime.tree import Tree
 
-if TYPE_CHECKING:
-    from clover.runtime.loop import Step
+
+@dataclass
+class Step:
+    """What one model step emitted (the prefill is step 0) and where its time went."""
+
+    tokens: list[int]
+    tree_nodes: int  # nodes verified (1 for plain steps and the prefill)
+    tree: Tree | None = None  # the tree verified (None for the prefill)
+    rows: int = 1  # rows this sequence put in the step's forward (its tree's nodes, or its prompt chunk)
+    path: np.ndarray | None = None  # its accepted node ids, root first
+    # drafts="heads+lookup": the heads' own tree and the accepted path's part in it (what their acceptance
+    # statistics count); None when the step's tree is the heads' tree
+    heads_tree: Tree | None = None
+    heads_path: np.ndarray | None = None
+    draft_seconds: float = 0.0  # this sequence's share of the draft phase
+    # draft / verify / accept / commit (prefill for step 0), and "engine": the part of the step spent in the
+    # engine's own calls (absent where the backend cannot tell); the rest of the step is host time.
+    seconds: dict[str, float] = field(default_factory=dict)
+    error: BaseException | None = None  # step(isolate=True): this sequence's part failed (it emitted nothing)
+    logprobs: StepLogprobs | None = None  # the emitted tokens' log-probabilities, when the sequence asks for them
+    pruned: int = 0  # drafted nodes its grammar forbade, left out of the verify
+    # its last token is the end its grammar allowed alone, emitted without a forward (not a verified token)
+    free_end: bool = False
+    # a prompt chunk's tokens' log-probabilities (each but the prompt's first), when the sequence asks for them
+    prompt_logprobs: StepLogprobs | None = None
+
+    @property
+    def wall(self) -> float:
+        """The step's wall time (its phases; "engine" is a part of them)."""
+        return sum(v for k, v in self.seconds.items() if k != "engine")
 
 
 @dataclass(frozen=True)

@@ -84,3 +84,77 @@ def test_the_checker_sees_lazy_and_upward_imports(tmp_path):
     )
     assert clover_imports(src) == [(2, "clover.export.artifact"), (3, "clover.tools.cli"), (4, "clover.atomic")]
     assert [package_of(m) for _, m in clover_imports(src)] == ["export", "tools", "clover"]
+
+
+def runtime_graph(root: Path = ROOT / "runtime") -> dict[str, set[str]]:
+    """Import edges among runtime/'s modules ('loop' -> {'policy', ...}; 'backends.ort' -> ...), lazy and
+    type-only imports counted alike."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        name = ".".join(path.relative_to(root).with_suffix("").parts)
+        graph[name] = set()
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if node.module in ("clover.runtime", "clover.runtime.backends"):
+                    prefix = node.module.removeprefix("clover.runtime").lstrip(".")
+                    names = [f"{prefix}.{a.name}".lstrip(".") for a in node.names]
+                elif node.module.startswith("clover.runtime."):
+                    names = [node.module.removeprefix("clover.runtime.")]
+            elif isinstance(node, ast.Import):
+                names = [
+                    a.name.removeprefix("clover.runtime.") for a in node.names if a.name.startswith("clover.runtime.")
+                ]
+            graph[name] |= {n for n in names if n != name}
+    return {m: {t for t in targets if t in graph or f"{t}.__init__" in graph} for m, targets in graph.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each strongly connected group of more than one module (or a module importing itself), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def test_no_import_cycle_among_runtime_modules():
+    assert cycles(runtime_graph()) == []
+
+
+def test_the_cycle_checker_sees_lazy_and_type_only_cycles(tmp_path):
+    (tmp_path / "backends").mkdir()
+    (tmp_path / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from clover.runtime.b import X\n"
+    )
+    (tmp_path / "b.py").write_text("def f():\n    from clover.runtime import a\n")
+    (tmp_path / "c.py").write_text("from clover.runtime.backends import d\n")
+    (tmp_path / "backends" / "d.py").write_text("import numpy\n")
+    graph = runtime_graph(tmp_path)
+    assert graph["a"] == {"b"} and graph["b"] == {"a"} and graph["c"] == {"backends.d"}
+    assert cycles(graph) == [["a", "b"]]
+

@@ -137,7 +137,7 @@ def test_dynamic_trees_over_a_draft_vocabulary(root):
     prompt = np.array(PROMPTS[0])
     a.forward(prompt, np.arange(len(prompt)), np.tri(len(prompt), dtype=bool))
     a.commit(np.arange(len(prompt)), np.append(prompt[1:], 5))
-    tree, draft = draft_dynamic(a, dynamic_tree("dynamic-8", 5), 5, SamplingParams(), np.random.default_rng(0))
+    tree, draft, _ = draft_dynamic(a, dynamic_tree("dynamic-8", 5), 5, SamplingParams(), np.random.default_rng(0))
     assert 1 < tree.num_nodes <= 9 and set(draft.tokens[1:].tolist()) <= ids
 
 

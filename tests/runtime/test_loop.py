@@ -76,7 +76,11 @@ def test_dynamic_trees_are_identical_and_within_budget(base, plain, arch):
     ):  # free rows: every node of non-zero probability
         slot = runner.open_slot(64)
         d = Decoding(
-            slot, np.array(PROMPTS[1]), dataclasses.replace(tree, cost=cost), SamplingParams(), np.random.default_rng(0)
+            slot=slot,
+            prompt=np.array(PROMPTS[1]),
+            tree=dataclasses.replace(tree, cost=cost),
+            sampling=SamplingParams(),
+            rng=np.random.default_rng(0),
         )
         step(runner, [d])  # the prefill
         st = step(runner, [d])[0]

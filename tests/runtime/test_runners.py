@@ -245,7 +245,11 @@ def test_two_slots_in_turn_or_together_emit_their_solo_tokens(runners, kind, arc
     for together in (False, True):
         ds = [
             Decoding(
-                runner.open_slot(len(p) + N + t.num_nodes), np.array(p), t, SamplingParams(), np.random.default_rng(0)
+                slot=runner.open_slot(len(p) + N + t.num_nodes),
+                prompt=np.array(p),
+                tree=t,
+                sampling=SamplingParams(),
+                rng=np.random.default_rng(0),
             )
             for p in PROMPTS
         ]

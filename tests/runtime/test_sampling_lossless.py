@@ -326,7 +326,13 @@ def batched_first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n:
     for start in range(0, n, batch):
         group = range(start, min(start + batch, n))
         ds = [
-            Decoding(runner.open_slot(capacity), prompt, tree, sampling, np.random.default_rng(children[i]))
+            Decoding(
+                slot=runner.open_slot(capacity),
+                prompt=prompt,
+                tree=tree,
+                sampling=sampling,
+                rng=np.random.default_rng(children[i]),
+            )
             for i in group
         ]
         outs: list[list[int]] = [[] for _ in ds]
@@ -557,7 +563,13 @@ def device_first_tokens(base, arch: str, tree, sampling: SamplingParams, n: int,
     for start in range(0, n, batch):
         rngs = np.random.SeedSequence(seed + start).spawn(batch)
         ds = [
-            Decoding(runner.open_slot(capacity), np.array(PROMPT), tree, sampling, np.random.default_rng(r))
+            Decoding(
+                slot=runner.open_slot(capacity),
+                prompt=np.array(PROMPT),
+                tree=tree,
+                sampling=sampling,
+                rng=np.random.default_rng(r),
+            )
             for r in rngs
         ]
         out: list[list[int]] = [[] for _ in ds]

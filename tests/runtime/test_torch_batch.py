@@ -71,11 +71,11 @@ def decode_together(
     V = runner.info.vocab_size
     ds = [
         Decoding(
-            runner.open_slot(len(p) + n + tree.num_nodes),
-            np.array(p),
-            tree,
-            sampling,
-            np.random.default_rng(0),
+            slot=runner.open_slot(len(p) + n + tree.num_nodes),
+            prompt=np.array(p),
+            tree=tree,
+            sampling=sampling,
+            rng=np.random.default_rng(0),
             processors=LogitsProcessors.of(sampling, np.array(p), stop_ids, V),
             logprobs=logprobs[i] if logprobs is not None else None,
         )
@@ -137,11 +137,19 @@ def test_a_prefilling_sequence_and_sampled_ones_step_beside_the_device_batch(mod
     tree = resolve_tree("small")
     seeded = SamplingParams(temperature=0.8, seed=3)
     greedy, hot = SamplingParams(), SamplingParams(temperature=1.5)
+    rng = np.random.default_rng
     ds = [
-        Decoding(runner.open_slot(64), np.array(BATCH[0]), tree, greedy, np.random.default_rng(0)),
-        Decoding(runner.open_slot(64), np.array(BATCH[2]), tree, greedy, np.random.default_rng(0), prefill_chunk=4),
-        Decoding(runner.open_slot(64), np.array(BATCH[1]), tree, seeded, np.random.default_rng(3)),
-        Decoding(runner.open_slot(64), np.array(BATCH[1]), tree, hot, np.random.default_rng(4)),
+        Decoding(slot=runner.open_slot(64), prompt=np.array(BATCH[0]), tree=tree, sampling=greedy, rng=rng(0)),
+        Decoding(
+            slot=runner.open_slot(64),
+            prompt=np.array(BATCH[2]),
+            tree=tree,
+            sampling=greedy,
+            rng=rng(0),
+            prefill_chunk=4,
+        ),
+        Decoding(slot=runner.open_slot(64), prompt=np.array(BATCH[1]), tree=tree, sampling=seeded, rng=rng(3)),
+        Decoding(slot=runner.open_slot(64), prompt=np.array(BATCH[1]), tree=tree, sampling=hot, rng=rng(4)),
     ]
     out: list[list[int]] = [[] for _ in ds]
     while live := [i for i, d in enumerate(ds) if len(out[i]) < N and not d.full]:
