@@ -30,7 +30,7 @@ from pathlib import Path
 import jsonschema
 from tqdm import tqdm
 
-from clover.runtime.backends.ort import base_dir, load_runner
+from clover.runtime.backends.ort import OrtOptions, base_dir, load_runner
 from clover.runtime.generator import Generator
 from clover.runtime.grammar import Grammar
 from clover.runtime.params import GenerationParams
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     artifact = Path(a.artifact) if a.artifact else demo_artifact()
     tok = Tokenizer.from_dir(base_dir(artifact))
     tree = demo_tree(artifact)
-    plain_runner = load_runner(artifact, heads="none", checksums=False)
+    plain_runner = load_runner(artifact, heads="none", options=OrtOptions(checksums=False))
     heads_runner = load_runner(artifact)
     gens = {
         "plain": Generator(plain_runner, tok, "plain"),

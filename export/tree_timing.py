@@ -52,9 +52,8 @@ def decode_seconds(
     tokens, seconds = 0, 0.0
     capacity = len(prompt) + new_tokens + tree.num_nodes + 1 + (LOOKUP_DRAFTS if drafts != "heads" else 0)
     prompt = np.array(prompt, dtype=np.int64)
-    rng = np.random.default_rng(0)
     steps = speculative_steps(
-        runner, prompt, tree, GenerationParams(), drafts, capacity=capacity, rng=rng, lookup_length=lookup_length
+        runner, prompt, tree, GenerationParams(), drafts, capacity=capacity, lookup_length=lookup_length
     )
     next(steps)  # the prefill
     for step in steps:

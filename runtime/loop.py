@@ -23,7 +23,6 @@ import numpy as np
 
 from clover.runtime.acceptance import Acceptance, accept_greedy, accept_sampling
 from clover.runtime.backend import Runner, SlotStep, Verify
-from clover.runtime.grammar import GrammarState
 from clover.runtime.logprobs import token_logprobs
 from clover.runtime.lookup import PromptLookup
 from clover.runtime.params import PREFILL_CHUNK, DraftSource, GenerationParams
@@ -402,16 +401,13 @@ def speculative_steps(
     drafts: DraftSource | str = DraftSource.HEADS,
     *,
     capacity: int | None = None,
-    rng: np.random.Generator | None = None,
     lookup_length: LookupLength | None = None,
-    processors: LogitsProcessors | None = None,
-    grammar: GrammarState | None = None,
 ) -> Iterator[Step]:
     """One sequence on the runner's solo slot, with room for prompt + params.max_new_tokens (the rest of the
     context for None) + the tree, or `capacity`: yield each step that emitted tokens (or prompt log-probabilities) until the
     sequence is full; the caller stops iterating when done. `drafts`: where drafts come from ("lookup": `tree`
-    is a chain whose depth caps them); rng (default: seeded by params.sampling.seed), lookup_length, processors,
-    grammar: the sequence's own objects, as Decoding takes them."""
+    is a chain whose depth caps them); `lookup_length`: how much of each lookup proposal to verify (None: all). Its
+    random draws come from a generator seeded by params.sampling.seed."""
     prompt = np.asarray(prompt, dtype=np.int64)
     context = runner.info.max_context
     new = context - len(prompt) if params.max_new_tokens is None else params.max_new_tokens
@@ -421,13 +417,11 @@ def speculative_steps(
         prompt=prompt,
         tree=tree,
         sampling=params.sampling,
-        rng=np.random.default_rng(params.sampling.seed) if rng is None else rng,
+        rng=np.random.default_rng(params.sampling.seed),
         drafts=drafts,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
         lookup_length=lookup_length,
-        processors=processors,
-        grammar=grammar,
     )
     while not d.full:
         for st in step(runner, [d]):

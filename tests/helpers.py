@@ -4,6 +4,7 @@ identity assertion (`assert_identical`)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import os
@@ -217,11 +218,12 @@ def run_tokens(
     from clover.runtime.params import GenerationParams
     from clover.runtime.sampling import SamplingParams
 
-    params = GenerationParams(max_new_tokens=n, sampling=sampling or SamplingParams())
+    sampling = sampling or SamplingParams()
+    if not sampling.greedy and sampling.seed is None:  # the loop's draws come from a generator of this seed
+        sampling = dataclasses.replace(sampling, seed=seed)
+    params = GenerationParams(max_new_tokens=n, sampling=sampling)
     out, steps = [], []
-    for i, step in enumerate(
-        speculative_steps(runner, np.array(prompt), tree, params, drafts, rng=np.random.default_rng(seed))
-    ):
+    for i, step in enumerate(speculative_steps(runner, np.array(prompt), tree, params, drafts)):
         out += step.tokens
         if i:
             steps.append(len(step.tokens))

@@ -158,3 +158,45 @@ def test_the_cycle_checker_sees_lazy_and_type_only_cycles(tmp_path):
     assert graph["a"] == {"b"} and graph["b"] == {"a"} and graph["c"] == {"backends.d"}
     assert cycles(graph) == [["a", "b"]]
 
+
+# Size limits: a function longer than this is split into named parts (argparse parser builders excepted: a flat
+# list of options reads best in one place); a public function or method of runtime/ or serve/ takes at most
+# MAX_PARAMETERS (self excepted): more belong in a typed record.
+MAX_FUNCTION_LINES = 80
+MAX_PARAMETERS = 7
+
+
+def long_functions(paths) -> list[str]:
+    bad = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("build_parser"):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {lines} lines")
+    return bad
+
+
+def wide_signatures(paths) -> list[str]:
+    bad = []
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("_"):
+                a = node.args
+                params = [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]
+                count = len(params) - (bool(a.args) and a.args[0].arg in ("self", "cls"))
+                if count > MAX_PARAMETERS:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}: {count} parameters")
+    return bad
+
+
+def package_files(*packages: str) -> list[Path]:
+    return [p for pkg in packages for p in sorted((ROOT / PACKAGES[pkg]).rglob("*.py"))]
+
+
+def test_no_function_is_longer_than_the_limit():
+    assert long_functions(package_files(*LEVEL)) == []
+
+
+def test_no_public_signature_of_runtime_or_serve_is_wider_than_the_limit():
+    assert wide_signatures(package_files("runtime", "serve")) == []

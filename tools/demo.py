@@ -186,7 +186,9 @@ def generators(args: argparse.Namespace):
         artifact = demo_artifact(args.base, args.heads)
         tok = Tokenizer.from_dir(ort_backend.base_dir(artifact))
         spec = Generator(ort_backend.load_runner(artifact), tok, args.tree or demo_tree(artifact))
-        plain = Generator(ort_backend.load_runner(artifact, heads="none", checksums=False), tok)
+        plain = Generator(
+            ort_backend.load_runner(artifact, heads="none", options=ort_backend.OrtOptions(checksums=False)), tok
+        )
         return spec, plain, Generator(plain.runner, tok, drafts="lookup"), artifact
     from clover.runtime.backends.torch_runner import TorchRunner
 

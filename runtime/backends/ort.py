@@ -584,14 +584,11 @@ def load_runner(
     artifact: str | Path,
     heads: str = ARTIFACT_HEADS,
     dtype: str | None = None,
-    threads: int = 0,
-    spin: bool = True,
-    checksums: bool = True,
-    cache_block: int = 256,
-    batch: bool = False,
-    providers: str | Sequence[str] = ("cpu",),
-    device: int = 0,
-    cuda_graphs: bool = False,
+    *,
+    threads: int | None = None,
+    batch: bool | None = None,
+    providers: str | Sequence[str] | None = None,
+    options: OrtOptions = OrtOptions(),
 ) -> OrtRunner:
     """Open and validate an artifact folder and build its runner.
 
@@ -600,20 +597,13 @@ def load_runner(
         heads: "artifact" (default) or the name the heads were exported from: the artifact's heads;
             "none": plain decoding on the artifact's base graph.
         dtype: None, or the precision the caller expects (must be the artifact's).
-        threads, spin, checksums, cache_block, batch: see OrtOptions (clover.Engine loads with batch=True).
-        providers, device, cuda_graphs: see OrtOptions (providers: e.g. "cuda,cpu"; the runner's `placement`
-            says where it runs).
+        threads, batch, providers: the OrtOptions fields every caller of a backend names (clover.Engine loads with
+            batch=True; providers: e.g. "cuda,cpu", the runner's `placement` says where it runs); given, they
+            replace `options`' own.
+        options: the rest (spin, checksums, cache_block, device, cuda_graphs: see OrtOptions).
     """
-    options = OrtOptions(
-        threads=threads,
-        spin=spin,
-        checksums=checksums,
-        cache_block=cache_block,
-        batch=batch,
-        providers=providers,
-        device=device,
-        cuda_graphs=cuda_graphs,
-    )
+    named = {"threads": threads, "batch": batch, "providers": providers}
+    options = dataclasses.replace(options, **{k: v for k, v in named.items() if v is not None})
     manifest = open_artifact(artifact, checksums=options.checksums)
     if manifest.attention == "plugin":
         raise CloverError(

@@ -16,7 +16,7 @@ from clover.artifact import open_artifact
 from clover.errors import CloverError
 from clover.export.config import ExportConfig
 from clover.models.config import BaseConfig
-from clover.runtime.backends.ort import load_runner
+from clover.runtime.backends.ort import OrtOptions, load_runner
 from clover.runtime.generator import Generator
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import compile_spec, resolve_tree
@@ -64,7 +64,7 @@ def test_fused_draft_begin_is_fused_and_drafts_as_the_traced_one(root):
     assert sum(counts.values()) < 80, counts  # traced: ~190
     assert m.graphs["draft_begin"].output("present.0.key").shape[2] == "slots"
     assert m.parity["draft_begin"]["logits"] < 1e-3
-    runners = [load_runner(a, cache_block=4) for a in (fused, traced)]
+    runners = [load_runner(a, options=OrtOptions(cache_block=4)) for a in (fused, traced)]
     assert runners[0].drafter.in_place and not runners[1].drafter.in_place
     rng = np.random.default_rng(0)
     H, V = runners[0].hidden_size, runners[0].vocab_size

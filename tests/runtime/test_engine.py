@@ -16,7 +16,7 @@ from numerics import assert_close_paths, chain_reduction
 from ort_helpers import tiny_artifact, tiny_modules
 
 from clover.errors import CloverError
-from clover.runtime.backends.ort import load_runner
+from clover.runtime.backends.ort import OrtOptions, load_runner
 from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.engine import Cancelled, Engine, EngineStream, EngineUnavailable, QueueFull
 from clover.runtime.generator import Generator
@@ -647,7 +647,7 @@ def test_choices_share_one_prefill_and_each_equals_solo(tmp_path_factory, arch, 
     plain = Generator(load_runner(art, heads="none"), tok, "plain")
     long_prompt = [int(t) for t in np.random.default_rng(9).integers(6, 90, 40)]
     with Engine(
-        load_runner(art, cache_block=16),
+        load_runner(art, options=OrtOptions(cache_block=16)),
         tok,
         "small" if arch != "clover" else "chain-3",
         log=None,

@@ -13,7 +13,7 @@ from ort_helpers import PROMPTS, tiny_artifact, tiny_modules
 from clover.artifact import read_manifest
 from clover.errors import CloverError
 from clover.runtime.backend import RunnerInfo, backend_module
-from clover.runtime.backends.ort import OrtRunner, load_runner
+from clover.runtime.backends.ort import OrtOptions, OrtRunner, load_runner
 from clover.runtime.backends.torch_runner import TorchRunner
 from clover.runtime.generator import Generator
 from clover.runtime.loop import chain, speculative_steps
@@ -79,7 +79,7 @@ def test_kv_compaction_in_place_matches_plain_cache(base, torch_plain, artifacts
 def test_cache_grows_by_doubling_and_stays_exact(artifacts, torch_plain):
     """Buffers start at cache_block slots and double (capped at the capacity) without changing a token."""
     for heads, block in (("artifact", 4), ("none", 1)):
-        runner = load_runner(artifacts["clover2"], heads=heads, cache_block=block)
+        runner = load_runner(artifacts["clover2"], heads=heads, options=OrtOptions(cache_block=block))
         for p in PROMPTS:
             got, _ = run_tokens(runner, p, resolve_tree("mc26" if heads == "artifact" else "plain"), N)
             assert_identical(got, torch_plain[tuple(p)], f"cache_block {block}")
@@ -164,7 +164,9 @@ def test_the_heads_read_the_prompt_in_the_prefill(artifacts):
 def test_load_runner_options_and_errors(artifacts):
     path = artifacts["clover2"]
     assert backend_module("ort").load_runner is load_runner
-    runner = load_runner(path, heads="random:clover2:0", dtype="float32", threads=1, checksums=False)
+    runner = load_runner(
+        path, heads="random:clover2:0", dtype="float32", threads=1, options=OrtOptions(checksums=False)
+    )
     assert runner.info.backend == "ort" and runner.info.heads_name == "random:clover2:0"
     assert runner.info.default_tree.name == read_manifest(path).tree.name and runner.info.max_context == 256
     with runner:

@@ -27,6 +27,8 @@ and rejected, so the rejection-sampling path, not only the bonus-token path, is 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -121,13 +123,9 @@ def first_tokens(runner: TorchRunner, tree, sampling: SamplingParams, n: int, se
     tokens = np.zeros((n, NUM_TOKENS), dtype=np.int64)
     lengths, full_tree_steps = [], 0
     for i, child in enumerate(np.random.SeedSequence(seed).spawn(n)):
-        rng = np.random.default_rng(child)
+        params = GenerationParams(sampling=dataclasses.replace(sampling, seed=int(child.generate_state(1)[0])))
         out: list[int] = []
-        for k, st in enumerate(
-            speculative_steps(
-                runner, prompt, tree, GenerationParams(sampling=sampling), drafts, capacity=capacity, rng=rng
-            )
-        ):
+        for k, st in enumerate(speculative_steps(runner, prompt, tree, params, drafts, capacity=capacity)):
             out += st.tokens
             if k:
                 lengths.append(len(st.tokens))
