@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -410,6 +411,65 @@ class StackedCache:
             dst[rows[:, None], :, columns] = src.transpose(1, 2)  # advanced dims first: [B, L, Hkv, D]
 
 
+class DecodedRow(NamedTuple):
+    """One row of a device step, read back: tokens accepted, the path (tree nodes, root first), the tokens emitted
+    (the last one the bonus) and, when asked for, their log-probabilities."""
+
+    count: int
+    path: np.ndarray
+    emitted: np.ndarray
+    logprobs: StepLogprobs | None
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """The one tensor a device step returns (a recorded graph has one output, copied back once), int64 per row:
+    count | path [L] | emitted [L], then with log-probabilities chosen [L] | top ids [L, K] | top values [L, K],
+    the values as float32 bits. `pack` (on the device) and `unpack` (on the host) alone know these offsets."""
+
+    depth: int  # L: the tree's depth + 1 (path nodes, root included)
+    top: int  # K: alternatives kept per row (MAX_LOGPROBS, at most the vocabulary)
+
+    @staticmethod
+    def pack(
+        count: torch.Tensor,
+        path: torch.Tensor,
+        emitted: torch.Tensor,
+        logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        parts = [count[:, None], path, emitted]
+        if logprobs is not None:
+            chosen, ids, values = logprobs
+            bits = lambda x: x.contiguous().view(torch.int32).to(torch.int64).flatten(1)  # noqa: E731
+            parts += [bits(chosen), ids.flatten(1), bits(values)]
+        return torch.cat(parts, dim=1)
+
+    def unpack(self, row: np.ndarray, alternatives: int | None) -> DecodedRow:
+        """A row read back (`alternatives`: top tokens wanted per position, None: no log-probabilities)."""
+        L, K = self.depth, self.top
+        count = int(row[0])
+        path, emitted = row[1 : 1 + L][:count].copy(), row[1 + L : 1 + 2 * L][:count].copy()
+        if alternatives is None:
+            return DecodedRow(count, path, emitted, None)
+        floats = lambda a: a.astype(np.int32).view(np.float32).astype(np.float64)  # noqa: E731
+        chosen, rest = row[1 + 2 * L : 1 + 3 * L], row[1 + 3 * L :]
+        ids, values = rest[: L * K].reshape(L, K), rest[L * K :].reshape(L, K)
+        k = alternatives
+        step = StepLogprobs(emitted.copy(), floats(chosen[:count]), ids[:count, :k].copy(), floats(values[:count, :k]))
+        return DecodedRow(count, path, emitted, step)
+
+
+def _laws(slots: Sequence[Slot], asks: Sequence[SlotStep], rows: int) -> np.ndarray:
+    """Each row's temperature, top-p, top-k and min-p [4, rows] (greedy rows: 0, 1, 0, 0)."""
+    laws = np.zeros((4, rows), np.float32)
+    laws[1] = 1.0
+    for s, a in zip(slots, asks):
+        if a.sampling is not None and not a.sampling.greedy:
+            sp = a.sampling
+            laws[:, s.index] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
+    return laws
+
+
 class BatchedTorchRunner(Runner):
     def __init__(
         self,
@@ -585,18 +645,13 @@ class BatchedTorchRunner(Runner):
             self._trees[tree.name] = DeviceTree.of(tree, self.device)
         return self._trees[tree.name]
 
-    def decode_async(self, slots, tree, asks=None):
+    def decode_async(
+        self, slots: Sequence[Slot], tree: Tree, asks: Sequence[SlotStep] | None = None
+    ) -> Callable[[], list[Decoded]]:
         """Runner.decode_async for slots prefilled with nothing pending and room for the tree (module doc). Sampling
         (temperature, top-p) draws from the runner's `generator`. With CUDA graphs the call returns once the step is
         queued (with a grammar: once its masks are on the device); otherwise (eager) once it is done."""
-        if tree.max_depth and self.heads is None:
-            raise CloverError("this runner has no draft heads: use the plain tree")
-        if tree.max_depth >= SCRATCH:
-            raise CloverError(f"decode takes trees of depth < {SCRATCH}; this one is {tree.max_depth} deep")
-        for s in slots:
-            assert self._open.get(s.index) is s and not s.pending and s.past >= 1, "decode: a slot is not ready"
-            if s.past + tree.num_nodes > s.capacity:
-                raise CloverError(f"{tree.num_nodes} tree rows after {s.past} cached exceed the capacity {s.capacity}")
+        self._check_decodable(slots, tree)
         asks = list(asks) if asks is not None else [SlotStep()] * len(slots)
         rows = max(s.index for s in slots) + 1
         active = np.zeros(rows, dtype=bool)
@@ -608,64 +663,72 @@ class BatchedTorchRunner(Runner):
             logprobs=any(a.logprobs is not None for a in asks),
             grammar=any(a.grammar is not None for a in asks),
         )
-        laws = np.zeros((4, rows), np.float32)  # each row's temperature, top-p, top-k, min-p
-        laws[1] = 1.0
-        for s, a in zip(slots, asks):
-            if a.sampling is not None and not a.sampling.greedy:
-                sp = a.sampling
-                laws[:, s.index] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
         if kind.procs or self.processors is not None:
-            held = self.processors
-            self.processors = (held or DeviceProcessors(rows, self.info.vocab_size, self.device)).grown(
-                self.lengths.shape[0]
-            )
-            if held is not None and self.processors is not held:
-                self._graphs.clear()  # recorded over the old tensors
-            with torch.inference_mode():
-                for s, a in zip(slots, asks):
-                    self.processors.sync(s.index, a.processors)
+            self._sync_processors(slots, asks, rows)
         masks = (
             (lambda tokens: grammar_words(tokens, slots, asks, dt.tree, self.info.vocab_size)) if kind.grammar else None
         )
-        with self.engine_clock, torch.inference_mode():
-            graph = self._graph(dt, rows, kind) if self.cuda_graphs else None
-            if graph is not None:
-                wait = graph.launch(active, laws, masks)
-            else:
-                law = Law(*self._t(laws)) if kind.sampled else None
-                columns = int(max(s.past for s in slots))
-                processors = self.processors if kind.procs else None
-                on_device = None if masks is None else lambda tokens: self._t(masks(tokens.cpu().numpy()))
-                packed = self._decode(dt, self._t(active), columns, law, processors, self.generator, kind, on_device)
-                packed = packed.cpu().numpy()
-                wait = lambda: packed  # noqa: E731
-        L, K = tree.max_depth + 1, min(MAX_LOGPROBS, self.info.vocab_size)
+        wait = self._launch(slots, dt, active, _laws(slots, asks, rows), kind, masks)
+        layout = RowLayout(tree.max_depth + 1, min(MAX_LOGPROBS, self.info.vocab_size))
 
         def results() -> list[Decoded]:
             with self.engine_clock:
                 packed = wait()  # the step's one copy back
-            out = []
-            for i, s in enumerate(slots):
-                row = packed[s.index]
-                count, path, emitted = int(row[0]), row[1 : 1 + L], row[1 + L : 1 + 2 * L]
-                s.past += count
-                if asks[i].processors is not None:
-                    self.processors.advanced(s.index, asks[i].processors, count)
-                step_lp = None
-                if asks[i].logprobs is not None:
-                    k, floats = asks[i].logprobs, lambda a: a.astype(np.int32).view(np.float32).astype(np.float64)
-                    chosen, rest = row[1 + 2 * L : 1 + 3 * L], row[1 + 3 * L :]
-                    ids, values = rest[: L * K].reshape(L, K), rest[L * K :].reshape(L, K)
-                    step_lp = StepLogprobs(
-                        emitted[:count].copy(),
-                        floats(chosen[:count]),
-                        ids[:count, :k].copy(),
-                        floats(values[:count, :k]),
-                    )
-                out.append(Decoded(path[:count].copy(), emitted[:count].copy(), step_lp))
-            return out
+            return [self._absorbed(s, a, layout.unpack(packed[s.index], a.logprobs)) for s, a in zip(slots, asks)]
 
         return results
+
+    def _check_decodable(self, slots: Sequence[Slot], tree: Tree) -> None:
+        if tree.max_depth and self.heads is None:
+            raise CloverError("this runner has no draft heads: use the plain tree")
+        if tree.max_depth >= SCRATCH:
+            raise CloverError(f"decode takes trees of depth < {SCRATCH}; this one is {tree.max_depth} deep")
+        for s in slots:
+            assert self._open.get(s.index) is s and not s.pending and s.past >= 1, "decode: a slot is not ready"
+            if s.past + tree.num_nodes > s.capacity:
+                raise CloverError(f"{tree.num_nodes} tree rows after {s.past} cached exceed the capacity {s.capacity}")
+
+    def _sync_processors(self, slots: Sequence[Slot], asks: Sequence[SlotStep], rows: int) -> None:
+        """The device's processor state (penalty counts, biases, banned tokens) for these rows, grown to the batch."""
+        held = self.processors
+        self.processors = (held or DeviceProcessors(rows, self.info.vocab_size, self.device)).grown(
+            self.lengths.shape[0]
+        )
+        if held is not None and self.processors is not held:
+            self._graphs.clear()  # recorded over the old tensors
+        with torch.inference_mode():
+            for s, a in zip(slots, asks):
+                self.processors.sync(s.index, a.processors)
+
+    def _launch(
+        self,
+        slots: Sequence[Slot],
+        dt: DeviceTree,
+        active: np.ndarray,
+        laws: np.ndarray,
+        kind: StepKind,
+        masks: Callable[[np.ndarray], np.ndarray] | None,
+    ) -> Callable[[], np.ndarray]:
+        """The step queued as a recorded graph (eager where none can be recorded); a call that waits for its packed
+        rows (RowLayout)."""
+        with self.engine_clock, torch.inference_mode():
+            graph = self._graph(dt, len(active), kind) if self.cuda_graphs else None
+            if graph is not None:
+                return graph.launch(active, laws, masks)
+            law = Law(*self._t(laws)) if kind.sampled else None
+            columns = int(max(s.past for s in slots))
+            processors = self.processors if kind.procs else None
+            on_device = None if masks is None else lambda tokens: self._t(masks(tokens.cpu().numpy()))
+            packed = self._decode(dt, self._t(active), columns, law, processors, self.generator, kind, on_device)
+            packed = packed.cpu().numpy()
+            return lambda: packed
+
+    def _absorbed(self, slot: Slot, ask: SlotStep, row: DecodedRow) -> Decoded:
+        """One sequence's step taken in on the host: its slot advanced, its processors' counts too."""
+        slot.past += row.count
+        if ask.processors is not None:
+            self.processors.advanced(slot.index, ask.processors, row.count)
+        return Decoded(row.path, row.emitted, row.logprobs)
 
     def _graph(self, dt: DeviceTree, rows: int, kind: StepKind) -> DecodeGraph | None:
         """The recorded step of this kind for `rows` rows of this tree; None (eager from now on) if recording fails,
@@ -716,9 +779,8 @@ class BatchedTorchRunner(Runner):
     ) -> torch.Tensor:
         """Verify `_draft`'s trees greedy (law None) or by each row's law, each row adjusted by its processors, then
         masked by the grammar's packed `words` [n, T, W] int32 (bit t of word t // 32: token t allowed; None: no
-        grammar), accept and commit; returns [n, 1 + 2L] int64: each row's count, path and emitted tokens, then
-        with `kind.logprobs` [n, L (1 + 2K)] more (`_logprobs`). Only tensors in and one tensor out: it records as
-        one graph."""
+        grammar), accept and commit; returns each row's count, path and emitted tokens (and with `kind.logprobs`
+        their `_logprobs`) packed by RowLayout. Only tensors in and one tensor out: it records as one graph."""
         n, T = active.shape[0], dt.tree.num_nodes
         lengths = self.lengths[:n]
         tokens, valid, laws = drafted
@@ -779,22 +841,21 @@ class BatchedTorchRunner(Runner):
             self.root_logits[:n] = torch.where(keep, begin.logits, self.root_logits[:n])
         self.roots[:n] = torch.where(active, emitted.gather(1, last[:, None])[:, 0], self.roots[:n])
         self.lengths[:n] += count
-        packed = (count[:, None], path, emitted, *((self._logprobs(raw, path, emitted),) if kind.logprobs else ()))
-        return torch.cat(packed, dim=1)
+        return RowLayout.pack(count, path, emitted, self._logprobs(raw, path, emitted) if kind.logprobs else None)
 
     @staticmethod
-    def _logprobs(raw: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor) -> torch.Tensor:
+    def _logprobs(
+        raw: torch.Tensor, path: torch.Tensor, emitted: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """runtime/logprobs.py's log-probabilities of each emitted token (the raw distribution of its path row, before
-        any processor) and the K = MAX_LOGPROBS most likely tokens of that row (ties by lower id, as topk_tokens),
-        packed as int64 [n, L (1 + 2K)]: the chosen tokens' values, the top ids, the top values; values are float32
-        bits (the host reads them back as float32; the log-sum-exp is float32 here, float64 on the host)."""
+        any processor: [n, L] float32) and the K = MAX_LOGPROBS most likely tokens of that row (ties by lower id, as
+        topk_tokens: ids [n, L, K], values [n, L, K]); the log-sum-exp is float32 here, float64 on the host."""
         rows = raw.gather(1, path[:, :, None].expand(-1, -1, raw.shape[2])).float()  # [n, L, V]
         lse = torch.logsumexp(rows, dim=-1, keepdim=True)
         chosen = rows.gather(2, emitted[:, :, None]) - lse  # [n, L, 1]
         values, ids = rows.sort(dim=-1, descending=True, stable=True)  # stable: equal values keep id order
         K = min(MAX_LOGPROBS, rows.shape[2])
-        bits = lambda x: x.contiguous().view(torch.int32).to(torch.int64).flatten(1)  # noqa: E731
-        return torch.cat((bits(chosen), ids[..., :K].flatten(1), bits(values[..., :K] - lse)), dim=1)
+        return chosen[..., 0], ids[..., :K], values[..., :K] - lse
 
     def _draft(self, dt: DeviceTree, n: int, law: Law | None = None, generator: torch.Generator | None = None):
         """Each row's tree tokens [n, T] from the heads, level by level. Greedy (law None): a node's token is the
