@@ -82,46 +82,84 @@ def step(
     sequence's Step carries its `error` and the others step normally (the engine fails that request alone);
     otherwise the first error is raised after the others have stepped."""
     trees = list(trees) if trees is not None else [d.tree for d in batch]
-    groups = _device_groups(runner, batch, trees)
-    if groups:
-        done = {
-            i: st
-            for group in groups
-            for i, st in zip(group, _decoded(runner, [batch[i] for i in group], trees[group[0]], isolate))
-        }
-        rest = [i for i in range(len(batch)) if i not in done]
-        for i, st in zip(
-            rest, step(runner, [batch[i] for i in rest], [trees[i] for i in rest], isolate) if rest else ()
-        ):
-            done[i] = st
-        return [done[i] for i in range(len(batch))]
-    clock, engine = time.perf_counter, runner.engine_clock
-    t0, e0 = clock(), engine.seconds if engine else 0.0
-    errors: list[BaseException | None] = [None] * len(batch)
-    planned = _each(errors, lambda i: _plan(runner, batch[i], trees[i]))
-    t1 = clock()
-    logits = _verify(runner, planned, errors)
-    t2 = clock()
-    accepted = _each(errors, lambda i: _accept(batch[i], planned[i], logits[i]))
-    t3 = clock()
-    committed = _each(errors, lambda i: _committed(runner, batch[i], planned[i], accepted[i], logits[i]))
-    steps = [st if e is None else Step([], 0, error=e) for st, e in zip(committed, errors)]
-    seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
-    if engine:
-        seconds["engine"] = engine.seconds - e0
-    for st in steps:
-        # the batch's step: every sequence waited for all of it; a prompt chunk's step is prefill time
-        st.seconds = (
-            dict(seconds) if st.tree is not None else {"prefill": sum(seconds.values()) - seconds.get("engine", 0.0)}
-        )
-    shared = (t3 - t1 + seconds["commit"]) / len(batch)  # verify, accept, commit: a share per sequence
-    for d, st, p in zip(batch, steps, planned):
-        if st.error is None and p.proposal is not None:
-            learn_from_step(d, p.proposal, st, (p.draft_seconds + shared) * 1e3)
-    failed = next((e for e in errors if e is not None), None)
-    if failed is not None and not isolate:
-        raise failed
+    steps: list[Step | None] = [None] * len(batch)
+    for group in _device_groups(runner, batch, trees):  # the whole step on the device
+        for i, st in zip(group, _decoded(runner, [batch[i] for i in group], trees[group[0]], isolate)):
+            steps[i] = st
+    rest = [i for i, st in enumerate(steps) if st is None]
+    if rest:  # the others on the host, in its four phases
+        host = _HostStep(runner, [batch[i] for i in rest])
+        for i, st in zip(rest, host.run([trees[i] for i in rest])):
+            steps[i] = st
+        if host.failed is not None and not isolate:
+            raise host.failed
     return steps
+
+
+class _HostStep:
+    """The host path's step of a batch, phase by phase (draft, verify, accept, commit), each phase per sequence: a
+    sequence that fails keeps its error and skips the phases after, the others go on. Then the phases' times are
+    given to every sequence's Step, and what the verified proposals teach goes to the policy's one learner."""
+
+    def __init__(self, runner: Runner, batch: Sequence[Decoding]) -> None:
+        self.runner, self.batch = runner, batch
+        self.errors: list[BaseException | None] = [None] * len(batch)
+
+    @property
+    def failed(self) -> BaseException | None:
+        return next((e for e in self.errors if e is not None), None)
+
+    def run(self, trees: Sequence[Tree]) -> list[Step]:
+        clock, engine = time.perf_counter, self.runner.engine_clock
+        t0, e0 = clock(), engine.seconds if engine else 0.0
+        planned = self._each(lambda i, d: _plan(self.runner, d, trees[i]))
+        t1 = clock()
+        logits = self._verify(planned)
+        t2 = clock()
+        accepted = self._each(lambda i, d: _accept(d, planned[i], logits[i]))
+        t3 = clock()
+        committed = self._each(lambda i, d: _committed(self.runner, d, planned[i], accepted[i], logits[i]))
+        steps = [st if e is None else Step([], 0, error=e) for st, e in zip(committed, self.errors)]
+        seconds = {"draft": t1 - t0, "verify": t2 - t1, "accept": t3 - t2, "commit": clock() - t3}
+        if engine:
+            seconds["engine"] = engine.seconds - e0
+        for st in steps:
+            # the batch's step: every sequence waited for all of it; a prompt chunk's step is prefill time
+            prefill = {"prefill": sum(seconds.values()) - seconds.get("engine", 0.0)}
+            st.seconds = dict(seconds) if st.tree is not None else prefill
+        shared = (t3 - t1 + seconds["commit"]) / len(self.batch)  # verify, accept, commit: a share per sequence
+        for d, st, p in zip(self.batch, steps, planned):
+            if st.error is None and p.proposal is not None:
+                learn_from_step(d, p.proposal, st, (p.draft_seconds + shared) * 1e3)
+        return steps
+
+    def _each(self, work: Callable[[int, Decoding], object]) -> list:
+        """work(i, d) for each sequence that has not failed yet; a failure is kept as its error (its result None)."""
+        out = [None] * len(self.batch)
+        for i, d in enumerate(self.batch):
+            if self.errors[i] is None:
+                try:
+                    out[i] = work(i, d)
+                except Exception as e:
+                    self.errors[i] = e
+        return out
+
+    def _verify(self, planned: list[_Planned | None]) -> list[np.ndarray | None]:
+        """Every live sequence's rows in one forward; if it fails, each sequence on its own (whose rows failed)."""
+        logits: list[np.ndarray | None] = [None] * len(planned)
+        live = [i for i, e in enumerate(self.errors) if e is None]
+        try:
+            for i, lg in zip(live, self.runner.forward_batch([planned[i].verify for i in live]) if live else ()):
+                logits[i] = lg
+        except Exception as e:
+            if len(live) == 1:
+                self.errors[live[0]] = e
+            for i in live if len(live) > 1 else ():
+                try:
+                    logits[i] = self.runner.forward_batch([planned[i].verify])[0]
+                except Exception as e_i:
+                    self.errors[i] = e_i
+        return logits
 
 
 def _device_groups(runner: Runner, batch: Sequence[Decoding], trees: Sequence[Tree]) -> list[list[int]]:
@@ -199,36 +237,6 @@ def launch(
     if len(groups) != 1 or len(groups[0]) != len(batch):
         return None
     return _launched(runner, batch, trees[0])
-
-
-def _each(errors: list[BaseException | None], work) -> list:
-    """work(i) for each sequence i that has not failed yet; a failure is kept in errors[i] (its result None)."""
-    out = [None] * len(errors)
-    for i, e in enumerate(errors):
-        if e is None:
-            try:
-                out[i] = work(i)
-            except Exception as e_i:
-                errors[i] = e_i
-    return out
-
-
-def _verify(runner: Runner, planned: list[_Planned | None], errors: list[BaseException | None]) -> list:
-    """Every live sequence's rows in one forward; if it fails, each sequence on its own (whose rows failed)."""
-    logits: list[np.ndarray | None] = [None] * len(planned)
-    live = [i for i, e in enumerate(errors) if e is None]
-    try:
-        for i, lg in zip(live, runner.forward_batch([planned[i].verify for i in live]) if live else ()):
-            logits[i] = lg
-    except Exception as e:
-        if len(live) == 1:
-            errors[live[0]] = e
-        for i in live if len(live) > 1 else ():
-            try:
-                logits[i] = runner.forward_batch([planned[i].verify])[0]
-            except Exception as e_i:
-                errors[i] = e_i
-    return logits
 
 
 def _plan(runner: Runner, d: Decoding, tree: Tree) -> _Planned:
