@@ -98,9 +98,26 @@ def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
         )
     trees = bool(gqa[0].input[10]) if len(gqa[0].input) > 10 else False
     w = GraphWriter()
-    nodes, inits, init, node = w.nodes, w.inits, w.init, w.node
+    nodes, inits = w.nodes, w.inits
 
-    per_slot = slot_attention_rows(node, init, slots, trees)
+    per_slot = slot_attention_rows(w.node, w.init, slots, trees)
+    body = _swap_attention(w, g, gqa, per_slot)
+    graph_outputs = {o.name for o in g.output}
+    body = live_nodes(body, graph_outputs)
+
+    inputs, outputs = _batched_io(g, slots)
+    used = {i for n in nodes + body for i in n.input}
+    graph = helper.make_graph(
+        nodes + body, BATCH_GRAPH, inputs, outputs, [t for t in g.initializer if t.name in used] + inits
+    )
+    model = helper.make_model(graph, opset_imports=list(solo.opset_import), producer_name="clover-deploy")
+    model.ir_version = solo.ir_version
+    return capped(model)
+
+
+def _swap_attention(w: GraphWriter, g: onnx.GraphProto, gqa: list, per_slot: list[AttentionRows]) -> list:
+    """The solo graph's nodes in order, each attention block (row Gather, GroupQueryAttention, unpad Slice)
+    replaced by its per-slot nodes."""
     producer = {o: n for n in g.node for o in n.output}
     consumers: dict[str, list] = {}
     for n in g.node:
@@ -113,43 +130,52 @@ def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
         (unpad,) = consumers[att.output[0]]  # Slice(out, 0, new)
         assert rows.op_type == "Gather" and unpad.op_type == "Slice", "unexpected fused attention block"
         skip |= {id(rows), id(unpad)}
-        block: list = []
-        nodes_before = len(nodes)
-        outs = []
-        for b, sl in enumerate(per_slot):
-            q = node("Gather", [rows.input[0], sl.rows], name=f"{att.name}.rows{b}", axis=1)[0]
-            o = node(
-                "GroupQueryAttention",
-                [
-                    q,
-                    "",
-                    "",
-                    slot_name(att.input[3], b),
-                    slot_name(att.input[4], b),
-                    sl.seqlens_k,
-                    sl.total_len,
-                    att.input[7],
-                    att.input[8],
-                    sl.position_ids,
-                    sl.bias,
-                ],
-                [f"{att.name}/out{b}", slot_name(att.output[1], b), slot_name(att.output[2], b)],
-                domain=MS,
-                name=f"{att.name}{b}",
-            )[0]
-            nodes[-1].attribute.extend(att.attribute)
-            outs.append(node("Slice", [o, "zero_1d", sl.count, "axis1"], name=f"{att.name}.unpad{b}")[0])
-        node("Concat", outs, [unpad.output[0]], name=f"{att.name}.concat", axis=1)
-        block, nodes[nodes_before:] = nodes[nodes_before:], []
-        replaced[id(att)] = block
+        replaced[id(att)] = _slot_attention(w, att, rows.input[0], unpad.output[0], per_slot)
     body = []
     for n in g.node:
         if id(n) in skip:
             continue
         body += replaced.get(id(n), [n])
-    graph_outputs = {o.name for o in g.output}
-    body = live_nodes(body, graph_outputs)
+    return body
 
+
+def _slot_attention(w: GraphWriter, att, qkv: str, out: str, per_slot: list[AttentionRows]) -> list:
+    """One layer's attention per sequence slot, over that slot's rows of `qkv` and its own KV buffer, the
+    outputs joined into `out`: the nodes, taken back out of `w` (they go where `att` was, not first)."""
+    nodes, node = w.nodes, w.node
+    nodes_before = len(nodes)
+    outs = []
+    for b, sl in enumerate(per_slot):
+        q = node("Gather", [qkv, sl.rows], name=f"{att.name}.rows{b}", axis=1)[0]
+        o = node(
+            "GroupQueryAttention",
+            [
+                q,
+                "",
+                "",
+                slot_name(att.input[3], b),
+                slot_name(att.input[4], b),
+                sl.seqlens_k,
+                sl.total_len,
+                att.input[7],
+                att.input[8],
+                sl.position_ids,
+                sl.bias,
+            ],
+            [f"{att.name}/out{b}", slot_name(att.output[1], b), slot_name(att.output[2], b)],
+            domain=MS,
+            name=f"{att.name}{b}",
+        )[0]
+        nodes[-1].attribute.extend(att.attribute)
+        outs.append(node("Slice", [o, "zero_1d", sl.count, "axis1"], name=f"{att.name}.unpad{b}")[0])
+    node("Concat", outs, [out], name=f"{att.name}.concat", axis=1)
+    block, nodes[nodes_before:] = nodes[nodes_before:], []
+    return block
+
+
+def _batched_io(g: onnx.GraphProto, slots: int) -> tuple[list, list]:
+    """The batched graph's inputs and outputs: the packed ones with batch 1, per-slot past lengths and row
+    counts, and one KV buffer per layer and slot."""
     kv_in = [i for i in g.input if i.name.startswith(PAST + ".")]
     kv_out = [o for o in g.output if o.name.startswith(PRESENT + ".")]
     kv = lambda t, b: helper.make_tensor_value_info(  # noqa: E731 [1, Hkv, slots_b, D]
@@ -174,13 +200,7 @@ def batched_base_model(solo: onnx.ModelProto, slots: int) -> onnx.ModelProto:
     inputs += [kv(t, b) for b in range(slots) for t in kv_in]
     outputs = [one_batch(o) for o in g.output if not o.name.startswith(PRESENT + ".")]
     outputs += [kv(t, b) for b in range(slots) for t in kv_out]
-    used = {i for n in nodes + body for i in n.input}
-    graph = helper.make_graph(
-        nodes + body, BATCH_GRAPH, inputs, outputs, [t for t in g.initializer if t.name in used] + inits
-    )
-    model = helper.make_model(graph, opset_imports=list(solo.opset_import), producer_name="clover-deploy")
-    model.ir_version = solo.ir_version
-    return capped(model)
+    return inputs, outputs
 
 
 def live_nodes(nodes: list, outputs: set[str]) -> list:

@@ -410,30 +410,39 @@ def fused_begin_model(heads, max_context: int):
     Accepted tokens form a chain, so attention is causal with positions from the slots (no mask or position
     input is read), and, as in the base, rows are written at slots past_length + row: the runtime keeps one
     slot of room beyond a 1-row call (attention_rows repeats a lone row)."""
-    from onnx import helper
-
     from clover.models.clover2 import Clover2Heads
 
     if not isinstance(heads, Clover2Heads):
         raise CloverError(f"the fused draft_begin is written for Clover-2 heads, not {type(heads).__name__}")
-    cfg = heads.config.base_config
-    H, Hq, Hkv, D, V = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
-    L = heads.num_cache_layers
-    eps = float(cfg.rms_norm_eps)
     w = GraphWriter()
-    init, node, linear = w.init, w.node, linear_writer(w)
+    _begin_constants(w, heads, max_context)
+    node = w.node
+    new = node("Gather", [node("Shape", ["next_tokens"], name="tokens_shape")[0], "one_i64"], name="new_len", axis=0)[0]
+    rows = attention_rows(node, new, "past_lengths", "", "", "")
+    x = _write_fuse(w, heads)
+    h = _write_augment(w, heads, rows, x)
+    _write_begin_head(w, heads, new, h)
+    inputs, outputs = _begin_io(heads)
+    return finish_model(w, "draft_begin", inputs, outputs)
+
+
+def _begin_constants(w: GraphWriter, heads, max_context: int) -> None:
+    """The RoPE caches of the augmenting block and the constants draft_begin's nodes read."""
+    cfg = heads.config.base_config
+    init = w.init
     cos, sin = rope_caches(heads.augment.inv_freq, max_context)
     init("cos_cache", cos)
     init("sin_cache", sin)
     write_constants(init)
-    init("heads_shape", np.array([0, 0, Hq, -1], np.int64))
-    init("hidden_shape", np.array([0, 0, H], np.int64))
+    init("heads_shape", np.array([0, 0, cfg.num_heads, -1], np.int64))
+    init("hidden_shape", np.array([0, 0, cfg.hidden_size], np.int64))
     init("norm_eps", np.array(heads.fuse.eps, np.float32))
     init("minus_one", np.array([-1], np.int64))
-    new = node("Gather", [node("Shape", ["next_tokens"], name="tokens_shape")[0], "one_i64"], name="new_len", axis=0)[0]
-    rows = attention_rows(node, new, "past_lengths", "", "", "")
 
-    # fuse (GatedAttentionDecoder): x = h + v(e) * cos(q(norm(h)), k(e)) per attention head
+
+def _write_fuse(w: GraphWriter, heads) -> str:
+    """The gated fusion (GatedAttentionDecoder): x = h + v(e) * cos(q(norm(h)), k(e)) per attention head."""
+    init, node, linear = w.init, w.node, linear_writer(w)
     fuse = heads.fuse
     e = node("Gather", [init("embedding.weight", _np(heads.lm_weight)), "next_tokens"], name="embedding", axis=0)[0]
     normed = node(
@@ -454,16 +463,20 @@ def fused_begin_model(heads, max_context: int):
     gate = node("ReduceSum", [node("Mul", [q, k], name="fuse.qk")[0], "minus_one"], name="fuse.gate", keepdims=1)[0]
     v = per_head(linear(e, fuse.v, "fuse.v"), "fuse.v.heads")
     gated = node("Reshape", [node("Mul", [v, gate], name="fuse.gated")[0], "hidden_shape"], name="fuse.flat")[0]
-    x = node("Add", ["hidden_states", gated], name="fuse.out")[0]
+    return node("Add", ["hidden_states", gated], name="fuse.out")[0]
 
-    # augmenting block: the base's decoder layers over the accepted rows, then its norm
+
+def _write_augment(w: GraphWriter, heads, rows: AttentionRows, x: str) -> str:
+    """The augmenting block: the base's decoder layers over the accepted rows `x`, then its norm."""
+    cfg = heads.config.base_config
+    L = heads.num_cache_layers
     layers = heads.augment.layers
-    h = node(
+    h = w.node(
         "RMSNormalization",
-        [x, init("augment.layers.0.input_layernorm.weight", _np(layers[0].input_layernorm.weight))],
+        [x, w.init("augment.layers.0.input_layernorm.weight", _np(layers[0].input_layernorm.weight))],
         name="augment.layers.0.input_layernorm",
         axis=-1,
-        epsilon=eps,
+        epsilon=float(cfg.rms_norm_eps),
     )[0]
     residual = x
     for i, layer in enumerate(layers):
@@ -480,6 +493,13 @@ def fused_begin_model(heads, max_context: int):
             heads.augment.norm if last else layers[i + 1].input_layernorm,
             "augment.norm" if last else f"augment.layers.{i + 1}.input_layernorm",
         )
+    return h
+
+
+def _write_begin_head(w: GraphWriter, heads, new: str, h: str) -> None:
+    """The outputs: `state`, the last accepted row of `h`, and the depth-1 head's logits on it."""
+    init, node, linear = w.init, w.node, linear_writer(w)
+    cfg = heads.config.base_config
     state_row = node("Sub", [new, "one_i64"], name="state_row")[0]
     node("Gather", [h, state_row], ["state"], name="state", axis=1)  # [B, H]
     head = node(
@@ -489,10 +509,18 @@ def fused_begin_model(heads, max_context: int):
         axis=-1,
         epsilon=float(heads.head_norm.eps),
     )[0]
-    lm = torch.nn.Linear(H, V, bias=False)
+    lm = torch.nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
     lm.weight = torch.nn.Parameter(heads.lm_weight.detach(), requires_grad=False)
     node("Identity", [linear(head, lm, "lm_head")], ["logits"], name="logits")
 
+
+def _begin_io(heads) -> tuple[list, list]:
+    """draft_begin's inputs and outputs (the KV cache: one [batch, Hkv, slots, D] buffer per cache layer)."""
+    from onnx import helper
+
+    cfg = heads.config.base_config
+    H, Hkv, D, V = cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size
+    L = heads.num_cache_layers
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     kv = lambda name: helper.make_tensor_value_info(name, f32, ["batch", Hkv, "slots", D])  # noqa: E731
     inputs = [
@@ -507,7 +535,7 @@ def fused_begin_model(heads, max_context: int):
         helper.make_tensor_value_info("logits", f32, ["batch", V]),
         *[kv(f"present.{i}.{n}") for i in range(L) for n in ("key", "value")],
     ]
-    return finish_model(w, "draft_begin", inputs, outputs)
+    return inputs, outputs
 
 
 def write_fused_begin(heads, path: Path, max_context: int) -> None:

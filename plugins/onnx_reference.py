@@ -24,12 +24,25 @@ def _const(name: str, values: list[int]) -> onnx.NodeProto:
 def reference_function(opset: int) -> onnx.FunctionProto:
     """The op as an ONNX function (inputs and attributes as in clover.plugins.onnx_node), importing the
     default-domain `opset` of the model it joins (the checker wants them equal); needs 18 or newer."""
-    n = helper.make_node
+    nodes = _constants() + _scores() + _past_mask() + _tree_mask() + _attend()
+    return helper.make_function(
+        DOMAIN,
+        OP_TYPE,
+        list(INPUTS),
+        ["out"],
+        nodes,
+        [helper.make_opsetid("", opset)],
+        attributes=["scale", "plugin_namespace", "plugin_version"],
+    )
+
+
+def _constants() -> list[onnx.NodeProto]:
+    """The shared int64 constants and `scale`, read from the function's attribute of that name."""
     scale = helper.make_node("Constant", [], ["scale"])
     scale.attribute.append(
         onnx.AttributeProto(name="value_float", ref_attr_name="scale", type=onnx.AttributeProto.FLOAT)
     )
-    nodes = [
+    return [
         _const("c0", [0]),
         _const("c1", [1]),
         _const("c2", [2]),
@@ -38,6 +51,13 @@ def reference_function(opset: int) -> onnx.FunctionProto:
         _const("two32", [1 << 32]),
         _const("two", [2]),
         scale,
+    ]
+
+
+def _scores() -> list[onnx.NodeProto]:
+    """The dims, and the scaled float32 scores of q against cache and new keys, per kv-head group."""
+    n = helper.make_node
+    return [
         # dims: B, Hq, T, D from q; Hkv, P from past_k
         n("Shape", ["q"], ["q_shape"]),
         n("Shape", ["past_k"], ["pk_shape"]),
@@ -60,7 +80,13 @@ def reference_function(opset: int) -> onnx.FunctionProto:
         n("Transpose", ["keys5f"], ["keys5t"], perm=[0, 1, 2, 4, 3]),
         n("MatMul", ["q5f", "keys5t"], ["raw_scores"]),
         n("Mul", ["raw_scores", "scale"], ["scores"]),  # [B, Hkv, G, T, P+T]
-        # cache part of the mask: slot j < past_lengths[b] -> [B, T, P]
+    ]
+
+
+def _past_mask() -> list[onnx.NodeProto]:
+    """The cache part of the mask: slot j < past_lengths[b] -> [B, T, P]."""
+    n = helper.make_node
+    return [
         n("Squeeze", ["P", "c0"], ["P0"]),
         n("Squeeze", ["c0"], ["c0_s"]),
         n("Squeeze", ["c1"], ["c1_s"]),
@@ -71,7 +97,13 @@ def reference_function(opset: int) -> onnx.FunctionProto:
         n("Unsqueeze", ["past_ok", "c1"], ["past_ok3"]),
         n("Concat", ["B", "T", "P"], ["btp"], axis=0),
         n("Expand", ["past_ok3", "btp"], ["past_mask"]),
-        # tree part: unpack bits of the int32 words (bit 31 is the sign) -> [B, T, T]
+    ]
+
+
+def _tree_mask() -> list[onnx.NodeProto]:
+    """The tree part of the mask: bits of the packed int32 words (bit 31 is the sign) -> [B, T, T]."""
+    n = helper.make_node
+    return [
         n("Cast", ["packed_mask"], ["words"], to=TensorProto.INT64),
         n("Less", ["words", "c0"], ["negative"]),
         n("Add", ["words", "two32"], ["words_u"]),
@@ -84,6 +116,13 @@ def reference_function(opset: int) -> onnx.FunctionProto:
         n("Reshape", ["bits", "bt_flat"], ["bits_flat"]),
         n("Slice", ["bits_flat", "c0", "T", "cm1"], ["tree_bits"]),
         n("Cast", ["tree_bits"], ["tree_mask"], to=TensorProto.BOOL),
+    ]
+
+
+def _attend() -> list[onnx.NodeProto]:
+    """The masked softmax over both parts, applied to the values and cast back to q's shape and dtype."""
+    n = helper.make_node
+    return [
         n("Concat", ["past_mask", "tree_mask"], ["mask"], axis=-1),  # [B, T, P + T]
         _const("axes12", [1, 2]),
         n("Unsqueeze", ["mask", "axes12"], ["mask5"]),
@@ -95,15 +134,6 @@ def reference_function(opset: int) -> onnx.FunctionProto:
         n("Reshape", ["out5", "out_shape"], ["out_f"]),
         n("CastLike", ["out_f", "q"], ["out"]),
     ]
-    return helper.make_function(
-        DOMAIN,
-        OP_TYPE,
-        list(INPUTS),
-        ["out"],
-        nodes,
-        [helper.make_opsetid("", opset)],
-        attributes=["scale", "plugin_namespace", "plugin_version"],
-    )
 
 
 def with_reference_function(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -128,6 +128,17 @@ def _already_defined(trtp) -> bool:
 
 
 def _define(trt, trtp) -> None:
+    """Register the op's descriptions, then one implementation (AOT where TensorRT has it; module docstring)."""
+    _define_descriptions(trtp)
+    if not hasattr(trtp, "aot_impl"):  # TensorRT < 10.9: the JIT implementation alone
+        _define_jit(trt, trtp)
+        return
+    _define_aot(trtp)
+
+
+def _define_descriptions(trtp) -> None:
+    """Register the output description (q's shape and dtype) and the I/O type and format combinations."""
+
     @trtp.register(PLUGIN_ID)
     def describe(
         q: trtp.TensorDesc,
@@ -154,30 +165,34 @@ def _define(trt, trtp) -> None:
     ) -> list[trtp.AutoTuneCombination]:
         return [trtp.AutoTuneCombination(io_types(), "LINEAR")]
 
-    if not hasattr(trtp, "aot_impl"):  # TensorRT < 10.9: the JIT implementation alone
 
-        @trtp.impl(PLUGIN_ID)
-        def run_jit(
-            q: trtp.Tensor,
-            k: trtp.Tensor,
-            v: trtp.Tensor,
-            past_k: trtp.Tensor,
-            past_v: trtp.Tensor,
-            past_lengths: trtp.Tensor,
-            packed_mask: trtp.Tensor,
-            scale: float,
-            outputs: tuple[trtp.Tensor],
-            stream: int,
-        ) -> None:
-            import torch
+def _define_jit(trt, trtp) -> None:
+    """Register the JIT implementation: a Python callback per launch, running the kernel through PyTorch."""
 
-            from clover.plugins.triton_tree_attention import tree_attention_triton
+    @trtp.impl(PLUGIN_ID)
+    def run_jit(
+        q: trtp.Tensor,
+        k: trtp.Tensor,
+        v: trtp.Tensor,
+        past_k: trtp.Tensor,
+        past_v: trtp.Tensor,
+        past_lengths: trtp.Tensor,
+        packed_mask: trtp.Tensor,
+        scale: float,
+        outputs: tuple[trtp.Tensor],
+        stream: int,
+    ) -> None:
+        import torch
 
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # TensorRT's stream, not torch's
-                args = [_as_torch(trt, t) for t in (q, k, v, past_k, past_v, past_lengths, packed_mask)]
-                _as_torch(trt, outputs[0]).copy_(tree_attention_triton(*args, scale))
+        from clover.plugins.triton_tree_attention import tree_attention_triton
 
-        return
+        with torch.cuda.stream(torch.cuda.ExternalStream(stream)):  # TensorRT's stream, not torch's
+            args = [_as_torch(trt, t) for t in (q, k, v, past_k, past_v, past_lengths, packed_mask)]
+            _as_torch(trt, outputs[0]).copy_(tree_attention_triton(*args, scale))
+
+
+def _define_aot(trtp) -> None:
+    """Register the AOT implementation: the kernel as PTX with its launch grid, launched by TensorRT itself."""
 
     @trtp.aot_impl(PLUGIN_ID)
     def compile_aot(

@@ -21,7 +21,7 @@ import sys
 import threading
 import traceback
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,9 +31,8 @@ from clover.errors import CloverError
 from clover.runtime.backend import Runner
 from clover.runtime.configure import AUTO, Speculation, load_backend
 from clover.runtime.grammar import GrammarCompiler
-from clover.runtime.loop import Step, launch, step
 from clover.runtime.params import DraftSource, EngineOptions, GenerationParams
-from clover.runtime.requests import Prompt, Request, encode_prompt
+from clover.runtime.requests import Prompt, Request, Stepper, encode_prompt
 from clover.runtime.results import GenerationResult, StreamDelta
 from clover.runtime.scheduler import Cancelled, EngineUnavailable, QueueFull, Scheduler, kv_plan
 from clover.runtime.tokenizer import Tokenizer
@@ -149,10 +148,10 @@ class Engine:
         # the device works. A request that ends meanwhile ran one step too many (dropped); its slot is released once
         # that step is done.
         self.overlap = overlap
-        self._ahead: tuple[list[Request], Callable[[], list[Step]]] | None = None
         self._held: list[Request] = []  # ended requests whose slots the step in flight still writes
         self.scheduler = Scheduler(options.max_batch, options.max_waiting)
         self.speculation = Speculation.build(runner, tree, drafts, options, log)
+        self.stepper = Stepper(self.runner, self.speculation)
         self.grammars = GrammarCompiler(tokenizer, runner.info.vocab_size)
         self.error: BaseException | None = None  # the last step's failure, or what stopped the loop
         self.step_sequences = 0  # sequences in the last forward (prefill chunks included); 0 while idle
@@ -317,29 +316,23 @@ class Engine:
             r.deliver(failure)
 
     def _iteration(self) -> None:
-        sched, spec = self.scheduler, self.speculation
-        if self._ahead is not None:  # the step launched last time: its requests, as they were then
-            batch, wait = self._ahead
-            self._ahead = None
-            try:
-                steps = wait()
-            finally:
+        sched, spec, stepper = self.scheduler, self.speculation, self.stepper
+        ahead = stepper.ahead is not None
+        try:
+            batch, steps = stepper.take(self._joined)
+        finally:
+            if ahead:
                 self._release_held()
-            live = [i for i, r in enumerate(batch) if r in sched.running]  # the ended ones' tokens are dropped
+        if ahead:  # the step launched last time: the requests that ended meanwhile have their tokens dropped
+            live = [i for i, r in enumerate(batch) if r in sched.running]
             batch, steps = [batch[i] for i in live], [steps[i] for i in live]
         else:
-            batch = self._joined()
             self.step_sequences = len(batch)
             if not batch:
                 return
-            decodings = [r.decoding for r in batch]
-            # a sequence whose part of the step failed ends alone (loop.step keeps failures to their sequence)
-            steps = step(self.runner, decodings, spec.policy.choose(decodings), isolate=True)
-        decodings = [r.decoding for r in batch]
-        if all(st.error is None for st in steps):  # a step with a failure (and forwards run again) teaches nothing
-            spec.policy.observe(decodings, steps)
+        if stepper.observe(batch, steps):
             self._launch_next(batch)
-        for r, st in zip(batch, steps):
+        for r, st in zip(batch, steps):  # a sequence whose part of the step failed ends alone
             try:
                 if st.error is not None:
                     raise st.error
@@ -351,9 +344,8 @@ class Engine:
                     self._retire(r, r.result(self.tokenizer, info.backend, spec.label(info), spec.tree_name))
             except Exception as e:
                 self._fail(r, e)
-        if self._ahead is not None and not sched.running:  # nothing left to take in: finish it now, free the slots
-            self._ahead[1]()
-            self._ahead = None
+        if stepper.ahead is not None and not sched.running:  # nothing left to take in: finish it now, free the slots
+            stepper.finish()
             self._release_held()
 
     def _joined(self) -> list[Request]:
@@ -380,16 +372,11 @@ class Engine:
         """Launch the batch's next step now (overlap) when nothing would change it: no request waiting for room or a
         slot, none cancelled, and every sequence's step on the device."""
         sched = self.scheduler
-        if not self.overlap or not self.runner.can_decode or len(batch) != len(sched.running):
+        if not self.overlap or len(batch) != len(sched.running):
             return
         if (sched.waiting and len(sched.running) < sched.max_batch) or any(r.cancelled.is_set() for r in batch):
             return
-        decodings = [r.decoding for r in batch]
-        if any(d.full for d in decodings):
-            return
-        wait = launch(self.runner, decodings, self.speculation.policy.choose(decodings))
-        if wait is not None:
-            self._ahead = (batch, wait)
+        self.stepper.launch_next(batch)
 
     def _release_held(self) -> None:
         for r in self._held:
@@ -423,7 +410,7 @@ class Engine:
 
     def _retire(self, r: Request, end: GenerationResult | BaseException) -> None:
         if r.decoding is not None and r.decoding.slot is not None:
-            if self._ahead is not None and r in self._ahead[0]:
+            if self.stepper.ahead is not None and r in self.stepper.ahead[0]:
                 self._held.append(r)  # the step in flight writes its slot: released once it is done
             else:
                 self.runner.release(r.decoding.slot)

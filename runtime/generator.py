@@ -17,10 +17,9 @@ from pathlib import Path
 from clover.runtime.backend import Runner
 from clover.runtime.configure import Speculation, load_backend
 from clover.runtime.grammar import GrammarCompiler
-from clover.runtime.loop import launch, step
 from clover.runtime.params import PREFILL_CHUNK, DraftSource, EngineOptions, GenerationParams
 from clover.runtime.policy import LookupLength
-from clover.runtime.requests import Prompt, Request, encode_prompt
+from clover.runtime.requests import Prompt, Request, Stepper, encode_prompt
 from clover.runtime.results import GenerationResult
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import Tree
@@ -123,18 +122,20 @@ class GenerationStream:
         gen, r, runner = self._gen, self._request, self._gen.runner
         spec, info = gen.speculation, runner.info
         runner.reset(r.capacity(info, spec.tree.num_nodes))
-        d = r.start(runner.solo, spec.tree, spec.drafts, PREFILL_CHUNK, spec.lookup_length, info.vocab_size)
-        ahead = None  # the next step, launched before this one was taken in (overlap)
+        r.start(runner.solo, spec.tree, spec.drafts, PREFILL_CHUNK, spec.lookup_length, info.vocab_size)
+        stepper = Stepper(runner, spec)  # the Engine's iteration, for one request
         try:
             while not r.done:
-                steps = ahead() if ahead is not None else step(runner, [d], spec.policy.choose([d]))
-                ahead = launch(runner, [d], spec.policy.choose([d])) if gen.overlap and not d.full else None
-                spec.policy.observe([d], steps)
+                batch, steps = stepper.take(lambda: [r])
+                if steps[0].error is not None:
+                    raise steps[0].error
+                stepper.observe(batch, steps)
+                if gen.overlap:
+                    stepper.launch_next(batch)
                 delta = r.absorb(steps[0])
                 if delta is not None and delta.text:
                     yield delta.text
-            if ahead is not None:  # the output ended with a step in flight: it finishes, its tokens are dropped
-                ahead()
+            stepper.finish()  # the output ended with a step in flight: it finishes, its tokens are dropped
         finally:
-            spec.policy.forget(d)
+            spec.policy.forget(r.decoding)
         self.result = r.result(gen.tokenizer, info.backend, spec.label(info), spec.tree_name)

@@ -1,7 +1,9 @@
 """One request's life, the same for the Engine's requests and the Generator's: its prompt encoded and its
 options checked where it is submitted (`Request.make`, in the caller's thread: a bad request fails alone), its
 sequence started when it joins a batch (`start`), each step's output taken in (`absorb`: exact stops, text that
-can no longer change, log-probabilities), and its result at the end. numpy only."""
+can no longer change, log-probabilities), and its result at the end. `Stepper` is the loop's iteration over the
+running requests, the same for both: the policy's trees, the step (or the one launched ahead), the policy's
+observation, the next step launched ahead where it can be. numpy only."""
 
 from __future__ import annotations
 
@@ -12,9 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from clover.errors import CloverError
-from clover.runtime.backend import RunnerInfo, Slot
+from clover.runtime.backend import Runner, RunnerInfo, Slot
+from clover.runtime.configure import Speculation
 from clover.runtime.grammar import GrammarCompiler, GrammarState
 from clover.runtime.logprobs import TokenLogprob, prompt_entries
+from clover.runtime.loop import launch, step
 from clover.runtime.output import OutputTracker, StopConditions
 from clover.runtime.params import GenerationParams
 from clover.runtime.processors import LogitsProcessors
@@ -178,3 +182,47 @@ class Request:
         if self.params.prompt_logprobs is not None:
             prompt_lp = prompt_entries(self.prompt_steps, [tokenizer.token_bytes(int(i)) for i in self.prompt])
         return self.progress.result(self.tracker, backend, heads, tree, self.token_logprobs, self.grammar, prompt_lp)
+
+
+class Stepper:
+    """The loop's iteration over running requests, shared by the Engine and the Generator: the policy chooses each
+    sequence's tree, the step runs (failures kept to their sequence), the policy observes it, and the next step can
+    be launched before this one is taken in (`launch_next`: overlap), to be taken by the next `take`."""
+
+    def __init__(self, runner: Runner, speculation: Speculation) -> None:
+        self.runner, self.speculation = runner, speculation
+        self.ahead: tuple[list[Request], Callable[[], list[Step]]] | None = None  # the step in flight, its requests
+
+    def take(self, batch: Callable[[], list[Request]]) -> tuple[list[Request], list[Step]]:
+        """The step launched ahead last time, with its requests as they were then; else a new step of `batch()`."""
+        if self.ahead is not None:
+            requests, wait = self.ahead
+            self.ahead = None
+            return requests, wait()
+        requests = batch()
+        if not requests:
+            return [], []
+        decodings = [r.decoding for r in requests]
+        return requests, step(self.runner, decodings, self.speculation.policy.choose(decodings), isolate=True)
+
+    def observe(self, requests: Sequence[Request], steps: Sequence[Step]) -> bool:
+        """The policy learns from a step that failed nowhere (a failure ran forwards again: it teaches nothing)."""
+        if any(st.error is not None for st in steps):
+            return False
+        self.speculation.policy.observe([r.decoding for r in requests], steps)
+        return True
+
+    def launch_next(self, requests: list[Request]) -> None:
+        """Launch the requests' next step now, where every sequence's step runs on the device and none is full."""
+        decodings = [r.decoding for r in requests]
+        if not self.runner.can_decode or any(d.full for d in decodings):
+            return
+        wait = launch(self.runner, decodings, self.speculation.policy.choose(decodings))
+        if wait is not None:
+            self.ahead = (requests, wait)
+
+    def finish(self) -> None:
+        """The step in flight done, its tokens dropped (its requests ended while it ran)."""
+        if self.ahead is not None:
+            self.ahead[1]()
+            self.ahead = None

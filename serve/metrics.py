@@ -73,6 +73,15 @@ class Metrics:
         """model: the served model's name, vLLM's `model_name` label on the vllm: series."""
         r = CollectorRegistry()
         self.registry = WithVllmNames(ConstantLabels(r, labels) if labels else r, model)
+        # Registered in this order, which is the order /metrics lists them in
+        self._spec_decode_counters(r)
+        self._request_counters(r)
+        self._latency_histograms(r)
+        self._length_histograms(r)
+        self._engine_gauges(r, engine)
+
+    def _spec_decode_counters(self, r: CollectorRegistry) -> None:
+        """The drafting counters: drafts, drafted, accepted and pruned tokens, acceptances by position."""
         p = PREFIX
         self.drafts = Counter(p + "spec_decode_num_drafts", "Verify steps that checked drafted tokens", registry=r)
         self.draft_tokens = Counter(p + "spec_decode_num_draft_tokens", "Drafted tokens verified", registry=r)
@@ -88,6 +97,10 @@ class Metrics:
             ["position"],
             registry=r,
         )
+
+    def _request_counters(self, r: CollectorRegistry) -> None:
+        """The finished requests' counters: their tokens, finish reasons and output-shaping options."""
+        p = PREFIX
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens of finished requests", registry=r)
         self.requests = Counter(
@@ -103,6 +116,10 @@ class Metrics:
             ["option"],
             registry=r,
         )
+
+    def _latency_histograms(self, r: CollectorRegistry) -> None:
+        """The timing histograms: per token (first token, inter-token) and per request (vLLM's phases)."""
+        p = PREFIX
         self.ttft = Histogram(
             p + "time_to_first_token_seconds",
             "Time to first token (queueing and prefill)",
@@ -125,6 +142,10 @@ class Metrics:
                 ("request_decode_time_seconds", "Seconds from the first token to the last"),
             )
         )
+
+    def _length_histograms(self, r: CollectorRegistry) -> None:
+        """The per-request size histograms: prompt and generated tokens, the n and max_tokens asked for."""
+        p = PREFIX
         self.prompt_lengths = Histogram(
             p + "request_prompt_tokens", "Prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r
         )
@@ -137,6 +158,11 @@ class Metrics:
         self.params_max_tokens = Histogram(
             p + "request_params_max_tokens", "The max_tokens of each request", buckets=TOKEN_BUCKETS, registry=r
         )
+
+    @staticmethod
+    def _engine_gauges(r: CollectorRegistry, engine) -> None:
+        """The engine's live state, read at each scrape: KV cache use, running and waiting requests, batch size."""
+        p = PREFIX
         sched = engine.scheduler
         slots = engine.max_batch * engine.runner.info.max_context
         Gauge(

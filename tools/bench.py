@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -248,22 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from clover.runtime.generator import Generator
-
-    if args.max_new_tokens < 1:
-        raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise CloverError(f"--num-prompts must be at least 1, got {args.num_prompts}")
-    if args.threads:
-        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-        try:
-            import torch
-
-            torch.set_num_threads(args.threads)
-        except ImportError:
-            pass
+    _check_args(args)
     artifacts = args.artifact or []
     args.artifact = artifacts[0] if artifacts else None  # the one artifact every other mode takes
     prompts = load_prompts(args.prompts, args.num_prompts)
@@ -278,37 +263,13 @@ def run(args: argparse.Namespace) -> int:
     backends = [b.removesuffix(":plain") for b in backends]
     trees = tree_specs(args.tree)
     loaded, plain_of, artifact_of = load_configs(args, backends, trees[0], plain_only, artifacts)
-    configs = [
-        config
-        for b, h, g in loaded  # each head set on every tree
-        for config in [(b, h, g)]
-        + [
-            (b, h, Generator(g.runner, g.tokenizer, t, g.drafts))
-            for t in trees[1:]
-            if h != "none" and (h != "lookup" or lookup_tree(t))
-        ]
-    ]
+    configs = _on_every_tree(loaded, trees)
     rows = {key(b, h, g): Row(b, h, g.tree.name, g.tree.num_nodes) for b, h, g in configs}
     for _, _, g in configs:  # warm-up: first-call allocations and lazy initialisation off the clock
         g.generate("Hello", GenerationParams(max_new_tokens=4), chat=not args.no_chat)
     started = time.time()
-    outputs = {}  # backend -> the plain run's output ids per prompt (the replay's teacher)
-    for prompt in tqdm(prompts, desc="bench", unit="prompt", dynamic_ncols=True):
-        reference = {}
-        for backend, heads, g in configs:
-            result = g.generate(prompt, GenerationParams(max_new_tokens=args.max_new_tokens), chat=not args.no_chat)
-            if heads == "none":
-                reference[backend] = result
-                outputs.setdefault(backend, []).append(result.token_ids)
-            rows[key(backend, heads, g)].add(
-                result, reference.get(plain_of.get(backend, backend)) if heads != "none" else None
-            )
-    depth = max(g.tree.max_depth for _, _, g in configs)
-    summaries = []
-    for backend, heads, g in configs:
-        plain = next(r for (b, h, _), r in rows.items() if b == plain_of.get(backend, backend) and h == "none")
-        plain_tps = plain.new_tokens / plain.seconds if plain.seconds else None
-        summaries.append(rows[key(backend, heads, g)].summary(depth, plain_tps))
+    outputs = _bench_prompts(args, configs, prompts, rows, plain_of)
+    depth, summaries = _summaries(configs, rows, plain_of)
     print_table(summaries, depth)
     limits = bandwidth_limits(summaries, artifact_of, args.threads) if ort_on_cpu(configs) else None
     print_limits(limits)
@@ -336,6 +297,84 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.json:
         atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
+    return _report_mismatches(summaries)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Refuse out-of-range counts, then apply --threads (before any backend loads)."""
+    if args.max_new_tokens < 1:
+        raise CloverError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise CloverError(f"--num-prompts must be at least 1, got {args.num_prompts}")
+    if args.threads:
+        os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+        try:
+            import torch
+
+            torch.set_num_threads(args.threads)
+        except ImportError:
+            pass
+
+
+def _on_every_tree(
+    loaded: list[tuple[str, str, Generator]], trees: list[str | None]
+) -> list[tuple[str, str, Generator]]:
+    """Each loaded config, then its head set on the other --tree specs (same runner): plain decoding runs once,
+    prompt lookup only on the trees that can cap its drafts."""
+    from clover.runtime.generator import Generator
+
+    return [
+        config
+        for b, h, g in loaded  # each head set on every tree
+        for config in [(b, h, g)]
+        + [
+            (b, h, Generator(g.runner, g.tokenizer, t, g.drafts))
+            for t in trees[1:]
+            if h != "none" and (h != "lookup" or lookup_tree(t))
+        ]
+    ]
+
+
+def _bench_prompts(
+    args: argparse.Namespace,
+    configs: list[tuple[str, str, Generator]],
+    prompts: list[str],
+    rows: dict,
+    plain_of: dict[str, str],
+) -> dict[str, list[list[int]]]:
+    """The timed run: every config on each prompt in turn, into `rows` (each head set checked against its
+    backend's plain output); returns backend -> the plain run's output ids per prompt (the replay's teacher)."""
+    from tqdm import tqdm
+
+    outputs = {}
+    for prompt in tqdm(prompts, desc="bench", unit="prompt", dynamic_ncols=True):
+        reference = {}
+        for backend, heads, g in configs:
+            result = g.generate(prompt, GenerationParams(max_new_tokens=args.max_new_tokens), chat=not args.no_chat)
+            if heads == "none":
+                reference[backend] = result
+                outputs.setdefault(backend, []).append(result.token_ids)
+            rows[key(backend, heads, g)].add(
+                result, reference.get(plain_of.get(backend, backend)) if heads != "none" else None
+            )
+    return outputs
+
+
+def _summaries(
+    configs: list[tuple[str, str, Generator]], rows: dict, plain_of: dict[str, str]
+) -> tuple[int, list[dict]]:
+    """(the deepest tree's depth, each config's summary with its speedup over its reference plain run)."""
+    depth = max(g.tree.max_depth for _, _, g in configs)
+    summaries = []
+    for backend, heads, g in configs:
+        plain = next(r for (b, h, _), r in rows.items() if b == plain_of.get(backend, backend) and h == "none")
+        plain_tps = plain.new_tokens / plain.seconds if plain.seconds else None
+        summaries.append(rows[key(backend, heads, g)].summary(depth, plain_tps))
+    return depth, summaries
+
+
+def _report_mismatches(summaries: list[dict]) -> int:
+    """One stderr line per head set whose output differs from plain decoding; the exit code (1 if any)."""
     bad = [s for s in summaries if s["mismatches"]]
     for s in bad:
         print(
@@ -556,89 +595,132 @@ def load_configs(
     (plain decoding only on the backends in `plain_only`), and for each of several artifacts (backend label
     BACKEND@FOLDER). Also returns label -> the label whose plain run is its reference (an artifact whose base graph
     files are byte for byte an earlier one's gets no plain run of its own), and label -> the artifact it runs."""
-    from clover.runtime.configure import LOOKUP_SUFFIX
-    from clover.runtime.generator import Generator
-
-    configs = []
     if args.providers is not None and "ort" not in backends:
         raise CloverError("--providers chooses ONNX Runtime's execution providers: use it with --backend ort")
     if args.artifact is None:
-        for backend in set(backends) & set(ARTIFACT_BACKENDS):
-            raise CloverError(
-                f"--backend {backend} runs an exported artifact: pass --artifact DIR (make one with clover-export)"
-            )
-        head_sets = [h for h in head_names(args.heads) if h != "none"]
-        for backend in backends:
-            configs.append(
-                (backend, "none", Generator.load(args.base, "none", backend, None, EngineOptions(dtype=args.dtype)))
-            )
-            for heads in head_sets if backend not in plain_only else ():
-                configs.append(
-                    (backend, heads, Generator.load(args.base, heads, backend, tree, EngineOptions(dtype=args.dtype)))
-                )
-        return configs, {}, {}
+        return _source_configs(args, backends, tree, plain_only), {}, {}
     from clover.artifact import base_graph_sha256, read_manifest
-    from clover.runtime.backend import backend_module
-    from clover.runtime.tokenizer import Tokenizer
-    from clover.runtime.tree import compile_spec
 
+    configs = []
     plain_of, bases, artifact_of = {}, {}, {}
     for artifact in artifacts:
         manifest = read_manifest(artifact)
-        heads = manifest.heads.name if manifest.heads is not None else None
         base_id = base_graph_sha256(manifest)  # same bytes, same plain output
         for backend in backends:
             label = backend if len(artifacts) == 1 else f"{backend}@{artifact.name}"
             artifact_of[label] = artifact
+            target = _Target(artifact, manifest, backend, label, backend not in plain_only)
             if backend in ARTIFACT_BACKENDS:  # the artifact's own graphs / engines, plain and with its heads
-                module = backend_module(backend)
-                tok = Tokenizer.from_dir(module.base_dir(artifact))
-                threads = (
-                    {"threads": args.threads or 0, "providers": args.providers or "cpu"} if backend == "ort" else {}
-                )
                 twin = bases.setdefault((backend, base_id), label)
-                lookup = "lookup" in head_names(args.heads) and backend not in plain_only
-                plain = module.load_runner(artifact, heads="none", **threads) if twin == label or lookup else None
-                if twin == label:
-                    configs.append((label, "none", Generator(plain, tok)))
-                else:
+                if twin != label:
                     plain_of[label] = twin
-                if heads and backend not in plain_only:
-                    runner = module.load_runner(artifact, heads="artifact", **threads)
-                    configs.append((label, heads, Generator(runner, tok, tree)))
-                    if LOOKUP_SUFFIX in head_names(args.heads):  # the same heads with lookup merged into their tree
-                        configs.append((label, heads + LOOKUP_SUFFIX, Generator(runner, tok, tree, "heads+lookup")))
-                if lookup:  # prompt lookup on the base graph
-                    configs.append(
-                        (label, "lookup", Generator(plain, tok, tree if lookup_tree(tree) else None, "lookup"))
-                    )
+                configs += _artifact_configs(args, target, twin == label, tree)
             else:  # the same base and heads through another backend, from the artifact's sources
-                source_base = manifest.sources.get("base")
-                if not source_base:
-                    raise CloverError(f"artifact {artifact} does not record its source model: export it again")
-                configs.append(
-                    (
-                        label,
-                        "none",
-                        Generator.load(source_base, "none", backend, None, EngineOptions(dtype=manifest.dtype)),
-                    )
-                )
-                if heads and backend not in plain_only:
-                    chosen = tree or (compile_spec(manifest.tree) if manifest.tree else None)
-                    configs.append(
-                        (
-                            label,
-                            heads,
-                            Generator.load(
-                                source_base,
-                                manifest.sources["heads"],
-                                backend,
-                                chosen,
-                                EngineOptions(dtype=manifest.dtype),
-                            ),
-                        )
-                    )
+                configs += _artifact_source_configs(target, tree)
     return configs, plain_of, artifact_of
+
+
+def _source_configs(
+    args: argparse.Namespace, backends: list[str], tree: str | None, plain_only: set[str]
+) -> list[tuple[str, str, Generator]]:
+    """load_configs without an artifact: --base plain and with each --heads set, loaded by each backend."""
+    from clover.runtime.generator import Generator
+
+    configs = []
+    for backend in set(backends) & set(ARTIFACT_BACKENDS):
+        raise CloverError(
+            f"--backend {backend} runs an exported artifact: pass --artifact DIR (make one with clover-export)"
+        )
+    head_sets = [h for h in head_names(args.heads) if h != "none"]
+    for backend in backends:
+        configs.append(
+            (backend, "none", Generator.load(args.base, "none", backend, None, EngineOptions(dtype=args.dtype)))
+        )
+        for heads in head_sets if backend not in plain_only else ():
+            configs.append(
+                (backend, heads, Generator.load(args.base, heads, backend, tree, EngineOptions(dtype=args.dtype)))
+            )
+    return configs
+
+
+class _Target(NamedTuple):
+    """One artifact on one backend in load_configs: its result label, and whether its head sets run (`drafts`:
+    the backend is not plain only)."""
+
+    artifact: Path
+    manifest: Any
+    backend: str
+    label: str
+    drafts: bool
+
+    @property
+    def heads(self) -> str | None:
+        return self.manifest.heads.name if self.manifest.heads is not None else None
+
+
+def _artifact_configs(
+    args: argparse.Namespace, target: _Target, own_plain: bool, tree: str | None
+) -> list[tuple[str, str, Generator]]:
+    """An artifact's own graphs / engines: plain decoding (`own_plain`: unless an earlier artifact's byte-equal
+    base graph gives it), its heads, the heads with prompt lookup merged in, and prompt lookup on the base graph."""
+    from clover.runtime.backend import backend_module
+    from clover.runtime.configure import LOOKUP_SUFFIX
+    from clover.runtime.generator import Generator
+    from clover.runtime.tokenizer import Tokenizer
+
+    artifact, backend, label, heads = target.artifact, target.backend, target.label, target.heads
+    configs = []
+    module = backend_module(backend)
+    tok = Tokenizer.from_dir(module.base_dir(artifact))
+    threads = {"threads": args.threads or 0, "providers": args.providers or "cpu"} if backend == "ort" else {}
+    lookup = "lookup" in head_names(args.heads) and target.drafts
+    plain = module.load_runner(artifact, heads="none", **threads) if own_plain or lookup else None
+    if own_plain:
+        configs.append((label, "none", Generator(plain, tok)))
+    if heads and target.drafts:
+        runner = module.load_runner(artifact, heads="artifact", **threads)
+        configs.append((label, heads, Generator(runner, tok, tree)))
+        if LOOKUP_SUFFIX in head_names(args.heads):  # the same heads with lookup merged into their tree
+            configs.append((label, heads + LOOKUP_SUFFIX, Generator(runner, tok, tree, "heads+lookup")))
+    if lookup:  # prompt lookup on the base graph
+        configs.append((label, "lookup", Generator(plain, tok, tree if lookup_tree(tree) else None, "lookup")))
+    return configs
+
+
+def _artifact_source_configs(target: _Target, tree: str | None) -> list[tuple[str, str, Generator]]:
+    """An artifact's base and heads through a backend that does not run its graphs (torch): loaded from the
+    sources its manifest records, on `tree` or else the artifact's own tree."""
+    from clover.runtime.generator import Generator
+    from clover.runtime.tree import compile_spec
+
+    manifest, backend, label, heads = target.manifest, target.backend, target.label, target.heads
+    configs = []
+    source_base = manifest.sources.get("base")
+    if not source_base:
+        raise CloverError(f"artifact {target.artifact} does not record its source model: export it again")
+    configs.append(
+        (
+            label,
+            "none",
+            Generator.load(source_base, "none", backend, None, EngineOptions(dtype=manifest.dtype)),
+        )
+    )
+    if heads and target.drafts:
+        chosen = tree or (compile_spec(manifest.tree) if manifest.tree else None)
+        configs.append(
+            (
+                label,
+                heads,
+                Generator.load(
+                    source_base,
+                    manifest.sources["heads"],
+                    backend,
+                    chosen,
+                    EngineOptions(dtype=manifest.dtype),
+                ),
+            )
+        )
+    return configs
 
 
 def ort_on_cpu(configs: list[tuple[str, str, Generator]]) -> bool:

@@ -17,6 +17,7 @@ import argparse
 import json
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,13 +133,24 @@ def weight_bytes(artifact: Path | None) -> int:
     return sum(f.stat().st_size for f in base_weight_files(artifact, read_manifest(artifact)))
 
 
-def run(args: argparse.Namespace, prompts: list[str]) -> int:
-    from tqdm import tqdm
+@dataclass(frozen=True)
+class _Setup:
+    """What every measured run of one clover-bench --concurrency shares, read and checked from its flags."""
 
-    from clover.runtime.backend import backend_module
-    from clover.runtime.engine import AUTO, Engine
-    from clover.runtime.generator import Generator
-    from clover.runtime.tokenizer import Tokenizer
+    levels: list[int]
+    backend: str
+    source: Any  # the artifact (ort) or the base checkpoint (torch)
+    heads: str | None
+    modes: list[str]
+    max_batch: int
+    chat: bool
+    threads: dict[str, int]  # Runner keyword arguments: empty for the backend's default
+    providers: dict[str, str]
+
+
+def _setup(args: argparse.Namespace) -> _Setup:
+    """The backend, source, modes and engine sizes from the flags, refusing what --concurrency cannot run."""
+    from clover.runtime.engine import AUTO
 
     levels = parse_concurrency(args.concurrency)
     backend = args.backend
@@ -158,70 +170,129 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
     providers = {"providers": args.providers} if args.providers is not None else {}
     if providers and backend != "ort":
         raise CloverError("--providers chooses ONNX Runtime's execution providers: use it with --backend ort")
+    return _Setup(levels, backend, source, heads, modes, max_batch, chat, threads, providers)
 
-    module = backend_module(backend)
-    tok = Tokenizer.from_dir(module.base_dir(source))
-    solo = Generator(module.load_runner(source, heads="none", **threads, **providers), tok, "plain")
+
+def _solo_reference(args: argparse.Namespace, setup: _Setup, prompts: list[str]) -> tuple[Any, list[list[int]]]:
+    """Each prompt's greedy tokens from solo plain decoding (a Generator, no heads): what every batched request
+    must equal. Returns the Generator too, for its placement in the report."""
+    from tqdm import tqdm
+
+    from clover.runtime.backend import backend_module
+    from clover.runtime.generator import Generator
+    from clover.runtime.tokenizer import Tokenizer
+
+    module = backend_module(setup.backend)
+    tok = Tokenizer.from_dir(module.base_dir(setup.source))
+    solo = Generator(module.load_runner(setup.source, heads="none", **setup.threads, **setup.providers), tok, "plain")
     reference = [
-        solo.generate(p, GenerationParams(max_new_tokens=args.max_new_tokens), chat=chat).token_ids
+        solo.generate(p, GenerationParams(max_new_tokens=args.max_new_tokens), chat=setup.chat).token_ids
         for p in tqdm(prompts, desc="solo plain", unit="prompt", dynamic_ncols=True)
     ]
+    return solo, reference
+
+
+def _load_engines(args: argparse.Namespace, setup: _Setup, prompts: list[str]) -> dict[str, Any]:
+    """One warmed-up engine per mode (CONTROL: a second plain one)."""
+    from clover.runtime.engine import Engine
+
     engines = {}
-    for mode in modes:
+    for mode in setup.modes:
         engines[mode] = Engine.load(
-            source,
-            heads=heads,
-            backend=backend,
+            setup.source,
+            heads=setup.heads,
+            backend=setup.backend,
             tree="plain" if mode == CONTROL else mode,
-            options=EngineOptions(max_batch=max_batch, threads=args.threads, **providers),
+            options=EngineOptions(max_batch=setup.max_batch, threads=args.threads, **setup.providers),
             log=None,
         )
-        engines[mode].generate(prompts[0], GenerationParams(max_new_tokens=4), chat=chat)  # warm-up off the clock
-    rows = []
-    try:
-        plan = [(n, rounds(len(prompts), n)) for n in levels]
-        with tqdm(
-            total=sum(len(r) for _, r in plan) * len(modes), desc="concurrency", unit="run", dynamic_ncols=True
-        ) as bar:
-            for n, chunks in plan:
-                got = {m: ([None] * len(prompts), 0.0, []) for m in modes}
-                for k, chunk in enumerate(chunks):  # modes interleaved per round, their order rotated
-                    for mode in modes[k % len(modes) :] + modes[: k % len(modes)]:
-                        results, seconds, gaps = closed_loop(
-                            engines[mode], [prompts[i] for i in chunk], n, args.max_new_tokens, chat
-                        )
-                        out, total, all_gaps = got[mode]
-                        for i, r in zip(chunk, results):
-                            out[i] = r
-                        got[mode] = (out, total + seconds, all_gaps + gaps)
-                        bar.update()
-                for mode in modes:
-                    out, total, gaps = got[mode]
-                    rows.append(summarize(mode, n, out, total, gaps, reference))
-    finally:
-        for e in engines.values():
-            e.close()
+        engines[mode].generate(prompts[0], GenerationParams(max_new_tokens=4), chat=setup.chat)  # warm-up off the clock
+    return engines
+
+
+def _measure(
+    args: argparse.Namespace, setup: _Setup, prompts: list[str], engines: dict[str, Any], reference: list[list[int]]
+) -> list[dict[str, Any]]:
+    """One summary row per (concurrency, mode), each mode running every round of the prompts in turn."""
+    from tqdm import tqdm
+
+    modes, rows = setup.modes, []
+    plan = [(n, rounds(len(prompts), n)) for n in setup.levels]
+    with tqdm(
+        total=sum(len(r) for _, r in plan) * len(modes), desc="concurrency", unit="run", dynamic_ncols=True
+    ) as bar:
+        for n, chunks in plan:
+            got = {m: ([None] * len(prompts), 0.0, []) for m in modes}
+            for k, chunk in enumerate(chunks):  # modes interleaved per round, their order rotated
+                for mode in modes[k % len(modes) :] + modes[: k % len(modes)]:
+                    results, seconds, gaps = closed_loop(
+                        engines[mode], [prompts[i] for i in chunk], n, args.max_new_tokens, setup.chat
+                    )
+                    out, total, all_gaps = got[mode]
+                    for i, r in zip(chunk, results):
+                        out[i] = r
+                    got[mode] = (out, total + seconds, all_gaps + gaps)
+                    bar.update()
+            for mode in modes:
+                out, total, gaps = got[mode]
+                rows.append(summarize(mode, n, out, total, gaps, reference))
+    return rows
+
+
+def _add_speedups(rows: list[dict[str, Any]], levels: list[int]) -> None:
+    """Each row's throughput over plain's at its concurrency and at the first level (None where plain made none)."""
     base = {r["concurrency"]: r["tokens_per_second"] for r in rows if r["mode"] == "plain"}
     for r in rows:
         r["vs_plain"] = (
             round(r["tokens_per_second"] / base[r["concurrency"]], 3) if base.get(r["concurrency"]) else None
         )
         r["vs_concurrency1_plain"] = round(r["tokens_per_second"] / base[levels[0]], 3) if base.get(levels[0]) else None
-    wb = weight_bytes(args.artifact if backend == "ort" else None)
+
+
+def _write_and_report(args: argparse.Namespace, setup: _Setup, rows: list[dict[str, Any]], doc: dict) -> int:
+    """Write --json and its plot, then name every run whose tokens differ from solo plain decoding (exit 1)."""
+    bad = [r for r in rows if r["mismatches"]]
+    if args.json:
+        atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
+        png = args.json.with_suffix(".png")
+        title = f"clover.Engine on {setup.backend}: {Path(str(setup.source)).name}"
+        plot(rows, setup.modes, setup.levels, png, title)
+        print(f"wrote {args.json} and {png}")
+    for r in bad:
+        print(
+            f"clover-bench: {r['mode']} at concurrency {r['concurrency']} differs from solo plain decoding: "
+            f"{r['mismatches']}"
+        )
+    return 1 if bad else 0
+
+
+def run(args: argparse.Namespace, prompts: list[str]) -> int:
+    from clover.runtime.engine import AUTO
+
+    setup = _setup(args)
+    solo, reference = _solo_reference(args, setup, prompts)
+    engines = _load_engines(args, setup, prompts)
+    try:
+        rows = _measure(args, setup, prompts, engines, reference)
+    finally:
+        for e in engines.values():
+            e.close()
+    _add_speedups(rows, setup.levels)
+    wb = weight_bytes(args.artifact if setup.backend == "ort" else None)
     bound = BANDWIDTH_GBS * 1e9 / wb if wb else None
     print_table(rows, bound, wb)
     auto_policy = engines[AUTO].policy
     doc = {
         "host": host(),
-        "backend": backend,
-        "source": str(source),
+        "backend": setup.backend,
+        "source": str(setup.source),
         "prompts": args.prompts,
         "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens,
-        "max_batch": max_batch,
+        "max_batch": setup.max_batch,
         "threads": args.threads,
-        "chat": chat,
-        "ort_placement": ort_placement([(backend, "none", solo)]),
+        "chat": setup.chat,
+        "ort_placement": ort_placement([(setup.backend, "none", solo)]),
         "weight_bytes": wb,
         "batch1_bandwidth_bound_tokens_per_second": round(bound, 1) if bound else None,
         "note": "closed loop: N callers each submit the next prompt when their last one ends; aggregate = all "
@@ -234,18 +305,7 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
         "auto_verify_cost": auto_policy.cost.to_dict() if hasattr(auto_policy, "cost") else None,
         "results": rows,
     }
-    bad = [r for r in rows if r["mismatches"]]
-    if args.json:
-        atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
-        png = args.json.with_suffix(".png")
-        plot(rows, modes, levels, png, f"clover.Engine on {backend}: {Path(str(source)).name}")
-        print(f"wrote {args.json} and {png}")
-    for r in bad:
-        print(
-            f"clover-bench: {r['mode']} at concurrency {r['concurrency']} differs from solo plain decoding: "
-            f"{r['mismatches']}"
-        )
-    return 1 if bad else 0
+    return _write_and_report(args, setup, rows, doc)
 
 
 def print_table(rows: list[dict], bound: float | None, wb: int) -> None:

@@ -23,8 +23,9 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,8 @@ from clover.runtime.sampling import SamplingParams
 from clover.tools.cli import run_cli
 
 if TYPE_CHECKING:
-    from clover.train.corpus import PromptSpec
+    from clover.runtime.tokenizer import Tokenizer
+    from clover.train.corpus import Conversation, Corpus, PromptSpec
 
 DEFAULT_OUT = Path("data/smollm2-sharegpt")
 VALIDATION_FRACTION = 0.02  # clover-train's (FeatureSpec.validation_fraction)
@@ -210,12 +212,9 @@ def grow(
 
     prov = corpus.provenance
     held = prov.totals["response_tokens"]
-    position = flushed = ready = prov.next_position  # next to submit; first not written; first not finished
-    done: dict[int, Conversation | None] = {}  # finished (None: skipped), by position
-    ready_tokens = 0  # response tokens finished in [flushed, ready)
-    futures: dict[Future, int] = {}
+    state = _Growth(corpus, order, prompt_ids, prov.next_position, prov.next_position, prov.next_position)
+    grown, futures = state.grown, state.futures
     in_flight = engine.max_batch + 2  # a freed slot refills at the next step; a deadline drains little
-    grown = Grown()
     started = time.monotonic()
 
     def answer(position: int, ids: list[int]) -> Conversation:
@@ -226,60 +225,94 @@ def grow(
         )
         return Conversation(index, ids, r.token_ids, r.finish_reason, turn, sample)
 
-    def write(end: int) -> None:
-        nonlocal flushed, ready_tokens
-        got = [done.pop(p) for p in range(flushed, end)]
-        convs = [c for c in got if c is not None]
-        corpus.append(convs, end, len(got) - len(convs))
-        flushed, ready_tokens = end, 0
-
     with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="clover-data") as pool:
         try:
             while True:
-                if not grown.stopped:
-                    if stop.is_set():
-                        grown.stopped = "signal"
-                    elif held + grown.response_tokens >= limits.target_tokens:
-                        grown.stopped = "target"
-                    elif limits.deadline is not None and time.monotonic() >= limits.deadline:
-                        grown.stopped = "minutes"
+                grown.stopped = grown.stopped or _stop_reason(held + grown.response_tokens, limits, stop)
                 if grown.stopped == "signal":
                     break
-                while not grown.stopped and len(futures) < in_flight and position < len(order):
-                    index, turn, _ = order[position]
-                    ids = prompt_ids(index, turn)
-                    if ids is None:
-                        done[position] = None
-                    else:
-                        futures[pool.submit(answer, position, ids)] = position
-                    position += 1
-                if not futures and (grown.stopped or position >= len(order)):
+                if not grown.stopped:
+                    state.submit(partial(pool.submit, answer), in_flight)
+                if not futures and (grown.stopped or state.position >= len(order)):
                     grown.stopped = grown.stopped or "exhausted"
                     break
                 finished, _ = wait(futures, timeout=0.5, return_when=FIRST_COMPLETED)
-                for f in finished:
-                    c = f.result()
-                    done[futures.pop(f)] = c
-                    grown.conversations += 1
-                    grown.response_tokens += len(c.response)
-                    on_answer(len(c.response))
-                while ready in done:
-                    ready_tokens += len(done[ready].response) if done[ready] is not None else 0
-                    ready += 1
-                if ready_tokens >= limits.shard_tokens:
-                    write(ready)
+                state.finish(finished, on_answer)
+                if state.ready_tokens >= limits.shard_tokens:
+                    state.write(state.ready)
         except BaseException:
             engine.close()  # cancels the answers under way, so the pool's threads return
             raise
         grown.seconds = time.monotonic() - started
         if grown.stopped == "signal":
             engine.close()
-        if ready > flushed:
-            write(ready)
-    lost = [c for c in done.values() if c is not None]  # finished after an unfinished position (signal)
-    grown.conversations -= len(lost)
-    grown.response_tokens -= sum(len(c.response) for c in lost)
+        if state.ready > state.flushed:
+            state.write(state.ready)
+    state.drop_unwritten()
     return grown
+
+
+def _stop_reason(tokens: int, limits: Limits, stop: threading.Event) -> str:
+    """Why grow() takes no new prompts, with `tokens` response tokens in the corpus so far ("" while it goes on)."""
+    if stop.is_set():
+        return "signal"
+    if tokens >= limits.target_tokens:
+        return "target"
+    if limits.deadline is not None and time.monotonic() >= limits.deadline:
+        return "minutes"
+    return ""
+
+
+@dataclass
+class _Growth:
+    """grow()'s place in the order: answers finish out of order, but shards hold consecutive positions only."""
+
+    corpus: Corpus
+    order: list[tuple[int, int, int]]
+    prompt_ids: Callable[[int, int], list[int] | None]
+    position: int  # next to submit
+    flushed: int  # first not written
+    ready: int  # first not finished
+    done: dict[int, Conversation | None] = field(default_factory=dict)  # finished (None: skipped), by position
+    ready_tokens: int = 0  # response tokens finished in [flushed, ready)
+    futures: dict[Future, int] = field(default_factory=dict)  # the answers under way, with their positions
+    grown: Grown = field(default_factory=Grown)
+
+    def submit(self, start: Callable[[int, list[int]], Future], in_flight: int) -> None:
+        """Start answers (`start(position, ids)`) at the next positions until `in_flight` are under way."""
+        while len(self.futures) < in_flight and self.position < len(self.order):
+            index, turn, _ = self.order[self.position]
+            ids = self.prompt_ids(index, turn)
+            if ids is None:
+                self.done[self.position] = None
+            else:
+                self.futures[start(self.position, ids)] = self.position
+            self.position += 1
+
+    def finish(self, finished: set[Future], on_answer: Callable[[int], None]) -> None:
+        """Take the answers of `finished`, then move `ready` past the positions now finished in a row."""
+        for f in finished:
+            c = f.result()
+            self.done[self.futures.pop(f)] = c
+            self.grown.conversations += 1
+            self.grown.response_tokens += len(c.response)
+            on_answer(len(c.response))
+        while self.ready in self.done:
+            self.ready_tokens += len(self.done[self.ready].response) if self.done[self.ready] is not None else 0
+            self.ready += 1
+
+    def write(self, end: int) -> None:
+        """Append the answers of positions [flushed, end) as a shard (skipped prompts counted, not stored)."""
+        got = [self.done.pop(p) for p in range(self.flushed, end)]
+        convs = [c for c in got if c is not None]
+        self.corpus.append(convs, end, len(got) - len(convs))
+        self.flushed, self.ready_tokens = end, 0
+
+    def drop_unwritten(self) -> None:
+        """Leave out of the totals the answers never written: those after an unfinished position (signal)."""
+        lost = [c for c in self.done.values() if c is not None]
+        self.grown.conversations -= len(lost)
+        self.grown.response_tokens -= sum(len(c.response) for c in lost)
 
 
 @dataclass
@@ -343,13 +376,50 @@ def batch_slots(manifest) -> int:
     return int(graph.input(ROW_COUNTS).shape[0]) if graph is not None else 1
 
 
+@dataclass(frozen=True)
+class _GrowRun:
+    """A grow run's corpus, its prompts in answer order, and the answering artifact's tokenizer and manifest."""
+
+    corpus: Corpus
+    source: PromptSource
+    order: list[tuple[int, int, int]]
+    tokenizer: Tokenizer
+    manifest: object  # the artifact's
+    limit: int  # longest prompt answered, in tokens
+
+    def prompt_ids(self, index: int, turn: int) -> list[int] | None:
+        """The ids of conversation `index`'s prompt for `turn`; None (skipped) without such a turn or over `limit`."""
+        from clover.train.data import turn_prompt
+
+        ids = turn_prompt(self.tokenizer, self.source.conversations[index], turn)
+        return ids if ids is not None and len(ids) <= self.limit else None
+
+
 def run_grow(args: argparse.Namespace) -> int:
-    import clover
-    from clover.tools.train import cpu_model
-    from clover.train.corpus import PROVENANCE, Corpus, RunRecord, bytes_per_million, is_corpus
-    from clover.train.data import answer_order, turn_prompt
+    from clover.train.data import answer_order
 
     started_at = time.monotonic()
+    _check_grow_args(args)
+    gen_spec, tokenizer, manifest = _grow_generator(args)
+    corpus, source = _open_corpus(args, gen_spec)
+    spec = source.spec
+    order = answer_order(spec.conversations, args.seed, VALIDATION_FRACTION, spec.turns, spec.passes)
+    limit = min(args.max_prompt_tokens, manifest.max_context - 2)
+    job = _GrowRun(corpus, source, order, tokenizer, manifest, limit)
+    with corpus.writing():
+        if _nothing_to_grow(args, job):
+            return 0
+        engine = _grow_engine(args)
+        grown, started = _grow_with_progress(args, job, engine, started_at)
+        speed = _record_run(args, job, grown, started)
+    _report_grown(args, corpus, grown, speed)
+    return 0
+
+
+def _check_grow_args(args: argparse.Namespace) -> None:
+    """Reject bad grow options, and an --out that is neither a corpus nor new, before the artifact is opened."""
+    from clover.train.corpus import PROVENANCE, is_corpus
+
     for name in (
         "target_tokens",
         "max_new_tokens",
@@ -377,6 +447,10 @@ def run_grow(args: argparse.Namespace) -> int:
         and any(not (p.name.startswith(f".{PROVENANCE}.") and p.name.endswith(".tmp")) for p in args.out.iterdir())
     ):
         raise CloverError(f"--out {args.out} is not empty and holds no corpus: choose a new or empty folder")
+
+
+def _grow_generator(args: argparse.Namespace):
+    """(GeneratorSpec, tokenizer, manifest) of the answering artifact; fills in --artifact and --max-batch."""
     if args.artifact is None:
         from clover.tools.demo import cached_artifact
 
@@ -384,6 +458,13 @@ def run_grow(args: argparse.Namespace) -> int:
     gen_spec, tokenizer, manifest = generator_spec(args.artifact, args.max_new_tokens)
     if args.max_batch is None:
         args.max_batch = batch_slots(manifest)
+    return gen_spec, tokenizer, manifest
+
+
+def _open_corpus(args: argparse.Namespace, gen_spec) -> tuple[Corpus, PromptSource]:
+    """The corpus of --out (continued, or created) and its prompts; --turns and --passes default to the corpus's."""
+    from clover.train.corpus import Corpus, is_corpus
+
     corpus = Corpus.open(args.out) if is_corpus(args.out) else None
     turns = args.turns or (corpus.provenance.prompts.turns if corpus is not None else 1)
     passes = args.passes or (corpus.provenance.prompts.passes if corpus is not None else 1)
@@ -399,93 +480,119 @@ def run_grow(args: argparse.Namespace) -> int:
     else:
         args.out.mkdir(parents=True, exist_ok=True)
         corpus = Corpus.create(args.out, source.spec, gen_spec)
-    order = answer_order(source.spec.conversations, args.seed, VALIDATION_FRACTION, turns, passes)
-    limit = min(args.max_prompt_tokens, manifest.max_context - 2)
+    return corpus, source
 
-    def prompt_ids(index: int, turn: int) -> list[int] | None:
-        ids = turn_prompt(tokenizer, source.conversations[index], turn)
-        return ids if ids is not None and len(ids) <= limit else None
 
-    with corpus.writing():
-        prov = corpus.provenance
-        held = prov.totals["response_tokens"]
+def _nothing_to_grow(args: argparse.Namespace, job: _GrowRun) -> bool:
+    """Print where the corpus stands; True (and why) when the target is reached or every prompt is answered."""
+    prov = job.corpus.provenance
+    held = prov.totals["response_tokens"]
+    turns, passes = job.source.spec.turns, job.source.spec.passes
+    print(
+        f"corpus {args.out}: {prov.totals['conversations']} conversations, {held} response tokens; prompts "
+        f"{prov.next_position}/{len(job.order)} done ({job.source.spec.source})",
+        file=sys.stderr,
+    )
+    if held >= args.target_tokens or prov.next_position >= len(job.order):
         print(
-            f"corpus {args.out}: {prov.totals['conversations']} conversations, {held} response tokens; prompts "
-            f"{prov.next_position}/{len(order)} done ({source.spec.source})",
+            "nothing to do: "
+            + (
+                "--target-tokens reached"
+                if held >= args.target_tokens
+                else f"every prompt is answered (--passes {passes + 1} samples another answer to each)"
+                if passes > 1
+                else f"every prompt is answered (--turns {turns + 1} answers the "
+                f"next user turns, --passes 2 samples a second answer to each)"
+            ),
             file=sys.stderr,
         )
-        if held >= args.target_tokens or prov.next_position >= len(order):
-            print(
-                "nothing to do: "
-                + (
-                    "--target-tokens reached"
-                    if held >= args.target_tokens
-                    else f"every prompt is answered (--passes {passes + 1} samples another answer to each)"
-                    if passes > 1
-                    else f"every prompt is answered (--turns {turns + 1} answers the "
-                    f"next user turns, --passes 2 samples a second answer to each)"
+        return True
+    return False
+
+
+def _grow_engine(args: argparse.Namespace):
+    """The engine that answers: plain decoding, or with --heads artifact the artifact's heads (same tokens)."""
+    import clover
+
+    heads = None if args.heads == "artifact" else "none"
+    return clover.Engine.load(
+        args.artifact,
+        heads=heads,
+        backend="ort",
+        tree="auto" if heads is None else None,
+        log=sys.stderr,
+        options=EngineOptions(max_batch=args.max_batch, threads=args.threads),
+    )
+
+
+def _grow_with_progress(args: argparse.Namespace, job: _GrowRun, engine, started_at: float) -> tuple[Grown, str]:
+    """grow() under a progress bar, stopped by signals; (what grew, its start time). The engine is closed after."""
+    deadline = started_at + args.minutes * 60 if args.minutes is not None else None
+    limits = Limits(args.target_tokens, deadline, args.shard_tokens)
+    stop = threading.Event()
+    from tqdm import tqdm
+
+    held = job.corpus.provenance.totals["response_tokens"]
+    bar = tqdm(total=args.target_tokens, initial=held, desc="response tokens", unit="tok", dynamic_ncols=True)
+    answers = [0]
+
+    def on_answer(tokens: int) -> None:
+        answers[0] += 1
+        bar.update(tokens)
+        bar.set_postfix_str(f"{answers[0]} answers, {len(job.corpus.provenance.shards)} shards")
+
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    try:
+        with StopOnSignal(stop):
+            grown = grow(
+                job.corpus,
+                engine,
+                job.order,
+                job.prompt_ids,
+                args.max_new_tokens,
+                limits,
+                stop,
+                on_answer,
+                lambda position, sample: (
+                    SamplingParams() if sample == 1 else SamplingParams(args.temperature, args.top_p, seed=position)
                 ),
-                file=sys.stderr,
             )
-            return 0
-        heads = None if args.heads == "artifact" else "none"
-        engine = clover.Engine.load(
-            args.artifact,
-            heads=heads,
-            backend="ort",
-            tree="auto" if heads is None else None,
-            log=sys.stderr,
-            options=EngineOptions(max_batch=args.max_batch, threads=args.threads),
+    finally:
+        bar.close()
+        engine.close()
+    return grown, started
+
+
+def _record_run(args: argparse.Namespace, job: _GrowRun, grown: Grown, started: str) -> float:
+    """Add the run to the corpus's provenance; returns its speed in response tokens per second."""
+    from clover.tools.train import cpu_model
+    from clover.train.corpus import RunRecord
+
+    manifest = job.manifest
+    speed = grown.response_tokens / grown.seconds if grown.seconds else 0.0
+    job.corpus.record_run(
+        RunRecord(
+            "clover-data " + shlex.join(args.argv),
+            started,
+            round(grown.seconds, 1),
+            grown.conversations,
+            grown.response_tokens,
+            round(speed, 1),
+            grown.stopped,
+            args.artifact.name,
+            manifest.heads.name if args.heads == "artifact" and manifest.heads else "none",
+            args.max_batch,
+            args.threads or os.cpu_count() or 0,
+            cpu_model(),
         )
-        deadline = started_at + args.minutes * 60 if args.minutes is not None else None
-        limits = Limits(args.target_tokens, deadline, args.shard_tokens)
-        stop = threading.Event()
-        from tqdm import tqdm
+    )
+    return speed
 
-        bar = tqdm(total=args.target_tokens, initial=held, desc="response tokens", unit="tok", dynamic_ncols=True)
-        answers = [0]
 
-        def on_answer(tokens: int) -> None:
-            answers[0] += 1
-            bar.update(tokens)
-            bar.set_postfix_str(f"{answers[0]} answers, {len(corpus.provenance.shards)} shards")
+def _report_grown(args: argparse.Namespace, corpus: Corpus, grown: Grown, speed: float) -> None:
+    """Print what the run added and what the corpus now holds."""
+    from clover.train.corpus import bytes_per_million
 
-        started = datetime.now(UTC).isoformat(timespec="seconds")
-        try:
-            with StopOnSignal(stop):
-                grown = grow(
-                    corpus,
-                    engine,
-                    order,
-                    prompt_ids,
-                    args.max_new_tokens,
-                    limits,
-                    stop,
-                    on_answer,
-                    lambda position, sample: (
-                        SamplingParams() if sample == 1 else SamplingParams(args.temperature, args.top_p, seed=position)
-                    ),
-                )
-        finally:
-            bar.close()
-            engine.close()
-        speed = grown.response_tokens / grown.seconds if grown.seconds else 0.0
-        corpus.record_run(
-            RunRecord(
-                "clover-data " + shlex.join(args.argv),
-                started,
-                round(grown.seconds, 1),
-                grown.conversations,
-                grown.response_tokens,
-                round(speed, 1),
-                grown.stopped,
-                args.artifact.name,
-                manifest.heads.name if heads is None and manifest.heads else "none",
-                args.max_batch,
-                args.threads or os.cpu_count() or 0,
-                cpu_model(),
-            )
-        )
     t = corpus.provenance.totals
     print(
         f"generated {grown.conversations} answers, {grown.response_tokens} tokens in {grown.seconds:.0f} s: "
@@ -498,7 +605,6 @@ def run_grow(args: argparse.Namespace) -> int:
         "million tokens)",
         file=sys.stderr,
     )
-    return 0
 
 
 def run_info(args: argparse.Namespace) -> int:

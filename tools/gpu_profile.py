@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -735,51 +735,91 @@ def engine_step(
     TorchRunner (the base's forward in CUDA graphs), BatchedTorchRunner (the whole step on the device, one graph) and
     transformers' `generate` on the same random weights; `row(name, value)` takes each measurement as it is made,
     `figure(key, value)` the summary figures (the GPU report's `data.engine`). quick: a tiny model (the CPU test)."""
-    from clover.models.head_io import build_heads, random_heads
-    from clover.runtime.backends.torch_batch import BatchedTorchRunner
-    from clover.runtime.generator import Generator
-    from clover.runtime.tree import default_tree, prune_tree, resolve_tree
+    from clover.models.head_io import random_heads
+    from clover.runtime.tree import default_tree
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     tokens = 12 if quick else tokens
-    shape, small, large = (TINY, "tiny", "tiny") if quick else (SHAPES["135m"], "135m", "8b")
+    shape, small = (TINY, "tiny") if quick else (SHAPES["135m"], "135m")
     tokenizer = word_tokenizer(Path(tempfile.mkdtemp()), shape.vocab_size)
     work = prompts(shape.vocab_size, 32, length=32, seed=1)
+    step = _StepRun(device, dtype, tokens, work, tokenizer, small, row, figure)
 
-    # -- 135M: batch 1, plain and speculative, per runner ------------------------------------------------------------
+    # -- 135M: batch 1, plain and speculative, per runner; the engine; transformers; identity ------------------------
     cpu_base = random_decoder(shape, torch.float32, "cpu")
     base = moved(cpu_base, device, dtype)
     heads = moved(random_heads(cpu_base, "clover2", 0), device, dtype)
     tree = default_tree(None)
+    best = _batch_one(step, base, heads, tree)
+    _engine_concurrency(step, base, heads, tree)
+    _transformers_generate(step, base, best)
+    _stacked_identity(step, cpu_base, base, tree)
+    del base, heads, cpu_base
+
+    _big_step(step, quick)
+
+
+class _StepRun(NamedTuple):
+    """What engine_step's parts share: where and how long they decode, the 135M shape's prompts, tokenizer and
+    name in the rows, and where the measurements go."""
+
+    device: str
+    dtype: torch.dtype
+    tokens: int
+    work: list[list[int]]
+    tokenizer: Any
+    small: str
+    row: Callable[[str, Any], None]
+    figure: Callable[[str, Any], None]
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+
+def _batch_one(step: _StepRun, base, heads, tree) -> dict:
+    """Batch 1, plain and speculative, on both runners: the rows and figures, and the stacked runner's plain run
+    (the reference the transformers rows compare with)."""
+    from clover.runtime.generator import Generator
+
+    cuda, row, figure = step.cuda, step.row, step.figure
     runs = {}
     for kind in ("per-sequence", "batched"):
         for spec in (False, True):
             runner = make_runner(kind, base, heads if spec else None, cuda)
-            gen = Generator(runner, tokenizer, tree if spec else None)
-            runs[kind, spec] = decode(gen, work[0], tokens, cuda)
+            gen = Generator(runner, step.tokenizer, tree if spec else None)
+            runs[kind, spec] = decode(gen, step.work[0], step.tokens, cuda)
             if kind == "batched" and cuda:  # a step that could not be recorded ran eagerly: say why
                 runs[kind, spec]["graphs"] = runner.graphs_error or "recorded"
-            row(f"{small} {kind} {'spec ' + tree.name if spec else 'plain'} batch 1", public_run(runs[kind, spec]))
+            row(f"{step.small} {kind} {'spec ' + tree.name if spec else 'plain'} batch 1", public_run(runs[kind, spec]))
     best = runs["batched", False]
     same = all(r["token_ids"] == best["token_ids"] for r in runs.values())
-    row(f"{small} batch 1 tokens identical (plain, speculative, both runners)", same)
+    row(f"{step.small} batch 1 tokens identical (plain, speculative, both runners)", same)
     figure("plain_tok_s_135m", best["tok_s"])
     if cuda:
         figure("gpu_idle_plain", best["gpu_idle"])
     figure("spec_over_plain_135m", runs["batched", True]["step_ms"] / best["step_ms"])
+    return best
 
-    # -- the engine: concurrency 1 and 32 --------------------------------------------------------------------------
-    runner = make_runner("batched", base, heads, cuda)
-    one, one_ids = engine_rate(runner, tokenizer, tree, work[:1], tokens)
-    many, many_ids = engine_rate(runner, tokenizer, tree, work[:32], tokens)
-    row(
-        f"{small} engine c1 / c32 tokens/s",
+
+def _engine_concurrency(step: _StepRun, base, heads, tree) -> None:
+    """The engine at concurrency 1 and 32 on the stacked runner: both rates and whether the first request's
+    tokens agree."""
+    runner = make_runner("batched", base, heads, step.cuda)
+    one, one_ids = engine_rate(runner, step.tokenizer, tree, step.work[:1], step.tokens)
+    many, many_ids = engine_rate(runner, step.tokenizer, tree, step.work[:32], step.tokens)
+    step.row(
+        f"{step.small} engine c1 / c32 tokens/s",
         {"c1": round(one, 1), "c32": round(many, 1), "same": many_ids[0] == one_ids[0]},
     )
-    figure("c32_over_c1_135m", many / one)
+    step.figure("c32_over_c1_135m", many / one)
 
-    # -- transformers' generate on the same weights ---------------------------------------------------------------
+
+def _transformers_generate(step: _StepRun, base, best: dict) -> None:
+    """transformers' generate on the same weights (eager, and with a compiled static cache on CUDA) against the
+    stacked runner's plain run `best`; a row saying why when transformers is not installed."""
+    cuda, row, work, tokens, small = step.cuda, step.row, step.work, step.tokens, step.small
     try:
         model = hf_twin(base)
         hf = {"eager": hf_rate(model, work[0], tokens, static=False)}
@@ -787,12 +827,21 @@ def engine_step(
             hf["static compiled"] = hf_rate(model, work[0], tokens, static=True)
         row(f"{small} transformers generate tokens/s", {k: round(v[0], 1) for k, v in hf.items()})
         row(f"{small} transformers tokens == clover plain", {k: v[1] == best["token_ids"] for k, v in hf.items()})
-        figure("over_hf_compiled", best["tok_s"] / hf["static compiled" if cuda else "eager"][0])
+        step.figure("over_hf_compiled", best["tok_s"] / hf["static compiled" if cuda else "eager"][0])
         del model
     except ImportError as e:
         row(f"{small} transformers generate tokens/s", f"not run: {e}")
 
-    # -- identity on the stacked runner -----------------------------------------------------------------------------
+
+def _stacked_identity(step: _StepRun, cpu_base, base, tree) -> None:
+    """Speculative == plain through the engine on the stacked runner: every head type at concurrency 1, 8 and
+    32, then Clover-2 with logits processors and log-probabilities."""
+    from clover.models.head_io import random_heads
+    from clover.runtime.backends.torch_batch import BatchedTorchRunner
+    from clover.runtime.tree import prune_tree, resolve_tree
+
+    device, dtype, cuda = step.device, step.dtype, step.cuda
+    tokenizer, work, tokens = step.tokenizer, step.work, step.tokens
     cases = []
     for arch in ARCHS:
         h = moved(random_heads(cpu_base, arch, 0), device, dtype)
@@ -823,16 +872,24 @@ def engine_step(
             "identical": f"{sum(g == w for g, w in zip(got, want))}/8",
         }
     )
-    row("identity, stacked runner", cases)
-    figure("identity_ok", all(c["identical"].split("/")[0] == c["identical"].split("/")[1] for c in cases))
-    del base, heads, runner, cpu_base
+    step.row("identity, stacked runner", cases)
+    step.figure("identity_ok", all(c["identical"].split("/")[0] == c["identical"].split("/")[1] for c in cases))
 
-    # -- 8B shape: one speculative step against a plain one -------------------------------------------------------
-    big = TINY if quick else LLAMA_8B
-    base = random_decoder(big, dtype, device)
+
+def _big_step(step: _StepRun, quick: bool) -> None:
+    """The 8B shape: one speculative step (mc26, full and 32k draft vocabulary) against a plain one, and the
+    speedup that projects with the shipped heads' tokens per step on the CPU."""
+    from clover.models.head_io import build_heads
+    from clover.runtime.backends.torch_batch import BatchedTorchRunner
+    from clover.runtime.generator import Generator
+    from clover.runtime.tree import resolve_tree
+
+    device, cuda, work = step.device, step.cuda, step.work
+    big, large = (TINY, "tiny") if quick else (LLAMA_8B, "8b")
+    base = random_decoder(big, step.dtype, device)
     with torch.device(device):  # untrained weights: its step time, not its drafts, is measured
-        heads = build_heads(base, "clover2").to(dtype).eval().requires_grad_(False)
-    mc26, n = resolve_tree("mc26"), min(tokens, 64)
+        heads = build_heads(base, "clover2").to(step.dtype).eval().requires_grad_(False)
+    mc26, n = resolve_tree("mc26"), min(step.tokens, 64)
     tokenizer = word_tokenizer(Path(tempfile.mkdtemp()), big.vocab_size)
     plain = decode(Generator(BatchedTorchRunner(base, cuda_graphs=cuda), tokenizer), work[1], n, cuda)
     spec = decode(Generator(BatchedTorchRunner(base, heads, cuda_graphs=cuda), tokenizer, mc26), work[1], n, cuda)
@@ -840,13 +897,13 @@ def engine_step(
     vocab = np.arange(min(32768, big.vocab_size), dtype=np.int64)
     small = BatchedTorchRunner(base, heads, draft_vocab=vocab, cuda_graphs=cuda)
     spec_k = decode(Generator(small, tokenizer, mc26), work[1], n, cuda)
-    row(
+    step.row(
         f"{large} batch 1 ms per step: plain, mc26, mc26 with a {len(vocab)}-token draft vocabulary",
         {"plain": plain["step_ms"], "mc26": spec["step_ms"], "mc26 draft vocab": spec_k["step_ms"]},
     )
-    figure("spec_over_plain_8b_full_vocab", spec["step_ms"] / plain["step_ms"])
+    step.figure("spec_over_plain_8b_full_vocab", spec["step_ms"] / plain["step_ms"])
     ratio = spec_k["step_ms"] / plain["step_ms"]
-    figure("spec_over_plain_8b", ratio)
+    step.figure("spec_over_plain_8b", ratio)
     cpu = {r["tree"]: r["tokens_per_step"] for r in cpu_acceptance() if r["prompts"] == "mtbench"}
     if mc26.name in cpu:  # the shipped heads' tokens per step on the CPU (MT-Bench) over the step's cost
-        figure("projected_speedup_8b", cpu[mc26.name] / ratio)
+        step.figure("projected_speedup_8b", cpu[mc26.name] / ratio)

@@ -23,11 +23,17 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from clover.errors import CloverError
 from clover.runtime.params import EngineOptions
 from clover.tools.cli import run_cli
+
+if TYPE_CHECKING:
+    from clover.serve.limits import Cors, RequestLimits
+    from clover.serve.tool_calls import ToolOptions
 
 DEMO_MODEL = "smollm2-clover2"  # the model name `--demo` serves
 PARSER_NAMES = ("hermes", "llama3_json")  # --tool-call-parser's choices (clover.serve.tool_calls.PARSERS)
@@ -362,7 +368,18 @@ def serve(app, host: str, port: int, drain_seconds: float, ready=None) -> None:
     server.run()
 
 
-def run(args: argparse.Namespace) -> int:
+@dataclass(frozen=True)
+class _RequestPolicy:
+    """What the server checks each request against: a single server and the Ray replicas get the same."""
+
+    limits: RequestLimits
+    tools: ToolOptions
+    cors: Cors | None  # None: no CORS headers
+
+
+def _import_server() -> None:
+    """Load the server's modules, with the install hint where the serve extra is missing: a broken install fails
+    before any flag is checked or anything loaded."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -370,10 +387,14 @@ def run(args: argparse.Namespace) -> int:
         raise CloverError(
             f"clover-serve needs the serve extra ({e.name} is missing): pip install 'clover-deploy[serve]'"
         ) from None
-    from clover.artifact import check_pin, read_manifest
-    from clover.runtime.engine import Engine
-    from clover.serve.app import AppOptions, create_app
+    import clover.artifact  # noqa: F401
+    import clover.runtime.engine  # noqa: F401
+    import clover.serve.app  # noqa: F401
 
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """Refuse flag combinations and values that need nothing loaded; --demo: point --artifact at its artifact
+    (exported into the cache first if missing)."""
     given = [f"--{f.replace('_', '-')}" for f in RAY_FLAGS if getattr(args, f) not in (None, False)]
     if given and not args.ray:
         raise CloverError(f"{given[0]} is an option of clover-serve --ray (Ray Serve): add --ray, or drop it")
@@ -385,7 +406,13 @@ def run(args: argparse.Namespace) -> int:
         raise CloverError(f"--port must be in 1..65535, got {args.port}")
     if args.drain_seconds < 0:
         raise CloverError(f"--drain-seconds must be >= 0, got {args.drain_seconds}")
+
+
+def _request_policy(args: argparse.Namespace) -> _RequestPolicy:
+    """The request limits, tool-call and CORS options from the flags, and the key of --api-key-file into
+    args.api_key: all checked before minutes of loading."""
     from clover.serve.limits import RequestLimits, read_api_key_file
+    from clover.serve.tool_calls import ToolOptions
 
     limits = RequestLimits(
         args.max_stop_strings,
@@ -397,43 +424,54 @@ def run(args: argparse.Namespace) -> int:
         args.max_tokens_cap,
         args.max_messages,
         args.max_prompt_chars,
-    )  # before minutes of loading
-    from clover.serve.tool_calls import ToolOptions
-
+    )
     tools = ToolOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.exclude_tools_when_tool_choice_none)
     cors = cors_policy(args)
     if args.api_key_file is not None:
         args.api_key = read_api_key_file(args.api_key_file)
-    if args.ray:
-        from clover.serve.ray import config_yaml, serve_on_ray
+    return _RequestPolicy(limits, tools, cors)
 
-        if args.base is not None or args.device is not None or args.dtype is not None:
-            raise CloverError(
-                "--ray serves an artifact (each replica loads it): export the checkpoint with clover-export, and "
-                "serve --artifact without --base, --device or --dtype"
+
+def _run_on_ray(args: argparse.Namespace, policy: _RequestPolicy) -> int:
+    """--ray: write the Ray Serve config (--print-config), or serve the artifact's replicas until stopped."""
+    from clover.artifact import check_pin, read_manifest
+    from clover.serve.ray import config_yaml, serve_on_ray
+
+    if args.base is not None or args.device is not None or args.dtype is not None:
+        raise CloverError(
+            "--ray serves an artifact (each replica loads it): export the checkpoint with clover-export, and "
+            "serve --artifact without --base, --device or --dtype"
+        )
+
+    if args.chat_template is not None:
+        raise CloverError(
+            "--chat-template is not passed to Ray Serve replicas: store the template in the artifact "
+            "(clover-export --chat-template FILE_OR_TEMPLATE) and serve that"
+        )
+
+    model = args.model or (DEMO_MODEL if args.demo else None)
+    options = ray_options(args, policy.limits, model, policy.tools, policy.cors)
+    if args.print_config:
+        if args.api_key and not args.api_key_file:
+            print(
+                "clover-serve: the API key is not written to the config: pass --api-key-file PATH (a file on "
+                "every node), or set CLOVER_API_KEY in the replicas' environment",
+                file=sys.stderr,
             )
+        sys.stdout.write(config_yaml(options, args.host, args.port))
+        return 0
+    if args.address is None:  # a local cluster: fail now rather than in every replica
+        read_manifest(args.artifact)
+        if args.manifest_sha256 is not None:
+            check_pin(args.artifact, args.manifest_sha256)
+    return serve_on_ray(options, args.host, args.port, args.address)
 
-        if args.chat_template is not None:
-            raise CloverError(
-                "--chat-template is not passed to Ray Serve replicas: store the template in the artifact "
-                "(clover-export --chat-template FILE_OR_TEMPLATE) and serve that"
-            )
 
-        options = ray_options(args, limits, args.model or (DEMO_MODEL if args.demo else None), tools, cors)
-        if args.print_config:
-            if args.api_key and not args.api_key_file:
-                print(
-                    "clover-serve: the API key is not written to the config: pass --api-key-file PATH (a file on "
-                    "every node), or set CLOVER_API_KEY in the replicas' environment",
-                    file=sys.stderr,
-                )
-            sys.stdout.write(config_yaml(options, args.host, args.port))
-            return 0
-        if args.address is None:  # a local cluster: fail now rather than in every replica
-            read_manifest(args.artifact)
-            if args.manifest_sha256 is not None:
-                check_pin(args.artifact, args.manifest_sha256)
-        return serve_on_ray(options, args.host, args.port, args.address)
+def _load_engine(args: argparse.Namespace):
+    """The engine over --base (torch backend) or --artifact (its pin checked first), and what it was loaded from."""
+    from clover.artifact import check_pin, read_manifest
+    from clover.runtime.engine import Engine
+
     if args.base is not None:
         source, backend = args.base, args.backend or "torch"
         if backend != "torch" or args.manifest_sha256 is not None:
@@ -463,31 +501,48 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
         ),
     )
-    model = args.model or (DEMO_MODEL if args.demo else Path(source).resolve().name)
-    try:
-        options = AppOptions(
-            api_key=args.api_key or None,
-            limits=limits,
-            docs=not args.disable_docs,
-            metrics_need_key=args.metrics_need_key,
-            tools=tools,
-            cors=cors,
-        )
-        app = create_app(engine, model, options)
+    return engine, source
+
+
+def _serve_engine(args: argparse.Namespace, engine, model: str, policy: _RequestPolicy) -> None:
+    """Serve `engine` as `model` on --host/--port until SIGTERM / SIGINT, saying what it serves first."""
+    from clover.serve.app import AppOptions, create_app
+
+    options = AppOptions(
+        api_key=args.api_key or None,
+        limits=policy.limits,
+        docs=not args.disable_docs,
+        metrics_need_key=args.metrics_need_key,
+        tools=policy.tools,
+        cors=policy.cors,
+    )
+    app = create_app(engine, model, options)
+    print(
+        f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "
+        f"{args.tree}, drafts {engine.drafts}{', API key required' if args.api_key else ''})",
+        file=sys.stderr,
+        flush=True,
+    )
+    if not engine.tokenizer.has_chat_template:
         print(
-            f"clover-serve: serving {model} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, tree "
-            f"{args.tree}, drafts {engine.drafts}{', API key required' if args.api_key else ''})",
+            f"clover-serve: {model} has no chat template (a base model): /v1/chat/completions answers 400, "
+            "/v1/completions serves plain text (--chat-template FILE_OR_TEMPLATE adds one)",
             file=sys.stderr,
             flush=True,
         )
-        if not engine.tokenizer.has_chat_template:
-            print(
-                f"clover-serve: {model} has no chat template (a base model): /v1/chat/completions answers 400, "
-                "/v1/completions serves plain text (--chat-template FILE_OR_TEMPLATE adds one)",
-                file=sys.stderr,
-                flush=True,
-            )
-        serve(app, args.host, args.port, args.drain_seconds)
+    serve(app, args.host, args.port, args.drain_seconds)
+
+
+def run(args: argparse.Namespace) -> int:
+    _import_server()
+    _check_flags(args)
+    policy = _request_policy(args)
+    if args.ray:
+        return _run_on_ray(args, policy)
+    engine, source = _load_engine(args)
+    model = args.model or (DEMO_MODEL if args.demo else Path(source).resolve().name)
+    try:
+        _serve_engine(args, engine, model, policy)
     finally:
         engine.close()
     print("clover-serve: stopped", file=sys.stderr)

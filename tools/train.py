@@ -170,15 +170,51 @@ def check_out(out: Path, resume: bool) -> None:
 def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> int:
     """clover-train. `on_epoch(metrics, heads)` sees each epoch's end; `reuse`, a dict kept by a caller that trains
     several head sets in one process, keeps the base and the features between runs on the same data."""
-    import torch
-
-    from clover.models.head_io import build_heads, save_heads
-    from clover.models.loading import load_base
-    from clover.models.smollm2 import cache_dir, resolve_base
-    from clover.runtime.tokenizer import Tokenizer
-    from clover.train.trainer import Budget, TrainConfig, Trainer, describe
+    from clover.models.head_io import save_heads
+    from clover.train.trainer import Trainer, describe
 
     started = time.time()
+    _check_args(args)
+    args.data = args.data or ["sharegpt"]
+    corpora = open_data(args)
+    if args.feature_dtype is None:  # bfloat16 measured on a corpus (docs/training.md, "Features and the cache")
+        args.feature_dtype = "bfloat16" if corpora[0] is not None else "float32"
+    device = _device(args)
+    base, cache, initial = _base_and_features(args, corpora, device, reuse)
+    if args.prepare_only:
+        return 0
+
+    heads = _start_heads(args, base, initial, device)
+    cfg = _train_config(args, heads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(base, heads, cache, cfg, args.out, device, initialised=initial is not None)
+    if args.resume:
+        done = trainer.resume()
+        print(f"resumed after {done:g} epochs", file=sys.stderr)
+    elif initial is not None and args.keep == "best":
+        print(describe(trainer.validate_initial()), file=sys.stderr)
+    history = _train(args, trainer, started, (lambda m: on_epoch(m, heads)) if on_epoch is not None else None)
+    if history.epochs:
+        print(
+            f"training: {training_speed(cache, history)} loss tokens/s (epoch wall time, validation included)",
+            file=sys.stderr,
+        )
+    kept = _keep_best(args, trainer, history)
+    save_heads(heads, args.out)
+    write_provenance(args, cfg, cache, history, time.time() - started, device, corpora, kept)
+    if history.stopped:
+        print(
+            f"stopped at the time budget after {history.steps}/{history.total_steps} steps: heads so far written to "
+            f"{args.out}; the same command with --resume goes on",
+            file=sys.stderr,
+        )
+    else:
+        print(f"heads written to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    """Reject bad options, and an --out that holds something else, before the data or the base is read."""
     if args.out is None and not args.prepare_only:
         raise CloverError("--out is required (where to write the heads), unless --prepare-only")
     if not 0 <= args.feature_noise <= 10:
@@ -191,10 +227,12 @@ def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> i
             raise CloverError(f"--{name.replace('_', '-')} must be above 0, got {getattr(args, name)}")
     if args.out is not None:
         check_out(args.out, args.resume)
-    args.data = args.data or ["sharegpt"]
-    corpora = open_data(args)
-    if args.feature_dtype is None:  # bfloat16 measured on a corpus (docs/training.md, "Features and the cache")
-        args.feature_dtype = "bfloat16" if corpora[0] is not None else "float32"
+
+
+def _device(args: argparse.Namespace):
+    """The torch device of --device, tried at once so a missing one fails before any work (--threads set first)."""
+    import torch
+
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -202,6 +240,15 @@ def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> i
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as e:
         raise CloverError(f"--device {args.device} is not usable here ({str(e).splitlines()[0]}): use cpu")
+    return device
+
+
+def _base_and_features(args: argparse.Namespace, corpora: list, device, reuse: dict | None):
+    """(base on `device`, feature cache, --init's heads or None); `reuse` hands back the base and the features of
+    an earlier run with the same FEATURE_ARGS, and keeps this run's for the next one."""
+    from clover.models.loading import load_base
+    from clover.models.smollm2 import cache_dir, resolve_base
+    from clover.runtime.tokenizer import Tokenizer
 
     key = [str(getattr(args, k)) for k in FEATURE_ARGS] + [str(device)]
     if reuse is not None and reuse.get("key") == key:
@@ -219,8 +266,14 @@ def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> i
         cache = build_features(args, base, tokenizer, corpora, teacher, digest, cache_dir(), device)
         if reuse is not None:
             reuse.update(key=key, base=base, features=cache)
-    if args.prepare_only:
-        return 0
+    return base, cache, initial
+
+
+def _start_heads(args: argparse.Namespace, base, initial, device):
+    """The heads to train, float32 on `device`: --init's, or new ones initialised from the base (seeded by --seed)."""
+    import torch
+
+    from clover.models.head_io import build_heads
 
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
@@ -229,8 +282,14 @@ def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> i
     else:
         heads = build_heads(base, args.arch or "clover2", args.num_heads, args.num_layers)
         heads.init_weights(base, gen)
-    heads = heads.to(device=device, dtype=torch.float32)  # float32 master weights; autocast runs bfloat16 matmuls
-    cfg = TrainConfig(
+    return heads.to(device=device, dtype=torch.float32)  # float32 master weights; autocast runs bfloat16 matmuls
+
+
+def _train_config(args: argparse.Namespace, heads):
+    """The TrainConfig of the options, for `heads`' architecture and depths."""
+    from clover.train.trainer import TrainConfig
+
+    return TrainConfig(
         arch=heads.config.arch,
         depths=heads.config.num_heads,
         epochs=args.epochs,
@@ -240,43 +299,27 @@ def run(args: argparse.Namespace, on_epoch=None, reuse: dict | None = None) -> i
         batch_softmax=not args.full_vocab,
         feature_noise=args.feature_noise,
     )
-    args.out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(base, heads, cache, cfg, args.out, device, initialised=initial is not None)
-    if args.resume:
-        done = trainer.resume()
-        print(f"resumed after {done:g} epochs", file=sys.stderr)
-    elif initial is not None and args.keep == "best":
-        print(describe(trainer.validate_initial()), file=sys.stderr)
+
+
+def _train(args: argparse.Namespace, trainer, started: float, on_epoch):
+    """Train within --max-minutes (counted from `started`), checkpointing every --checkpoint-minutes."""
+    from clover.train.trainer import Budget
+
     budget = Budget(
         started + args.max_minutes * 60 if args.max_minutes else None,
         args.checkpoint_minutes * 60 if args.checkpoint_minutes else None,
     )
-    history = trainer.train(
-        log=lambda s: print(s, file=sys.stderr),
-        budget=budget,
-        on_epoch=(lambda m: on_epoch(m, heads)) if on_epoch is not None else None,
-    )
-    if history.epochs:
-        print(
-            f"training: {training_speed(cache, history)} loss tokens/s (epoch wall time, validation included)",
-            file=sys.stderr,
-        )
+    return trainer.train(log=lambda s: print(s, file=sys.stderr), budget=budget, on_epoch=on_epoch)
+
+
+def _keep_best(args: argparse.Namespace, trainer, history):
+    """With --keep best after a finished run, go back to the best validated epoch's heads: that epoch (else None)."""
     kept = None
     if args.keep == "best" and not history.stopped and history.epochs:
         kept = trainer.keep_best()
         if kept != history.epochs[-1].epoch:
             print(f"kept the heads of epoch {kept} (the best validated chain acceptance)", file=sys.stderr)
-    save_heads(heads, args.out)
-    write_provenance(args, cfg, cache, history, time.time() - started, device, corpora, kept)
-    if history.stopped:
-        print(
-            f"stopped at the time budget after {history.steps}/{history.total_steps} steps: heads so far written to "
-            f"{args.out}; the same command with --resume goes on",
-            file=sys.stderr,
-        )
-    else:
-        print(f"heads written to {args.out}", file=sys.stderr)
-    return 0
+    return kept
 
 
 # the options that decide the features (run's `reuse` keeps them for another run with the same values)

@@ -616,30 +616,18 @@ def features_from_generation(
     spec = writer.spec
     k, max_new = spec.topk, spec.max_new_tokens
     capacity = spec.max_length
-    dev = _device(base)
     keys, values = base.empty_cache(batch_size, capacity)
     lengths = torch.zeros(batch_size, dtype=torch.long)  # cached tokens per row (host: read per row)
     current = torch.zeros(batch_size, dtype=torch.long)  # the token each row feeds next
     slots: list[_Slot | None] = [None] * batch_size
     exhausted = False
-    rows = torch.arange(batch_size)
 
     def want(is_val: bool) -> bool:
         return writer.loss_tokens[is_val] < budgets[is_val]
 
     def finish(b: int) -> None:
         s = slots[b]
-        n = len(s.tokens)
-        hidden = np.concatenate(s.hidden)[:n]
-        tk_ids, tk_p = np.concatenate(s.tk_ids)[:n], np.concatenate(s.tk_p)[:n]
-        if hidden.shape[0] < n:  # the final token was never fed (EOS or length cap): no features of its own
-            pad = n - hidden.shape[0]
-            hidden = np.concatenate((hidden, np.zeros((pad, hidden.shape[1]), hidden.dtype)))
-            tk_ids = np.concatenate((tk_ids, np.zeros((pad, k), tk_ids.dtype)))
-            tk_p = np.concatenate((tk_p, np.zeros((pad, k), tk_p.dtype)))
-        loss_mask = np.zeros(n, dtype=np.bool_)
-        loss_mask[s.prompt_len - 1 : n - 1] = True  # p_t for t >= prompt_len - 1 predicts a generated token
-        writer.add(np.array(s.tokens), hidden, tk_ids, tk_p, loss_mask, s.is_val)
+        writer.add(np.array(s.tokens), *_slot_features(s, k), s.is_val)
         slots[b] = None
         lengths[b], current[b] = 0, 0  # an idle row decodes a dummy token at slot 0 until refilled
         if progress:
@@ -648,19 +636,12 @@ def features_from_generation(
     while True:
         for b in range(batch_size):
             while slots[b] is None and not exhausted:
-                if not (want(False) or want(True)):
+                picked = _next_prompt(prompts, want, capacity)
+                if picked is None:
                     exhausted = True
                     break
-                try:
-                    prompt, is_val = next(prompts)
-                except StopIteration:
-                    exhausted = True
-                    break
-                if not want(is_val) or len(prompt) + 2 > capacity:
-                    continue
-                hidden, tk_ids, tk_p, new_k, new_v = prefill(base, prompt, k, last_only=True)
-                for store, new in zip(keys + values, new_k + new_v):
-                    store[b, :, : len(prompt)] = new[0]
+                prompt, is_val = picked
+                hidden, tk_ids, tk_p = _prefill_row(base, prompt, k, keys + values, b)
                 slots[b] = _Slot(prompt, is_val, hidden, tk_ids, tk_p)
                 first = int(tk_ids[-1, 0])
                 slots[b].tokens.append(first)
@@ -670,20 +651,7 @@ def features_from_generation(
         active = [b for b in range(batch_size) if slots[b] is not None]
         if not active:
             break
-        P = int(lengths[active].max())
-        on_dev = lengths.to(dev)
-        out = base(
-            current[:, None].to(dev),
-            on_dev[:, None],
-            torch.ones(batch_size, 1, 1, dtype=torch.bool, device=dev),
-            on_dev,
-            [kk[:, :, :P] for kk in keys],
-            [vv[:, :, :P] for vv in values],
-        )
-        for store, new in zip(keys + values, out.new_keys + out.new_values):
-            store[rows.to(dev), :, on_dev] = new[:, :, 0]
-        hidden = out.hidden_states[:, 0].to(torch.float16).cpu().numpy()
-        tk_ids, tk_p = _topk(out.logits[:, 0], k)
+        hidden, tk_ids, tk_p = _decode_step(base, (keys, values), lengths, current, k)
         for b in active:
             lengths[b] += 1
             s = slots[b]
@@ -695,6 +663,65 @@ def features_from_generation(
             current[b] = nxt
             if nxt in eos_ids or len(s.tokens) - s.prompt_len >= max_new or len(s.tokens) >= capacity:
                 finish(b)
+
+
+def _next_prompt(prompts: Iterator[tuple[list[int], bool]], want, capacity: int) -> tuple[list[int], bool] | None:
+    """The next prompt whose budget (`want`) is not met and that leaves room for 2 more tokens in the cache;
+    None once both budgets are met or the prompts run out."""
+    while want(False) or want(True):
+        try:
+            prompt, is_val = next(prompts)
+        except StopIteration:
+            return None
+        if want(is_val) and len(prompt) + 2 <= capacity:
+            return prompt, is_val
+    return None
+
+
+def _prefill_row(base: Decoder, prompt: list[int], k: int, caches: list[torch.Tensor], b: int):
+    """Prefill `prompt` into row b of `caches` (keys then values): its hidden states and top-k (last row only)."""
+    hidden, tk_ids, tk_p, new_k, new_v = prefill(base, prompt, k, last_only=True)
+    for store, new in zip(caches, new_k + new_v):
+        store[b, :, : len(prompt)] = new[0]
+    return hidden, tk_ids, tk_p
+
+
+def _decode_step(base: Decoder, cache, lengths: torch.Tensor, current: torch.Tensor, k: int):
+    """Every row feeds its `current` token at slot `lengths` (its K/V written there into `cache`, the (keys,
+    values) pair): each row's hidden state (fp16) and top-k. Idle rows decode a dummy token at slot 0."""
+    keys, values = cache
+    dev = _device(base)
+    batch_size = len(lengths)
+    P = int(lengths.max())  # the longest active row: idle rows are at 0
+    on_dev = lengths.to(dev)
+    out = base(
+        current[:, None].to(dev),
+        on_dev[:, None],
+        torch.ones(batch_size, 1, 1, dtype=torch.bool, device=dev),
+        on_dev,
+        [kk[:, :, :P] for kk in keys],
+        [vv[:, :, :P] for vv in values],
+    )
+    for store, new in zip(keys + values, out.new_keys + out.new_values):
+        store[torch.arange(batch_size).to(dev), :, on_dev] = new[:, :, 0]
+    hidden = out.hidden_states[:, 0].to(torch.float16).cpu().numpy()
+    tk_ids, tk_p = _topk(out.logits[:, 0], k)
+    return hidden, tk_ids, tk_p
+
+
+def _slot_features(s: _Slot, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A finished sequence's hidden states, top-k and loss mask, one row per token."""
+    n = len(s.tokens)
+    hidden = np.concatenate(s.hidden)[:n]
+    tk_ids, tk_p = np.concatenate(s.tk_ids)[:n], np.concatenate(s.tk_p)[:n]
+    if hidden.shape[0] < n:  # the final token was never fed (EOS or length cap): no features of its own
+        pad = n - hidden.shape[0]
+        hidden = np.concatenate((hidden, np.zeros((pad, hidden.shape[1]), hidden.dtype)))
+        tk_ids = np.concatenate((tk_ids, np.zeros((pad, k), tk_ids.dtype)))
+        tk_p = np.concatenate((tk_p, np.zeros((pad, k), tk_p.dtype)))
+    loss_mask = np.zeros(n, dtype=np.bool_)
+    loss_mask[s.prompt_len - 1 : n - 1] = True  # p_t for t >= prompt_len - 1 predicts a generated token
+    return hidden, tk_ids, tk_p, loss_mask
 
 
 def prepare_features(

@@ -374,10 +374,9 @@ def test_heads_and_lookup_in_one_tree_sample_the_base_law(base, base_logits):
             runner,
             prompt,
             tree,
-            GenerationParams(sampling=sampling),
+            GenerationParams(sampling=dataclasses.replace(sampling, seed=int(child.generate_state(1)[0]))),
             "heads+lookup",
             capacity=len(PROMPT) + NUM_TOKENS + tree.num_nodes + 3,
-            rng=np.random.default_rng(child),
         )
         for k, st in enumerate(steps):
             out += st.tokens
@@ -433,8 +432,8 @@ def test_dynamic_trees_sample_the_base_law(base, base_logits, spec):
 
 def two_by_two_samples(base, sampling: SamplingParams, seed: int, options) -> tuple[np.ndarray, np.ndarray]:
     """N generations of the first NUM_TOKENS tokens with Clover-2 heads on a tree with siblings at both depths a
-    step can use; options(): speculative_steps' per-generation keywords (a fresh processor chain, grammar state).
-    Returns (tokens [N, 3], tokens emitted by each speculative step)."""
+    step can use, stepped by clover.runtime.loop.step; options(): the Decoding's per-generation fields (a fresh
+    processor chain, grammar state). Returns (tokens [N, 3], tokens emitted by each speculative step)."""
     runner = TorchRunner(base, random_heads(base, "clover2", seed=0))
     tree = compile_tree([[0], [1], [0, 0], [1, 0]], "two-by-two")
     prompt = np.array(PROMPT, dtype=np.int64)
@@ -442,21 +441,15 @@ def two_by_two_samples(base, sampling: SamplingParams, seed: int, options) -> tu
     lengths = []
     for i, child in enumerate(np.random.SeedSequence(seed).spawn(N)):
         out: list[int] = []
-        capacity = len(PROMPT) + NUM_TOKENS + tree.num_nodes
-        steps = speculative_steps(
-            runner,
-            prompt,
-            tree,
-            GenerationParams(sampling=sampling),
-            capacity=capacity,
-            rng=np.random.default_rng(child),
-            **options(),
+        runner.reset(len(PROMPT) + NUM_TOKENS + tree.num_nodes)
+        d = Decoding(
+            slot=runner.solo, prompt=prompt, tree=tree, sampling=sampling, rng=np.random.default_rng(child), **options()
         )
-        for k, st in enumerate(steps):
+        while len(out) < NUM_TOKENS:
+            (st,) = step(runner, [d])
+            if st.tokens and out:  # a speculative step (the prefill's first token is not one)
+                lengths.append(len(st.tokens))
             out += st.tokens
-            lengths += [len(st.tokens)] if k else []
-            if len(out) >= NUM_TOKENS:
-                break
         tokens[i] = out[:NUM_TOKENS]
     return tokens, np.array(lengths)
 
