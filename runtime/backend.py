@@ -25,6 +25,19 @@ from clover.runtime.sampling import SamplingParams
 from clover.runtime.tree import Tree
 
 
+@dataclass(frozen=True, kw_only=True)
+class RunnerSpec:
+    """What a caller asks of a backend's runner (runtime/configure.py); each backend's `from_spec` reads the fields
+    it has and passes them to its `load_runner` by name."""
+
+    heads: str | None = None  # the heads to draft with (None: the backend's default)
+    dtype: str | None = None  # the precision expected (None: the backend's or the artifact's)
+    threads: int | None = None  # intra-op threads (torch, ort)
+    batch: bool = False  # ort: the artifact's batched base graph, if any
+    device: str | None = None  # torch: the stacked runner on this device
+    providers: str | Sequence[str] | None = None  # ort: execution providers
+
+
 @dataclass(frozen=True)
 class RunnerInfo:
     backend: str  # "torch", "ort", "trt"
@@ -332,7 +345,8 @@ BACKENDS = {
 
 
 def backend_module(name: str):
-    """Import a backend lazily, so the core never pulls in torch / onnxruntime / TensorRT."""
+    """Import a backend lazily, so the core never pulls in torch / onnxruntime / TensorRT. A backend module has
+    `from_spec(base, RunnerSpec) -> Runner`, `load_runner(base, ...)` with its own options, and `base_dir(base)`."""
     if name not in BACKENDS:
         raise CloverError(f"unknown backend {name!r}: available backends are {', '.join(BACKENDS)}")
     return importlib.import_module(BACKENDS[name])

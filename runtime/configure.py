@@ -11,7 +11,7 @@ from typing import IO
 
 from clover.artifact import read_manifest
 from clover.errors import CloverError
-from clover.runtime.backend import Runner, RunnerInfo, backend_module
+from clover.runtime.backend import Runner, RunnerInfo, RunnerSpec, backend_module
 from clover.runtime.cost import VerifyCost, verify_cost
 from clover.runtime.params import DraftSource, EngineOptions
 from clover.runtime.policy import AutoTrees, DraftConfidence, FixedTrees, LookupLength
@@ -164,20 +164,19 @@ def load_backend(
     heads = "none" if drafts is DraftSource.LOOKUP else heads
     if heads is not None and heads.endswith(LOOKUP_SUFFIX):  # NAME+lookup, or +lookup: the default heads
         drafts, heads = DraftSource.MERGED, heads.removesuffix(LOOKUP_SUFFIX) or None
-    given = {k: v for k, v in (("heads", heads), ("dtype", options.dtype)) if v is not None}
-    if backend == "ort" and options.max_batch > 1:
-        given["batch"] = True  # the artifact's batched base graph, if any
-    if options.threads is not None and backend in ("torch", "ort"):
-        given["threads"] = options.threads
-    if options.device is not None:
-        given["device"] = options.device
-    if options.providers is not None:
-        if backend != "ort":
-            raise CloverError(
-                f"--providers chooses ONNX Runtime's execution providers: use it with --backend ort, not {backend}"
-            )
-        given["providers"] = options.providers
+    if options.providers is not None and backend != "ort":
+        raise CloverError(
+            f"--providers chooses ONNX Runtime's execution providers: use it with --backend ort, not {backend}"
+        )
+    spec = RunnerSpec(
+        heads=heads,
+        dtype=options.dtype,
+        threads=options.threads if backend in ("torch", "ort") else None,
+        batch=backend == "ort" and options.max_batch > 1,  # the artifact's batched base graph, if any
+        device=options.device,
+        providers=options.providers,
+    )
     # read before the runner: a bad template fails before minutes of loading
     template = read_chat_template(options.chat_template) if options.chat_template is not None else None
-    runner, tokenizer = module.load_runner(base, **given), Tokenizer.from_dir(module.base_dir(base))
+    runner, tokenizer = module.from_spec(base, spec), Tokenizer.from_dir(module.base_dir(base))
     return runner, tokenizer if template is None else tokenizer.with_chat_template(template), drafts

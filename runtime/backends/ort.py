@@ -59,7 +59,7 @@ from clover.artifact import (
 )
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.errors import CloverError
-from clover.runtime.backend import EngineClock
+from clover.runtime.backend import EngineClock, RunnerSpec
 from clover.runtime.backends.graph import Arrays, GraphRunner, KVCache, NumpyArrays, graphs_used
 from clover.runtime.lookup import NgramStore
 
@@ -602,8 +602,12 @@ def load_runner(
             replace `options`' own.
         options: the rest (spin, checksums, cache_block, device, cuda_graphs: see OrtOptions).
     """
-    named = {"threads": threads, "batch": batch, "providers": providers}
-    options = dataclasses.replace(options, **{k: v for k, v in named.items() if v is not None})
+    options = dataclasses.replace(
+        options,
+        threads=options.threads if threads is None else threads,
+        batch=options.batch if batch is None else batch,
+        providers=options.providers if providers is None else providers,
+    )
     manifest = open_artifact(artifact, checksums=options.checksums)
     if manifest.attention == "plugin":
         raise CloverError(
@@ -617,3 +621,15 @@ def load_runner(
         )
     use_heads = uses_exported_heads(artifact, manifest, heads)
     return OrtRunner(artifact, manifest, use_heads=use_heads, options=options)
+
+
+def from_spec(artifact: str | Path, spec: RunnerSpec) -> OrtRunner:
+    """load_runner with the RunnerSpec fields the ort backend has."""
+    return load_runner(
+        artifact,
+        heads=ARTIFACT_HEADS if spec.heads is None else spec.heads,
+        dtype=spec.dtype,
+        threads=spec.threads,
+        batch=spec.batch or None,
+        providers=spec.providers,
+    )

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from clover.errors import CloverError
-from clover.runtime.backend import Runner
+from clover.runtime.backend import Runner, RunnerSpec
 from clover.runtime.backends.torch_runner import TorchRunner
 
 
@@ -46,3 +46,14 @@ def load_runner(
     model = model.to(place)
     head_set = None if head_set is None else head_set.to(place)
     return BatchedTorchRunner(model, head_set, heads_name=heads, cuda_graphs=place.type == "cuda")
+
+
+def from_spec(base: str | Path, spec: RunnerSpec) -> Runner:
+    """load_runner with the RunnerSpec fields the torch backend has."""
+    return load_runner(
+        base,
+        heads="none" if spec.heads is None else spec.heads,
+        dtype=spec.dtype or "float32",
+        threads=spec.threads,
+        device=spec.device,
+    )

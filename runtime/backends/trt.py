@@ -41,6 +41,7 @@ from clover.artifact import (
 )
 from clover.artifact import tokenizer_dir as base_dir  # noqa: F401 (the backend interface's name)
 from clover.errors import CloverError
+from clover.runtime.backend import RunnerSpec
 from clover.runtime.backends import tensorrt as rt
 from clover.runtime.backends.graph import Arrays, GraphRunner, graphs_used  # noqa: F401 (graphs_used: tests, tools)
 from clover.runtime.lookup import NgramStore
@@ -357,3 +358,8 @@ def load_runner(
             "export it with clover-export --backend trt on this GPU machine, or run it with --backend ort"
         )
     return TrtRunner(artifact, manifest, use_heads=use_heads, device=device, cache_block=cache_block)
+
+
+def from_spec(artifact: str | Path, spec: RunnerSpec) -> TrtRunner:
+    """load_runner with the RunnerSpec fields the trt backend has (heads and dtype)."""
+    return load_runner(artifact, heads=ARTIFACT_HEADS if spec.heads is None else spec.heads, dtype=spec.dtype)
