@@ -69,7 +69,7 @@ from clover.serve.schemas import (
     now,
     unicode_fault,
 )
-from clover.serve.tool_calls import ToolCall, ToolOptions, ToolPlan, ToolStream, parse, plan_tools
+from clover.serve.tool_calls import CallUpdate, ToolOptions, ToolPlan, ToolStream, parse, plan_tools
 
 RETRY_AFTER_S = 1
 # fields holding token ids: an error in one entry names the field, with what it must hold
@@ -783,10 +783,10 @@ class EventStream:
                         reason = tool_reason(reason, self.plan) if tools.calls else reason
                     yield self.chunk(index, self.piece("", reason), clover=speculation([result]).model_dump())
                 elif (tools := self.tools[index]) is not None:
-                    content, calls = tools.feed(item.text)
+                    content, updates = tools.feed(item.text)
                     if content or item.logprobs:
                         yield self.chunk(index, self.piece(content), item.logprobs)
-                    for event in self.tool_events(index, "", calls):
+                    for event in self.tool_events(index, "", updates):
                         yield event
                 # a token's log-probability comes with the text that shows it (held-back text holds it back too)
                 elif item.text or item.logprobs or (self.body.return_token_ids and item.token_ids):
@@ -809,14 +809,12 @@ class EventStream:
                     self.served.metrics.requests.labels("abort").inc()
         yield "data: [DONE]\n\n"
 
-    def tool_events(self, index: int, content: str, calls: list[ToolCall]) -> list[str]:
-        """Choice `index`'s settled content, then each settled call whole (`delta.tool_calls`, numbered in the
-        choice by `index`, as OpenAI's), one chunk each."""
+    def tool_events(self, index: int, content: str, updates: list[CallUpdate]) -> list[str]:
+        """Choice `index`'s settled content, then each call update (`delta.tool_calls`, as OpenAI's: a call's id,
+        type and name with the start of its arguments first, then their next pieces), one chunk each."""
         events = [self.chunk(index, self.piece(content))] if content else []
-        tools = self.tools[index]
-        first = len(tools.calls) - len(calls)
-        for k, call in enumerate(calls):
-            delta = {"tool_calls": [call.to_openai(index=first + k)]}
+        for update in updates:
+            delta = {"tool_calls": [update.to_openai()]}
             events.append(self.chunk(index, {"delta": delta, "finish_reason": None}))
         return events
 

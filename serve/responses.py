@@ -331,11 +331,12 @@ class ResponseEvents:
         tools = self.plan.stream() if self.plan.split is not None else None
         try:
             async for delta in out:
-                for event in self.settled(*(tools.feed(delta.text) if tools is not None else (delta.text, []))):
+                for event in self.settled(tools.feed(delta.text)[0] if tools is not None else delta.text):
                     yield event
             if tools is not None:
-                for event in self.settled(*tools.finish()):
+                for event in self.settled(tools.finish()[0]):
                     yield event
+                self.calls = tools.calls
         except CloverError as e:
             failed = response_object(body, self.rid, "failed", [], None)
             failed["error"] = {"code": "server_error", "message": str(e)}
@@ -369,10 +370,10 @@ class ResponseEvents:
         """Where the message's text is: its item, the first output, the first content part."""
         return {"item_id": self.message["id"], "output_index": 0, "content_index": 0}
 
-    def settled(self, piece: str, found: list[ToolCall]) -> list[str]:
+    def settled(self, piece: str) -> list[str]:
         """The events of text that settled (calls are sent whole at the end): the message item and its text part
         opened before its first text, then the delta."""
-        self.text, self.calls = self.text + piece, self.calls + found
+        self.text += piece
         if not piece:
             return []
         events = []

@@ -7,12 +7,15 @@ more text, or the end, decides it). So a stream and a whole response come from t
 
 - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks anywhere in the text (Hermes 2 Pro,
   Qwen2.5, and the format the tool system message asks for where the chat template has no tools); the text outside
-  them is content. A block that is not a JSON call stays content; an unclosed block at the end is a call if its
-  JSON is one.
+  them is content. A block that begins `{"name": "...", "arguments": {` is a call from there on: its arguments
+  stream as they are written (the JSON object as the model wrote it) and an unclosed block at the end keeps what
+  was written. Another block is a call when its whole JSON is one (`parameters`, keys in another order, arguments
+  as a JSON string), sent when it closes, and stays content otherwise.
 - `llama3_json`: an answer that starts with a JSON object (after an optional `<|python_tag|>`), `{"name": ...,
   "parameters": {...}}` (or `"arguments"`), several separated by `;`; an answer that starts otherwise is content.
 - constrained (`tool_choice` `required` or a named function): the grammar makes the whole output JSON: one call
-  object for a named function, a list of them for `required`.
+  object for a named function, a list of them for `required`; each call's arguments stream as they are written.
+  Output cut short (max_tokens) before a call's arguments began stays content.
 
 No model code and no torch: the serving layer's.
 """
@@ -67,7 +70,15 @@ class ToolCall:
         return call if index is None else {"index": index, **call}
 
 
-Piece = str | ToolCall
+@dataclass(frozen=True)
+class OpenCall:
+    """A call still being written: its name is known, `arguments` is the raw JSON text of its arguments so far."""
+
+    name: str
+    arguments: str
+
+
+Piece = str | ToolCall | OpenCall  # an OpenCall only last: a call still being written
 # (the text not yet settled, whether it starts the output, whether the output has ended) ->
 # (its settled pieces in order, how many of its characters they cover)
 Split = Callable[[str, bool, bool], tuple[list[Piece], int]]
@@ -104,8 +115,90 @@ def _partial_marker(text: str, marker: str) -> int:
     return 0
 
 
+UNDECIDED = "undecided"  # the text so far could still go either way
+
+
+def _literal(text: str, i: int, word: str) -> int | str | None:
+    """The index after `word` at text[i:], UNDECIDED where the text ends inside it, None where it differs."""
+    if text.startswith(word, i):
+        return i + len(word)
+    return UNDECIDED if word.startswith(text[i:]) else None
+
+
+def _space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def _string(text: str, i: int) -> tuple[str, int] | str | None:
+    """The JSON string at text[i] and the index after it; UNDECIDED where it is not finished yet."""
+    if i == len(text):
+        return UNDECIDED
+    if text[i] != '"':
+        return None
+    try:
+        return json.decoder.scanstring(text, i + 1)
+    except json.JSONDecodeError as e:
+        # the text ends inside the string, or inside a \\uXXXX escape at its end
+        return (
+            UNDECIDED
+            if e.msg.startswith("Unterminated string") or (e.msg.startswith("Invalid \\u") and e.pos + 6 > len(text))
+            else None
+        )
+
+
+def _object_end(text: str, i: int) -> int | None:
+    """The index after the JSON object (or array) that opens at text[i], None where it is not closed yet."""
+    depth, quoted, escaped = 0, False, False
+    for j in range(i, len(text)):
+        c = text[j]
+        if quoted:
+            escaped, quoted = (False, True) if escaped else (c == "\\", c != '"')
+        elif c == '"':
+            quoted = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    return None
+
+
+def scan_call(text: str, i: int = 0) -> tuple[str, int, int | None] | str | None:
+    """A call object that opens at text[i] as `{"name": STRING, "arguments": {` (or `"parameters"`), the form calls
+    stream in: (name, where its arguments begin, where they end or None while they are still being written);
+    UNDECIDED while the text is too short to tell; None for any other text (a call then only counts whole)."""
+    steps: list[str | None] = ["{", '"name"', ":", None, ","]
+    name = ""
+    for word in steps:
+        i = _space(text, i)
+        got = _string(text, i) if word is None else _literal(text, i, word)
+        if got is None or got == UNDECIDED:
+            return got
+        if word is None:
+            name, i = got
+        else:
+            i = got
+    i = _space(text, i)
+    keys = [_literal(text, i, key) for key in ('"arguments"', '"parameters"')]
+    key_end = next((k for k in keys if isinstance(k, int)), None)
+    if key_end is None:
+        return UNDECIDED if UNDECIDED in keys else None
+    for word in (":", "{"):
+        at = _space(text, key_end if word == ":" else i)
+        got = _literal(text, at, word)
+        if got is None or got == UNDECIDED:
+            return got
+        i = got
+    start = i - 1
+    return (name, start, _object_end(text, start)) if name else None
+
+
 def split_hermes(text: str, at_start: bool, final: bool) -> tuple[list[Piece], int]:
-    """Hermes-style calls, `<tool_call>JSON</tool_call>`, and the content around them."""
+    """Hermes-style calls, `<tool_call>JSON</tool_call>`, and the content around them; the block being written last
+    as an OpenCall once its name and arguments have begun (its text stays unsettled until it closes)."""
     pieces: list[Piece] = []
     pos = 0
     while True:
@@ -117,12 +210,24 @@ def split_hermes(text: str, at_start: bool, final: bool) -> tuple[list[Piece], i
             return pieces, max(end, pos)
         if start > pos:
             pieces.append(text[pos:start])
-        close = text.find(HERMES_CLOSE, start + len(HERMES_OPEN))
-        if close < 0 and not final:
-            return pieces, start  # the call is still being written
+        open_end = start + len(HERMES_OPEN)
+        close = text.find(HERMES_CLOSE, open_end)
         end = len(text) if close < 0 else close + len(HERMES_CLOSE)
-        body = text[start + len(HERMES_OPEN) : len(text) if close < 0 else close]
-        pieces.append(_json_call(body.strip()) or text[start:end])  # not a call: the block stays content
+        # the block's text so far (without what could begin its close tag, while it is still open)
+        body = text[
+            open_end : close if close >= 0 else len(text) - (0 if final else _partial_marker(text, HERMES_CLOSE))
+        ]
+        scan = scan_call(body)
+        if isinstance(scan, tuple):
+            name, args_start, args_end = scan
+            arguments = body[args_start : len(body) if args_end is None else args_end]
+            if close < 0 and not final:
+                return [*pieces, OpenCall(name, arguments)], start  # the call is still being written
+            pieces.append(ToolCall(name, arguments))
+        elif close < 0 and not final:
+            return pieces, start  # the call is still being written
+        else:
+            pieces.append(_json_call(body.strip()) or text[start:end])  # not a call: the block stays content
         pos = end
 
 
@@ -157,21 +262,47 @@ def split_llama3_json(text: str, at_start: bool, final: bool) -> tuple[list[Piec
     return [*calls, *([rest] if rest else [])], len(text)
 
 
+def _whole_calls(text: str, required: bool) -> tuple[list[Piece], int]:
+    """A constrained output taken whole at its end: its calls, or content where it is not calls."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return ([text] if text else []), len(text)
+    calls = [_call(v) for v in (value if required and isinstance(value, list) else [value])]
+    if not calls or None in calls:
+        return ([text] if text else []), len(text)
+    return list(calls), len(text)
+
+
 def constrained_split(required: bool) -> Split:
-    """The output of a constrained call: one call object (a named function) or a list of them (`required`),
-    decided at the end; output that is not that (cut short by max_tokens) stays content."""
+    """The output of a constrained call: one call object (a named function) or a list of them (`required`), a call
+    at a time, its arguments streaming as they are written (the grammar keeps every prefix valid JSON). Output cut
+    short (max_tokens) before the first call's arguments began stays content; a call cut short keeps what was
+    written."""
 
     def split(text: str, at_start: bool, final: bool) -> tuple[list[Piece], int]:
-        if not final:
-            return [], 0
-        try:
-            value = json.loads(text)
-        except ValueError:
-            return ([text] if text else []), len(text)
-        calls = [_call(v) for v in (value if required and isinstance(value, list) else [value])]
-        if not calls or None in calls:
-            return ([text] if text else []), len(text)
-        return list(calls), len(text)
+        i = _space(text, 0)
+        if at_start and required:
+            opened = _literal(text, i, "[")
+            if not isinstance(opened, int):
+                return _whole_calls(text, required) if final else ([], 0)
+            i = opened
+        elif not at_start:  # after a call: its object's end, and the comma before the next one
+            for word in ("}", ","):
+                i = _space(text, i)
+                i += text.startswith(word, i)
+        i = _space(text, i)
+        scan = scan_call(text, i)
+        if not isinstance(scan, tuple):
+            if at_start:
+                return _whole_calls(text, required) if final else ([], 0)
+            return [], len(text) if final else 0  # the list's end (or an output cut between calls)
+        name, args_start, args_end = scan
+        if args_end is not None:
+            return [ToolCall(name, text[args_start:args_end])], args_end
+        if final:
+            return [ToolCall(name, text[args_start:])], len(text)
+        return [OpenCall(name, text[args_start:])], i
 
     return split
 
@@ -179,43 +310,84 @@ def constrained_split(required: bool) -> Split:
 PARSERS: dict[str, Split] = {"hermes": split_hermes, "llama3_json": split_llama3_json}
 
 
+@dataclass(frozen=True)
+class CallUpdate:
+    """A streamed call's news: its first update names it (`name`, with the arguments so far), the later ones carry
+    the next piece of its arguments; `index` numbers the calls of a choice from 0, as OpenAI's stream does."""
+
+    index: int
+    id: str
+    name: str | None
+    arguments: str
+
+    def to_openai(self) -> dict[str, Any]:
+        """A `delta.tool_calls` entry."""
+        if self.name is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        function = {"name": self.name, "arguments": self.arguments}
+        return {"index": self.index, "id": self.id, "type": "function", "function": function}
+
+
 class ToolStream:
     """One choice's text turned into content and calls as it arrives (`feed`), and at its end (`finish`). Content is
     the text outside calls; where the answer has calls, the whitespace it ends with is dropped (whitespace is held
-    until text after it shows it is not the end), so a stream's pieces add up to the whole response's content."""
+    until text after it shows it is not the end), so a stream's pieces add up to the whole response's content. A
+    call is streamed as CallUpdates: its name once known, then its arguments piece by piece as they are written;
+    `calls` holds the calls finished so far, with the ids their updates carried."""
 
     def __init__(self, split: Split, parallel: bool = True) -> None:
         """parallel: False keeps the first call only (parallel_tool_calls false)."""
         self.split, self.parallel, self.text, self.settled, self.held = split, parallel, "", 0, ""
         self.calls: list[ToolCall] = []
+        self.open: tuple[str, int, str] | None = None  # the call being written: its id, index, arguments sent
 
-    def feed(self, delta: str, final: bool = False) -> tuple[str, list[ToolCall]]:
-        """The content and calls that `delta` (and, with `final`, the end) settle."""
+    def feed(self, delta: str, final: bool = False) -> tuple[str, list[CallUpdate]]:
+        """The content and call updates that `delta` (and, with `final`, the end) settle."""
         self.text += delta
-        pieces, used = self.split(self.text[self.settled :], self.settled == 0, final)
-        self.settled += used
-        content, calls = "", []
-        for piece in pieces:
-            if isinstance(piece, ToolCall):
-                if self.parallel or not (self.calls or calls):
-                    calls.append(piece)
-                continue
-            joined = self.held + piece
-            kept = len(joined.rstrip())
-            content, self.held = content + joined[:kept], joined[kept:]
-        self.calls.extend(calls)
+        content, updates = "", []
+        while True:
+            pieces, used = self.split(self.text[self.settled :], self.settled == 0, final)
+            self.settled += used
+            for piece in pieces:
+                if isinstance(piece, str):
+                    joined = self.held + piece
+                    kept = len(joined.rstrip())
+                    content, self.held = content + joined[:kept], joined[kept:]
+                elif (update := self._call(piece)) is not None:
+                    updates.append(update)
+            if not used or self.settled == len(self.text):
+                break
         if final and not self.calls:
             content, self.held = content + self.held, ""
-        return content, calls
+        return content, updates
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def _call(self, piece: ToolCall | OpenCall) -> CallUpdate | None:
+        """The update a call's piece makes (None: nothing new, or a call parallel_tool_calls false leaves out)."""
+        if self.open is None:
+            if not self.parallel and self.calls:
+                return None
+            self.open = (f"call_{uuid.uuid4().hex[:24]}", len(self.calls), "")
+            name: str | None = piece.name
+        else:
+            name = None
+        call_id, index, sent = self.open
+        new = piece.arguments[len(sent) :] if piece.arguments.startswith(sent) else ""
+        if isinstance(piece, ToolCall):
+            self.calls.append(ToolCall(piece.name, sent + new, id=call_id))
+            self.open = None
+        else:
+            self.open = (call_id, index, sent + new)
+        return CallUpdate(index, call_id, name, new) if name is not None or new else None
+
+    def finish(self) -> tuple[str, list[CallUpdate]]:
         return self.feed("", final=True)
 
 
 def parse(split: Split, text: str, parallel: bool = True) -> tuple[str | None, list[ToolCall]]:
     """A whole answer's content (None when there is none) and calls."""
-    content, calls = ToolStream(split, parallel).feed(text, final=True)
-    return content or None, calls
+    stream = ToolStream(split, parallel)
+    content, _ = stream.feed(text, final=True)
+    return content or None, stream.calls
 
 
 # -- the constrained call's grammar -------------------------------------------------------------------------------

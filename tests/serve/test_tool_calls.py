@@ -35,13 +35,22 @@ def calls_of(calls):
 
 
 def streamed(split, text: str, step: int, parallel: bool = True):
-    """The answer fed `step` characters at a time: (content, calls) as a stream's chunks add them up."""
-    stream, content, calls = ToolStream(split, parallel), "", []
+    """The answer fed `step` characters at a time: (content, calls) as a stream's chunks add them up, each call
+    from its updates (its name first, then its arguments' pieces), which must agree with the stream's own calls."""
+    stream, content, updates = ToolStream(split, parallel), "", []
     for i in range(0, len(text), step):
         piece, new = stream.feed(text[i : i + step])
-        content, calls = content + piece, calls + new
+        content, updates = content + piece, updates + new
     piece, new = stream.finish()
-    return content + piece or None, calls + new
+    calls: dict[int, list] = {}
+    for u in updates + new:
+        if u.name is not None:
+            assert u.index == len(calls) and u.index not in calls  # named once, numbered in order
+            calls[u.index] = [u.id, u.name, ""]
+        assert calls[u.index][0] == u.id
+        calls[u.index][2] += u.arguments
+    assert [(c.id, c.name, c.arguments) for c in stream.calls] == [tuple(c) for c in calls.values()]
+    return content + piece or None, stream.calls
 
 
 HERMES = [
@@ -103,14 +112,30 @@ def test_llama3_json_parser_whole_and_streamed_anywhere(text, content, calls):
         assert (got_content, calls_of(got_calls)) == (content, calls), step
 
 
-def test_streamed_content_comes_before_the_end_and_calls_as_they_close():
+def test_streamed_content_comes_before_the_end_and_a_call_as_it_is_written():
     stream = ToolStream(split_hermes)
     assert stream.feed("Sure, ") == ("Sure,", [])  # the space waits: the answer might end there
     assert stream.feed("checking <tool") == (" checking", [])  # "<tool" might begin a call
-    assert stream.feed('_call>{"name": "get_time", "arguments": {}}') == ("", [])
-    content, calls = stream.feed("</tool_call>")
-    assert content == "" and calls_of(calls) == [("get_time", {})]
-    assert stream.finish() == ("", [])
+    assert stream.feed('_call>{"name": "get_wea') == ("", [])  # the name is not known yet
+    content, (first,) = stream.feed('ther", "arguments": {"ci')
+    assert content == "" and (first.index, first.name, first.arguments) == (0, "get_weather", '{"ci')
+    assert first.to_openai() == {
+        "index": 0,
+        "id": first.id,
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"ci'},
+    }
+    (more,) = stream.feed('ty": "Paris"}}</tool')[1]  # "</tool" might close the block: held
+    assert more.to_openai() == {"index": 0, "function": {"arguments": 'ty": "Paris"}'}}
+    assert stream.feed("_call>") == ("", []) and calls_of(stream.calls) == [("get_weather", {"city": "Paris"})]
+    assert stream.calls[0].id == first.id and stream.finish() == ("", [])
+
+
+def test_a_call_cut_short_keeps_what_was_written():
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "Ber'
+    for step in (1, 7, len(text)):
+        content, calls = streamed(split_hermes, text, step)
+        assert content is None and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Ber')]
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -123,8 +148,14 @@ def test_constrained_output_is_calls_or_content_when_cut_short():
     one = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     assert calls_of(parse(constrained_split(False), one)[1]) == [("get_weather", {"city": "Paris"})]
     assert calls_of(parse(constrained_split(True), f"[{one}, {one}]")[1]) == [("get_weather", {"city": "Paris"})] * 2
-    assert parse(constrained_split(False), one[:20]) == (one[:20], [])  # max_tokens cut it: no call
-    assert streamed(constrained_split(True), f"[{one}]", 3)[0] is None  # nothing before the end
+    assert parse(constrained_split(False), one[:20]) == (one[:20], [])  # cut before the arguments: no call
+    cut = one[: one.index("Paris") + 2]
+    got = [(c.name, c.arguments) for c in parse(constrained_split(False), cut)[1]]
+    assert got == [("get_weather", '{"city": "Pa')]  # cut inside them: the call as written
+    for text, required in ((one, False), (f"[{one}, {one}]", True), (f"[ {one} ,\n{one} ]", True)):
+        for step in range(1, len(text) + 1):
+            content, calls = streamed(constrained_split(required), text, step)
+            assert content is None and calls_of(calls) == [("get_weather", {"city": "Paris"})] * (1 + required)
 
 
 def test_tool_plans_and_their_refusals():

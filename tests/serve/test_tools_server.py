@@ -120,6 +120,24 @@ def test_named_and_required_calls_follow_the_schema_equal_plain_and_speculative_
             jsonschema.validate(json.loads(arguments), SCHEMAS[name])
 
 
+def test_a_streamed_call_comes_name_first_then_its_arguments_as_they_are_written(servers):
+    """As OpenAI and vLLM stream a call: its first delta holds the id, type and name (with the arguments' start),
+    the later ones the next pieces of its arguments, which add up to the whole response's arguments."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    for server in servers:
+        args = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=MAX_TOKENS)
+        deltas = [
+            t
+            for chunk in client(server).chat.completions.create(**args, stream=True)
+            for t in (chunk.choices[0].delta.tool_calls or () if chunk.choices and chunk.choices[0].delta else ())
+        ]
+        first, rest = deltas[0], deltas[1:]
+        assert first.id.startswith("call_") and first.type == "function" and first.function.name == "get_weather"
+        assert len(rest) >= 2 and all(t.id is None and t.function.name is None and t.index == 0 for t in rest)
+        whole = client(server).chat.completions.create(**args).choices[0].message.tool_calls[0].function.arguments
+        assert "".join(t.function.arguments or "" for t in deltas) == whole
+
+
 def test_a_call_and_its_result_sent_back_complete_the_conversation(servers):
     plain, speculative = servers
     _, calls, _ = ask(plain, tool_choice={"type": "function", "function": {"name": "get_weather"}})
