@@ -91,6 +91,33 @@ def pytest_sessionfinish(session):
         )
 
 
+def pytest_unconfigure(config):
+    """After pytest's own summary, the last lines of a run: the host's CPU and the longest modules' seconds, so that
+    a run's tail (all a CI log may keep) says where its time went."""
+    if hasattr(config, "workerinput") or len(_seconds) < 20:  # an xdist worker, or a run of a few modules
+        return
+    import platform
+
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")), platform.processor()
+    )
+    flags = next((line.split(":", 1)[1].split() for line in _cpuinfo() if line.startswith("flags")), [])
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
+    ranked = sorted(_seconds.items(), key=lambda kv: -kv[1])
+    print(
+        f"\nmodule seconds ({cpu}, {isa}{' + AMX' if 'amx_tile' in flags else ''}, {os.cpu_count()} cores; "
+        f"all modules {sum(_seconds.values()):.0f} s):"
+    )
+    print(", ".join(f"{m.removeprefix('tests/')} {t:.0f}" for m, t in ranked[:16]))
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _trace_cache(tmp_path_factory):
     """One trace cache per run (export/trace_cache.py), shared by the run's workers and the CLIs they start: the

@@ -29,12 +29,13 @@ def int4(smollm2_path, tmp_path_factory):
 
 def test_int4_speculative_equals_int4_plain(int4):
     plain = Generator.load(int4, heads="none", backend="ort")
+    params = GenerationParams(max_new_tokens=N, ignore_eos=True)
+    wants = [plain.generate(p, params, chat=True) for p in PROMPTS]  # greedy: one plain run per prompt
     steps = tokens = 0
     for tree in ("chain-2", "mc26"):
         spec = Generator.load(int4, backend="ort", tree=tree)
-        for p in PROMPTS:
-            want = plain.generate(p, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True)
-            got = spec.generate(p, GenerationParams(max_new_tokens=N, ignore_eos=True), chat=True)
+        for p, want in zip(PROMPTS, wants):
+            got = spec.generate(p, params, chat=True)
             assert_identical(got.token_ids, want.token_ids, f"int4 {tree} vs int4 plain, {p!r}")
             steps, tokens = steps + got.steps, tokens + got.new_tokens - 1
     assert tokens / steps > 1.2, "the shipped heads should draft accepted tokens on the int4 base"
