@@ -34,6 +34,37 @@ MAX_GRAMMAR_CHARS = 1 << 20  # a grammar's source text at most (a schema, a rege
 CACHED_GRAMMARS = 64  # compiled grammars kept per engine (a request with a cached one skips the ~1 ms compile)
 
 
+# the keywords under which a JSON schema holds schemas: one, a list of them, or a name -> schema map
+_SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def strict_json_schema(schema: Any) -> Any:
+    """`schema` as strict structured output reads it (OpenAI's strict functions, xgrammar's default): an object
+    schema that does not say `additionalProperties` admits no property it does not list, at every depth. Without
+    that, JSON Schema admits any other property, and a small model invents properties until max_tokens."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = strict_json_schema(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_json_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_json_schema(s) for k, s in out[key].items()}
+    if isinstance(out.get("additionalProperties"), dict):
+        out["additionalProperties"] = strict_json_schema(out["additionalProperties"])
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 @dataclass(frozen=True)
 class Grammar:
     """What a request's output must match. kind: "json_object" (any JSON object), "json_schema" (value: the

@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from clover.errors import CloverError
-from clover.runtime.grammar import Grammar
+from clover.runtime.grammar import Grammar, strict_json_schema
 from clover.runtime.logprobs import MAX_LOGPROBS
 
 # Fields refused unless they carry their no-op value (their types admit only that value), and why.
@@ -131,7 +131,9 @@ class FunctionDefinition(BaseModel):
     name: str = Field(pattern=FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object (none: no arguments)
-    strict: bool | None = None  # a constrained call always follows the schema: strict or not
+    strict: bool | None = (
+        None  # a call's arguments always follow the schema strictly (runtime/grammar.strict_json_schema)
+    )
 
 
 class Tool(BaseModel):
@@ -183,7 +185,7 @@ class JsonSchema(BaseModel):
     name: str = Field(max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # the output always follows the schema: strict or not
+    strict: bool | None = None  # true: no property the schema does not list (default: the schema as written)
 
 
 class ResponseFormatJsonSchema(BaseModel):
@@ -352,6 +354,8 @@ class _Generation(BaseModel):
             found.append((Grammar.json_object(), "response_format"))
         elif isinstance(rf, ResponseFormatJsonSchema):
             schema = rf.json_schema.schema_
+            if schema is not None and rf.json_schema.strict:  # strict: no property the schema does not list
+                schema = strict_json_schema(schema)
             found.append(
                 (Grammar.json_schema(schema) if schema is not None else Grammar.json_object(), "response_format")
             )

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from clover.errors import CloverError
-from clover.runtime.grammar import Grammar
+from clover.runtime.grammar import Grammar, strict_json_schema
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's start of a call (special: usually gone from the decoded text)
@@ -396,10 +396,11 @@ EMPTY_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": 
 
 def call_schema(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
     """The JSON schema of one call of function `name`: `{"name": name, "arguments": ...}`, its arguments following
-    the function's parameters (none given: an empty object, as OpenAI reads a function without parameters)."""
+    the function's parameters strictly (no property they do not list, unless they allow more explicitly; none
+    given: an empty object, as OpenAI reads a function without parameters)."""
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters or EMPTY_PARAMETERS},
+        "properties": {"name": {"const": name}, "arguments": strict_json_schema(parameters or EMPTY_PARAMETERS)},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
@@ -444,11 +445,21 @@ def plan_tools(
 ) -> ToolPlan:
     """The plan of a request with OpenAI tool definitions `tools` and tool choice `mode` (`name`: the named
     function), on a server with `options`. CloverError naming the request's field (a 400) for a choice without
-    tools, "auto" on a server without a parser, or a named function not in `tools`."""
+    tools, "auto" on a server without a parser, a named function not in `tools`, or a function whose parameters
+    are not an object schema."""
     parallel = parallel is not False
     if mode != "none" and not tools:
         raise CloverError(f"tool_choice {mode!r} needs tools: send the functions in tools", param="tool_choice")
     shown = None if not tools or (mode == "none" and options.exclude_when_none) else tools
+    for i, tool in enumerate(tools):  # OpenAI's functions take an object of arguments
+        parameters = tool["function"].get("parameters")
+        kind = parameters.get("type", "object") if isinstance(parameters, dict) else None
+        if parameters is not None and kind != "object":
+            raise CloverError(
+                f"tool {tool['function']['name']!r}: parameters must be a JSON schema of an object (the arguments "
+                f"are one), got type {kind!r}",
+                param=f"tools.{i}.function.parameters",
+            )
     if mode == "none":
         return ToolPlan("none", shown)
     if mode == "auto":

@@ -161,7 +161,9 @@ def test_constrained_output_is_calls_or_content_when_cut_short():
 def test_tool_plans_and_their_refusals():
     auto = ToolOptions(auto=True, parser="hermes")
     plan = plan_tools(TOOLS, "named", "get_weather", None, ToolOptions())
-    assert plan.grammar.value["properties"]["arguments"] == WEATHER and plan.field == "tools.0.function.parameters"
+    strict_weather = {**WEATHER, "additionalProperties": False}  # tool arguments are strict
+    assert plan.grammar.value["properties"]["arguments"] == strict_weather
+    assert plan.field == "tools.0.function.parameters"
     assert plan.grammar.value["properties"]["name"] == {"const": "get_weather"} and plan.prompt_tools == TOOLS
     plan = plan_tools(TOOLS, "required", None, False, ToolOptions())
     assert plan.grammar.value["maxItems"] == 1 and plan.field == "tools" and len(plan.checks) == 2
@@ -179,6 +181,38 @@ def test_tool_plans_and_their_refusals():
         with pytest.raises(CloverError, match=says) as e:
             plan_tools(*args)
         assert e.value.param == "tool_choice"
+    # arguments are an object: a tool whose parameters are another schema is refused in every mode
+    bad = [TOOLS[0], {"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}}]
+    for mode, name in (("required", None), ("named", "get_weather"), ("auto", None), ("none", None)):
+        with pytest.raises(CloverError, match="'say': parameters must be a JSON schema of an object") as e:
+            plan_tools(bad, mode, name, None, auto)
+        assert e.value.param == "tools.1.function.parameters"
+
+
+def test_strict_schemas_admit_no_property_they_do_not_list():
+    from clover.runtime.grammar import strict_json_schema
+
+    nested = {
+        "type": "object",
+        "properties": {
+            "stops": {"type": "array", "items": {"type": "object", "properties": {"city": {"type": "string"}}}},
+            "meta": {"type": "object", "additionalProperties": {"type": "object", "properties": {}}},
+            "any": {"type": "object", "additionalProperties": True},
+            "either": {"anyOf": [{"type": "object", "properties": {}}, {"type": "integer"}]},
+            "tagged": {"$ref": "#/$defs/tag"},
+        },
+        "$defs": {"tag": {"properties": {"k": {"type": "string"}}}},
+    }
+    got = strict_json_schema(nested)
+    assert got["additionalProperties"] is False
+    props = got["properties"]
+    assert props["stops"]["items"]["additionalProperties"] is False
+    assert props["meta"]["additionalProperties"] == {"type": "object", "properties": {}, "additionalProperties": False}
+    assert props["any"]["additionalProperties"] is True  # said explicitly: kept
+    assert props["either"]["anyOf"][0]["additionalProperties"] is False and props["either"]["anyOf"][1] == {
+        "type": "integer"
+    }
+    assert got["$defs"]["tag"]["additionalProperties"] is False and "additionalProperties" not in nested  # a copy
 
 
 def test_tool_options_and_flags(capsys):

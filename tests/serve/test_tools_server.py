@@ -138,6 +138,52 @@ def test_a_streamed_call_comes_name_first_then_its_arguments_as_they_are_written
         assert "".join(t.function.arguments or "" for t in deltas) == whole
 
 
+# objects in an array, an enum, integer bounds, a pattern, and no additionalProperties anywhere: the arguments are
+# strict all the same (no property the schema does not list), or a small model invents properties until max_tokens
+TRIP = {
+    "type": "object",
+    "properties": {
+        "traveler": {"type": "string", "pattern": "^[A-Z][a-z]{1,15}$"},
+        "nights": {"type": "integer", "minimum": 1, "maximum": 14},
+        "cabin": {"type": "string", "enum": ["economy", "business"]},
+        "stops": {
+            "type": "array",
+            "minItems": 1,
+            "maxItems": 3,
+            "items": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 20}, "days": {"type": "integer", "minimum": 1}},
+                "required": ["city", "days"],
+            },
+        },
+    },
+    "required": ["traveler", "nights", "cabin", "stops"],
+}
+
+
+def test_a_nested_schema_call_finishes_strict_and_valid_plain_equal_speculative(servers):
+    from clover.runtime.grammar import strict_json_schema
+
+    tools = [{"type": "function", "function": {"name": "plan_trip", "description": "Book a trip", "parameters": TRIP}}]
+    ask = [{"role": "user", "content": "Plan a trip for Anna: 5 nights, Rome then Florence."}]
+    answers = []
+    for server in servers:
+        r = client(server).chat.completions.create(
+            model=MODEL,
+            messages=ask,
+            tools=tools,
+            tool_choice={"type": "function", "function": {"name": "plan_trip"}},
+            temperature=0,
+            max_tokens=200,
+        )
+        choice = r.choices[0]
+        (call,) = choice.message.tool_calls
+        assert choice.finish_reason == "stop" and call.function.name == "plan_trip", r
+        jsonschema.validate(json.loads(call.function.arguments), strict_json_schema(TRIP))
+        answers.append((call.function.arguments, r.usage.completion_tokens))
+    assert answers[0] == answers[1], answers  # plain == speculative
+
+
 def test_a_call_and_its_result_sent_back_complete_the_conversation(servers):
     plain, speculative = servers
     _, calls, _ = ask(plain, tool_choice={"type": "function", "function": {"name": "get_weather"}})
@@ -202,6 +248,16 @@ def test_bad_tools_are_400_naming_their_field_and_the_server_keeps_serving(serve
         ({"tools": None, "tool_choice": "required"}, "tool_choice"),
         ({"tools": bad_schema, "tool_choice": {"type": "function", "function": {"name": "f"}}}, None),
         ({"tools": [TOOLS[0], *bad_schema], "tool_choice": "required"}, "tools.1.function.parameters"),
+        (
+            {
+                "tools": [
+                    TOOLS[0],
+                    {"type": "function", "function": {"name": "say", "parameters": {"type": "string"}}},
+                ],
+                "tool_choice": "required",
+            },
+            "tools.1.function.parameters",
+        ),  # arguments are an object
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
         ({"messages": [{"role": "tool", "content": "18"}]}, "messages.0"),
         ({"messages": [{"role": "user"}]}, "messages.0"),
