@@ -274,18 +274,24 @@ def _whole_calls(text: str, required: bool) -> tuple[list[Piece], int]:
     return list(calls), len(text)
 
 
-def constrained_split(required: bool) -> Split:
-    """The output of a constrained call: one call object (a named function) or a list of them (`required`), a call
-    at a time, its arguments streaming as they are written (the grammar keeps every prefix valid JSON). Output cut
-    short (max_tokens) before the first call's arguments began stays content; a call cut short keeps what was
-    written."""
+def constrained_split(required: bool, name: str | None = None) -> Split:
+    """The output of a constrained call: one call object (a named function, `name`) or a list of them (`required`),
+    a call at a time, its arguments streaming as they are written (the grammar keeps every prefix valid JSON). A
+    call cut short (max_tokens) keeps what was written; cut before its arguments began, a named function's call has
+    none written, and a `required` output stays content."""
+
+    def cut_short(text: str) -> tuple[list[Piece], int]:
+        pieces, used = _whole_calls(text, required)
+        if name is not None and not any(isinstance(p, ToolCall) for p in pieces):
+            return [ToolCall(name, "")], used  # the function is known before its call is written
+        return pieces, used
 
     def split(text: str, at_start: bool, final: bool) -> tuple[list[Piece], int]:
         i = _space(text, 0)
         if at_start and required:
             opened = _literal(text, i, "[")
             if not isinstance(opened, int):
-                return _whole_calls(text, required) if final else ([], 0)
+                return cut_short(text) if final else ([], 0)
             i = opened
         elif not at_start:  # after a call: its object's end, and the comma before the next one
             for word in ("}", ","):
@@ -295,7 +301,7 @@ def constrained_split(required: bool) -> Split:
         scan = scan_call(text, i)
         if not isinstance(scan, tuple):
             if at_start:
-                return _whole_calls(text, required) if final else ([], 0)
+                return cut_short(text) if final else ([], 0)
             return [], len(text) if final else 0  # the list's end (or an output cut between calls)
         name, args_start, args_end = scan
         if args_end is not None:
@@ -482,7 +488,7 @@ def plan_tools(
         i = names.index(name)
         field_ = f"tools.{i}.function.parameters"
         grammar = calls_grammar([functions[i]], required=False, parallel=False)
-        return ToolPlan("named", shown, grammar, field_, ((field_, grammar),), constrained_split(False), False)
+        return ToolPlan("named", shown, grammar, field_, ((field_, grammar),), constrained_split(False, name), False)
     checks = tuple(
         (f"tools.{i}.function.parameters", calls_grammar([f], required=False, parallel=False))
         for i, f in enumerate(functions)

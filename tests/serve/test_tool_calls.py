@@ -148,7 +148,10 @@ def test_constrained_output_is_calls_or_content_when_cut_short():
     one = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     assert calls_of(parse(constrained_split(False), one)[1]) == [("get_weather", {"city": "Paris"})]
     assert calls_of(parse(constrained_split(True), f"[{one}, {one}]")[1]) == [("get_weather", {"city": "Paris"})] * 2
-    assert parse(constrained_split(False), one[:20]) == (one[:20], [])  # cut before the arguments: no call
+    assert parse(constrained_split(True), one[:20]) == (one[:20], [])  # cut before the arguments: no call
+    (named,) = parse(constrained_split(False, "get_weather"), one[:20])[1]  # a named function's call all the same
+    assert parse(constrained_split(False, "get_weather"), one[:20])[0] is None
+    assert (named.name, named.arguments) == ("get_weather", "")
     cut = one[: one.index("Paris") + 2]
     got = [(c.name, c.arguments) for c in parse(constrained_split(False), cut)[1]]
     assert got == [("get_weather", '{"city": "Pa')]  # cut inside them: the call as written

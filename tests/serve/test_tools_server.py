@@ -82,7 +82,7 @@ def client(server):
 def ask(server, messages=ASK, stream: bool = False, **kw):
     """The choice's (content, [(name, arguments)], finish_reason), streamed or not."""
     c = client(server)
-    args = dict(model=MODEL, messages=messages, tools=TOOLS, temperature=0, max_tokens=MAX_TOKENS, **kw)
+    args = dict(model=MODEL, messages=messages, tools=TOOLS, temperature=0, **{"max_tokens": MAX_TOKENS, **kw})
     if not stream:
         choice = c.chat.completions.create(**args).choices[0]
         calls = [(t.function.name, t.function.arguments, t.id) for t in choice.message.tool_calls or ()]
@@ -182,6 +182,16 @@ def test_a_nested_schema_call_finishes_strict_and_valid_plain_equal_speculative(
         jsonschema.validate(json.loads(call.function.arguments), strict_json_schema(TRIP))
         answers.append((call.function.arguments, r.usage.completion_tokens))
     assert answers[0] == answers[1], answers  # plain == speculative
+
+
+def test_a_named_call_cut_short_is_still_the_call_and_says_length(servers):
+    """tool_choice naming a function never answers without its call: cut by max_tokens before or inside the
+    arguments, the call comes with what was written and finish_reason length, as OpenAI and vLLM answer."""
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    for max_tokens in (3, 12):
+        for stream in (False, True):
+            content, calls, reason = ask(servers[1], tool_choice=choice, stream=stream, max_tokens=max_tokens)
+            assert content is None and reason == "length" and [c[0] for c in calls] == ["get_weather"], calls
 
 
 def test_a_call_and_its_result_sent_back_complete_the_conversation(servers):
