@@ -113,3 +113,29 @@ def test_unfinished_build_is_never_a_cache(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(CloverError, match="not a feature cache"):
         FeatureCache(tmp_path / "c")
+
+
+def test_the_faster_feature_dtype_is_timed_once_per_machine(tmp_path, monkeypatch):
+    """fastest_feature_dtype times a forward in float32 and bfloat16 on this CPU and keeps the winner in the user
+    cache: the next call reads it without loading the base, so later runs and --resume build the same features."""
+    import json
+
+    import torch
+
+    from clover.train.features import FEATURE_DTYPES, fastest_feature_dtype
+
+    monkeypatch.setenv("CLOVER_CACHE", str(tmp_path))
+    loaded = []
+
+    def load(path, dtype):
+        loaded.append(dtype)
+        return tiny_base().to(getattr(torch, dtype))
+
+    first = fastest_feature_dtype(tmp_path / "base", load, rows=32)
+    assert first in FEATURE_DTYPES and loaded == list(FEATURE_DTYPES)
+    assert list(json.loads((tmp_path / "feature_dtype.json").read_text()).values()) == [first]
+
+    def refuse(path, dtype):
+        raise AssertionError("timed again")
+
+    assert fastest_feature_dtype(tmp_path / "base", refuse) == first
