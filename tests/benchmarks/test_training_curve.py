@@ -1,0 +1,37 @@
+"""benchmarks/training_curve.py on training.json records: each validated epoch at the token passes the heads had
+seen, a run that went on from other heads (--init) starting where they ended, and the plot and its JSON written."""
+
+import json
+import sys
+from pathlib import Path
+
+from helpers import script_module
+
+CURVE = Path(__file__).resolve().parents[2] / "benchmarks" / "training_curve.py"
+
+
+def record(path: Path, command: str, tokens: int, accepts: list[float], initial: float | None = None) -> Path:
+    doc = {
+        "command": command,
+        "data": {"train_loss_tokens": tokens},
+        "epochs": [{"epoch": i + 1, "val_chain_accept": a} for i, a in enumerate(accepts)],
+    }
+    if initial is not None:
+        doc["initial"] = {"epoch": 0, "val_chain_accept": initial}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "training.json").write_text(json.dumps(doc))
+    return path / "training.json"
+
+
+def test_runs_from_other_heads_start_where_those_ended(tmp_path, monkeypatch):
+    first = record(tmp_path / "first", "clover-train --out first", 1000, [1.4, 1.6, 1.7])
+    second = record(tmp_path / "second", f"clover-train --init {first.parent} --out second", 500, [1.8], initial=1.65)
+    with script_module(CURVE) as curve:
+        assert [p for p, _ in curve.points(first)["points"]] == [1000, 2000, 3000]
+        assert curve.points(second)["points"] == [(3000, 1.65), (3500, 1.8)]  # after first's 3 epochs of 1000
+        shipped = curve.points(curve.SHIPPED / "smollm2-clover2" / "training.json")
+        assert len(shipped["points"]) == 12 and all(1.0 < a < 5.0 for _, a in shipped["points"])
+        out = tmp_path / "curve.png"
+        monkeypatch.setattr(sys, "argv", ["training_curve.py", str(first), str(second), "--out", str(out)])
+        assert curve.main() == 0
+    assert out.stat().st_size > 0 and len(json.loads(out.with_suffix(".json").read_text())) == 2
