@@ -224,6 +224,26 @@ def linear_writer(w: GraphWriter):
     return linear
 
 
+def write_qk_norm(w: GraphWriter, attn, cfg, qkv: str, p: str) -> str:
+    """Qwen3's per-head RMSNorm of the queries and keys in the packed q|k|v rows [B, T, (Hq + 2 Hkv) D]."""
+    node, init = w.node, w.init
+    Hq, Hkv, D, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, float(cfg.rms_norm_eps)
+    heads = node(
+        "Reshape", [qkv, init(f"{p}.heads_shape", np.array([0, 0, Hq + 2 * Hkv, D], np.int64))], name=f"{p}.heads"
+    )
+    split = init(f"{p}.qkv_split", np.array([Hq, Hkv, Hkv], np.int64))
+    q, k, v = node("Split", [heads[0], split], 3, name=f"{p}.qkv_parts", axis=2)
+    normed = [
+        node("RMSNormalization", [x, init(f"{p}.{n}.weight", _np(norm.weight))], name=f"{p}.{n}", axis=-1, epsilon=eps)[
+            0
+        ]
+        for x, n, norm in ((q, "q_norm", attn.q_norm), (k, "k_norm", attn.k_norm))
+    ]
+    joined = node("Concat", [*normed, v], name=f"{p}.qkv_normed", axis=2)[0]
+    flat = init(f"{p}.rows_shape", np.array([0, 0, (Hq + 2 * Hkv) * D], np.int64))
+    return node("Reshape", [joined, flat], name=f"{p}.qkv_packed")[0]
+
+
 def write_layer(
     w: GraphWriter,
     layer,
@@ -243,6 +263,8 @@ def write_layer(
     H, Hq, Hkv, D, eps = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, float(cfg.rms_norm_eps)
     attn = layer.self_attn
     qkv = linear(h, attn.qkv_proj, f"{p}.self_attn.qkv_proj")
+    if cfg.qk_norm:  # before the row Gather (a norm per row), so the attention block stays Gather -> GQA -> Slice
+        qkv = write_qk_norm(w, attn, cfg, qkv, f"{p}.self_attn")
     qkv = node("Gather", [qkv, rows.rows], name=f"{p}.self_attn.rows", axis=1)[0]
     out, k_out, v_out = node(
         "GroupQueryAttention",

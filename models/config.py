@@ -15,11 +15,12 @@ from typing import Any
 
 from clover.errors import CloverError
 
-# HF architecture name -> family. All three are the same decoder up to biases and sliding windows.
+# HF architecture name -> family. The same decoder up to biases, sliding windows and Qwen3's per-head q/k norms.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -52,6 +53,7 @@ class BaseConfig:
     attention_out_bias: bool = False  # bias on o_proj (Llama attention_bias covers o too)
     mlp_bias: bool = False
     sliding_window: int | None = None  # Mistral; None = full attention
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key (their own weights), before RoPE
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -82,9 +84,7 @@ class BaseConfig:
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}.get(
-                hf.get("model_type", "")
-            )
+            arch = {f: a for a, f in SUPPORTED_ARCHITECTURES.items()}.get(hf.get("model_type", ""))
         if arch is None:
             found = archs or [hf.get("model_type", "<none>")]
             raise CloverError(
@@ -98,10 +98,10 @@ class BaseConfig:
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
-        if family == "qwen2" and hf.get("use_sliding_window", False):
+        if family in ("qwen2", "qwen3") and hf.get("use_sliding_window", False):
             raise CloverError(
-                "Qwen2 checkpoints with use_sliding_window=true are not supported: set it to false in "
-                "config.json (the released Qwen2 models do not use it)"
+                f"{arch} checkpoints with use_sliding_window=true are not supported: set it to false in "
+                "config.json (the released Qwen2 and Qwen3 models do not use it)"
             )
         sliding = hf.get("sliding_window") if family == "mistral" else None
         attn_bias = bool(hf.get("attention_bias", False))
@@ -122,6 +122,7 @@ class BaseConfig:
             attention_out_bias=attn_bias and family != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=int(sliding) if sliding else None,
+            qk_norm=family == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

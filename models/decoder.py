@@ -1,4 +1,4 @@
-"""Export-friendly Llama-family decoder (Llama, Mistral, Qwen2).
+"""Export-friendly Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
 
 One forward serves prefill and tree verification. Everything that changes per step travels through
 its arguments (docs/design.md, Conventions 4): the new tokens, their positions, the tree mask among them, the past
@@ -118,9 +118,13 @@ class Attention(nn.Module):
     def __init__(self, cfg: BaseConfig):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qk_norm = cfg.qk_norm
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
+        if cfg.qk_norm:  # Qwen3: each head's query and key normalised before RoPE
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -135,7 +139,10 @@ class Attention(nn.Module):
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         G = H // Hkv
         qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2Hkv, T, D]
-        qk = apply_rope(qkv[:, : H + Hkv], cos, sin)
+        qk = qkv[:, : H + Hkv]
+        if self.qk_norm:
+            qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
+        qk = apply_rope(qk, cos, sin)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]  # [B, H, T, D], [B, Hkv, T, D] x 2
         if isinstance(mask, PluginMask):
             out = tree_attention_node(q, k, v, past_k, past_v, mask.past_lengths, mask.packed, D**-0.5)  # [B, H, T, D]

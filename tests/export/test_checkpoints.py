@@ -1,5 +1,6 @@
 """Checkpoints as users bring them, made by transformers here (no downloads): Llama, Llama with Llama-3 RoPE
-scaling, Mistral with a sliding window shorter than prompt + answer, Qwen2 with its qkv biases; stored in float32
+scaling, Mistral with a sliding window shorter than prompt + answer, Qwen2 with its qkv biases, Qwen3 with its
+per-head q/k norms; stored in float32
 or bfloat16, sharded with an index, tied and untied embeddings, `eos_token_id` a list, and a base model's tokenizer
 (no chat template). Clover's greedy output equals transformers' greedy `generate`, token for token and stopping
 where it stops, on the torch backend and on ONNX exports (fused attention where the family allows it, portable
@@ -21,7 +22,7 @@ from clover.export.artifact import export_artifact
 from clover.export.config import ExportConfig
 from clover.models.config import BaseConfig
 from clover.runtime.generator import Generator
-from clover.runtime.params import GenerationParams
+from clover.runtime.params import EngineOptions, GenerationParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,6 +72,7 @@ FAMILIES = {
         Family("llama3", "LlamaConfig", torch.bfloat16, tied=False, options=(("rope_scaling", LLAMA3_ROPE),)),
         Family("mistral", "MistralConfig", torch.float32, tied=False, options=(("sliding_window", WINDOW),)),
         Family("qwen2", "Qwen2Config", torch.bfloat16, tied=True),
+        Family("qwen3", "Qwen3Config", torch.float32, tied=False, options=(("head_dim", 32),)),
     )
 }
 
@@ -85,6 +87,8 @@ def make_checkpoint(folder: Path, family: Family) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(".bias"):  # transformers starts them at zero: make Qwen2's count
                 p.normal_(std=0.5)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):  # and Qwen3's norms at one
+                p.uniform_(0.5, 1.5)
     model = model.to(family.dtype).float()  # the stored weights, computed in float32 (as the references are)
     greedy = generated(model, PROMPTS[0], eos=None)
     k = next(i for i in range(5, NEW) if greedy[i] not in greedy[:i])
@@ -129,11 +133,13 @@ def test_the_checkpoints_are_what_users_bring(checkpoints, references):
         assert len(set(index["weight_map"].values())) > 1 and ("lm_head.weight" in index["weight_map"]) != family.tied
         config = BaseConfig.from_dir(folder)
         assert config.eos_token_ids[0] == NEVER and len(config.eos_token_ids) == 2
-        assert (config.sliding_window, config.rope.type, config.attention_bias) == (
+        assert (config.sliding_window, config.rope.type, config.attention_bias, config.qk_norm) == (
             WINDOW if name == "mistral" else None,
             "llama3" if name == "llama3" else "default",
             name == "qwen2",
+            name == "qwen3",
         )
+        assert config.head_dim == (32 if name == "qwen3" else 16)  # Qwen3's own head_dim, wider than hidden / heads
         stopped = references[name][0]
         assert len(stopped) < NEW and stopped[-1] == config.eos_token_ids[1]  # transformers stopped at the list's EOS
         assert len(PROMPTS[0]) + NEW > WINDOW
@@ -154,6 +160,10 @@ def test_torch_backend_equals_transformers(checkpoints, references, name):
     assert_outputs(Generator.load(folder, backend="torch", tree="plain"), references[name], f"{name} torch plain")
     speculative = Generator.load(folder, "random:clover2", backend="torch", tree="small")
     assert_outputs(speculative, references[name], f"{name} torch random:clover2 small")
+    stacked = Generator.load(
+        folder, "random:clover2", backend="torch", tree="small", options=EngineOptions(device="cpu")
+    )
+    assert_outputs(stacked, references[name], f"{name} stacked torch runner random:clover2 small")
 
 
 # (family, attention, heads): fused where the family allows it, portable for Mistral's sliding window (the
@@ -163,6 +173,8 @@ EXPORTS = [
     ("llama", "fused", "random:clover2"),
     ("llama3", "fused", "random:clover2"),
     ("qwen2", "fused", "random:clover2"),
+    ("qwen3", "fused", "random:clover2"),
+    ("qwen3", "portable", "random:medusa"),
     ("mistral", "portable", "random:medusa"),
 ]
 
@@ -235,3 +247,13 @@ def test_clover_export_of_base_models(checkpoints, references, tmp_path, capsys)
     assert default_attention("onnx", "float32", str(checkpoints["qwen2"])) == "fused"
     code = export_main(["--base", str(checkpoints["mistral"]), "--out", str(tmp_path / "no"), "--attention", "fused"])
     assert code == 2 and "export it with --attention portable" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_qwen3_quantized_exports_are_lossless_against_their_own_plain(checkpoints, tmp_path, weights):
+    """Qwen3's q/k norms survive weight quantization: speculative output equals the quantized graph's own plain."""
+    config = ExportConfig(attention="fused", weights=weights, tree="chain-2", max_batch=2, verify=False)
+    artifact = export_artifact(checkpoints["qwen3"], "random:clover2", tmp_path / weights, config)
+    assert open_artifact(artifact).weights.scheme == weights
+    want = outputs(Generator.load(artifact, "none", backend="ort"))
+    assert_outputs(Generator.load(artifact, backend="ort"), want, f"qwen3 {weights} ort random:clover2")
