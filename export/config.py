@@ -213,6 +213,11 @@ def fused_refusal(base: BaseConfig) -> str | None:
         return (
             f"it has no sliding window, and this {base.architecture} attends through a {base.sliding_window}-token one"
         )
+    if base.post_norms or base.qk_norm == "projection":
+        return (
+            f"it writes layers that norm their inputs, and this {base.architecture} norms its sublayers' outputs and "
+            "its whole query and key projections"
+        )
     if base.head_dim % FUSED_HEAD_MULTIPLE:
         return (
             f"ONNX Runtime's GroupQueryAttention runs head sizes that are multiples of {FUSED_HEAD_MULTIPLE}, and this "

@@ -263,7 +263,9 @@ def write_layer(
     H, Hq, Hkv, D, eps = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, float(cfg.rms_norm_eps)
     attn = layer.self_attn
     qkv = linear(h, attn.qkv_proj, f"{p}.self_attn.qkv_proj")
-    if cfg.qk_norm:  # before the row Gather (a norm per row), so the attention block stays Gather -> GQA -> Slice
+    if (
+        cfg.qk_norm == "head"
+    ):  # before the row Gather (a norm per row), so the attention block stays Gather -> GQA -> Slice
         qkv = write_qk_norm(w, attn, cfg, qkv, f"{p}.self_attn")
     qkv = node("Gather", [qkv, rows.rows], name=f"{p}.self_attn.rows", axis=1)[0]
     out, k_out, v_out = node(

@@ -15,12 +15,14 @@ from typing import Any
 
 from clover.errors import CloverError
 
-# HF architecture name -> family. The same decoder up to biases, sliding windows and Qwen3's per-head q/k norms.
+# HF architecture name -> family. The same decoder up to biases, sliding windows, q/k norms (Qwen3 per head, OLMo-2
+# over the whole projection) and where the norms sit (OLMo-2: on the attention's and the MLP's outputs).
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Olmo2ForCausalLM": "olmo2",
 }
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -53,7 +55,10 @@ class BaseConfig:
     attention_out_bias: bool = False  # bias on o_proj (Llama attention_bias covers o too)
     mlp_bias: bool = False
     sliding_window: int | None = None  # Mistral; None = full attention
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head's query and key (their own weights), before RoPE
+    # RMSNorm of the queries and keys before RoPE: "" none, "head" over each head (Qwen3), "projection" over the
+    # whole q and k projections (OLMo-2)
+    qk_norm: str = ""
+    post_norms: bool = False  # OLMo-2: each layer norms its attention's and MLP's outputs, not their inputs
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -122,7 +127,8 @@ class BaseConfig:
             attention_out_bias=attn_bias and family != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=int(sliding) if sliding else None,
-            qk_norm=family == "qwen3",
+            qk_norm={"qwen3": "head", "olmo2": "projection"}.get(family, ""),
+            post_norms=family == "olmo2",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )

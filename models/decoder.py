@@ -1,4 +1,4 @@
-"""Export-friendly Llama-family decoder (Llama, Mistral, Qwen2, Qwen3).
+"""Export-friendly Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo-2).
 
 One forward serves prefill and tree verification. Everything that changes per step travels through
 its arguments (docs/design.md, Conventions 4): the new tokens, their positions, the tree mask among them, the past
@@ -122,9 +122,10 @@ class Attention(nn.Module):
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
-        if cfg.qk_norm:  # Qwen3: each head's query and key normalised before RoPE
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:  # queries and keys normalised before RoPE: per head (Qwen3) or whole projections (OLMo-2)
+            whole = cfg.qk_norm == "projection"
+            self.q_norm = RMSNorm(cfg.head_dim * (cfg.num_heads if whole else 1), cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim * (cfg.num_kv_heads if whole else 1), cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -138,9 +139,13 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         G = H // Hkv
-        qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2Hkv, T, D]
+        qkv = self.qkv_proj(x)
+        if self.qk_norm == "projection":
+            q, k, v = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), dim=-1)
+        qkv = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # [B, H + 2Hkv, T, D]
         qk = qkv[:, : H + Hkv]
-        if self.qk_norm:
+        if self.qk_norm == "head":
             qk = torch.cat((self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])), dim=1)
         qk = apply_rope(qk, cos, sin)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]  # [B, H, T, D], [B, Hkv, T, D] x 2
@@ -175,10 +180,14 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: BaseConfig):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norms = cfg.post_norms
+        if not cfg.post_norms:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
         self,
@@ -189,6 +198,10 @@ class DecoderLayer(nn.Module):
         past_k: torch.Tensor,
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.post_norms:  # OLMo-2: the sublayers' outputs are normed before they join the residual
+            attn, k, v = self.self_attn(x, cos, sin, mask, past_k, past_v)
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(x)), k, v
         attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
         x = x + attn
         return x + self.mlp(self.post_attention_layernorm(x)), k, v

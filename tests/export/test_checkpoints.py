@@ -1,6 +1,6 @@
 """Checkpoints as users bring them, made by transformers here (no downloads): Llama, Llama with Llama-3 RoPE
 scaling, Mistral with a sliding window shorter than prompt + answer, Qwen2 with its qkv biases, Qwen3 with its
-per-head q/k norms; stored in float32
+per-head q/k norms, OLMo-2 with its norms on the sublayers' outputs and the whole q/k projections; stored in float32
 or bfloat16, sharded with an index, tied and untied embeddings, `eos_token_id` a list, and a base model's tokenizer
 (no chat template). Clover's greedy output equals transformers' greedy `generate`, token for token and stopping
 where it stops, on the torch backend and on ONNX exports (fused attention where the family allows it, portable
@@ -73,6 +73,7 @@ FAMILIES = {
         Family("mistral", "MistralConfig", torch.float32, tied=False, options=(("sliding_window", WINDOW),)),
         Family("qwen2", "Qwen2Config", torch.bfloat16, tied=True),
         Family("qwen3", "Qwen3Config", torch.float32, tied=False, options=(("head_dim", 32),)),
+        Family("olmo2", "Olmo2Config", torch.bfloat16, tied=False),
     )
 }
 
@@ -87,7 +88,7 @@ def make_checkpoint(folder: Path, family: Family) -> Path:
         for name, p in model.named_parameters():
             if name.endswith(".bias"):  # transformers starts them at zero: make Qwen2's count
                 p.normal_(std=0.5)
-            if name.endswith(("q_norm.weight", "k_norm.weight")):  # and Qwen3's norms at one
+            if name.endswith(("q_norm.weight", "k_norm.weight", "layernorm.weight")):  # and the norms at one
                 p.uniform_(0.5, 1.5)
     model = model.to(family.dtype).float()  # the stored weights, computed in float32 (as the references are)
     greedy = generated(model, PROMPTS[0], eos=None)
@@ -133,11 +134,12 @@ def test_the_checkpoints_are_what_users_bring(checkpoints, references):
         assert len(set(index["weight_map"].values())) > 1 and ("lm_head.weight" in index["weight_map"]) != family.tied
         config = BaseConfig.from_dir(folder)
         assert config.eos_token_ids[0] == NEVER and len(config.eos_token_ids) == 2
-        assert (config.sliding_window, config.rope.type, config.attention_bias, config.qk_norm) == (
+        assert (config.sliding_window, config.rope.type, config.attention_bias, config.qk_norm, config.post_norms) == (
             WINDOW if name == "mistral" else None,
             "llama3" if name == "llama3" else "default",
             name == "qwen2",
-            name == "qwen3",
+            {"qwen3": "head", "olmo2": "projection"}.get(name, ""),
+            name == "olmo2",
         )
         assert config.head_dim == (32 if name == "qwen3" else 16)  # Qwen3's own head_dim, wider than hidden / heads
         stopped = references[name][0]
@@ -175,6 +177,7 @@ EXPORTS = [
     ("qwen2", "fused", "random:clover2"),
     ("qwen3", "fused", "random:clover2"),
     ("qwen3", "portable", "random:medusa"),
+    ("olmo2", "portable", "random:clover2"),
     ("mistral", "portable", "random:medusa"),
 ]
 
@@ -245,6 +248,8 @@ def test_clover_export_of_base_models(checkpoints, references, tmp_path, capsys)
     assert default_attention("onnx", "float32", str(checkpoints["mistral"])) == "portable"
     assert "--attention portable: the fused graph cannot write this base" in capsys.readouterr().err
     assert default_attention("onnx", "float32", str(checkpoints["qwen2"])) == "fused"
+    assert default_attention("onnx", "float32", str(checkpoints["olmo2"])) == "portable"  # post-norm layers
+    assert "norms its sublayers' outputs" in capsys.readouterr().err
     code = export_main(["--base", str(checkpoints["mistral"]), "--out", str(tmp_path / "no"), "--attention", "fused"])
     assert code == 2 and "export it with --attention portable" in capsys.readouterr().err
 
