@@ -218,6 +218,11 @@ def fused_refusal(base: BaseConfig) -> str | None:
             f"it writes layers that norm their inputs, and this {base.architecture} norms its sublayers' outputs and "
             "its whole query and key projections"
         )
+    if base.rotary_dim is not None:
+        return (
+            f"its attention rotates whole heads, and this {base.architecture} rotates {base.rotary_dim} of each head's "
+            f"{base.head_dim} dims"
+        )
     if base.head_dim % FUSED_HEAD_MULTIPLE:
         return (
             f"ONNX Runtime's GroupQueryAttention runs head sizes that are multiples of {FUSED_HEAD_MULTIPLE}, and this "

@@ -188,11 +188,15 @@ def check_fusable(base: Decoder) -> None:
         raise CloverError("--attention fused writes float32 graphs for ONNX Runtime's CPU kernels: use --dtype float32")
 
 
-def rope_caches(inv_freq: torch.Tensor, max_context: int) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin [max_context, D/2] in float32, computed as Decoder's rope_cos_sin does (same products)."""
+def rope_caches(inv_freq: torch.Tensor, max_context: int, scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin [max_context, D/2] in float32, computed as Decoder's rope_cos_sin does (same products), times
+    `scale` (LongRoPE's attention factor)."""
     positions = torch.arange(max_context, dtype=torch.int64).float()[:, None]
     freqs = positions * inv_freq.float()
-    return freqs.cos().numpy(), freqs.sin().numpy()
+    cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.numpy(), sin.numpy()
 
 
 def write_constants(init) -> None:
@@ -348,7 +352,7 @@ def fused_base_model(base: Decoder, max_context: int, trees: bool = True):
     w = GraphWriter()
     init, node, linear = w.init, w.node, linear_writer(w)
     eps = float(cfg.rms_norm_eps)
-    cos, sin = rope_caches(base.inv_freq, max_context)
+    cos, sin = rope_caches(base.inv_freq, max_context, base.config.rope.attention_factor)
     init("cos_cache", cos)
     init("sin_cache", sin)
     write_constants(init)
@@ -454,7 +458,7 @@ def _begin_constants(w: GraphWriter, heads, max_context: int) -> None:
     """The RoPE caches of the augmenting block and the constants draft_begin's nodes read."""
     cfg = heads.config.base_config
     init = w.init
-    cos, sin = rope_caches(heads.augment.inv_freq, max_context)
+    cos, sin = rope_caches(heads.augment.inv_freq, max_context, heads.augment.rope_scale)
     init("cos_cache", cos)
     init("sin_cache", sin)
     write_constants(init)

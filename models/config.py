@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,8 +24,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
+    "Phi3ForCausalLM": "phi3",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,11 @@ class RopeConfig:
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3 only
     high_freq_factor: float = 4.0  # llama3 only
-    original_max_position_embeddings: int = 8192  # llama3 only
+    original_max_position_embeddings: int = 8192  # llama3, longrope
+    # longrope (Phi-3.5, Phi-4-mini) within its original context: each frequency divided by its short factor, cos
+    # and sin scaled by attention_factor
+    short_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class BaseConfig:
     # whole q and k projections (OLMo-2)
     qk_norm: str = ""
     post_norms: bool = False  # OLMo-2: each layer norms its attention's and MLP's outputs, not their inputs
+    rotary_dim: int | None = None  # the leading dims of each head RoPE rotates (Phi-3's partial rotary); None: all
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -70,6 +77,11 @@ class BaseConfig:
             )
 
     @property
+    def rope_dim(self) -> int:
+        """How many of each head's dims RoPE rotates (the rest pass through)."""
+        return self.head_dim if self.rotary_dim is None else self.rotary_dim
+
+    @property
     def family(self) -> str:
         return SUPPORTED_ARCHITECTURES[self.architecture]
 
@@ -79,7 +91,7 @@ class BaseConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> BaseConfig:
         d = dict(d)
-        d["rope"] = RopeConfig(**d["rope"])
+        d["rope"] = RopeConfig(**{**d["rope"], "short_factor": tuple(d["rope"].get("short_factor", ()))})
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
 
@@ -97,9 +109,14 @@ class BaseConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        if hf.get("hidden_act", "silu") != "silu":
+            raise CloverError(
+                f"{arch} with hidden_act {hf['hidden_act']!r} is not supported: its MLP must be SwiGLU (silu)"
+            )
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // num_heads)
+        rope = _rope_from_hf(hf)
         eos = hf.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
@@ -108,7 +125,14 @@ class BaseConfig:
                 f"{arch} checkpoints with use_sliding_window=true are not supported: set it to false in "
                 "config.json (the released Qwen2 and Qwen3 models do not use it)"
             )
-        sliding = hf.get("sliding_window") if family == "mistral" else None
+        sliding = hf.get("sliding_window") if family in ("mistral", "phi3") else None
+        params = hf.get("rope_parameters") or {}
+        partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+        rotary = int(head_dim * partial)
+        if rotary % 2 or not 0 < rotary <= head_dim:
+            raise CloverError(
+                f"partial_rotary_factor {partial} gives {rotary} rotary dims of {head_dim}: not supported"
+            )
         attn_bias = bool(hf.get("attention_bias", False))
         return cls(
             architecture=arch,
@@ -120,8 +144,8 @@ class BaseConfig:
             num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=_rope_from_hf(hf),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            rope=rope,
+            max_position_embeddings=_context(hf, rope),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=attn_bias or family == "qwen2",
             attention_out_bias=attn_bias and family != "qwen2",
@@ -129,6 +153,7 @@ class BaseConfig:
             sliding_window=int(sliding) if sliding else None,
             qk_norm={"qwen3": "head", "olmo2": "projection"}.get(family, ""),
             post_norms=family == "olmo2",
+            rotary_dim=None if rotary == head_dim else rotary,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -139,6 +164,12 @@ class BaseConfig:
         if not cfg.is_file():
             raise CloverError(f"{path} is not a Hugging Face model folder: no config.json in it")
         return cls.from_hf(json.loads(cfg.read_text()))
+
+
+def _context(hf: dict[str, Any], rope: RopeConfig) -> int:
+    """The longest sequence served: the checkpoint's, or LongRoPE's original context (see _longrope)."""
+    longest = int(hf.get("max_position_embeddings", 2048))
+    return min(longest, rope.original_max_position_embeddings) if rope.type == "longrope" else longest
 
 
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
@@ -154,6 +185,8 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         )
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type == "longrope":
+        return _longrope(hf, params, theta)
     factor = float(params["factor"])
     if rope_type == "linear":
         return RopeConfig(theta=theta, type="linear", factor=factor)
@@ -164,4 +197,23 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
         low_freq_factor=float(params["low_freq_factor"]),
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+def _longrope(hf: dict[str, Any], params: dict[str, Any], theta: float) -> RopeConfig:
+    """LongRoPE as transformers computes it for positions within original_max_position_embeddings (its short
+    factors); the context is capped there (BaseConfig.from_hf), since past it transformers switches every position,
+    the cached ones included, to the long factors."""
+    original = int(params.get("original_max_position_embeddings") or hf["original_max_position_embeddings"])
+    factor = params.get("factor") or int(hf.get("max_position_embeddings", original)) / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(
+        theta=theta,
+        type="longrope",
+        factor=float(factor),
+        original_max_position_embeddings=original,
+        short_factor=tuple(float(f) for f in params["short_factor"]),
+        attention_factor=float(attention),
     )

@@ -1,4 +1,4 @@
-"""Export-friendly Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo-2).
+"""Export-friendly Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo-2, Phi-3).
 
 One forward serves prefill and tree verification. Everything that changes per step travels through
 its arguments (docs/design.md, Conventions 4): the new tokens, their positions, the tree mask among them, the past
@@ -35,6 +35,9 @@ ATTENTION_VARIANTS = ("portable", "plugin")
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse RoPE frequencies [D/2] (float32), with linear or llama3 scaling applied."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.type == "longrope":  # transformers' order: 1 / (factor * theta^(2i/d))
+        shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+        return 1.0 / (torch.tensor(rope.short_factor, dtype=torch.float32) * rope.theta**shape)
     if rope.type == "linear":
         return inv_freq / rope.factor
     if rope.type == "llama3":
@@ -51,15 +54,23 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
 
 
 def rope_cos_sin(
-    inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype
+    inv_freq: torch.Tensor, position_ids: torch.Tensor, dtype: torch.dtype, scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [B, 1, T, D] for positions [B, T] (computed in float32 like transformers)."""
+    """cos, sin [B, 1, T, D] for positions [B, T] (computed in float32 like transformers), times `scale` (LongRoPE's
+    attention factor)."""
     freqs = position_ids.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos()[:, None].to(dtype), emb.sin()[:, None].to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x rotated by RoPE; where cos and sin cover fewer dims than x (partial rotary), the rest pass through."""
+    if cos.shape[-1] < x.shape[-1]:
+        rot = cos.shape[-1]
+        return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -226,7 +237,7 @@ class Decoder(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rope_dim), persistent=False)
         self.attention = "portable"  # see with_attention
 
     def forward(
@@ -240,7 +251,7 @@ class Decoder(nn.Module):
         logit_rows: torch.Tensor | None = None,  # [R] int64: rows to compute logits for (default: all)
     ) -> DecoderOutput:
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype, self.config.rope.attention_factor)
         if self.attention == "plugin":
             mask: torch.Tensor | PluginMask = plugin_mask(tree_mask, past_lengths)
         else:

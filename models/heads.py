@@ -251,10 +251,10 @@ class AugmentingBlock(nn.Module):
 
     def __init__(self, cfg: BaseConfig, num_layers: int):
         super().__init__()
-        self.sliding_window = cfg.sliding_window
+        self.sliding_window, self.rope_scale = cfg.sliding_window, cfg.rope.attention_factor
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(num_layers))
         self.norm = new_norm(cfg)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rope_dim), persistent=False)
 
     def forward(
         self,
@@ -265,7 +265,7 @@ class AugmentingBlock(nn.Module):
         past_values: list[torch.Tensor],
     ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         B, N, _ = x.shape
-        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype, self.rope_scale)
         mask = attention_mask(
             causal_mask(N, B, x.device), past_lengths, past_keys[0].shape[2], position_ids, self.sliding_window, x.dtype
         )

@@ -32,7 +32,7 @@ def tiny_modules(arch: str, dtype: str = "float32", base_seed: int = BASE_SEED) 
     if dtype == "float16":
         base = base.half()
         # .half() casts buffers too; the loader keeps RoPE frequencies in fp32 (clover.models.loading)
-        base.register_buffer("inv_freq", rope_inv_freq(base.config.rope, base.config.head_dim), persistent=False)
+        base.register_buffer("inv_freq", rope_inv_freq(base.config.rope, base.config.rope_dim), persistent=False)
     heads = random_heads(base, arch, HEADS_SEED) if arch != "none" else None
     return base, heads
 

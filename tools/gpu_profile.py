@@ -114,7 +114,7 @@ def random_decoder(cfg: BaseConfig, dtype: torch.dtype = torch.float32, device: 
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.head_dim).to(device), persistent=False)
+    model.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rope_dim).to(device), persistent=False)
     return model.eval().requires_grad_(False)
 
 

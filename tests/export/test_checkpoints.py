@@ -1,6 +1,7 @@
 """Checkpoints as users bring them, made by transformers here (no downloads): Llama, Llama with Llama-3 RoPE
 scaling, Mistral with a sliding window shorter than prompt + answer, Qwen2 with its qkv biases, Qwen3 with its
-per-head q/k norms, OLMo-2 with its norms on the sublayers' outputs and the whole q/k projections; stored in float32
+per-head q/k norms, OLMo-2 with its norms on the sublayers' outputs and the whole q/k projections, Phi-3 with its fused projections
+and Phi-4-mini's partial rotary; stored in float32
 or bfloat16, sharded with an index, tied and untied embeddings, `eos_token_id` a list, and a base model's tokenizer
 (no chat template). Clover's greedy output equals transformers' greedy `generate`, token for token and stopping
 where it stops, on the torch backend and on ONNX exports (fused attention where the family allows it, portable
@@ -65,6 +66,16 @@ LLAMA3_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+# Phi-3.5's scaling: 64 positions of original context in a 128 one (each frequency's own short factor, cos and sin
+# scaled by sqrt(1 + ln 2 / ln 64)); prompt + answer stay within the 64
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.2, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0],
+    "long_factor": [2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0],
+    "original_max_position_embeddings": 64,
+}
+PHI3 = (("pad_token_id", 0), ("bos_token_id", 1), ("eos_token_id", NEVER))  # its defaults are past VOCAB
 FAMILIES = {
     f.name: f
     for f in (
@@ -74,6 +85,15 @@ FAMILIES = {
         Family("qwen2", "Qwen2Config", torch.bfloat16, tied=True),
         Family("qwen3", "Qwen3Config", torch.float32, tied=False, options=(("head_dim", 32),)),
         Family("olmo2", "Olmo2Config", torch.bfloat16, tied=False),
+        Family("phi3", "Phi3Config", torch.bfloat16, tied=False, options=PHI3),
+        Family("phi4mini", "Phi3Config", torch.float32, tied=True, options=(*PHI3, ("partial_rotary_factor", 0.75))),
+        Family(
+            "phi35",
+            "Phi3Config",
+            torch.float32,
+            tied=False,
+            options=(*PHI3, ("rope_parameters", LONGROPE), ("original_max_position_embeddings", 64)),
+        ),
     )
 }
 
@@ -136,11 +156,14 @@ def test_the_checkpoints_are_what_users_bring(checkpoints, references):
         assert config.eos_token_ids[0] == NEVER and len(config.eos_token_ids) == 2
         assert (config.sliding_window, config.rope.type, config.attention_bias, config.qk_norm, config.post_norms) == (
             WINDOW if name == "mistral" else None,
-            "llama3" if name == "llama3" else "default",
+            {"llama3": "llama3", "phi35": "longrope"}.get(name, "default"),
             name == "qwen2",
             {"qwen3": "head", "olmo2": "projection"}.get(name, ""),
             name == "olmo2",
         )
+        assert config.rope_dim == (12 if name == "phi4mini" else config.head_dim)  # 0.75 of 16
+        if name == "phi35":  # LongRoPE serves its original context, where transformers uses the short factors
+            assert config.rope.attention_factor > 1.05 and config.max_position_embeddings == 64
         assert config.head_dim == (32 if name == "qwen3" else 16)  # Qwen3's own head_dim, wider than hidden / heads
         stopped = references[name][0]
         assert len(stopped) < NEW and stopped[-1] == config.eos_token_ids[1]  # transformers stopped at the list's EOS
@@ -178,6 +201,9 @@ EXPORTS = [
     ("qwen3", "fused", "random:clover2"),
     ("qwen3", "portable", "random:medusa"),
     ("olmo2", "portable", "random:clover2"),
+    ("phi3", "fused", "random:clover2"),
+    ("phi4mini", "portable", "random:clover2"),
+    ("phi35", "fused", "random:clover2"),
     ("mistral", "portable", "random:medusa"),
 ]
 
@@ -250,6 +276,8 @@ def test_clover_export_of_base_models(checkpoints, references, tmp_path, capsys)
     assert default_attention("onnx", "float32", str(checkpoints["qwen2"])) == "fused"
     assert default_attention("onnx", "float32", str(checkpoints["olmo2"])) == "portable"  # post-norm layers
     assert "norms its sublayers' outputs" in capsys.readouterr().err
+    assert default_attention("onnx", "float32", str(checkpoints["phi4mini"])) == "portable"  # partial rotary
+    assert "rotates 12 of each head's 16 dims" in capsys.readouterr().err
     code = export_main(["--base", str(checkpoints["mistral"]), "--out", str(tmp_path / "no"), "--attention", "fused"])
     assert code == 2 and "export it with --attention portable" in capsys.readouterr().err
 
