@@ -247,8 +247,12 @@ def plan_from_modules(
     # ONNX Runtime artifacts with heads: one LM head for all graphs (export/lm_head.py); TensorRT keeps one per
     # engine. float32 only: ONNX Runtime's CPU runs float16 matmuls in float32 between Casts it elides inside a
     # graph, so a float16 base cut before its LM head would round the rows it hands over (not bit-exact).
-    share_lm_head = (
-        config.shared_lm_head and heads is not None and config.backend == "onnx" and config.dtype == "float32"
+    share_lm_head = (  # (a soft-capped LM head stays in each graph: the cut takes the projection alone)
+        config.shared_lm_head
+        and heads is not None
+        and config.backend == "onnx"
+        and config.dtype == "float32"
+        and base.config.final_softcap is None
     )
     return ArtifactPlan(
         base=base,

@@ -213,6 +213,11 @@ def fused_refusal(base: BaseConfig) -> str | None:
         return (
             f"it has no sliding window, and this {base.architecture} attends through a {base.sliding_window}-token one"
         )
+    if base.sandwich_norms:
+        return (
+            f"it writes Llama's layers, and this {base.architecture} has Gemma's scaled embedding, 1 + w norms around "
+            "each sublayer, GELU MLP and soft-capping"
+        )
     if base.post_norms or base.qk_norm == "projection":
         return (
             f"it writes layers that norm their inputs, and this {base.architecture} norms its sublayers' outputs and "

@@ -17,7 +17,8 @@ from typing import Any
 from clover.errors import CloverError
 
 # HF architecture name -> family. The same decoder up to biases, sliding windows, q/k norms (Qwen3 per head, OLMo-2
-# over the whole projection) and where the norms sit (OLMo-2: on the attention's and the MLP's outputs).
+# over the whole projection), where the norms sit (OLMo-2: on the attention's and the MLP's outputs; Gemma: around
+# both), partial rotary (Phi-3) and Gemma's scaled embedding, 1 + w norms, GELU MLP and soft-capping.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -25,7 +26,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
 }
+MODEL_TYPES = {"gemma3_text": "Gemma3ForCausalLM"}  # model_type -> architecture where the two names differ
+GEMMA_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu_tanh")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
@@ -66,6 +71,16 @@ class BaseConfig:
     qk_norm: str = ""
     post_norms: bool = False  # OLMo-2: each layer norms its attention's and MLP's outputs, not their inputs
     rotary_dim: int | None = None  # the leading dims of each head RoPE rotates (Phi-3's partial rotary); None: all
+    # Gemma 2 and 3
+    layer_types: tuple[str, ...] = ()  # per layer "sliding_attention" | "full_attention" (empty: all alike)
+    local_rope: RopeConfig | None = None  # Gemma 3: the sliding layers' own RoPE (None: `rope`)
+    embed_scale: bool = False  # embeddings times sqrt(hidden_size)
+    norm_offset: bool = False  # RMSNorm scales by 1 + weight, in float32
+    sandwich_norms: bool = False  # norms before and after the attention and the MLP
+    mlp_act: str = "silu"  # "silu" (SwiGLU) | "gelu_tanh" (GeGLU)
+    query_scale: float | None = None  # attention scores' scale (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # scores capped to cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits capped the same way
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
@@ -75,6 +90,17 @@ class BaseConfig:
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_kv_heads}); the checkpoint's config.json is inconsistent"
             )
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window (None: it attends to the whole context)."""
+        if self.layer_types and self.layer_types[i] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_rope(self, i: int) -> RopeConfig:
+        """Layer i's RoPE (Gemma 3's sliding layers have their own)."""
+        sliding = self.layer_types and self.layer_types[i] == "sliding_attention"
+        return self.local_rope if sliding and self.local_rope is not None else self.rope
 
     @property
     def rope_dim(self) -> int:
@@ -92,6 +118,9 @@ class BaseConfig:
     def from_dict(cls, d: dict[str, Any]) -> BaseConfig:
         d = dict(d)
         d["rope"] = RopeConfig(**{**d["rope"], "short_factor": tuple(d["rope"].get("short_factor", ()))})
+        if d.get("local_rope") is not None:
+            d["local_rope"] = RopeConfig(**{**d["local_rope"], "short_factor": tuple(d["local_rope"]["short_factor"])})
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
 
@@ -101,7 +130,7 @@ class BaseConfig:
         archs = hf.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            arch = {f: a for a, f in SUPPORTED_ARCHITECTURES.items()}.get(hf.get("model_type", ""))
+            arch = ({f: a for a, f in SUPPORTED_ARCHITECTURES.items()} | MODEL_TYPES).get(hf.get("model_type", ""))
         if arch is None:
             found = archs or [hf.get("model_type", "<none>")]
             raise CloverError(
@@ -109,10 +138,11 @@ class BaseConfig:
                 f"{', '.join(SUPPORTED_ARCHITECTURES)} (Llama-family decoders)"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
-        if hf.get("hidden_act", "silu") != "silu":
-            raise CloverError(
-                f"{arch} with hidden_act {hf['hidden_act']!r} is not supported: its MLP must be SwiGLU (silu)"
-            )
+        gemma = family in ("gemma2", "gemma3")
+        act = (hf.get("hidden_activation") or hf.get("hidden_act") or "silu") if gemma else hf.get("hidden_act", "silu")
+        if act not in (GEMMA_ACTIVATIONS if gemma else ("silu",)):
+            want = "GELU-tanh (gelu_pytorch_tanh)" if gemma else "SwiGLU (silu)"
+            raise CloverError(f"{arch} with activation {act!r} is not supported: its MLP must be {want}")
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // num_heads)
@@ -125,8 +155,13 @@ class BaseConfig:
                 f"{arch} checkpoints with use_sliding_window=true are not supported: set it to false in "
                 "config.json (the released Qwen2 and Qwen3 models do not use it)"
             )
-        sliding = hf.get("sliding_window") if family in ("mistral", "phi3") else None
+        sliding = hf.get("sliding_window") if family in ("mistral", "phi3", "gemma2", "gemma3") else None
         params = hf.get("rope_parameters") or {}
+        local_rope = None
+        if gemma and isinstance(params.get("full_attention"), dict):  # Gemma 3: RoPE per layer type
+            rope = _rope_from_hf({"rope_parameters": params["full_attention"]})
+            local_rope = _rope_from_hf({"rope_parameters": params.get("sliding_attention") or params["full_attention"]})
+            params = params["full_attention"]
         partial = float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
         rotary = int(head_dim * partial)
         if rotary % 2 or not 0 < rotary <= head_dim:
@@ -151,9 +186,10 @@ class BaseConfig:
             attention_out_bias=attn_bias and family != "qwen2",
             mlp_bias=bool(hf.get("mlp_bias", False)),
             sliding_window=int(sliding) if sliding else None,
-            qk_norm={"qwen3": "head", "olmo2": "projection"}.get(family, ""),
+            qk_norm={"qwen3": "head", "olmo2": "projection", "gemma3": "head"}.get(family, ""),
             post_norms=family == "olmo2",
             rotary_dim=None if rotary == head_dim else rotary,
+            **(_gemma(hf, family, local_rope) if gemma else {}),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -217,3 +253,22 @@ def _longrope(hf: dict[str, Any], params: dict[str, Any], theta: float) -> RopeC
         short_factor=tuple(float(f) for f in params["short_factor"]),
         attention_factor=float(attention),
     )
+
+
+def _gemma(hf: dict[str, Any], family: str, local_rope: RopeConfig | None) -> dict[str, Any]:
+    """Gemma 2 and 3's BaseConfig fields beyond the Llama family's."""
+    types = tuple(hf.get("layer_types") or ())
+    if not types and family == "gemma2":  # older configs: sliding and full layers alternate, sliding first
+        types = tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"]))
+    scalar = hf.get("query_pre_attn_scalar")
+    return {
+        "layer_types": types,
+        "local_rope": local_rope,
+        "embed_scale": True,
+        "norm_offset": True,
+        "sandwich_norms": True,
+        "mlp_act": "gelu_tanh",
+        "query_scale": None if scalar is None else float(scalar) ** -0.5,
+        "attn_softcap": hf.get("attn_logit_softcapping"),
+        "final_softcap": hf.get("final_logit_softcapping"),
+    }

@@ -1,4 +1,4 @@
-"""Export-friendly Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo-2, Phi-3).
+"""Export-friendly Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo-2, Phi-3, Gemma 2 and 3).
 
 One forward serves prefill and tree verification. Everything that changes per step travels through
 its arguments (docs/design.md, Conventions 4): the new tokens, their positions, the tree mask among them, the past
@@ -113,14 +113,28 @@ def plugin_mask(tree_mask: torch.Tensor, past_lengths: torch.Tensor) -> PluginMa
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    def __init__(self, size: int, eps: float, offset: bool = False):
+        """offset: Gemma's norm, which scales by 1 + weight in float32 (its weight starts at zero)."""
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(size) if offset else torch.ones(size))
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)
+        if self.offset:  # Gemma: (x * (1 + w)).to(dtype)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         # Normalise in fp32, scale in the input dtype (transformers' order); one fused op for fp32.
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def norm_for(cfg: BaseConfig, size: int | None = None) -> RMSNorm:
+    """The family's RMSNorm over `size` features (default: the hidden size)."""
+    return RMSNorm(cfg.hidden_size if size is None else size, cfg.rms_norm_eps, cfg.norm_offset)
+
+
+def softcap(x: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(x / cap) (Gemma 2's attention and logit soft-capping); x itself for None."""
+    return x if cap is None else torch.tanh(x / cap) * cap
 
 
 class Attention(nn.Module):
@@ -130,13 +144,15 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qk_norm = cfg.qk_norm
+        self.scale = cfg.head_dim**-0.5 if cfg.query_scale is None else cfg.query_scale
+        self.softcap = cfg.attn_softcap
         qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, qkv, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.attention_out_bias)
         if cfg.qk_norm:  # queries and keys normalised before RoPE: per head (Qwen3) or whole projections (OLMo-2)
             whole = cfg.qk_norm == "projection"
-            self.q_norm = RMSNorm(cfg.head_dim * (cfg.num_heads if whole else 1), cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim * (cfg.num_kv_heads if whole else 1), cfg.rms_norm_eps)
+            self.q_norm = norm_for(cfg, cfg.head_dim * (cfg.num_heads if whole else 1))
+            self.k_norm = norm_for(cfg, cfg.head_dim * (cfg.num_kv_heads if whole else 1))
 
     def forward(
         self,
@@ -161,13 +177,13 @@ class Attention(nn.Module):
         qk = apply_rope(qk, cos, sin)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv :]  # [B, H, T, D], [B, Hkv, T, D] x 2
         if isinstance(mask, PluginMask):
-            out = tree_attention_node(q, k, v, past_k, past_v, mask.past_lengths, mask.packed, D**-0.5)  # [B, H, T, D]
+            out = tree_attention_node(q, k, v, past_k, past_v, mask.past_lengths, mask.packed, self.scale)  # [B,H,T,D]
             return self.o_proj(out.transpose(1, 2).reshape(B, T, H * D)), k, v
 
         # GQA without repeating K/V: query heads h*G..h*G+G-1 share kv head h (transformers' repeat_kv order).
-        qg = q.reshape(B, Hkv, G * T, D) * (D**-0.5)
+        qg = q.reshape(B, Hkv, G * T, D) * self.scale
         scores = torch.cat((qg @ past_k.transpose(-1, -2), qg @ k.transpose(-1, -2)), dim=-1)  # [B, Hkv, G*T, P+T]
-        scores = scores.view(B, Hkv, G, T, -1) + mask
+        scores = softcap(scores, self.softcap).view(B, Hkv, G, T, -1) + mask
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype).view(B, Hkv, G * T, -1)
         P = past_k.shape[2]
         out = probs[..., :P] @ past_v + probs[..., P:] @ v  # [B, Hkv, G*T, D]
@@ -176,29 +192,32 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU with gate and up projections fused into one matmul."""
+    """SwiGLU (GeGLU with tanh GELU for Gemma) with gate and up projections fused into one matmul."""
 
     def __init__(self, cfg: BaseConfig):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gelu = cfg.mlp_act == "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: BaseConfig):
         super().__init__()
-        self.post_norms = cfg.post_norms
+        self.post_norms, self.sandwich = cfg.post_norms, cfg.sandwich_norms
         if not cfg.post_norms:
-            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.input_layernorm = norm_for(cfg)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm_for(cfg)
         self.mlp = MLP(cfg)
-        if cfg.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.sandwich_norms:
+            self.pre_feedforward_layernorm = norm_for(cfg)
+        if cfg.post_norms or cfg.sandwich_norms:
+            self.post_feedforward_layernorm = norm_for(cfg)
 
     def forward(
         self,
@@ -209,6 +228,10 @@ class DecoderLayer(nn.Module):
         past_k: torch.Tensor,
         past_v: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.sandwich:  # Gemma: each sublayer's input and output normed
+            attn, k, v = self.self_attn(self.input_layernorm(x), cos, sin, mask, past_k, past_v)
+            x = x + self.post_attention_layernorm(attn)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), k, v
         if self.post_norms:  # OLMo-2: the sublayers' outputs are normed before they join the residual
             attn, k, v = self.self_attn(x, cos, sin, mask, past_k, past_v)
             x = x + self.post_attention_layernorm(attn)
@@ -233,12 +256,24 @@ class Decoder(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = norm_for(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rope_dim), persistent=False)
+        self.set_rope()
         self.attention = "portable"  # see with_attention
+
+    def set_rope(self) -> None:
+        """The RoPE frequency buffers (not saved with the weights): `inv_freq`, and Gemma 3's sliding layers'
+        `local_inv_freq`."""
+        cfg = self.config
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rope_dim), persistent=False)
+        if cfg.local_rope is not None:
+            self.register_buffer("local_inv_freq", rope_inv_freq(cfg.local_rope, cfg.rope_dim), persistent=False)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head over the last layer's hidden states: the final norm, the projection, Gemma 2's soft-cap."""
+        return softcap(self.lm_head(self.norm(hidden)), self.config.final_softcap)
 
     def forward(
         self,
@@ -250,21 +285,31 @@ class Decoder(nn.Module):
         past_values: list[torch.Tensor],  # per layer [B, Hkv, P, D]
         logit_rows: torch.Tensor | None = None,  # [R] int64: rows to compute logits for (default: all)
     ) -> DecoderOutput:
+        cfg = self.config
         x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, position_ids, x.dtype, self.config.rope.attention_factor)
-        if self.attention == "plugin":
-            mask: torch.Tensor | PluginMask = plugin_mask(tree_mask, past_lengths)
-        else:
-            mask = attention_mask(
-                tree_mask, past_lengths, past_keys[0].shape[2], position_ids, self.config.sliding_window, x.dtype
+        if cfg.embed_scale:  # Gemma: sqrt(hidden) in the embedding's dtype
+            x = x * torch.tensor(cfg.hidden_size**0.5, dtype=x.dtype)
+        rope = {cfg.rope: rope_cos_sin(self.inv_freq, position_ids, x.dtype, cfg.rope.attention_factor)}
+        if cfg.local_rope is not None:
+            rope[cfg.local_rope] = rope_cos_sin(
+                self.local_inv_freq, position_ids, x.dtype, cfg.local_rope.attention_factor
             )
+        masks: dict[int | None, torch.Tensor | PluginMask] = {}
+        for window in {cfg.layer_window(i) for i in range(cfg.num_layers)}:
+            if self.attention == "plugin":
+                masks[window] = plugin_mask(tree_mask, past_lengths)
+            else:
+                masks[window] = attention_mask(
+                    tree_mask, past_lengths, past_keys[0].shape[2], position_ids, window, x.dtype
+                )
         new_keys, new_values = [], []
-        for layer, pk, pv in zip(self.layers, past_keys, past_values):
-            x, k, v = layer(x, cos, sin, mask, pk, pv)
+        for i, (layer, pk, pv) in enumerate(zip(self.layers, past_keys, past_values)):
+            cos, sin = rope[cfg.layer_rope(i)]
+            x, k, v = layer(x, cos, sin, masks[cfg.layer_window(i)], pk, pv)
             new_keys.append(k)
             new_values.append(v)
         out = x if logit_rows is None else x[:, logit_rows]
-        return DecoderOutput(self.lm_head(self.norm(out)), x, new_keys, new_values)
+        return DecoderOutput(self.logits(out), x, new_keys, new_values)
 
     def empty_cache(
         self, batch: int = 1, length: int = 0, layers: int | None = None
@@ -286,6 +331,11 @@ def with_attention(base: Decoder, variant: str) -> Decoder:
         raise CloverError(
             f"the plugin attention variant has no sliding window, but this {base.config.architecture} uses a "
             f"{base.config.sliding_window}-token window: export it with --attention portable"
+        )
+    if variant == "plugin" and base.config.attn_softcap is not None:
+        raise CloverError(
+            f"the plugin attention variant has no soft-capping, but this {base.config.architecture} caps its attention "
+            f"scores at {base.config.attn_softcap}: export it with --attention portable"
         )
     if variant == base.attention:
         return base

@@ -33,6 +33,7 @@ from clover.models.decoder import (
     RMSNorm,
     attention_mask,
     causal_mask,
+    norm_for,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -240,7 +241,7 @@ def copy_layer(dst: nn.Module, src: nn.Module) -> None:
 
 
 def new_norm(cfg: BaseConfig) -> RMSNorm:
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+    return norm_for(cfg)
 
 
 class AugmentingBlock(nn.Module):

@@ -10,7 +10,7 @@ from safetensors import safe_open
 
 from clover.errors import CloverError
 from clover.models.config import BaseConfig
-from clover.models.decoder import Decoder, rope_inv_freq
+from clover.models.decoder import Decoder
 
 DTYPES = {
     "float32": torch.float32,
@@ -104,5 +104,5 @@ def load_base(path: str | Path, dtype: str | torch.dtype = "float32") -> Decoder
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     # Built on the meta device, the RoPE buffer has no data yet.
-    model.register_buffer("inv_freq", rope_inv_freq(cfg.rope, cfg.rope_dim), persistent=False)
+    model.set_rope()
     return model.eval().requires_grad_(False)

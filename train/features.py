@@ -570,7 +570,7 @@ def _teacher_forced(base: Decoder, batch: list[tuple[list[int], np.ndarray, bool
     tk_ids = torch.zeros(B, L, k, dtype=torch.int32, device=dev)  # [B, L, K]
     tk_p = torch.zeros(B, L, k, dtype=torch.float16, device=dev)  # [B, L, K]
     step = LM_HEAD_ROWS if dev.type == "cpu" else 16 * LM_HEAD_ROWS
-    parts = [_topk_tensors(base.lm_head(base.norm(rows[i : i + step])), k) for i in range(0, len(rows), step)]
+    parts = [_topk_tensors(base.logits(rows[i : i + step]), k) for i in range(0, len(rows), step)]
     if parts:
         tk_ids[loss] = torch.cat([p[0] for p in parts])
         tk_p[loss] = torch.cat([p[1] for p in parts])

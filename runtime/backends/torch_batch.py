@@ -548,7 +548,7 @@ class BatchedTorchRunner(Runner):
     # -- the Runner methods: the general loop ------------------------------------------------------------------
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The base's logits of hidden rows [..., H] (pre-norm), for every path alike: one matmul for a batch's rows."""
-        return self.base.lm_head(self.base.norm(hidden))
+        return self.base.logits(hidden)
 
     def _forward_batch(self, batch: Sequence[Verify]) -> list[np.ndarray]:
         # a long prompt chunk runs alone: padding a batch's tree rows to its length would multiply their work
