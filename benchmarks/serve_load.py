@@ -286,6 +286,16 @@ def load(args: argparse.Namespace, artifact: Path) -> int:
                         "server_vs_engine": round(s["output_tokens_per_second"] / e["output_tokens_per_second"], 3),
                     }
                 )
+        base = url[: -len("/v1")]
+        queried, hits = (
+            metric(base, "clover:prefix_cache_queries_total"),
+            metric(base, "clover:prefix_cache_hits_total"),
+        )
+        cache = {
+            "queried_tokens": queried,
+            "hit_tokens": hits,
+            "hit_rate": round(hits / queried, 4) if queried else 0.0,
+        }
     finally:
         engine.close()
         server.terminate()
@@ -307,6 +317,7 @@ def load(args: argparse.Namespace, artifact: Path) -> int:
         "tok/s: output tokens/s through HTTP; engine: the same load on clover.Engine in-process (clover-bench "
         "--concurrency); ms: ttft = time to first token, itl = gap between streamed chunks"
     )
+    print(f"prefix cache: {cache['hit_rate']:.1%} of the server's prompt tokens reused ({hits:.0f} of {queried:.0f})")
     at8 = next((r for r in rows if r["clients"] == 8), None)
     failed = []
     if at8 is not None and at8["server_vs_engine"] < HTTP_TARGET:
@@ -326,6 +337,7 @@ def load(args: argparse.Namespace, artifact: Path) -> int:
         "max_tokens": args.max_tokens,
         "tree": "auto",
         "results": rows,
+        "prefix_cache": cache,
         "targets": {"http_vs_engine_at_8": HTTP_TARGET, "failed": failed},
     }
     write(RESULTS / "serve_load.json", doc)

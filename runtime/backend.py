@@ -125,6 +125,16 @@ class SlotStep:
     grammar: Any = None
 
 
+@dataclass(frozen=True, eq=False)
+class Prefix:
+    """A copy of one sequence's first `rows` committed tokens' caches, base and heads (`Runner.snapshot`): what
+    `Runner.restore` puts back into a fresh slot. It holds memory of its own (`nbytes`), nothing of its slot's."""
+
+    rows: int
+    nbytes: int
+    data: Any  # the backend's
+
+
 class Decoded(NamedTuple):
     """One sequence's device-side step (`Runner.decode`): its accepted path (tree nodes, root first), the tokens it
     emitted (the last one the bonus) and their log-probabilities when asked for."""
@@ -199,6 +209,33 @@ class Runner(abc.ABC):
     def _fork(self, src: Slot, dst: Slot) -> None:
         """Copy src's committed caches and drafting state into dst's (freshly opened) state."""
         raise NotImplementedError(f"{type(self).__name__} cannot fork a sequence")
+
+    @property
+    def can_cache_prefixes(self) -> bool:
+        """Whether `snapshot` and `restore` work here (runtime/prefix_cache.py)."""
+        return type(self)._snapshot is not Runner._snapshot
+
+    def snapshot(self, slot: Slot, rows: int, heads: bool = True) -> Prefix:
+        """A copy of the slot's first `rows` committed tokens' caches, as far as its heads have taken them in
+        (`Prefix.rows` may be fewer): another sequence whose tokens begin with those starts from it (`restore`).
+        heads=False: the base's alone, for a caller that never drafts with the heads (prompt lookup)."""
+        assert 1 <= rows <= slot.past, "runner.snapshot: rows outside the committed tokens"
+        return self._snapshot(slot, rows, heads)
+
+    def restore(self, slot: Slot, prefix: Prefix, rows: int) -> None:
+        """A fresh slot takes a prefix's first `rows` tokens as its own committed ones; its next forward runs at
+        position `rows`. The caller vouches that its tokens begin with those of the prefix's first rows + 1 (the
+        heads' row i was computed with token i + 1)."""
+        assert slot.past == 0 and not slot.pending, "runner.restore: the slot is not fresh"
+        assert 1 <= rows <= min(prefix.rows, slot.capacity), "runner.restore: rows outside the prefix"
+        self._restore(slot, prefix, rows)
+        slot.past = rows
+
+    def _snapshot(self, slot: Slot, rows: int, heads: bool) -> Prefix:
+        raise NotImplementedError(f"{type(self).__name__} cannot copy a sequence's caches out")
+
+    def _restore(self, slot: Slot, prefix: Prefix, rows: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot copy a sequence's caches in")
 
     @property
     def can_decode(self) -> bool:

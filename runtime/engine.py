@@ -32,9 +32,11 @@ from clover.runtime.backend import Runner
 from clover.runtime.configure import AUTO, Speculation, load_backend
 from clover.runtime.grammar import GrammarCompiler
 from clover.runtime.params import DraftSource, EngineOptions, GenerationParams
+from clover.runtime.prefix_cache import PrefixCache, default_budget_mb
 from clover.runtime.requests import Prompt, Request, Stepper, encode_prompt
 from clover.runtime.results import GenerationResult, StreamDelta
 from clover.runtime.scheduler import Cancelled, EngineUnavailable, QueueFull, Scheduler, kv_plan
+from clover.runtime.served_store import ServedStore
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import Tree
 
@@ -73,6 +75,11 @@ class EngineStream:
     def prompt_tokens(self) -> int:
         """The tokens of its prompt (0 before it is submitted)."""
         return 0 if self._request is None else len(self._request.prompt)
+
+    @property
+    def cached_tokens(self) -> int:
+        """Of its prompt, the tokens restored from the prefix cache (0 before it joins the batch)."""
+        return 0 if self._request is None else self._request.progress.cached_tokens
 
     def _take(self, item: StreamDelta | GenerationResult | BaseException) -> StreamDelta | None:
         """The next delta, or None at the end (the result is kept; an error is raised)."""
@@ -148,7 +155,7 @@ class Engine:
         # the device works. A request that ends meanwhile ran one step too many (dropped); its slot is released once
         # that step is done.
         self.overlap = overlap
-        self._held: list[Request] = []  # ended requests whose slots the step in flight still writes
+        self._held: list[tuple[Request, bool]] = []  # ended requests whose slots the step in flight still writes, kept?
         self.scheduler = Scheduler(options.max_batch, options.max_waiting)
         self.speculation = Speculation.build(runner, tree, drafts, options, log)
         self.stepper = Stepper(self.runner, self.speculation)
@@ -156,11 +163,24 @@ class Engine:
         self.error: BaseException | None = None  # the last step's failure, or what stopped the loop
         self.step_sequences = 0  # sequences in the last forward (prefill chunks included); 0 while idle
         self.prefills_shared = 0  # requests that copied another's prompt caches instead of prefilling (share_prefill)
+        mb = default_budget_mb() if options.prefix_cache_mb is None else options.prefix_cache_mb
+        # ended requests' caches, for later prompts that begin with their tokens (None: off, or a runner without it)
+        heads = self.speculation.drafts.heads
+        self.prefix_cache = PrefixCache(runner, mb << 20, heads=heads) if mb and runner.can_cache_prefixes else None
+        # finished answers prompt lookup drafts from (None: off, or drafts without prompt lookup)
+        self.served = self._served_store(options)
         if log is not None and runner.info.kv_bytes_per_token:
             print(kv_plan(options.max_batch, runner.info.max_context, runner.info.kv_bytes_per_token), file=log)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="clover-engine", daemon=True)
         self._thread.start()
+
+    def _served_store(self, options: EngineOptions) -> ServedStore | None:
+        mb = 64 if options.draft_store_mb is None else options.draft_store_mb
+        if not mb or not self.speculation.drafts.lookup:
+            return None
+        vocab = self.runner.info.vocab_size
+        return ServedStore(vocab, mb << 20, options.draft_store_shared, options.draft_store_dir)
 
     @classmethod
     def load(
@@ -213,6 +233,8 @@ class Engine:
                     r.cancelled.set()
             self.scheduler.lock.notify_all()
         self._thread.join(timeout)
+        if self.served is not None:
+            self.served.close()
         if self._thread.is_alive():
             self._say(f"close: the engine's step did not end within {timeout} s; leaving it to finish")
             return
@@ -358,6 +380,7 @@ class Engine:
             try:
                 chunk, vocab = self.options.prefill_chunk, runner.info.vocab_size
                 r.start(self._open(r), spec.tree, spec.drafts, chunk, spec.lookup_length, vocab)
+                self._reuse(r)
             except Exception as e:
                 self._fail(r, e)
         for r in list(sched.running):  # followers: fork their leader's prompt caches, or prefill on their own
@@ -379,7 +402,9 @@ class Engine:
         self.stepper.launch_next(batch)
 
     def _release_held(self) -> None:
-        for r in self._held:
+        for r, keep in self._held:
+            if keep:
+                self._keep(r)
             self.runner.release(r.decoding.slot)
         self._held.clear()
 
@@ -391,6 +416,29 @@ class Engine:
         if r.share is not None and r.share in self.scheduler.running:
             return None
         return self.runner.open_slot(self._capacity(r))
+
+    def _reuse(self, r: Request) -> None:
+        """A joining request's prompt rows that an ended one computed, restored instead of prefilled (not with
+        prompt_logprobs, which want every prompt row's logits)."""
+        d = r.decoding
+        if self.served is not None:
+            d.served = self.served.store(r.params.scope)
+        if self.prefix_cache is None or d.slot is None or r.params.prompt_logprobs is not None:
+            return
+        d.prefilled = r.progress.cached_tokens = self.prefix_cache.restore(d.slot, r.prompt, self._salt(r))
+
+    def _keep(self, r: Request) -> None:
+        """An ended request's rows into the prefix cache (a failed step may have left its caches half written)."""
+        d = r.decoding
+        if self.prefix_cache is not None and d.slot is not None and not d.slot.pending and not d.prefilling:
+            tokens = np.concatenate([d.prompt, np.array(d.output, dtype=np.int64)])
+            self.prefix_cache.store(d.slot, tokens, self._salt(r))
+
+    @staticmethod
+    def _salt(r: Request) -> str | None:
+        """Whose cached prefixes a request shares: its scope's, and within it its cache_salt's."""
+        p = r.params
+        return None if p.scope is None and p.cache_salt is None else f"{p.scope}\x00{p.cache_salt}"
 
     def _place(self, r: Request) -> None:
         """A waiting follower's slot. It waits while its leader's caches hold fewer than all but the last prompt
@@ -409,10 +457,15 @@ class Engine:
             d.slot = self.runner.open_slot(self._capacity(r))
 
     def _retire(self, r: Request, end: GenerationResult | BaseException) -> None:
+        if self.served is not None and isinstance(end, GenerationResult) and end.token_ids:
+            self.served.add(r.prompt, end.token_ids, r.params.scope)
         if r.decoding is not None and r.decoding.slot is not None:
+            keep = not isinstance(end, BaseException) or isinstance(end, Cancelled)  # its caches are whole
             if self.stepper.ahead is not None and r in self.stepper.ahead[0]:
-                self._held.append(r)  # the step in flight writes its slot: released once it is done
+                self._held.append((r, keep))  # the step in flight writes its slot: released once it is done
             else:
+                if keep:
+                    self._keep(r)
                 self.runner.release(r.decoding.slot)
             self.policy.forget(r.decoding)
         self.scheduler.retire(r)

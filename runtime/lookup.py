@@ -297,11 +297,15 @@ class PromptLookup:
         min_ngram: int = 1,
         store: NgramStore | None = None,
         texts: Callable[[int], bytes] | None = None,
+        served: NgramStore | None = None,
     ) -> None:
-        """texts: each token's bytes (the tokenizer's), for matches of text (`propose_valid`); None: none."""
+        """store: the shipped n-gram store; served: the store of this engine's own past answers (runtime/served_store.py);
+        texts: each token's bytes (the tokenizer's), for matches of text (`propose_valid`); None: none."""
         if not 1 <= min_ngram <= max_ngram:
             raise CloverError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.max_ngram, self.min_ngram, self.store, self.texts = max_ngram, min_ngram, store, texts
+        self.served = served
+        self.from_served = False  # the last proposal came from the served answers (a store draft: match < 0)
         self.tokens: list[int] = []
         self._text = bytearray()  # with `texts`: the sequence's bytes, and where each token ends in them
         self._ends: list[int] = []
@@ -311,7 +315,8 @@ class PromptLookup:
         # the last proposal's match length: > 0 in the sequence itself, < 0 (minus it) in the store, 0 none
         self.match = 0
         self.forbidden = 0  # of propose's draft, the tokens the grammar of the last propose_valid forbade
-        self._store_last: tuple = (None, [], 0)  # ((sequence length, k), drafts, match) of the last store search
+        # ((sequence length, k), drafts, match, from the served answers) of the last store search
+        self._store_last: tuple = (None, [], 0, False)
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -336,18 +341,25 @@ class PromptLookup:
         matched context predicts a longer continuation, and each drafted token costs a verify row whether or
         not it is accepted. With a store, a match of one token drafts only if the store has nothing (its
         matches of 2+ tokens, over many answers, predict better); the store's drafts are capped alike."""
-        seq, self.match = self.tokens, 0
+        seq, self.match, self.from_served = self.tokens, 0, False
+        stores = (self.store is not None or self.served is not None) and k > 0
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             recent = self._recent.get(tuple(seq[len(seq) - n :]))
             if recent:
                 start = recent[-1]
-                if n < STORE_MIN_CONTEXT and self.store is not None and k > 0:
+                if n < STORE_MIN_CONTEXT and stores:
                     stored = self._stored(k)
                     if len(stored):
                         return stored
-                self.match = self.match_length(start, n)
-                return np.array(seq[start : start + min(k, MATCH_DRAFTS_PER_TOKEN * self.match)], dtype=np.int64)
-        return self._stored(k) if self.store is not None else np.zeros(0, dtype=np.int64)
+                length = self.match_length(start, n)
+                if self.served is not None and k > 0:  # an answer served before that matches longer goes first
+                    drafts, m = self.served.propose(self.tokens, k, MATCH_DRAFTS_PER_TOKEN)
+                    if drafts and m > length:
+                        self.match, self.from_served = -m, True
+                        return np.array(drafts, dtype=np.int64)
+                self.match = length
+                return np.array(seq[start : start + min(k, MATCH_DRAFTS_PER_TOKEN * length)], dtype=np.int64)
+        return self._stored(k) if stores else np.zeros(0, dtype=np.int64)
 
     def propose_valid(self, k: int, valid: Callable[[list[int]], int]) -> np.ndarray:
         """Under a grammar: of `propose`'s draft and the continuations of the tail's other kept occurrences (every
@@ -369,7 +381,7 @@ class PromptLookup:
                 ok = valid(draft)
                 if ok > len(best):
                     best, best_match = np.array(draft[:ok], dtype=np.int64), match
-        if self.store is not None and k > len(best):
+        if (self.store is not None or self.served is not None) and k > len(best):
             stored = self._stored(k)
             ok = valid(stored.tolist())
             if ok > len(best):
@@ -412,14 +424,21 @@ class PromptLookup:
         return np.zeros(0, dtype=np.int64), 0
 
     def _stored(self, k: int) -> np.ndarray:
-        """The store's draft; `match` becomes minus its matched length (LookupLength learns store drafts apart).
-        Kept until the sequence grows: a step under a grammar asks again (propose_valid, the forced tokens), and a
-        search of a large store costs ~0.2 ms."""
+        """The stores' draft: of the served answers' and the shipped store's, the one of the longer match (the served
+        answers' on a tie); `match` becomes minus its matched length and `from_served` says whose it is (LookupLength
+        learns each source's drafts apart). Kept until the sequence grows: a step under a grammar asks again
+        (propose_valid, the forced tokens), and a search of a large store costs ~0.2 ms."""
         key = (len(self.tokens), k)
         if self._store_last[0] != key:
-            self._store_last = (key, *self.store.propose(self.tokens, k, MATCH_DRAFTS_PER_TOKEN))
-        _, drafts, m = self._store_last
-        self.match = -m if drafts else 0
+            best: tuple = ([], 0, False)
+            for served, store in ((True, self.served), (False, self.store)):
+                if store is not None:
+                    drafts, m = store.propose(self.tokens, k, MATCH_DRAFTS_PER_TOKEN)
+                    if drafts and m > best[1]:
+                        best = (drafts, m, served)
+            self._store_last = (key, *best)
+        _, drafts, m, served = self._store_last
+        self.match, self.from_served = (-m if drafts else 0), bool(drafts) and served
         return np.array(drafts, dtype=np.int64)
 
     def match_length(self, start: int, n: int) -> int:

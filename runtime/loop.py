@@ -341,6 +341,8 @@ def _committed(runner: Runner, d: Decoding, planned: _Planned, acc: Acceptance |
     )
     if d.logprobs is not None:  # emitted token k was drawn from row path[k]: the accepted path's rows, in order
         st.logprobs = token_logprobs(logits[acc.path], emitted, d.logprobs)
+    if p.feedback.lookup is not None:
+        st.lookup = _lookup_part(p, acc.path)
     if dr.heads is not None:  # a merged tree: below a lookup node there are only lookup nodes
         in_heads = dr.heads[acc.path]
         st.heads_tree, st.heads_path = dr.heads_tree, in_heads[in_heads >= 0]
@@ -349,8 +351,19 @@ def _committed(runner: Runner, d: Decoding, planned: _Planned, acc: Acceptance |
     return st
 
 
+def _lookup_part(p: Proposal, path: np.ndarray) -> tuple[str, int, int]:
+    """A step's lookup proposal: its source, its tokens verified (a merged tree's lookup nodes, else the chain's)
+    and those accepted."""
+    f, heads = p.feedback.lookup, p.draft.heads
+    source = "sequence" if f.match > 0 else "served" if f.served else "store"
+    if heads is None:
+        return source, p.tree.num_nodes - 1, len(path) - 1
+    return source, int((heads < 0).sum()), int((heads[path] < 0).sum())
+
+
 def _extend(d: Decoding, emitted: list[int]) -> None:
     """What follows the sequence's output: its processors' counts, its grammar's state, its lookup index."""
+    d.output += emitted
     for follower in (d.processors, d.grammar, d.lookup):
         if follower is not None:
             follower.extend(emitted)
@@ -382,6 +395,7 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
     if d.drafts.heads and d.tree.num_nodes > 1:  # the heads' pass over the prompt: part of the prefill
         runner.draft_prepare(d.slot)
     d.root = first
+    d.output.append(first)
     for follower in (d.processors, d.grammar):
         if follower is not None:
             follower.extend([first])
@@ -390,6 +404,7 @@ def _prefilled(runner: Runner, d: Decoding, chunk: np.ndarray, logits: np.ndarra
             list(d.prompt) + [first],
             store=runner.info.ngram_store,
             texts=d.grammar.token_bytes if d.grammar is not None else None,  # a grammar's drafts match text too
+            served=d.served,
         )
         if d.drafts.lookup
         else None

@@ -69,6 +69,11 @@ class GenerationParams:
     logprobs: each generated token's log-probability with this many alternatives (0-20; None: none).
     prompt_logprobs: each prompt token's log-probability (the first has none) with this many alternatives.
     grammar: what the output must match (clover.Grammar: JSON object / schema, regex, Lark, choice).
+    cache_salt: the prefix cache's scope (as vLLM's field): the request reuses, and leaves, cached prefixes only among
+        requests of the same salt (None: the unsalted ones).
+    scope: whose past answers the request may draft from and whose store its answer joins (the served-answers store,
+        runtime/served_store.py), and whose cached prefixes it shares; clover-serve sets its API key's digest. None:
+        the unscoped requests'.
     """
 
     max_new_tokens: int | None = 128
@@ -81,6 +86,8 @@ class GenerationParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: Grammar | None = None
+    cache_salt: str | None = None
+    scope: str | None = None
 
     def __post_init__(self) -> None:
         n = self.max_new_tokens
@@ -193,6 +200,13 @@ class EngineOptions:
     device: the torch backend's device ("cuda", "cuda:1", "cpu"); given, the backend runs the stacked runner there
     (runtime/backends/torch_batch.py: every sequence in one forward, the step on the device, CUDA graphs on a GPU); None: the
     per-sequence runner on the CPU.
+    draft_store_mb: memory for the served-answers store prompt lookup drafts from (runtime/served_store.py: every finished
+    answer joins it, oldest out first; drafts only, the same output); None: 64; 0: off. Used where the drafts include
+    prompt lookup. draft_store_shared: one store for every request scope (GenerationParams.scope) instead of one per
+    scope. draft_store_dir: keep the store across restarts in this folder (written atomically, checked on load).
+    prefix_cache_mb: memory for the prefix cache across requests (runtime/prefix_cache.py: a prompt that begins with
+    tokens an ended request computed reuses them, the same output); None: 1/16 of the machine's memory, at most 1 GiB;
+    0: off.
     chat_template: the chat template chat prompts render with, replacing the model's own or adding one to a base
     model that has none: the Jinja text, or the path of a file holding it (a Path, or a str without "{", as vLLM's
     --chat-template); read and compiled at load. None: the model's own, if any.
@@ -206,6 +220,10 @@ class EngineOptions:
     providers: str | tuple[str, ...] | None = None
     chat_template: str | PathLike[str] | None = None
     device: str | None = None
+    prefix_cache_mb: int | None = None
+    draft_store_mb: int | None = None
+    draft_store_shared: bool = False
+    draft_store_dir: str | PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         for name, low, what in (
@@ -216,6 +234,16 @@ class EngineOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise CloverError(f"{name} must be an int >= {low} ({what}), got {v!r}")
+        if self.draft_store_mb is not None and (
+            isinstance(self.draft_store_mb, bool) or not isinstance(self.draft_store_mb, int) or self.draft_store_mb < 0
+        ):
+            raise CloverError(f"draft_store_mb must be an int >= 0 (0: off) or None, got {self.draft_store_mb!r}")
+        if self.prefix_cache_mb is not None and (
+            isinstance(self.prefix_cache_mb, bool)
+            or not isinstance(self.prefix_cache_mb, int)
+            or self.prefix_cache_mb < 0
+        ):
+            raise CloverError(f"prefix_cache_mb must be an int >= 0 (0: off) or None, got {self.prefix_cache_mb!r}")
         if self.threads is not None and (
             isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1
         ):

@@ -219,24 +219,25 @@ class LookupLength:
 
     def __init__(self, cost: Callable[[int], float]) -> None:
         self.cost = cost
-        # index l: repeats of l tokens in the sequence; LONGEST + 1 + l: the store's, l tokens matched so far
-        self.hits = np.zeros(2 * (self.LONGEST + 1))
-        self.trials = np.zeros(2 * (self.LONGEST + 1))
+        # index l: repeats of l tokens in the sequence; LONGEST + 1 + l: the shipped store's, l tokens matched so far;
+        # 2 (LONGEST + 1) + l: the served answers' (runtime/served_store.py)
+        self.hits = np.zeros(3 * (self.LONGEST + 1))
+        self.trials = np.zeros(3 * (self.LONGEST + 1))
         # [kind, arm (0: heads and lookup merged, 1: lookup alone), (tokens, ms, steps)]: running sums of what
         # steps of each kind of proposal (`kind`) emitted and took, per arm
         self.arms = np.zeros((4, 2, 3))
         self.choices = [0] * 4  # decisions per kind, after the warm-up
 
-    def _repeats(self, match: int, n: int) -> np.ndarray:
+    def _repeats(self, match: int, n: int, served: bool = False) -> np.ndarray:
         at = np.minimum(abs(match) + np.arange(n), self.LONGEST)
-        return at if match >= 0 else at + self.LONGEST + 1
+        return at if match >= 0 else at + (2 if served else 1) * (self.LONGEST + 1)
 
-    def choose(self, match: int, n: int, rows: int = 1) -> int:
-        """Tokens to verify of a proposal of n from a match of `match` tokens (< 0: the store's), beside `rows` other
-        rows (the root, and a merged tree's head nodes)."""
+    def choose(self, match: int, n: int, rows: int = 1, served: bool = False) -> int:
+        """Tokens to verify of a proposal of n from a match of `match` tokens (< 0: a store's; `served`: the served
+        answers'), beside `rows` other rows (the root, and a merged tree's head nodes)."""
         if n == 0:
             return 0
-        at = self._repeats(match, n)
+        at = self._repeats(match, n, served)
         q = (self.hits[at] + self.STRENGTH * self.PRIOR) / (self.trials[at] + self.STRENGTH)
         expected = 1.0 + np.concatenate(([0.0], np.cumsum(np.cumprod(q))))  # tokens per step verifying k = 0..n
         ms = np.array([self.cost(rows + k) for k in range(n + 1)])
@@ -267,14 +268,14 @@ class LookupLength:
         """A heads+lookup step with a proposal of `kind`: lookup `alone` or merged, its tokens and time."""
         self.arms[kind, int(alone)] += (tokens, ms, 1)
 
-    def observe(self, match: int, proposal: Sequence[int], emitted: Sequence[int]) -> None:
+    def observe(self, match: int, proposal: Sequence[int], emitted: Sequence[int], served: bool = False) -> None:
         """A step's whole proposal (before `choose` cut it) beside the tokens the step emitted. The base's next
         tokens say whether each proposed token would have been accepted as far as the step emitted, so the
         tokens left out are learned from too (a repeat length once judged not worth a row is not judged so
         forever)."""
         n = min(len(proposal), len(emitted))
         right = next((j for j in range(n) if proposal[j] != emitted[j]), n)
-        at = self._repeats(match, n)
+        at = self._repeats(match, n, served)
         np.add.at(self.trials, at[: min(right + 1, n)], 1.0)
         np.add.at(self.hits, at[:right], 1.0)
 
@@ -323,6 +324,8 @@ def learn_from_step(d: Decoding, p: Proposal, st: Step, ms: float) -> None:
     if f.draft_call_ms is not None and isinstance(d.tree, DynamicTree) and d.tree.confidence is not None:
         d.tree.confidence.observe_draft(f.draft_call_ms)
     if f.lookup is not None:
-        d.lookup_length.observe(f.lookup.match, f.lookup.proposal, st.tokens[: len(st.tokens) - st.free_end])
+        d.lookup_length.observe(
+            f.lookup.match, f.lookup.proposal, st.tokens[: len(st.tokens) - st.free_end], f.lookup.served
+        )
     if f.arm is not None:
         d.lookup_length.observe_step(f.arm.kind, f.arm.alone, len(st.tokens), ms)

@@ -373,7 +373,7 @@ class LookupBudget(Protocol):
     """The policy's say on prompt lookup (runtime/policy.LookupLength): how many of a proposal's tokens are worth
     their verify rows, and whether heads+lookup leaves the heads out for such a proposal."""
 
-    def choose(self, match: int, n: int, rows: int = 1) -> int: ...
+    def choose(self, match: int, n: int, rows: int = 1, served: bool = False) -> int: ...
 
     def alone(self, match: int, n: int) -> bool: ...
 
@@ -397,10 +397,12 @@ class DraftInput:
 
 @dataclass(frozen=True)
 class LookupOutcome:
-    """A lookup proposal to learn acceptance from once verified: its match length and the whole proposal."""
+    """A lookup proposal to learn acceptance from once verified: its match length (< 0: a store's), the whole
+    proposal, and whether it came from the served answers."""
 
     match: int
     proposal: np.ndarray
+    served: bool = False
 
 
 @dataclass(frozen=True)
@@ -451,11 +453,11 @@ def _worth_verifying(x: DraftInput, proposal: np.ndarray, rows: int) -> np.ndarr
     """The part of a lookup proposal worth its verify rows (the policy's budget), beside `rows` other rows."""
     if x.budget is None or not len(proposal):
         return proposal
-    return proposal[: x.budget.choose(x.lookup.match, len(proposal), rows)]
+    return proposal[: x.budget.choose(x.lookup.match, len(proposal), rows, x.lookup.from_served)]
 
 
 def _outcome(x: DraftInput, whole: np.ndarray) -> LookupOutcome | None:
-    return LookupOutcome(x.lookup.match, whole) if x.budget is not None else None
+    return LookupOutcome(x.lookup.match, whole, x.lookup.from_served) if x.budget is not None else None
 
 
 def _forbidden(x: DraftInput) -> int:

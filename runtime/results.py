@@ -39,11 +39,17 @@ class Step:
     free_end: bool = False
     # a prompt chunk's tokens' log-probabilities (each but the prompt's first), when the sequence asks for them
     prompt_logprobs: StepLogprobs | None = None
+    # a lookup proposal's part in the step: its source (LOOKUP_SOURCES), its tokens verified and accepted
+    lookup: tuple[str, int, int] | None = None
 
     @property
     def wall(self) -> float:
         """The step's wall time (its phases; "engine" is a part of them)."""
         return sum(v for k, v in self.seconds.items() if k != "engine")
+
+
+# where a lookup draft came from: the sequence itself, the shipped n-gram store, this engine's served answers
+LOOKUP_SOURCES = ("sequence", "store", "served")
 
 
 @dataclass(frozen=True)
@@ -81,10 +87,13 @@ class GenerationResult:
     tree: str = "plain"
     time_to_first_token: float = 0.0  # seconds from the request to its first token (queueing and prefill)
     queue_seconds: float = 0.0  # seconds from the request to joining the batch
+    cached_tokens: int = 0  # prompt tokens whose caches came from an earlier request (the prefix cache)
     drafted_tokens: int = 0  # drafted tokens verified, over all steps
     accepted_tokens: int = 0  # drafted tokens accepted (tokens emitted minus one bonus token per step)
     draft_steps: int = 0  # verify steps that checked drafted tokens (plain steps draft none)
     pruned_tokens: int = 0  # drafted tokens the request's grammar forbade, left out of the verify
+    # drafted and accepted tokens by where they came from: "heads" and LOOKUP_SOURCES (only sources that drafted)
+    drafts_by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
     # one per token of token_ids when the request asked for log-probabilities (runtime/logprobs.py), else None
     logprobs: list[TokenLogprob] | None = None
     # one per prompt token but the first (which has none) when the request asked for them, else None
@@ -102,6 +111,8 @@ class Progress:
         self.start = time.perf_counter()
         self.queued = 0.0  # seconds from start to joining the batch (admitted)
         self.first_token: float | None = None  # seconds from start to the first token
+        self.cached_tokens = 0  # prompt tokens restored from the prefix cache instead of prefilled
+        self.lookup: dict[str, list[int]] = {}  # lookup source -> [verified, accepted] tokens
         self.accepted: list[int] = []  # tokens emitted per verify step
         self.drafted = 0  # drafted tokens verified (tree nodes but the root)
         self.draft_steps = 0  # verify steps with drafted tokens
@@ -127,6 +138,16 @@ class Progress:
             self.draft_steps += step.tree_nodes > 1
             self.pruned += step.pruned
             self.step_seconds.append(step.wall)
+            if step.lookup is not None:
+                counts = self.lookup.setdefault(step.lookup[0], [0, 0])
+                counts[0] += step.lookup[1]
+                counts[1] += step.lookup[2]
+
+    def _by_source(self, accepted: int) -> dict[str, tuple[int, int]]:
+        """Drafted and accepted tokens per source: the lookup's as counted, the heads' the rest."""
+        out = {k: (v[0], v[1]) for k, v in self.lookup.items()}
+        heads = (self.drafted - sum(v[0] for v in out.values()), accepted - sum(v[1] for v in out.values()))
+        return {"heads": heads, **out} if heads[0] > 0 else out
 
     def result(
         self,
@@ -162,10 +183,12 @@ class Progress:
             tree=tree,
             time_to_first_token=self.first_token or 0.0,
             queue_seconds=self.queued,
+            cached_tokens=self.cached_tokens,
             drafted_tokens=self.drafted,
             accepted_tokens=sum(acc) - len(acc),
             draft_steps=self.draft_steps,
             pruned_tokens=self.pruned,
+            drafts_by_source=self._by_source(sum(acc) - len(acc)),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )

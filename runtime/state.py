@@ -4,13 +4,13 @@ the policy (runtime/policy.py) reads. Built with keywords; the loop alone advanc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from clover.runtime.backend import Slot
 from clover.runtime.grammar import GrammarState
-from clover.runtime.lookup import PromptLookup
+from clover.runtime.lookup import NgramStore, PromptLookup
 from clover.runtime.params import PREFILL_CHUNK, DraftSource
 from clover.runtime.policy import LookupLength
 from clover.runtime.processors import LogitsProcessors
@@ -34,7 +34,10 @@ class Decoding:
     prefill_chunk: int = PREFILL_CHUNK
     prefilled: int = 0  # prompt tokens in the cache
     root: int = -1  # the last emitted token (the bonus token of the last step)
+    # every token emitted after the prompt, the root last: the slot caches the prompt and all of them but the root
+    output: list[int] = field(default_factory=list)
     lookup: PromptLookup | None = None
+    served: NgramStore | None = None  # the engine's served answers its lookup drafts from (runtime/served_store.py)
     # how many of each lookup proposal to verify (shared by the runner's sequences); None: all of it
     lookup_length: LookupLength | None = None
     processors: LogitsProcessors | None = None  # this request's logits processors (None: none, no work)

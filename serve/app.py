@@ -49,7 +49,7 @@ from clover.runtime.results import GenerationResult, StreamDelta
 from clover.runtime.sampling import SamplingParams
 from clover.runtime.scheduler import Cancelled, EngineUnavailable, QueueFull
 from clover.runtime.tokenizer import Tokenizer
-from clover.serve.limits import Cors, RequestGuard, RequestLimits
+from clover.serve.limits import TENANT, Cors, RequestGuard, RequestLimits
 from clover.serve.metrics import Metrics
 from clover.serve.responses import Store, create_response, get_response
 from clover.serve.schemas import (
@@ -61,6 +61,8 @@ from clover.serve.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    DraftCounts,
+    PromptTokensDetails,
     Speculation,
     TokenizeRequest,
     Usage,
@@ -128,7 +130,7 @@ class AppOptions:
     calls are served (`tool_choice` "auto" needs a parser). cors: cross-origin requests (None: no CORS headers, a
     browser on another origin is refused)."""
 
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     warmup: bool = True
     limits: RequestLimits = RequestLimits()
     docs: bool = True
@@ -446,6 +448,7 @@ class Completions:
             n, candidates = body.choices()
             self._check_sequences(len(prompts) * candidates)
             sampling = _sampling(body, bad_word_ids(self.engine.tokenizer, body.bad_words or ()))
+            tenant = request.scope.get(TENANT)  # whose served answers and cached prefixes it shares (several keys)
             for prompt in prompts:
                 ids = self.prompt_ids(body, prompt, plan)
                 # no max_tokens: up to the end of the context (or the server's cap); more than the context leaves:
@@ -457,7 +460,7 @@ class Completions:
                     outs.append(
                         self.engine.stream(
                             ids,
-                            _candidate(body, i, candidates > n, new, sampling, grammar),
+                            _candidate(body, i, candidates > n, new, sampling, grammar, tenant),
                             request_id=rid if len(prompts) * candidates == 1 else f"{rid}-{first + i}",
                             share_prefill=outs[first] if i else None,  # one prefill for a prompt's candidates
                         )
@@ -669,7 +672,13 @@ def _sampling(body: CompletionBody, bad_words: tuple[tuple[int, ...], ...] = ())
 
 
 def _candidate(
-    body: CompletionBody, i: int, ranked: bool, new: int | None, sampling: SamplingParams, grammar: Grammar | None
+    body: CompletionBody,
+    i: int,
+    ranked: bool,
+    new: int | None,
+    sampling: SamplingParams,
+    grammar: Grammar | None,
+    tenant: str | None = None,
 ) -> GenerationParams:
     """Candidate i's options (ranked: best_of returns the best of more candidates than n), seeded seed + i. A
     CloverError names the engine's field (request_param maps it to the request's)."""
@@ -688,6 +697,8 @@ def _candidate(
         grammar=grammar,
         # echo and prompt_logprobs: the prompt's log-probabilities, once (the candidates share the prompt)
         prompt_logprobs=prompt_alternatives(body) if i == 0 else None,
+        cache_salt=body.cache_salt,
+        scope=tenant,
     )
 
 
@@ -847,6 +858,8 @@ class EventStream:
             prompt = sum(out.prompt_tokens for out in self.outs[::per])
             done = sum(self.generated)
             doc["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+            cached = sum(out.cached_tokens for out in self.outs[::per])
+            doc["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
         return f"data: {json.dumps(doc)}\n\n"
 
     def piece(self, text: str, reason: str | None = None) -> dict[str, Any]:
@@ -935,17 +948,30 @@ def usage(results: list[GenerationResult], candidates: int, generated: bool = Tr
     tokens (best_of's too; none when not `generated`, max_tokens 0)."""
     completion = sum(r.new_tokens for r in results) if generated else 0
     prompt = sum(r.prompt_tokens for r in results[::candidates])
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = PromptTokensDetails(cached_tokens=sum(r.cached_tokens for r in results[::candidates]))
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=cached,
+    )
 
 
 def speculation(results: list[GenerationResult]) -> Speculation:
     """What speculation did for a request's candidates together."""
     steps = sum(r.steps for r in results)
     emitted = sum(sum(r.accepted_per_step) for r in results)
+    sources: dict[str, list[int]] = {}
+    for r in results:
+        for name, (drafted, accepted) in r.drafts_by_source.items():
+            counts = sources.setdefault(name, [0, 0])
+            counts[0] += drafted
+            counts[1] += accepted
     return Speculation(
         acceptance_length=round(emitted / steps, 4) if steps else 0.0,
         steps=steps,
         drafted_tokens=sum(r.drafted_tokens for r in results),
         accepted_tokens=sum(r.accepted_tokens for r in results),
         tree=results[0].tree,
+        sources={k: DraftCounts(drafted=d, accepted=a) for k, (d, a) in sources.items()},
     )

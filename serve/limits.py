@@ -4,6 +4,7 @@ alone, with 400 and the field in OpenAI's `param`). The engine itself checks tok
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 from dataclasses import dataclass
@@ -111,15 +112,25 @@ class Cors:
     credentials: bool = False
 
 
-def read_api_key_file(path: Path, flag: str = "--api-key-file") -> str:
-    """The API key on the first line of `path` (a one-line CloverError naming `flag` if unreadable or empty)."""
+def read_api_key_file(path: Path, flag: str = "--api-key-file") -> tuple[str, ...]:
+    """The API keys of `path`, one per non-empty line (a one-line CloverError naming `flag` if unreadable or empty):
+    each key is a tenant of its own (its requests draft from its own served answers, runtime/served_store.py)."""
     try:
         lines = path.read_text().splitlines()
     except OSError as e:
         raise CloverError(f"{flag} {path}: cannot read it ({e.strerror})") from None
-    if not lines or not lines[0].strip():
-        raise CloverError(f"{flag} {path} is empty: put the key on its first line")
-    return lines[0].strip()
+    keys = tuple(line.strip() for line in lines if line.strip())
+    if not keys:
+        raise CloverError(f"{flag} {path} is empty: put the key on its first line (one key per line)")
+    return keys
+
+
+def tenant_of(key: str) -> str:
+    """A key's tenant name in the engine (GenerationParams.scope): a digest, so the key itself goes no further."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+TENANT = "clover.tenant"  # the ASGI scope's entry naming the request's tenant (None: one key, or none)
 
 
 class RequestGuard:
@@ -132,14 +143,17 @@ class RequestGuard:
     def __init__(
         self,
         app,
-        api_key: str | None,
+        api_key: str | tuple[str, ...] | None,
         max_body_bytes: int,
         max_concurrent: int | None = None,
         metrics_need_key: bool = False,
         retry_after_s: int = 1,
     ) -> None:
         self.app, self.max_body_bytes, self.max_concurrent = app, max_body_bytes, max_concurrent
-        self.key = None if api_key is None else f"Bearer {api_key}".encode()
+        keys = (api_key,) if isinstance(api_key, str) else tuple(api_key or ())
+        # header value -> tenant; several keys are several tenants, one key (or none) none: every request one scope
+        self.keys = {f"Bearer {k}".encode(): tenant_of(k) if len(keys) > 1 else None for k in keys}
+        self.key = bool(self.keys) or None
         self.keyed = (
             "/v1",
             "/tokenize",
@@ -157,7 +171,11 @@ class RequestGuard:
         path = _route(scope)
         # a browser's CORS preflight (OPTIONS) carries no credentials: the CORS middleware answers it, else a 405
         if self.key is not None and path.startswith(self.keyed) and scope.get("method") != "OPTIONS":
-            if not secrets.compare_digest(headers.get(b"authorization", b""), self.key):
+            sent = headers.get(b"authorization", b"")
+            match = [k for k in self.keys if secrets.compare_digest(sent, k)]  # every key compared: no timing leak
+            if match:
+                scope[TENANT] = self.keys[match[0]]
+            else:
                 return await _refuse(
                     send,
                     401,

@@ -42,6 +42,8 @@ REQUEST_BUCKETS = (
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 # The series vLLM serves under the same name (vLLM's prefix): the rest are clover-deploy's own
 VLLM_SERIES = {
+    "prefix_cache_queries",
+    "prefix_cache_hits",
     "num_requests_running",
     "num_requests_waiting",
     "kv_cache_usage_perc",
@@ -72,6 +74,7 @@ class Metrics:
     def __init__(self, engine, labels: Mapping[str, str] | None = None, model: str = "") -> None:
         """model: the served model's name, vLLM's `model_name` label on the vllm: series."""
         r = CollectorRegistry()
+        self.caching = getattr(engine, "prefix_cache", None) is not None
         self.registry = WithVllmNames(ConstantLabels(r, labels) if labels else r, model)
         # Registered in this order, which is the order /metrics lists them in
         self._spec_decode_counters(r)
@@ -91,6 +94,15 @@ class Metrics:
             "Drafted tokens a request's grammar forbade, left out of the verify (not in num_draft_tokens)",
             registry=r,
         )
+        self.source_drafted = Counter(
+            p + "spec_decode_source_draft_tokens",
+            "Drafted tokens verified, by source (heads; prompt lookup's sequence, store, served)",
+            ["source"],
+            registry=r,
+        )
+        self.source_accepted = Counter(
+            p + "spec_decode_source_accepted_tokens", "Drafted tokens accepted, by source", ["source"], registry=r
+        )
         self.accepted_per_pos = Counter(
             p + "spec_decode_num_accepted_tokens_per_pos",
             "Drafted tokens accepted, by position in the accepted path",
@@ -99,7 +111,8 @@ class Metrics:
         )
 
     def _request_counters(self, r: CollectorRegistry) -> None:
-        """The finished requests' counters: their tokens, finish reasons and output-shaping options."""
+        """The finished requests' counters: their tokens, the prefix cache's queried and hit tokens, finish reasons and
+        output-shaping options."""
         p = PREFIX
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens of finished requests", registry=r)
@@ -108,6 +121,12 @@ class Metrics:
             "Finished requests, by finish reason (abort: the client went away)",
             ["finished_reason"],
             registry=r,
+        )
+        self.cache_queries = Counter(
+            p + "prefix_cache_queries", "Prompt tokens of finished requests looked up in the prefix cache", registry=r
+        )
+        self.cache_hits = Counter(
+            p + "prefix_cache_hits", "Of them, the tokens whose caches came from the prefix cache", registry=r
         )
         self.options = Counter(
             p + "request_options",
@@ -185,10 +204,16 @@ class Metrics:
         self.requests.labels(reason).inc()
         self.prompt_tokens.inc(result.prompt_tokens)
         self.generation_tokens.inc(result.new_tokens)
+        if self.caching:
+            self.cache_queries.inc(result.prompt_tokens)
+            self.cache_hits.inc(result.cached_tokens)
         self.draft_tokens.inc(result.drafted_tokens)
         self.accepted_tokens.inc(result.accepted_tokens)
         self.pruned_tokens.inc(result.pruned_tokens)
         self.drafts.inc(result.draft_steps)
+        for source, (drafted, accepted) in result.drafts_by_source.items():
+            self.source_drafted.labels(source).inc(drafted)
+            self.source_accepted.labels(source).inc(accepted)
         for emitted in result.accepted_per_step:
             for position in range(emitted - 1):  # the bonus token is not a draft
                 self.accepted_per_pos.labels(str(position)).inc()

@@ -65,7 +65,7 @@ class RayServeOptions:
 
     artifact: the artifact folder, at this path on every node. model: the name clients send (default: the folder's
     name). backend: ort or trt (default: trt for an artifact with engines, else ort). tree, heads, max_batch, max_waiting,
-    providers, tools (ToolOptions): as clover-serve's flags, per replica. threads: ONNX Runtime intra-op threads per replica, and the CPUs
+    prefix_cache_mb, providers, tools (ToolOptions): as clover-serve's flags, per replica. threads: ONNX Runtime intra-op threads per replica, and the CPUs
     Ray reserves for it (`ray_actor_options.num_cpus`). replicas: a fixed number, or autoscale = (min, max) with
     target_ongoing_requests per replica (default: max_batch, a full batch each). api_key: in this process only (never
     written to a config); api_key_file: read by each replica (a path on every node); neither: $CLOVER_API_KEY of the
@@ -80,12 +80,15 @@ class RayServeOptions:
     heads: str | None = None  # as clover-serve --heads (None: the artifact's default drafts)
     max_batch: int = 8
     max_waiting: int = 256
+    prefix_cache_mb: int | None = None  # each replica's own cache (None: the engine's default)
+    draft_store_mb: int | None = None  # each replica's own served-answers store (None: the engine's default)
+    draft_store_shared: bool = False
     threads: int = 1
     providers: str | None = None
     replicas: int = 1
     autoscale: tuple[int, int] | None = None
     target_ongoing_requests: float | None = None
-    api_key: str | None = field(default=None, repr=False)
+    api_key: str | tuple[str, ...] | None = field(default=None, repr=False)
     api_key_file: str | None = None
     metrics_need_key: bool = False
     docs: bool = True
@@ -267,7 +270,13 @@ def load_engine(o: RayServeOptions, log=sys.stderr):
         heads=o.heads,
         log=log,
         options=EngineOptions(
-            max_batch=o.max_batch, threads=o.threads, max_waiting=o.max_waiting, providers=o.providers
+            max_batch=o.max_batch,
+            threads=o.threads,
+            max_waiting=o.max_waiting,
+            providers=o.providers,
+            prefix_cache_mb=o.prefix_cache_mb,
+            draft_store_mb=o.draft_store_mb,
+            draft_store_shared=o.draft_store_shared,
         ),
     )
     engine.generate(WARMUP_PROMPT, GenerationParams(max_new_tokens=2))

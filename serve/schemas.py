@@ -272,6 +272,7 @@ class _Generation(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # each prompt token's, vLLM's shape
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
     priority: int = 0  # vLLM's priority scheduling: this server schedules first come, first served
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: reuses cached prefixes of this salt only
     # accepted and ignored: they do not change the output
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -592,10 +593,20 @@ class DetokenizeRequest(BaseModel):
     tokens: list[Annotated[int, Field(ge=0)]]
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose caches an earlier request computed (the prefix cache)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class DraftCounts(BaseModel):
+    drafted: int
+    accepted: int
 
 
 class Speculation(BaseModel):
@@ -606,6 +617,9 @@ class Speculation(BaseModel):
     drafted_tokens: int
     accepted_tokens: int
     tree: str
+    # drafted and accepted tokens by where the drafts came from: heads, sequence (prompt lookup in the request
+    # itself), store (the artifact's n-gram store), served (this server's past answers); sources that drafted only
+    sources: dict[str, DraftCounts] = {}
 
 
 @functools.cache

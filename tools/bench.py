@@ -204,6 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="torch / ORT intra-op threads")
     p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=0,
+        metavar="N",
+        help="--concurrency: the engines' prefix cache (0: off, the default: every level runs the same prompts, "
+        "which a cache would serve from the second level on; its share of the prompt tokens is reported)",
+    )
+    p.add_argument(
         "--providers",
         default=None,
         help="ONNX Runtime execution providers of the ort backend, "

@@ -117,6 +117,10 @@ def summarize(
         "itl_p50_ms": round(float(np.percentile(itl, 50)), 2),
         "itl_p95_ms": round(float(np.percentile(itl, 95)), 2),
         "acceptance_length": round(emitted / steps, 3) if steps else 0.0,
+        # of the prompt tokens, those the prefix cache served (--prefix-cache-mb)
+        "cached_prompt_share": round(
+            sum(r.cached_tokens for r in results) / max(sum(r.prompt_tokens for r in results), 1), 4
+        ),
         "identical_to_solo_plain": f"{len(same)}/{len(results)}",
         "mismatches": first_diff,
         "new_tokens": new,
@@ -203,7 +207,12 @@ def _load_engines(args: argparse.Namespace, setup: _Setup, prompts: list[str]) -
             heads=setup.heads,
             backend=setup.backend,
             tree="plain" if mode == CONTROL else mode,
-            options=EngineOptions(max_batch=setup.max_batch, threads=args.threads, **setup.providers),
+            options=EngineOptions(
+                max_batch=setup.max_batch,
+                threads=args.threads,
+                prefix_cache_mb=args.prefix_cache_mb,
+                **setup.providers,
+            ),
             log=None,
         )
         engines[mode].generate(prompts[0], GenerationParams(max_new_tokens=4), chat=setup.chat)  # warm-up off the clock
@@ -311,7 +320,7 @@ def run(args: argparse.Namespace, prompts: list[str]) -> int:
 def print_table(rows: list[dict], bound: float | None, wb: int) -> None:
     head = (
         f"{'conc':>4} {'mode':10} {'tok/s':>8} {'vs plain':>8} {'vs c1':>6} {'req tok/s':>9} {'ttft p50':>8} "
-        f"{'ttft p95':>8} {'itl p50':>7} {'itl p95':>7} {'acc len':>7} {'identical':>9}"
+        f"{'ttft p95':>8} {'itl p50':>7} {'itl p95':>7} {'acc len':>7} {'cached':>6} {'identical':>9}"
     )
     print(head)
     print("-" * len(head))
@@ -320,11 +329,12 @@ def print_table(rows: list[dict], bound: float | None, wb: int) -> None:
             f"{r['concurrency']:>4} {r['mode']:10} {r['tokens_per_second']:>8.1f} {r['vs_plain']:>7.2f}x "
             f"{r['vs_concurrency1_plain']:>5.2f}x {r['per_request_tokens_per_second']:>9.1f} {r['ttft_p50_ms']:>8.0f} "
             f"{r['ttft_p95_ms']:>8.0f} {r['itl_p50_ms']:>7.1f} {r['itl_p95_ms']:>7.1f} {r['acceptance_length']:>7.2f} "
-            f"{r['identical_to_solo_plain']:>9}"
+            f"{r['cached_prompt_share']:>6.0%} {r['identical_to_solo_plain']:>9}"
         )
     print(
         "tok/s = aggregate output tokens per second; ms: ttft = time to first token (queueing + prefill), itl = "
-        "inter-token latency; acc len = tokens per verify step, bonus token included"
+        "inter-token latency; acc len = tokens per verify step, bonus token included; cached = prompt tokens the "
+        "prefix cache served (--prefix-cache-mb)"
     )
     if bound:
         print(

@@ -109,6 +109,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--threads", type=int, default=None, help="ONNX Runtime intra-op threads")
     p.add_argument(
+        "--draft-store-mb",
+        type=int,
+        default=None,
+        metavar="N",
+        help="memory for the served-answers store prompt lookup drafts from: every finished answer joins it, oldest "
+        "out first (drafts only: the same output); 0: off (default: 64; with --ray, per replica). With several API "
+        "keys each key's requests draft from its own answers",
+    )
+    p.add_argument(
+        "--draft-store-shared",
+        action="store_true",
+        help="one served-answers store for every API key (default: one per key, so a response's speed tells no "
+        "tenant what another was told)",
+    )
+    p.add_argument(
+        "--draft-store-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the served-answers store across restarts in DIR (written atomically, checked on load)",
+    )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=None,
+        metavar="N",
+        help="memory for the prefix cache: a prompt that begins with tokens an ended request computed (a "
+        "conversation's earlier turns, a shared system prompt) reuses them and prefills only the rest, the same "
+        "output; least recently used first out; 0: off (default: 1/16 of the machine's memory, at most 1024; with "
+        "--ray, per replica)",
+    )
+    p.add_argument(
         "--providers",
         default=None,
         help="ONNX Runtime execution providers (backend ort), comma-separated "
@@ -203,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key-file",
         type=Path,
         default=None,
-        help="read the API key from this file (its first line) "
-        "instead of --api-key, so it stays out of the process list",
+        help="read the API keys from this file (one per line) instead of --api-key, so they stay out of the process "
+        "list; several keys are several tenants: each one's requests draft only from its own served answers and "
+        "share cached prefixes only among themselves",
     )
     p.add_argument(
         "--manifest-sha256",
@@ -325,6 +358,9 @@ def ray_options(args: argparse.Namespace, limits, model: str | None, tools, cors
         heads=args.heads,
         max_batch=args.max_batch,
         max_waiting=args.max_waiting,
+        prefix_cache_mb=args.prefix_cache_mb,
+        draft_store_mb=args.draft_store_mb,
+        draft_store_shared=args.draft_store_shared,
         threads=args.threads_per_replica or args.threads or 1,
         providers=args.providers,
         replicas=args.replicas or 1,
@@ -495,6 +531,10 @@ def _load_engine(args: argparse.Namespace):
             max_batch=args.max_batch,
             threads=args.threads,
             max_waiting=args.max_waiting,
+            prefix_cache_mb=args.prefix_cache_mb,
+            draft_store_mb=args.draft_store_mb,
+            draft_store_shared=args.draft_store_shared,
+            draft_store_dir=args.draft_store_dir,
             providers=args.providers,
             chat_template=args.chat_template,
             dtype=args.dtype,

@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from clover.artifact import GraphSpec, Manifest, slot_name
-from clover.runtime.backend import Runner, RunnerInfo, Slot
+from clover.runtime.backend import Prefix, Runner, RunnerInfo, Slot
 from clover.runtime.lookup import NgramStore
 from clover.runtime.tree import compile_spec
 
@@ -165,6 +165,16 @@ class KVCache:
         for new, old in zip(self.buffers, other.buffers):
             new[:, :, :rows] = old[:, :, :rows]
 
+    def export(self, rows: int) -> list[Any]:
+        """Copies of the first `rows` slots of every buffer [1, Hkv, rows, D] (a prefix kept for later sequences)."""
+        return [self.arrays.copy(b[:, :, :rows]) for b in self.buffers]
+
+    def load(self, saved: Sequence[Any], rows: int, capacity: int) -> None:
+        """A fresh sequence's buffers take the first `rows` slots of `export`ed ones (room up to `capacity`)."""
+        self.make_room(0, rows, capacity)
+        for new, old in zip(self.buffers, saved):
+            new[:, :, :rows] = old[:, :, :rows]
+
     def move(self, start: int, rows: np.ndarray) -> None:
         """Shared buffers: move slots start + rows to start, start + 1, ... (an accepted tree path)."""
         for buf in self.buffers:
@@ -226,6 +236,17 @@ class Drafter(abc.ABC):
     def fork(self, src: Any, dst: Any, past: int, capacity: int) -> None:
         """Copy a sequence's drafting state (after `past` committed tokens) into a fresh one's."""
 
+    def seen(self, state: Any, past: int) -> int:
+        """Of `past` committed rows, those the heads' caches hold (default: all; they keep none)."""
+        return past
+
+    def export(self, state: Any, rows: int) -> Any:
+        """Copies of the heads' caches of the first `rows` tokens (<= `seen`), or None where they keep none."""
+        return None
+
+    def load(self, state: Any, saved: Any, rows: int, capacity: int) -> None:
+        """A fresh sequence's state takes `export`ed caches of `rows` tokens; its next accepted rows follow them."""
+
     @property
     @abc.abstractmethod
     def graphs(self) -> tuple[EngineGraph, ...]: ...
@@ -281,6 +302,17 @@ class TreeDrafter(Drafter):
         dst.behind = [(a.copy(h), t) for h, t in src.behind]
         dst.root_state = None if src.root_state is None else a.copy(src.root_state)
         dst.root_logits = None if src.root_logits is None else a.copy(src.root_logits)
+
+    def seen(self, state, past):
+        return past - sum(len(t) for _, t in state.behind)
+
+    def export(self, state, rows):
+        return state.cache.export(rows)
+
+    def load(self, state, saved, rows, capacity):
+        if saved is not None:  # None: a prefix kept without the heads' state, for a caller that never drafts with them
+            state.cache.load(saved, rows, capacity)
+        state.behind, state.root_state, state.root_logits = [], None, None
 
     def _catch_up(self, state: TreeDraft, slot: Slot) -> None:
         """The begin graph over the accepted rows it has not seen (one call for several steps)."""
@@ -493,6 +525,22 @@ class GraphRunner(Runner):
             d.cache.copy_from(s.cache, src.past, dst.capacity)
             if self.drafter is not None:
                 self.drafter.fork(s.draft, d.draft, src.past, dst.capacity)
+
+    def _snapshot(self, slot, rows, heads):
+        seq, drafter = slot.state, self.drafter if heads else None
+        if drafter is not None:
+            rows = min(rows, drafter.seen(seq.draft, slot.past))
+        with self.arrays.scope():
+            heads = drafter.export(seq.draft, rows) if drafter is not None else None
+            base = seq.cache.export(rows)
+        return Prefix(rows, sum(a.nbytes for a in base + (heads or [])), (base, heads))
+
+    def _restore(self, slot, prefix, rows):
+        seq, (base, heads) = slot.state, prefix.data
+        with self.arrays.scope():
+            seq.cache.load(base, rows, slot.capacity)
+            if self.drafter is not None:
+                self.drafter.load(seq.draft, heads, rows, slot.capacity)
 
     def _make_room(self, slot: Slot, new: int) -> None:
         """The slot's cache holds its past and `new` rows (KVCache.make_room)."""

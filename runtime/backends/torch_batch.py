@@ -35,7 +35,7 @@ import torch
 from clover.errors import CloverError
 from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
-from clover.runtime.backend import Decoded, EngineClock, Runner, Slot, SlotStep, Verify
+from clover.runtime.backend import Decoded, EngineClock, Prefix, Runner, Slot, SlotStep, Verify
 from clover.runtime.backends.torch_runner import row_bucket, torch_info
 from clover.runtime.logprobs import MAX_LOGPROBS, StepLogprobs
 from clover.runtime.lookup import NgramStore
@@ -544,6 +544,21 @@ class BatchedTorchRunner(Runner):
                 buf[d, :, :P] = buf[s, :, :P]
         for t in (self.lengths, self.roots, self.root_state, self.root_logits):
             t[d] = t[s]
+
+    @torch.inference_mode()
+    def _snapshot(self, slot: Slot, rows: int, heads: bool) -> Prefix:
+        r = slot.index  # the heads take in each row as it is committed: they have seen them all
+        buffers = self.cache.keys + self.cache.values + self.head_cache.keys + self.head_cache.values
+        saved = [b[r, :, :rows].clone() for b in buffers]
+        return Prefix(rows, sum(t.nbytes for t in saved), saved)
+
+    @torch.inference_mode()
+    def _restore(self, slot: Slot, prefix: Prefix, rows: int) -> None:
+        r = slot.index
+        buffers = self.cache.keys + self.cache.values + self.head_cache.keys + self.head_cache.values
+        for new, old in zip(buffers, prefix.data):
+            new[r, :, :rows] = old[:, :rows]
+        self.lengths[r] = rows
 
     # -- the Runner methods: the general loop ------------------------------------------------------------------
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

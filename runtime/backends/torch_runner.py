@@ -23,7 +23,7 @@ import torch
 from clover.errors import CloverError
 from clover.models.decoder import Decoder, DecoderOutput, with_attention
 from clover.models.heads import DraftHeads
-from clover.runtime.backend import EngineClock, Runner, RunnerInfo, Slot
+from clover.runtime.backend import EngineClock, Prefix, Runner, RunnerInfo, Slot
 from clover.runtime.lookup import NgramStore
 
 
@@ -172,6 +172,19 @@ class TorchRunner(Runner):
                 new[:, :, :P] = old[:, :, :P]
         d.root_state = None if s.root_state is None else s.root_state.clone()
         d.root_logits = None if s.root_logits is None else s.root_logits.clone()
+
+    @torch.inference_mode()
+    def _snapshot(self, slot: Slot, rows: int, heads: bool) -> Prefix:
+        s = slot.state  # the heads take in each row as it is committed: they have seen them all
+        saved = [b[:, :, :rows].clone() for b in s.cache[0] + s.cache[1] + s.head_cache[0] + s.head_cache[1]]
+        return Prefix(rows, sum(t.nbytes for t in saved), saved)
+
+    @torch.inference_mode()
+    def _restore(self, slot: Slot, prefix: Prefix, rows: int) -> None:
+        s = slot.state
+        for new, old in zip(s.cache[0] + s.cache[1] + s.head_cache[0] + s.head_cache[1], prefix.data):
+            new[:, :, :rows] = old[:, :, :rows]
+        s.root_state = s.root_logits = None  # the next committed rows set them
 
     def _release(self, slot: Slot) -> None:
         if self.max_graph_rows:  # kept with its graphs for the next sequence, which then records none
