@@ -60,6 +60,7 @@ class RunnerInfo:
     # what this runner's verify time depends on besides the machine (artifact digest, graphs loaded, backend version
     # and settings): the key its verify-cost curve is cached under across loads (cost.verify_cost); None: not cached
     cost_key: str | None = None
+    max_rows: int | None = None  # most new rows one forward of a sequence takes (TensorRT: its profiles); None: any
 
     def check_tree(self, tree: Tree) -> None:
         """One-line error for a tree this runner cannot verify losslessly."""

@@ -36,6 +36,9 @@ PLAIN = compile_tree([], name="plain")
 # caps it), "heads+lookup" adds a path this long to the heads' tree. A match of L tokens drafts up to 2L
 # (runtime/lookup.py): a long repeat is right often enough to pay for its rows, LookupLength cuts the rest.
 LOOKUP_DRAFTS = 12
+# drafts from an answer served before (runtime/served_store.py) may go this far beyond the tree's depth: a repeated
+# answer is right for long stretches, and the verify-cost curve (LookupLength) still decides how much of it is verified
+SERVED_DRAFTS = 32
 # tokens a grammar forces next (a JSON schema's keys and punctuation) drafted per step at most: always allowed and
 # nearly always the model's choice, so they are worth their rows like a long prompt-lookup match
 FORCED_DRAFTS = 16
@@ -485,6 +488,13 @@ class HeadsProposer:
         return Proposal(tree, draft_tree(self.runner, tree, x.root, x.sampling, x.rng, x.slot, masks))
 
 
+def served_drafts(runner: Runner) -> int:
+    """Drafts from a served answer one step may verify: SERVED_DRAFTS, within the rows a forward takes (TensorRT's
+    profiles) with the root."""
+    rows = runner.info.max_rows
+    return SERVED_DRAFTS if rows is None else max(0, min(SERVED_DRAFTS, rows - 1))
+
+
 class LookupProposer:
     """A chain of prompt-lookup tokens, as long as `tree` is deep and as the policy's budget judges worth its rows."""
 
@@ -492,9 +502,13 @@ class LookupProposer:
 
     def __init__(self, runner: Runner) -> None:
         self.vocab_size = runner.info.vocab_size
+        self.served_drafts = served_drafts(runner)
 
     def propose(self, x: DraftInput, tree: Tree, room: int) -> Proposal:
         whole = _lookup(x, min(tree.max_depth, room))
+        longer = min(self.served_drafts, room)
+        if x.lookup.from_served and len(whole) == tree.max_depth < longer:  # the tree's depth cut a served answer short
+            whole = _lookup(x, longer)
         tokens = _worth_verifying(x, whole, 1)
         draft = lookup_draft(x.root, tokens, x.sampling, self.vocab_size)
         feedback = Feedback(lookup=_outcome(x, whole), pruned=_forbidden(x))
@@ -510,10 +524,14 @@ class MergedProposer:
     def __init__(self, runner: Runner) -> None:
         self.heads, self.chains_only = HeadsProposer(runner), runner.info.chains_only
         self.vocab_size = runner.info.vocab_size
+        self.served_drafts, self.max_rows = served_drafts(runner), runner.info.max_rows
 
     def propose(self, x: DraftInput, tree: Tree, room: int) -> Proposal:
         tree = tree if tree.num_nodes - 1 <= room else PLAIN
         whole = _lookup(x, min(LOOKUP_DRAFTS, room))
+        longer = min(self.served_drafts, room)
+        if x.lookup.from_served and len(whole) == LOOKUP_DRAFTS < longer:  # a served answer goes on: draft it further
+            whole = _lookup(x, longer)
         # steps learned from (heads drafted or not): not the first after the prompt (its heads draft over all of it)
         learn = x.budget is not None and tree.num_nodes > 1 and x.measured
         kind = x.budget.kind(x.lookup.match, len(whole)) if learn else -1
@@ -524,7 +542,8 @@ class MergedProposer:
             feedback = Feedback(lookup=_outcome(x, whole), arm=Arm(True, kind), heads_idle=True, pruned=pruned)
             return Proposal(chain(len(tokens)), draft, feedback)
         p = self.heads.draft(x, tree)
-        whole = whole[: max(0, room - p.tree.num_nodes + 1)]  # the lookup path joins the heads' tree, in the rows left
+        left = room if self.max_rows is None else min(room, self.max_rows - 1)
+        whole = whole[: max(0, left - p.tree.num_nodes + 1)]  # the lookup path joins the heads' tree, in the rows left
         tree, draft = merge_lookup(p.tree, p.draft, _worth_verifying(x, whole, p.tree.num_nodes), self.chains_only)
         p.feedback.lookup, p.feedback.pruned = _outcome(x, whole), pruned
         p.feedback.arm = Arm(False, kind) if learn else None

@@ -18,9 +18,12 @@ atomically (a kill leaves the old file or the new one) and checked on load.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,6 +36,10 @@ from clover.runtime.lookup import STORE_PROMPT_TAIL, NgramStore, store_dtype
 
 STORE_FILE_FORMAT = 1
 REBUILD_DELAY_S = 0.05  # answers that end together (a batch) join one rebuild
+# ... and a rebuild waits at least this many times the last one's duration after it: under steady traffic over a
+# large store the background thread takes at most ~1/(1 + this) of a core from the engine
+REBUILD_SPACING = 4.0
+REBUILD_NICE = 10  # the rebuilding thread's niceness on Linux: the engine's steps go first
 SA_BYTES = 4  # the suffix array's entry per token
 
 
@@ -112,12 +119,16 @@ class ServedStore:
     _building = False
 
     def _rebuild_loop(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # Linux: a thread has its own niceness
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), REBUILD_NICE)
+        last = 0.0
         while True:
             with self._lock:
                 self._wake.wait_for(lambda: self._dirty or self._closed)
                 if self._closed and not self._dirty:
                     return
-            threading.Event().wait(REBUILD_DELAY_S)
+            threading.Event().wait(max(REBUILD_DELAY_S, REBUILD_SPACING * last) if not self._closed else 0)
+            start = time.perf_counter()
             with self._lock:
                 dirty, self._dirty = self._dirty, set()
                 work = {s: list(self._answers.get(s, ())) for s in dirty}
@@ -136,6 +147,7 @@ class ServedStore:
                         except OSError as e:  # a full disk: the old file stays whole, serving goes on
                             self.save_error = f"{type(e).__name__}: {e}"
             finally:
+                last = time.perf_counter() - start
                 with self._lock:
                     self._building = False
                     self._wake.notify_all()

@@ -452,6 +452,7 @@ class GraphRunner(Runner):
         batch_slots: int = 1,
         draft_vocab: np.ndarray | None = None,
         ngram_store: NgramStore | None = None,
+        max_rows: int | None = None,
     ) -> None:
         super().__init__()
         self.manifest, self.arrays, self.cache_block = manifest, arrays, cache_block
@@ -490,6 +491,7 @@ class GraphRunner(Runner):
             batch_slots=batch_slots,
             draft_vocab=draft_vocab if heads is not None else None,
             ngram_store=ngram_store,
+            max_rows=max_rows,
         )
         self._free: list[tuple[KVCache, Any]] = []  # released sequences' caches of the initial size
         self.two_rows = False  # run every forward on >= 2 rows (set from lone_row_differs by the backend)

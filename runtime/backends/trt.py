@@ -304,6 +304,8 @@ class TrtRunner(GraphRunner):
         class with ONNX Runtime in place of the engines)."""
         self.stream = stream
         slot_limit = min(max_slots(engines[n].table) for n in ("base", "draft_begin") if n in engines)
+        table = engines["base"].table
+        rows = max((dim_bounds(p, table.inputs).get("new", (0, 0))[1] for p in table.profiles), default=0)
         super().__init__(
             manifest,
             engines,
@@ -313,6 +315,7 @@ class TrtRunner(GraphRunner):
             cache_block=cache_block,
             max_context=min(manifest.max_context, slot_limit),
             ngram_store=ngram_store,
+            max_rows=rows or None,
         )
 
     def close(self) -> None:
