@@ -314,3 +314,57 @@ def test_qwen3_quantized_exports_are_lossless_against_their_own_plain(checkpoint
     assert open_artifact(artifact).weights.scheme == weights
     want = outputs(Generator.load(artifact, "none", backend="ort"))
     assert_outputs(Generator.load(artifact, backend="ort"), want, f"qwen3 {weights} ort random:clover2")
+
+
+# the families whose decoders differ from Llama's in more than their config: each trains heads and serves
+TRAINED = ("qwen3", "olmo2", "phi4mini", "gemma2", "gemma3")
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_each_family_trains_heads_and_serves_them(checkpoints, references, name, tmp_path):
+    """clover-train self-distills Clover-2 heads on the family's own answers (a few hundred tokens), and clover-serve's
+    app on the torch backend with those heads answers transformers' greedy output, plain and speculative."""
+    import shutil
+
+    import httpx
+    from helpers import Server
+
+    from clover.runtime.engine import Engine
+    from clover.tools.train import main as train_main
+
+    folder, data = checkpoints[name], tmp_path / "chats.jsonl"
+    chat = shutil.copytree(folder, tmp_path / "instruct")  # the same weights with a chat template, to answer chats
+    config = json.loads((chat / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}w5"
+    (chat / "tokenizer_config.json").write_text(json.dumps(config))
+    data.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"w{6 + i} w{40 + 3 * i}"},
+                        {"role": "assistant", "content": "w9"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(24)
+        )
+    )
+    heads = tmp_path / "heads"
+    args = ["--base", str(chat), "--data", str(data), "--out", str(heads), "--cache-dir", str(tmp_path / "f")]
+    args += ["--max-tokens", "240", "--max-new-tokens", "12", "--max-length", "32", "--gen-batch", "8"]
+    assert train_main([*args, "--batch-tokens", "256", "--topk", "8", "--num-heads", "2", "--epochs", "1"]) == 0
+    assert json.loads((heads / "training.json").read_text())["epochs"]
+    for tree in ("plain", "chain-2"):
+        spec = "none" if tree == "plain" else str(heads)
+        engine = Engine.load(folder, spec, backend="torch", tree=tree, log=None)
+        server = Server(engine, name)
+        try:
+            for prompt, want in zip(PROMPTS, references[name]):
+                body = {"model": name, "prompt": prompt, "max_tokens": NEW, "temperature": 0, "return_token_ids": True}
+                got = httpx.post(server.url + "/completions", json=body, timeout=60).json()["choices"][0]["token_ids"]
+                assert_identical(got, want, f"{name} served {tree}, prompt {prompt}")
+        finally:
+            server.close()
+            engine.close()
