@@ -184,15 +184,33 @@ def test_the_same_tokens_with_the_store_on_and_off(tmp_path_factory, tree, draft
         assert sum(a for _, a in served[len(QUESTIONS) : 2 * len(QUESTIONS)]) >= 8 * len(QUESTIONS)
 
 
-def test_grammars_and_several_choices_are_unchanged(tmp_path_factory):
+TOOL_CALL = Grammar.json_schema(  # what a required tool call's arguments decode under (serve/tool_calls.py)
+    {
+        "type": "object",
+        "properties": {
+            "name": {"const": "lookup"},
+            "arguments": {
+                "type": "object",
+                "properties": {"q": {"type": "string"}},
+                "required": ["q"],
+                "additionalProperties": False,
+            },
+        },
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }
+)
+
+
+@pytest.mark.parametrize("grammar", [Grammar.regex("[a-z ]{4,40}"), TOOL_CALL], ids=["regex", "tool-call"])
+def test_grammars_and_several_choices_are_unchanged(tmp_path_factory, grammar):
     root = tmp_path_factory.getbasetemp()
-    grammar = Grammar.regex("[a-z ]{4,40}")
     tok = Tokenizer.from_dir(char_tokenizer_dir(root / "tok-served-grammar"))  # grammars spell text
     got = {}
     for mb in (0, 4):
         runner = load_runner(tiny_artifact(root, "clover2"))
         with Engine(runner, tok, "chain-4", "lookup", log=None, options=EngineOptions(draft_store_mb=mb)) as e:
-            params = GenerationParams(max_new_tokens=16, grammar=grammar)
+            params = GenerationParams(max_new_tokens=24, grammar=grammar)
             outs = []
             for _ in range(2):
                 first = e.stream(QUESTIONS[0], params)
@@ -212,3 +230,30 @@ def test_grammars_and_several_choices_are_unchanged(tmp_path_factory):
                 t.join(120)
             got[mb] = [s.result.token_ids for s in outs] + threads_out
     assert got[4] == got[0]
+
+
+def test_the_store_holds_its_budget_under_load(tmp_path_factory):
+    """48 answers from 4 threads into a store with room for a few: its bytes stay within the budget throughout."""
+    root = tmp_path_factory.getbasetemp()
+    with engine(root, "load", 4) as e:
+        budget = e.served.budget = 5 * (24 + 3 + 1) * e.served.itemsize
+        peak, errors = [0], []
+
+        def client(k: int) -> None:
+            try:
+                for i in range(12):
+                    e.generate(
+                        QUESTIONS[(k + i) % 4] + [6 + k, 7 + i], GenerationParams(max_new_tokens=24, ignore_eos=True)
+                    )
+                    peak[0] = max(peak[0], e.served.bytes)
+            except BaseException as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and 0 < peak[0] <= budget
+        e.served.flush()
+        assert e.served.bytes <= budget and e.served.rebuilds > 0
