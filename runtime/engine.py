@@ -171,6 +171,10 @@ class Engine:
         self.served = self._served_store(options)
         if log is not None and runner.info.kv_bytes_per_token:
             print(kv_plan(options.max_batch, runner.info.max_context, runner.info.kv_bytes_per_token), file=log)
+        if log is not None:
+            cache = f"{self.prefix_cache.budget >> 20} MiB" if self.prefix_cache is not None else "off"
+            store = f"{self.served.budget >> 20} MiB" if self.served is not None else "off"
+            print(f"Reuse of earlier requests: prefix cache {cache}, served-answers store {store}", file=log)
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="clover-engine", daemon=True)
         self._thread.start()
