@@ -55,7 +55,9 @@ class ServedStore:
         self, vocab_size: int, budget_bytes: int, shared: bool = False, directory: str | Path | None = None
     ) -> None:
         self.vocab_size, self.budget, self.shared = int(vocab_size), int(budget_bytes), shared
-        self.itemsize = store_dtype(vocab_size).itemsize + SA_BYTES  # bytes per stored token, the array's and the SA's
+        self.dtype = store_dtype(vocab_size)
+        # bytes per stored token: its id in the answers kept and in the built store's array, and its suffix-array entry
+        self.itemsize = 2 * self.dtype.itemsize + SA_BYTES
         self.directory = Path(directory) if directory is not None else None
         self._answers: OrderedDict[str | None, deque[np.ndarray]] = OrderedDict()  # scope -> answers, oldest first
         self._order: deque[str | None] = deque()  # the scope of every answer, oldest first (the budget's order)
@@ -80,7 +82,8 @@ class ServedStore:
         """A finished request's answer (with its prompt's last STORE_PROMPT_TAIL tokens) into `key`'s scope."""
         if not len(answer):
             return
-        tokens = np.concatenate([np.asarray(prompt[-STORE_PROMPT_TAIL:], np.int64), np.asarray(answer, np.int64)])
+        tail = np.asarray(prompt[-STORE_PROMPT_TAIL:], np.int64)
+        tokens = np.concatenate([tail, np.asarray(answer, np.int64)]).astype(self.dtype)
         size = (len(tokens) + 1) * self.itemsize  # and its separator
         if size > self.budget:
             return
@@ -163,7 +166,7 @@ class ServedStore:
             path.unlink(missing_ok=True)
             return
         lengths = np.array([len(a) for a in answers], np.int64)
-        tokens = np.concatenate(answers).astype(store_dtype(self.vocab_size))  # 2 bytes a token with a small vocabulary
+        tokens = np.concatenate(answers).astype(self.dtype.newbyteorder("="))  # on disk in the machine's byte order
         meta = {"format": STORE_FILE_FORMAT, "vocab_size": self.vocab_size, "scope": scope}
         digest = hashlib.sha256(tokens.tobytes() + lengths.tobytes()).hexdigest()
 
@@ -180,7 +183,6 @@ class ServedStore:
                 with np.load(path, allow_pickle=False) as z:
                     tokens, lengths = z["tokens"], z["lengths"]
                     tokens_bytes = tokens.tobytes()
-                    tokens = tokens.astype(np.int64)
                     meta, digest = json.loads(str(z["meta"])), str(z["sha256"])
             except Exception as e:  # noqa: BLE001 - any unreadable file is the same one-line refusal
                 raise CloverError(f"draft store {path} cannot be read ({type(e).__name__}): delete it") from None
@@ -188,9 +190,13 @@ class ServedStore:
                 raise CloverError(f"draft store {path} fails its checksum: delete it")
             if meta.get("format") != STORE_FILE_FORMAT or meta.get("vocab_size") != self.vocab_size:
                 raise CloverError(f"draft store {path} is of another format or vocabulary: delete it")
-            if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            if (
+                tokens.dtype.kind != "u"
+                or tokens.dtype.itemsize != self.dtype.itemsize
+                or (len(tokens) and int(tokens.max()) >= self.vocab_size)
+            ):
                 raise CloverError(f"draft store {path} holds token ids outside the vocabulary: delete it")
-            scope = self.scope(meta.get("scope"))
+            scope, tokens = self.scope(meta.get("scope")), tokens.astype(self.dtype)
             for a in np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else []:
                 self._answers.setdefault(scope, deque()).append(a)
                 self._order.append(scope)
