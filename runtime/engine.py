@@ -434,11 +434,15 @@ class Engine:
     def _keep(self, r: Request) -> None:
         """An ended request's rows into the prefix cache (a failed step may have left its caches half written)."""
         d = r.decoding
-        if self.prefix_cache is not None and d.slot is not None and not d.slot.pending and not d.prefilling:
+        if self.prefix_cache is None or d.slot is None or d.slot.pending or d.prefilling:
+            return
+        try:
             if self.prefix_cache.heads:  # rows the heads have not taken in (lookup-alone steps): now, so all are kept
                 self.runner.draft_prepare(d.slot)
             tokens = np.concatenate([d.prompt, np.array(d.output, dtype=np.int64)])
             self.prefix_cache.store(d.slot, tokens, self._salt(r))
+        except Exception as e:  # noqa: BLE001 - a prefix not kept costs a later prefill, never this request
+            self._say(f"request {r.id or '(no id)'}: its caches were not kept for reuse ({e!r})")
 
     @staticmethod
     def _salt(r: Request) -> str | None:
