@@ -37,6 +37,7 @@ from clover.runtime.requests import Prompt, Request, Stepper, encode_prompt
 from clover.runtime.results import GenerationResult, StreamDelta
 from clover.runtime.scheduler import Cancelled, EngineUnavailable, QueueFull, Scheduler, kv_plan
 from clover.runtime.served_store import ServedStore
+from clover.runtime.served_store import default_budget_mb as default_store_mb
 from clover.runtime.tokenizer import Tokenizer
 from clover.runtime.tree import Tree
 
@@ -180,7 +181,7 @@ class Engine:
         self._thread.start()
 
     def _served_store(self, options: EngineOptions) -> ServedStore | None:
-        mb = 64 if options.draft_store_mb is None else options.draft_store_mb
+        mb = default_store_mb() if options.draft_store_mb is None else options.draft_store_mb
         if not mb or not self.speculation.drafts.lookup:
             return None
         vocab = self.runner.info.vocab_size

@@ -342,7 +342,7 @@ class PromptLookup:
         not it is accepted. With a store, a match of one token drafts only if the store has nothing (its
         matches of 2+ tokens, over many answers, predict better); the store's drafts are capped alike."""
         seq, self.match, self.from_served = self.tokens, 0, False
-        stores = (self.store is not None or self.served is not None) and k > 0
+        stores = self._has_store and k > 0
         for n in range(min(self.max_ngram, len(seq) - 1), self.min_ngram - 1, -1):
             recent = self._recent.get(tuple(seq[len(seq) - n :]))
             if recent:
@@ -381,7 +381,7 @@ class PromptLookup:
                 ok = valid(draft)
                 if ok > len(best):
                     best, best_match = np.array(draft[:ok], dtype=np.int64), match
-        if (self.store is not None or self.served is not None) and k > len(best):
+        if self._has_store and k > len(best):
             stored = self._stored(k)
             ok = valid(stored.tolist())
             if ok > len(best):
@@ -422,6 +422,10 @@ class PromptLookup:
                 ), spans
             hi = at + len(word) - 1
         return np.zeros(0, dtype=np.int64), 0
+
+    @property
+    def _has_store(self) -> bool:
+        return self.store is not None or self.served is not None
 
     def _stored(self, k: int) -> np.ndarray:
         """The stores' draft: of the served answers' and the shipped store's, the one of the longer match (the served

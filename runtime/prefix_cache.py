@@ -15,6 +15,7 @@ prompt, found by a scan (entries are few: tens of thousands of tokens each at mo
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -29,8 +30,6 @@ MIN_REUSE = 16
 def default_budget_mb() -> int:
     """The budget when none is given: 1/16 of the machine's memory, at most 1 GiB."""
     try:
-        import os
-
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 256
