@@ -315,8 +315,9 @@ class PromptLookup:
         # the last proposal's match length: > 0 in the sequence itself, < 0 (minus it) in the store, 0 none
         self.match = 0
         self.forbidden = 0  # of propose's draft, the tokens the grammar of the last propose_valid forbade
-        # ((sequence length, k), drafts, match, from the served answers) of the last store search
-        self._store_last: tuple = (None, [], 0, False)
+        # (from the served answers, k) -> (drafts, match) of each store's search at sequence length _searched_at
+        self._searches: dict[tuple[bool, int], tuple[list[int], int]] = {}
+        self._searched_at = -1
         self.extend(tokens)
 
     def extend(self, tokens: Sequence[int]) -> None:
@@ -353,7 +354,7 @@ class PromptLookup:
                         return stored
                 length = self.match_length(start, n)
                 if self.served is not None and k > 0:  # an answer served before that matches longer goes first
-                    drafts, m = self.served.propose(self.tokens, k, MATCH_DRAFTS_PER_TOKEN)
+                    drafts, m = self._search(True, k)
                     if drafts and m > length:
                         self.match, self.from_served = -m, True
                         return np.array(drafts, dtype=np.int64)
@@ -430,20 +431,29 @@ class PromptLookup:
     def _stored(self, k: int) -> np.ndarray:
         """The stores' draft: of the served answers' and the shipped store's, the one of the longer match (the served
         answers' on a tie); `match` becomes minus its matched length and `from_served` says whose it is (LookupLength
-        learns each source's drafts apart). Kept until the sequence grows: a step under a grammar asks again
-        (propose_valid, the forced tokens), and a search of a large store costs ~0.2 ms."""
-        key = (len(self.tokens), k)
-        if self._store_last[0] != key:
-            best: tuple = ([], 0, False)
-            for served, store in ((True, self.served), (False, self.store)):
-                if store is not None:
-                    drafts, m = store.propose(self.tokens, k, MATCH_DRAFTS_PER_TOKEN)
-                    if drafts and m > best[1]:
-                        best = (drafts, m, served)
-            self._store_last = (key, *best)
-        _, drafts, m, served = self._store_last
+        learns each source's drafts apart)."""
+        best: tuple = ([], 0, False)
+        for served in (True, False):
+            drafts, m = self._search(served, k)
+            if drafts and m > best[1]:
+                best = (drafts, m, served)
+        drafts, m, served = best
         self.match, self.from_served = (-m if drafts else 0), bool(drafts) and served
         return np.array(drafts, dtype=np.int64)
+
+    def _search(self, served: bool, k: int) -> tuple[list[int], int]:
+        """One store's draft for the sequence as it is and its match length, searched once until the sequence grows:
+        a step may ask again (propose's served answers, then `_stored`; propose_valid; the forced tokens), and a
+        search of a large store costs ~0.2 ms."""
+        if self._searched_at != len(self.tokens):
+            self._searches.clear()
+            self._searched_at = len(self.tokens)
+        found = self._searches.get((served, k))
+        if found is None:
+            store = self.served if served else self.store
+            found = store.propose(self.tokens, k, MATCH_DRAFTS_PER_TOKEN) if store is not None else ([], 0)
+            self._searches[(served, k)] = found
+        return found
 
     def match_length(self, start: int, n: int) -> int:
         """How many tokens before `start` equal the sequence's tail (n known to), up to MATCH_EXTEND."""

@@ -262,6 +262,32 @@ def test_prompt_lookup_falls_back_to_the_store():
     assert PromptLookup([19, 3, 4], store=capped).propose(12).tolist() == [5, 6, 7, 8]
 
 
+class CountingStore(NgramStore):
+    """A real store that counts its searches."""
+
+    searches = 0
+
+    def propose(self, tokens, k, per_token=None):
+        self.searches += 1
+        return super().propose(tokens, k, per_token)
+
+
+def test_each_store_is_searched_once_until_the_sequence_grows():
+    store = NgramStore.build([([5, 6, 7, 8], 0)] * 2, vocab_size=10)
+    served = NgramStore.build([([2, 5, 6, 7, 9], 0)] * 2, vocab_size=10)
+    store.__class__ = served.__class__ = CountingStore
+    # the tail (5, 6) recurs once in the sequence: the served answers are asked in propose, both stores under
+    # the grammar (nothing valid below), and neither again for the same length
+    look = PromptLookup([1, 5, 6, 2, 5, 6], store=store, served=served)
+    assert look.propose(3).tolist() == [7, 9] and look.from_served  # served: (2, 5, 6) matches 3 > 2
+    assert look.propose_valid(3, lambda draft: 0).tolist() == []
+    look.propose(3)
+    assert (served.searches, store.searches) == (1, 1)
+    look.extend([7])
+    look.propose(3)
+    assert served.searches == 2
+
+
 def test_store_of_a_large_vocabulary(tmp_path):
     """Ids past 16 bits are stored in 32 (big-endian, so the byte search still orders them), through a file."""
     big = [70000, 65536, 3, 70001, 65535, 9]
