@@ -79,7 +79,9 @@ def main() -> int:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for run in runs:
         x, y = zip(*run["points"])
-        label = f"{Path(run['record']).parent.name or run['record']} ({run['train_loss_tokens'] / 1e3:.0f}k tokens)"
+        record = Path(run["record"])
+        name = record.stem if record.parent.name == RUNS.name else record.parent.name  # a kept run: its file's name
+        label = f"{name} ({run['train_loss_tokens'] / 1e3:.0f}k tokens)"
         ax.plot([v / 1e6 for v in x], y, marker="o", label=label)
     ax.set_xlabel("token passes the heads have seen (millions)")
     ax.set_ylabel("validation chain acceptance (tokens/step)")

@@ -15,7 +15,9 @@ constant); the tail mass beyond top-k is left out.
 
 The LM-head matmul over the 49k vocabulary dominates training time on CPU. Two economies, both
 affecting the draft only, never what the base verifies:
-- it runs in bfloat16 (forward and backward);
+- it runs in bfloat16 (forward and backward) where bfloat16 matmuls are fast (GPUs, CPUs with AVX-512;
+  on a CPU with AVX2 only they are 20-45x slower than float32, so training runs in float32 there:
+  `fastest_train_dtype`);
 - during training the softmax runs over the batch's candidate set: every token in the base's top-k
   at any loss position of the batch, plus the 4096 tokens most often ranked first in the data (a few
   thousand of the 49k; sampled softmax with the base's own likely tokens as negatives). Every target lies in it by construction, and a token that the base
@@ -25,6 +27,8 @@ affecting the draft only, never what the base verifies:
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
 
 import torch
@@ -87,23 +91,27 @@ class Vocab:
 
     ids: torch.Tensor
     index: torch.Tensor
-    lm_bf16: torch.Tensor  # LM-head rows of `ids`, bfloat16 [n, H]
+    lm: torch.Tensor  # LM-head rows of `ids`, in the training's matmul precision [n, H]
 
     @classmethod
     def of_batch(
-        cls, batch: dict[str, torch.Tensor], lm_weight: torch.Tensor, always: torch.Tensor | None = None
+        cls,
+        batch: dict[str, torch.Tensor],
+        lm_weight: torch.Tensor,
+        always: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> Vocab:
         """The batch's candidate set: the base's top-k tokens at its loss positions, plus `always`
         (the data's most frequent tokens, so small batches still see the usual confusions)."""
         ids = batch["topk_ids"][batch["loss_mask"]].reshape(-1)
-        return cls.of(ids if always is None else torch.cat((ids, always.to(ids))), lm_weight)
+        return cls.of(ids if always is None else torch.cat((ids, always.to(ids))), lm_weight, dtype)
 
     @classmethod
-    def of(cls, ids: torch.Tensor, lm_weight: torch.Tensor) -> Vocab:
+    def of(cls, ids: torch.Tensor, lm_weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> Vocab:
         ids = torch.unique(ids.long())
         index = torch.full((lm_weight.shape[0],), -1, dtype=torch.long, device=ids.device)
         index[ids] = torch.arange(len(ids), device=ids.device)
-        return cls(ids, index, lm_weight.detach()[ids].to(torch.bfloat16))
+        return cls(ids, index, lm_weight.detach()[ids].to(dtype))
 
 
 def distill_loss(
@@ -112,12 +120,12 @@ def distill_loss(
     depths: int,
     recipe: Recipe,
     base_norm: torch.nn.Module,
-    lm_bf16: torch.Tensor,
+    lm: torch.Tensor,
     vocab: Vocab | None = None,
     outs: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, list[DepthStats]]:
     """Weighted training loss of one batch and per-depth statistics (softmax over `vocab` if given;
-    `outs`: the batch's `head_outputs`, if already computed)."""
+    `outs`: the batch's `head_outputs`, if already computed; `lm`: the LM head in the matmuls' precision)."""
     hidden = batch["hidden"].float()
     outs = head_outputs(heads, batch, depths) if outs is None else outs
     total = hidden.new_zeros(())
@@ -134,13 +142,13 @@ def distill_loss(
         p = batch["topk_probs"][target_rows].float()  # [n, K]
         ids = batch["topk_ids"][target_rows].long()
         if vocab is not None and getattr(heads, "lm_heads", None) is None:
-            logits = F.linear(x.to(torch.bfloat16), vocab.lm_bf16).float()
+            logits = F.linear(x.to(vocab.lm.dtype), vocab.lm).float()
             cols = vocab.index[ids]
             assert bool((cols >= 0).all()), "a target outside the active vocabulary"
             predicted = vocab.ids[logits.argmax(-1)]
             top = vocab.ids[logits.topk(TOPK_ACCURACY, dim=-1).indices]
         else:
-            logits = head_logits_bf16(heads, d, x, lm_bf16)
+            logits = head_logits(heads, d, x, lm)
             cols = ids
             predicted = logits.argmax(-1)
             top = logits.topk(TOPK_ACCURACY, dim=-1).indices
@@ -164,14 +172,18 @@ def distill_loss(
 
 
 def head_outputs(
-    heads: DraftHeads, batch: dict[str, torch.Tensor], depths: int, noise: float = 0.0
+    heads: DraftHeads,
+    batch: dict[str, torch.Tensor],
+    depths: int,
+    noise: float = 0.0,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> list[torch.Tensor]:
-    """The heads' teacher-forced pre-LM-head vectors per depth (float32), bf16 matmuls inside; `noise` > 0 feeds
-    them the base's features with uniform noise (`with_noise`), the targets staying clean."""
+    """The heads' teacher-forced pre-LM-head vectors per depth (float32), their matmuls in `dtype` inside; `noise`
+    > 0 feeds them the base's features with uniform noise (`with_noise`), the targets staying clean."""
     hidden = batch["hidden"].float()
     if noise:
         hidden = with_noise(hidden, noise)
-    with mixed_precision(hidden.device):
+    with mixed_precision(hidden.device, dtype):
         return [o.float() for o in heads.teacher_forced(hidden, batch["tokens"].long(), depths)]
 
 
@@ -183,9 +195,10 @@ def with_noise(hidden: torch.Tensor, noise: float) -> torch.Tensor:
     return hidden + (torch.rand_like(hidden) * 2 - 1) * amplitude
 
 
-def mixed_precision(device: torch.device):
-    """bfloat16 matmuls with float32 master weights (the heads' bodies train ~2x faster on CPU)."""
-    return torch.autocast(device.type, dtype=torch.bfloat16)
+def mixed_precision(device: torch.device, dtype: torch.dtype = torch.bfloat16):
+    """Matmuls in `dtype` with float32 master weights: bfloat16 trains the heads' bodies ~2x faster where it is
+    fast; float32 turns autocast off."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def shifted_rows(valid: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,7 +207,54 @@ def shifted_rows(valid: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tenso
     return b, t + d
 
 
-def head_logits_bf16(heads: DraftHeads, depth: int, x: torch.Tensor, lm_bf16: torch.Tensor) -> torch.Tensor:
+def head_logits(heads: DraftHeads, depth: int, x: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
+    """Float32 logits of depth `depth` from its pre-LM-head vectors `x`; the matmul in `lm`'s precision."""
     if getattr(heads, "lm_heads", None) is not None:  # medusa with its own (trainable) LM heads
-        return heads.head_logits(depth, x)
-    return F.linear(x.to(torch.bfloat16), lm_bf16).float()
+        with mixed_precision(x.device, lm.dtype):
+            return heads.head_logits(depth, x).float()
+    return F.linear(x.to(lm.dtype), lm).float()
+
+
+TRAIN_DTYPES = ("float32", "bfloat16")
+
+
+def fastest_train_dtype(device: torch.device, rows: int = 256) -> str:
+    """The matmul precision that trains faster here: bfloat16 on a GPU; on a CPU the faster of float32 and bfloat16
+    autocast over a head-sized forward and backward (a CPU with AVX2 only runs bfloat16 20-45x slower; one with
+    AVX-512 ~2x faster), timed once per machine and remembered in the user cache, so that --resume agrees."""
+    if device.type != "cpu":
+        return "bfloat16"
+    from clover import atomic
+    from clover.cache import cache_dir
+    from clover.train.features import _cpu_key
+
+    memo = cache_dir() / "train_dtype.json"
+    key = _cpu_key()
+    try:
+        known = json.loads(memo.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if known.get(key) in TRAIN_DTYPES:
+        return known[key]
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 576, generator=g, requires_grad=True)
+    w = torch.randn(4096, 576, generator=g)
+    seconds = {}
+    for name in TRAIN_DTYPES:
+        dtype = getattr(torch, name)
+        times = []
+        for _ in range(3):  # the first warms the kernels up
+            t = time.perf_counter()
+            with mixed_precision(device, dtype):
+                F.linear(x.to(dtype), w.to(dtype)).float().square().mean().backward()
+            times.append(time.perf_counter() - t)
+            if times[0] > 1.0:  # one slow pass says enough
+                break
+        seconds[name] = min(times[1:] or times)
+    best = min(seconds, key=seconds.get)
+    known[key] = best
+    try:
+        atomic.write_text(memo, json.dumps(known, indent=1) + "\n")
+    except OSError:
+        pass  # a cache that cannot be written costs a timing next time
+    return best

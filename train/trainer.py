@@ -49,6 +49,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     batch_softmax: bool = True  # training softmax over the batch's candidate tokens (see objectives.py)
     feature_noise: float = 0.0  # uniform noise on the fed features, x each row's RMS (objectives.with_noise)
+    compute_dtype: str = "bfloat16"  # the matmuls' precision (objectives.fastest_train_dtype); weights stay float32
 
     @property
     def peak_lr(self) -> float:
@@ -142,7 +143,8 @@ class Trainer:
         # the --init heads as they came, before a resume overwrites them
         self.initial_state = {k: v.detach().clone() for k, v in heads.state_dict().items()} if initialised else None
         self.recipe = RECIPES[cfg.arch]
-        self.lm_bf16 = base.lm_head.weight.detach().to(torch.bfloat16)
+        self.dtype = getattr(torch, cfg.compute_dtype)
+        self.lm = base.lm_head.weight.detach().to(self.dtype)
         params = [p for p in heads.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.peak_lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
         self.train_ids = cache.sequences(validation=False)
@@ -283,10 +285,12 @@ class Trainer:
         for group in self.opt.param_groups:
             group["lr"] = lr_at(step, self.total_steps, cfg)
         batch = self.to_device(self.cache.batch(seq_ids))
-        vocab = Vocab.of_batch(batch, self.base.lm_head.weight, self.frequent) if cfg.batch_softmax else None
-        outs = head_outputs(self.heads, batch, cfg.depths, noise=cfg.feature_noise)
+        vocab = (
+            Vocab.of_batch(batch, self.base.lm_head.weight, self.frequent, self.dtype) if cfg.batch_softmax else None
+        )
+        outs = head_outputs(self.heads, batch, cfg.depths, noise=cfg.feature_noise, dtype=self.dtype)
         loss, stats = distill_loss(
-            self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm_bf16, vocab, outs=outs
+            self.heads, batch, cfg.depths, self.recipe, self.base.norm, self.lm, vocab, outs=outs
         )
         if not loss.requires_grad:  # no row of this batch has a target at any depth: nothing to learn
             return
@@ -358,9 +362,10 @@ class Trainer:
         run_total, rows = 0.0, 0
         for seq_ids in make_batches(self.cache, self.val_ids, self.cfg.batch_tokens, random.Random(0)):
             batch = self.to_device(self.cache.batch(seq_ids))
-            outs = head_outputs(self.heads, batch, self.cfg.depths)  # shared by the loss and the chain estimate
+            # shared by the loss and the chain estimate
+            outs = head_outputs(self.heads, batch, self.cfg.depths, dtype=self.dtype)
             loss, stats = distill_loss(
-                self.heads, batch, self.cfg.depths, self.recipe, self.base.norm, self.lm_bf16, outs=outs
+                self.heads, batch, self.cfg.depths, self.recipe, self.base.norm, self.lm, outs=outs
             )
             loss_sum, n = loss_sum + float(loss), n + 1
             for acc, st in zip(sums, stats):
@@ -373,7 +378,7 @@ class Trainer:
                     acc.correct_early + st.correct_early,
                     acc.count_early + st.count_early,
                 )
-            r, c = chain_runs(self.heads, batch, outs, self.lm_bf16)
+            r, c = chain_runs(self.heads, batch, outs, self.lm)
             run_total, rows = run_total + r, rows + c
         self.heads.train()
         return (
@@ -432,12 +437,12 @@ def frequent_tokens(cache: FeatureCache | FeatureStore, seq_ids: list[int], coun
 
 @torch.no_grad()
 def chain_runs(
-    heads: DraftHeads, batch: dict[str, torch.Tensor], outs: list[torch.Tensor], lm_bf16: torch.Tensor
+    heads: DraftHeads, batch: dict[str, torch.Tensor], outs: list[torch.Tensor], lm: torch.Tensor
 ) -> tuple[float, int]:
     """Sum over greedy response rows of how many consecutive depths the heads' argmax gets right, and the
     number of rows (`outs`: the batch's head_outputs): with a chain tree of len(outs) nodes, 1 + mean
     run is the expected tokens/step."""
-    from clover.train.objectives import depth_masks, head_logits_bf16
+    from clover.train.objectives import depth_masks, head_logits
 
     masks = depth_masks(batch, len(outs), greedy_paths_only=True)
     rows = masks[0]  # rows with at least a depth-1 target on a greedy path
@@ -447,7 +452,7 @@ def chain_runs(
         ok = torch.zeros_like(rows)
         sel = alive & valid
         if sel.any():
-            logits = head_logits_bf16(heads, d, out[sel], lm_bf16)
+            logits = head_logits(heads, d, out[sel], lm)
             b, t = sel.nonzero(as_tuple=True)
             ok[b, t] = logits.argmax(-1) == batch["topk_ids"][b, t + d, 0].long()
         alive = alive & ok

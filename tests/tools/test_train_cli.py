@@ -262,3 +262,22 @@ def test_best_epoch_is_kept_and_feature_noise_is_seeded(setup, capsys):
     prompt, params = [3, 20, 21, 4, 5], GenerationParams(max_new_tokens=20, ignore_eos=True)
     plain = Generator.load(base, "none").generate(prompt, params)
     assert Generator.load(base, str(n1), tree="chain-2").generate(prompt, params).token_ids == plain.token_ids
+
+
+def test_train_dtype_is_recorded_and_a_resume_keeps_it(setup, capsys):
+    """--train-dtype picks the matmuls' precision (default: the faster here, timed once); both train heads of
+    about the same held-out loss, training.json records it, and --resume refuses another."""
+    root, _, _ = setup
+    args = ("--arch", "clover2", "--epochs", "1", "--num-heads", "2")
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        out = root / f"dtype-{dtype}"
+        assert _train(setup, out, *args, "--train-dtype", dtype) == 0
+        prov = json.loads((out / "training.json").read_text())
+        assert prov["train_config"]["compute_dtype"] == dtype
+        losses[dtype] = prov["epochs"][-1]["val_loss"]
+    assert abs(losses["float32"] - losses["bfloat16"]) < 0.05 * losses["float32"], losses
+    capsys.readouterr()
+    other = "bfloat16"
+    assert _train(setup, root / "dtype-float32", *args, "--train-dtype", other, "--resume") == 2
+    assert "compute_dtype" in capsys.readouterr().err
