@@ -37,11 +37,15 @@ def _init_record(record: dict, at: Path) -> Path | None:
 
 
 def passes_before(record: dict, at: Path) -> float:
-    """Token passes the heads had seen before this run: those of the heads it started from, recursively."""
-    prior = _init_record(record, at)
-    if prior is None or prior.resolve() == at.resolve():
-        return 0.0
-    earlier = json.loads(prior.read_text())
+    """Token passes the heads had seen before this run: those of the heads it started from, recursively (from the
+    `init_training` clover-train records, else from their training.json where it can be found)."""
+    earlier = record.get("init_training")
+    prior = at
+    if earlier is None:
+        prior = _init_record(record, at)
+        if prior is None or prior.resolve() == at.resolve():
+            return 0.0
+        earlier = json.loads(prior.read_text())
     return passes_before(earlier, prior) + earlier["data"]["train_loss_tokens"] * len(earlier.get("epochs", []))
 
 

@@ -631,6 +631,7 @@ def write_provenance(
     prov = {
         "command": command,
         "init": args.init,  # heads training started from (None: a fresh initialisation)
+        "init_training": init_training(args.init),  # their own training.json: the heads' whole history
         "train_config": asdict(cfg),
         "data": data,
         "training_loss_tokens_per_second": training_speed(cache, history) if history.epochs else None,
@@ -647,6 +648,21 @@ def write_provenance(
         "kept_epoch": kept,  # the epoch whose heads were written (0: the --init heads; None: the run was cut)
     }
     atomic.write_text(args.out / "training.json", json.dumps(prov, indent=2) + "\n")
+
+
+def init_training(init: str | None) -> dict | None:
+    """The training record of the --init heads (their training.json, holding their own `init_training`), so that
+    heads trained over several runs, each going on from the last, keep every run's record (the token passes they
+    have seen add up: benchmarks/training_curve.py). None without --init or where the heads have no record."""
+    from clover.models.head_io import PRETRAINED_DIR, pretrained_names
+
+    if init is None:
+        return None
+    folder = PRETRAINED_DIR / init if init in pretrained_names() else Path(init)
+    try:
+        return json.loads((folder / "training.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def cpu_model() -> str:

@@ -35,3 +35,17 @@ def test_runs_from_other_heads_start_where_those_ended(tmp_path, monkeypatch):
         monkeypatch.setattr(sys, "argv", ["training_curve.py", str(first), str(second), "--out", str(out)])
         assert curve.main() == 0
     assert out.stat().st_size > 0 and len(json.loads(out.with_suffix(".json").read_text())) == 2
+
+
+def test_a_record_carries_the_history_of_the_heads_it_went_on_from(tmp_path):
+    """clover-train nests the --init heads' training.json as `init_training`: the passes add up even when those
+    heads' folder is gone or was replaced by the new heads (shipped heads retrained under the same name)."""
+    first = json.loads(record(tmp_path / "first", "clover-train --out first", 1000, [1.4, 1.6]).read_text())
+    second = json.loads(record(tmp_path / "second", "clover-train --out s", 400, [1.7], initial=1.6).read_text())
+    second["init_training"] = first
+    third = record(tmp_path / "third", "clover-train --init gone --out t", 300, [1.8, 1.9], initial=1.7)
+    doc = json.loads(third.read_text())
+    doc["init_training"] = second
+    third.write_text(json.dumps(doc))
+    with script_module(CURVE) as curve:
+        assert curve.points(third)["points"] == [(2400, 1.7), (2700, 1.8), (3000, 1.9)]  # 2 x 1000 + 1 x 400 first

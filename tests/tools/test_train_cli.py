@@ -128,6 +128,7 @@ def test_init_goes_on_from_given_heads(setup, capsys):
     assert not all(np.array_equal(wa[k], wf[k]) for k in wa)
     prov = json.loads((warm / "training.json").read_text())
     assert prov["init"] == str(a) and prov["train_config"]["arch"] == "clover2"
+    assert prov["init_training"] == json.loads((a / "training.json").read_text())  # the heads' history goes along
     assert json.loads((fresh / "training.json").read_text())["init"] is None
     capsys.readouterr()
     assert _train(setup, root / "init-bad", "--init", str(a), "--arch", "medusa") == 2
