@@ -5,7 +5,8 @@ the heads had seen by then, from the runs' training.json records.
 
 RECORD: a training.json (default: the shipped heads' and every run kept under benchmarks/results/training_runs/).
 A run that went on from other heads (`--init`) starts where they ended: the passes of the heads it started from
-(their training.json, a shipped name or a folder) are added to its own. The y axis is each run's validation
+(the training.json clover-train nests as `init_training`, else theirs where it can be found: a shipped name or a
+folder) are added to its own, and each earlier run of the lineage is drawn too. The y axis is each run's validation
 chain-acceptance estimate (tokens per step of a chain of the heads' top-1 drafts, bonus included) on that run's own
 held-out conversations, so two runs on different data are compared on different sets; the held-out MT-Bench figures
 of the heads that were shipped or tried are in docs/experiments.md. Writes the PNG and a JSON of the points beside it.
@@ -49,9 +50,10 @@ def passes_before(record: dict, at: Path) -> float:
     return passes_before(earlier, prior) + earlier["data"]["train_loss_tokens"] * len(earlier.get("epochs", []))
 
 
-def points(path: Path) -> dict:
-    """One run's curve: (token passes, validation chain acceptance) per validated epoch, the start included."""
-    record = json.loads(path.read_text())
+def points(path: Path, record: dict | None = None) -> dict:
+    """One run's curve: (token passes, validation chain acceptance) per validated epoch, the start included
+    (`record`: one of the runs nested in `path`'s record; default: its own)."""
+    record = json.loads(path.read_text()) if record is None else record
     data = record["data"] if isinstance(record["data"], dict) else {}
     tokens = data["train_loss_tokens"]
     start = passes_before(record, path)
@@ -61,10 +63,20 @@ def points(path: Path) -> dict:
     curve += [(start + e["epoch"] * tokens, e["val_chain_accept"]) for e in record["epochs"]]
     return {
         "record": str(path.relative_to(ROOT) if path.resolve().is_relative_to(ROOT) else path),
+        "command": record.get("command"),
         "train_loss_tokens": tokens,
         "kept_epoch": record.get("kept_epoch"),
         "points": curve,
     }
+
+
+def history(path: Path) -> list[dict]:
+    """The curves of a record's run and, first, of the runs it went on from (its nested `init_training`)."""
+    chain, record = [], json.loads(path.read_text())
+    while record is not None:
+        chain.append(record)
+        record = record.get("init_training")
+    return [points(path, r) for r in reversed(chain)]
 
 
 def main() -> int:
@@ -73,7 +85,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "training_curve.png")
     a = ap.parse_args()
     records = a.records or [SHIPPED / "smollm2-clover2" / "training.json", *sorted(RUNS.glob("*.json"))]
-    runs = [points(p) for p in records]
+    runs = [run for p in records for run in history(p)]
 
     import matplotlib
 
@@ -86,6 +98,11 @@ def main() -> int:
         record = Path(run["record"])
         name = record.stem if record.parent.name == RUNS.name else record.parent.name  # a kept run: its file's name
         label = f"{name} ({run['train_loss_tokens'] / 1e3:.0f}k tokens)"
+        if sum(r["record"] == run["record"] for r in runs) > 1:  # heads trained over several runs: which one
+            label = (
+                f"{name}, run {[r for r in runs if r['record'] == run['record']].index(run) + 1} "
+                + label[len(name) + 1 :]
+            )
         ax.plot([v / 1e6 for v in x], y, marker="o", label=label)
     ax.set_xlabel("token passes the heads have seen (millions)")
     ax.set_ylabel("validation chain acceptance (tokens/step)")

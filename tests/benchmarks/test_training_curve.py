@@ -49,3 +49,5 @@ def test_a_record_carries_the_history_of_the_heads_it_went_on_from(tmp_path):
     third.write_text(json.dumps(doc))
     with script_module(CURVE) as curve:
         assert curve.points(third)["points"] == [(2400, 1.7), (2700, 1.8), (3000, 1.9)]  # 2 x 1000 + 1 x 400 first
+        # the plot draws every run of the lineage, the earliest first
+        assert [c["points"][-1] for c in curve.history(third)] == [(2000, 1.6), (2400, 1.7), (3000, 1.9)]
