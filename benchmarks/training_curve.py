@@ -85,7 +85,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=HERE / "results" / "training_curve.png")
     a = ap.parse_args()
     records = a.records or [SHIPPED / "smollm2-clover2" / "training.json", *sorted(RUNS.glob("*.json"))]
-    runs = [run for p in records for run in history(p)]
+    runs, seen = [], set()
+    for run in (run for p in records for run in history(p)):
+        key = (run["command"], tuple(run["points"]))
+        if key not in seen:  # a run drawn already, as a record of its own or in another's lineage
+            seen.add(key)
+            runs.append(run)
 
     import matplotlib
 
