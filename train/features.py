@@ -445,23 +445,35 @@ def _cpu_key() -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def fastest_feature_dtype(base_path: Path, load, rows: int = 256) -> str:
-    """The base's faster precision for building features on this CPU (bfloat16 is 1.6x faster than float32 on an
-    AMD EPYC with AVX-512, and 1.3x slower on an Intel Xeon without AMX), timed once per machine on one forward of
-    `rows` tokens in each and remembered in the user cache, so that later runs and --resume agree. `load(path,
-    dtype)` loads the base."""
+def remembered_fastest(memo_name: str, options: tuple[str, ...], seconds: Callable[[str], float]) -> str:
+    """Of `options`, the one `seconds(option)` times fastest on this machine, timed once and remembered in the user
+    cache (`memo_name`, keyed by `_cpu_key`), so that later runs and --resume choose the same."""
     from clover.cache import cache_dir
 
-    memo = cache_dir() / "feature_dtype.json"
+    memo = cache_dir() / memo_name
     key = _cpu_key()
     try:
         known = json.loads(memo.read_text())
     except (OSError, ValueError):
         known = {}
-    if known.get(key) in FEATURE_DTYPES:
+    if known.get(key) in options:
         return known[key]
-    seconds = {}
-    for dtype in FEATURE_DTYPES:
+    timed = {option: seconds(option) for option in options}
+    known[key] = best = min(timed, key=timed.get)
+    try:
+        atomic.write_text(memo, json.dumps(known, indent=1) + "\n")
+    except OSError:
+        pass  # a cache that cannot be written costs a timing next time
+    return best
+
+
+def fastest_feature_dtype(base_path: Path, load, rows: int = 256) -> str:
+    """The base's faster precision for building features on this CPU (bfloat16 is 1.6x faster than float32 on an
+    AMD EPYC with AVX-512, and 1.3x slower on an Intel Xeon without AMX), timed once per machine on one forward of
+    `rows` tokens in each and remembered in the user cache, so that later runs and --resume agree. `load(path,
+    dtype)` loads the base."""
+
+    def seconds(dtype: str) -> float:
         base = load(base_path, dtype)
         ids = torch.randint(0, base.config.vocab_size, (1, rows), generator=torch.Generator().manual_seed(0))
         keys, values = base.empty_cache(1, 0)
@@ -472,15 +484,9 @@ def fastest_feature_dtype(base_path: Path, load, rows: int = 256) -> str:
                 t = time.perf_counter()
                 base(*args, keys, values, logit_rows=torch.arange(rows))
                 times.append(time.perf_counter() - t)
-        seconds[dtype] = min(times[1:])
-        del base
-    best = min(seconds, key=seconds.get)
-    known[key] = best
-    try:
-        atomic.write_text(memo, json.dumps(known, indent=1) + "\n")
-    except OSError:
-        pass  # a cache that cannot be written costs a timing next time
-    return best
+        return min(times[1:])
+
+    return remembered_fastest("feature_dtype.json", FEATURE_DTYPES, seconds)
 
 
 @torch.inference_mode()

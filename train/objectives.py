@@ -27,7 +27,6 @@ affecting the draft only, never what the base verifies:
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 
@@ -224,25 +223,14 @@ def fastest_train_dtype(device: torch.device, rows: int = 256) -> str:
     AVX-512 ~2x faster), timed once per machine and remembered in the user cache, so that --resume agrees."""
     if device.type != "cpu":
         return "bfloat16"
-    from clover import atomic
-    from clover.cache import cache_dir
-    from clover.train.features import _cpu_key
+    from clover.train.features import remembered_fastest
 
-    memo = cache_dir() / "train_dtype.json"
-    key = _cpu_key()
-    try:
-        known = json.loads(memo.read_text())
-    except (OSError, ValueError):
-        known = {}
-    if known.get(key) in TRAIN_DTYPES:
-        return known[key]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, 576, generator=g, requires_grad=True)
     w = torch.randn(4096, 576, generator=g)
-    seconds = {}
-    for name in TRAIN_DTYPES:
-        dtype = getattr(torch, name)
-        times = []
+
+    def seconds(name: str) -> float:
+        dtype, times = getattr(torch, name), []
         for _ in range(3):  # the first warms the kernels up
             t = time.perf_counter()
             with mixed_precision(device, dtype):
@@ -250,11 +238,6 @@ def fastest_train_dtype(device: torch.device, rows: int = 256) -> str:
             times.append(time.perf_counter() - t)
             if times[0] > 1.0:  # one slow pass says enough
                 break
-        seconds[name] = min(times[1:] or times)
-    best = min(seconds, key=seconds.get)
-    known[key] = best
-    try:
-        atomic.write_text(memo, json.dumps(known, indent=1) + "\n")
-    except OSError:
-        pass  # a cache that cannot be written costs a timing next time
-    return best
+        return min(times[1:] or times)
+
+    return remembered_fastest("train_dtype.json", TRAIN_DTYPES, seconds)
