@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from collections import Counter
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -98,16 +99,15 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
+    drawn, nth = Counter(run["record"] for run in runs), Counter()
     for run in runs:
         x, y = zip(*run["points"])
         record = Path(run["record"])
         name = record.stem if record.parent.name == RUNS.name else record.parent.name  # a kept run: its file's name
+        nth[run["record"]] += 1
+        if drawn[run["record"]] > 1:  # heads trained over several runs drawn from one record: which run
+            name = f"{name}, run {nth[run['record']]}"
         label = f"{name} ({run['train_loss_tokens'] / 1e3:.0f}k tokens)"
-        if sum(r["record"] == run["record"] for r in runs) > 1:  # heads trained over several runs: which one
-            label = (
-                f"{name}, run {[r for r in runs if r['record'] == run['record']].index(run) + 1} "
-                + label[len(name) + 1 :]
-            )
         ax.plot([v / 1e6 for v in x], y, marker="o", label=label)
     ax.set_xlabel("token passes the heads have seen (millions)")
     ax.set_ylabel("validation chain acceptance (tokens/step)")

@@ -142,6 +142,11 @@ def pretrained_names() -> list[str]:
     return sorted(p.name for p in PRETRAINED_DIR.iterdir() if (p / CONFIG_FILE).is_file())
 
 
+def heads_folder(spec: str) -> Path:
+    """The folder of trained heads named by `spec`: a shipped name's, else the path itself."""
+    return PRETRAINED_DIR / spec if spec in pretrained_names() else Path(spec)
+
+
 def resolve_heads(spec: str, base: Decoder) -> DraftHeads | None:
     """`none` -> None (plain decoding); a shipped name (`smollm2-clover2`) -> trained heads;
     `random:ARCH[:SEED]` -> untrained heads; else a checkpoint folder."""

@@ -23,9 +23,9 @@ from clover.tools.cli import run_cli
 def heads_digest(heads: str) -> str:
     """sha256 of a head checkpoint's weights (shipped name or folder), so retrained heads get a new artifact;
     '' for none / random:ARCH (fully named by the spec)."""
-    from clover.models.head_io import PRETRAINED_DIR, pretrained_names
+    from clover.models.head_io import heads_folder
 
-    folder = PRETRAINED_DIR / heads if heads in pretrained_names() else Path(heads)
+    folder = heads_folder(heads)
     weights = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     return hashlib.sha256(b"".join(w.read_bytes() for w in weights)).hexdigest() if weights else ""
 

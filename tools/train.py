@@ -654,13 +654,12 @@ def init_training(init: str | None) -> dict | None:
     """The training record of the --init heads (their training.json, holding their own `init_training`), so that
     heads trained over several runs, each going on from the last, keep every run's record (the token passes they
     have seen add up: benchmarks/training_curve.py). None without --init or where the heads have no record."""
-    from clover.models.head_io import PRETRAINED_DIR, pretrained_names
+    from clover.models.head_io import heads_folder
 
     if init is None:
         return None
-    folder = PRETRAINED_DIR / init if init in pretrained_names() else Path(init)
     try:
-        return json.loads((folder / "training.json").read_text())
+        return json.loads((heads_folder(init) / "training.json").read_text())
     except (OSError, ValueError):
         return None
 

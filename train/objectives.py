@@ -126,7 +126,7 @@ def distill_loss(
     """Weighted training loss of one batch and per-depth statistics (softmax over `vocab` if given;
     `outs`: the batch's `head_outputs`, if already computed; `lm`: the LM head in the matmuls' precision)."""
     hidden = batch["hidden"].float()
-    outs = head_outputs(heads, batch, depths) if outs is None else outs
+    outs = head_outputs(heads, batch, depths, dtype=lm.dtype) if outs is None else outs
     total = hidden.new_zeros(())
     stats = []
     early_rows = batch["loss_mask"].cumsum(1) <= EARLY_ANSWER_TOKENS  # row t among its answer's first positions
@@ -207,10 +207,10 @@ def shifted_rows(valid: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def head_logits(heads: DraftHeads, depth: int, x: torch.Tensor, lm: torch.Tensor) -> torch.Tensor:
-    """Float32 logits of depth `depth` from its pre-LM-head vectors `x`; the matmul in `lm`'s precision."""
-    if getattr(heads, "lm_heads", None) is not None:  # medusa with its own (trainable) LM heads
-        with mixed_precision(x.device, lm.dtype):
-            return heads.head_logits(depth, x).float()
+    """Float32 logits of depth `depth` from its pre-LM-head vectors `x`; the shared LM head's matmul in `lm`'s
+    precision."""
+    if getattr(heads, "lm_heads", None) is not None:  # medusa with its own (trainable) LM heads, in float32
+        return heads.head_logits(depth, x)
     return F.linear(x.to(lm.dtype), lm).float()
 
 
