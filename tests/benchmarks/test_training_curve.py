@@ -29,8 +29,9 @@ def test_runs_from_other_heads_start_where_those_ended(tmp_path, monkeypatch):
     with script_module(CURVE) as curve:
         assert [p for p, _ in curve.points(first)["points"]] == [1000, 2000, 3000]
         assert curve.points(second)["points"] == [(3000, 1.65), (3500, 1.8)]  # after first's 3 epochs of 1000
-        shipped = curve.points(curve.SHIPPED / "smollm2-clover2" / "training.json")
-        assert len(shipped["points"]) == 12 and all(1.0 < a < 5.0 for _, a in shipped["points"])
+        shipped = curve.history(curve.SHIPPED / "smollm2-clover2" / "training.json")
+        assert [len(run["points"]) for run in shipped] == [12, 3]  # 12 epochs from scratch, then a continuation
+        assert all(1.0 < a < 5.0 for run in shipped for _, a in run["points"])
         out = tmp_path / "curve.png"
         monkeypatch.setattr(sys, "argv", ["training_curve.py", str(first), str(second), "--out", str(out)])
         assert curve.main() == 0
