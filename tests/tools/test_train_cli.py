@@ -245,7 +245,8 @@ def test_best_epoch_is_kept_and_feature_noise_is_seeded(setup, capsys):
     assert _train(setup, last, *wreck, "--keep", "last") == 0
     prov = json.loads((best / "training.json").read_text())
     assert prov["kept_epoch"] == 0 and prov["initial"]["epoch"] == 0 and prov["initial"]["train_loss"] is None
-    assert prov["initial"]["val_chain_accept"] > prov["epochs"][0]["val_chain_accept"]
+    # epoch 0 kept: the wrecked epoch did not beat it (a tie keeps the earlier heads; seen with bfloat16 matmuls)
+    assert prov["initial"]["val_chain_accept"] >= prov["epochs"][0]["val_chain_accept"]
     assert json.loads((last / "training.json").read_text())["kept_epoch"] is None
     ws, wb, wl = (load_file(str(d / "heads.safetensors")) for d in (start, best, last))
     assert all(np.array_equal(ws[k], wb[k]) for k in ws)
