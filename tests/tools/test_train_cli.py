@@ -235,9 +235,10 @@ def test_best_epoch_is_kept_and_feature_noise_is_seeded(setup, capsys):
     root, _, _ = setup
     start = root / "keep-start"
     assert _train(setup, start, "--arch", "clover2", "--epochs", "2", "--num-heads", "2") == 0
-    # a learning rate that wrecks the heads: no trained epoch beats the --init heads, which are written back
+    # a learning rate that wrecks the heads: no trained epoch beats the --init heads, which are written back.
+    # float32 matmuls: under bfloat16 this step leaves the tiny heads' validation top-1 as it was (a tie, not a wreck)
     best, last = root / "keep-best", root / "keep-last"
-    wreck = ("--init", str(start), "--epochs", "1", "--lr", "50", "--seed", "1")
+    wreck = ("--init", str(start), "--epochs", "1", "--lr", "50", "--seed", "1", "--train-dtype", "float32")
     capsys.readouterr()
     assert _train(setup, best, *wreck) == 0
     err = capsys.readouterr().err
@@ -245,8 +246,7 @@ def test_best_epoch_is_kept_and_feature_noise_is_seeded(setup, capsys):
     assert _train(setup, last, *wreck, "--keep", "last") == 0
     prov = json.loads((best / "training.json").read_text())
     assert prov["kept_epoch"] == 0 and prov["initial"]["epoch"] == 0 and prov["initial"]["train_loss"] is None
-    # epoch 0 kept: the wrecked epoch did not beat it (a tie keeps the earlier heads; seen with bfloat16 matmuls)
-    assert prov["initial"]["val_chain_accept"] >= prov["epochs"][0]["val_chain_accept"]
+    assert prov["initial"]["val_chain_accept"] > prov["epochs"][0]["val_chain_accept"]
     assert json.loads((last / "training.json").read_text())["kept_epoch"] is None
     ws, wb, wl = (load_file(str(d / "heads.safetensors")) for d in (start, best, last))
     assert all(np.array_equal(ws[k], wb[k]) for k in ws)
