@@ -1156,7 +1156,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(format_notes(bandwidth, skipped, settings))
     doc = build_document(rows, ms, bandwidth, skipped, settings, machine, versions, prepared.builds)
-    atomic.write_text(args.json, json.dumps(relative_paths(doc), indent=2) + "\n")
+    atomic.write_text(args.json, json.dumps(relative_paths(doc, HERE.parent), indent=2) + "\n")
     plot(
         rows,
         args.png,

@@ -189,13 +189,17 @@ def plain_limit_line(artifact: Path, readers: int) -> str:
 
 def relative_paths(doc: Any, root: Path | None = None) -> Any:
     """`doc` (a result or record about to be written as JSON) with every absolute path under `root` (default: the
-    working directory, the repository's root when a benchmark runs) written relative to it, also inside strings
-    that join several paths with commas: results that travel with the repository name no machine's folders."""
+    working directory) written relative to it, also inside strings that join several paths with commas: results
+    that travel with the repository name no machine's folders."""
     base = str((root or Path.cwd()).resolve()) + "/"
-    if isinstance(doc, str):
-        return ",".join(part[len(base) :] if part.startswith(base) else part for part in doc.split(","))
-    if isinstance(doc, dict):
-        return {relative_paths(k, root): relative_paths(v, root) for k, v in doc.items()}
-    if isinstance(doc, list | tuple):
-        return [relative_paths(v, root) for v in doc]
-    return doc
+
+    def rel(value: Any) -> Any:
+        if isinstance(value, str):
+            return ",".join(part.removeprefix(base) for part in value.split(","))
+        if isinstance(value, dict):
+            return {rel(k): rel(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [rel(v) for v in value]
+        return value
+
+    return rel(doc)
